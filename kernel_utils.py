@@ -1,0 +1,65 @@
+"""Small helpers shared by the kernel files: where kernels run, and how inputs are checked.
+
+Import this module *before* `triton`. Without a CUDA GPU it switches Triton to its interpreter
+(`TRITON_INTERPRET=1`), which runs every kernel on CPU tensors with NumPy: slow, but exact enough
+to test every kernel on a laptop or in CI. The variable must be set before `import triton`,
+because Triton reads it once, at import time.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (must come after the interpreter switch above)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors on `device` (persistent kernels launch a few programs per SM).
+
+    On CPU (the interpreter) we pretend to have 4, which keeps the grid-stride loops exercised.
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def check_device(t: torch.Tensor, *others: torch.Tensor) -> None:
+    for o in others:
+        if o.device != t.device:
+            raise ValueError(f"all tensors must be on one device, got {t.device} and {o.device}")
+    if t.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(
+            f"tensors are on {t.device}, but Triton compiles for the GPU here; move them to "
+            "CUDA, or set TRITON_INTERPRET=1 before importing triton to run on the CPU"
+        )
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View `t` as a 2-D [rows, last_dim] matrix whose last dimension has unit stride.
+
+    The kernels take any row stride (so a slice like x[:, ::2] of rows costs nothing), but need
+    the elements of a row next to each other for wide, coalesced loads. A view is returned when
+    one exists; otherwise (a transposed or column-sliced tensor) this makes one contiguous copy.
+    """
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))

@@ -1,0 +1,302 @@
+"""Fused RMSNorm in Triton: forward and backward, with Hugging Face LlamaRMSNorm's numerics.
+
+    y = x / sqrt(mean(x^2, last dim) + eps) * weight
+
+What you build here: a forward kernel that reads x once and writes y once, and a backward kernel
+that reads dy and x once and writes dx once, while summing the weight gradient on the fly.
+What you learn: programs and blocks, masks, fp32 accumulation, persistent (grid-stride) kernels,
+and how a reduction over rows (the weight gradient) is done without a [rows, hidden] buffer.
+
+Count the bytes before timing anything
+--------------------------------------
+Hugging Face writes RMSNorm as seven PyTorch ops. For a bf16 input of N rows x H columns, each op
+is one kernel that reads its inputs from GPU memory and writes its output back (bytes per element
+in brackets; fp32 is 4 bytes, bf16 2):
+
+    a = x.to(torch.float32)          # read 2, write 4
+    b = a.pow(2)                     # read 4, write 4
+    v = b.mean(-1, keepdim=True)     # read 4           (writes N values: negligible)
+    r = torch.rsqrt(v + eps)         #                  (N values)
+    c = a * r                        # read 4, write 4
+    d = c.to(torch.bfloat16)         # read 4, write 2
+    y = weight * d                   # read 2, write 2
+                                     # forward: 36 bytes per element
+
+Autograd then runs the backward of each op (dy*w, the bf16->fp32 cast, the two products and the
+reduction of the normalisation, pow, the sum of the two paths to x, the cast back to bf16, and
+dy*d summed over rows for the weight): about 76 more bytes per element.
+
+The fused kernels move only what they must: forward reads x (2) and writes y (2); backward reads
+dy (2) and x (2) and writes dx (2). That is 4 bytes per element forward and 10 forward+backward,
+against about 36 and 112: a 9x and an 11x cut in traffic. RMSNorm does ~4 flops per element, so
+it is memory-bound, and the traffic *is* the time.
+
+The floor for LLaMA 3.1 8B shapes (16384 tokens x 4096 hidden, bf16) on an H200, whose measured
+device-to-device copy bandwidth is ~4.27 TB/s (bytes read + written):
+    forward            4 * 16384 * 4096 B = 268 MB ->  63 us
+    forward + backward 10 * 16384 * 4096 B = 671 MB -> 157 us
+`benchmark_kernels.py --kernel rmsnorm` measures how close the kernels come.
+
+Layout of this file: kernels -> checked launchers -> autograd.Function -> nn.Module -> reference.
+"""
+
+import torch
+from torch import nn
+
+import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
+
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 65536  # one row must fit in one program's registers (64 fp32 values per thread)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+# A Triton kernel is written for one *program*: the GPU runs many programs (a "grid") in
+# parallel, each on its own tile of data. `tl.program_id(0)` says which tile is ours. Values
+# like `tl.arange(0, BLOCK_H)` are whole blocks of numbers that Triton spreads over the threads
+# of the program; every arithmetic line below works on a block at once.
+@triton.jit
+def _rmsnorm_fwd(
+    X,  # pointer to the input, [n_rows, H], unit stride along H
+    W,  # pointer to the weight, [H]
+    Y,  # pointer to the output, [n_rows, H], contiguous
+    Rstd,  # pointer to the saved inverse RMS, [n_rows], fp32
+    stride_x,  # elements between two rows of X
+    stride_y,  # elements between two rows of Y
+    n_rows,  # number of rows
+    H,  # hidden size (row length)
+    eps,  # added to the mean square before the square root
+    BLOCK_M: tl.constexpr,  # rows per program (several when H is small, to keep programs busy)
+    BLOCK_H: tl.constexpr,  # power of two >= H (blocks must have power-of-two sizes)
+):
+    # `tl.constexpr` arguments are known when the kernel is compiled: Triton builds one binary
+    # per distinct value, so block shapes can depend on them.
+    pid = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 on big tensors
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] row indices of this program
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H] column indices
+    row_ok = rows < n_rows
+    col_ok = cols < H
+    # A mask switches off the lanes past the end of the data: masked loads return `other`,
+    # masked stores write nothing. This is how a power-of-two block covers H = 4097 or 1.
+    mask = row_ok[:, None] & col_ok[None, :]
+
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)  # accumulate in fp32 whatever the input dtype
+    mean_sq = tl.sum(xf * xf, axis=1) / H  # [BLOCK_M]: a reduction along the row
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    tl.store(Rstd + rows, rstd, mask=row_ok)  # 4 bytes per row, kept for the backward pass
+
+    # Hugging Face's order of operations: normalise in fp32, round to the input dtype, *then*
+    # multiply by the weight. Rounding first keeps our output bit-compatible with LlamaRMSNorm.
+    x_hat = (xf * rstd[:, None]).to(x.dtype)
+    w = tl.load(W + cols, mask=col_ok, other=0.0)
+    y = x_hat.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_bwd(
+    DY,  # pointer to the upstream gradient, [n_rows, H], unit stride along H
+    X,  # pointer to the saved input, [n_rows, H]
+    W,  # pointer to the weight, [H]
+    Rstd,  # pointer to the saved inverse RMS, [n_rows], fp32
+    DX,  # pointer to the input gradient, [n_rows, H], contiguous
+    DW_partial,  # pointer to fp32 partial weight gradients, [n_programs, H]
+    stride_dy,  # elements between two rows of DY
+    stride_x,  # elements between two rows of X
+    stride_dx,  # elements between two rows of DX
+    n_rows,  # number of rows
+    H,  # hidden size
+    BLOCK_M: tl.constexpr,  # rows handled per loop iteration
+    BLOCK_H: tl.constexpr,  # power of two >= H
+    COMPUTE_DW: tl.constexpr,  # False when the weight does not require a gradient
+):
+    # This kernel is *persistent*: the grid has only a few programs per SM, and each program
+    # walks over row blocks pid, pid + n_programs, pid + 2 * n_programs, ... (a grid-stride loop).
+    # That lets every program keep a running sum of its rows' weight gradient in registers and
+    # write it once at the end: n_programs x H partial sums instead of a [rows, H] buffer.
+    pid = tl.program_id(0).to(tl.int64)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+
+    n_blocks = tl.cdiv(n_rows, BLOCK_M)
+    for i in range(0, tl.cdiv(n_blocks - pid, n_programs)):
+        block = pid + i * n_programs  # int64, since pid is
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+
+        xf = x.to(tl.float32)
+        x_hat = xf * rstd[:, None]
+        # y = w * x_hat, x_hat = x * rstd(x). With g = dy * w, the chain rule gives
+        #     dx = rstd * (g - x_hat * mean(g * x_hat))
+        g = dy * w[None, :]
+        c = tl.sum(g * x_hat, axis=1) / H
+        dx = rstd[:, None] * (g - x_hat * c[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+        if COMPUTE_DW:
+            # dW = sum over rows of dy * x_hat, with x_hat rounded to the input dtype exactly as
+            # the forward pass used it. Masked rows loaded dy = 0, so they add nothing.
+            dw_acc += tl.sum(dy * x_hat.to(x.dtype).to(tl.float32), axis=0)
+
+    if COMPUTE_DW:
+        tl.store(DW_partial + pid * H + cols, dw_acc, mask=col_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers: validate, pick block sizes and grid, launch
+# ------------------------------------------------------------------------------------------------
+# Launch settings. Forward: ~4096 values per program, ~8 per thread. Backward: one row per loop
+# iteration for H >= 4096, 16 warps (~8 values per thread) so that a program needs ~60 registers
+# and two programs fit on each SM; two programs per SM in the persistent grid. The compiler's
+# resource report (registers, spills) guided these; `benchmark_kernels.py --tune` re-checks them.
+FWD_TARGET_ELEMENTS = 4096
+BWD_TARGET_ELEMENTS = 4096
+BWD_PROGRAMS_PER_SM = 2
+
+
+def _block_rows(block_h: int, target_elements: int) -> int:
+    """Rows per program (or per loop iteration) so that it handles about `target_elements`."""
+    return max(1, min(16, target_elements // block_h))
+
+
+def _num_warps(elements: int, values_per_thread: int = 8) -> int:
+    """Warps of 32 threads for `elements` values per program, 1 to 32 of them."""
+    return max(1, min(32, elements // (32 * values_per_thread)))
+
+
+def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x2: [rows, H] with unit stride along H. Returns y [rows, H] and rstd [rows] (fp32)."""
+    n_rows, H = x2.shape
+    out_dtype = torch.promote_types(x2.dtype, weight.dtype)  # as `weight * x` would give
+    y = torch.empty((n_rows, H), dtype=out_dtype, device=x2.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    if n_rows == 0:
+        return y, rstd
+    block_h = next_power_of_2(H)
+    block_m = _block_rows(block_h, FWD_TARGET_ELEMENTS)
+    grid = (triton.cdiv(n_rows, block_m),)
+    _rmsnorm_fwd[grid](
+        x2, weight, y, rstd,
+        x2.stride(0), y.stride(0), n_rows, H, eps,
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_num_warps(block_m * block_h),
+    )
+    return y, rstd
+
+
+def rmsnorm_backward(dy2, x2, weight, rstd, need_dw: bool, programs_per_sm: int | None = None,
+                     block_m: int | None = None, num_warps: int | None = None):
+    """Gradients for x (same dtype as x) and, if `need_dw`, for the weight (weight's dtype)."""
+    n_rows, H = x2.shape
+    dx = torch.empty((n_rows, H), dtype=x2.dtype, device=x2.device)
+    if n_rows == 0:
+        dw = torch.zeros_like(weight) if need_dw else None
+        return dx, dw
+    block_h = next_power_of_2(H)
+    block_m = block_m or _block_rows(block_h, BWD_TARGET_ELEMENTS)
+    num_warps = num_warps or _num_warps(block_m * block_h)
+    n_blocks = triton.cdiv(n_rows, block_m)
+    n_programs = min(n_blocks, num_sms(x2.device) * (programs_per_sm or BWD_PROGRAMS_PER_SM))
+    # Partial sums in fp32, one row per program: at most ~264 x H x 4 bytes, a few MB.
+    dw_partial = torch.empty((n_programs, H) if need_dw else (1, 1), dtype=torch.float32, device=x2.device)
+    _rmsnorm_bwd[(n_programs,)](
+        dy2, x2, weight, rstd, dx, dw_partial,
+        dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, H,
+        BLOCK_M=block_m, BLOCK_H=block_h, COMPUTE_DW=need_dw, num_warps=num_warps,
+    )
+    # The final reduction over programs is a tiny, deterministic torch.sum (no atomics).
+    dw = dw_partial.sum(dim=0).to(weight.dtype) if need_dw else None
+    return dx, dw
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_float("x", x)
+    check_float("weight", weight)
+    check_device(x, weight)
+    if weight.dim() != 1:
+        raise ValueError(f"weight must be 1-D [hidden], got shape {tuple(weight.shape)}")
+    if x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"x's last dimension must equal the weight's size {weight.shape[0]}, got x of shape {tuple(x.shape)}"
+        )
+    if not 1 <= weight.shape[0] <= MAX_HIDDEN:
+        raise ValueError(f"hidden size must be between 1 and {MAX_HIDDEN}, got {weight.shape[0]}")
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd.Function, functional API, module
+# ------------------------------------------------------------------------------------------------
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2 = as_rows(x)
+        y, rstd = rmsnorm_forward(x2, weight.contiguous(), eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rmsnorm_backward(as_rows(dy), x2, weight.contiguous(), rstd, ctx.needs_input_grad[1])
+        return dx.view(dy.shape), dw, None
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Fused RMSNorm over the last dimension of `x` (any leading shape); differentiable."""
+    _check_inputs(x, weight)
+    return RMSNormFunction.apply(x, weight, float(eps))
+
+
+class TritonRMSNorm(nn.Module):
+    """Drop-in replacement for `LlamaRMSNorm` (same parameter name, `weight`, and same numerics)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    @classmethod
+    def from_llama_rmsnorm(cls, module: nn.Module) -> "TritonRMSNorm":
+        """Wrap an existing RMSNorm module, *sharing* its weight Parameter (no copy).
+
+        Sharing matters: an optimizer built before the swap, a tied weight, or an FSDP-sharded
+        parameter keep pointing at the same tensor.
+        """
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None:
+            raise TypeError(f"{type(module).__name__} has no `variance_epsilon` or `eps` attribute")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.weight = module.weight  # the same Parameter object
+        new.variance_epsilon = float(eps)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------------
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Plain PyTorch, exactly as Hugging Face's LlamaRMSNorm computes it."""
+    input_dtype = x.dtype
+    xf = x.to(torch.float32)
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(variance + eps)
+    return weight * xf.to(input_dtype)

@@ -1,0 +1,155 @@
+"""What the kernel tests share: a tolerance rule, a check that records itself, and a report.
+
+The tolerance rule (used by every numeric check unless a test says otherwise)
+-----------------------------------------------------------------------------
+Low-precision results can't be compared to a fixed atol without either hiding bugs (too loose) or
+failing on honest rounding (too tight). So each check computes three things on the *same* inputs:
+
+    ref    the operation in float64 (the "true" answer for these low-precision inputs)
+    torch  PyTorch's own implementation in the tested dtype
+    ours   the Triton kernel
+
+and passes when
+
+    max|ours - ref| <= FACTOR * max|torch - ref|  +  ulp(dtype) * scale  +  2^-23 * sqrt(n) * scale
+
+- FACTOR = 2: the kernel may be at most twice as far from the truth as PyTorch itself is (as in
+  quack's and cut-cross-entropy's tests).
+- ulp(dtype) * scale: one unit in the last place of the output's scale (by default max|ref|).
+  The kernel and PyTorch sum in different orders, so one may round up where the other rounds
+  down; a single such flip must not fail the test.
+- 2^-23 * sqrt(n) * scale: the typical error of an fp32 reduction over n terms (rounding errors
+  of a sum grow like sqrt(n)). It matters only for fp32 inputs, where both implementations are
+  pure rounding noise and "2x PyTorch's noise" alone would fail by luck. For bf16 it is ~100x
+  smaller than the ulp term. `scale` is the size of the terms being combined; a test passes it
+  when that is larger than the result (a gradient that cancels to ~0, for example).
+
+Running `python rmsnorm_test.py` calls every test (expanding `pytest.mark.parametrize`) and prints
+each check as a line of a report; `pytest` runs the same functions.
+"""
+
+import inspect
+import itertools
+import sys
+import time
+
+import pytest
+import torch
+
+FACTOR = 2.0
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 2.0**-52}
+
+_records: list[dict] = []
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    t = t.double()
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def close_to_reference(name: str, ours, torch_impl, ref, dtype: torch.dtype, n: int = 1,
+                       scale: float | None = None, factor: float = FACTOR):
+    """Check `ours` against the float64 `ref` with the tolerance rule above; record and assert.
+
+    n: the length of the longest reduction behind each output value; scale: see the rule above.
+
+    NaNs must sit exactly where the reference has them.
+    """
+    ours, torch_impl, ref = ours.detach().double().cpu(), torch_impl.detach().double().cpu(), ref.detach().double().cpu()
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != reference {tuple(ref.shape)}"
+    nan_ok = torch.equal(torch.isnan(ours), torch.isnan(ref))
+    finite = ~torch.isnan(ref)
+    err = _max_abs((ours - ref)[finite])
+    torch_err = _max_abs((torch_impl - ref)[finite])
+    scale = max(_max_abs(ref[finite]), scale or 0.0)
+    tol = factor * torch_err + ULP[dtype] * scale + 2.0**-23 * n**0.5 * scale
+    record(name, err, tol, passed=nan_ok and err <= tol, note="" if nan_ok else "NaN positions differ")
+
+
+def exactly(name: str, ours, expected):
+    """Bitwise equality (NaN == NaN), for results that must not depend on rounding at all."""
+    ours, expected = ours.detach().cpu(), expected.detach().cpu()
+    same = ours.shape == expected.shape and torch.equal(torch.nan_to_num(ours, nan=7.0), torch.nan_to_num(expected, nan=7.0))
+    same = same and torch.equal(torch.isnan(ours), torch.isnan(expected))
+    err = 0.0 if same else (_max_abs(ours.double() - expected.double()) if ours.shape == expected.shape else float("inf"))
+    record(name, err, 0.0, passed=same)
+
+
+def record(name: str, err: float, tol: float, passed: bool, note: str = ""):
+    _records.append(dict(name=name, err=err, tol=tol, passed=bool(passed), note=note))
+    assert passed, f"{name}: max error {err:.3e} > tolerance {tol:.3e} {note}".rstrip()
+
+
+def random_like_grad(t: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A random, non-uniform upstream gradient (a uniform one hides per-row scaling bugs)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(t.shape, generator=g, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running a test file as a script
+# ------------------------------------------------------------------------------------------------
+def _expand(fn):
+    """Yield (label, kwargs) for every combination of the function's parametrize marks."""
+    marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
+    axes = []
+    for m in marks:
+        names = [n.strip() for n in m.args[0].split(",")] if isinstance(m.args[0], str) else list(m.args[0])
+        axis = []
+        for v in m.args[1]:
+            label = None
+            if hasattr(v, "values") and hasattr(v, "id"):  # pytest.param(..., id=...)
+                v, label = v.values if len(names) > 1 else v.values[0], v.id
+            v = v if len(names) > 1 else (v,)
+            axis.append((label or ", ".join(f"{k}={_short(x)}" for k, x in zip(names, v)), dict(zip(names, v))))
+        axes.append(axis)
+    for combo in itertools.product(*axes) if axes else [()]:
+        kwargs = {}
+        for _, part in combo:
+            kwargs.update(part)
+        yield ", ".join(label for label, _ in combo), kwargs
+
+
+def _skip_reason(fn):
+    for m in getattr(fn, "pytestmark", []):
+        if m.name == "skipif" and m.args and m.args[0]:
+            return m.kwargs.get("reason", "skipped")
+    return None
+
+
+def _short(v):
+    return str(v).replace("torch.", "")
+
+
+def run_as_script(module_name: str, title: str) -> int:
+    """Run every `test_*` function of a module, print a report, return the process exit code."""
+    module = sys.modules[module_name]
+    tests = [(n, f) for n, f in inspect.getmembers(module, inspect.isfunction) if n.startswith("test_")]
+    tests.sort(key=lambda nf: inspect.getsourcelines(nf[1])[1])  # file order reads like a lesson
+    print(f"{title}\n{'=' * len(title)}")
+    doc = (module.__doc__ or "").strip().splitlines()
+    print(doc[0] if doc else "", "\n")
+    counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}
+    start = time.perf_counter()
+    for name, fn in tests:
+        if _skip_reason(fn):
+            counts["SKIPPED"] += 1
+            print(f"SKIPPED  {name}  -- {_skip_reason(fn)}")
+            continue
+        for label, kwargs in _expand(fn):
+            first = len(_records)
+            try:
+                fn(**kwargs)
+                status, why = "PASSED", ""
+            except pytest.skip.Exception as e:
+                status, why = "SKIPPED", str(e)
+            except Exception as e:  # noqa: BLE001  (the report shows every failure, then exits 1)
+                status, why = "FAILED", f"{type(e).__name__}: {e}".splitlines()[0][:160]
+            counts[status] += 1
+            print(f"{status:8} {name}({label})" + (f"  -- {why}" if why else ""))
+            for r in _records[first:]:
+                mark = "ok " if r["passed"] else "BAD"
+                print(f"           {mark} {r['name']:<44} max err {r['err']:.2e}  tol {r['tol']:.2e} {r['note']}")
+    total = time.perf_counter() - start
+    print(f"\n{counts['PASSED']} passed, {counts['FAILED']} failed, {counts['SKIPPED']} skipped in {total:.1f} s")
+    return 1 if counts["FAILED"] else 0
