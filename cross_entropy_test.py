@@ -1,0 +1,334 @@
+"""Tests of the fused cross-entropy: loss and gradient against float64, edge cases, bad input.
+
+    $ python cross_entropy_test.py  # a readable report: every check, its error and tolerance
+    $ pytest cross_entropy_test.py  # the same tests under pytest
+
+Without a GPU the kernels run in Triton's interpreter at small sizes; with one, the same tests also
+run LLaMA 3.1 8B's vocabulary (128256) over thousands of tokens compiled, past the int32 offset
+limit, inside a CUDA graph and with host syncs turned into errors. Tolerances follow the rule in
+testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cross_entropy_kernel import (
+    TritonCrossEntropyLoss,
+    cross_entropy,
+    cross_entropy_forward,
+    cross_entropy_ref,
+    scale_gradient_,
+)
+from kernel_utils import DEVICE
+from testkit import close_to_reference, exactly, record, run_as_script
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ON_GPU = DEVICE.type == "cuda"
+
+
+def _logits(n, v, dtype, seed=0, spread=4.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(n, v, generator=g) * spread).to(device=DEVICE, dtype=dtype)
+
+
+def _targets(n, v, seed=0, ignore=()):
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    t = torch.randint(0, v, (n,), generator=g)
+    for i in ignore:
+        t[i] = -100
+    return t.to(DEVICE)
+
+
+def _upstream(loss, seed=2):
+    """Random non-uniform upstream gradient: 3.0 for a reduced loss, a random weight per row else."""
+    if loss.dim() == 0:
+        return torch.tensor(3.0, device=loss.device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.rand(loss.shape, generator=g) * 2 - 0.5).to(loss.device)
+
+
+def _run(fn, logits, targets, reduction, ignore_index, inplace=False):
+    x = logits.detach().clone().requires_grad_()
+    inp = x * 1 if inplace else x  # in place: give the kernel a buffer of its own to overwrite
+    loss = fn(inp, targets, ignore_index=ignore_index, reduction=reduction,
+              **({"inplace_grad": True} if inplace else {}))
+    (loss.float() * _upstream(loss)).sum().backward()
+    return loss.detach(), x.grad
+
+
+def _check(tag, logits, targets, reduction="mean", ignore_index=-100, inplace=False):
+    dtype, V = logits.dtype, logits.shape[-1]
+    ours = _run(cross_entropy, logits, targets, reduction, ignore_index, inplace)
+    same = _run(F.cross_entropy, logits, targets, reduction, ignore_index)  # PyTorch in this dtype
+    ref = _run(F.cross_entropy, logits.double(), targets, reduction, ignore_index)  # float64 truth
+    assert ours[0].dtype == torch.float32, "the loss is fp32 whatever the logits dtype"
+    # The loss is computed in fp32 from low-precision inputs: PyTorch's bf16 loss is rounded to
+    # bf16, ours is not, so compare at fp32 precision (a sum over V terms: n = V).
+    close_to_reference(f"{tag} loss", ours[0], same[0], ref[0], torch.float32, n=V)
+    close_to_reference(f"{tag} grad", ours[1], same[1], ref[1], dtype, n=V)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 1000, 32001])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_reference(vocab, reduction, dtype):
+    n = 9
+    _check(f"V={vocab} {reduction}", _logits(n, vocab, dtype), _targets(n, vocab, ignore=(2, 5)), reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradient_in_place(reduction, dtype):
+    logits, targets = _logits(11, 777, dtype, seed=3), _targets(11, 777, seed=3, ignore=(0,))
+    _check(f"in place {reduction}", logits, targets, reduction, inplace=True)
+    # and bit-identical to the out-of-place gradient
+    a = _run(cross_entropy, logits, targets, reduction, -100, inplace=True)
+    b = _run(cross_entropy, logits, targets, reduction, -100, inplace=False)
+    exactly("in-place grad == out-of-place grad", a[1], b[1])
+
+
+def test_in_place_writes_into_the_logits_buffer():
+    logits, targets = _logits(6, 300, torch.bfloat16), _targets(6, 300)
+    x = logits.clone().requires_grad_()
+    inp = x * 1
+    seen = []
+    inp.register_hook(lambda g: seen.append(g.data_ptr()))
+    cross_entropy(inp, targets, inplace_grad=True).backward()
+    assert seen == [inp.data_ptr()], "the gradient must live in the logits' own memory"
+    record("gradient buffer is the logits buffer", 0.0, 0.0, True)
+
+
+def test_in_place_refuses_to_corrupt_saved_logits():
+    """log_softmax saves its output for backward; overwriting it in place must fail loudly."""
+    logits, targets = _logits(4, 50, torch.float32), _targets(4, 50)
+    x = logits.clone().requires_grad_()
+    z = torch.exp(x)  # exp saves its *output* for backward
+    loss = cross_entropy(z, targets, inplace_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    x2 = logits.clone().requires_grad_()
+    cross_entropy(torch.exp(x2), targets, inplace_grad=False).backward()  # out of place is fine
+    assert torch.isfinite(x2.grad).all()
+    record("in-place on saved tensor raises; out-of-place works", 0.0, 0.0, True)
+
+
+def test_ignore_index_rows_are_exactly_zero():
+    logits = _logits(8, 129, torch.bfloat16)
+    for ignore_index in (-100, 7):
+        targets = _targets(8, 129, seed=4)
+        targets[[1, 6]] = ignore_index
+        x = logits.clone().requires_grad_()
+        loss = cross_entropy(x * 1, targets, ignore_index=ignore_index, reduction="none", inplace_grad=True)
+        (loss * _upstream(loss)).sum().backward()
+        exactly(f"ignore_index={ignore_index}: loss rows 0", loss[[1, 6]], torch.zeros(2, device=DEVICE))
+        exactly(f"ignore_index={ignore_index}: grad rows 0", x.grad[[1, 6]], torch.zeros(2, 129, device=DEVICE, dtype=x.dtype))
+        _check(f"ignore_index={ignore_index}", logits, targets, "mean", ignore_index)
+
+
+def test_all_rows_ignored():
+    """Documented choice: mean over zero rows is 0.0 (PyTorch: NaN), gradient 0, still in the graph."""
+    logits = _logits(5, 64, torch.bfloat16)
+    targets = torch.full((5,), -100, device=DEVICE)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, targets)
+    assert loss.requires_grad and loss.grad_fn is not None, "must stay attached (FSDP/DDP would hang)"
+    loss.backward()
+    exactly("all ignored: mean loss is 0", loss, torch.tensor(0.0, device=DEVICE))
+    exactly("all ignored: gradient is 0", x.grad, torch.zeros_like(x))
+    assert torch.isnan(F.cross_entropy(logits.float(), targets)), "PyTorch's NaN is what we deviate from"
+
+
+def test_targets_at_the_vocabulary_edges():
+    logits = _logits(6, 1001, torch.bfloat16, seed=5)
+    targets = torch.tensor([0, 1000, 0, 1000, 500, 999], device=DEVICE)
+    _check("targets 0 and V-1", logits, targets, "none")
+
+
+def test_out_of_range_targets_give_nan_rows():
+    logits = _logits(5, 100, torch.float32, seed=6)
+    targets = torch.tensor([3, 100, -1, 7, 10**9], device=DEVICE)  # rows 1, 2, 4 are invalid
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, targets, reduction="none")
+    loss.sum().backward()
+    bad = torch.tensor([False, True, True, False, True], device=DEVICE)
+    exactly("loss is NaN exactly on invalid rows", torch.isnan(loss), bad)
+    exactly("grad is NaN exactly on invalid rows", torch.isnan(x.grad).all(1), bad)
+    assert torch.isfinite(x.grad[~bad]).all()
+    assert torch.isnan(cross_entropy(logits, targets)), "a reduced loss with a bad target is NaN"
+
+
+def test_empty_batch():
+    x = _logits(0, 50, torch.bfloat16).requires_grad_()
+    t = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    for reduction, expected in (("mean", torch.tensor(0.0)), ("sum", torch.tensor(0.0)), ("none", torch.zeros(0))):
+        loss = cross_entropy(x, t, reduction=reduction)
+        loss.sum().backward()
+        exactly(f"empty batch, {reduction}", loss, expected.to(DEVICE))
+    assert x.grad.shape == (0, 50)
+
+
+def test_non_contiguous_logits():
+    big = _logits(10, 2 * 300, torch.float32, seed=7)
+    targets = _targets(5, 300, seed=7, ignore=(1,))
+    _check("row-strided view", big[::2, :300], targets, "sum")  # row stride 1200, no copy
+    _check("column slice (copied)", big[:5, ::2], targets, "mean")
+    _check("transposed (copied)", _logits(300, 5, torch.bfloat16).t(), targets, "none")
+
+
+def test_nan_and_inf_logits_stay_in_their_row():
+    logits = _logits(4, 64, torch.float32, seed=8)
+    logits[1, 10] = float("nan")
+    logits[2, :32] = float("-inf")  # masked classes are harmless
+    targets = torch.tensor([3, 4, 40, 5], device=DEVICE)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, targets, reduction="none")
+    loss.sum().backward()
+    exactly("NaN logit: only its row is NaN", torch.isnan(loss), torch.tensor([False, True, False, False], device=DEVICE))
+    ref = cross_entropy_ref(logits[[0, 2, 3]].double(), targets[[0, 2, 3]], reduction="none")
+    close_to_reference("-inf classes: loss", loss[[0, 2, 3]], ref, ref, torch.float32, n=64, factor=0)
+
+
+def test_extreme_and_confident_logits():
+    """Shifted logits (+-1000) and confident rows, where the true-class gradient p - 1 cancels."""
+    base = _logits(6, 500, torch.float32, seed=9)
+    targets = _targets(6, 500, seed=9)
+    _check("logits + 1000", base + 1000, targets, "mean")
+    _check("logits - 1000", base - 1000, targets, "mean")
+    confident = base.clone()
+    confident[torch.arange(6), targets] += 40.0  # p(target) ~ 1 - 1e-15
+    _check("confident predictions", confident, targets, "none")
+    _check("confident predictions, bf16", confident.bfloat16(), targets, "none")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_module_with_batch_and_sequence_dims(dtype):
+    B, T, V = 2, 5, 257
+    logits = _logits(B * T, V, dtype, seed=10).view(B, T, V)
+    labels = _targets(B * T, V, seed=10, ignore=(0, 7)).view(B, T)
+    x = logits.clone().requires_grad_()
+    loss = TritonCrossEntropyLoss(reduction="none")(x, labels)
+    assert loss.shape == (B, T)
+    xr = logits.double().requires_grad_()
+    ref = F.cross_entropy(xr.view(-1, V), labels.view(-1), reduction="none").view(B, T)
+    w = _upstream(ref.float())
+    (loss * w).sum().backward()
+    (ref * w.double()).sum().backward()
+    xt = logits.clone().requires_grad_()
+    same = F.cross_entropy(xt.view(-1, V), labels.view(-1), reduction="none").view(B, T)
+    (same.float() * w).sum().backward()
+    close_to_reference("[B, T, V] loss", loss, same, ref, torch.float32, n=V)
+    close_to_reference("[B, T, V] grad", x.grad, xt.grad, xr.grad, dtype, n=V)
+
+
+def test_gradient_accumulation_matches_full_batch():
+    """Sum over micro-batches / total tokens == mean over the full batch (HF num_items_in_batch)."""
+    logits, targets = _logits(12, 90, torch.float32, seed=11), _targets(12, 90, seed=11, ignore=(0, 1, 2, 9))
+    full = cross_entropy(logits, targets)
+    n_items = (targets != -100).sum()
+    parts = sum(cross_entropy(logits[i:i + 4], targets[i:i + 4], reduction="sum") for i in range(0, 12, 4))
+    ref = cross_entropy_ref(logits.double(), targets)
+    close_to_reference("micro-batch sum / n_items vs full mean", parts / n_items, full, ref, torch.float32, n=90)
+
+
+def test_backward_twice_is_refused():
+    x = _logits(3, 20, torch.float32).requires_grad_()
+    loss = cross_entropy(x * 1, _targets(3, 20), inplace_grad=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward once"):
+        loss.backward()
+    record("second backward raises a clear error", 0.0, 0.0, True)
+
+
+def test_no_grad_forward_still_computes_the_loss():
+    logits, targets = _logits(7, 100, torch.bfloat16), _targets(7, 100)
+    with torch.no_grad():
+        loss = cross_entropy(logits, targets)
+    ref = cross_entropy_ref(logits.double(), targets)
+    close_to_reference("loss under no_grad", loss, ref, ref, torch.float32, n=100, factor=0)
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        pytest.param(lambda: (torch.randn(4, 8), torch.zeros(4)), TypeError, id="float targets"),
+        pytest.param(lambda: (torch.randn(4, 8), torch.zeros(5, dtype=torch.long)), ValueError, id="N mismatch"),
+        pytest.param(lambda: (torch.randn(2, 4, 8), torch.zeros(2, 4, dtype=torch.long)), ValueError, id="3-D logits"),
+        pytest.param(lambda: (torch.randint(0, 3, (4, 8)), torch.zeros(4, dtype=torch.long)), TypeError, id="int logits"),
+    ],
+)
+def test_bad_input_gives_clear_error(make, error):
+    logits, targets = make()
+    with pytest.raises(error) as info:
+        cross_entropy(logits.to(DEVICE), targets.to(DEVICE))
+    record(f"{error.__name__}: {str(info.value)[:40]}...", 0.0, 0.0, True)
+
+
+def test_bad_reduction_gives_clear_error():
+    with pytest.raises(ValueError, match="reduction"):
+        TritonCrossEntropyLoss(reduction="avg")
+
+
+# ---------------------------------------------------------------------------- GPU-only, full size
+@pytest.mark.skipif(not ON_GPU, reason="LLaMA's 128256 vocabulary needs a GPU (the interpreter is slow)")
+@pytest.mark.parametrize("inplace", [False, True])
+def test_llama_vocabulary(inplace):
+    n, V = 4096, 128256
+    logits, targets = _logits(n, V, torch.bfloat16, seed=12), _targets(n, V, seed=12, ignore=range(0, n, 7))
+    _check(f"{n} tokens x V={V}", logits, targets, "mean", inplace=inplace)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~12 GB free")
+def test_offsets_past_int32():
+    """N x V > 2^31: row offsets must be int64. Check the rows that live past the 2^31 mark."""
+    V = 128256
+    n = 2**31 // V + 64  # 16807 rows: the last 64 start beyond element 2^31
+    logits = _logits(n, V, torch.bfloat16, seed=13, spread=2.0)
+    targets = _targets(n, V, seed=13)
+    tail = slice(n - 64, n)
+    ref_logits = logits[tail].double().requires_grad_()
+    ref = F.cross_entropy(ref_logits, targets[tail], reduction="none")
+    ref.sum().backward()
+    same = F.cross_entropy(logits[tail].float(), targets[tail], reduction="none")  # PyTorch, fp32
+    loss, grad = cross_entropy_forward(logits, targets, -100, "none", True, inplace_grad=True)
+    close_to_reference("rows past 2^31 elements: loss", loss[tail], same, ref, torch.float32, n=V)
+    same_grad = ref_logits.grad.to(torch.bfloat16)  # the true gradient rounded once to bf16
+    close_to_reference("rows past 2^31 elements: grad", grad[tail], same_grad, ref_logits.grad, torch.bfloat16, n=V)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="host syncs and CUDA graphs exist only on a GPU")
+def test_no_host_sync_and_cuda_graph_capture():
+    logits, targets = _logits(256, 32000, torch.bfloat16), _targets(256, 32000, ignore=(3,))
+    x = logits.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host-device sync now raises
+    try:
+        loss = cross_entropy(x * 1, targets, inplace_grad=True)
+        (loss * 3).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    record("forward + backward with sync debug mode 'error'", 0.0, 0.0, True)
+
+    static_logits, static_go = logits.clone(), torch.tensor(2.0, device=DEVICE)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compiles the kernels) outside the capture
+        cross_entropy_forward(static_logits.clone(), targets, -100, "mean", True, False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_loss, g_grad = cross_entropy_forward(static_logits, targets, -100, "mean", True, False)
+        scale_gradient_(g_grad, static_go)
+    fresh = _logits(256, 32000, torch.bfloat16, seed=99)
+    static_logits.copy_(fresh)
+    g_loss.zero_()
+    graph.replay()
+    xr = fresh.double().requires_grad_()
+    ref = F.cross_entropy(xr, targets)
+    (2 * ref).backward()
+    close_to_reference("CUDA graph replay on new logits: loss", g_loss, ref, ref.detach(), torch.float32, n=32000, factor=0)
+    close_to_reference("CUDA graph replay on new logits: grad", g_grad, xr.grad.to(torch.bfloat16), xr.grad, torch.bfloat16, n=32000)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_as_script(__name__, "Fused cross-entropy: test report"))
