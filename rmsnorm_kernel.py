@@ -177,7 +177,8 @@ def _num_warps(elements: int, values_per_thread: int = 8) -> int:
     return max(1, min(32, elements // (32 * values_per_thread)))
 
 
-def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
+def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float,
+                    block_m: int | None = None, num_warps: int | None = None):
     """x2: [rows, H] with unit stride along H. Returns y [rows, H] and rstd [rows] (fp32)."""
     n_rows, H = x2.shape
     out_dtype = torch.promote_types(x2.dtype, weight.dtype)  # as `weight * x` would give
@@ -186,12 +187,13 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     if n_rows == 0:
         return y, rstd
     block_h = next_power_of_2(H)
-    block_m = _block_rows(block_h, FWD_TARGET_ELEMENTS)
+    block_m = block_m or _block_rows(block_h, FWD_TARGET_ELEMENTS)
+    num_warps = num_warps or _num_warps(block_m * block_h)
     grid = (triton.cdiv(n_rows, block_m),)
     _rmsnorm_fwd[grid](
         x2, weight, y, rstd,
         x2.stride(0), y.stride(0), n_rows, H, eps,
-        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_num_warps(block_m * block_h),
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
     )
     return y, rstd
 

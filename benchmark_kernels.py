@@ -1,0 +1,437 @@
+"""Benchmark the fused kernels against PyTorch eager, torch.compile and (if installed) Liger-Kernel.
+
+    $ python benchmark_kernels.py --kernel all                 # LLaMA 3.1 8B shapes, bf16
+    $ python benchmark_kernels.py --kernel rmsnorm --sizes 4096,16384
+    $ python benchmark_kernels.py --kernel cross_entropy --dtype float16
+    $ python benchmark_kernels.py --tune                       # sweep our launch settings
+    $ python benchmark_kernels.py --smoke                      # tiny sizes, runs on a CPU (CI)
+
+Method: the device-to-device copy bandwidth is measured first (bytes read + written), the ceiling
+every memory-bound kernel is held against. Each implementation is checked against a float64
+reference (the rule of testkit.py) before anything is timed. Times are medians (and p20-p80) of
+`triton.testing.do_bench`, which warms up, and flushes the L2 cache before every repetition, so
+even small inputs are read from GPU memory; gradients are reset between repetitions; inputs are
+random (never zeros). GB/s counts the *ideal* bytes (each input read once, each output written
+once), so it says how close an implementation is to the floor, not how many bytes it moved.
+Results go to results/benchmark_<gpu>.{json,csv} and PNG plots next to them.
+
+The peers, stated plainly:
+  eager           Hugging Face's formulas in PyTorch: LlamaRMSNorm; for the loss, the logits upcast
+                  to fp32 before F.cross_entropy (what ForCausalLMLoss does)
+  eager-bf16      F.cross_entropy straight on the bf16 logits (no upcast)
+  torch.compile   torch.compile of the same eager function (default mode)
+  liger           Liger-Kernel's RMSNorm and cross-entropy (gradient written in place), if installed
+  ours            rmsnorm_kernel.py / cross_entropy_kernel.py (cross-entropy: gradient in place)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from cross_entropy_kernel import cross_entropy
+from kernel_utils import DEVICE
+from rmsnorm_kernel import rmsnorm, rmsnorm_backward, rmsnorm_forward, rmsnorm_ref
+from testkit import close_to_reference
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ON_GPU = DEVICE.type == "cuda"
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring
+# ------------------------------------------------------------------------------------------------
+def timed(fn, grad_to_none=None):
+    """(median, p20, p80) in microseconds."""
+    if ON_GPU:
+        import triton.testing
+
+        q = triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
+        return tuple(v * 1e3 for v in q)
+    times = []  # CPU / interpreter: only proves the harness runs; the numbers mean nothing
+    for _ in range(3):
+        for t in grad_to_none or []:
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times), min(times), max(times)
+
+
+def peak_extra_mb(fn, grad_to_none=()):
+    """Peak memory allocated above what was live before one call, in MB (GPU only)."""
+    if not ON_GPU:
+        return None
+    for t in grad_to_none:
+        t.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 1e6
+
+
+def copy_bandwidth_gbs() -> float | None:
+    """Device-to-device copy of 1 GiB, counting bytes read + written: the practical ceiling."""
+    if not ON_GPU:
+        return None
+    src = torch.randn(2**28, device=DEVICE)  # 1 GiB of fp32
+    dst = torch.empty_like(src)
+    us = timed(lambda: dst.copy_(src))[0]
+    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
+
+
+def compiled(fn):
+    return torch.compile(fn) if ON_GPU else fn  # Inductor needs a C++/GPU toolchain; skip on CPU
+
+
+def liger():
+    try:
+        import liger_kernel.transformers as lt
+
+        return lt
+    except Exception:  # noqa: BLE001  (optional peer: any import failure means "not installed")
+        return None
+
+
+def checked(name, check):
+    """Run a correctness check: ours must pass; a peer that fails is timed anyway, with a warning."""
+    try:
+        check()
+    except AssertionError as e:
+        if name == "ours":
+            raise
+        print(f"  WARNING: {name} does not match the float64 reference: {e}")
+
+
+# ------------------------------------------------------------------------------------------------
+# RMSNorm
+# ------------------------------------------------------------------------------------------------
+def rmsnorm_impls(H, dtype):
+    impls = {"ours": rmsnorm, "eager": rmsnorm_ref, "torch.compile": compiled(rmsnorm_ref)}
+    lt = liger()
+    if lt is not None and ON_GPU:
+        mod = lt.LigerRMSNorm(H, eps=1e-5, casting_mode="llama").to(DEVICE, dtype)
+
+        def liger_rms(x, w, eps):
+            mod.weight = w if isinstance(w, torch.nn.Parameter) else torch.nn.Parameter(w, requires_grad=w.requires_grad)
+            return mod(x)
+
+        impls["liger"] = liger_rms
+    return impls
+
+
+def bench_rmsnorm(N, H, dtype, impls, check=True):
+    g = torch.Generator(device="cpu").manual_seed(N + H)
+    x = torch.randn(N, H, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = (torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype).requires_grad_()
+    dy = torch.randn(N, H, generator=g).to(DEVICE, dtype)
+    elt = x.element_size()
+    rows = []
+    for name, fn in impls.items():
+        if check:
+            checked(name, lambda: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256]))
+        fwd = timed(lambda: fn(x.detach(), w.detach(), 1e-5))
+        # autograd may consume dy in place (Liger does): give it a fresh view each time
+        fb = timed(lambda: fn(x, w, 1e-5).backward(dy), grad_to_none=[x, w])
+        mem = peak_extra_mb(lambda: fn(x, w, 1e-5).backward(dy), grad_to_none=[x, w])
+        rows.append(dict(kernel="rmsnorm", impl=name, tokens=N, width=H, dtype=str(dtype).split(".")[-1],
+                         fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=2 * N * H * elt, fwdbwd_bytes=5 * N * H * elt,
+                         peak_extra_mb=mem))
+    return rows
+
+
+def _check_rmsnorm(name, fn, x, w, dy):
+    outs = []
+    for cast in (lambda t: t, lambda t: t.double()):
+        xi, wi = cast(x).clone().requires_grad_(), cast(w).clone().requires_grad_()
+        y = (fn if not outs else rmsnorm_ref)(xi, wi, 1e-5)
+        y.backward(cast(dy).clone())
+        outs.append((y, xi.grad, wi.grad))
+    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yt = rmsnorm_ref(xt, wt, 1e-5)
+    yt.backward(dy.clone())
+    for i, what in enumerate(("y", "dx", "dW")):
+        n = x.shape[0] if what == "dW" else x.shape[1]
+        scale = None
+        if what == "dx":
+            rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-5).max().item()
+            scale = rstd * dy.double().abs().max().item() * w.double().abs().max().item()
+        close_to_reference(f"rmsnorm {name} {what}", outs[0][i], (yt, xt.grad, wt.grad)[i], outs[1][i], x.dtype,
+                           n=n, scale=scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cross-entropy
+# ------------------------------------------------------------------------------------------------
+def _hf_loss(logits, targets):
+    return F.cross_entropy(logits.float(), targets)  # Hugging Face upcasts to fp32 first
+
+
+def ce_impls():
+    impls = {
+        "ours": lambda lg, t: cross_entropy(lg, t, inplace_grad=True),
+        "eager": _hf_loss,
+        "eager-bf16": lambda lg, t: F.cross_entropy(lg, t),
+        "torch.compile": compiled(_hf_loss),
+    }
+    lt = liger()
+    if lt is not None and ON_GPU:
+        mod = lt.LigerCrossEntropyLoss()
+        impls["liger"] = lambda lg, t: mod(lg, t)
+    return impls
+
+
+def bench_cross_entropy(N, V, dtype, impls, check=True):
+    g = torch.Generator(device="cpu").manual_seed(N + V)
+    logits = (torch.randn(N, V, generator=g) * 2).to(DEVICE, dtype).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    targets[::17] = -100  # a few ignored tokens, as padding produces
+    elt = logits.element_size()
+    rows = []
+    for name, fn in impls.items():
+        if check:
+            checked(name, lambda: _check_ce(name, fn, logits[:256].detach(), targets[:256]))
+        # In-place implementations overwrite `logits` with the gradient, so later repetitions read
+        # the previous gradient as logits: finite, non-zero values; the work per element is the
+        # same (an exp each), so the time is too.
+        with torch.no_grad():
+            fwd = timed(lambda: fn(logits, targets))
+        fb = timed(lambda: fn(logits, targets).backward(), grad_to_none=[logits])
+        mem = peak_extra_mb(lambda: fn(logits, targets).backward(), grad_to_none=[logits])
+        rows.append(dict(kernel="cross_entropy", impl=name, tokens=N, width=V, dtype=str(dtype).split(".")[-1],
+                         fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=N * V * elt, fwdbwd_bytes=2 * N * V * elt,
+                         peak_extra_mb=mem))
+        logits.grad = None
+    return rows
+
+
+def _check_ce(name, fn, logits, targets):
+    x = logits.clone().requires_grad_()
+    fn(x * 1, targets).backward()  # x * 1: in-place implementations get a buffer of their own
+    xs = logits.clone().requires_grad_()
+    same = F.cross_entropy(xs, targets)
+    same.backward()
+    xr = logits.double().requires_grad_()
+    ref = F.cross_entropy(xr, targets)
+    ref.backward()
+    ours = fn(logits.clone(), targets)
+    close_to_reference(f"cross_entropy {name} loss", ours.float(), same.float(), ref, torch.float32, n=logits.shape[1],
+                       factor=1e6 if name == "eager-bf16" else 2.0)  # bf16 loss is rounded to bf16 by design
+    close_to_reference(f"cross_entropy {name} grad", x.grad, xs.grad, xr.grad, logits.dtype, n=logits.shape[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting
+# ------------------------------------------------------------------------------------------------
+def add_derived(rows, copy_gbs):
+    by_case = {}
+    for r in rows:
+        by_case.setdefault((r["kernel"], r["tokens"], r["width"]), []).append(r)
+    for case in by_case.values():
+        eager = next((r for r in case if r["impl"] == "eager"), None)
+        for r in case:
+            for phase in ("fwd", "fwdbwd"):
+                us = r[f"{phase}_us"][0]
+                r[f"{phase}_gbs"] = r[f"{phase}_bytes"] / (us * 1e-6) / 1e9
+                r[f"{phase}_pct_copy"] = 100 * r[f"{phase}_gbs"] / copy_gbs if copy_gbs else None
+                r[f"{phase}_floor_us"] = r[f"{phase}_bytes"] / (copy_gbs * 1e9) * 1e6 if copy_gbs else None
+                r[f"{phase}_x_eager"] = eager[f"{phase}_us"][0] / us if eager else None
+                others = [o[f"{phase}_us"][0] for o in case if o["impl"] != r["impl"]]
+                r[f"{phase}_x_best_other"] = min(others) / us if others else None
+    return rows
+
+
+def table(rows):
+    from tabulate import tabulate
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    out = []
+    for r in rows:
+        out.append([
+            r["kernel"], f"{r['tokens']}x{r['width']}", r["impl"],
+            f"{r['fwd_us'][0]:.1f} ({r['fwd_us'][1]:.0f}-{r['fwd_us'][2]:.0f})", f(r["fwd_gbs"], ".0f"), f(r["fwd_pct_copy"], ".0f"),
+            f"{r['fwdbwd_us'][0]:.1f} ({r['fwdbwd_us'][1]:.0f}-{r['fwdbwd_us'][2]:.0f})", f(r["fwdbwd_gbs"], ".0f"),
+            f(r["fwdbwd_pct_copy"], ".0f"), f(r["fwdbwd_floor_us"], ".0f"), f(r["peak_extra_mb"], ".0f"),
+            f(r["fwdbwd_x_eager"], ".2f"), f(r["fwdbwd_x_best_other"], ".2f"),
+        ])
+    headers = ["kernel", "tokens x width", "impl", "fwd us (p20-p80)", "fwd GB/s", "fwd %copy",
+               "fwd+bwd us (p20-p80)", "fwd+bwd GB/s", "fwd+bwd %copy", "floor us", "peak+ MB",
+               "x eager", "x best other"]
+    return tabulate(out, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def save(rows, meta, tag):
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"benchmark_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    with open(RESULTS / f"benchmark_{tag}.csv", "w", newline="") as fh:
+        flat = [{k: (v[0] if isinstance(v, tuple) else v) for k, v in r.items()} for r in rows]
+        w = csv.DictWriter(fh, fieldnames=list(flat[0]))
+        w.writeheader()
+        w.writerows(flat)
+    return plot(rows, meta, tag)
+
+
+def plot(rows, meta, tag):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for kernel in ("rmsnorm", "cross_entropy"):
+        widths = [r["width"] for r in rows if r["kernel"] == kernel]
+        if not widths:
+            continue
+        sweep_width = max(set(widths), key=widths.count)  # the token sweep's width (4096 / 128256)
+        sel = [r for r in rows if r["kernel"] == kernel and r["width"] == sweep_width]
+        fig, axes = plt.subplots(1, 2 if kernel == "cross_entropy" else 1, figsize=(13 if kernel == "cross_entropy" else 7, 4.5))
+        axes = axes if isinstance(axes, (list, tuple)) or hasattr(axes, "__len__") else [axes]
+        ax = axes[0]
+        for impl in dict.fromkeys(r["impl"] for r in sel):
+            pts = sorted((r["tokens"], r["fwdbwd_gbs"]) for r in sel if r["impl"] == impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        if meta.get("copy_gbs"):
+            ax.axhline(meta["copy_gbs"], color="k", linestyle="--", label=f"copy bandwidth {meta['copy_gbs']:.0f} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("forward+backward GB/s (ideal bytes / time)")
+        ax.set_title(f"{kernel}, width {sweep_width}, {meta['dtype']}, {meta['gpu']}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        if kernel == "cross_entropy":
+            ax2 = axes[1]
+            for impl in dict.fromkeys(r["impl"] for r in sel):
+                pts = sorted((r["tokens"], r["peak_extra_mb"] or 0) for r in sel if r["impl"] == impl)
+                ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax2.set_xscale("log", base=2)
+            ax2.set_xlabel("tokens")
+            ax2.set_ylabel("peak extra memory, forward+backward (MB)")
+            ax2.set_title("memory beyond the logits")
+            ax2.legend(fontsize=8)
+            ax2.grid(alpha=0.3)
+        fig.tight_layout()
+        path = RESULTS / f"benchmark_{kernel}_{tag}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------
+# Tuning sweep for our own launch settings
+# ------------------------------------------------------------------------------------------------
+def tune(dtype):
+    from tabulate import tabulate
+
+    import cross_entropy_kernel as cek
+
+    copy = copy_bandwidth_gbs()
+    N, H = 16384, 4096
+    x = torch.randn(N, H, device=DEVICE, dtype=dtype)
+    w = torch.rand(H, device=DEVICE, dtype=dtype) + 0.5
+    dy = torch.randn_like(x)
+    rows = []
+    for bm, nw in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)):
+        us = timed(lambda: rmsnorm_forward(x, w, 1e-5, block_m=bm, num_warps=nw))[0]
+        rows.append(("rmsnorm fwd", f"rows {bm}, warps {nw}", us, 2 * N * H * 2 / us / 1e3))
+    _, rstd = rmsnorm_forward(x, w, 1e-5)
+    for bm, nw, pps in ((1, 8, 1), (1, 8, 2), (1, 16, 1), (1, 16, 2), (1, 16, 3), (1, 16, 4), (2, 16, 1),
+                        (2, 16, 2), (2, 32, 1), (4, 32, 1)):
+        us = timed(lambda: rmsnorm_backward(dy, x, w, rstd, True, programs_per_sm=pps, block_m=bm, num_warps=nw))[0]
+        rows.append(("rmsnorm bwd", f"rows {bm}, warps {nw}, programs/SM {pps}", us, 3 * N * H * 2 / us / 1e3))
+    V = 128256
+    for n_tok in (16384, 1024):
+        logits = torch.randn(n_tok, V, device=DEVICE, dtype=dtype)
+        t = torch.randint(0, V, (n_tok,), device=DEVICE)
+        for bv, nw in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)):
+            us = timed(lambda: cek.cross_entropy_forward(logits, t, -100, "mean", True, True, block_v=bv, num_warps=nw))[0]
+            rows.append((f"ce fwd+grad N={n_tok}", f"block {bv}, warps {nw}", us, 2 * n_tok * V * 2 / us / 1e3))
+        del logits
+    print(tabulate([(a, b, f"{c:.1f}", f"{d:.0f}", f"{100 * d / copy:.0f}") for a, b, c, d in rows],
+                   headers=["kernel", "setting", "us", "GB/s", "% copy"], tablefmt="github"))
+    print(f"copy bandwidth {copy:.0f} GB/s")
+
+
+# ------------------------------------------------------------------------------------------------
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", choices=["rmsnorm", "cross_entropy", "all"], default="all")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--sizes", default=None, help="comma-separated token counts (replaces the default sweeps)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: runs the harness end to end, even on a CPU")
+    p.add_argument("--tune", action="store_true", help="sweep our kernels' launch settings at LLaMA shapes")
+    args = p.parse_args()
+    dtype = DTYPES[args.dtype]
+    if args.tune:
+        if not ON_GPU:
+            raise SystemExit("--tune needs a GPU")
+        return tune(dtype)
+    if not ON_GPU and not args.smoke:
+        raise SystemExit("Timings need a CUDA GPU: none found. `--smoke` runs the harness at tiny sizes on the "
+                         "CPU (through Triton's interpreter) to check that it works; its numbers mean nothing.")
+    if args.smoke:
+        rms_cases = [(64, 256), (48, 100)]
+        ce_cases = [(16, 1000), (8, 32001)]
+    else:
+        toks = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+        rms_cases = [(n, 4096) for n in (toks or [1024, 2048, 4096, 8192, 16384, 32768])]
+        ce_cases = [(n, 128256) for n in (toks or [512, 1024, 2048, 4096, 8192, 16384])]
+        if not toks:
+            rms_cases += [(16384, h) for h in (1024, 2048, 8192, 16384)]
+            ce_cases += [(4096, v) for v in (32000, 151936, 256000)]
+    copy = copy_bandwidth_gbs()
+    gpu = torch.cuda.get_device_name() if ON_GPU else "CPU (interpreter)"
+    import transformers
+    import triton
+
+    meta = dict(gpu=gpu, dtype=args.dtype, copy_gbs=copy, torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, liger=getattr(liger(), "__name__", None) and _liger_version())
+    print(f"{gpu}; torch {torch.__version__}, Triton {triton.__version__}; Liger-Kernel: {meta['liger'] or 'not installed'}")
+    if copy:
+        print(f"device-to-device copy bandwidth: {copy:.0f} GB/s (bytes read + written)")
+    print("Each implementation is checked against float64 (testkit's rule) before it is timed.")
+    rows = []
+    if args.kernel in ("rmsnorm", "all"):
+        impls = {}
+        for N, H in rms_cases:
+            impls.setdefault(H, rmsnorm_impls(H, dtype))
+            rows += bench_rmsnorm(N, H, dtype, impls[H])
+            print(f"  rmsnorm {N}x{H} done", flush=True)
+    if args.kernel in ("cross_entropy", "all"):
+        impls = ce_impls()
+        for N, V in ce_cases:
+            rows += bench_cross_entropy(N, V, dtype, impls)
+            print(f"  cross_entropy {N}x{V} done", flush=True)
+            torch.cuda.empty_cache() if ON_GPU else None
+    add_derived(rows, copy)
+    tag = "smoke" if args.smoke else gpu.replace("NVIDIA ", "").replace(" ", "_")
+    paths = save(rows, meta, tag)
+    print(table(rows))
+    print("Saved " + ", ".join(str(p.relative_to(RESULTS.parent)) for p in [RESULTS / f"benchmark_{tag}.json", RESULTS / f"benchmark_{tag}.csv", *paths]))
+
+
+def _liger_version():
+    try:
+        from importlib.metadata import version
+
+        return version("liger-kernel")
+    except Exception:  # noqa: BLE001
+        return "installed"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
