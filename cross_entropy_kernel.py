@@ -33,8 +33,10 @@ How one pass can do both: the online softmax
 A row of 128256 values does not fit in one program's registers, so the kernel walks it in
 blocks. Softmax needs the row maximum m (for stability) and the sum s = sum(exp(x - m)) before it
 can normalise anything. The online softmax gets both in a single sweep: keep a running max m and a
-running sum s; when a block raises the max to m', rescale s by exp(m - m') and add the block's
-terms. After sweep 1 we know m and s, hence the loss. Sweep 2 revisits the row to write
+running sum s; when a new value raises the max to m', rescale s by exp(m - m') and add the new
+terms. The kernel keeps one (m, s) pair per lane of the block and merges the lanes once at the
+end, so the sweep is a pure stream of loads with one exp per element. After sweep 1 we know m
+and s, hence the loss. Sweep 2 revisits the row to write
 exp(x - m) / s - onehot. Sweep 2 runs from the end of the row back to the start: the blocks read
 last in sweep 1 are still in the L2 cache, so most of sweep 2's reads never reach GPU memory.
 
@@ -113,20 +115,28 @@ def _cross_entropy_fwd(
                 cols = b * BLOCK_V + cols0
                 tl.store(grad_row + cols, tl.zeros([BLOCK_V], tl.float32).to(Grad.dtype.element_ty), mask=cols < V)
     else:
-        # ---- sweep 1: running max `m` and running sum `s` of exp(x - m) -----------------------
-        m = -float("inf")
-        s = 0.0
+        # ---- sweep 1: running max and running sum of exp(x - max), kept *per lane* -------------
+        # Every lane (position in the block) keeps its own max m and sum s over the values it has
+        # seen. A lane sees x and either adds exp(x - m) (x <= m), or makes x its new max and
+        # rescales: s * exp(m - x) + 1 (x > m). Both cases need exp(-|x - m|): one exp per
+        # element, and no reduction across the block inside the loop. Reductions synchronise all
+        # the warps of a program, which would stall the loads; here they happen once, after it.
+        m_lane = tl.full([BLOCK_V], -float("inf"), tl.float32)
+        s_lane = tl.zeros([BLOCK_V], tl.float32)
         for b in range(0, n_blocks):
             cols = b * BLOCK_V + cols0
-            # Past the vocabulary end, load -inf: exp(-inf - m) = 0, so the tail adds nothing.
+            # Past the vocabulary end, load -inf: it never becomes a max and adds exp(-inf) = 0.
             x = tl.load(logits_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            # While every value seen is -inf, m_new is -inf and x - m_new would be NaN: shift by
-            # 0 instead (the terms are exp(-inf) = 0 either way).
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-            s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-            m = m_new
+            same = x == m_lane  # -inf - (-inf) would be NaN: subtract 0 - 0 in that case
+            d = tl.where(same, 0.0, x) - tl.where(same, 0.0, m_lane)
+            e = tl.exp(-tl.abs(d))
+            s_lane = tl.where(x > m_lane, s_lane * e + 1.0, s_lane + e)
+            m_lane = tl.maximum(m_lane, x)
+        m = tl.max(m_lane, axis=0)  # the row max; then bring every lane's sum to that max
+        # An all -inf row has m = -inf: shift by 0 instead, so no NaN is made here (the loss of
+        # such a row is still NaN, as in PyTorch, through lse - x_target = -inf + inf).
         shift = tl.where(m == -float("inf"), 0.0, m)
+        s = tl.sum(s_lane * tl.exp(m_lane - shift), axis=0)  # lanes at -inf contribute 0
         lse = shift + tl.log(s)  # log-sum-exp of the row
 
         in_range = (target >= 0) & (target < V)
