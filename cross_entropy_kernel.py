@@ -75,10 +75,12 @@ from kernel_utils import as_rows, check_device, check_float, next_power_of_2
 import triton
 import triton.language as tl
 
-# Launch settings for the vocabulary sweep (see `benchmark_kernels.py --tune`): 8192 columns per
-# block; 16 warps x 32 threads = 512 threads, 16 values (two 16-byte bf16 loads) per thread.
-BLOCK_V = 8192
-NUM_WARPS = 16
+# Launch settings for the vocabulary sweep (see `benchmark_kernels.py --tune`): 4096 columns per
+# block; 8 warps x 32 threads = 256 threads, 16 values (two 16-byte bf16 loads) per thread.
+BLOCK_V = 4096
+NUM_WARPS = 8
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
+MIN_START = tl.constexpr(-1.0e38)  # a finite "minus infinity" (logits below it count as -inf)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,30 +123,29 @@ def _cross_entropy_fwd(
         # rescales: s * exp(m - x) + 1 (x > m). Both cases need exp(-|x - m|): one exp per
         # element, and no reduction across the block inside the loop. Reductions synchronise all
         # the warps of a program, which would stall the loads; here they happen once, after it.
-        m_lane = tl.full([BLOCK_V], -float("inf"), tl.float32)
+        # The lanes start at a finite MIN_START rather than -inf, so that x - m is never
+        # -inf - (-inf) = NaN: a -inf logit (or the masked tail) then adds exp(-inf) = 0.
+        m_lane = tl.full([BLOCK_V], MIN_START, tl.float32)
         s_lane = tl.zeros([BLOCK_V], tl.float32)
         for b in range(0, n_blocks):
             cols = b * BLOCK_V + cols0
-            # Past the vocabulary end, load -inf: it never becomes a max and adds exp(-inf) = 0.
             x = tl.load(logits_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-            same = x == m_lane  # -inf - (-inf) would be NaN: subtract 0 - 0 in that case
-            d = tl.where(same, 0.0, x) - tl.where(same, 0.0, m_lane)
-            e = tl.exp(-tl.abs(d))
+            e = tl.exp2(tl.abs(x - m_lane) * -LOG2E)  # exp(-|x - m|); exp2 is the native unit
             s_lane = tl.where(x > m_lane, s_lane * e + 1.0, s_lane + e)
             m_lane = tl.maximum(m_lane, x)
-        m = tl.max(m_lane, axis=0)  # the row max; then bring every lane's sum to that max
-        # An all -inf row has m = -inf: shift by 0 instead, so no NaN is made here (the loss of
-        # such a row is still NaN, as in PyTorch, through lse - x_target = -inf + inf).
-        shift = tl.where(m == -float("inf"), 0.0, m)
-        s = tl.sum(s_lane * tl.exp(m_lane - shift), axis=0)  # lanes at -inf contribute 0
-        lse = shift + tl.log(s)  # log-sum-exp of the row
+        m = tl.max(m_lane, axis=0)  # the row max; bring every lane's sum to it and add them up
+        s = tl.sum(s_lane * tl.exp2((m_lane - m) * LOG2E), axis=0)  # lanes that saw nothing: 0
+        # log-sum-exp = m + log(s). Keep m and log(s) apart: m may be ~1000, and their rounded sum
+        # would carry an absolute error of ~1e-4 into every exponent below.
+        log2_s = tl.log2(s)
 
         in_range = (target >= 0) & (target < V)
         # An out-of-range target never reads memory: it gets NaN, which poisons loss and gradient.
         x_target = tl.load(logits_row + target, mask=in_range, other=float("nan")).to(tl.float32)
-        tl.store(Loss + row, lse - x_target)
+        # loss = lse - x_target (NaN for an all -inf row, as in PyTorch)
+        tl.store(Loss + row, (m - x_target) + log2_s / LOG2E)
 
-        # ---- sweep 2 (backwards, for L2 reuse): gradient = softmax - onehot --------------------
+        # ---- sweep 2 (backwards, for L2 reuse): gradient = (softmax - onehot) * scale ----------
         if COMPUTE_GRAD:
             scale = 1.0
             if MEAN:
@@ -153,14 +154,22 @@ def _cross_entropy_fwd(
                 n_valid = tl.load(NValid).to(tl.float32)
                 scale = 1.0 / tl.maximum(n_valid, 1.0)
             scale = tl.where(in_range, scale, float("nan"))
-            inv_s = 1.0 / s
+            # softmax * scale = exp(x - m) / s * scale = exp2((x - m) * log2(e) - log2(s)) * scale:
+            # a subtraction, a fused multiply-add, one exp2 and a multiply per element. x - m comes
+            # first (two nearby numbers: exact enough); folding m into the fused multiply-add would
+            # subtract large numbers and lose ~1e-4 of relative precision at logits ~ 1000.
             for i in range(0, n_blocks):
                 cols = (n_blocks - 1 - i) * BLOCK_V + cols0
                 mask = cols < V
                 x = tl.load(logits_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-                p = tl.exp(x - shift) * inv_s
-                g = (p - tl.where(cols == target, 1.0, 0.0)) * scale
+                g = tl.exp2((x - m) * LOG2E - log2_s) * scale
                 tl.store(grad_row + cols, g.to(Grad.dtype.element_ty), mask=mask)
+            # The one-hot part touches a single element: fix it up after the sweep instead of
+            # comparing every column with the target. The barrier makes the sweep's store of that
+            # element (by some other thread of this program) land before this one.
+            tl.debug_barrier()
+            p_target = tl.exp2((x_target - m) * LOG2E - log2_s)
+            tl.store(grad_row + target, ((p_target - 1.0) * scale).to(Grad.dtype.element_ty), mask=in_range)
 
 
 @triton.jit
@@ -193,7 +202,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def _launch_settings(V: int, block_v: int | None, num_warps: int | None):
     block_v = block_v or min(BLOCK_V, next_power_of_2(V))
-    num_warps = num_warps or max(1, min(NUM_WARPS, block_v // 256))
+    num_warps = num_warps or max(1, min(NUM_WARPS, block_v // 512))
     return block_v, num_warps
 
 
