@@ -127,14 +127,23 @@ def _rmsnorm_bwd(
     dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     n_blocks = tl.cdiv(n_rows, BLOCK_M)
+    # Software pipelining by hand: load the first row block, then in each iteration issue the
+    # loads of the *next* block before computing this one, so that memory is always busy.
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x_next = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
     for i in range(0, tl.cdiv(n_blocks - pid, n_programs)):
         block = pid + i * n_programs  # int64, since pid is
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
+        x = x_next
+        dy = dy_next.to(tl.float32)
+        rows_n = rows + n_programs * BLOCK_M  # the next block of this program (masked past the end)
+        mask_n = (rows_n < n_rows)[:, None] & col_ok[None, :]
+        x_next = tl.load(X + rows_n[:, None] * stride_x + cols[None, :], mask=mask_n, other=0.0)
+        dy_next = tl.load(DY + rows_n[:, None] * stride_dy + cols[None, :], mask=mask_n, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
 
         xf = x.to(tl.float32)
