@@ -148,10 +148,11 @@ def init_distributed(args) -> None:
     rank, size = world()
     if size == 1:
         return
-    if args.device.type != "cuda":
-        raise SystemExit("error: multi-process runs (torchrun) need one CUDA GPU per process")
-    torch.cuda.set_device(args.device)
-    torch.distributed.init_process_group("nccl", device_id=args.device)
+    if args.device.type == "cuda":
+        torch.cuda.set_device(args.device)
+        torch.distributed.init_process_group("nccl", device_id=args.device)
+    else:  # CPU processes (gloo): slow, but the same FSDP2 code path, for tests without GPUs
+        torch.distributed.init_process_group("gloo")
     log(f"Distributed: {size} processes, one GPU each; the model is sharded with FSDP2 (fully_shard).")
 
 
@@ -501,8 +502,9 @@ def train(args, kernels: dict, script: str) -> dict:
     model, tok, desc = setup_model(args, kernels)
     rank, size = world()
     n_params = count_params(model)  # a sharded (DTensor) parameter reports its global size
-    log(f"Model: {desc}, {n_params / 1e9:.2f} B parameters, bf16, on {describe_gpu(args.device)}"
-        + (f" x {size}" if size > 1 else ""))
+    count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
+    log(f"Model: {desc}, {count} parameters, bf16, on {describe_gpu(args.device)}"
+        + (f" x {size} processes" if size > 1 else ""))
     data = Batches(args, model.config.vocab_size, tok)
     optimizer = make_optimizer(model, args)
     result = RunResult(script=script, model=args.model, kernels=[k for k, v in kernels.items() if v],
@@ -539,8 +541,11 @@ def train(args, kernels: dict, script: str) -> dict:
     summary = result.summary(gpu_bf16_peak_tflops(args.device), flops_per_token(model, args.seq_len))
     if is_main():
         rows = [(k, format_value(k, v)) for k, v in summary.items()]
+        unit = "GPUs" if args.device.type == "cuda" else "processes"
         print(tabulate(rows, headers=[f"{script}: {args.model}, {args.batch_size}x{args.seq_len}"
-                                      + (f" x {size} GPUs" if size > 1 else ""), ""], tablefmt="github"))
+                                      + (f" x {size} {unit}" if size > 1 else ""), ""], tablefmt="github"))
+        if size > 1:
+            print(f"(tokens/s counts every process's tokens; the loss is rank 0's, on its own data shard)")
         path = save_json(args.tag or default_tag(script, args, size), {**asdict(result), "summary": summary})
         print(f"Saved {path}")
     if size > 1:

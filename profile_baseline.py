@@ -91,11 +91,13 @@ def _self_time_us(evt, gpu: bool) -> float:
 def report(prof, args, kernels, gpu):
     from tabulate import tabulate
 
-    events = prof.key_averages()
+    # User annotations (ProfilerStep#N, Optimizer.step#AdamW.step, record_function ranges) span
+    # the kernels inside them: counting them too would count those kernels twice.
+    events = [e for e in prof.key_averages() if not _is_annotation(e)]
     if gpu:  # kernel rows only: an aten op's self device time is its kernels' time (no double count)
         rows = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA") and _self_time_us(e, True) > 0]
     else:
-        rows = [e for e in events if _self_time_us(e, False) > 0 and not e.key.startswith("ProfilerStep")]
+        rows = [e for e in events if _self_time_us(e, False) > 0]
     total = sum(_self_time_us(e, gpu) for e in rows)
     if total <= 0:
         raise SystemExit("error: the profiler recorded no GPU kernel time. Is CUDA profiling (CUPTI) available "
@@ -133,6 +135,10 @@ def report(prof, args, kernels, gpu):
     out = RESULTS_DIR / f"profile_{label}_{args.model.replace('/', '_')}_b{args.batch_size}_s{args.seq_len}.json"
     out.write_text(json.dumps(summary, indent=1))
     log(f"Summary: {out}")
+
+
+def _is_annotation(evt) -> bool:
+    return bool(getattr(evt, "is_user_annotation", False)) or evt.key.startswith("ProfilerStep") or "#" in evt.key
 
 
 def _short(name: str, width: int = 70) -> str:
