@@ -11,7 +11,11 @@ every memory-bound kernel is held against. Each implementation is checked agains
 reference (the rule of testkit.py) before anything is timed. Times are medians (and p20-p80) of
 `triton.testing.do_bench`, which warms up, and flushes the L2 cache before every repetition, so
 even small inputs are read from GPU memory; gradients are reset between repetitions; inputs are
-random (never zeros). GB/s counts the *ideal* bytes (each input read once, each output written
+random (never zeros). Each call (forward, or forward + backward through autograd) is captured
+once in a CUDA graph and do_bench times the graph's replays: that is the GPU time a training step
+spends, without the Python and launch overhead that otherwise dominates (and adds run-to-run
+noise to) anything under ~0.5 ms. An implementation that cannot be captured (one that waits for
+the GPU on the host, for instance) is timed with ordinary launches and marked "+launch". GB/s counts the *ideal* bytes (each input read once, each output written
 once), so it says how close an implementation is to the floor, not how many bytes it moved.
 Results go to results/benchmark_<gpu>.{json,csv} and PNG plots next to them.
 
@@ -66,6 +70,42 @@ def timed(fn, grad_to_none=None):
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times), min(times), max(times)
+
+
+def timed_graph(fn, grads=()):
+    """Time the replays of a CUDA graph of `fn`; fall back to plain launches if capture fails.
+
+    Returns ((median, p20, p80) in us, captured: bool). `grads`: tensors whose .grad a call sets;
+    they are reset before capture, so every replay *writes* (not accumulates) the same gradients.
+    """
+    if not ON_GPU:
+        return timed(fn, grad_to_none=list(grads)), False
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the capture (compilation, autotuning)
+            for _ in range(2):
+                for t in grads:
+                    t.grad = None
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        for t in grads:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001  (e.g. a host sync inside fn: capture is not possible)
+        torch.cuda.synchronize()
+        return timed(fn, grad_to_none=list(grads)), False
+    result = timed(graph.replay)
+    del graph
+    for t in grads:
+        t.grad = None
+    return result, True
+
+
+def _label(name: str, captured: bool) -> str:
+    return name if captured or not ON_GPU else name + " +launch"
 
 
 def peak_extra_mb(fn, grad_to_none=()):
@@ -138,11 +178,11 @@ def bench_rmsnorm(N, H, dtype, impls, check=True):
     for name, fn in impls.items():
         if check:
             checked(name, lambda: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256]))
-        fwd = timed(lambda: fn(x.detach(), w.detach(), 1e-5))
-        # autograd may consume dy in place (Liger does): give it a fresh view each time
-        fb = timed(lambda: fn(x, w, 1e-5).backward(dy), grad_to_none=[x, w])
+        fwd, g1 = timed_graph(lambda: fn(x.detach(), w.detach(), 1e-5))
+        fb, g2 = timed_graph(lambda: fn(x, w, 1e-5).backward(dy), grads=[x, w])
         mem = peak_extra_mb(lambda: fn(x, w, 1e-5).backward(dy), grad_to_none=[x, w])
-        rows.append(dict(kernel="rmsnorm", impl=name, tokens=N, width=H, dtype=str(dtype).split(".")[-1],
+        rows.append(dict(kernel="rmsnorm", impl=_label(name, g1 and g2), tokens=N, width=H,
+                         dtype=str(dtype).split(".")[-1],
                          fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=2 * N * H * elt, fwdbwd_bytes=5 * N * H * elt,
                          peak_extra_mb=mem))
     return rows
@@ -202,11 +242,15 @@ def bench_cross_entropy(N, V, dtype, impls, check=True):
         # In-place implementations overwrite `logits` with the gradient, so later repetitions read
         # the previous gradient as logits: finite, non-zero values; the work per element is the
         # same (an exp each), so the time is too.
-        with torch.no_grad():
-            fwd = timed(lambda: fn(logits, targets))
-        fb = timed(lambda: fn(logits, targets).backward(), grad_to_none=[logits])
+        def fwd_only():
+            with torch.no_grad():
+                fn(logits, targets)
+
+        fwd, g1 = timed_graph(fwd_only)
+        fb, g2 = timed_graph(lambda: fn(logits, targets).backward(), grads=[logits])
         mem = peak_extra_mb(lambda: fn(logits, targets).backward(), grad_to_none=[logits])
-        rows.append(dict(kernel="cross_entropy", impl=name, tokens=N, width=V, dtype=str(dtype).split(".")[-1],
+        rows.append(dict(kernel="cross_entropy", impl=_label(name, g1 and g2), tokens=N, width=V,
+                         dtype=str(dtype).split(".")[-1],
                          fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=N * V * elt, fwdbwd_bytes=2 * N * V * elt,
                          peak_extra_mb=mem))
         logits.grad = None
@@ -236,7 +280,7 @@ def add_derived(rows, copy_gbs):
     for r in rows:
         by_case.setdefault((r["kernel"], r["tokens"], r["width"]), []).append(r)
     for case in by_case.values():
-        eager = next((r for r in case if r["impl"] == "eager"), None)
+        eager = next((r for r in case if r["impl"].split(" ")[0] == "eager"), None)
         for r in case:
             for phase in ("fwd", "fwdbwd"):
                 us = r[f"{phase}_us"][0]
