@@ -101,6 +101,7 @@ def timed_graph(fn, grads=()):
     del graph
     for t in grads:
         t.grad = None
+    torch.cuda.empty_cache()  # a graph's private memory pool is only returned by this
     return result, True
 
 
@@ -145,6 +146,17 @@ def liger():
         return None
 
 
+def guarded(name, size, measure):
+    """Run one implementation's measurement; out of GPU memory skips it (with a warning), not the run."""
+    try:
+        measure()
+    except torch.cuda.OutOfMemoryError:
+        print(f"  WARNING: {name} ran out of GPU memory at {size}; skipped")
+    finally:
+        if ON_GPU:
+            torch.cuda.empty_cache()
+
+
 def checked(name, check):
     """Run a correctness check: ours must pass; a peer that fails is timed anyway, with a warning."""
     try:
@@ -176,15 +188,17 @@ def bench_rmsnorm(N, H, dtype, impls, check=True):
     elt = x.element_size()
     rows = []
     for name, fn in impls.items():
-        if check:
-            checked(name, lambda: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256]))
-        fwd, g1 = timed_graph(lambda: fn(x.detach(), w.detach(), 1e-5))
-        fb, g2 = timed_graph(lambda: fn(x, w, 1e-5).backward(dy), grads=[x, w])
-        mem = peak_extra_mb(lambda: fn(x, w, 1e-5).backward(dy), grad_to_none=[x, w])
-        rows.append(dict(kernel="rmsnorm", impl=_label(name, g1 and g2), tokens=N, width=H,
-                         dtype=str(dtype).split(".")[-1],
-                         fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=2 * N * H * elt, fwdbwd_bytes=5 * N * H * elt,
-                         peak_extra_mb=mem))
+        def measure():
+            if check:
+                checked(name, lambda: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256]))
+            fwd, g1 = timed_graph(lambda: fn(x.detach(), w.detach(), 1e-5))
+            fb, g2 = timed_graph(lambda: fn(x, w, 1e-5).backward(dy), grads=[x, w])
+            mem = peak_extra_mb(lambda: fn(x, w, 1e-5).backward(dy), grad_to_none=[x, w])
+            rows.append(dict(kernel="rmsnorm", impl=_label(name, g1 and g2), tokens=N, width=H,
+                             dtype=str(dtype).split(".")[-1],
+                             fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=2 * N * H * elt, fwdbwd_bytes=5 * N * H * elt,
+                             peak_extra_mb=mem))
+        guarded(name, f"{N}x{H}", measure)
     return rows
 
 
@@ -237,23 +251,25 @@ def bench_cross_entropy(N, V, dtype, impls, check=True):
     elt = logits.element_size()
     rows = []
     for name, fn in impls.items():
-        if check:
-            checked(name, lambda: _check_ce(name, fn, logits[:256].detach(), targets[:256]))
-        # In-place implementations overwrite `logits` with the gradient, so later repetitions read
-        # the previous gradient as logits: finite, non-zero values; the work per element is the
-        # same (an exp each), so the time is too.
-        def fwd_only():
-            with torch.no_grad():
-                fn(logits, targets)
+        def measure():
+            if check:
+                checked(name, lambda: _check_ce(name, fn, logits[:256].detach(), targets[:256]))
+            # In-place implementations overwrite `logits` with the gradient, so later repetitions read
+            # the previous gradient as logits: finite, non-zero values; the work per element is the
+            # same (an exp each), so the time is too.
+            def fwd_only():
+                with torch.no_grad():
+                    fn(logits, targets)
 
-        fwd, g1 = timed_graph(fwd_only)
-        fb, g2 = timed_graph(lambda: fn(logits, targets).backward(), grads=[logits])
-        mem = peak_extra_mb(lambda: fn(logits, targets).backward(), grad_to_none=[logits])
-        rows.append(dict(kernel="cross_entropy", impl=_label(name, g1 and g2), tokens=N, width=V,
-                         dtype=str(dtype).split(".")[-1],
-                         fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=N * V * elt, fwdbwd_bytes=2 * N * V * elt,
-                         peak_extra_mb=mem))
-        logits.grad = None
+            fwd, g1 = timed_graph(fwd_only)
+            fb, g2 = timed_graph(lambda: fn(logits, targets).backward(), grads=[logits])
+            mem = peak_extra_mb(lambda: fn(logits, targets).backward(), grad_to_none=[logits])
+            rows.append(dict(kernel="cross_entropy", impl=_label(name, g1 and g2), tokens=N, width=V,
+                             dtype=str(dtype).split(".")[-1],
+                             fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=N * V * elt, fwdbwd_bytes=2 * N * V * elt,
+                             peak_extra_mb=mem))
+            logits.grad = None
+        guarded(name, f"{N}x{V}", measure)
     return rows
 
 
