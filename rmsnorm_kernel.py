@@ -219,7 +219,10 @@ def rmsnorm_backward(dy2, x2, weight, rstd, need_dw: bool, programs_per_sm: int 
     block_m = block_m or _block_rows(block_h, BWD_TARGET_ELEMENTS)
     num_warps = num_warps or _num_warps(block_m * block_h)
     n_blocks = triton.cdiv(n_rows, block_m)
-    n_programs = min(n_blocks, num_sms(x2.device) * (programs_per_sm or BWD_PROGRAMS_PER_SM))
+    # Two programs of 32 warps would need two SMs' worth of threads: then keep one per SM, or the
+    # persistent grid would run in two waves (seen at H = 16384: half the bandwidth).
+    programs_per_sm = programs_per_sm or (1 if num_warps >= 32 else BWD_PROGRAMS_PER_SM)
+    n_programs = min(n_blocks, num_sms(x2.device) * programs_per_sm)
     # Partial sums in fp32, one row per program: at most ~264 x H x 4 bytes, a few MB.
     dw_partial = torch.empty((n_programs, H) if need_dw else (1, 1), dtype=torch.float32, device=x2.device)
     _rmsnorm_bwd[(n_programs,)](
