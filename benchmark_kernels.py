@@ -33,12 +33,17 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Graph pools and 8-25 GB peers fragment the caching allocator; expandable segments let freed
+# memory be reused by the next size (set before torch touches the GPU).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
@@ -80,6 +85,7 @@ def timed_graph(fn, grads=()):
     """
     if not ON_GPU:
         return timed(fn, grad_to_none=list(grads)), False
+    graph = None
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -95,7 +101,9 @@ def timed_graph(fn, grads=()):
         with torch.cuda.graph(graph):
             fn()
     except Exception:  # noqa: BLE001  (e.g. a host sync inside fn: capture is not possible)
+        del graph  # release the failed capture's memory pool before timing plain launches
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return timed(fn, grad_to_none=list(grads)), False
     result = timed(graph.replay)
     del graph
@@ -464,14 +472,13 @@ def main():
         impls = {}
         for N, H in rms_cases:
             impls.setdefault(H, rmsnorm_impls(H, dtype))
-            rows += bench_rmsnorm(N, H, dtype, impls[H])
+            guarded("inputs", f"{N}x{H}", lambda: rows.extend(bench_rmsnorm(N, H, dtype, impls[H])))
             print(f"  rmsnorm {N}x{H} done", flush=True)
     if args.kernel in ("cross_entropy", "all"):
         impls = ce_impls()
         for N, V in ce_cases:
-            rows += bench_cross_entropy(N, V, dtype, impls)
+            guarded("inputs", f"{N}x{V}", lambda: rows.extend(bench_cross_entropy(N, V, dtype, impls)))
             print(f"  cross_entropy {N}x{V} done", flush=True)
-            torch.cuda.empty_cache() if ON_GPU else None
     add_derived(rows, copy)
     tag = "smoke" if args.smoke else gpu.replace("NVIDIA ", "").replace(" ", "_")
     paths = save(rows, meta, tag)
