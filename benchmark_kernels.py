@@ -365,21 +365,25 @@ def plot(rows, meta, tag):
         fig, axes = plt.subplots(1, 2 if kernel == "cross_entropy" else 1, figsize=(13 if kernel == "cross_entropy" else 7, 4.5))
         axes = axes if isinstance(axes, (list, tuple)) or hasattr(axes, "__len__") else [axes]
         ax = axes[0]
-        for impl in dict.fromkeys(r["impl"] for r in sel):
-            pts = sorted((r["tokens"], r["fwdbwd_gbs"]) for r in sel if r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        base = lambda r: r["impl"].split(" +")[0]  # noqa: E731  (one line per implementation)
+        for impl in dict.fromkeys(base(r) for r in sel):
+            pts = sorted((r["tokens"], r["fwdbwd_gbs"], "+launch" in r["impl"]) for r in sel if base(r) == impl)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            launched = [p for p in pts if p[2]]  # hollow markers: timed with plain launches
+            ax.plot([p[0] for p in launched], [p[1] for p in launched], "o", mfc="white", color=line.get_color())
         if meta.get("copy_gbs"):
             ax.axhline(meta["copy_gbs"], color="k", linestyle="--", label=f"copy bandwidth {meta['copy_gbs']:.0f} GB/s")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
         ax.set_ylabel("forward+backward GB/s (ideal bytes / time)")
-        ax.set_title(f"{kernel}, width {sweep_width}, {meta['dtype']}, {meta['gpu']}")
+        ax.set_title(f"{kernel}, width {sweep_width}, {meta['dtype']}, {meta['gpu']}\n"
+                     "(hollow: timed with plain launches, no CUDA graph)", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         if kernel == "cross_entropy":
             ax2 = axes[1]
-            for impl in dict.fromkeys(r["impl"] for r in sel):
-                pts = sorted((r["tokens"], r["peak_extra_mb"] or 0) for r in sel if r["impl"] == impl)
+            for impl in dict.fromkeys(base(r) for r in sel):
+                pts = sorted((r["tokens"], r["peak_extra_mb"] or 0) for r in sel if base(r) == impl)
                 ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
             ax2.set_xscale("log", base=2)
             ax2.set_xlabel("tokens")
