@@ -28,7 +28,8 @@ test: $(SETUP)
 setup: $(SETUP)
 
 .deps-system: requirements.txt
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -c "import transformers, accelerate, huggingface_hub, tabulate, tqdm, matplotlib, pytest" 2>/dev/null \
+		|| $(PY) -m pip install -q -r requirements.txt
 	@touch $@
 
 .venv/.done: requirements.txt
