@@ -12,7 +12,9 @@ every step and for every final parameter tensor.
 """
 
 import argparse
+import contextlib
 import functools
+import io
 import os
 from pathlib import Path
 
@@ -76,6 +78,46 @@ def test_apply_kernels_replaces_every_rmsnorm_and_the_loss():
     assert report["rmsnorm"] == len(norms) == 2 * 3 + 1, "2 per layer + the final norm"
     assert model.loss_function.__qualname__.startswith("fused_causal_lm_loss")
     record("3 layers: 7 RMSNorm modules replaced, loss patched", 0.0, 0.0, True)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_apply_kernels_on_other_families(family):
+    """Same-family models are patched too (Qwen3 adds q_norm / k_norm: 4 per layer + 1)."""
+    import transformers
+
+    cfg_cls = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family]
+    lm_cls = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    cfg = getattr(transformers, cfg_cls)(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    base = getattr(transformers, lm_cls)(cfg).eval()
+    patched = getattr(transformers, lm_cls)(cfg).eval()
+    patched.load_state_dict(base.state_dict())
+    report = apply_kernels(patched, verbose=False)
+    assert report["rmsnorm"] == common.expected_rmsnorm_count(cfg) == (4 if family == "qwen3" else 2) * 2 + 1
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        ref = base(input_ids=ids, labels=ids).loss
+        ours = patched(input_ids=ids, labels=ids).loss
+    close_to_reference(f"{family}: loss with kernels vs without", ours, ref, ref.double(), torch.float32, n=128, factor=0)
+
+
+def test_default_model_unavailable_falls_back_to_the_preset():
+    """No token / offline: one clear paragraph, then the 8B preset (here on the meta device)."""
+    args = _args(model=common.DEFAULT_MODEL, model_explicit=False, num_layers=1, device=torch.device("meta"))
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            model, tok, desc = common.load_model(args)
+    finally:
+        os.environ.pop("HF_HUB_OFFLINE") if old is None else os.environ.__setitem__("HF_HUB_OFFLINE", old)
+    out = printed.getvalue()
+    assert args.model == "llama-3.1-8b" and "unavailable" in desc and tok is None
+    assert model.config.hidden_size == 4096 and model.config.num_hidden_layers == 1
+    assert "HF_TOKEN" in out and "loss values are not meaningful" in out, out
+    record("fallback to the llama-3.1-8b preset with advice", 0.0, 0.0, True)
 
 
 def test_patched_loss_equals_hugging_face_loss():
