@@ -25,7 +25,7 @@ The peers, stated plainly:
   eager-bf16      F.cross_entropy straight on the bf16 logits (no upcast)
   torch.compile   torch.compile of the same eager function (default mode)
   liger           Liger-Kernel's RMSNorm and cross-entropy (gradient written in place), if installed
-  ours            rmsnorm_kernel.py / cross_entropy_kernel.py (cross-entropy: gradient in place)
+  ours            rmsnorm_kernel.py / cross_entropy_kernel.py (gradient in place) / swiglu_kernel.py
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import kernel_utils  # noqa: F401  (selects the interpreter on machines without 
 from cross_entropy_kernel import cross_entropy
 from kernel_utils import DEVICE
 from rmsnorm_kernel import rmsnorm, rmsnorm_backward, rmsnorm_forward, rmsnorm_ref
+from swiglu_kernel import swiglu, swiglu_ref
 from testkit import close_to_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -297,6 +298,50 @@ def _check_ce(name, fn, logits, targets):
 
 
 # ------------------------------------------------------------------------------------------------
+# SwiGLU
+# ------------------------------------------------------------------------------------------------
+def swiglu_impls():
+    impls = {"ours": swiglu, "eager": swiglu_ref, "torch.compile": compiled(swiglu_ref)}
+    if liger() is not None and ON_GPU:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        impls["liger"] = LigerSiLUMulFunction.apply
+    return impls
+
+
+def bench_swiglu(N, I, dtype, impls, check=True):
+    g = torch.Generator(device="cpu").manual_seed(N + I)
+    gate = (torch.randn(N, I, generator=g) * 3).to(DEVICE, dtype).requires_grad_()
+    up = torch.randn(N, I, generator=g).to(DEVICE, dtype).requires_grad_()
+    dh = torch.randn(N, I, generator=g).to(DEVICE, dtype)
+    elt = gate.element_size()
+    rows = []
+    for name, fn in impls.items():
+        def measure():
+            if check:
+                checked(name, lambda: _check_swiglu(name, fn, gate[:64].detach(), up[:64].detach(), dh[:64]))
+            fwd, g1 = timed_graph(lambda: fn(gate.detach(), up.detach()))
+            fb, g2 = timed_graph(lambda: fn(gate, up).backward(dh), grads=[gate, up])
+            mem = peak_extra_mb(lambda: fn(gate, up).backward(dh), grad_to_none=[gate, up])
+            rows.append(dict(kernel="swiglu", impl=_label(name, g1 and g2), tokens=N, width=I,
+                             dtype=str(dtype).split(".")[-1], fwd_us=fwd, fwdbwd_us=fb,
+                             fwd_bytes=3 * N * I * elt, fwdbwd_bytes=8 * N * I * elt, peak_extra_mb=mem))
+        guarded(name, f"{N}x{I}", measure)
+    return rows
+
+
+def _check_swiglu(name, fn, gate, up, dh):
+    outs = []
+    for f, cast in ((fn, lambda t: t), (swiglu_ref, lambda t: t), (swiglu_ref, lambda t: t.double())):
+        gi, ui = cast(gate).clone().requires_grad_(), cast(up).clone().requires_grad_()
+        h = f(gi, ui)
+        h.backward(cast(dh).clone())
+        outs.append((h, gi.grad, ui.grad))
+    for i, what in enumerate(("h", "dgate", "dup")):
+        close_to_reference(f"swiglu {name} {what}", outs[0][i], outs[1][i], outs[2][i], gate.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
 # Reporting
 # ------------------------------------------------------------------------------------------------
 def add_derived(rows, copy_gbs):
@@ -356,7 +401,7 @@ def plot(rows, meta, tag):
     import matplotlib.pyplot as plt
 
     paths = []
-    for kernel in ("rmsnorm", "cross_entropy"):
+    for kernel in ("rmsnorm", "cross_entropy", "swiglu"):
         widths = [r["width"] for r in rows if r["kernel"] == kernel]
         if not widths:
             continue
@@ -436,7 +481,7 @@ def tune(dtype):
 # ------------------------------------------------------------------------------------------------
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", choices=["rmsnorm", "cross_entropy", "all"], default="all")
+    p.add_argument("--kernel", choices=["rmsnorm", "cross_entropy", "swiglu", "all"], default="all")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--sizes", default=None, help="comma-separated token counts (replaces the default sweeps)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: runs the harness end to end, even on a CPU")
@@ -453,10 +498,12 @@ def main():
     if args.smoke:
         rms_cases = [(64, 256), (48, 100)]
         ce_cases = [(16, 1000), (8, 32001)]
+        swiglu_cases = [(32, 300)]
     else:
         toks = [int(s) for s in args.sizes.split(",")] if args.sizes else None
         rms_cases = [(n, 4096) for n in (toks or [1024, 2048, 4096, 8192, 16384, 32768])]
         ce_cases = [(n, 128256) for n in (toks or [512, 1024, 2048, 4096, 8192, 16384])]
+        swiglu_cases = [(n, 14336) for n in (toks or [1024, 4096, 8192, 16384])]
         if not toks:
             rms_cases += [(16384, h) for h in (1024, 2048, 8192, 16384)]
             ce_cases += [(4096, v) for v in (32000, 151936, 256000)]
@@ -483,6 +530,11 @@ def main():
         for N, V in ce_cases:
             guarded("inputs", f"{N}x{V}", lambda: rows.extend(bench_cross_entropy(N, V, dtype, impls)))
             print(f"  cross_entropy {N}x{V} done", flush=True)
+    if args.kernel in ("swiglu", "all"):
+        impls = swiglu_impls()
+        for N, I in swiglu_cases:
+            guarded("inputs", f"{N}x{I}", lambda: rows.extend(bench_swiglu(N, I, dtype, impls)))
+            print(f"  swiglu {N}x{I} done", flush=True)
     add_derived(rows, copy)
     tag = "smoke" if args.smoke else gpu.replace("NVIDIA ", "").replace(" ", "_")
     paths = save(rows, meta, tag)

@@ -16,5 +16,6 @@ def test_benchmark_smoke_writes_tables_and_plots():
     data = json.loads((HERE / "results" / "benchmark_smoke.json").read_text())
     impls = {(r["kernel"], r["impl"]) for r in data["rows"]}
     assert {("rmsnorm", "ours"), ("rmsnorm", "eager"), ("cross_entropy", "ours"), ("cross_entropy", "eager")} <= impls
-    for kernel in ("rmsnorm", "cross_entropy"):
+    assert ("swiglu", "ours") in impls
+    for kernel in ("rmsnorm", "cross_entropy", "swiglu"):
         assert (HERE / "results" / f"benchmark_{kernel}_smoke.png").stat().st_size > 10_000

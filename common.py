@@ -31,7 +31,7 @@ import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines wit
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
-KERNEL_NAMES = ("rmsnorm", "ce")
+KERNEL_NAMES = ("rmsnorm", "ce", "swiglu")
 
 # ------------------------------------------------------------------------------------------------
 # Presets
@@ -125,7 +125,7 @@ def parse_kernels(spec: str) -> dict:
     unknown = [n for n in names if n not in KERNEL_NAMES]
     if unknown:
         raise SystemExit(f"error: unknown kernel(s) {unknown}; choose from {', '.join(KERNEL_NAMES)} or 'none'")
-    return {"rmsnorm": "rmsnorm" in names, "cross_entropy": "ce" in names}
+    return {"rmsnorm": "rmsnorm" in names, "cross_entropy": "ce" in names, "swiglu": "swiglu" in names}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,14 +273,13 @@ class Batches:
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _rmsnorm_classes():
-    """RMSNorm classes of the supported families, resolved as classes (not by name strings)."""
+def _family_classes(suffix: str):
+    """`<Family><suffix>` classes (RMSNorm, MLP) of the supported families, resolved as classes."""
     classes = []
-    for family, cls in (("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"),
-                        ("qwen2", "Qwen2RMSNorm"), ("qwen3", "Qwen3RMSNorm")):
+    for family, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")):
         try:
-            module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=[cls])
-            classes.append(getattr(module, cls))
+            module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=[prefix + suffix])
+            classes.append(getattr(module, prefix + suffix))
         except (ImportError, AttributeError):
             pass
     return tuple(classes)
@@ -318,7 +317,7 @@ def fused_causal_lm_loss(inplace_grad: bool):
     return loss_fn
 
 
-def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = True,
+def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = True, swiglu: bool = False,
                   ce_inplace_grad: bool = True, verbose: bool = True) -> dict:
     """Patch a Hugging Face causal LM in place with the Triton kernels. Returns what was replaced.
 
@@ -327,6 +326,8 @@ def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = 
     cross_entropy: the model's loss becomes the fused cross-entropy. With `ce_inplace_grad` the
         gradient overwrites the logits during the forward pass (no [tokens, vocab] gradient
         buffer): after `model(..., labels=...)`, `outputs.logits` holds gradients, not logits.
+    swiglu: every MLP (found by class; one per layer, checked) computes silu(gate) * up with the
+        fused SwiGLU kernel; only for models whose activation is SiLU.
     """
     from rmsnorm_kernel import TritonRMSNorm
 
@@ -337,9 +338,9 @@ def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = 
             f"apply_kernels supports Hugging Face models of type {', '.join(SUPPORTED_MODEL_TYPES)}; "
             f"this model is {model_type!r} ({type(model).__name__})"
         )
-    report = {"rmsnorm": 0, "cross_entropy": False}
+    report = {"rmsnorm": 0, "cross_entropy": False, "swiglu": 0}
     if rmsnorm:
-        classes = _rmsnorm_classes()
+        classes = _family_classes("RMSNorm")
         targets = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
         for name, module in targets:
             parent_name, _, child = name.rpartition(".")
@@ -353,10 +354,24 @@ def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = 
     if cross_entropy:
         model.loss_function = fused_causal_lm_loss(ce_inplace_grad)
         report["cross_entropy"] = True
+    if swiglu:
+        import types
+
+        from swiglu_kernel import swiglu_mlp_forward
+
+        if getattr(config, "hidden_act", None) != "silu":
+            raise NotImplementedError(f"the fused SwiGLU needs hidden_act='silu', this model uses {config.hidden_act!r}")
+        mlps = [m for m in model.modules() if isinstance(m, _family_classes("MLP"))]
+        if len(mlps) != config.num_hidden_layers:
+            raise RuntimeError(f"found {len(mlps)} MLP modules, expected one per layer ({config.num_hidden_layers})")
+        for mlp in mlps:
+            mlp.forward = types.MethodType(swiglu_mlp_forward, mlp)
+        report["swiglu"] = len(mlps)
     if verbose:
         log(f"apply_kernels: {report['rmsnorm']} RMSNorm modules -> TritonRMSNorm; loss -> "
             + ("fused cross-entropy" + (" (gradient written into the logits)" if ce_inplace_grad else "")
-               if cross_entropy else "PyTorch (unchanged)"))
+               if cross_entropy else "PyTorch (unchanged)")
+            + (f"; {report['swiglu']} MLPs -> fused SwiGLU" if swiglu else ""))
     return report
 
 
@@ -475,7 +490,8 @@ def setup_model(args, kernels: dict):
     model.config.use_cache = False
     model.train()
     if any(kernels.values()):
-        apply_kernels(model, rmsnorm=kernels["rmsnorm"], cross_entropy=kernels["cross_entropy"])
+        apply_kernels(model, rmsnorm=kernels.get("rmsnorm", False), cross_entropy=kernels.get("cross_entropy", False),
+                      swiglu=kernels.get("swiglu", False))
     if world()[1] > 1:
         shard_model(model)
     return model, tok, desc

@@ -45,7 +45,7 @@ def _train(kernels: bool, dtype: torch.dtype):
     model.config.use_cache = False
     model.train()
     if kernels:
-        apply_kernels(model, verbose=False)
+        apply_kernels(model, swiglu=True, verbose=False)  # every kernel on
     opt = make_optimizer(model, args)
     data = Batches(args, model.config.vocab_size)
     losses = [training_step(model, opt, data.get(i, args.device)).float() for i in range(STEPS)]
@@ -73,9 +73,10 @@ def test_final_parameters_match_baseline():
 
 def test_apply_kernels_replaces_every_rmsnorm_and_the_loss():
     model, _ = build_preset("llama-tiny", 3, torch.device("cpu"), torch.float32)
-    report = apply_kernels(model, verbose=False)
+    report = apply_kernels(model, swiglu=True, verbose=False)
     norms = [m for m in model.modules() if isinstance(m, TritonRMSNorm)]
     assert report["rmsnorm"] == len(norms) == 2 * 3 + 1, "2 per layer + the final norm"
+    assert report["swiglu"] == 3 and all(l.mlp.forward.__func__.__name__ == "swiglu_mlp_forward" for l in model.model.layers)
     assert model.loss_function.__qualname__.startswith("fused_causal_lm_loss")
     record("3 layers: 7 RMSNorm modules replaced, loss patched", 0.0, 0.0, True)
 
@@ -93,8 +94,9 @@ def test_apply_kernels_on_other_families(family):
     base = getattr(transformers, lm_cls)(cfg).eval()
     patched = getattr(transformers, lm_cls)(cfg).eval()
     patched.load_state_dict(base.state_dict())
-    report = apply_kernels(patched, verbose=False)
+    report = apply_kernels(patched, swiglu=True, verbose=False)
     assert report["rmsnorm"] == common.expected_rmsnorm_count(cfg) == (4 if family == "qwen3" else 2) * 2 + 1
+    assert report["swiglu"] == 2
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
         ref = base(input_ids=ids, labels=ids).loss

@@ -31,6 +31,7 @@ from common import (RESULTS_DIR, Batches, base_parser, finish_args, log, make_op
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
     ("loss", r"_cross_entropy|_scale_rows|softmax|nll_loss|cross_entropy"),
+    ("SwiGLU", r"_swiglu|silu"),
     ("optimizer", r"adam|multi_tensor_apply|foreach|optimizer"),
     ("attention", r"flash|fmha|attention|sdpa|efficient|cudnn"),
     ("matrix multiply", r"gemm|xmma|nvjet|cutlass|cublas|gemv|splitk|sm\d\d_|_mma|matmul|aten::(mm|bmm|addmm|linear)\b"),
@@ -52,11 +53,13 @@ def main():
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--use-custom-rmsnorm", action="store_true", help="profile with the Triton RMSNorm")
     p.add_argument("--use-custom-ce", action="store_true", help="profile with the fused cross-entropy")
+    p.add_argument("--use-custom-swiglu", action="store_true", help="profile with the fused SwiGLU")
     args = p.parse_args()
     if args.steps is None:
         args.steps = WAIT + WARMUP + ACTIVE
     args = finish_args(args)
-    kernels = {"rmsnorm": args.use_custom_rmsnorm, "cross_entropy": args.use_custom_ce}
+    kernels = {"rmsnorm": args.use_custom_rmsnorm, "cross_entropy": args.use_custom_ce,
+               "swiglu": args.use_custom_swiglu}
     model, tok, desc = setup_model(args, kernels)
     data = Batches(args, model.config.vocab_size, tok)
     optimizer = make_optimizer(model, args)
