@@ -102,7 +102,7 @@ def timed_graph(fn, grads=()):
         with torch.cuda.graph(graph):
             fn()
     except Exception:  # noqa: BLE001  (e.g. a host sync inside fn: capture is not possible)
-        del graph  # release the failed capture's memory pool before timing plain launches
+        graph = None  # drop the failed capture (and its memory pool) before timing plain launches
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return timed(fn, grad_to_none=list(grads)), False

@@ -550,7 +550,6 @@ def train(args, kernels: dict, script: str) -> dict:
             if is_main() and ((step + 1) % args.log_every == 0 or step == total - 1):
                 bar.write(f"step {step + 1:4d}/{total}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms")
     except torch.cuda.OutOfMemoryError as err:
-        del model, optimizer
         raise SystemExit(oom_message(args, err)) from None
     if args.device.type == "cuda":
         result.peak_memory_gb = torch.cuda.max_memory_allocated(args.device) / 1e9
@@ -561,7 +560,7 @@ def train(args, kernels: dict, script: str) -> dict:
         print(tabulate(rows, headers=[f"{script}: {args.model}, {args.batch_size}x{args.seq_len}"
                                       + (f" x {size} {unit}" if size > 1 else ""), ""], tablefmt="github"))
         if size > 1:
-            print(f"(tokens/s counts every process's tokens; the loss is rank 0's, on its own data shard)")
+            print("(tokens/s counts every process's tokens; the loss is rank 0's, on its own data shard)")
         path = save_json(args.tag or default_tag(script, args, size), {**asdict(result), "summary": summary})
         print(f"Saved {path}")
     if size > 1:

@@ -80,6 +80,14 @@ def record(name: str, err: float, tol: float, passed: bool, note: str = ""):
     assert passed, f"{name}: max error {err:.3e} > tolerance {tol:.3e} {note}".rstrip()
 
 
+def expect_error(error: type, call, *args) -> str:
+    """`call(*args)` must raise `error` (a clear message, not a traceback deep inside); record it."""
+    with pytest.raises(error) as info:
+        call(*args)
+    record(f"{error.__name__}: {str(info.value)[:40]}...", 0.0, 0.0, True)
+    return str(info.value)
+
+
 def random_like_grad(t: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """A random, non-uniform upstream gradient (a uniform one hides per-row scaling bugs)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
