@@ -120,7 +120,14 @@ def test_frozen_weight_and_frozen_input():
 
 
 def test_matches_hugging_face_module():
-    """Bit-compatible with transformers' LlamaRMSNorm in bf16, and the swap shares the weight."""
+    """Same numerics as transformers' LlamaRMSNorm in bf16, and the swap shares the weight.
+
+    On a GPU the kernel rounds like PyTorch (to nearest even), so outputs are bit-identical except
+    where the fp32 sums of squares, added in another order, tip x * rstd across a rounding tie:
+    about 1 element in 10^4. At most 1% may differ (rounding before or after the weight multiply,
+    the bug this guards against, changes about half of them). Triton's *interpreter* truncates
+    fp32 -> bf16 instead, so on a CPU only the 2-ulp bound below is checked.
+    """
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     hf = LlamaRMSNorm(256, eps=1e-5).to(device=DEVICE, dtype=torch.bfloat16)
@@ -129,14 +136,15 @@ def test_matches_hugging_face_module():
     ours = TritonRMSNorm.from_llama_rmsnorm(hf)
     assert ours.weight is hf.weight, "from_llama_rmsnorm must share, not copy, the Parameter"
     assert ours.variance_epsilon == 1e-5
-    x, _ = _inputs((5, 7, 256), torch.bfloat16)
+    x, _ = _inputs((64, 7, 256), torch.bfloat16)
     y_hf, y = hf(x), ours(x)
-    # Same fp32 math and the same two roundings to bf16 (x_hat, then w * x_hat). Only the order of
-    # the fp32 sum of squares differs, which can flip the rounding of x_hat by 1 ulp; w (< 1.5)
-    # carries that into y, and y's own rounding may then flip too: at most 2 bf16 ulps of |y|.
+    # One flip of x_hat's rounding (1 ulp), carried by w (< 1.5), then y's own rounding: <= 2 ulps.
     err = (y.double() - y_hf.double()).abs().max().item()
     tol = 2 * 2.0**-7 * y_hf.double().abs().max().item()
-    record("same output as LlamaRMSNorm (bf16)", err, tol, err <= tol)
+    record("same output as LlamaRMSNorm (bf16), max difference", err, tol, err <= tol)
+    if ON_GPU:
+        differ = (y != y_hf).float().mean().item()
+        record("fraction of bf16 outputs not bit-identical to HF", differ, 0.01, differ <= 0.01)
 
 
 def test_module_constructor():
