@@ -69,7 +69,7 @@ def side_by_side(base_tag: str, opt_tag: str) -> None:
     print(f"\nBaseline vs optimized ({base['model']}, {base['batch_size']} x {base['seq_len']} tokens, {base['gpu']}):")
     if "CPU" in base["gpu"]:
         print("(CPU run: the kernels ran in Triton's interpreter, so the timings compare nothing real; "
-              "the loss columns show that both runs learn the same thing.)")
+              "the final loss row shows that both runs learn the same thing.)")
     kernels = " + ".join(opt.get("kernels", [])) or "no kernels"
     print(tabulate(rows, headers=["", "baseline", f"optimized ({kernels})", "optimized / baseline"],
                    tablefmt="github"))
