@@ -484,7 +484,7 @@ def describe_gpu(device: torch.device) -> str:
 
 
 def setup_model(args, kernels: dict):
-    """Load the model, apply the kernels, shard under torchrun. Returns (model, description)."""
+    """Load the model, apply the kernels, shard under torchrun. Returns (model, tokenizer, description)."""
     init_distributed(args)
     model, tok, desc = load_model(args)
     model.config.use_cache = False
