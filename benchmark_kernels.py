@@ -176,6 +176,29 @@ def checked(name, check):
         print(f"  WARNING: {name} does not match the float64 reference: {e}")
 
 
+def _measure_impls(kernel, impls, N, width, dtype, grads, fwd_bytes, fwdbwd_bytes, check, forward, forward_backward):
+    """Check, then time forward and forward + backward of every implementation; one row each.
+
+    check(name, fn), forward(fn), forward_backward(fn): the kernel-specific calls on its inputs.
+    grads: the leaf inputs whose .grad a backward sets (reset around every measurement).
+    """
+    rows = []
+    for name, fn in impls.items():
+        def measure():
+            if check is not None:
+                checked(name, lambda: check(name, fn))
+            fwd, g1 = timed_graph(lambda: forward(fn))
+            fb, g2 = timed_graph(lambda: forward_backward(fn), grads=grads)
+            mem = peak_extra_mb(lambda: forward_backward(fn), grad_to_none=grads)
+            rows.append(dict(kernel=kernel, impl=_label(name, g1 and g2), tokens=N, width=width,
+                             dtype=str(dtype).split(".")[-1], fwd_us=fwd, fwdbwd_us=fb,
+                             fwd_bytes=fwd_bytes, fwdbwd_bytes=fwdbwd_bytes, peak_extra_mb=mem))
+            for t in grads:
+                t.grad = None
+        guarded(name, f"{N}x{width}", measure)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------
 # RMSNorm
 # ------------------------------------------------------------------------------------------------
@@ -195,20 +218,12 @@ def bench_rmsnorm(N, H, dtype, impls, check=True):
     w = (torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype).requires_grad_()
     dy = torch.randn(N, H, generator=g).to(DEVICE, dtype)
     elt = x.element_size()
-    rows = []
-    for name, fn in impls.items():
-        def measure():
-            if check:
-                checked(name, lambda: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256]))
-            fwd, g1 = timed_graph(lambda: fn(x.detach(), w.detach(), 1e-5))
-            fb, g2 = timed_graph(lambda: fn(x, w, 1e-5).backward(dy), grads=[x, w])
-            mem = peak_extra_mb(lambda: fn(x, w, 1e-5).backward(dy), grad_to_none=[x, w])
-            rows.append(dict(kernel="rmsnorm", impl=_label(name, g1 and g2), tokens=N, width=H,
-                             dtype=str(dtype).split(".")[-1],
-                             fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=2 * N * H * elt, fwdbwd_bytes=5 * N * H * elt,
-                             peak_extra_mb=mem))
-        guarded(name, f"{N}x{H}", measure)
-    return rows
+    return _measure_impls(
+        "rmsnorm", impls, N, H, dtype, grads=[x, w], fwd_bytes=2 * N * H * elt, fwdbwd_bytes=5 * N * H * elt,
+        check=(lambda name, fn: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256])) if check else None,
+        forward=lambda fn: fn(x.detach(), w.detach(), 1e-5),
+        forward_backward=lambda fn: fn(x, w, 1e-5).backward(dy),
+    )
 
 
 def _check_rmsnorm(name, fn, x, w, dy):
@@ -258,28 +273,20 @@ def bench_cross_entropy(N, V, dtype, impls, check=True):
     targets = torch.randint(0, V, (N,), generator=g).to(DEVICE)
     targets[::17] = -100  # a few ignored tokens, as padding produces
     elt = logits.element_size()
-    rows = []
-    for name, fn in impls.items():
-        def measure():
-            if check:
-                checked(name, lambda: _check_ce(name, fn, logits[:256].detach(), targets[:256]))
-            # In-place implementations overwrite `logits` with the gradient, so later repetitions read
-            # the previous gradient as logits: finite, non-zero values; the work per element is the
-            # same (an exp each), so the time is too.
-            def fwd_only():
-                with torch.no_grad():
-                    fn(logits, targets)
 
-            fwd, g1 = timed_graph(fwd_only)
-            fb, g2 = timed_graph(lambda: fn(logits, targets).backward(), grads=[logits])
-            mem = peak_extra_mb(lambda: fn(logits, targets).backward(), grad_to_none=[logits])
-            rows.append(dict(kernel="cross_entropy", impl=_label(name, g1 and g2), tokens=N, width=V,
-                             dtype=str(dtype).split(".")[-1],
-                             fwd_us=fwd, fwdbwd_us=fb, fwd_bytes=N * V * elt, fwdbwd_bytes=2 * N * V * elt,
-                             peak_extra_mb=mem))
-            logits.grad = None
-        guarded(name, f"{N}x{V}", measure)
-    return rows
+    def loss_only(fn):
+        with torch.no_grad():
+            fn(logits, targets)
+
+    # In-place implementations overwrite `logits` with the gradient, so later repetitions read the
+    # previous gradient as logits: finite, non-zero values; the work per element is the same (an exp
+    # each), so the time is too.
+    return _measure_impls(
+        "cross_entropy", impls, N, V, dtype, grads=[logits], fwd_bytes=N * V * elt, fwdbwd_bytes=2 * N * V * elt,
+        check=(lambda name, fn: _check_ce(name, fn, logits[:256].detach(), targets[:256])) if check else None,
+        forward=loss_only,
+        forward_backward=lambda fn: fn(logits, targets).backward(),
+    )
 
 
 def _check_ce(name, fn, logits, targets):
@@ -316,19 +323,12 @@ def bench_swiglu(N, I, dtype, impls, check=True):
     up = torch.randn(N, I, generator=g).to(DEVICE, dtype).requires_grad_()
     dh = torch.randn(N, I, generator=g).to(DEVICE, dtype)
     elt = gate.element_size()
-    rows = []
-    for name, fn in impls.items():
-        def measure():
-            if check:
-                checked(name, lambda: _check_swiglu(name, fn, gate[:64].detach(), up[:64].detach(), dh[:64]))
-            fwd, g1 = timed_graph(lambda: fn(gate.detach(), up.detach()))
-            fb, g2 = timed_graph(lambda: fn(gate, up).backward(dh), grads=[gate, up])
-            mem = peak_extra_mb(lambda: fn(gate, up).backward(dh), grad_to_none=[gate, up])
-            rows.append(dict(kernel="swiglu", impl=_label(name, g1 and g2), tokens=N, width=I,
-                             dtype=str(dtype).split(".")[-1], fwd_us=fwd, fwdbwd_us=fb,
-                             fwd_bytes=3 * N * I * elt, fwdbwd_bytes=8 * N * I * elt, peak_extra_mb=mem))
-        guarded(name, f"{N}x{I}", measure)
-    return rows
+    return _measure_impls(
+        "swiglu", impls, N, I, dtype, grads=[gate, up], fwd_bytes=3 * N * I * elt, fwdbwd_bytes=8 * N * I * elt,
+        check=(lambda name, fn: _check_swiglu(name, fn, gate[:64].detach(), up[:64].detach(), dh[:64])) if check else None,
+        forward=lambda fn: fn(gate.detach(), up.detach()),
+        forward_backward=lambda fn: fn(gate, up).backward(dh),
+    )
 
 
 def _check_swiglu(name, fn, gate, up, dh):
