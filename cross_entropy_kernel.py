@@ -222,14 +222,16 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
     N, V = logits2.shape
     device = logits2.device
     loss_rows = torch.empty(N, dtype=torch.float32, device=device)
-    n_valid = (targets != ignore_index).sum()  # stays on the GPU: no sync
+    # The mean's token count stays on the GPU (no sync); only "mean" reads it.
+    n_valid = (targets != ignore_index).sum() if reduction == "mean" else None
     grad = None
     if compute_grad:
         grad = logits2 if inplace_grad else torch.empty((N, V), dtype=logits2.dtype, device=device)
     if N > 0:
         block_v, num_warps = _launch_settings(V, block_v, num_warps)
         _cross_entropy_fwd[(N,)](
-            logits2, grad if compute_grad else logits2, targets, loss_rows, n_valid,
+            logits2, grad if compute_grad else logits2, targets, loss_rows,
+            n_valid if n_valid is not None else loss_rows,  # never read unless MEAN
             logits2.stride(0), grad.stride(0) if compute_grad else 0, V, ignore_index,
             MEAN=reduction == "mean", COMPUTE_GRAD=compute_grad, BLOCK_V=block_v,
             num_warps=num_warps,
@@ -249,7 +251,7 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tens
     if N == 0:
         return grad
     grad_output = grad_output.reshape(-1) if grad_output.dim() else grad_output.reshape(1)
-    stride_go = 0 if grad_output.numel() == 1 and N != 1 else grad_output.stride(0)
+    stride_go = 0 if grad_output.numel() == 1 else grad_output.stride(0)
     block_v, num_warps = _launch_settings(V, None, None)
     _scale_rows[(N,)](grad, grad_output, grad.stride(0), stride_go, V, BLOCK_V=block_v, num_warps=num_warps)
     return grad

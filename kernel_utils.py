@@ -1,8 +1,10 @@
 """Small helpers shared by the kernel files: where kernels run, and how inputs are checked.
 
 Import this module *before* `triton`. Without a CUDA GPU it switches Triton to its interpreter
-(`TRITON_INTERPRET=1`), which runs every kernel on CPU tensors with NumPy: slow, but exact enough
-to test every kernel on a laptop or in CI. The variable must be set before `import triton`,
+(`TRITON_INTERPRET=1`), which runs every kernel on CPU tensors with NumPy: slow, but close enough
+to test every kernel on a laptop or in CI. One difference to know: the interpreter converts fp32 to
+bf16 by truncation, where a GPU rounds to nearest even, so bf16 results on a CPU can be 1 ulp off
+from the same kernel on a GPU (the tests' tolerance allows for it). The variable must be set before `import triton`,
 because Triton reads it once, at import time.
 """
 
