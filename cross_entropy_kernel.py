@@ -217,13 +217,21 @@ def _launch_settings(V: int, block_v: int | None, num_warps: int | None):
 
 
 def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad,
-                          block_v=None, num_warps=None):
-    """logits2: [N, V], unit stride along V. Returns (loss, gradient buffer or None)."""
+                          block_v=None, num_warps=None, n_valid=None, loss_rows=None):
+    """logits2: [N, V], unit stride along V. Returns (loss, gradient buffer or None).
+
+    A caller that splits one batch into several calls (the fused linear cross-entropy walks the
+    tokens in chunks) passes the whole batch's non-ignored count `n_valid` (a 0-d tensor on the
+    device) so that each chunk's "mean" gradient is scaled by the global count, and its own slice
+    of the per-row losses as `loss_rows`; it then reduces those itself.
+    """
     N, V = logits2.shape
     device = logits2.device
-    loss_rows = torch.empty(N, dtype=torch.float32, device=device)
+    if loss_rows is None:
+        loss_rows = torch.empty(N, dtype=torch.float32, device=device)
     # The mean's token count stays on the GPU (no sync); only "mean" reads it.
-    n_valid = (targets != ignore_index).sum() if reduction == "mean" else None
+    if n_valid is None and reduction == "mean":
+        n_valid = (targets != ignore_index).sum()
     grad = None
     if compute_grad:
         grad = logits2 if inplace_grad else torch.empty((N, V), dtype=logits2.dtype, device=device)
@@ -236,13 +244,16 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
             MEAN=reduction == "mean", COMPUTE_GRAD=compute_grad, BLOCK_V=block_v,
             num_warps=num_warps,
         )
+    return reduce_loss(loss_rows, reduction, n_valid), grad
+
+
+def reduce_loss(loss_rows: torch.Tensor, reduction: str, n_valid: torch.Tensor | None) -> torch.Tensor:
+    """Per-row losses -> the requested reduction (mean over non-ignored rows; 0.0 when none are)."""
     if reduction == "none":
-        loss = loss_rows
-    elif reduction == "sum":
-        loss = loss_rows.sum()
-    else:  # mean over non-ignored rows; 0.0 when every row is ignored (see the module docstring)
-        loss = loss_rows.sum() / n_valid.clamp(min=1)
-    return loss, grad
+        return loss_rows
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows.sum() / n_valid.clamp(min=1)
 
 
 def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

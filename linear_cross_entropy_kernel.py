@@ -1,0 +1,264 @@
+"""Fused linear cross-entropy: the language-model head and its loss, without the full logits.
+
+    loss = cross_entropy(x @ W.T, targets)      x: [N, H] hidden states, W: [V, H] lm_head weight
+
+What you build here: the last layer of the model and its loss in one autograd.Function that walks
+the tokens in chunks. For each chunk it multiplies (cuBLAS, tensor cores), runs the fused
+cross-entropy kernel of step 3 on the chunk's logits, which turns them into their gradient in place,
+and spends that gradient right away on both input gradients. The [N, V] logits never exist; one
+[chunk, V] buffer is reused for every chunk.
+What you learn: when a fused op should be a *composition* of a Triton kernel and cuBLAS rather than
+one big Triton kernel, how to pick a chunk size from a memory budget, why the weight gradient needs
+an fp32 accumulator across chunks, and how to keep a chunked loop free of host syncs.
+
+Count the bytes (and the flops) before timing anything
+------------------------------------------------------
+LLaMA 3.1 8B: H = 4096, V = 128256. At N = 16384 tokens:
+- Unfused (Hugging Face), the logits are N x V = 2.1 G elements: 4.2 GB in bf16, and HF upcasts
+  them to fp32 for the loss (8.4 GB), then autograd keeps fp32 copies for backward: ~24 GB peak.
+- The work itself is three matmuls of 2 N H V flops each:
+      forward  logits = x @ W.T                  2 N H V
+      backward dx     = dlogits @ W              2 N H V
+               dW     = dlogits.T @ x            2 N H V
+  6 N H V = 5.2e13 flops = 65 ms at the ~790 TFLOP/s an H200 sustains in bf16 matmuls. That is the
+  floor; the cross-entropy between the matmuls streams 4 bytes per logit (~1 ms per 4k tokens).
+  This op is compute bound: the goal is to stay at the matmul floor while using almost no memory.
+
+The design, and the trade-off it makes
+--------------------------------------
+Chunk over tokens. For a chunk of C tokens:
+    logits_c = x_c @ W.T                 -> a reused [C, V] buffer (bf16; C x V x 2 bytes)
+    cross-entropy kernel on logits_c     -> per-row losses; the gradient overwrites logits_c
+    dx_c     = logits_c @ W              -> written straight into its rows of dx
+    dW      += logits_c.T @ x_c          -> an accumulator over the chunks
+Each logit is computed once, so the flops stay at 6 N H V, and the gradient is produced in the same
+pass as the loss (the backward pass is only a rescale, below).
+
+The weight gradient sums over *all* N tokens, across chunks. Adding each chunk's bf16 result into a
+bf16 running sum rounds the sum once per chunk; an fp32 accumulator (cuBLAS adds the chunk's fp32
+product into it: `addmm` with `out_dtype=float32`) keeps the sum as exact as one big matmul.
+The price is V x H x 4 bytes = 2.1 GB for LLaMA 3.1 8B. `accumulate_fp32=False` accumulates in
+the weight's dtype instead (cuBLAS still sums each chunk in fp32; only the running sum is
+rounded, once per chunk) and needs no accumulator at all. With one chunk the two are identical.
+(Keeping fp32 accuracy *and* no accumulator is possible by walking the vocabulary instead, but it
+must recompute the logits once more: 8 N H V flops, 33% more.)
+
+No host syncs: the mean's token count is counted on the GPU once and handed to every chunk's
+kernel through a pointer, and the upstream gradient (usually exactly 1.0) is applied in backward
+by the cross-entropy's row-scaling kernel, which skips rows whose factor is 1 on the GPU.
+`reduction="none"` has one upstream value per token, known only in backward; then forward computes
+just the losses and backward recomputes each chunk's logits with the factors applied (8 N H V).
+
+Conventions are the cross-entropy kernel's: `ignore_index` rows give loss 0 and no gradient; mean
+over non-ignored rows, 0.0 (attached to the graph) when all are ignored; a target outside [0, V)
+gives NaN; the loss is fp32. Tied embeddings (W shared with the input embedding) need nothing
+special: autograd adds this op's dW to the embedding's gradient.
+
+Layout of this file: chunked pass (launcher) -> autograd.Function -> functional API and
+nn.Module -> reference.
+"""
+
+import torch
+from torch import nn
+
+import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from cross_entropy_kernel import _REDUCTIONS, cross_entropy_forward, reduce_loss, scale_gradient_
+from kernel_utils import check_device, check_float
+
+# Memory budget of the reused logits buffer. 512 MiB holds 2048 tokens of a 128256-entry
+# vocabulary in bf16 (2048 x 128256 x 2 B = 525 MB): matmuls of 2048 x 4096 x 128256 are large
+# enough to run at full tensor-core rate, and N = 8192 tokens (4 x 2048) take 4 chunks.
+CHUNK_BYTES = 512 * 2**20
+CHUNK_MULTIPLE = 128  # chunk sizes stay multiples of a tensor-core tile
+
+
+def chunk_tokens(n: int, vocab: int, dtype: torch.dtype, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one [chunk, V] logits buffer fits in `budget_bytes`."""
+    per_token = vocab * torch.empty((), dtype=dtype).element_size()
+    c = max(CHUNK_MULTIPLE, budget_bytes // per_token // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    return max(1, min(n, c))
+
+
+# ------------------------------------------------------------------------------------------------
+# Matmul helpers: the weight-gradient accumulation
+# ------------------------------------------------------------------------------------------------
+def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor, first: bool) -> None:
+    """acc (+)= g.T @ x, with the products summed in fp32 and added to `acc` in its own dtype."""
+    gt = g.t()
+    if acc.dtype == g.dtype:  # same dtype: a plain (add)mm, cuBLAS accumulates in fp32 inside
+        if first:
+            torch.mm(gt, x, out=acc)
+        else:
+            acc.addmm_(gt, x)
+    elif acc.is_cuda:  # bf16/fp16 inputs, fp32 accumulator: cuBLAS writes fp32 directly
+        if first:
+            torch.ops.aten.mm.dtype_out(gt, x, torch.float32, out=acc)
+        else:
+            torch.ops.aten.addmm.dtype_out(acc, gt, x, torch.float32, out=acc)
+    else:  # CPUs have no mixed-dtype matmul; upcast (only ever small shapes there)
+        if first:
+            torch.mm(gt.float(), x.float(), out=acc)
+        else:
+            acc.addmm_(gt.float(), x.float())
+
+
+def linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx, want_dw,
+                              accumulate_fp32=True, chunk=None, row_scale=None, n_valid=None):
+    """One chunked sweep over the tokens. Returns (loss, dx or None, dW or None).
+
+    x [N, H], weight [V, H], targets [N]. With `row_scale` ([N], backward of reduction="none") each
+    row's gradient is multiplied by its upstream value before the two gradient matmuls.
+    """
+    N, H = x.shape
+    V = weight.shape[0]
+    device = x.device
+    chunk = chunk or chunk_tokens(N, V, x.dtype)
+    n_chunks = -(-N // chunk) if N else 0
+    want_grad = want_dx or want_dw
+    kernel_reduction = "sum" if row_scale is not None else reduction
+    if kernel_reduction == "mean" and n_valid is None:
+        n_valid = (targets != ignore_index).sum()  # the whole batch's count, on the GPU
+    loss_rows = torch.empty(N, dtype=torch.float32, device=device)
+    dx = torch.empty_like(x) if want_dx else None
+    dw = acc = None
+    if want_dw:
+        dw = torch.empty_like(weight) if N else torch.zeros_like(weight)
+        acc = dw if (n_chunks <= 1 or not accumulate_fp32 or weight.dtype == torch.float32) else \
+            torch.empty(weight.shape, dtype=torch.float32, device=device)
+    buf = torch.empty((min(chunk, N), V), dtype=x.dtype, device=device) if N else None
+    for i in range(n_chunks):
+        s, e = i * chunk, min(N, (i + 1) * chunk)
+        xc, logits = x[s:e], buf[: e - s]
+        torch.mm(xc, weight.t(), out=logits)
+        # The gradient (already divided by the global count for "mean") replaces the logits.
+        cross_entropy_forward(logits, targets[s:e], ignore_index, kernel_reduction, want_grad, True,
+                              n_valid=n_valid, loss_rows=loss_rows[s:e])
+        if not want_grad:
+            continue
+        if row_scale is not None:
+            scale_gradient_(logits, row_scale[s:e])
+        if want_dx:
+            torch.mm(logits, weight, out=dx[s:e])
+        if want_dw:
+            _accumulate_grad_weight(acc, logits, xc, first=i == 0)
+    if acc is not None and acc is not dw:
+        dw.copy_(acc)
+    loss = reduce_loss(loss_rows, reduction, n_valid) if row_scale is None else None
+    return loss, dx, dw
+
+
+def _check_inputs(x, weight, targets, reduction):
+    check_float("x", x)
+    check_float("weight", weight)
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
+        got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise TypeError(f"targets must be an int64 (or int32) tensor of class indices, got {got}")
+    check_device(x, weight, targets)
+    if x.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(f"expected x [N, H], weight [V, H] and targets [N], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(targets.shape)}")
+    if x.shape[1] != weight.shape[1] or targets.shape[0] != x.shape[0]:
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, weight {tuple(weight.shape)} (must be "
+                         f"[V, {x.shape[1]}]), targets {tuple(targets.shape)} (must be [{x.shape[0]}])")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x and weight must have the same dtype, got {x.dtype} and {weight.dtype}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has a vocabulary of size 0")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd.Function, functional API, module
+# ------------------------------------------------------------------------------------------------
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk):
+        x, weight = x.contiguous(), weight.contiguous()
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.args = (ignore_index, reduction, accumulate_fp32, chunk)
+        ctx.consumed = False
+        if reduction == "none" and (want_dx or want_dw):
+            # One upstream value per token, known only in backward: compute losses now, and the
+            # gradients in backward (see the module docstring).
+            loss, _, _ = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, False, False,
+                                                   accumulate_fp32, chunk)
+            ctx.save_for_backward(x, weight, targets)
+            ctx.deferred = True
+            return loss
+        loss, dx, dw = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx, want_dw,
+                                                 accumulate_fp32, chunk)
+        ctx.deferred = False
+        ctx.save_for_backward(dx, dw)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.consumed:
+            raise RuntimeError("the fused linear cross-entropy's gradients were already used by a previous "
+                               "backward; run backward once per forward (retain_graph is not supported)")
+        ctx.consumed = True
+        ignore_index, reduction, accumulate_fp32, chunk = ctx.args
+        if ctx.deferred:
+            x, weight, targets = ctx.saved_tensors
+            _, dx, dw = linear_cross_entropy_pass(
+                x, weight, targets, ignore_index, reduction, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                accumulate_fp32, chunk, row_scale=grad_output.float().contiguous())
+        else:
+            dx, dw = ctx.saved_tensors
+            # Usually grad_output is exactly 1.0 and these launches skip every row on the GPU.
+            if dx is not None:
+                scale_gradient_(dx, grad_output)
+            if dw is not None:
+                scale_gradient_(dw, grad_output)
+        return dx, dw, None, None, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         reduction: str = "mean", accumulate_fp32: bool = True, chunk: int | None = None):
+    """cross_entropy(x @ weight.T, targets) without materialising the logits; differentiable.
+
+    x [..., H] (flattened to [N, H]), weight [V, H], targets [...] matching x's leading shape.
+    accumulate_fp32: sum the weight gradient across chunks in an fp32 buffer (V x H x 4 bytes);
+    False rounds the running sum to the weight's dtype once per chunk and needs no buffer.
+    chunk: tokens per chunk (default: a [chunk, V] buffer of at most CHUNK_BYTES).
+    """
+    if isinstance(x, torch.Tensor) and isinstance(targets, torch.Tensor) and x.dim() >= 2 \
+            and tuple(targets.shape) == tuple(x.shape[:-1]):
+        x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    _check_inputs(x, weight, targets, reduction)
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    return LinearCrossEntropyFunction.apply(x, weight, targets, int(ignore_index), reduction,
+                                            bool(accumulate_fp32), chunk)
+
+
+class TritonLinearCrossEntropyLoss(nn.Module):
+    """loss(x, weight, targets) = cross-entropy of x @ weight.T (e.g. weight = model.lm_head.weight)."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", accumulate_fp32: bool = True,
+                 chunk: int | None = None):
+        super().__init__()
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.accumulate_fp32, self.chunk = accumulate_fp32, chunk
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(x, weight, targets, self.ignore_index, self.reduction,
+                                    self.accumulate_fp32, self.chunk)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"accumulate_fp32={self.accumulate_fp32}, chunk={self.chunk}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------------
+def linear_cross_entropy_ref(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """What Hugging Face does: full logits, upcast to fp32, PyTorch's cross-entropy."""
+    logits = x.reshape(-1, x.shape[-1]) @ weight.t()
+    return nn.functional.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index,
+                                       reduction=reduction)
