@@ -31,7 +31,10 @@ import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines wit
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
-KERNEL_NAMES = ("rmsnorm", "ce", "swiglu")
+KERNEL_NAMES = ("rmsnorm", "ce", "flce", "swiglu", "rope", "liger")
+# rmsnorm, swiglu, rope: the fused kernels of the same names; ce: the fused cross-entropy on the
+# model's logits; flce: the lm_head fused with the loss (no logits at all; replaces ce);
+# liger: Liger-Kernel's own set (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy), as a peer.
 
 # ------------------------------------------------------------------------------------------------
 # Presets
@@ -90,6 +93,11 @@ def base_parser(description: str, kernels_default: str | None = None) -> argpars
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     p.add_argument("--optimizer", choices=["adamw-fused", "adamw-foreach"], default=None,
                    help="fused AdamW (default on CUDA) or the multi-tensor foreach version")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="step each parameter's optimizer inside backward, as soon as its gradient is ready, "
+                        "so full-model gradients never coexist (saves one bf16 copy of the model)")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (after any kernels)")
     p.add_argument("--data", type=Path, default=None, help="a local text file to fine-tune on (default: synthetic tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
@@ -111,6 +119,10 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     args.seq_len = args.seq_len or (2048 if gpu else 64)
     args.steps = args.steps if args.steps is not None else (10 if gpu else 20)
     args.optimizer = args.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
+    if args.optimizer_in_backward and args.max_grad_norm is not None:
+        raise SystemExit("error: --max-grad-norm needs every gradient before the first update, but "
+                         "--optimizer-in-backward updates each parameter as soon as its own gradient exists; "
+                         "drop one of the two")
     for name in ("batch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
@@ -125,7 +137,13 @@ def parse_kernels(spec: str) -> dict:
     unknown = [n for n in names if n not in KERNEL_NAMES]
     if unknown:
         raise SystemExit(f"error: unknown kernel(s) {unknown}; choose from {', '.join(KERNEL_NAMES)} or 'none'")
-    return {"rmsnorm": "rmsnorm" in names, "cross_entropy": "ce" in names, "swiglu": "swiglu" in names}
+    if "ce" in names and "flce" in names:
+        raise SystemExit("error: choose one loss kernel: 'ce' (fused cross-entropy on the logits) or 'flce' "
+                         "(lm_head fused with the loss)")
+    if "liger" in names and len(names) > 1:
+        raise SystemExit("error: 'liger' applies Liger-Kernel's own set and cannot be mixed with our kernels")
+    return {"rmsnorm": "rmsnorm" in names, "cross_entropy": "ce" in names, "flce": "flce" in names,
+            "swiglu": "swiglu" in names, "rope": "rope" in names, "liger": "liger" in names}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,8 +335,68 @@ def fused_causal_lm_loss(inplace_grad: bool):
     return loss_fn
 
 
+def _shifted_targets(labels, ignore_index, shift_labels=None):
+    """HF's causal shift without copying the hidden states: targets[t] = labels[t + 1], last ignored."""
+    if shift_labels is None:
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    return shift_labels
+
+
+def flce_causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                           inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """`XxxForCausalLM.forward` with the lm_head fused into the loss whenever labels are given.
+
+    With labels the [batch, seq, vocab] logits are never computed: `outputs.logits` is None and
+    `outputs.loss` comes from the fused linear cross-entropy (same shift, ignore_index and mean or
+    sum / num_items_in_batch as Hugging Face). Without labels (generation, evaluation of logits)
+    it computes the logits exactly as the original forward does.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from linear_cross_entropy_kernel import linear_cross_entropy
+
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         **kwargs)
+    hidden = outputs.last_hidden_state
+    loss = logits = None
+    if labels is not None or shift_labels is not None:
+        targets = _shifted_targets(labels, ignore_index, shift_labels).to(hidden.device)
+        if num_items_in_batch is None:
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index, "mean")
+        else:
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index, "sum")
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+    else:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+def apply_liger(model: nn.Module) -> dict:
+    """Liger-Kernel's kernels on the same model (a peer for side-by-side runs; needs liger-kernel)."""
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as err:
+        raise SystemExit(f"error: --kernels liger needs Liger-Kernel (pip install liger-kernel): {err}") from None
+    model_type = model.config.model_type
+    fn = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+    if fn is None:
+        raise SystemExit(f"error: Liger-Kernel has no kernels for model type {model_type!r}")
+    fn(model=model)  # its defaults: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy
+    log(f"apply_liger: Liger-Kernel {getattr(liger, '__version__', '')} applied to {type(model).__name__}")
+    return {"liger": True}
+
+
 def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = True, swiglu: bool = False,
-                  ce_inplace_grad: bool = True, verbose: bool = True) -> dict:
+                  ce_inplace_grad: bool = True, verbose: bool = True, flce: bool = False, rope: bool = False) -> dict:
     """Patch a Hugging Face causal LM in place with the Triton kernels. Returns what was replaced.
 
     rmsnorm: every RMSNorm module (found by class) becomes a TritonRMSNorm sharing its weight; the
@@ -328,6 +406,10 @@ def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = 
         buffer): after `model(..., labels=...)`, `outputs.logits` holds gradients, not logits.
     swiglu: every MLP (found by class; one per layer, checked) computes silu(gate) * up with the
         fused SwiGLU kernel; only for models whose activation is SiLU.
+    flce: the model's forward fuses lm_head with the loss whenever labels are given (the logits
+        are never materialised; `outputs.logits` is None then). Replaces `cross_entropy`.
+    rope: the family's `apply_rotary_pos_emb` becomes the fused RoPE. It is a module-level function
+        in transformers, so this affects every model of that family in the process.
     """
     from rmsnorm_kernel import TritonRMSNorm
 
@@ -338,7 +420,9 @@ def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = 
             f"apply_kernels supports Hugging Face models of type {', '.join(SUPPORTED_MODEL_TYPES)}; "
             f"this model is {model_type!r} ({type(model).__name__})"
         )
-    report = {"rmsnorm": 0, "cross_entropy": False, "swiglu": 0}
+    if cross_entropy and flce:
+        raise ValueError("choose one loss kernel: cross_entropy (on the logits) or flce (lm_head fused with the loss)")
+    report = {"rmsnorm": 0, "cross_entropy": False, "swiglu": 0, "flce": False, "rope": False}
     if rmsnorm:
         classes = _family_classes("RMSNorm")
         targets = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
@@ -367,11 +451,30 @@ def apply_kernels(model: nn.Module, rmsnorm: bool = True, cross_entropy: bool = 
         for mlp in mlps:
             mlp.forward = types.MethodType(swiglu_mlp_forward, mlp)
         report["swiglu"] = len(mlps)
+    if flce:
+        import types
+
+        if getattr(model, "lm_head", None) is None or getattr(model.lm_head, "bias", None) is not None:
+            raise NotImplementedError("the fused linear cross-entropy needs a bias-free `lm_head`")
+        model.forward = types.MethodType(flce_causal_lm_forward, model)
+        report["flce"] = True
+    if rope:
+        import importlib
+
+        import rope_kernel
+
+        family = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        if not hasattr(family, "apply_rotary_pos_emb"):
+            raise NotImplementedError(f"transformers' {model_type} module has no apply_rotary_pos_emb to replace")
+        family.apply_rotary_pos_emb = rope_kernel.apply_rotary_pos_emb
+        report["rope"] = True
     if verbose:
-        log(f"apply_kernels: {report['rmsnorm']} RMSNorm modules -> TritonRMSNorm; loss -> "
-            + ("fused cross-entropy" + (" (gradient written into the logits)" if ce_inplace_grad else "")
-               if cross_entropy else "PyTorch (unchanged)")
-            + (f"; {report['swiglu']} MLPs -> fused SwiGLU" if swiglu else ""))
+        loss = ("lm_head + loss -> fused linear cross-entropy" if flce else
+                "fused cross-entropy" + (" (gradient written into the logits)" if ce_inplace_grad else "")
+                if cross_entropy else "PyTorch (unchanged)")
+        log(f"apply_kernels: {report['rmsnorm']} RMSNorm modules -> TritonRMSNorm; loss -> {loss}"
+            + (f"; {report['swiglu']} MLPs -> fused SwiGLU" if swiglu else "")
+            + (f"; {model_type}'s apply_rotary_pos_emb -> fused RoPE" if rope else ""))
     return report
 
 
@@ -433,11 +536,63 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 def make_optimizer(model, args):
     params = [p for p in model.parameters() if p.requires_grad]
-    if args.optimizer == "adamw-fused":
-        if args.device.type != "cuda":
-            raise SystemExit("error: --optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")
-        return torch.optim.AdamW(params, lr=args.lr, fused=True)
-    return torch.optim.AdamW(params, lr=args.lr, foreach=True)
+    if args.optimizer == "adamw-fused" and args.device.type != "cuda":
+        raise SystemExit("error: --optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")
+    kind = {"fused": True} if args.optimizer == "adamw-fused" else {"foreach": True}
+    if getattr(args, "optimizer_in_backward", False):
+        if world()[1] > 1:
+            raise SystemExit("error: --optimizer-in-backward runs on one GPU; FSDP2 already shards gradients "
+                             "and optimizer state across GPUs")
+        return OptimizerInBackward(params, lambda group: torch.optim.AdamW(group, lr=args.lr, **kind))
+    return torch.optim.AdamW(params, lr=args.lr, **kind)
+
+
+class OptimizerInBackward:
+    """Each parameter's optimizer step runs inside backward, as soon as its gradient is accumulated.
+
+    Ordinarily every parameter's gradient is kept until `optimizer.step()` after backward: for an 8B
+    model in bf16 that is 16 GB alive at the end of backward, on top of the activations. Here a
+    `register_post_accumulate_grad_hook` on every parameter steps a one-parameter AdamW the moment
+    that parameter's gradient is complete, then drops the gradient, so at most a few gradients
+    exist at a time. The arithmetic is the same AdamW, parameter by parameter.
+
+    What it cannot do: global gradient clipping (it needs the norm of *all* gradients before the
+    first update: `--max-grad-norm` is refused with it) and gradient accumulation over several
+    backward passes (each backward would update the weights): `clip_grad_norm_` and a second
+    backward without `step()` raise instead of silently doing the wrong thing.
+    `step()` and `zero_grad()` exist so that the training loop needs no special case.
+    """
+
+    def __init__(self, params, make):
+        self.optimizers = {p: make([p]) for p in params}
+        self._stepped = set()  # parameters updated since the last step()
+        self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.optimizers]
+
+    def _step_param(self, p):
+        if id(p) in self._stepped:
+            raise RuntimeError("--optimizer-in-backward: a second backward before optimizer.step() would update the "
+                               "weights twice; gradient accumulation over several backward passes is not possible "
+                               "with the optimizer step inside backward")
+        self._stepped.add(id(p))
+        self.optimizers[p].step()
+        p.grad = None  # frees the gradient right away
+
+    def step(self):
+        self._stepped.clear()  # the updates already happened during backward
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass  # gradients are dropped as soon as they are used
+
+    def state_dict(self):
+        return [opt.state_dict() for opt in self.optimizers.values()]
+
+    @property
+    def param_groups(self):
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def clip_grad_norm_(self, *args, **kwargs):
+        raise RuntimeError("gradient clipping needs all gradients before any update; the optimizer-in-backward "
+                           "step has already applied them")
 
 
 def shard_model(model):
@@ -455,11 +610,13 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)  # a sync point: the host waits for the GPU to finish
 
 
-def training_step(model, optimizer, input_ids):
+def training_step(model, optimizer, input_ids, max_grad_norm: float | None = None):
     # Keep only the loss: holding the whole output would keep the [batch, seq, vocab] logits
     # (2.1 GB at 4 x 2048 tokens in bf16) alive through the backward pass for nothing.
     loss = model(input_ids=input_ids, labels=input_ids).loss  # HF shifts the labels inside the loss
     loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
@@ -489,9 +646,15 @@ def setup_model(args, kernels: dict):
     model, tok, desc = load_model(args)
     model.config.use_cache = False
     model.train()
-    if any(kernels.values()):
+    if kernels.get("liger"):
+        apply_liger(model)
+    elif any(kernels.values()):
         apply_kernels(model, rmsnorm=kernels.get("rmsnorm", False), cross_entropy=kernels.get("cross_entropy", False),
-                      swiglu=kernels.get("swiglu", False))
+                      swiglu=kernels.get("swiglu", False), flce=kernels.get("flce", False),
+                      rope=kernels.get("rope", False))
+    if getattr(args, "compile", False):
+        model.compile()  # compiles the forward on its first call (the warm-up steps)
+        log("torch.compile: the model's forward is compiled on the first (warm-up) step")
     if world()[1] > 1:
         shard_model(model)
     return model, tok, desc
@@ -525,11 +688,12 @@ def train(args, kernels: dict, script: str) -> dict:
     optimizer = make_optimizer(model, args)
     result = RunResult(script=script, model=args.model, kernels=[k for k, v in kernels.items() if v],
                        gpu=describe_gpu(args.device), world_size=size, batch_size=args.batch_size,
-                       seq_len=args.seq_len, steps=args.steps, optimizer=args.optimizer, params=n_params,
+                       seq_len=args.seq_len, steps=args.steps, optimizer=args.optimizer + (" in backward" if args.optimizer_in_backward else ""),
+                       params=n_params,
                        versions=versions())
     total = args.warmup_steps + args.steps
     log(f"Training: {args.warmup_steps} warm-up + {args.steps} timed steps of {args.batch_size} x "
-        f"{args.seq_len} tokens{' per GPU' if size > 1 else ''}, {args.optimizer}, lr {args.lr:g}")
+        f"{args.seq_len} tokens{' per GPU' if size > 1 else ''}, {result.optimizer}, lr {args.lr:g}")
     try:
         bar = tqdm(range(total), desc=script, unit="step", disable=not is_main(), dynamic_ncols=True)
         for step in bar:
@@ -539,7 +703,7 @@ def train(args, kernels: dict, script: str) -> dict:
             batch = data.get(step, args.device)
             synchronize(args.device)
             t0 = time.perf_counter()
-            loss = training_step(model, optimizer, batch)
+            loss = training_step(model, optimizer, batch, args.max_grad_norm)
             synchronize(args.device)
             dt = time.perf_counter() - t0
             loss_value = loss.float().item()  # a sync point (already synchronised above)

@@ -37,33 +37,66 @@ def _args(**kw):
     return argparse.Namespace(**a)
 
 
+ALL_KERNELS = "rmsnorm,flce,swiglu,rope"  # finetune_optimized.py's default: every kernel on
+PLAYBOOK_KERNELS = "rmsnorm,ce,swiglu"  # the fused cross-entropy on materialised logits instead
+
+
+@pytest.fixture(autouse=True)
+def _restore_hugging_face_rope():
+    """apply_kernels(rope=True) swaps a module-level function of transformers; undo it after each test."""
+    import importlib
+
+    families = {f: importlib.import_module(f"transformers.models.{f}.modeling_{f}")
+                for f in common.SUPPORTED_MODEL_TYPES}
+    saved = {f: m.apply_rotary_pos_emb for f, m in families.items()}
+    yield
+    for f, m in families.items():
+        m.apply_rotary_pos_emb = saved[f]
+
+
 @functools.lru_cache(maxsize=None)
-def _train(kernels: bool, dtype: torch.dtype):
+def _train(kernels: str, dtype: torch.dtype, in_backward: bool = False):
     """Train the tiny preset for STEPS steps on CPU; return the loss curve and final parameters."""
-    args = _args()
+    import importlib
+
+    args = _args(optimizer_in_backward=in_backward)
     model, _ = build_preset("llama-tiny", None, args.device, dtype)
     model.config.use_cache = False
     model.train()
-    if kernels:
-        apply_kernels(model, swiglu=True, verbose=False)  # every kernel on
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    hf_rope = llama.apply_rotary_pos_emb
+    if kernels != "none":
+        k = common.parse_kernels(kernels)
+        apply_kernels(model, rmsnorm=k["rmsnorm"], cross_entropy=k["cross_entropy"], swiglu=k["swiglu"],
+                      flce=k["flce"], rope=k["rope"], verbose=False)
     opt = make_optimizer(model, args)
     data = Batches(args, model.config.vocab_size)
-    losses = [training_step(model, opt, data.get(i, args.device)).float() for i in range(STEPS)]
+    try:
+        losses = [training_step(model, opt, data.get(i, args.device)).float() for i in range(STEPS)]
+    finally:
+        llama.apply_rotary_pos_emb = hf_rope  # the cached runs must not leak a patched RoPE
     return torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_loss_curve_matches_baseline():
-    ref_losses, _ = _train(False, torch.float32)
-    base_losses, _ = _train(False, torch.bfloat16)
-    ours_losses, _ = _train(True, torch.bfloat16)
+RUNS = [pytest.param(ALL_KERNELS, False, id="all kernels"),
+        pytest.param(PLAYBOOK_KERNELS, False, id="cross-entropy on logits"),
+        pytest.param(ALL_KERNELS, True, id="all kernels, optimizer in backward")]
+
+
+@pytest.mark.parametrize("kernels, in_backward", RUNS)
+def test_loss_curve_matches_baseline(kernels, in_backward):
+    ref_losses, _ = _train("none", torch.float32)
+    base_losses, _ = _train("none", torch.bfloat16)
+    ours_losses, _ = _train(kernels, torch.bfloat16, in_backward)
     assert ref_losses[-1] < ref_losses[0] - 0.5, "the tiny model should learn the text (else parity is vacuous)"
     close_to_reference(f"loss at each of {STEPS} steps (bf16)", ours_losses, base_losses, ref_losses, torch.bfloat16)
 
 
-def test_final_parameters_match_baseline():
-    _, ref = _train(False, torch.float32)
-    _, base = _train(False, torch.bfloat16)
-    _, ours = _train(True, torch.bfloat16)
+@pytest.mark.parametrize("kernels, in_backward", RUNS)
+def test_final_parameters_match_baseline(kernels, in_backward):
+    _, ref = _train("none", torch.float32)
+    _, base = _train("none", torch.bfloat16)
+    _, ours = _train(kernels, torch.bfloat16, in_backward)
     worst = max(ref, key=lambda n: ((ours[n].double() - ref[n].double()).abs().max()).item())
     for name in ref:  # every tensor is checked; the report shows the one with the largest error
         close_to_reference(f"final params: {name}" if name == worst else name, ours[name], base[name], ref[name],
@@ -81,6 +114,80 @@ def test_apply_kernels_replaces_every_rmsnorm_and_the_loss():
     record("3 layers: 7 RMSNorm modules replaced, loss patched", 0.0, 0.0, True)
 
 
+def test_fused_head_and_rope_match_hugging_face():
+    """flce + rope on LLaMA: same loss and gradients as HF, with -100 labels and num_items_in_batch;
+    no logits are returned when labels are given, and logits are HF's when they are not."""
+    import rope_kernel
+    from transformers.models.llama import modeling_llama
+
+    base, _ = build_preset("llama-tiny", 2, torch.device("cpu"), torch.float32)
+    ours, _ = build_preset("llama-tiny", 2, torch.device("cpu"), torch.float32)
+    ours.load_state_dict(base.state_dict())
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, base.config.vocab_size, (2, 16), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a masked prompt
+    results = {}
+    for tag, model in (("hf", base), ("ours", ours)):
+        if tag == "ours":
+            report = apply_kernels(model, flce=True, cross_entropy=False, rope=True, verbose=False)
+            assert report["flce"] and report["rope"]
+            assert modeling_llama.apply_rotary_pos_emb is rope_kernel.apply_rotary_pos_emb
+        for n_items in (None, torch.tensor(23)):
+            model.zero_grad()
+            out = model(input_ids=ids, labels=labels, num_items_in_batch=n_items)
+            out.loss.backward()
+            results[tag, n_items is None] = (out.loss.detach(), model.lm_head.weight.grad.clone(),
+                                             model.model.layers[0].self_attn.q_proj.weight.grad.clone(), out.logits)
+        with torch.no_grad():
+            results[tag, "logits"] = model(input_ids=ids).logits
+    for mean in (True, False):
+        (l_ours, w_ours, q_ours, logits), (l_hf, w_hf, q_hf, _) = results["ours", mean], results["hf", mean]
+        what = "mean" if mean else "sum / num_items"
+        assert logits is None, "with labels, the fused head returns no logits"
+        close_to_reference(f"loss ({what})", l_ours, l_hf, l_hf.double(), torch.float32, n=512, factor=0)
+        close_to_reference(f"lm_head grad ({what})", w_ours, w_hf, w_hf.double(), torch.float32, n=32, factor=0)
+        close_to_reference(f"layer-0 q_proj grad, through RoPE ({what})", q_ours, q_hf, q_hf.double(),
+                           torch.float32, n=32, factor=0)
+    close_to_reference("logits without labels", results["ours", "logits"], results["hf", "logits"],
+                       results["hf", "logits"].double(), torch.float32, n=64, factor=0)
+
+
+def test_optimizer_in_backward():
+    """Same updates as AdamW after backward; no gradient left after the step; clipping and
+    accumulation refused with a clear message."""
+    args = _args(optimizer_in_backward=True)
+    params = {}
+    for in_backward in (False, True):
+        model, _ = build_preset("llama-tiny", 1, torch.device("cpu"), torch.float32)
+        opt = make_optimizer(model, _args(optimizer_in_backward=in_backward))
+        data = Batches(args, model.config.vocab_size)
+        for i in range(3):
+            training_step(model, opt, data.get(i, args.device))
+        params[in_backward] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if in_backward:
+            assert all(p.grad is None for p in model.parameters()), "gradients must be freed in backward"
+            with pytest.raises(RuntimeError, match="accumulation"):  # two backwards, no step in between
+                for _ in range(2):
+                    model(input_ids=data.get(0, args.device), labels=data.get(0, args.device)).loss.backward()
+    for name, p in params[False].items():
+        close_to_reference(name, params[True][name], p, p.double(), torch.float32, factor=0)
+    with pytest.raises(SystemExit, match="max-grad-norm"):
+        common.finish_args(argparse.Namespace(model=None, batch_size=None, seq_len=None, steps=None, optimizer=None,
+                                              optimizer_in_backward=True, max_grad_norm=1.0))
+    record("in-backward AdamW == AdamW after backward; grads freed; clip/accumulation refused", 0.0, 0.0, True)
+
+
+def test_kernel_list_errors():
+    with pytest.raises(SystemExit, match="choose one loss kernel"):
+        common.parse_kernels("rmsnorm,ce,flce")
+    with pytest.raises(SystemExit, match="liger"):
+        common.parse_kernels("liger,rmsnorm")
+    with pytest.raises(SystemExit, match="unknown"):
+        common.parse_kernels("rmsnorm,fast")
+    assert common.parse_kernels("liger")["liger"] and not common.parse_kernels("none")["flce"]
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 def test_apply_kernels_on_other_families(family):
     """Same-family models are patched too (Qwen3 adds q_norm / k_norm: 4 per layer + 1)."""
@@ -94,12 +201,13 @@ def test_apply_kernels_on_other_families(family):
     base = getattr(transformers, lm_cls)(cfg).eval()
     patched = getattr(transformers, lm_cls)(cfg).eval()
     patched.load_state_dict(base.state_dict())
-    report = apply_kernels(patched, swiglu=True, verbose=False)
-    assert report["rmsnorm"] == common.expected_rmsnorm_count(cfg) == (4 if family == "qwen3" else 2) * 2 + 1
-    assert report["swiglu"] == 2
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
-        ref = base(input_ids=ids, labels=ids).loss
+        ref = base(input_ids=ids, labels=ids).loss  # before patching: RoPE is a module-level swap
+    report = apply_kernels(patched, swiglu=True, cross_entropy=False, flce=True, rope=True, verbose=False)
+    assert report["rmsnorm"] == common.expected_rmsnorm_count(cfg) == (4 if family == "qwen3" else 2) * 2 + 1
+    assert report["swiglu"] == 2 and report["flce"] and report["rope"]
+    with torch.no_grad():
         ours = patched(input_ids=ids, labels=ids).loss
     close_to_reference(f"{family}: loss with kernels vs without", ours, ref, ref.double(), torch.float32, n=128, factor=0)
 

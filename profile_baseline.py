@@ -2,6 +2,8 @@
 
     $ python profile_baseline.py --model llama-3.1-8b --batch-size 4 --seq-len 2048
     $ python profile_baseline.py --model llama-3.1-8b --use-custom-rmsnorm --use-custom-ce
+    $ python profile_baseline.py --model llama-3.1-8b --use-custom-rmsnorm --use-custom-flce \
+          --use-custom-swiglu --use-custom-rope      # every kernel of the playbook
     $ python profile_baseline.py            # no GPU: llama-tiny on the CPU (CPU time instead)
 
 It runs the training loop of the fine-tuning scripts: warm-up steps first, outside the recorded
@@ -32,6 +34,7 @@ CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op nam
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
     ("loss", r"_cross_entropy|_scale_rows|softmax|nll_loss|cross_entropy"),
     ("SwiGLU", r"_swiglu|silu"),
+    ("RoPE", r"_rope"),
     ("optimizer", r"adam|multi_tensor_apply|foreach|optimizer"),
     ("attention", r"flash|fmha|attention|sdpa|efficient|cudnn"),
     ("matrix multiply", r"gemm|xmma|nvjet|cutlass|cublas|gemv|splitk|sm\d\d_|_mma|matmul|aten::(mm|bmm|addmm|linear)\b"),
@@ -54,12 +57,17 @@ def main():
     p.add_argument("--use-custom-rmsnorm", action="store_true", help="profile with the Triton RMSNorm")
     p.add_argument("--use-custom-ce", action="store_true", help="profile with the fused cross-entropy")
     p.add_argument("--use-custom-swiglu", action="store_true", help="profile with the fused SwiGLU")
+    p.add_argument("--use-custom-flce", action="store_true",
+                   help="profile with lm_head fused into the loss (instead of --use-custom-ce)")
+    p.add_argument("--use-custom-rope", action="store_true", help="profile with the fused RoPE")
     args = p.parse_args()
     if args.steps is None:
         args.steps = WAIT + WARMUP + ACTIVE
+    if args.use_custom_ce and args.use_custom_flce:
+        raise SystemExit("error: choose one loss kernel: --use-custom-ce or --use-custom-flce")
     args = finish_args(args)
     kernels = {"rmsnorm": args.use_custom_rmsnorm, "cross_entropy": args.use_custom_ce,
-               "swiglu": args.use_custom_swiglu}
+               "swiglu": args.use_custom_swiglu, "flce": args.use_custom_flce, "rope": args.use_custom_rope}
     model, tok, desc = setup_model(args, kernels)
     data = Batches(args, model.config.vocab_size, tok)
     optimizer = make_optimizer(model, args)

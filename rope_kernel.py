@@ -43,12 +43,14 @@ import triton.language as tl
 # Kernel
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _rotate_heads(X, Y, x_off, y_off, sx_h, sy_h, n_heads, c1, c2, a, b,
+def _rotate_heads(X, Y, x_off, y_off, sx_h, sy_h, n_heads, tmask, c1, c2, a, b,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """y1 = x1 * c1 + x2 * a,  y2 = x2 * c2 + x1 * b, for every head of one token."""
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < n_heads) & (d < HALF)
+    """y1 = x1 * c1 + x2 * a,  y2 = x2 * c2 + x1 * b, for every head of a block of tokens.
+
+    Tiles are [tokens, heads, half of head_dim]; x_off / y_off hold each token's offset."""
+    heads = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    mask = tmask & (heads < n_heads) & (d < HALF)
     px = X + x_off + heads * sx_h + d
     py = Y + y_off + heads * sy_h + d
     x1 = tl.load(px, mask=mask, other=0.0).to(tl.float32)
@@ -63,25 +65,27 @@ def _rotate_heads(X, Y, x_off, y_off, sx_h, sy_h, n_heads, c1, c2, a, b,
 def _rope_kernel(
     Q, K, QO, KO,  # inputs and outputs, [B, heads, T, head_dim], unit stride along head_dim
     Cos, Sin,  # [B or 1, T, head_dim], unit stride along head_dim
-    T,  # sequence length
+    n_tokens, T,  # B * T, sequence length
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,  # strides of Q and K (elements)
     sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,  # strides of the outputs
     sc_b, sc_t,  # strides of cos/sin (sc_b = 0 when one table serves the whole batch)
     HQ, HK,  # query heads, key heads
     HALF: tl.constexpr,  # head_dim / 2
+    BLOCK_T: tl.constexpr,  # tokens per program
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
     BACKWARD: tl.constexpr,  # apply the transposed rotation (the gradient)
 ):
-    pid = tl.program_id(0)
-    bi = (pid // T).to(tl.int64)  # int64: b * stride passes 2^31 for long batches
-    ti = (pid % T).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)[None, :]
-    dmask = d < HALF
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]  # int64 offsets
+    tmask = tok < n_tokens
+    bi = tok // T
+    ti = tok % T
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    cmask = tmask & (d < HALF)
     c_off = bi * sc_b + ti * sc_t
-    c1 = tl.load(Cos + c_off + d, mask=dmask, other=0.0).to(tl.float32)
-    c2 = tl.load(Cos + c_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-    s1 = tl.load(Sin + c_off + d, mask=dmask, other=0.0).to(tl.float32)
-    s2 = tl.load(Sin + c_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    c1 = tl.load(Cos + c_off + d, mask=cmask, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + c_off + HALF + d, mask=cmask, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + c_off + d, mask=cmask, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + c_off + HALF + d, mask=cmask, other=0.0).to(tl.float32)
     if BACKWARD:
         # Transpose of [[c1, -s1], [s2, c2]]: dx1 = g1 * c1 + g2 * s2, dx2 = g2 * c2 - g1 * s1
         a = s2
@@ -89,9 +93,9 @@ def _rope_kernel(
     else:
         a = -s1
         b = s2
-    _rotate_heads(Q, QO, bi * sq_b + ti * sq_t, bi * sqo_b + ti * sqo_t, sq_h, sqo_h, HQ, c1, c2, a, b,
+    _rotate_heads(Q, QO, bi * sq_b + ti * sq_t, bi * sqo_b + ti * sqo_t, sq_h, sqo_h, HQ, tmask, c1, c2, a, b,
                   HALF, BLOCK_HQ, BLOCK_D)
-    _rotate_heads(K, KO, bi * sk_b + ti * sk_t, bi * sko_b + ti * sko_t, sk_h, sko_h, HK, c1, c2, a, b,
+    _rotate_heads(K, KO, bi * sk_b + ti * sk_t, bi * sko_b + ti * sko_t, sk_h, sko_h, HK, tmask, c1, c2, a, b,
                   HALF, BLOCK_HK, BLOCK_D)
 
 
@@ -118,15 +122,18 @@ def rope_launch(q, k, cos, sin, backward: bool):
         cos, sin = cos.contiguous(), sin.contiguous()
     sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
     half = D // 2
-    block_hq, block_hk = next_power_of_2(HQ), next_power_of_2(HK)
-    # 4 warps cover one token's 32 x 64 query pairs with 16 values per thread
-    num_warps = 4 if block_hq * next_power_of_2(half) >= 2048 else 2
-    _rope_kernel[(B * T,)](
-        q, k, qo, ko, cos, sin, T,
+    block_hq, block_hk, block_d = next_power_of_2(HQ), next_power_of_2(HK), next_power_of_2(half)
+    n_tokens = B * T
+    # One token per program on a GPU (LLaMA: 32 x 64 query pairs, 16 values per thread at 4 warps);
+    # the interpreter pays per program, not per element, so there a program takes up to 64 tokens.
+    block_t = min(64, next_power_of_2(n_tokens)) if kernel_utils.INTERPRET else 1
+    num_warps = 4 if block_hq * block_d >= 2048 else 2
+    _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
+        q, k, qo, ko, cos, sin, n_tokens, T,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         sc_b, cos.stride(1), HQ, HK,
-        HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=next_power_of_2(half),
+        HALF=half, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d,
         BACKWARD=backward, num_warps=num_warps,
     )
     return qo, ko

@@ -5,10 +5,12 @@
 
 Steps, each one a script of this repository that you can also run by itself:
   1. profile_baseline.py                  where the GPU time of a training step goes
-  2. rmsnorm_test.py, cross_entropy_test.py, swiglu_test.py   the fused kernels are correct
+  2. rmsnorm_test.py, cross_entropy_test.py, swiglu_test.py, linear_cross_entropy_test.py,
+     rope_test.py                         the fused kernels are correct
   3. finetune_baseline.py                 plain Hugging Face training: tokens/s, peak memory
   4. finetune_optimized.py                the same loop with the Triton kernels
-  5. profile_baseline.py --use-custom-rmsnorm --use-custom-ce --use-custom-swiglu   what changed
+  5. profile_baseline.py --use-custom-rmsnorm --use-custom-flce --use-custom-swiglu --use-custom-rope
+                                          what changed
   6. a side-by-side table of steps 3 and 4
 
 Without a GPU everything runs on the CPU with the llama-tiny preset (kernels through Triton's
@@ -102,10 +104,12 @@ def main():
     step("Step 2a: test the fused RMSNorm", [py, "rmsnorm_test.py"])
     step("Step 2b: test the fused cross-entropy", [py, "cross_entropy_test.py"])
     step("Step 2c: test the fused SwiGLU", [py, "swiglu_test.py"])
+    step("Step 2d: test the fused linear cross-entropy", [py, "linear_cross_entropy_test.py"])
+    step("Step 2e: test the fused RoPE", [py, "rope_test.py"])
     step("Step 3: fine-tune, baseline", [py, "finetune_baseline.py", *workload, "--tag", "walkthrough_baseline"])
     step("Step 4: fine-tune, optimized", [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized"])
     step("Step 5: profile again with the kernels",
-         prof + ["--use-custom-rmsnorm", "--use-custom-ce", "--use-custom-swiglu"])
+         prof + ["--use-custom-rmsnorm", "--use-custom-flce", "--use-custom-swiglu", "--use-custom-rope"])
     side_by_side("walkthrough_baseline", "walkthrough_optimized")
 
 
