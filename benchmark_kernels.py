@@ -25,7 +25,14 @@ The peers, stated plainly:
   eager-bf16      F.cross_entropy straight on the bf16 logits (no upcast)
   torch.compile   torch.compile of the same eager function (default mode)
   liger           Liger-Kernel's RMSNorm and cross-entropy (gradient written in place), if installed
-  ours            rmsnorm_kernel.py / cross_entropy_kernel.py (gradient in place) / swiglu_kernel.py
+  ours            rmsnorm_kernel.py / cross_entropy_kernel.py (gradient in place) / swiglu_kernel.py /
+                  rope_kernel.py / linear_cross_entropy_kernel.py ("ours" accumulates the weight
+                  gradient in fp32, "ours-bf16acc" in the weight's dtype)
+
+The fused linear cross-entropy is compute bound: its floor is 6 N H V flops at the bf16 matmul rate
+measured in the same run (a large cuBLAS matmul), and its rows report TFLOP/s instead of GB/s. Its
+"peak+" includes the two gradients it returns (dx and dW, which any implementation must
+allocate); the table under it also shows the peak beyond them.
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ import torch.nn.functional as F
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from cross_entropy_kernel import cross_entropy
 from kernel_utils import DEVICE
+from linear_cross_entropy_kernel import linear_cross_entropy
 from rmsnorm_kernel import rmsnorm, rmsnorm_backward, rmsnorm_forward, rmsnorm_ref
+from rope_kernel import rope, rope_ref
 from swiglu_kernel import swiglu, swiglu_ref
 from testkit import close_to_reference
 
@@ -142,6 +151,16 @@ def copy_bandwidth_gbs() -> float | None:
     return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
 
 
+def matmul_tflops() -> float | None:
+    """bf16 tensor-core rate of a large cuBLAS matmul (8192^3): the ceiling of compute-bound ops."""
+    if not ON_GPU:
+        return None
+    n = 8192
+    a, b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16), torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    us = timed(lambda: a @ b)[0]
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
 def compiled(fn):
     return torch.compile(fn) if ON_GPU else fn  # Inductor needs a C++/GPU toolchain; skip on CPU
 
@@ -176,7 +195,8 @@ def checked(name, check):
         print(f"  WARNING: {name} does not match the float64 reference: {e}")
 
 
-def _measure_impls(kernel, impls, N, width, dtype, grads, fwd_bytes, fwdbwd_bytes, check, forward, forward_backward):
+def _measure_impls(kernel, impls, N, width, dtype, grads, fwd_bytes, fwdbwd_bytes, check, forward, forward_backward,
+                   fwdbwd_flops=None):
     """Check, then time forward and forward + backward of every implementation; one row each.
 
     check(name, fn), forward(fn), forward_backward(fn): the kernel-specific calls on its inputs.
@@ -192,7 +212,9 @@ def _measure_impls(kernel, impls, N, width, dtype, grads, fwd_bytes, fwdbwd_byte
             mem = peak_extra_mb(lambda: forward_backward(fn), grad_to_none=grads)
             rows.append(dict(kernel=kernel, impl=_label(name, g1 and g2), tokens=N, width=width,
                              dtype=str(dtype).split(".")[-1], fwd_us=fwd, fwdbwd_us=fb,
-                             fwd_bytes=fwd_bytes, fwdbwd_bytes=fwdbwd_bytes, peak_extra_mb=mem))
+                             fwd_bytes=fwd_bytes, fwdbwd_bytes=fwdbwd_bytes, peak_extra_mb=mem,
+                             fwdbwd_flops=fwdbwd_flops,
+                             grads_mb=sum(t.numel() * t.element_size() for t in grads) / 1e6))
             for t in grads:
                 t.grad = None
         guarded(name, f"{N}x{width}", measure)
@@ -343,9 +365,117 @@ def _check_swiglu(name, fn, gate, up, dh):
 
 
 # ------------------------------------------------------------------------------------------------
+# Fused linear cross-entropy (compute bound)
+# ------------------------------------------------------------------------------------------------
+def _hf_head_loss(x, w, t):
+    return F.cross_entropy((x @ w.t()).float(), t)  # full logits, upcast, PyTorch's loss
+
+
+def flce_impls():
+    impls = {
+        "ours": lambda x, w, t: linear_cross_entropy(x, w, t),
+        "ours-bf16acc": lambda x, w, t: linear_cross_entropy(x, w, t, accumulate_fp32=False),
+        "eager": _hf_head_loss,
+        "torch.compile": compiled(_hf_head_loss),
+    }
+    if liger() is not None and ON_GPU:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        mod = LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = lambda x, w, t: mod(w, x, t)  # Liger takes (weight, input, target)
+    return impls
+
+
+def bench_flce(N, V, H, dtype, impls, check=True):
+    g = torch.Generator(device="cpu").manual_seed(N + V)
+    x = torch.randn(N, H, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * H**-0.5 * 2).to(DEVICE, dtype).requires_grad_()  # logits ~ N(0, 2)
+    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    t[::17] = -100
+    elt = x.element_size()
+    n_check = min(N, 2304)  # > 2048 tokens: our default chunking takes two chunks
+
+    def loss_only(fn):
+        with torch.no_grad():
+            fn(x, w, t)
+
+    return _measure_impls(
+        "linear_cross_entropy", impls, N, V, dtype, grads=[x, w],
+        fwd_bytes=(N * H + V * H) * elt, fwdbwd_bytes=2 * (N * H + V * H) * elt,
+        check=(lambda name, fn: _check_flce(name, fn, x[:n_check].detach(), w.detach(), t[:n_check])) if check else None,
+        forward=loss_only, forward_backward=lambda fn: fn(x, w, t).backward(), fwdbwd_flops=6 * N * H * V,
+    )
+
+
+def _check_flce(name, fn, x, w, t):
+    outs = []
+    # fp32 serves as the truth here: a float64 copy of a 128256 x 4096 head would take 4 GB
+    for f, cast in ((fn, lambda v: v), (_hf_head_loss, lambda v: v), (_hf_head_loss, lambda v: v.float())):
+        xi, wi = cast(x).clone().requires_grad_(), cast(w).clone().requires_grad_()
+        loss = f(xi, wi, t)
+        loss.backward()
+        outs.append((loss.detach().float(), xi.grad, wi.grad))
+    V = w.shape[0]
+    close_to_reference(f"flce {name} loss", outs[0][0], outs[1][0], outs[2][0], torch.float32, n=V)
+    close_to_reference(f"flce {name} dx", outs[0][1], outs[1][1], outs[2][1], x.dtype, n=V)
+    close_to_reference(f"flce {name} dW", outs[0][2], outs[1][2], outs[2][2], x.dtype, n=x.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
+def rope_impls():
+    impls = {"ours": rope, "eager": rope_ref, "torch.compile": compiled(rope_ref)}
+    if liger() is not None and ON_GPU:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+        impls["liger"] = liger_rotary_pos_emb
+    return impls
+
+
+def bench_rope(N, heads, dtype, impls, check=True, head_dim=128, seq=2048):
+    """N tokens as N / seq sequences; heads = (query heads, KV heads); q/k as attention makes them."""
+    hq, hk = heads
+    B, T = max(1, N // seq), min(N, seq)
+    g = torch.Generator(device="cpu").manual_seed(N + hq)
+    q = torch.randn(B, T, hq, head_dim, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, T, hk, head_dim, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * (500000.0 ** (-torch.arange(0, head_dim, 2) / head_dim))
+    ang = torch.cat([ang, ang], dim=-1)[None].to(DEVICE)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    dq, dk = torch.randn(q.shape, generator=g).to(DEVICE, dtype), torch.randn(k.shape, generator=g).to(DEVICE, dtype)
+    elt = q.element_size()
+    n_vals = B * T * (hq + hk) * head_dim
+
+    def fwd_bwd(fn):
+        qo, ko = fn(q, k, cos, sin)
+        torch.autograd.backward([qo, ko], [dq, dk])
+
+    return _measure_impls(
+        "rope", impls, B * T, hq * head_dim, dtype, grads=[q, k], fwd_bytes=2 * n_vals * elt,
+        fwdbwd_bytes=4 * n_vals * elt,
+        check=(lambda name, fn: _check_rope(name, fn, q[:1, :, :64].detach(), k[:1, :, :64].detach(), cos[:, :64],
+                                            sin[:, :64])) if check else None,
+        forward=lambda fn: fn(q.detach(), k.detach(), cos, sin), forward_backward=fwd_bwd,
+    )
+
+
+def _check_rope(name, fn, q, k, cos, sin):
+    outs = []
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    for f, cast in ((fn, lambda v: v), (rope_ref, lambda v: v), (rope_ref, lambda v: v.double())):
+        qi, ki = cast(q).clone().requires_grad_(), cast(k).clone().requires_grad_()
+        qo, ko = f(qi, ki, cast(cos), cast(sin))
+        torch.autograd.backward([qo, ko], [cast(dq), cast(dk)])
+        outs.append((qo, ko, qi.grad, ki.grad))
+    for i, what in enumerate(("q_embed", "k_embed", "dq", "dk")):
+        close_to_reference(f"rope {name} {what}", outs[0][i], outs[1][i], outs[2][i], q.dtype, n=2)
+
+
+# ------------------------------------------------------------------------------------------------
 # Reporting
 # ------------------------------------------------------------------------------------------------
-def add_derived(rows, copy_gbs):
+def add_derived(rows, copy_gbs, mm_tflops=None):
     by_case = {}
     for r in rows:
         by_case.setdefault((r["kernel"], r["tokens"], r["width"]), []).append(r)
@@ -360,6 +490,13 @@ def add_derived(rows, copy_gbs):
                 r[f"{phase}_x_eager"] = eager[f"{phase}_us"][0] / us if eager else None
                 others = [o[f"{phase}_us"][0] for o in case if o["impl"] != r["impl"]]
                 r[f"{phase}_x_best_other"] = min(others) / us if others else None
+            if r.get("fwdbwd_flops"):  # compute bound: TFLOP/s and the matmul floor replace GB/s
+                us = r["fwdbwd_us"][0]
+                r["fwdbwd_tflops"] = r["fwdbwd_flops"] / (us * 1e-6) / 1e12
+                r["fwdbwd_floor_us"] = r["fwdbwd_flops"] / (mm_tflops * 1e12) * 1e6 if mm_tflops else None
+                r["fwd_gbs"] = r["fwdbwd_gbs"] = r["fwd_pct_copy"] = r["fwdbwd_pct_copy"] = r["fwd_floor_us"] = None
+            if r.get("peak_extra_mb") is not None:
+                r["peak_beyond_grads_mb"] = r["peak_extra_mb"] - r.get("grads_mb", 0.0)
     return rows
 
 
@@ -375,12 +512,13 @@ def table(rows):
             r["kernel"], f"{r['tokens']}x{r['width']}", r["impl"],
             f"{r['fwd_us'][0]:.1f} ({r['fwd_us'][1]:.0f}-{r['fwd_us'][2]:.0f})", f(r["fwd_gbs"], ".0f"), f(r["fwd_pct_copy"], ".0f"),
             f"{r['fwdbwd_us'][0]:.1f} ({r['fwdbwd_us'][1]:.0f}-{r['fwdbwd_us'][2]:.0f})", f(r["fwdbwd_gbs"], ".0f"),
-            f(r["fwdbwd_pct_copy"], ".0f"), f(r["fwdbwd_floor_us"], ".0f"), f(r["peak_extra_mb"], ".0f"),
+            f(r["fwdbwd_pct_copy"], ".0f"), f(r.get("fwdbwd_tflops"), ".0f"), f(r["fwdbwd_floor_us"], ".0f"),
+            f(r["peak_extra_mb"], ".0f"), f(r.get("peak_beyond_grads_mb"), ".0f"),
             f(r["fwdbwd_x_eager"], ".2f"), f(r["fwdbwd_x_best_other"], ".2f"),
         ])
     headers = ["kernel", "tokens x width", "impl", "fwd us (p20-p80)", "fwd GB/s", "fwd %copy",
-               "fwd+bwd us (p20-p80)", "fwd+bwd GB/s", "fwd+bwd %copy", "floor us", "peak+ MB",
-               "x eager", "x best other"]
+               "fwd+bwd us (p20-p80)", "fwd+bwd GB/s", "fwd+bwd %copy", "fwd+bwd TFLOP/s", "floor us", "peak+ MB",
+               "peak+ beyond grads MB", "x eager", "x best other"]
     return tabulate(out, headers=headers, tablefmt="github", disable_numparse=True)
 
 
@@ -389,7 +527,7 @@ def save(rows, meta, tag):
     (RESULTS / f"benchmark_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     with open(RESULTS / f"benchmark_{tag}.csv", "w", newline="") as fh:
         flat = [{k: (v[0] if isinstance(v, tuple) else v) for k, v in r.items()} for r in rows]
-        w = csv.DictWriter(fh, fieldnames=list(flat[0]))
+        w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         w.writeheader()
         w.writerows(flat)
     return plot(rows, meta, tag)
@@ -402,7 +540,7 @@ def plot(rows, meta, tag):
     import matplotlib.pyplot as plt
 
     paths = []
-    for kernel in ("rmsnorm", "cross_entropy", "swiglu"):
+    for kernel in ("rmsnorm", "cross_entropy", "swiglu", "rope"):
         widths = [r["width"] for r in rows if r["kernel"] == kernel]
         if not widths:
             continue
@@ -482,7 +620,8 @@ def tune(dtype):
 # ------------------------------------------------------------------------------------------------
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", choices=["rmsnorm", "cross_entropy", "swiglu", "all"], default="all")
+    p.add_argument("--kernel", choices=["rmsnorm", "cross_entropy", "swiglu", "rope", "linear_cross_entropy", "all"],
+                   default="all")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--sizes", default=None, help="comma-separated token counts (replaces the default sweeps)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: runs the harness end to end, even on a CPU")
@@ -500,24 +639,31 @@ def main():
         rms_cases = [(64, 256), (48, 100)]
         ce_cases = [(16, 1000), (8, 32001)]
         swiglu_cases = [(32, 300)]
+        rope_cases = [(64, (4, 2), 16, 32)]  # tokens, (query heads, KV heads), head_dim, seq
+        flce_cases = [(40, 300, 32)]  # tokens, vocabulary, hidden
     else:
         toks = [int(s) for s in args.sizes.split(",")] if args.sizes else None
         rms_cases = [(n, 4096) for n in (toks or [1024, 2048, 4096, 8192, 16384, 32768])]
         ce_cases = [(n, 128256) for n in (toks or [512, 1024, 2048, 4096, 8192, 16384])]
         swiglu_cases = [(n, 14336) for n in (toks or [1024, 4096, 8192, 16384])]
+        rope_cases = [(n, (32, 8), 128, 2048) for n in (toks or [2048, 8192, 16384])]
+        flce_cases = [(n, 128256, 4096) for n in (toks or [4096, 8192, 16384])]
         if not toks:
             rms_cases += [(16384, h) for h in (1024, 2048, 8192, 16384)]
             ce_cases += [(4096, v) for v in (32000, 151936, 256000)]
     copy = copy_bandwidth_gbs()
+    mm = matmul_tflops() if args.kernel in ("linear_cross_entropy", "all") else None
     gpu = torch.cuda.get_device_name() if ON_GPU else "CPU (interpreter)"
     import transformers
     import triton
 
-    meta = dict(gpu=gpu, dtype=args.dtype, copy_gbs=copy, torch=torch.__version__, triton=triton.__version__,
+    meta = dict(gpu=gpu, dtype=args.dtype, copy_gbs=copy, matmul_tflops=mm, torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, liger=getattr(liger(), "__name__", None) and _liger_version())
     print(f"{gpu}; torch {torch.__version__}, Triton {triton.__version__}; Liger-Kernel: {meta['liger'] or 'not installed'}")
     if copy:
         print(f"device-to-device copy bandwidth: {copy:.0f} GB/s (bytes read + written)")
+    if mm:
+        print(f"bf16 matmul rate (cuBLAS, 8192^3): {mm:.0f} TFLOP/s")
     print("Each implementation is checked against float64 (testkit's rule) before it is timed.")
     rows = []
     if args.kernel in ("rmsnorm", "all"):
@@ -536,7 +682,17 @@ def main():
         for N, I in swiglu_cases:
             guarded("inputs", f"{N}x{I}", lambda: rows.extend(bench_swiglu(N, I, dtype, impls)))
             print(f"  swiglu {N}x{I} done", flush=True)
-    add_derived(rows, copy)
+    if args.kernel in ("rope", "all"):
+        impls = rope_impls()
+        for N, heads, D, T in rope_cases:
+            guarded("inputs", f"{N} tokens", lambda: rows.extend(bench_rope(N, heads, dtype, impls, head_dim=D, seq=T)))
+            print(f"  rope {N} tokens x {heads} heads done", flush=True)
+    if args.kernel in ("linear_cross_entropy", "all"):
+        impls = flce_impls()
+        for N, V, H in flce_cases:
+            guarded("inputs", f"{N}x{V}", lambda: rows.extend(bench_flce(N, V, H, dtype, impls)))
+            print(f"  linear_cross_entropy {N}x{H}x{V} done", flush=True)
+    add_derived(rows, copy, mm)
     tag = "smoke" if args.smoke else gpu.replace("NVIDIA ", "").replace(" ", "_")
     paths = save(rows, meta, tag)
     print(table(rows))

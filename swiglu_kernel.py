@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from kernel_utils import as_rows, check_device, check_float
+from kernel_utils import as_rows, check_device, check_float, next_power_of_2
 
 import triton
 import triton.language as tl
@@ -49,12 +49,15 @@ def _swiglu_fwd(
     H,  # pointer to the output, [n_rows, I], contiguous
     stride_g,  # elements between two rows of G
     stride_u,  # elements between two rows of U
+    n_rows,  # rows (tokens)
     I,  # row length (the MLP width)
+    ROWS: tl.constexpr,  # rows per program (1 on a GPU; more in the interpreter)
     BLOCK: tl.constexpr,  # columns per program
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2^31 (8192 x 14336 x 19)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    # int64: row * stride can pass 2^31 (8192 x 14336 x 19)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (row < n_rows) & (cols < I)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     h = g * tl.sigmoid(g) * u  # all in fp32, rounded once on store
@@ -71,12 +74,14 @@ def _swiglu_bwd(
     stride_dh,  # elements between two rows of DH
     stride_g,  # elements between two rows of G
     stride_u,  # elements between two rows of U
+    n_rows,  # rows (tokens)
     I,  # row length
+    ROWS: tl.constexpr,  # rows per program
     BLOCK: tl.constexpr,  # columns per program
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (row < n_rows) & (cols < I)
     dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
@@ -87,16 +92,25 @@ def _swiglu_bwd(
     tl.store(DG + row * I + cols, (dh * u * dsilu).to(DG.dtype.element_ty), mask=mask)
 
 
-def _grid(n_rows: int, width: int):
-    return (n_rows, triton.cdiv(width, BLOCK))
+def _launch(n_rows: int, width: int):
+    """(grid, rows per program, columns per program). On a GPU one row and 2048 columns per program.
+    The interpreter pays per program and per element of the block, so there a program takes many
+    rows and no more columns than the row has."""
+    if kernel_utils.INTERPRET:
+        block = min(BLOCK, next_power_of_2(width))
+        rows = max(1, min(64, 4096 // block))
+    else:
+        block, rows = BLOCK, 1
+    return (triton.cdiv(n_rows, rows), triton.cdiv(width, block)), rows, block
 
 
 def swiglu_forward(g2: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
     n_rows, width = g2.shape
     h = torch.empty((n_rows, width), dtype=g2.dtype, device=g2.device)
     if h.numel():
-        _swiglu_fwd[_grid(n_rows, width)](g2, u2, h, g2.stride(0), u2.stride(0), width, BLOCK=BLOCK,
-                                          num_warps=NUM_WARPS)
+        grid, rows, block = _launch(n_rows, width)
+        _swiglu_fwd[grid](g2, u2, h, g2.stride(0), u2.stride(0), n_rows, width, ROWS=rows, BLOCK=block,
+                          num_warps=NUM_WARPS)
     return h
 
 
@@ -105,8 +119,9 @@ def swiglu_backward(dh2, g2, u2):
     dg = torch.empty((n_rows, width), dtype=g2.dtype, device=g2.device)
     du = torch.empty((n_rows, width), dtype=u2.dtype, device=u2.device)
     if dg.numel():
-        _swiglu_bwd[_grid(n_rows, width)](dh2, g2, u2, dg, du, dh2.stride(0), g2.stride(0), u2.stride(0), width,
-                                          BLOCK=BLOCK, num_warps=NUM_WARPS)
+        grid, rows, block = _launch(n_rows, width)
+        _swiglu_bwd[grid](dh2, g2, u2, dg, du, dh2.stride(0), g2.stride(0), u2.stride(0), n_rows, width,
+                          ROWS=rows, BLOCK=block, num_warps=NUM_WARPS)
     return dg, du
 
 
