@@ -289,9 +289,11 @@ def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -
 # ------------------------------------------------------------------------------------------------
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, reduction, inplace_grad):
+    def forward(ctx, logits, targets, ignore_index, reduction, inplace_grad, grad_enabled):
         logits2 = as_rows(logits)
-        compute_grad = ctx.needs_input_grad[0]
+        # needs_input_grad says whether the logits require grad, even under torch.no_grad();
+        # grad_enabled (the caller's grad mode) says whether a backward can happen at all.
+        compute_grad = ctx.needs_input_grad[0] and grad_enabled
         loss, grad = cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad)
         if compute_grad and inplace_grad and logits2.data_ptr() == logits.data_ptr():
             # We overwrote `logits` behind autograd's back. Bumping its version counter makes any
@@ -313,7 +315,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.consumed = True
         (grad,) = ctx.saved_tensors
         scale_gradient_(grad, grad_output)
-        return grad.view(ctx.shape), None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
@@ -324,7 +326,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     all rows ignored -> 0.0 for "mean"; out-of-range targets -> NaN; the loss is fp32.
     """
     _check_inputs(logits, targets, reduction)
-    return CrossEntropyFunction.apply(logits, targets, int(ignore_index), reduction, bool(inplace_grad))
+    return CrossEntropyFunction.apply(logits, targets, int(ignore_index), reduction, bool(inplace_grad),
+                                      torch.is_grad_enabled())
 
 
 class TritonCrossEntropyLoss(nn.Module):

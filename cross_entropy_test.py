@@ -242,8 +242,10 @@ def test_backward_twice_is_refused():
 
 def test_no_grad_forward_still_computes_the_loss():
     logits, targets = _logits(7, 100, torch.bfloat16), _targets(7, 100)
-    with torch.no_grad():
-        loss = cross_entropy(logits, targets)
+    x = logits.clone().requires_grad_()
+    with torch.no_grad():  # evaluation of a model whose logits require grad: nothing may be overwritten
+        loss = cross_entropy(x, targets, inplace_grad=True)
+    exactly("no_grad + inplace_grad: logits left intact", x, logits)
     ref = cross_entropy_ref(logits.double(), targets)
     close_to_reference("loss under no_grad", loss, ref, ref, torch.float32, n=100, factor=0)
 

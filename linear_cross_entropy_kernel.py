@@ -173,9 +173,10 @@ def _check_inputs(x, weight, targets, reduction):
 # ------------------------------------------------------------------------------------------------
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk):
+    def forward(ctx, x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk, grad_enabled):
         x, weight = x.contiguous(), weight.contiguous()
-        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad is True under torch.no_grad() too; grad_enabled is the caller's grad mode
+        want_dx, want_dw = ctx.needs_input_grad[0] and grad_enabled, ctx.needs_input_grad[1] and grad_enabled
         ctx.args = (ignore_index, reduction, accumulate_fp32, chunk)
         ctx.consumed = False
         if reduction == "none" and (want_dx or want_dw):
@@ -211,7 +212,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 scale_gradient_(dx, grad_output)
             if dw is not None:
                 scale_gradient_(dw, grad_output)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
@@ -230,7 +231,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
     return LinearCrossEntropyFunction.apply(x, weight, targets, int(ignore_index), reduction,
-                                            bool(accumulate_fp32), chunk)
+                                            bool(accumulate_fp32), chunk, torch.is_grad_enabled())
 
 
 class TritonLinearCrossEntropyLoss(nn.Module):
