@@ -139,8 +139,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return dg.view(dh.shape), du.view(dh.shape)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for tensors of the same shape and dtype; differentiable."""
+def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
     check_float("gate", gate)
     check_float("up", up)
     check_device(gate, up)
@@ -149,12 +148,68 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
                          f"and {tuple(up.shape)} {up.dtype}")
     if gate.dim() == 0:
         raise ValueError("gate and up must have at least one dimension")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for tensors of the same shape and dtype; differentiable."""
+    _check_pair(gate, up)
     return SwiGLUFunction.apply(gate, up)
 
 
+class SwiGLUDownFunction(torch.autograd.Function):
+    """down_proj(silu(gate) * up) without keeping h = silu(gate) * up for backward.
+
+    A plain `down_proj(swiglu(g, u))` saves h: nn.Linear keeps its input for the weight gradient.
+    That is N x I x 2 bytes per layer (235 MB at 8192 tokens, 7.5 GB for LLaMA 3.1 8B's 32 layers),
+    alive from the forward pass to the backward pass, while g and u, from which h follows by one
+    cheap element-wise pass, are saved anyway. So this function saves g, u and the weight only and
+    recomputes h in backward for the weight gradient: one extra SwiGLU forward per layer (~0.1 ms
+    at 8192 tokens on an H200, against ~20 ms for the layer) buys back the whole h.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        g2, u2 = as_rows(gate), as_rows(up)
+        h = swiglu_forward(g2, u2)
+        out = h @ weight.t()
+        ctx.save_for_backward(g2, u2, weight)  # not h: it is recomputed in backward
+        ctx.shape = gate.shape
+        return out.view(*gate.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dout):
+        g2, u2, weight = ctx.saved_tensors
+        d2 = dout.reshape(-1, dout.shape[-1])
+        dw = dg = du = None
+        if ctx.needs_input_grad[2]:
+            dw = d2.t() @ swiglu_forward(g2, u2)  # h recomputed, used, dropped
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dg, du = swiglu_backward(d2 @ weight, g2, u2)
+            dg, du = dg.view(ctx.shape), du.view(ctx.shape)
+        return dg, du, dw
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T, recomputing silu(gate) * up in backward instead of storing it."""
+    _check_pair(gate, up)
+    check_float("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1] or weight.dtype != gate.dtype:
+        raise ValueError(f"weight must be [out, {gate.shape[-1]}] in {gate.dtype}, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    return SwiGLUDownFunction.apply(gate, up, weight)
+
+
 def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """LLaMA's MLP (`down_proj(act(gate_proj(x)) * up_proj(x))`) with the fused activation."""
-    return mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
+    """LLaMA's MLP (`down_proj(act(gate_proj(x)) * up_proj(x))`) with the fused activation.
+
+    A plain bias-free nn.Linear down_proj is folded into SwiGLUDownFunction (h not stored); any
+    other down_proj (a bias, an adapter wrapper) is called as a module on the fused activation.
+    """
+    g, u = mlp.gate_proj(x), mlp.up_proj(x)
+    down = mlp.down_proj
+    if type(down) is nn.Linear and down.bias is None:
+        return swiglu_down(g, u, down.weight)
+    return down(swiglu(g, u))
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,36 @@ def test_llama_mlp_forward_matches_hugging_face():
     close_to_reference("LlamaMLP with fused SwiGLU", ours, ref, ref, torch.float32, n=80, factor=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_gradients_and_what_is_saved(dtype):
+    """Gradients of x and all three weights match HF's LlamaMLP, and backward keeps no [N, I] tensor
+    besides gate and up (h = silu(gate) * up is recomputed)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(1)
+    N, H, I = 24, 32, 80
+    base = LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I)).to(DEVICE, dtype)
+    x0 = torch.randn(2, N // 2, H, device=DEVICE, dtype=dtype)
+    dout = torch.randn(2, N // 2, H, device=DEVICE, dtype=dtype)
+    results = []
+    for tag, cast, fwd in (("ours", dtype, swiglu_mlp_forward), ("same", dtype, LlamaMLP.forward),
+                           ("ref", torch.float64, LlamaMLP.forward)):
+        mlp = LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I)).to(DEVICE, cast)
+        mlp.load_state_dict(base.state_dict())
+        x = x0.detach().to(cast).clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            out = fwd(mlp, x)
+        out.backward(dout.to(cast))
+        results.append([x.grad] + [getattr(mlp, n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")])
+        if tag == "ours":
+            wide = [s for s in saved if s[-1] == I and len(s) > 1 and s != (H, I)]
+            assert len(wide) == 2, f"only gate and up may be saved at width {I}, got {wide}"
+    for i, what in enumerate(("dx", "d gate_proj", "d up_proj", "d down_proj")):
+        close_to_reference(f"MLP {what} ({str(dtype)[6:]})", results[0][i], results[1][i], results[2][i], dtype, n=I)
+
+
 @pytest.mark.parametrize(
     "make, error",
     [
