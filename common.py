@@ -660,6 +660,14 @@ def setup_model(args, kernels: dict):
     return model, tok, desc
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for PyTorch's OutOfMemoryError and for libraries that report running out of GPU memory
+    through a plain RuntimeError (cuBLAS cannot create its handle or workspace when memory is full:
+    CUBLAS_STATUS_ALLOC_FAILED)."""
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(s in str(err) for s in ("CUBLAS_STATUS_ALLOC_FAILED", "out of memory")))
+
+
 def oom_message(args, err: Exception) -> str:
     peak = torch.cuda.max_memory_allocated(args.device) / 1e9 if args.device.type == "cuda" else float("nan")
     total = torch.cuda.get_device_properties(args.device).total_memory / 1e9 if args.device.type == "cuda" else float("nan")
@@ -713,7 +721,9 @@ def train(args, kernels: dict, script: str) -> dict:
             bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
             if is_main() and ((step + 1) % args.log_every == 0 or step == total - 1):
                 bar.write(f"step {step + 1:4d}/{total}  loss {loss_value:.4f}  {dt * 1e3:8.1f} ms")
-    except torch.cuda.OutOfMemoryError as err:
+    except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(err):
+            raise
         raise SystemExit(oom_message(args, err)) from None
     if args.device.type == "cuda":
         result.peak_memory_gb = torch.cuda.max_memory_allocated(args.device) / 1e9

@@ -178,6 +178,14 @@ def test_optimizer_in_backward():
     record("in-backward AdamW == AdamW after backward; grads freed; clip/accumulation refused", 0.0, 0.0, True)
 
 
+def test_out_of_memory_is_recognised():
+    """cuBLAS reports a full GPU as a RuntimeError; it must get the same advice as PyTorch's OOM."""
+    assert common.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert common.is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not common.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert "--batch-size" in common.oom_message(_args(), RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"))
+
+
 def test_kernel_list_errors():
     with pytest.raises(SystemExit, match="choose one loss kernel"):
         common.parse_kernels("rmsnorm,ce,flce")

@@ -27,7 +27,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from common import (RESULTS_DIR, Batches, base_parser, finish_args, log, make_optimizer, oom_message,
+from common import (RESULTS_DIR, Batches, base_parser, finish_args, is_out_of_memory, log, make_optimizer, oom_message,
                     setup_model, training_step)
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
@@ -86,7 +86,9 @@ def main():
                 prof.step()
         if gpu:
             torch.cuda.synchronize()  # a sync point: make sure every kernel has been recorded
-    except torch.cuda.OutOfMemoryError as err:
+    except RuntimeError as err:  # OutOfMemoryError, or cuBLAS failing to allocate
+        if not is_out_of_memory(err):
+            raise
         raise SystemExit(oom_message(args, err)) from None
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
     report(prof, args, kernels, gpu)
