@@ -694,7 +694,8 @@ def train(args, kernels: dict, script: str) -> dict:
         + (f" x {size} processes" if size > 1 else ""))
     data = Batches(args, model.config.vocab_size, tok)
     optimizer = make_optimizer(model, args)
-    result = RunResult(script=script, model=args.model, kernels=[k for k, v in kernels.items() if v],
+    result = RunResult(script=script, model=args.model,
+                       kernels=[k for k, v in kernels.items() if v] + (["torch.compile"] if getattr(args, "compile", False) else []),
                        gpu=describe_gpu(args.device), world_size=size, batch_size=args.batch_size,
                        seq_len=args.seq_len, steps=args.steps, optimizer=args.optimizer + (" in backward" if args.optimizer_in_backward else ""),
                        params=n_params,
