@@ -268,11 +268,18 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tens
     return grad
 
 
-def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> None:
-    check_float("logits", logits)
+def check_targets_and_reduction(targets, reduction: str) -> None:
+    """The checks every loss of this playbook makes on its targets and reduction."""
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
         raise TypeError(f"targets must be an int64 (or int32) tensor of class indices, got {got}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> None:
+    check_float("logits", logits)
+    check_targets_and_reduction(targets, reduction)
     check_device(logits, targets)
     if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
         raise ValueError(
@@ -280,8 +287,6 @@ def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -
         )
     if logits.shape[1] == 0:
         raise ValueError("logits have a vocabulary of size 0")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from cross_entropy_kernel import _REDUCTIONS, cross_entropy_forward, reduce_loss, scale_gradient_
+from cross_entropy_kernel import (_REDUCTIONS, check_targets_and_reduction, cross_entropy_forward, reduce_loss,
+                                  scale_gradient_)
 from kernel_utils import check_device, check_float
 
 # Memory budget of the reused logits buffer. 512 MiB holds 2048 tokens of a 128256-entry
@@ -150,9 +151,7 @@ def linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_
 def _check_inputs(x, weight, targets, reduction):
     check_float("x", x)
     check_float("weight", weight)
-    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
-        got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
-        raise TypeError(f"targets must be an int64 (or int32) tensor of class indices, got {got}")
+    check_targets_and_reduction(targets, reduction)
     check_device(x, weight, targets)
     if x.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         raise ValueError(f"expected x [N, H], weight [V, H] and targets [N], got {tuple(x.shape)}, "
@@ -164,8 +163,6 @@ def _check_inputs(x, weight, targets, reduction):
         raise TypeError(f"x and weight must have the same dtype, got {x.dtype} and {weight.dtype}")
     if weight.shape[0] == 0:
         raise ValueError("weight has a vocabulary of size 0")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
 # ------------------------------------------------------------------------------------------------
