@@ -153,6 +153,29 @@ def test_fused_head_and_rope_match_hugging_face():
                        results["hf", "logits"].double(), torch.float32, n=64, factor=0)
 
 
+def test_fused_head_with_tied_embeddings():
+    """LLaMA 3.2-style tied embeddings: the fused head must use (and train) the shared weight."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**common.PRESETS["llama-tiny"], "tie_word_embeddings": True})
+    torch.manual_seed(3)
+    base = LlamaForCausalLM(cfg)
+    ours = LlamaForCausalLM(cfg)
+    ours.load_state_dict(base.state_dict())
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr(), "weights must be tied"
+    apply_kernels(ours, rmsnorm=False, cross_entropy=False, flce=True, verbose=False)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    losses, grads = [], []
+    for model in (ours, base):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(model.model.embed_tokens.weight.grad)
+    close_to_reference("tied: loss", losses[0], losses[1], losses[1].double(), torch.float32, n=cfg.vocab_size, factor=0)
+    close_to_reference("tied: embedding gradient (lookup + head)", grads[0], grads[1], grads[1].double(),
+                       torch.float32, n=24, factor=0)
+
+
 def test_optimizer_in_backward():
     """Same updates as AdamW after backward; no gradient left after the step; clipping and
     accumulation refused with a clear message."""

@@ -224,6 +224,15 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if isinstance(x, torch.Tensor) and isinstance(targets, torch.Tensor) and x.dim() >= 2 \
             and tuple(targets.shape) == tuple(x.shape[:-1]):
         x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    device_type = x.device.type if isinstance(x, torch.Tensor) else "cpu"
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(device_type):
+        # Under autocast (fp32 weights, bf16 compute) the head's matmul would run in the autocast
+        # dtype, as nn.Linear does; cast both inputs once (autograd casts the gradients back) and
+        # run the chunked loop with autocast off, so its out= matmuls see one dtype.
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return linear_cross_entropy(x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk)
     _check_inputs(x, weight, targets, reduction)
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")

@@ -176,6 +176,29 @@ def test_empty_batch():
     assert xg.grad.shape == (0, 16)
 
 
+def test_under_autocast():
+    """fp32 weights under bf16 autocast: the head runs in bf16 like nn.Linear would, gradients
+    come back in fp32, and the result matches Hugging Face's way under the same autocast."""
+    x, w, t = _inputs(40, 32, 200, torch.float32, seed=10, ignore=(4,))
+    device_type = DEVICE.type
+    outs = []
+    for fn in (lambda a, b: linear_cross_entropy(a, b, t, chunk=16), lambda a, b: linear_cross_entropy_ref(a, b, t)):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = fn(xg, wg)
+        loss.backward()
+        outs.append((loss.detach().float(), xg.grad, wg.grad))
+    assert outs[0][1].dtype == torch.float32 and outs[0][2].dtype == torch.float32, "gradients in the weights' dtype"
+    in_bf16 = linear_cross_entropy(x.bfloat16(), w.bfloat16(), t, chunk=16)
+    exactly("autocast computes the head in bf16 (same bits as bf16 inputs)", outs[0][0], in_bf16.detach())
+    ref = _run(linear_cross_entropy_ref, x.bfloat16().double(), w.bfloat16().double(), t, "mean")
+    # The truth here is float64 on the bf16-rounded inputs (what autocast computes with); the upstream
+    # gradient of _run is 3.0, so its gradients are scaled by 1/3 to compare with a plain backward.
+    close_to_reference("autocast loss", outs[0][0], outs[1][0], ref[0], torch.float32, n=200)
+    close_to_reference("autocast dx", outs[0][1], outs[1][1], ref[1] / 3, torch.bfloat16, n=200)
+    close_to_reference("autocast dW", outs[0][2], outs[1][2], ref[2] / 3, torch.bfloat16, n=40)
+
+
 def test_module_with_batch_and_sequence_dims():
     B, T, H, V = 2, 7, 16, 130
     x, w, t = _inputs(B * T, H, V, torch.float32, seed=7, ignore=(0,))
