@@ -308,6 +308,25 @@ def expected_rmsnorm_count(config) -> int:
     return per_layer * config.num_hidden_layers + 1
 
 
+def _shifted_targets(labels, ignore_index, shift_labels=None):
+    """HF's causal shift without copying logits or hidden states: targets[t] = labels[t + 1], last ignored."""
+    if shift_labels is None:
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    return shift_labels
+
+
+def _hf_reduction(loss_with, num_items_in_batch):
+    """HF's causal-LM reduction: the mean over non-ignored tokens, or, under gradient accumulation,
+    the sum divided by `num_items_in_batch` (the token count of the whole accumulated batch)."""
+    if num_items_in_batch is None:
+        return loss_with("mean")
+    loss = loss_with("sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
 def fused_causal_lm_loss(inplace_grad: bool):
     """A drop-in for Hugging Face's `ForCausalLMLoss` that calls the fused cross-entropy.
 
@@ -320,27 +339,14 @@ def fused_causal_lm_loss(inplace_grad: bool):
 
     def loss_fn(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
                 shift_labels=None, **kwargs):
-        if shift_labels is None:
-            labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
-            shift_labels = labels[..., 1:]
         logits2 = logits.view(-1, vocab_size)
-        targets = shift_labels.reshape(-1).to(logits.device)
-        if num_items_in_batch is None:
-            return cross_entropy(logits2, targets, ignore_index, "mean", inplace_grad)
-        loss = cross_entropy(logits2, targets, ignore_index, "sum", inplace_grad)
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        return loss / num_items_in_batch
+        targets = _shifted_targets(labels, ignore_index, shift_labels).reshape(-1).to(logits.device)
+        return _hf_reduction(lambda reduction: cross_entropy(logits2, targets, ignore_index, reduction, inplace_grad),
+                             num_items_in_batch)
 
     return loss_fn
 
 
-def _shifted_targets(labels, ignore_index, shift_labels=None):
-    """HF's causal shift without copying the hidden states: targets[t] = labels[t + 1], last ignored."""
-    if shift_labels is None:
-        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
-    return shift_labels
 
 
 def flce_causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -366,13 +372,8 @@ def flce_causal_lm_forward(self, input_ids=None, attention_mask=None, position_i
     loss = logits = None
     if labels is not None or shift_labels is not None:
         targets = _shifted_targets(labels, ignore_index, shift_labels).to(hidden.device)
-        if num_items_in_batch is None:
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index, "mean")
-        else:
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index, "sum")
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(loss.device)
-            loss = loss / num_items_in_batch
+        loss = _hf_reduction(lambda reduction: linear_cross_entropy(hidden, self.lm_head.weight, targets, ignore_index,
+                                                                    reduction), num_items_in_batch)
     else:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
@@ -566,7 +567,8 @@ class OptimizerInBackward:
     def __init__(self, params, make):
         self.optimizers = {p: make([p]) for p in params}
         self._stepped = set()  # parameters updated since the last step()
-        self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.optimizers]
+        for p in self.optimizers:
+            p.register_post_accumulate_grad_hook(self._step_param)
 
     def _step_param(self, p):
         if id(p) in self._stepped:
@@ -583,11 +585,8 @@ class OptimizerInBackward:
     def zero_grad(self, set_to_none: bool = True):
         pass  # gradients are dropped as soon as they are used
 
-    def state_dict(self):
-        return [opt.state_dict() for opt in self.optimizers.values()]
-
     @property
-    def param_groups(self):
+    def param_groups(self):  # one group per parameter, e.g. for a learning-rate schedule
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     def clip_grad_norm_(self, *args, **kwargs):

@@ -104,7 +104,7 @@ def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor,
 
 
 def linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx, want_dw,
-                              accumulate_fp32=True, chunk=None, row_scale=None, n_valid=None):
+                              accumulate_fp32=True, chunk=None, row_scale=None):
     """One chunked sweep over the tokens. Returns (loss, dx or None, dW or None).
 
     x [N, H], weight [V, H], targets [N]. With `row_scale` ([N], backward of reduction="none") each
@@ -117,8 +117,8 @@ def linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_
     n_chunks = -(-N // chunk) if N else 0
     want_grad = want_dx or want_dw
     kernel_reduction = "sum" if row_scale is not None else reduction
-    if kernel_reduction == "mean" and n_valid is None:
-        n_valid = (targets != ignore_index).sum()  # the whole batch's count, on the GPU
+    # "mean" divides every chunk's gradient by the whole batch's count, counted once, on the GPU
+    n_valid = (targets != ignore_index).sum() if kernel_reduction == "mean" else None
     loss_rows = torch.empty(N, dtype=torch.float32, device=device)
     dx = torch.empty_like(x) if want_dx else None
     dw = acc = None

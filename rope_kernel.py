@@ -111,11 +111,9 @@ def rope_launch(q, k, cos, sin, backward: bool):
     q, k, cos, sin = _unit_last(q), _unit_last(k), _unit_last(cos), _unit_last(sin)
     B, HQ, T, D = q.shape
     HK = k.shape[1]
-    qo, ko = torch.empty_like(q), torch.empty_like(k)  # same memory layout as the inputs
-    if qo.stride(-1) != 1:
-        qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if ko.stride(-1) != 1:
-        ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # Same memory layout as the inputs (empty_like keeps the strides of a dense tensor, else makes a
+    # contiguous one): either way the last dimension has unit stride, as the kernel needs.
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
     if B * T == 0:
         return qo, ko
     if sin.stride() != cos.stride():  # one set of strides addresses both tables
