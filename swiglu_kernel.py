@@ -43,6 +43,15 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _tile(n_rows, I, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's [ROWS, BLOCK] tile: row indices (int64: row * stride can pass 2^31, e.g.
+    8192 x 14336 x 19), column indices, and the mask of the tile's in-bounds elements."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return row, cols, (row < n_rows) & (cols < I)
+
+
+@triton.jit
 def _swiglu_fwd(
     G,  # pointer to the gate, [n_rows, I], unit stride along I
     U,  # pointer to up, [n_rows, I], unit stride along I
@@ -54,10 +63,7 @@ def _swiglu_fwd(
     ROWS: tl.constexpr,  # rows per program (1 on a GPU; more in the interpreter)
     BLOCK: tl.constexpr,  # columns per program
 ):
-    # int64: row * stride can pass 2^31 (8192 x 14336 x 19)
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = (row < n_rows) & (cols < I)
+    row, cols, mask = _tile(n_rows, I, ROWS, BLOCK)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     h = g * tl.sigmoid(g) * u  # all in fp32, rounded once on store
@@ -79,9 +85,7 @@ def _swiglu_bwd(
     ROWS: tl.constexpr,  # rows per program
     BLOCK: tl.constexpr,  # columns per program
 ):
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = (row < n_rows) & (cols < I)
+    row, cols, mask = _tile(n_rows, I, ROWS, BLOCK)
     dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
