@@ -1,20 +1,25 @@
 """Fine-tune LLaMA 3.1 8B with the fused Triton kernels: RMSNorm, linear cross-entropy, SwiGLU, RoPE.
 
     $ python finetune_optimized.py --model llama-3.1-8b --batch-size 4 --seq-len 2048
-    $ python finetune_optimized.py --model llama-3.1-8b --optimizer-in-backward   # -1 copy of the grads
-    $ python finetune_optimized.py --kernels rmsnorm,ce       # the original playbook's two kernels
-    $ python finetune_optimized.py --kernels liger            # Liger-Kernel instead (a peer)
-    $ torchrun --nproc-per-node 2 finetune_optimized.py --model llama-3.1-8b   # FSDP2
+    $ python finetune_optimized.py --model meta-llama/Llama-3.1-8B --dataset examples/chat.jsonl \
+          --epochs 1 --grad-accum 4 --lr 2e-5 --lr-schedule cosine --warmup-ratio 0.05 --output-dir out
+    $ python finetune_optimized.py --model llama-3.1-8b --lora-r 16          # LoRA through peft
+    $ python finetune_optimized.py --kernels rmsnorm,cross_entropy            # two kernels only
+    $ python finetune_optimized.py --kernels liger                            # Liger-Kernel instead (a peer)
+    $ torchrun --nproc-per-node 2 finetune_optimized.py --model llama-3.1-8b  # FSDP2
 
-The same loop as finetune_baseline.py (common.train) from the same seed and data, after
+The same loop as finetune_baseline.py (training.train) from the same seed and data, after
 `apply_kernels(model)` swaps every RMSNorm module for TritonRMSNorm, fuses lm_head with the loss
 (the [tokens, vocab] logits are never built), and replaces the MLPs' silu(gate) * up and the
-attention's rotary embedding with fused kernels. The summary is saved as JSON under results/ next
-to the baseline's.
+attention's rotary embedding with fused kernels. `python apply_kernels.py` lists the kernels.
 """
 
-from common import base_parser, finish_args, parse_kernels, train
+from apply_kernels import DEFAULT_KERNELS
+from run_config import make_parser, parse_config
+from training import train
 
 if __name__ == "__main__":
-    args = finish_args(base_parser(__doc__.splitlines()[0], kernels_default="rmsnorm,flce,swiglu,rope").parse_args())
-    train(args, kernels=parse_kernels(args.kernels), script="finetune_optimized")
+    from check_setup import check_or_exit
+
+    check_or_exit()
+    train(parse_config(make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS), "finetune_optimized"))

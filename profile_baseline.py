@@ -1,23 +1,23 @@
 """Profile LLaMA 3.1 8B training steps with torch.profiler: where does the GPU time go?
 
     $ python profile_baseline.py --model llama-3.1-8b --batch-size 4 --seq-len 2048
-    $ python profile_baseline.py --model llama-3.1-8b --use-custom-rmsnorm --use-custom-ce
-    $ python profile_baseline.py --model llama-3.1-8b --use-custom-rmsnorm --use-custom-flce \
-          --use-custom-swiglu --use-custom-rope      # every kernel of the playbook
+    $ python profile_baseline.py --model llama-3.1-8b --kernels rmsnorm,cross_entropy
+    $ python profile_baseline.py --model llama-3.1-8b --kernels default      # every kernel of the playbook
     $ python profile_baseline.py            # no GPU: llama-tiny on the CPU (CPU time instead)
 
-It runs the training loop of the fine-tuning scripts: warm-up steps first, outside the recorded
-window (Triton compiles there, and the CUDA caching allocator settles), then a short profiler
-schedule (1 step skipped, 1 step of profiler warm-up, 3 recorded). It prints a breakdown by
-category, then the 20 GPU kernels with the most self time, and saves a Chrome trace that
-https://ui.perfetto.dev opens.
+It runs the training step of the fine-tuning scripts (same flags, same loop): warm-up steps first,
+outside the recorded window (Triton compiles there, and the CUDA caching allocator settles), then a
+short profiler schedule (1 step skipped, 1 step of profiler warm-up, 3 recorded). It prints a
+breakdown by category, then the 20 GPU kernels with the most self time, and saves a Chrome trace
+that https://ui.perfetto.dev opens. Without --kernels it profiles the plain Hugging Face model.
 
 How to read the categories: each GPU kernel is assigned by its name. Matrix multiplies (cuBLAS /
-CUTLASS), attention (flash / memory-efficient SDPA), the optimizer (fused or multi-tensor AdamW)
-and our Triton kernels have telling names. Generic PyTorch kernels do not say which module
+CUTLASS), attention (flash / memory-efficient / cuDNN SDPA), the optimizer (fused or multi-tensor
+AdamW) and our Triton kernels have telling names. Generic PyTorch kernels do not say which module
 launched them, so in the eager baseline only RMSNorm's pow, mean and rsqrt are counted as
 RMSNorm, and only softmax / NLL as the loss; their multiplies and the fp32 upcast of the logits
 land in "element-wise". The re-profile with the kernels shows how much of that column was theirs.
+The attention backend SDPA picked is reported by name (the kernel names say which one ran).
 """
 
 import json
@@ -27,8 +27,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from common import (RESULTS_DIR, Batches, base_parser, finish_args, is_out_of_memory, log, make_optimizer, oom_message,
-                    setup_model, training_step)
+from common import RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, write_atomic
+from models import prepare_model
+from run_config import make_parser, parse_config
+from training import make_optimizer, make_run_data, run_tokenizer, training_step
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
@@ -41,6 +43,8 @@ CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op nam
     ("element-wise", r"elementwise|vectorized|unrolled|functor|copy|cat_|fill|silu|index|gather|scatter|embedding"
                      r"|aten::(mul|add|sub|div|neg|cat|lerp|sqrt|sum|zero)"),
 ]
+ATTENTION_BACKENDS = [("cuDNN", r"cudnn"), ("flash", r"flash"), ("memory-efficient", r"fmha|efficient"),
+                      ("math (unfused)", r"_scaled_dot_product_attention_math")]
 WAIT, WARMUP, ACTIVE = 1, 1, 3
 
 
@@ -53,45 +57,40 @@ def category(name: str) -> str:
 
 
 def main():
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--use-custom-rmsnorm", action="store_true", help="profile with the Triton RMSNorm")
-    p.add_argument("--use-custom-ce", action="store_true", help="profile with the fused cross-entropy")
-    p.add_argument("--use-custom-swiglu", action="store_true", help="profile with the fused SwiGLU")
-    p.add_argument("--use-custom-flce", action="store_true",
-                   help="profile with lm_head fused into the loss (instead of --use-custom-ce)")
-    p.add_argument("--use-custom-rope", action="store_true", help="profile with the fused RoPE")
-    args = p.parse_args()
-    if args.steps is None:
-        args.steps = WAIT + WARMUP + ACTIVE
-    if args.use_custom_ce and args.use_custom_flce:
-        raise SystemExit("error: choose one loss kernel: --use-custom-ce or --use-custom-flce")
-    args = finish_args(args)
-    kernels = {"rmsnorm": args.use_custom_rmsnorm, "cross_entropy": args.use_custom_ce,
-               "swiglu": args.use_custom_swiglu, "flce": args.use_custom_flce, "rope": args.use_custom_rope}
-    model, tok, desc = setup_model(args, kernels)
-    data = Batches(args, model.config.vocab_size, tok)
-    optimizer = make_optimizer(model, args)
-    gpu = args.device.type == "cuda"
+    from check_setup import check_or_exit
+
+    check_or_exit()
+    cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=()), "profile_baseline")
+    model, model_name, desc, kernel_report = prepare_model(cfg)
+    data = make_run_data(cfg, model, model_name, run_tokenizer(cfg, model_name))
+    optimizer = make_optimizer(model, cfg)
+    gpu = cfg.on_gpu
+
+    def step(i):
+        return training_step(model, optimizer, [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)],
+                             cfg.max_grad_norm)
 
     try:
-        log(f"Warm-up: {args.warmup_steps} steps outside the profiler ...")
-        for step in range(args.warmup_steps):
-            training_step(model, optimizer, data.get(step, args.device))
+        log(f"Warm-up: {cfg.warmup_steps} steps outside the profiler ...")
+        for i in range(cfg.warmup_steps):
+            step(i)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        log(f"Profiling {ACTIVE} training steps of {args.batch_size} x {args.seq_len} tokens ({desc}) ...")
+        log(f"Profiling {ACTIVE} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
         t0 = time.perf_counter()
         with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE)) as prof:
-            for step in range(WAIT + WARMUP + ACTIVE):
-                training_step(model, optimizer, data.get(args.warmup_steps + step, args.device))
+            for i in range(WAIT + WARMUP + ACTIVE):
+                step(cfg.warmup_steps + i)
                 prof.step()
         if gpu:
             torch.cuda.synchronize()  # a sync point: make sure every kernel has been recorded
     except RuntimeError as err:  # OutOfMemoryError, or cuBLAS failing to allocate
         if not is_out_of_memory(err):
             raise
-        raise SystemExit(oom_message(args, err)) from None
+        raise SystemExit(oom_message(cfg, err)) from None
+    except KeyboardInterrupt:
+        raise SystemExit("\ninterrupted (Ctrl-C): nothing was recorded") from None
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
-    report(prof, args, kernels, gpu)
+    report(prof, cfg, model_name, kernel_report, gpu)
 
 
 def _self_time_us(evt, gpu: bool) -> float:
@@ -101,7 +100,7 @@ def _self_time_us(evt, gpu: bool) -> float:
     return t if t is not None else evt.self_cuda_time_total
 
 
-def report(prof, args, kernels, gpu):
+def report(prof, cfg, model_name, kernel_report, gpu):
     from tabulate import tabulate
 
     # User annotations (ProfilerStep#N, Optimizer.step#AdamW.step, record_function ranges) span
@@ -117,9 +116,10 @@ def report(prof, args, kernels, gpu):
                          "in this environment, and did the steps run on the GPU?")
     unit = "GPU" if gpu else "CPU"
     per_step = total / ACTIVE / 1e3
-    label = "+".join(k for k, v in kernels.items() if v) or "baseline"
-    log(f"\nSelf {unit} time per training step: {per_step:.1f} ms ({label}, {args.model}, "
-        f"{args.batch_size} x {args.seq_len} tokens){'' if gpu else ' -- CPU run: CPU time, not GPU time'}")
+    label = "+".join(kernel_report.names) or "baseline"
+    log(f"\nSelf {unit} time per training step: {per_step:.1f} ms ({label}, {model_name}, "
+        f"{cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens)"
+        f"{'' if gpu else ' -- CPU run: CPU time of the Triton interpreter, not GPU time'}")
 
     by_cat = {}
     for e in rows:
@@ -128,6 +128,8 @@ def report(prof, args, kernels, gpu):
     cat_rows = sorted(by_cat.items(), key=lambda kv: -kv[1])
     log(tabulate([(c, f"{t / ACTIVE / 1e3:.2f}", f"{100 * t / total:.1f}") for c, t in cat_rows],
                  headers=["category", "ms per step", "% of step"], tablefmt="github"))
+    backend = attention_backend(rows)
+    log(f"Attention backend (from the kernel names): {backend}")
 
     top = sorted(rows, key=lambda e: -_self_time_us(e, gpu))[:20]
     log(f"\nTop 20 {'GPU kernels' if gpu else 'operations'} by self {unit} time:")
@@ -135,19 +137,29 @@ def report(prof, args, kernels, gpu):
                    f"{100 * _self_time_us(e, gpu) / total:.1f}", e.count // ACTIVE)
                   for e in top], headers=["name", "category", "ms per step", "%", "calls per step"], tablefmt="github"))
 
-    traces = RESULTS_DIR / "traces"
-    traces.mkdir(parents=True, exist_ok=True)
-    path = traces / f"profile_{label}_{args.model.replace('/', '_')}_b{args.batch_size}_s{args.seq_len}.json"
-    path.unlink(missing_ok=True)  # never leave a stale trace under the new name
-    prof.export_chrome_trace(str(path))
-    log(f"\nChrome trace: {path} (open it in https://ui.perfetto.dev)")
-    summary = {"label": label, "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
-               "unit": unit, "ms_per_step": per_step,
+    tag = cfg.tag or f"profile_{label}_{model_name.replace('/', '_')}_b{cfg.batch_size}_s{cfg.seq_len}"
+    out = result_path(tag, ".json", cfg.overwrite)
+    trace = RESULTS_DIR / "traces" / f"{out.stem}.trace.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    trace.unlink(missing_ok=True)  # never leave a stale trace under the new name
+    prof.export_chrome_trace(str(trace))
+    log(f"\nChrome trace: {trace} (open it in https://ui.perfetto.dev)")
+    summary = {"label": label, "model": model_name, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+               "grad_accum": cfg.grad_accum, "unit": unit, "ms_per_step": per_step, "attention_backend": backend,
                "categories_ms_per_step": {c: t / ACTIVE / 1e3 for c, t in cat_rows},
-               "top": [(e.key[:200], _self_time_us(e, gpu) / ACTIVE / 1e3, e.count // ACTIVE) for e in top]}
-    out = RESULTS_DIR / f"profile_{label}_{args.model.replace('/', '_')}_b{args.batch_size}_s{args.seq_len}.json"
-    out.write_text(json.dumps(summary, indent=1))
+               "top": [(e.key[:200], _self_time_us(e, gpu) / ACTIVE / 1e3, e.count // ACTIVE) for e in top],
+               "config": cfg.as_dict()}
+    if out.name != f"{tag}.json":
+        log(f"results/{tag}.json exists: writing {out.name} instead (--overwrite replaces it)")
+    write_atomic(out, json.dumps(summary, indent=1))
     log(f"Summary: {out}")
+
+
+def attention_backend(rows) -> str:
+    """Which SDPA implementation ran, read off the recorded kernel / op names."""
+    names = " ".join(e.key.lower() for e in rows)
+    found = [name for name, pattern in ATTENTION_BACKENDS if re.search(pattern, names)]
+    return found[0] if found else "not identified"
 
 
 def _is_annotation(evt) -> bool:

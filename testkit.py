@@ -28,8 +28,6 @@ Running `python rmsnorm_test.py` calls every test (expanding `pytest.mark.parame
 each check as a line of a report; `pytest` runs the same functions.
 """
 
-import inspect
-import itertools
 import sys
 import time
 
@@ -95,69 +93,48 @@ def random_like_grad(t: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# Running a test file as a script
+# Running a test file as a script: pytest runs it (fixtures and all), this plugin prints the report
 # ------------------------------------------------------------------------------------------------
-def _expand(fn):
-    """Yield (label, kwargs) for every combination of the function's parametrize marks."""
-    marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
-    axes = []
-    for m in marks:
-        names = [n.strip() for n in m.args[0].split(",")] if isinstance(m.args[0], str) else list(m.args[0])
-        axis = []
-        for v in m.args[1]:
-            label = None
-            if hasattr(v, "values") and hasattr(v, "id"):  # pytest.param(..., id=...)
-                v, label = v.values if len(names) > 1 else v.values[0], v.id
-            v = v if len(names) > 1 else (v,)
-            axis.append((label or ", ".join(f"{k}={_short(x)}" for k, x in zip(names, v)), dict(zip(names, v))))
-        axes.append(axis)
-    for combo in itertools.product(*axes) if axes else [()]:
-        kwargs = {}
-        for _, part in combo:
-            kwargs.update(part)
-        yield ", ".join(label for label, _ in combo), kwargs
+class _Report:
+    """Prints each test's outcome and the checks it recorded, in file order."""
 
+    def __init__(self):
+        self.counts = {"passed": 0, "failed": 0, "skipped": 0}
+        self.first = 0
 
-def _skip_reason(fn):
-    for m in getattr(fn, "pytestmark", []):
-        if m.name == "skipif" and m.args and m.args[0]:
-            return m.kwargs.get("reason", "skipped")
-    return None
+    def pytest_runtest_setup(self, item):
+        self.first = len(_records)
 
-
-def _short(v):
-    return str(v).replace("torch.", "")
+    def pytest_runtest_logreport(self, report):
+        if report.when != "call" and not (report.failed or report.skipped):
+            return
+        self.counts[report.outcome] += 1
+        why = ""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            why = report.longrepr[2]  # (file, line, reason)
+        elif report.failed:
+            crash = getattr(report.longrepr, "reprcrash", None)  # the exception's own message
+            why = crash.message.splitlines()[0] if crash else report.longreprtext.strip()[-160:]
+        name = report.nodeid.split("::", 1)[-1]
+        print(f"{report.outcome.upper():8} {name}" + (f"  -- {why[:160]}" if why else ""), flush=True)
+        for r in _records[self.first:]:
+            mark = "ok " if r["passed"] else "BAD"
+            print(f"           {mark} {r['name']:<44} max err {r['err']:.2e}  tol {r['tol']:.2e} {r['note']}")
+        self.first = len(_records)
 
 
 def run_as_script(module_name: str, title: str) -> int:
-    """Run every `test_*` function of a module, print a report, return the process exit code."""
+    """Run the module's tests through pytest (fixtures and marks honoured); print a readable report.
+
+    Returns the process exit code: 0 when every test passed or was skipped.
+    """
     module = sys.modules[module_name]
-    tests = [(n, f) for n, f in inspect.getmembers(module, inspect.isfunction) if n.startswith("test_")]
-    tests.sort(key=lambda nf: inspect.getsourcelines(nf[1])[1])  # file order reads like a lesson
     print(f"{title}\n{'=' * len(title)}")
     doc = (module.__doc__ or "").strip().splitlines()
-    print(doc[0] if doc else "", "\n")
-    counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}
+    print(doc[0] if doc else "", "\n", flush=True)
+    plugin = _Report()
     start = time.perf_counter()
-    for name, fn in tests:
-        if _skip_reason(fn):
-            counts["SKIPPED"] += 1
-            print(f"SKIPPED  {name}  -- {_skip_reason(fn)}")
-            continue
-        for label, kwargs in _expand(fn):
-            first = len(_records)
-            try:
-                fn(**kwargs)
-                status, why = "PASSED", ""
-            except pytest.skip.Exception as e:
-                status, why = "SKIPPED", str(e)
-            except Exception as e:  # noqa: BLE001  (the report shows every failure, then exits 1)
-                status, why = "FAILED", f"{type(e).__name__}: {e}".splitlines()[0][:160]
-            counts[status] += 1
-            print(f"{status:8} {name}({label})" + (f"  -- {why}" if why else ""))
-            for r in _records[first:]:
-                mark = "ok " if r["passed"] else "BAD"
-                print(f"           {mark} {r['name']:<44} max err {r['err']:.2e}  tol {r['tol']:.2e} {r['note']}")
-    total = time.perf_counter() - start
-    print(f"\n{counts['PASSED']} passed, {counts['FAILED']} failed, {counts['SKIPPED']} skipped in {total:.1f} s")
-    return 1 if counts["FAILED"] else 0
+    code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"], plugins=[plugin])
+    c = plugin.counts
+    print(f"\n{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {time.perf_counter() - start:.1f} s")
+    return 0 if code in (0, 5) and not c["failed"] else 1

@@ -1,0 +1,201 @@
+"""Models: the random-weight presets, Hugging Face models, and preparing either for training.
+
+`--model` takes a Hugging Face id, a local directory, or a preset built from its config with random
+weights (timing and memory do not depend on the weight values):
+    llama-3.1-8b   the exact LLaMA 3.1 8B architecture, built directly on the GPU in bf16
+    llama-tiny     a few small layers, for CPUs (kernels then run in Triton's interpreter)
+
+`prepare_model(cfg)` is the one recipe every script follows: load, apply the kernels, add LoRA,
+turn on gradient checkpointing, compile, and shard under torchrun, in that order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
+from common import log, world
+from run_config import DEFAULT_MODEL, usage_error
+
+PRESETS = {
+    # meta-llama/Llama-3.1-8B's config.json, field for field (weights are random)
+    "llama-3.1-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+        mlp_bias=False, bos_token_id=128000, eos_token_id=128001,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    # Small enough for a CPU and Triton's interpreter; same family, same code paths.
+    "llama-tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, rope_theta=500000.0,
+        bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def init_distributed(device: torch.device) -> None:
+    rank, size = world()
+    if size == 1 or torch.distributed.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl", device_id=device)
+    else:  # CPU processes (gloo): slow, but the same FSDP2 code path, for tests without GPUs
+        torch.distributed.init_process_group("gloo")
+    log(f"Distributed: {size} processes, one GPU each; the model is sharded with FSDP2 (fully_shard).")
+
+
+def _hub_advice(model_id: str, err: Exception) -> str:
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    # GatedRepoError subclasses RepositoryNotFoundError: test it first.
+    if isinstance(err, GatedRepoError):
+        what = f"'{model_id}' is a gated model and this machine has no access to it"
+    elif isinstance(err, RepositoryNotFoundError):
+        what = f"'{model_id}' was not found on the Hugging Face Hub (or is private)"
+    elif isinstance(err, LocalEntryNotFoundError) or "offline" in str(err).lower() or "connect" in str(err).lower():
+        what = f"'{model_id}' is not in the local cache and the Hub cannot be reached"
+    else:
+        what = f"'{model_id}' could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    return (
+        f"{what}. To use real weights: accept the licence at https://huggingface.co/{model_id}, create a "
+        "token at https://huggingface.co/settings/tokens (fine-grained tokens need access to gated repos), "
+        "`export HF_TOKEN=...` and check it with `hf auth whoami`; or pass a local directory. "
+        "To measure speed and memory without weights, pass --model llama-3.1-8b (the same architecture, "
+        "random weights)."
+    )
+
+
+def looks_like_path(name: str) -> bool:
+    """A local directory rather than a hub id ('org/name'): absolute, ./ ../ ~, or more than one '/'."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def preset_config(name: str, num_layers: int | None = None):
+    from transformers import LlamaConfig
+
+    cfg = dict(PRESETS[name])
+    if num_layers:
+        if num_layers > cfg["num_hidden_layers"]:
+            raise usage_error(f"--num-layers {num_layers}: {name} has only {cfg['num_hidden_layers']} layers")
+        cfg["num_hidden_layers"] = num_layers
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_preset(name: str, num_layers: int | None, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The preset's architecture with random weights, identical in every run and every process."""
+    from transformers import LlamaForCausalLM
+
+    config = preset_config(name, num_layers)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in bf16 directly: no 32 GB fp32 copy of 8B params
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model
+
+
+def load_model(cfg) -> tuple[nn.Module, str, str]:
+    """Returns (model, model name actually used, description). The default model falls back to the 8B
+    preset with a loud warning when it cannot be loaded; a model named on the command line does not."""
+    dtype = torch.bfloat16
+    if cfg.model in PRESETS:
+        return build_preset(cfg.model, cfg.num_layers, cfg.device, dtype), cfg.model, f"preset {cfg.model} (random weights)"
+    if looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
+        raise SystemExit(f"error: --model {cfg.model}: no such local directory")
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(Path(cfg.model).expanduser() if looks_like_path(cfg.model) else cfg.model,
+                                                     dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError, ImportError) as err:  # hub errors are OSError subclasses
+        advice = _hub_advice(cfg.model, err)
+        if cfg.model_explicit:
+            raise SystemExit(f"error: {advice}") from None
+        log("\n" + "!" * 100 + f"\nThe default model could not be loaded: {advice}\nContinuing with the "
+            "llama-3.1-8b preset: timing and memory are those of the real model; loss values are not "
+            "meaningful.\n" + "!" * 100 + "\n")
+        name = "llama-3.1-8b"
+        return (build_preset(name, cfg.num_layers, cfg.device, dtype), name,
+                f"preset {name} (random weights; {DEFAULT_MODEL} unavailable)")
+    if cfg.num_layers:
+        if cfg.num_layers > len(model.model.layers):
+            raise usage_error(f"--num-layers {cfg.num_layers}: the model has only {len(model.model.layers)} layers")
+        model.model.layers = model.model.layers[: cfg.num_layers]
+        model.config.num_hidden_layers = cfg.num_layers
+    return model.to(cfg.device), cfg.model, cfg.model
+
+
+def count_params(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def flops_per_token(model: nn.Module, seq_len: int, lora: bool = False) -> float:
+    """Training FLOPs per token: 6 x (parameters used in matmuls) + attention scores (12 L H T).
+
+    The input embedding is a lookup, not a matmul, so its parameters are left out; causal
+    attention does half of the 12 L H T as useful work, but the kernels compute it all (convention
+    of the PaLM paper's MFU). With LoRA the frozen weights need no weight gradient: 4 x instead of 6 x.
+    """
+    cfg = model.config
+    emb = model.get_input_embeddings().weight.numel()
+    n_matmul = count_params(model) - emb
+    if getattr(cfg, "tie_word_embeddings", False):
+        n_matmul += emb  # the tied lm_head still multiplies by it
+    return (4 if lora else 6) * n_matmul + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """FSDP2: shard every decoder layer, then the root (embeddings, final norm, lm_head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def decoder_layers(model: nn.Module):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
+def prepare_model(cfg):
+    """Load the model and get it ready to train. Returns (model, model name used, description, kernel report)."""
+    from apply_kernels import apply_kernels
+
+    init_distributed(cfg.device)
+    model, name, desc = load_model(cfg)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and cfg.seq_len > max_pos:
+        raise usage_error(f"--seq-len {cfg.seq_len} is above this model's {max_pos} positions")
+    model.config.use_cache = False
+    model.train()
+    report = apply_kernels(model, cfg.kernels, verbose=True)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        log("Gradient checkpointing: each decoder layer is recomputed in backward")
+    if cfg.lora_r:
+        from lora import apply_lora
+
+        model = apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
+    if cfg.compile:
+        model.compile()  # compiles the forward on its first call (the warm-up steps)
+        log("torch.compile: the model's forward is compiled on the first (warm-up) step")
+    if world()[1] > 1:
+        shard_model(model)
+    return model, name, desc, report

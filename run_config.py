@@ -1,0 +1,271 @@
+"""Command-line arguments of the fine-tuning and profiling scripts, checked once into a frozen `RunConfig`.
+
+Every script builds its parser with `make_parser()`, so `--model`, `--batch-size`, `--kernels` and the
+rest mean the same thing everywhere. `parse_config()` checks every value before any model is built
+(a bad argument exits with code 2 and one line saying what is wrong) and fills the defaults that
+depend on the machine (a GPU gets the 8B architecture at 4 x 2048 tokens, a CPU the tiny preset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from apply_kernels import DEFAULT_KERNELS, KERNEL_NAMES, PEERS, parse_kernels
+
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")  # a file name inside results/, nothing else
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, fully described: what the scripts, the loop and the summary read (never mutated)."""
+
+    script: str
+    device: torch.device
+    model: str
+    model_explicit: bool  # False: the default model, which may fall back to the 8B preset
+    num_layers: int | None
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    steps: int  # optimizer steps in all; the first `warmup_steps` are not timed
+    epochs: float | None
+    warmup_steps: int
+    lr: float
+    lr_schedule: str
+    lr_warmup_steps: int
+    warmup_ratio: float
+    weight_decay: float
+    optimizer: str
+    optimizer_in_backward: bool
+    max_grad_norm: float | None
+    gradient_checkpointing: bool
+    compile: bool
+    kernels: tuple
+    data: Path | None
+    dataset: str | None
+    packing: bool
+    train_on_prompt: bool
+    eval_fraction: float
+    eval_every: int
+    output_dir: Path | None
+    save_every: int
+    resume: Path | None
+    lora_r: int
+    lora_alpha: float | None
+    lora_dropout: float
+    lora_targets: str
+    merge_lora: bool
+    seed: int
+    log_every: int
+    tag: str | None
+    overwrite: bool
+    report_to: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def as_dict(self) -> dict:
+        return {f.name: (str(v) if isinstance(v, (Path, torch.device)) else v)
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument types: a wrong value is refused by argparse itself (exit code 2, usage line)
+# ------------------------------------------------------------------------------------------------
+def _number(kind, low=None, low_open=False, high=None, high_open=False):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if low is not None and (v < low or (low_open and v == low)):
+            raise argparse.ArgumentTypeError(f"{v} must be {'>' if low_open else '>='} {low}")
+        if high is not None and (v > high or (high_open and v == high)):
+            raise argparse.ArgumentTypeError(f"{v} must be {'<' if high_open else '<='} {high}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, low=1)
+nonnegative_int = _number(int, low=0)
+positive_float = _number(float, low=0, low_open=True)
+nonnegative_float = _number(float, low=0)
+fraction = _number(float, low=0, high=1, high_open=True)
+
+
+def _tag(text: str) -> str:
+    if not TAG_PATTERN.match(text) or ".." in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a tag names a file inside results/: letters, digits and . _ + = - only, no '/' or '..'")
+    return text
+
+
+def _kernels(text: str) -> tuple:
+    try:
+        return parse_kernels(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows a default only where it is a real value (defaults that depend on the GPU say so in the help)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
+            default = action.default
+            if isinstance(default, tuple):
+                default = ",".join(default) or "none"
+            text += f" (default: {default})"
+        return text
+
+
+def make_parser(description: str, kernels_default: tuple | None = None) -> argparse.ArgumentParser:
+    """The parser every script shares. `kernels_default`: None for scripts without --kernels."""
+    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help=f"Hugging Face id, local directory, or a random-weight preset (llama-3.1-8b, llama-tiny); "
+                        f"default: {DEFAULT_MODEL} on a GPU, llama-tiny on a CPU")
+    m.add_argument("--num-layers", type=positive_int, default=None, help="keep only the first N decoder layers")
+    if kernels_default is not None:
+        m.add_argument("--kernels", type=_kernels, default=tuple(kernels_default),
+                       help=f"comma-separated: {', '.join(KERNEL_NAMES)}; 'default' "
+                            f"({','.join(DEFAULT_KERNELS)}), 'none', or a peer library ({', '.join(PEERS)})")
+    m.add_argument("--compile", action="store_true", help="torch.compile the model (after the kernels)")
+    m.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each decoder layer in backward (Hugging Face's; less memory, ~1/3 more compute)")
+    m.add_argument("--lora-r", type=nonnegative_int, default=0, help="LoRA rank through peft; 0 = full fine-tune")
+    m.add_argument("--lora-alpha", type=positive_float, default=None, help="LoRA scale numerator; default 2 x rank")
+    m.add_argument("--lora-dropout", type=fraction, default=0.0, help="dropout on the LoRA input")
+    m.add_argument("--lora-targets", default="all",
+                   help="'all' (q,k,v,o,gate,up,down projections), 'attention', or a comma list of module names")
+    m.add_argument("--merge-lora", action="store_true", help="also write the merged weights to --output-dir/merged")
+
+    d = p.add_argument_group("data")
+    d.add_argument("--batch-size", type=positive_int, default=None,
+                   help="sequences per micro-batch (per GPU); default 4 on a GPU, 2 on a CPU")
+    d.add_argument("--seq-len", type=positive_int, default=None,
+                   help="tokens per sequence; default 2048 on a GPU, 64 on a CPU (128 with --dataset)")
+    d.add_argument("--dataset", default=None,
+                   help="instruction data: a .jsonl / .json / .parquet file or a `datasets` hub id; rows in chat "
+                        "(messages), prompt/completion, Alpaca or text form (default: synthetic tokens)")
+    d.add_argument("--data", type=Path, default=None, help="a raw text file, cut into windows (throughput runs)")
+    d.add_argument("--packing", action="store_true",
+                   help="pack several examples per sequence (positions restart, no attention across examples)")
+    d.add_argument("--train-on-prompt", action="store_true", help="also train on prompt tokens (default: masked)")
+    d.add_argument("--eval-fraction", type=fraction, default=None,
+                   help="held-out share of --dataset for the eval loss; default 0.05 with --dataset")
+    d.add_argument("--eval-every", type=nonnegative_int, default=0, help="eval loss every N steps (0: at the end only)")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", "--max-steps", dest="steps", type=positive_int, default=None,
+                   help="optimizer steps in all (the first --warmup-steps are not timed); default 12 on a GPU, "
+                        "20 on a CPU, or --epochs")
+    t.add_argument("--epochs", type=positive_float, default=None, help="passes over --dataset instead of --steps")
+    t.add_argument("--warmup-steps", type=nonnegative_int, default=2,
+                   help="first steps left out of the timing (Triton compiles, the allocator settles)")
+    t.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="micro-batches per optimizer step; the loss is the mean over all their target tokens")
+    t.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate")
+    t.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="constant",
+                   help="after the warm-up: constant, or linear / cosine decay to 0 at the last step")
+    t.add_argument("--lr-warmup-steps", type=nonnegative_int, default=0, help="linear learning-rate warm-up steps")
+    t.add_argument("--warmup-ratio", type=fraction, default=0.0, help="learning-rate warm-up as a share of the steps")
+    t.add_argument("--weight-decay", type=nonnegative_float, default=0.0,
+                   help="AdamW weight decay (matrices only; norms and biases are not decayed)")
+    t.add_argument("--optimizer", choices=["adamw-fused", "adamw-foreach"], default=None,
+                   help="AdamW implementation; default fused on a GPU, foreach on a CPU")
+    t.add_argument("--optimizer-in-backward", action="store_true",
+                   help="step each parameter's AdamW inside backward as soon as its gradient exists")
+    t.add_argument("--max-grad-norm", type=positive_float, default=None, help="clip gradients to this global norm")
+    t.add_argument("--seed", type=nonnegative_int, default=0)
+
+    o = p.add_argument_group("output")
+    o.add_argument("--output-dir", type=Path, default=None, help="where checkpoints (safetensors) are written")
+    o.add_argument("--save-every", type=nonnegative_int, default=0,
+                   help="checkpoint every N steps (0: only at the end, when --output-dir is given)")
+    o.add_argument("--resume", type=Path, default=None, help="a checkpoint directory (or --output-dir) to continue")
+    o.add_argument("--log-every", type=positive_int, default=5, help="print a log line every N steps")
+    o.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
+    o.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
+    o.add_argument("--report-to", choices=["none", "tensorboard"], default="none",
+                   help="also log to TensorBoard (under --output-dir or results/tensorboard)")
+    return p
+
+
+def usage_error(message: str) -> SystemExit:
+    """A bad argument found after parsing: one line on stderr, exit code 2 (as argparse does)."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> RunConfig:
+    """Parse, check and complete the arguments; exit with code 2 and one line for anything wrong."""
+    a = parser.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    kernels = getattr(a, "kernels", ())
+    if a.data is not None and a.dataset is not None:
+        raise usage_error("choose one of --data (raw text) and --dataset (instruction rows)")
+    if a.data is not None and not a.data.is_file():
+        raise usage_error(f"--data {a.data}: no such file")
+    if (a.packing or a.train_on_prompt or a.eval_fraction or a.epochs) and a.dataset is None:
+        raise usage_error("--packing, --train-on-prompt, --eval-fraction and --epochs need --dataset")
+    if a.steps is not None and a.epochs is not None:
+        raise usage_error("choose one of --steps and --epochs")
+    steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
+    if steps is not None and a.warmup_steps >= steps and script != "profile_baseline":
+        raise usage_error(f"--steps {steps} leaves no timed step after --warmup-steps {a.warmup_steps}; "
+                          "give more steps or fewer warm-up steps")
+    optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
+    if optimizer == "adamw-fused" and not gpu:
+        raise usage_error("--optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")
+    if a.optimizer_in_backward:
+        clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),
+                                       ("torchrun (FSDP2)", int(os.environ.get("WORLD_SIZE", 1)) > 1)) if on]
+        if clash:
+            raise usage_error(f"--optimizer-in-backward updates each parameter inside backward, which rules out "
+                              f"{', '.join(clash)}: drop one of them")
+    if (a.lora_alpha is not None or a.lora_dropout or a.merge_lora or a.lora_targets != "all") and not a.lora_r:
+        raise usage_error("--lora-alpha, --lora-dropout, --lora-targets and --merge-lora need --lora-r")
+    if (a.save_every or a.merge_lora) and a.output_dir is None:
+        raise usage_error("--save-every and --merge-lora need --output-dir")
+    if a.output_dir is not None and a.output_dir.exists() and not a.output_dir.is_dir():
+        raise usage_error(f"--output-dir {a.output_dir} is a file")
+    if a.resume is not None and not a.resume.is_dir():
+        raise usage_error(f"--resume {a.resume}: no such checkpoint directory")
+    if a.report_to == "tensorboard":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise usage_error("--report-to tensorboard needs the tensorboard package (pip install tensorboard)") from None
+    dataset = a.dataset is not None
+    return RunConfig(
+        script=script, device=device, model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"),
+        model_explicit=a.model is not None, num_layers=a.num_layers,
+        batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
+        seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (128 if dataset else 64)),
+        grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=a.warmup_steps, lr=a.lr,
+        lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio,
+        weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
+        max_grad_norm=a.max_grad_norm, gradient_checkpointing=a.gradient_checkpointing, compile=a.compile,
+        kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,
+        eval_fraction=a.eval_fraction if a.eval_fraction is not None else (0.05 if dataset else 0.0),
+        eval_every=a.eval_every, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,
+        lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
+        merge_lora=a.merge_lora, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
+        report_to=a.report_to)

@@ -1,0 +1,483 @@
+"""The one training loop behind every fine-tuning script, with its optimizer, schedule and summary.
+
+    finetune_baseline.py   = train(config with kernels=())
+    finetune_optimized.py  = train(config with --kernels)
+    profile_baseline.py    = the same steps under torch.profiler
+
+One optimizer step = `--grad-accum` micro-batches. The loss of the step is the mean over every target
+token of all its micro-batches (not the mean of the micro-batch means, which would weigh a short
+example like a long one): the number of target tokens in the window is counted first and passed to
+the model as `num_items_in_batch`, so each micro-batch's loss is its sum divided by that count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from common import (RESULTS_DIR, describe_gpu, gpu_bf16_peak_tflops, interactive, is_main, is_out_of_memory, log,
+                    oom_message, result_path, synchronize, versions, world, write_atomic)
+from models import PRESETS, count_params, flops_per_token, prepare_model
+
+IGNORE_INDEX = -100
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer and learning-rate schedule
+# ------------------------------------------------------------------------------------------------
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices get weight decay; norms and biases (1-D) do not. Frozen parameters are left out."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise SystemExit("error: the model has no trainable parameters")
+    if not weight_decay:
+        return [{"params": params, "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_optimizer(model: nn.Module, cfg):
+    kind = {"fused": True} if cfg.optimizer == "adamw-fused" else {"foreach": True}
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer_in_backward:
+        return OptimizerInBackward(groups, lambda group: torch.optim.AdamW([group], lr=cfg.lr, **kind))
+    return torch.optim.AdamW(groups, lr=cfg.lr, **kind)
+
+
+class OptimizerInBackward:
+    """Each parameter's optimizer step runs inside backward, as soon as its gradient is accumulated.
+
+    Ordinarily every parameter's gradient is kept until `optimizer.step()` after backward: for an 8B
+    model in bf16 that is 16 GB alive at the end of backward, on top of the activations. Here a
+    `register_post_accumulate_grad_hook` on every parameter steps a one-parameter AdamW the moment
+    that parameter's gradient is complete, then drops the gradient, so at most a few gradients
+    exist at a time. The arithmetic is the same AdamW, parameter by parameter.
+
+    What it cannot do: global gradient clipping (it needs the norm of *all* gradients before the
+    first update) and gradient accumulation over several backward passes (each backward would update
+    the weights); the command line refuses both, and a second backward before `step()` raises.
+    """
+
+    def __init__(self, groups, make):
+        self.optimizers = {}
+        for g in groups:
+            for p in g["params"]:
+                self.optimizers[p] = make({"params": [p], "weight_decay": g["weight_decay"]})
+        self._stepped = set()  # parameters updated since the last step()
+        for p in self.optimizers:
+            p.register_post_accumulate_grad_hook(self._step_param)
+
+    def _step_param(self, p):
+        if id(p) in self._stepped:
+            raise RuntimeError("--optimizer-in-backward: a second backward before optimizer.step() would update the "
+                               "weights twice; gradient accumulation is not possible with the optimizer inside backward")
+        self._stepped.add(id(p))
+        self.optimizers[p].step()
+        p.grad = None  # frees the gradient right away
+
+    def step(self):
+        self._stepped.clear()  # the updates already happened during backward
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass  # gradients are dropped as soon as they are used
+
+    @property
+    def param_groups(self):  # one group per parameter, for the learning-rate schedule
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"per_parameter": [opt.state_dict() for opt in self.optimizers.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, s in zip(self.optimizers.values(), state["per_parameter"], strict=True):
+            opt.load_state_dict(s)
+
+
+class LRSchedule:
+    """Linear warm-up to the peak rate, then constant, linear or cosine decay to 0 at the last step."""
+
+    def __init__(self, optimizer, total_steps: int, warmup_steps: int, kind: str):
+        self.optimizer, self.total, self.warmup, self.kind = optimizer, total_steps, warmup_steps, kind
+        self.base = [g["lr"] for g in optimizer.param_groups]
+        self.last_step = -1
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.total - self.warmup)
+        if self.kind == "linear":
+            return 1.0 - progress
+        if self.kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    def apply(self, step: int) -> float:
+        """Set the rate for optimizer step `step` (0-based); returns it."""
+        f = self.factor(step)
+        for g, base in zip(self.optimizer.param_groups, self.base):
+            g["lr"] = base * f
+        self.last_step = step
+        return self.base[0] * f
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step, "total": self.total, "warmup": self.warmup, "kind": self.kind}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["total"], state["warmup"], state["kind"]) != (self.total, self.warmup, self.kind):
+            raise SystemExit(f"error: the checkpoint's schedule ({state['kind']}, {state['total']} steps, "
+                             f"{state['warmup']} warm-up) differs from this run's ({self.kind}, {self.total}, "
+                             f"{self.warmup}); resume with the same --steps / --epochs and schedule flags")
+        self.last_step = state["last_step"]
+
+
+# ------------------------------------------------------------------------------------------------
+# One step
+# ------------------------------------------------------------------------------------------------
+def count_targets(micro_batches) -> torch.Tensor:
+    """Target tokens of a window (labels are shifted inside the loss: position 0 is never a target)."""
+    return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in micro_batches)
+
+
+def training_step(model, optimizer, micro_batches, max_grad_norm: float | None = None, grad_norm: bool = False):
+    """Forward and backward over the micro-batches, then one optimizer step.
+
+    Returns (loss, grad norm or None) as 0-d tensors on the device (no host sync here). The loss is
+    the mean over all target tokens of the window.
+    """
+    _, size = world()
+    n_items = count_targets(micro_batches).clamp_min(1)
+    if size > 1:  # every rank divides by the count of the whole job; FSDP2 averages gradients over ranks
+        torch.distributed.all_reduce(n_items)
+    total = None
+    for batch in micro_batches:
+        # Keep only the loss: holding the whole output would keep the [batch, seq, vocab] logits
+        # (2.1 GB at 4 x 2048 tokens in bf16) alive through the backward pass for nothing.
+        loss = model(**batch, num_items_in_batch=n_items).loss
+        (loss * size if size > 1 else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    norm = None
+    if max_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    elif grad_norm and not isinstance(optimizer, OptimizerInBackward):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if size > 1:
+        torch.distributed.all_reduce(total)
+    return total, norm
+
+
+@torch.no_grad()
+def evaluate(model, batches) -> float | None:
+    """Mean loss over every target token of the held-out batches."""
+    if not batches:
+        return None
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    n_sum = 0
+    for b in batches:
+        n = int(count_targets([b]))  # a sync point, once per eval batch
+        if n:
+            loss_sum += float(model(**b).loss) * n
+            n_sum += n
+    model.train(was_training)
+    return float(loss_sum / max(n_sum, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# The run and its summary
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    script: str
+    model: str
+    kernels: list
+    gpu: str
+    world_size: int
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    steps: int
+    optimizer: str
+    params: int
+    trainable_params: int
+    data: str = ""
+    losses: list = field(default_factory=list)
+    eval_losses: list = field(default_factory=list)  # (step, loss)
+    step_times_s: list = field(default_factory=list)
+    peak_memory_gb: float | None = None
+    versions: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum * self.world_size
+
+    def summary(self, bf16_peak: float | None, flops_per_token: float) -> dict:
+        t = self.step_times_s
+        median = statistics.median(t) if t else None
+        tps = self.tokens_per_step / median if median else None
+        achieved = tps * flops_per_token / 1e12 if tps else None
+        return {
+            "step time mean (ms)": statistics.fmean(t) * 1e3 if t else None,
+            "step time median (ms)": median * 1e3 if median else None,
+            "tokens/s (job)": tps,
+            "tokens/s per GPU": tps / self.world_size if tps else None,
+            "model TFLOP/s per GPU": achieved / self.world_size if achieved else None,
+            "MFU (% of bf16 peak)": 100 * achieved / self.world_size / bf16_peak if achieved and bf16_peak else None,
+            "peak GPU memory (GB)": self.peak_memory_gb,
+            "first loss": self.losses[0] if self.losses else None,
+            "final loss": self.losses[-1] if self.losses else None,
+            "final eval loss": self.eval_losses[-1][1] if self.eval_losses else None,
+        }
+
+
+def format_value(key: str, v) -> str:
+    if v is None:
+        return "n/a"
+    if "loss" in key:
+        return f"{v:.4f}"
+    if "tokens/s" in key:
+        return f"{v:,.0f}"
+    return f"{v:,.1f}"
+
+
+def default_tag(cfg, model_name: str) -> str:
+    size = world()[1]
+    gpus = f"_{size}gpu" if size > 1 else ""
+    lora = f"_lora{cfg.lora_r}" if cfg.lora_r else ""
+    return f"{cfg.script}_{model_name.replace('/', '_')}_b{cfg.batch_size}_s{cfg.seq_len}{lora}{gpus}"
+
+
+class MetricsLog:
+    """One JSON line per logged step (results/<tag>.metrics.jsonl), and TensorBoard when asked for."""
+
+    def __init__(self, path, tensorboard_dir=None):
+        self.path = path
+        self.writer = None
+        if is_main():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w")
+            if tensorboard_dir is not None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+
+    def write(self, step: int, **values) -> None:
+        if not is_main():
+            return
+        row = {"step": step, **{k: v for k, v in values.items() if v is not None}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for k, v in row.items():
+                if k != "step":
+                    self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if is_main():
+            self.file.close()
+            if self.writer is not None:
+                self.writer.close()
+
+
+def plot_curve(result: RunResult, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(result.losses) + 1), result.losses, label="train loss")
+    if result.eval_losses:
+        ax.plot(*zip(*result.eval_losses), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per target token)")
+    ax.set_title(f"{result.script}: {result.model}, {result.batch_size}x{result.seq_len}x{result.grad_accum}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def make_run_data(cfg, model, model_name: str, tokenizer=None):
+    from data import make_data
+
+    kind = "dataset" if cfg.dataset else "text" if cfg.data else "synthetic"
+    rank, size = world()
+    return make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
+                     model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
+                     packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction)
+
+
+def needs_tokenizer(cfg) -> bool:
+    return bool(cfg.dataset or cfg.data or cfg.output_dir)
+
+
+def run_tokenizer(cfg, model_name: str):
+    if not needs_tokenizer(cfg):
+        return None
+    from data import make_tokenizer
+
+    return make_tokenizer(model_name, preset=model_name in PRESETS)
+
+
+def total_steps(cfg, data) -> int:
+    if cfg.steps is not None:
+        return cfg.steps
+    per_epoch = data.batches_per_epoch
+    steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+    log(f"--epochs {cfg.epochs:g}: {per_epoch} micro-batches per epoch / {cfg.grad_accum} -> {steps} steps")
+    return steps
+
+
+def train(cfg) -> dict:
+    """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
+    try:
+        return _train(cfg)
+    except KeyboardInterrupt:
+        raise SystemExit("\ninterrupted (Ctrl-C): the run stopped before its summary; checkpoints already written "
+                         "under --output-dir are complete") from None
+
+
+def _train(cfg) -> dict:
+    from tabulate import tabulate
+
+    model, model_name, desc, kernel_report = prepare_model(cfg)
+    rank, size = world()
+    n_params, n_train = count_params(model), count_params(model, trainable_only=True)
+    count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
+    log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), bf16, on "
+        f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else ""))
+    tokenizer = run_tokenizer(cfg, model_name)
+    data = make_run_data(cfg, model, model_name, tokenizer)
+    log(f"Data: {data.describe()}")
+    steps = total_steps(cfg, data)
+    if steps <= cfg.warmup_steps:
+        raise SystemExit(f"error: {steps} steps leave no timed step after --warmup-steps {cfg.warmup_steps}")
+    optimizer = make_optimizer(model, cfg)
+    lr_warmup = cfg.lr_warmup_steps or int(cfg.warmup_ratio * steps)
+    schedule = LRSchedule(optimizer, steps, lr_warmup, cfg.lr_schedule)
+    tag = cfg.tag or default_tag(cfg, model_name)
+    summary_path = result_path(tag, ".json", cfg.overwrite)
+    stem = summary_path.stem
+    if stem != tag:
+        log(f"results/{tag}.json exists: this run writes results/{stem}.* (--overwrite replaces it)")
+    tb_dir = ((cfg.output_dir or RESULTS_DIR / "tensorboard") / stem) if cfg.report_to == "tensorboard" else None
+    metrics = MetricsLog(RESULTS_DIR / f"{stem}.metrics.jsonl", tb_dir)
+    result = RunResult(script=cfg.script, model=model_name, kernels=list(kernel_report.names) + (["torch.compile"] if cfg.compile else []),
+                       gpu=describe_gpu(cfg.device), world_size=size, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                       grad_accum=cfg.grad_accum, steps=steps,
+                       optimizer=cfg.optimizer + (" in backward" if cfg.optimizer_in_backward else ""),
+                       params=n_params, trainable_params=n_train, data=data.describe(), versions=versions(),
+                       config=cfg.as_dict())
+    start = 0
+    if cfg.resume is not None:
+        from checkpoint import load_checkpoint
+
+        state = load_checkpoint(cfg.resume, model, optimizer, schedule)
+        start = int(state["step"])
+        result.losses = list(state.get("losses", []))[:start]
+        result.eval_losses = [tuple(e) for e in state.get("eval_losses", []) if e[0] <= start]
+        log(f"Resumed from {cfg.resume} at step {start} of {steps}")
+        if start >= steps:
+            raise SystemExit(f"error: the checkpoint is at step {start}, and this run has only {steps} steps")
+    timed_from = start + cfg.warmup_steps
+    log(f"Training: steps {start + 1}-{steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
+        f"{cfg.batch_size} x {cfg.seq_len} tokens per step{' per GPU' if size > 1 else ''}, {result.optimizer}, "
+        f"lr {cfg.lr:g} {cfg.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup else ""))
+    from tqdm import tqdm
+
+    bar = tqdm(range(start, steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
+               dynamic_ncols=True)
+    try:
+        for step in bar:
+            if step == timed_from and cfg.on_gpu:
+                synchronize(cfg.device)
+                torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
+            lr = schedule.apply(step)
+            batches = [data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
+            log_now = (step + 1) % cfg.log_every == 0 or step == steps - 1
+            synchronize(cfg.device)
+            t0 = time.perf_counter()
+            loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
+            synchronize(cfg.device)
+            dt = time.perf_counter() - t0
+            loss_value = loss.float().item()  # a sync point (already synchronised above)
+            if not math.isfinite(loss_value):
+                raise SystemExit(f"error: the loss is {loss_value} at step {step + 1}; try a lower --lr or "
+                                 "--max-grad-norm 1.0")
+            result.losses.append(loss_value)
+            if step >= timed_from:
+                result.step_times_s.append(dt)
+            eval_loss = None
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1:
+                eval_loss = evaluate(model, data.eval_batches(cfg.device))
+                if eval_loss is not None:
+                    result.eval_losses.append((step + 1, eval_loss))
+            tokens_s = result.tokens_per_step / dt
+            mem = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.on_gpu else None
+            metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
+                          grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
+                          step_ms=dt * 1e3, peak_memory_gb=mem)
+            bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
+            if log_now or eval_loss is not None:
+                line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"
+                        + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
+                        + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
+                        + f"  {dt * 1e3:8.1f} ms  {tokens_s:,.0f} tokens/s")
+                bar.write(line) if bar.disable is False else log(line)
+            if cfg.output_dir is not None and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step == steps - 1):
+                save(cfg, step + 1, model, tokenizer, optimizer, schedule, result)
+    except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(err):
+            raise
+        raise SystemExit(oom_message(cfg, err)) from None
+    finally:
+        bar.close()
+        metrics.close()
+    if cfg.on_gpu:
+        result.peak_memory_gb = torch.cuda.max_memory_allocated(cfg.device) / 1e9
+    summary = result.summary(gpu_bf16_peak_tflops(cfg.device), flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
+    payload = {**asdict(result), "summary": summary}
+    if is_main():
+        rows = [(k, format_value(k, v)) for k, v in summary.items()]
+        unit = "GPUs" if cfg.on_gpu else "processes"
+        print(tabulate(rows, headers=[f"{cfg.script}: {model_name}, {cfg.batch_size}x{cfg.seq_len}"
+                                      + (f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else "")
+                                      + (f" x {size} {unit}" if size > 1 else ""), ""], tablefmt="github"))
+        if size > 1:
+            print("(tokens/s counts every process's tokens; the loss is the job's mean over its target tokens)")
+        if not cfg.on_gpu:
+            print("(CPU run: kernels ran in Triton's interpreter; the timings say nothing about a GPU)")
+        write_atomic(summary_path, json.dumps(payload, indent=2, default=str))
+        plot_curve(result, summary_path.with_suffix(".png"))
+        print(f"Saved {summary_path}, its loss curve {summary_path.with_suffix('.png').name} and "
+              f"{metrics.path.name}")
+    if cfg.lora_r and cfg.merge_lora and is_main():
+        from lora import merge_and_save
+
+        merged = cfg.output_dir / "merged"
+        merge_and_save(model, merged, tokenizer)
+        print(f"Merged LoRA weights: {merged}")
+    if size > 1:
+        torch.distributed.destroy_process_group()
+    return payload
+
+
+def save(cfg, step, model, tokenizer, optimizer, schedule, result) -> None:
+    from checkpoint import save_checkpoint
+
+    extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
+             "eval_losses": result.eval_losses, "config": cfg.as_dict()}
+    path = save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra)
+    if path is not None:
+        log(f"checkpoint: {path}")
