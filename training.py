@@ -313,9 +313,12 @@ def make_run_data(cfg, model, model_name: str, tokenizer=None):
 
     kind = "dataset" if cfg.dataset else "text" if cfg.data else "synthetic"
     rank, size = world()
-    return make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
-                     model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
-                     packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction)
+    try:
+        return make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
+                         model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
+                         packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction)
+    except (ValueError, OSError, ImportError) as err:  # a bad file or row format: one line, not a traceback
+        raise SystemExit(f"error: {err}") from None
 
 
 def needs_tokenizer(cfg) -> bool:
@@ -434,7 +437,10 @@ def _train(cfg) -> dict:
                         + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
                         + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
                         + f"  {dt * 1e3:8.1f} ms  {tokens_s:,.0f} tokens/s")
-                bar.write(line) if bar.disable is False else log(line)
+                if bar.disable:
+                    log(line)
+                else:
+                    bar.write(line)
             if cfg.output_dir is not None and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step == steps - 1):
                 save(cfg, step + 1, model, tokenizer, optimizer, schedule, result)
     except RuntimeError as err:  # OutOfMemoryError is a RuntimeError

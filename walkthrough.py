@@ -1,22 +1,22 @@
 """The whole playbook in one command (`make run`): profile, test, fine-tune, re-profile, compare.
 
-    $ python walkthrough.py                       # picks the largest preset this machine fits
-    $ python walkthrough.py --model meta-llama/Llama-3.1-8B --batch-size 1 --seq-len 512
+    $ python walkthrough.py                       # picks a workload that shows the lesson on this machine
+    $ python walkthrough.py --model meta-llama/Llama-3.1-8B --batch-size 2 --seq-len 2048
 
-Steps, each one a script of this repository that you can also run by itself:
-  1. profile_baseline.py                  where the GPU time of a training step goes
-  2. rmsnorm_test.py, cross_entropy_test.py, swiglu_test.py, linear_cross_entropy_test.py,
-     rope_test.py                         the fused kernels are correct
-  3. finetune_baseline.py                 plain Hugging Face training: tokens/s, peak memory
-  4. finetune_optimized.py                the same loop with the Triton kernels
-  5. profile_baseline.py --use-custom-rmsnorm --use-custom-flce --use-custom-swiglu --use-custom-rope
-                                          what changed
-  6. a side-by-side table of steps 3 and 4
+Each step is a script of this repository that you can also run by itself; before it runs, the
+walkthrough says what it shows and what to look at, and after it, the one number that matters.
+  1. profile_baseline.py                   where the time of a training step goes
+  2. <kernel>_test.py for every kernel     the fused kernels are correct (a report per kernel)
+  3. finetune_baseline.py                  plain Hugging Face training on real text: tokens/s, memory, loss
+  4. finetune_optimized.py                 the same loop with the Triton kernels
+  5. profile_baseline.py --kernels default what changed in the step
+  6. a side-by-side table of steps 3 and 4, and the loss curves (PNG)
 
 Without a GPU everything runs on the CPU with the llama-tiny preset (kernels through Triton's
-interpreter): a few minutes, to see the workflow, not the speed. With a GPU the LLaMA 3.1 8B preset
-is used (random weights: the timing and memory of the real model), at batch 4 x 2048 where ~120 GB
-are free and at 1 x 512 on an 80 GB card; smaller cards get fewer layers.
+interpreter): a few minutes, to see the workflow and the loss falling, not the speed. With a GPU
+the LLaMA 3.1 8B architecture is used (random weights: the timing and memory of the real model)
+at a size that shows what the kernels change: 4 x 2048 tokens where ~140 GB are free; on an 80 GB
+card the same 4 x 2048, where the baseline runs out of memory and the optimized run fits.
 """
 
 import argparse
@@ -28,53 +28,90 @@ from pathlib import Path
 
 import torch
 
+import apply_kernels
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+EXAMPLE_DATA = HERE / "examples" / "chat.jsonl"
+KNOWN_GPUS = ("H100", "H200")  # GPUs with measured results in results/
 
 
 def default_workload():
-    """(model args, description) for the largest preset this machine fits."""
+    """(arguments, description, lesson) for this machine."""
+    data = ["--dataset", str(EXAMPLE_DATA.relative_to(HERE)), "--packing"]
     if not torch.cuda.is_available():
-        return ["--model", "llama-tiny", "--steps", "20"], "CPU: llama-tiny preset, 2 x 64 tokens"
+        return (data + ["--model", "llama-tiny", "--steps", "30", "--lr", "1e-3", "--batch-size", "4", "--seq-len", "128",
+                        "--log-every", "5"],
+                "CPU: llama-tiny preset, 4 x 128 tokens, 30 steps (an interpreter run: timings mean nothing)",
+                "on a CPU both runs learn the same thing: compare the loss columns, not the speed")
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    big = data + ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "12", "--lr", "1e-4"]
     if gib >= 120:
-        return ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048"], f"{gib:.0f} GiB GPU: full 8B, 4 x 2048"
+        return big, f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens", \
+            "the kernels make each step faster and leaner at the same loss"
     if gib >= 70:
-        return ["--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "512"], f"{gib:.0f} GiB GPU: full 8B, 1 x 512"
-    layers = max(2, int(32 * gib / 80))
-    return (["--model", "llama-3.1-8b", "--num-layers", str(layers), "--batch-size", "1", "--seq-len", "512"],
-            f"{gib:.0f} GiB GPU: 8B preset cut to {layers} layers, 1 x 512")
+        return big, f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens", \
+            "at this size the baseline does not fit this GPU and the optimized run does"
+    layers = max(2, int(32 * gib / 100))
+    return (data + ["--model", "llama-3.1-8b", "--num-layers", str(layers), "--batch-size", "2", "--seq-len", "2048",
+                    "--steps", "12", "--lr", "1e-4"],
+            f"{gib:.0f} GiB GPU: the 8B architecture cut to {layers} layers, 2 x 2048 tokens",
+            "a slice of the model, to fit this GPU: the ratios carry over, the absolute figures do not")
 
 
-def step(title: str, cmd: list[str]) -> None:
-    print(f"\n{'=' * 100}\n{title}\n$ {' '.join(['python'] + cmd[1:])}\n{'=' * 100}", flush=True)
+def banner(title: str, explain: str, cmd: list[str]) -> None:
+    print(f"\n{'=' * 100}\n{title}\n{'=' * 100}\n{explain}\n$ {' '.join(['python'] + cmd[1:])}\n", flush=True)
+
+
+def step(title: str, explain: str, cmd: list[str], may_fail_with: str | None = None) -> bool:
+    """Run one script; True when it succeeded. A failure stops the walkthrough unless its output holds
+    `may_fail_with` (the lesson of that step, e.g. running out of memory)."""
+    banner(title, explain, cmd)
     t0 = time.perf_counter()
-    rc = subprocess.run(cmd, cwd=HERE).returncode
-    if rc != 0:
-        raise SystemExit(f"\nwalkthrough: '{' '.join(cmd[1:])}' failed (exit code {rc}); stopping here.")
+    proc = subprocess.run(cmd, cwd=HERE, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(proc.stderr)
     print(f"[{title.split(':')[0]} took {time.perf_counter() - t0:.0f} s]")
+    if proc.returncode == 0:
+        return True
+    if may_fail_with and may_fail_with in proc.stderr:
+        print(f"-> this step failed as it can at this size ({may_fail_with}); the walkthrough goes on.")
+        return False
+    raise SystemExit(f"\nwalkthrough: '{' '.join(cmd[1:])}' failed (exit code {proc.returncode}); stopping here.")
 
 
-def side_by_side(base_tag: str, opt_tag: str) -> None:
+def load(tag: str) -> dict | None:
+    path = RESULTS / f"{tag}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def profile_line(tag: str) -> str:
+    p = load(tag)
+    if p is None:
+        return "no profile"
+    cats = sorted(p["categories_ms_per_step"].items(), key=lambda kv: -kv[1])
+    top = ", ".join(f"{c} {ms:.1f} ms" for c, ms in cats[:3])
+    return f"{p['ms_per_step']:.1f} ms of {p['unit']} time per step ({top})"
+
+
+def side_by_side(base: dict | None, opt: dict) -> None:
     from tabulate import tabulate
 
-    base = json.loads((RESULTS / f"{base_tag}.json").read_text())
-    opt = json.loads((RESULTS / f"{opt_tag}.json").read_text())
     rows = []
     for key, better in (("step time median (ms)", "lower"), ("tokens/s (job)", "higher"),
                         ("MFU (% of bf16 peak)", "higher"), ("peak GPU memory (GB)", "lower"),
-                        ("final loss", None)):
-        b, o = base["summary"].get(key), opt["summary"].get(key)
+                        ("first loss", None), ("final loss", None), ("final eval loss", None)):
+        b = base["summary"].get(key) if base else None
+        o = opt["summary"].get(key)
         change = "-" if b in (None, 0) or o is None or better is None else f"{o / b:.2f}x"
         fmt = (lambda v: "n/a" if v is None else (f"{v:.4f}" if "loss" in key else f"{v:,.1f}"))
-        rows.append((key, fmt(b), fmt(o), change))
-    print(f"\nBaseline vs optimized ({base['model']}, {base['batch_size']} x {base['seq_len']} tokens, {base['gpu']}):")
-    if "CPU" in base["gpu"]:
-        print("(CPU run: the kernels ran in Triton's interpreter, so the timings compare nothing real; "
-              "the final loss row shows that both runs learn the same thing.)")
+        rows.append((key, fmt(b) if base else "out of memory", fmt(o), change))
+    print(f"\nBaseline vs optimized ({opt['model']}, {opt['batch_size']} x {opt['seq_len']} tokens, {opt['gpu']}):")
     kernels = " + ".join(opt.get("kernels", [])) or "no kernels"
     print(tabulate(rows, headers=["", "baseline", f"optimized ({kernels})", "optimized / baseline"],
                    tablefmt="github"))
+    if "CPU" in opt["gpu"]:
+        print("(CPU run: the kernels ran in Triton's interpreter, so the timings compare nothing real; the loss "
+              "rows show that both runs learn the same thing from the same text.)")
 
 
 def main():
@@ -84,7 +121,7 @@ def main():
     p.add_argument("--seq-len", default=None)
     p.add_argument("--num-layers", default=None)
     args = p.parse_args()
-    workload, desc = default_workload()
+    workload, desc, lesson = default_workload()
     for flag in ("model", "batch_size", "seq_len", "num_layers"):  # the user's choices win
         value = getattr(args, flag)
         if value is not None:
@@ -94,23 +131,64 @@ def main():
                 del workload[i:i + 2]
             workload += [opt, str(value)]
             desc = "as given on the command line"
-    print(f"Walkthrough workload: {desc}")
+    print(f"Walkthrough workload: {desc}.\nThe lesson to look for: {lesson}.")
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        if not any(k in name for k in KNOWN_GPUS):
+            print(f"Note: results/ holds no figures from a {name} yet: what you see here will be the first.")
     py = sys.executable
-    prof = [py, "profile_baseline.py"] + workload
-    if "--steps" in prof:  # the profiler runs its own fixed schedule of steps
-        i = prof.index("--steps")
-        del prof[i:i + 2]
-    step("Step 1: profile the baseline", prof)
-    step("Step 2a: test the fused RMSNorm", [py, "rmsnorm_test.py"])
-    step("Step 2b: test the fused cross-entropy", [py, "cross_entropy_test.py"])
-    step("Step 2c: test the fused SwiGLU", [py, "swiglu_test.py"])
-    step("Step 2d: test the fused linear cross-entropy", [py, "linear_cross_entropy_test.py"])
-    step("Step 2e: test the fused RoPE", [py, "rope_test.py"])
-    step("Step 3: fine-tune, baseline", [py, "finetune_baseline.py", *workload, "--tag", "walkthrough_baseline"])
-    step("Step 4: fine-tune, optimized", [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized"])
+    overwrite = ["--overwrite"]
+    prof = [py, "profile_baseline.py", *[w for i, w in enumerate(workload) if w != "--steps" and
+                                         (i == 0 or workload[i - 1] != "--steps")], *overwrite]
+
+    step("Step 1: profile the baseline",
+         "One training step of plain Hugging Face under torch.profiler, GPU time by category. Look at the\n"
+         "category table: matrix multiplies lead (they are the model's real work), then attention and the\n"
+         "optimizer; RMSNorm, the loss and the element-wise rows are the memory-bound glue that fused kernels\n"
+         "can shrink. On a CPU the times are the interpreter's, but the categories read the same way.",
+         prof + ["--tag", "walkthrough_profile_baseline"])
+    print(f"-> the number: {profile_line('walkthrough_profile_baseline')}")
+
+    for name in apply_kernels.KERNEL_NAMES:
+        step(f"Step 2 ({name}): test the fused {name} kernel",
+             f"{apply_kernels.KERNELS[name]}.\nEach line compares the kernel with PyTorch and a float64 reference on the "
+             "same inputs: 'max err' must stay under 'tol' (at most 2x PyTorch's own error).",
+             [py, f"{name}_test.py"])
+
+    base_ok = step("Step 3: fine-tune, baseline",
+                   "Plain Hugging Face + PyTorch on real text (examples/chat.jsonl, prompts masked from the loss).\n"
+                   "Look at the loss falling from line to line, then at tokens/s and peak memory in the summary.",
+                   [py, "finetune_baseline.py", *workload, "--tag", "walkthrough_baseline", *overwrite],
+                   may_fail_with="out of GPU memory")
+    base = load("walkthrough_baseline") if base_ok else None
+    if base:
+        s = base["summary"]
+        print(f"-> the number: {s['tokens/s (job)']:,.0f} tokens/s, loss {s['first loss']:.3f} -> {s['final loss']:.3f}"
+              + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s["peak GPU memory (GB)"] else ""))
+
+    step("Step 4: fine-tune, optimized",
+         f"The same loop, seed and data with the kernels ({','.join(apply_kernels.DEFAULT_KERNELS)}). Look at\n"
+         "the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down.",
+         [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized", *overwrite])
+    opt = load("walkthrough_optimized")
+    s = opt["summary"]
+    print(f"-> the number: {s['tokens/s (job)']:,.0f} tokens/s"
+          + (f" ({s['tokens/s (job)'] / base['summary']['tokens/s (job)']:.2f}x the baseline)" if base else
+             " (the baseline did not fit)")
+          + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s["peak GPU memory (GB)"] else ""))
+
     step("Step 5: profile again with the kernels",
-         prof + ["--use-custom-rmsnorm", "--use-custom-flce", "--use-custom-swiglu", "--use-custom-rope"])
-    side_by_side("walkthrough_baseline", "walkthrough_optimized")
+         "The same profile with every kernel. Compare with step 1: the RMSNorm, loss, SwiGLU and element-wise\n"
+         "rows shrink (the logits are never built); what is left is mostly matrix multiplies, attention and\n"
+         "the optimizer, which is where the next gains must come from.",
+         prof + ["--kernels", "default", "--tag", "walkthrough_profile_optimized"])
+    print(f"-> the number: {profile_line('walkthrough_profile_optimized')}\n   (step 1: "
+          f"{profile_line('walkthrough_profile_baseline')})")
+
+    banner("Step 6: summary", "Steps 3 and 4 side by side, and where their loss curves are.", [py, "walkthrough.py"])
+    side_by_side(base, opt)
+    curves = [RESULTS / f"walkthrough_{t}.png" for t in ("baseline", "optimized") if (RESULTS / f"walkthrough_{t}.png").is_file()]
+    print("Loss curves: " + ", ".join(str(c.relative_to(HERE)) for c in curves))
 
 
 if __name__ == "__main__":

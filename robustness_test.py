@@ -1,0 +1,135 @@
+"""Bad or unusual input to the scripts: a clear one-line error (exit code 2 for a bad argument, 1 for a
+failure at run time) or a correct result, never a traceback and never a silently wrong run.
+
+    $ python robustness_test.py     # the table below as a report
+    $ pytest robustness_test.py
+
+The kernels' own bad-input tests (strided targets, expanded logits, second-order gradients, wrong
+devices and dtypes) live in their `<kernel>_test.py` files.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import apply_kernels as ak
+import common
+from run_config import make_parser, parse_config
+from testkit import record, run_as_script
+
+HERE = Path(__file__).resolve().parent
+
+BAD_ARGUMENTS = [  # (command-line words, what the one-line error must mention)
+    (["--batch-size", "0"], "--batch-size"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--num-layers", "-1"], "--num-layers"),
+    (["--num-layers", "0"], "--num-layers"),
+    (["--steps", "0"], "--steps"),
+    (["--log-every", "0"], "--log-every"),
+    (["--warmup-steps", "-1"], "--warmup-steps"),
+    (["--steps", "2", "--warmup-steps", "2"], "no timed step"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm"),
+    (["--max-grad-norm", "0"], "--max-grad-norm"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--grad-accum", "0"], "--grad-accum"),
+    (["--eval-fraction", "1"], "--eval-fraction"),
+    (["--tag", "../x"], "--tag"),
+    (["--tag", "a/b"], "--tag"),
+    (["--tag", ".."], "--tag"),
+    (["--kernels", "rmsnorm,fast"], "unknown kernel"),
+    (["--kernels", "cross_entropy,linear_cross_entropy"], "choose one"),
+    (["--data", "no/such/file.txt"], "no such file"),
+    (["--packing"], "need --dataset"),
+    (["--lora-alpha", "16"], "need --lora-r"),
+    (["--save-every", "5"], "need --output-dir"),
+    (["--resume", "no/such/dir"], "no such checkpoint"),
+    (["--optimizer", "adamw-fused"], "CUDA"),
+    (["--optimizer-in-backward", "--max-grad-norm", "1"], "--max-grad-norm"),
+]
+
+
+@pytest.mark.parametrize("argv, mentions", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_argument_exits_2_with_one_line(argv, mentions, capsys):
+    if "adamw-fused" in argv and common.torch.cuda.is_available():
+        pytest.skip("adamw-fused is valid on a GPU")
+    with pytest.raises(SystemExit) as info:
+        parse_config(make_parser("t", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized", argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, f"exit code {info.value.code}, expected 2"
+    assert mentions in err, err
+    assert "Traceback" not in err
+    record(f"{' '.join(argv)} -> exit 2", 0.0, 0.0, True, note=err.strip().splitlines()[-1][:60])
+
+
+def test_help_shows_real_defaults():
+    text = make_parser("t", kernels_default=ak.DEFAULT_KERNELS).format_help()
+    assert "(default: None)" not in text
+    assert "default 4 on a GPU, 2 on a CPU" in text and ",".join(ak.DEFAULT_KERNELS) in text
+
+
+def _script(*argv, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_errors_found_after_loading_the_model():
+    """What only the model knows: its positions and layers. One line, exit code 2, before training."""
+    for argv, mentions in ((["--seq-len", "4096"], "above this model's 2048 positions"),
+                           (["--num-layers", "5"], "has only 2 layers")):
+        out = _script("finetune_baseline.py", "--steps", "3", *argv)
+        assert out.returncode == 2 and mentions in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+        record(f"{' '.join(argv)} -> exit 2", 0.0, 0.0, True)
+
+
+def test_too_short_text_file(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("only a few bytes")  # 16 bytes, fewer than --seq-len 64 + 1
+    out = _script("finetune_baseline.py", "--steps", "3", "--data", str(short))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "16 tokens" in out.stderr + out.stdout, out.stderr[-2000:]
+    record("a text file shorter than one sequence -> exit 1, the counts stated", 0.0, 0.0, True)
+
+
+def test_results_are_never_overwritten_silently():
+    tag = "test_robust_tag"
+    paths = [common.RESULTS_DIR / f"{tag}{s}" for s in ("", "-2")]
+    try:
+        for _ in range(2):
+            out = _script("finetune_baseline.py", "--steps", "3", "--warmup-steps", "1", "--tag", tag)
+            assert out.returncode == 0, out.stderr[-2000:]
+        assert all(p.with_suffix(".json").is_file() for p in paths), "the second run must write <tag>-2.json"
+        assert "exists" in out.stdout and "--overwrite" in out.stdout
+    finally:
+        for p in paths:
+            for suffix in (".json", ".png", ".metrics.jsonl"):
+                Path(f"{p}{suffix}").unlink(missing_ok=True)
+    record("same --tag twice: the second run writes <tag>-2.json and says so", 0.0, 0.0, True)
+
+
+def test_ctrl_c_is_one_line():
+    proc = subprocess.Popen([sys.executable, "finetune_baseline.py", "--steps", "100000", "--log-every", "1",
+                             "--tag", "test_robust_ctrl_c"], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:  # wait until training has started
+            if line.startswith("step"):
+                break
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+    assert not (common.RESULTS_DIR / "test_robust_ctrl_c.json").exists()
+    (common.RESULTS_DIR / "test_robust_ctrl_c.metrics.jsonl").unlink(missing_ok=True)
+    record("Ctrl-C during a run -> one line, exit 1", 0.0, 0.0, True)
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(__name__, "Bad input to the scripts: test report"))
