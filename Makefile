@@ -1,31 +1,53 @@
-# Two commands do all the set-up:
-#   make run    the walkthrough (kernel test reports now; profiling and fine-tuning as they land)
-#   make test   the test suite (what CI runs)
-# If `python3` can already import torch and triton (the NGC container, a prepared environment),
-# it is used as is. Otherwise a virtual environment is made in .venv with torch, triton and
-# requirements.txt. TORCH_SPEC / TORCH_INDEX choose the torch build for that environment, e.g.
+# Set-up is part of every command:
+#   make run        the walkthrough (kernel test reports, profiling, fine-tuning baseline vs optimized)
+#   make test       the test suite (what CI runs)
+#   make selfcheck  a new machine's first run: GPU, versions, a kernel test and a 3-step 8B fine-tune
+#   make setup      only the set-up and its check;  make clean  removes what set-up made
+# Which Python: the project's .venv once make has built it; otherwise `python3` when it can import
+# torch and triton (the NGC container, a prepared environment); otherwise make builds .venv with
+# torch, triton and requirements.txt. USE_VENV=1 builds .venv even where python3 has torch.
+# TORCH_SPEC / TORCH_INDEX choose the torch build for .venv. TORCH_INDEX defaults to the PyTorch index
+# for this machine's NVIDIA GPU and driver (`python3 check_setup.py --index-url`: cu130 on a GB300 with
+# a CUDA 13 driver) and to PyPI on a machine without one; e.g.
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu    (small CPU-only wheels)
+# After set-up, check_setup.py stops run / test / setup with the fix when an NVIDIA GPU is present but
+# the torch in use cannot use it (a CPU-only build, or a CUDA build too old for the GPU).
 PYTHON ?= python3
 TORCH_SPEC ?= torch
-TORCH_INDEX ?=
-HAVE_TORCH := $(shell $(PYTHON) -c "import torch, triton" >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(shell $(PYTHON) check_setup.py --index-url 2>/dev/null)
+USE_VENV ?=
 
-ifeq ($(HAVE_TORCH),yes)
-PY := $(PYTHON)
-SETUP := .deps-system
-else
-PY := .venv/bin/python
-SETUP := .venv/.done
+ifeq ($(USE_VENV),1)
+VENV := yes
+else ifneq ($(wildcard .venv/.done),)
+VENV := yes
+else ifneq ($(shell $(PYTHON) -c "import torch, triton" >/dev/null 2>&1 && echo yes),yes)
+VENV := yes
 endif
 
-.PHONY: run test setup clean
-run: $(SETUP)
+ifeq ($(VENV),yes)
+PY := .venv/bin/python
+SETUP := .venv/.done
+else
+PY := $(PYTHON)
+SETUP := .deps-system
+endif
+
+.PHONY: run test setup selfcheck check clean
+run: check
 	$(PY) walkthrough.py
 
-test: $(SETUP)
+test: check
 	$(PY) -m pytest -q
 
-setup: $(SETUP)
+setup: check
+
+selfcheck: $(SETUP)
+	$(PY) selfcheck.py
+
+# Exits 1 with the fix when a GPU is present and this torch cannot use it.
+check: $(SETUP)
+	$(PY) check_setup.py
 
 .deps-system: requirements.txt
 	$(PY) -c "import transformers, accelerate, huggingface_hub, tabulate, tqdm, matplotlib, pytest" 2>/dev/null \
@@ -35,7 +57,7 @@ setup: $(SETUP)
 .venv/.done: requirements.txt
 	$(PYTHON) -m venv .venv
 	.venv/bin/python -m pip install -q --upgrade pip
-	.venv/bin/python -m pip install -q $(TORCH_SPEC) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	.venv/bin/python -m pip install -q $(TORCH_SPEC) $(addprefix --index-url ,$(TORCH_INDEX))
 	.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/python -m pip install -q triton
 	.venv/bin/python -m pip install -q -r requirements.txt
 	@touch $@

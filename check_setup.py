@@ -1,0 +1,340 @@
+"""Is the torch in use able to drive this machine's NVIDIA GPU? Say so, or say exactly how to fix it.
+
+    $ python check_setup.py              # "OK: ..." and exit code 0, or what is wrong and exit code 1
+    $ python check_setup.py --index-url  # the PyTorch wheel index for this GPU and driver (empty: no GPU)
+
+The failure this guards against is a quiet one: `pip install torch` on a GPU machine can give a
+CPU-only build (on aarch64, e.g. a DGX Station GB300, PyPI's torch wheels are CPU-only), or a CUDA
+build too old for the GPU. Every script of this playbook would then run its CPU demo (the tiny model,
+Triton's interpreter) and print timings that mean nothing. The scripts call `check_or_exit()` first.
+
+The GPU is found through `nvidia-smi` (driver version, its CUDA version, each GPU's name, compute
+capability and memory); torch is imported only when a GPU is there. No GPU at all is fine: that is
+the CPU demo, and it is announced once per process. CPU_DEMO=1 runs the CPU demo even where a GPU
+cannot be used (the problem is still printed).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SMI_TIMEOUT_S = 15
+IMAGE = "kernel-dev-ft"
+DOCKER_BUILD = f"docker build -t {IMAGE} ."
+DOCKER_RUN = (f"docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 -e HF_TOKEN "
+              f"-v $HOME/.cache/huggingface:/root/.cache/huggingface -v $(pwd)/results:/workspace/results "
+              f"-it {IMAGE} make run")
+# PyTorch's CUDA wheel indexes, oldest first: https://download.pytorch.org/whl/<tag>.
+# A wheel runs where the driver supports at least its CUDA version.
+WHEEL_INDEXES = (("cu126", (12, 6)), ("cu128", (12, 8)), ("cu129", (12, 9)), ("cu130", (13, 0)))
+INDEX_ROOT = "https://download.pytorch.org/whl"
+BLACKWELL_NOTE = " Blackwell (sm_100, sm_103) needs wheels for CUDA 12.8 or newer; a GB300 is best served by cu130."
+# Compute capabilities when `nvidia-smi` cannot report them (drivers before compute_cap was a field).
+KNOWN_CAPABILITIES = (("GB300", (10, 3)), ("B300", (10, 3)), ("GB200", (10, 0)), ("B200", (10, 0)),
+                      ("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0)),
+                      ("A100", (8, 0)), ("A800", (8, 0)))
+
+
+@dataclass
+class Gpu:
+    name: str
+    capability: tuple[int, int] | None  # (major, minor), e.g. (10, 3) for sm_103
+    memory_mib: int | None
+
+
+@dataclass
+class SmiReport:
+    """What `nvidia-smi` says about this machine."""
+    found: bool                                # nvidia-smi is on PATH
+    error: str | None = None                   # it is there but failed: why, in one line
+    gpus: list[Gpu] = field(default_factory=list)
+    driver: str | None = None                  # e.g. "580.95.05"
+    cuda: tuple[int, int] | None = None        # the newest CUDA the driver supports, e.g. (13, 0)
+
+
+def _run_smi(args: list[str]) -> tuple[int, str]:
+    try:
+        p = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=SMI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return -1, f"no answer within {SMI_TIMEOUT_S} s"
+    except OSError as e:
+        return -1, f"cannot be started ({e.strerror or e})"
+    return p.returncode, (p.stdout + p.stderr).strip()
+
+
+def first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else "no output"
+
+
+def parse_header(text: str) -> tuple[str | None, tuple[int, int] | None]:
+    """(driver version, CUDA version) from `nvidia-smi`'s table header; None where absent."""
+    drv = re.search(r"Driver Version:\s*([0-9][0-9.]*)", text)
+    cuda = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", text)
+    return (drv.group(1) if drv else None), ((int(cuda.group(1)), int(cuda.group(2))) if cuda else None)
+
+
+def parse_query(text: str) -> list[Gpu]:
+    """GPUs from `nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits`
+    (or `name,memory.total` from drivers that cannot report compute_cap; the capability then comes
+    from the name where it is known)."""
+    gpus = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) not in (2, 3) or not parts[0]:
+            continue
+        cc = re.fullmatch(r"(\d+)\.(\d+)", parts[1]) if len(parts) == 3 else None
+        mem = parts[-1]
+        gpus.append(Gpu(parts[0], (int(cc.group(1)), int(cc.group(2))) if cc else _known_capability(parts[0]),
+                        int(mem) if mem.isdigit() else None))
+    return gpus
+
+
+def _known_capability(name: str) -> tuple[int, int] | None:
+    for key, cc in KNOWN_CAPABILITIES:
+        if key in name:
+            return cc
+    return None
+
+
+def nvidia_smi_report() -> SmiReport:
+    """Ask `nvidia-smi` (a few seconds at most). Not found, failing and listing no GPU are all told apart."""
+    if shutil.which("nvidia-smi") is None:
+        return SmiReport(found=False)
+    rc, out = _run_smi(["--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"])
+    if rc > 0 and "compute_cap" in out:  # a driver too old to report compute_cap
+        rc, out = _run_smi(["--query-gpu=name,memory.total", "--format=csv,noheader,nounits"])
+    if rc != 0:
+        return SmiReport(found=True, error=f"nvidia-smi failed ({_exit_text(rc)}): {first_line(out)}")
+    gpus = parse_query(out)
+    rc, header = _run_smi([])
+    driver, cuda = parse_header(header) if rc == 0 else (None, None)
+    return SmiReport(found=True, gpus=gpus, driver=driver, cuda=cuda)
+
+
+def _exit_text(rc: int) -> str:
+    return "timed out" if rc == -1 else f"exit code {rc}"
+
+
+def gpu_present() -> bool:
+    """True when `nvidia-smi` is on PATH, runs, and lists at least one GPU."""
+    r = nvidia_smi_report()
+    return r.error is None and bool(r.gpus)
+
+
+def needed_cuda(capability: tuple[int, int] | None) -> tuple[int, int]:
+    """The oldest CUDA whose PyTorch wheels run on a GPU of this compute capability."""
+    if capability is not None and capability[0] >= 10:  # Blackwell: sm_100 (B200), sm_103 (GB300), sm_120 ...
+        return (12, 8)
+    return WHEEL_INDEXES[0][1]
+
+
+def wheel_index(capability: tuple[int, int] | None, driver_cuda: tuple[int, int] | None) -> str | None:
+    """The PyTorch wheel index URL for this GPU and driver: the newest CUDA the driver supports
+    (a GB300 with a CUDA 13.0 driver gets cu130). None when the driver is too old for any wheel
+    that supports the GPU. An unknown driver CUDA version gets the newest index."""
+    fits = [tag for tag, cuda in WHEEL_INDEXES
+            if cuda >= needed_cuda(capability) and (driver_cuda is None or cuda <= driver_cuda)]
+    return f"{INDEX_ROOT}/{fits[-1]}" if fits else None
+
+
+def capability_text(capability: tuple[int, int] | None) -> str:
+    return "unknown" if capability is None else f"{capability[0]}.{capability[1]} = sm_{capability[0]}{capability[1]}"
+
+
+def version_text(v: tuple[int, int] | None) -> str:
+    return "unknown" if v is None else f"{v[0]}.{v[1]}"
+
+
+def _python_name() -> str:
+    exe = Path(sys.executable)
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
+def _fixes(report: SmiReport, gpu: Gpu) -> str:
+    """The three ways out, with the commands for this architecture, GPU and driver."""
+    machine = platform.machine() or "unknown"
+    index = wheel_index(gpu.capability, report.cuda)
+    need = needed_cuda(gpu.capability)
+    lines = []
+    if index is None:
+        best = " (CUDA 13.0 for the best support of Blackwell)" if need >= (12, 8) else ""
+        lines.append(f"The driver ({report.driver or 'version unknown'}) supports CUDA {version_text(report.cuda)}; "
+                     f"PyTorch wheels for this GPU need a driver for CUDA {version_text(need)} or newer{best}: "
+                     "update the NVIDIA driver first.")
+        index = f"{INDEX_ROOT}/{WHEEL_INDEXES[-1][0]}"
+    cu = index.rsplit("/", 1)[1]
+    if machine == "aarch64":
+        lines.append("On aarch64 the torch wheels on PyPI are CPU-only; the CUDA builds come from PyTorch's own "
+                     f"index ({cu}: CUDA {cu[2:-1]}.{cu[-1]}).")
+    else:
+        lines.append(f"On {machine}, take the CUDA build from PyTorch's index ({cu}: CUDA {cu[2:-1]}.{cu[-1]}).")
+    py = _python_name()
+    lines += [
+        "Fix it in one of three ways:",
+        f"  1. replace torch in this Python ({py}):",
+        f"       {py} -m pip uninstall -y torch && {py} -m pip install torch --index-url {index}",
+        "  2. or let make build the project's own environment with it:",
+        f"       make clean && make setup USE_VENV=1 TORCH_INDEX={index}",
+        "  3. or use the container (NGC PyTorch: torch, Triton and CUDA built for Hopper and Blackwell):",
+        f"       {DOCKER_BUILD}",
+        f"       {DOCKER_RUN}",
+        "(CPU_DEMO=1 runs the CPU demo on this machine anyway.)",
+    ]
+    return "\n".join(lines)
+
+
+def _arch_supported(arch_list: list[str], cc: tuple[int, int]) -> bool:
+    """Whether torch carries code for a GPU of compute capability cc: machine code (sm_XY) of the same
+    major version and a minor version no newer than the GPU's, or PTX (compute_XY) no newer than it."""
+    for arch in arch_list:
+        m = re.fullmatch(r"(sm|compute)_(\d+?)(\d)[af]?", arch)
+        if not m:
+            continue
+        major, minor = int(m.group(2)), int(m.group(3))
+        if m.group(1) == "sm" and major == cc[0] and minor <= cc[1]:
+            return True
+        if m.group(1) == "compute" and (major, minor) <= cc:
+            return True
+    return False
+
+
+def torch_gpu_problem() -> str | None:
+    """None when there is no NVIDIA GPU, or when torch can use it; otherwise what is wrong and what to do."""
+    return diagnose()[1]
+
+
+def diagnose(report: SmiReport | None = None) -> tuple[SmiReport, str | None]:
+    """(what nvidia-smi says, torch_gpu_problem's answer); pass a report to skip asking nvidia-smi again."""
+    report = nvidia_smi_report() if report is None else report
+    return report, _problem(report)
+
+
+def _problem(report: SmiReport) -> str | None:
+    if not report.found:
+        return None
+    if report.error is not None:
+        return (f"check_setup: {report.error}\n"
+                "nvidia-smi is installed but cannot talk to the NVIDIA driver, so no GPU can be used: the driver "
+                "is not loaded, or does not match the installed utilities (common after a driver or kernel "
+                "update; a reboot usually fixes it). Check with `nvidia-smi`; in a container, start it with "
+                "--gpus all.\n(CPU_DEMO=1 runs the CPU demo on this machine anyway.)")
+    if not report.gpus:
+        return None
+    gpu = report.gpus[0]
+    where = (f"{gpu.name} (compute capability {capability_text(gpu.capability)}; driver {report.driver or 'unknown'}, "
+             f"CUDA {version_text(report.cuda)})")
+    try:
+        import torch
+    except Exception as e:  # not installed, or installed but broken (a missing CUDA library)
+        return (f"check_setup: {where} is present, but torch cannot be imported by {sys.executable} ({e}).\n"
+                + _fixes(report, gpu))
+    build = f"torch {torch.__version__} ({sys.executable})"
+    if getattr(torch.version, "cuda", None) is None:
+        kind = "a ROCm build" if getattr(torch.version, "hip", None) else "a CPU-only build"
+        return (f"check_setup: {where} is present, but {build} is {kind}: every script would run the tiny CPU "
+                f"demo instead of using the GPU.\n" + _fixes(report, gpu))
+    torch_cuda = tuple(int(x) for x in re.findall(r"\d+", torch.version.cuda)[:2])
+    if not torch.cuda.is_available():
+        if report.cuda is not None and torch_cuda > report.cuda:
+            return (f"check_setup: {where} is present, but {build} is built for CUDA {torch.version.cuda}, newer "
+                    f"than the driver supports (CUDA {version_text(report.cuda)}): torch cannot use the GPU.\n"
+                    + _fixes(report, gpu))
+        try:
+            torch.cuda.init()
+            why = "torch.cuda.is_available() is False"
+        except Exception as e:
+            why = f"CUDA does not start: {first_line(str(e))}"
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if hidden is not None:
+            why += f" (CUDA_VISIBLE_DEVICES={hidden!r} chooses which GPUs torch sees)"
+        return (f"check_setup: {where} is present and {build} is built for CUDA {torch.version.cuda}, but "
+                f"{why}.\n" + _fixes(report, gpu))
+    major, minor = torch.cuda.get_device_capability(0)
+    arch_list = list(torch.cuda.get_arch_list())
+    if arch_list and not _arch_supported(arch_list, (major, minor)):
+        return (f"check_setup: {where} is present, but {build}, built with CUDA {torch.version.cuda}, has no code "
+                f"for compute capability {major}.{minor} (it carries {' '.join(arch_list)}): its CUDA version is "
+                f"too old for this GPU.{BLACKWELL_NOTE if major >= 10 else ''}\n" + _fixes(report, gpu))
+    try:
+        torch.ones(4, device="cuda").add_(1).sum().item()
+    except RuntimeError as e:
+        return (f"check_setup: {where} is present, but {build} (CUDA {torch.version.cuda}) fails to run on it: "
+                f"{first_line(str(e))}\n" + _fixes(report, gpu))
+    return None
+
+
+_cpu_note_printed = False
+
+
+def cpu_demo_note(reason: str = "no NVIDIA GPU found") -> str:
+    """The one line that says this run is the CPU demo."""
+    note = (f"{reason}: this is the CPU demo (the tiny llama-tiny model, kernels in Triton's interpreter); "
+            "its timings are not meaningful.")
+    if Path("/.dockerenv").exists() or os.environ.get("NVIDIA_PYTORCH_VERSION"):
+        note += " Inside a container, the GPU is visible only when it was started with --gpus all."
+    return note
+
+
+def check_or_exit() -> None:
+    """Call at the start of a script: exit with code 1 and the fix when an NVIDIA GPU is present but the
+    torch in use cannot use it; on a machine without a GPU, say once per process that this is the CPU demo."""
+    global _cpu_note_printed
+    report, problem = diagnose()
+    if problem is not None and os.environ.get("CPU_DEMO") != "1":
+        raise SystemExit(problem)
+    if problem is None and report.gpus:
+        return
+    if not _cpu_note_printed:
+        _cpu_note_printed = True
+        print(cpu_demo_note(_reason(problem)), flush=True)
+
+
+def _reason(problem: str | None) -> str:
+    if problem is None:
+        return "no NVIDIA GPU found"
+    return "CPU_DEMO=1 is set, so the GPU is left unused (" + first_line(problem)[len("check_setup: "):] + ")"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--index-url"]:
+        report = nvidia_smi_report()
+        if report.error is None and report.gpus:
+            print(wheel_index(report.gpus[0].capability, report.cuda) or "")
+        return 0
+    if args:
+        print("usage: python check_setup.py [--index-url]", file=sys.stderr)
+        return 2
+    report, problem = diagnose()
+    if problem is not None:
+        print(problem, file=sys.stderr, flush=True)
+        if os.environ.get("CPU_DEMO") != "1":
+            return 1
+        print(f"check_setup: OK: {cpu_demo_note(_reason(problem))}")
+        return 0
+    if report.gpus:
+        import torch
+
+        gpu = report.gpus[0]
+        more = f" (and {len(report.gpus) - 1} more)" if len(report.gpus) > 1 else ""
+        print(f"check_setup: OK: {gpu.name}{more}, compute capability {capability_text(gpu.capability)}, driver "
+              f"{report.driver or 'unknown'} (CUDA {version_text(report.cuda)}); torch {torch.__version__} "
+              f"(CUDA {torch.version.cuda}) uses it.")
+    else:
+        print(f"check_setup: OK: {cpu_demo_note()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,494 @@
+"""Set-up cannot degrade silently: check_setup.py, the Makefile's use of it, the container files, selfcheck.py.
+
+A GPU is simulated by a fake `nvidia-smi` first on PATH, so these tests run on any machine. Tests that
+need torch itself to be a CPU-only build (the real "GPU present, CPU torch" case) are skipped where the
+installed torch has CUDA; the others stand a small stand-in for torch in sys.modules.
+"""
+
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import check_setup
+import selfcheck
+
+HERE = Path(__file__).resolve().parent
+CU130 = "https://download.pytorch.org/whl/cu130"
+MAKE = shutil.which("make") or "make"  # by full path: some tests leave only a fake nvidia-smi on PATH
+
+HEADER = """\
+Sun Nov 23 08:44:00 2025
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 580.95.05              Driver Version: 580.95.05      CUDA Version: {cuda}     |
++-----------------------------------------+------------------------+----------------------+
+| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |
+| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |
+|                                         |                        |               MIG M. |
+|=========================================+========================+======================|
+|   0  {name:<30} On  |   00000009:01:00.0 Off |                    0 |
+| N/A   34C    P0            180W / 1400W |       0MiB / {mem}MiB |      0%      Default |
++-----------------------------------------+------------------------+----------------------+
+"""
+BROKEN = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+          "Make sure that the latest NVIDIA driver is installed and running.")
+
+
+def _torch_is_cpu_build() -> bool:
+    import torch
+
+    return torch.version.cuda is None
+
+
+needs_cpu_torch = pytest.mark.skipif(not _torch_is_cpu_build(),
+                                     reason="simulates a GPU next to a CPU-only torch; this torch has CUDA")
+
+
+def fake_smi(folder: Path, name="NVIDIA GB300", cc="10.3", mem=284208, cuda="13.0", broken=False) -> Path:
+    """A folder holding an `nvidia-smi` that answers like the real one (or fails like one without a driver)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if broken:
+        body = f'echo "{BROKEN}"\nexit 1\n'
+    else:
+        header = " ".join("'" + line + "'" for line in HEADER.format(name=name, cuda=cuda, mem=mem).splitlines())
+        body = textwrap.dedent(f"""\
+            case "$*" in
+              *--query-gpu=name,compute_cap,memory.total*) echo "{name}, {cc}, {mem}" ;;
+              "") printf '%s\\n' {header} ;;
+              *) echo "fake nvidia-smi: unexpected arguments: $*" >&2; exit 2 ;;
+            esac
+            """)  # shell built-ins only: the tests may leave nothing else on PATH
+    path = folder / "nvidia-smi"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return folder
+
+
+def _env(path_first: Path | None, keep_path=True, **extra) -> dict:
+    drop = ("CPU_DEMO", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHON", "USE_VENV", "TORCH_INDEX", "TORCH_SPEC")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    parts = ([str(path_first)] if path_first else []) + ([os.environ.get("PATH", "")] if keep_path else [])
+    env["PATH"] = os.pathsep.join(parts)
+    env.update(extra)
+    return env
+
+
+def _run(cmd, env, cwd=HERE, timeout=120) -> subprocess.CompletedProcess:
+    """Run cmd in its own process group; on timeout the whole group is stopped and the test fails."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail(f"{cmd} ran past {timeout} s: the set-up check did not stop it")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+class StandInTorch(types.ModuleType):
+    """Just enough of torch for check_setup: a build's CUDA version, whether CUDA starts, its code list."""
+
+    def __init__(self, cuda=None, available=False, capability=(10, 3), arches=(), init_error=None, run_error=None):
+        super().__init__("torch")
+        self.__version__ = "2.13.0" + ("" if cuda else "+cpu")
+        self.version = types.SimpleNamespace(cuda=cuda, hip=None)
+
+        def init():
+            if init_error:
+                raise RuntimeError(init_error)
+
+        def ones(*a, **k):
+            if run_error:
+                raise RuntimeError(run_error)
+            return types.SimpleNamespace(add_=lambda x: types.SimpleNamespace(
+                sum=lambda: types.SimpleNamespace(item=lambda: 8.0)))
+
+        self.cuda = types.SimpleNamespace(is_available=lambda: available, init=init,
+                                          get_device_capability=lambda i=0: capability,
+                                          get_arch_list=lambda: list(arches))
+        self.ones = ones
+
+
+@pytest.fixture
+def gpu_machine(tmp_path, monkeypatch):
+    """This process sees a GB300 with a CUDA 13.0 driver; returns a function to put a stand-in torch in place."""
+    monkeypatch.setenv("PATH", str(fake_smi(tmp_path / "bin")) + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CPU_DEMO", raising=False)
+
+    def with_torch(**kw):
+        monkeypatch.setitem(sys.modules, "torch", StandInTorch(**kw))
+    return with_torch
+
+
+# ---------------------------------------------------------------- nvidia-smi
+
+
+def test_fake_gb300_is_read_like_a_real_nvidia_smi(gpu_machine):
+    r = check_setup.nvidia_smi_report()
+    assert r.found and r.error is None
+    assert [(g.name, g.capability, g.memory_mib) for g in r.gpus] == [("NVIDIA GB300", (10, 3), 284208)]
+    assert (r.driver, r.cuda) == ("580.95.05", (13, 0))
+    assert check_setup.gpu_present()
+
+
+def test_parsers_on_real_output_shapes():
+    assert check_setup.parse_header(HEADER.format(name="NVIDIA H200", cuda="12.8", mem=143771)) == \
+        ("580.95.05", (12, 8))
+    assert check_setup.parse_header("no table here") == (None, None)
+    two = check_setup.parse_query("NVIDIA H100 80GB HBM3, 9.0, 81559\nNVIDIA H100 80GB HBM3, 9.0, 81559\n")
+    assert [(g.capability, g.memory_mib) for g in two] == [((9, 0), 81559)] * 2
+    # drivers that cannot report compute_cap: name and memory only, the capability taken from the name
+    assert check_setup.parse_query("NVIDIA GB300, 284208")[0].capability == (10, 3)
+    assert check_setup.parse_query("") == []
+
+
+def test_no_nvidia_smi_is_ok_and_says_cpu_demo_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no nvidia-smi anywhere
+    assert not check_setup.gpu_present()
+    assert check_setup.torch_gpu_problem() is None
+    monkeypatch.setattr(check_setup, "_cpu_note_printed", False)
+    check_setup.check_or_exit()
+    check_setup.check_or_exit()
+    out = capsys.readouterr().out
+    assert out.count("this is the CPU demo") == 1, out
+    assert "timings are not meaningful" in out
+
+
+def test_cli_without_nvidia_smi_exits_0(tmp_path):
+    p = _run([sys.executable, "check_setup.py"], _env(tmp_path, keep_path=False))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("check_setup: OK: no NVIDIA GPU found: this is the CPU demo"), p.stdout
+
+
+def test_broken_nvidia_smi_is_said_clearly(tmp_path):
+    p = _run([sys.executable, "check_setup.py"], _env(fake_smi(tmp_path, broken=True)))
+    assert p.returncode == 1
+    assert f"check_setup: nvidia-smi failed (exit code 1): {BROKEN}" in p.stderr
+    assert "cannot talk to the NVIDIA driver" in p.stderr and "Traceback" not in p.stderr
+    assert "CPU_DEMO=1" in p.stderr
+
+
+def test_cpu_demo_1_goes_on_and_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(fake_smi(tmp_path, broken=True)))
+    monkeypatch.setenv("CPU_DEMO", "1")
+    monkeypatch.setattr(check_setup, "_cpu_note_printed", False)
+    check_setup.check_or_exit()  # no SystemExit
+    out = capsys.readouterr().out
+    assert "CPU_DEMO=1 is set" in out and "nvidia-smi failed" in out and "CPU demo" in out
+
+
+# ---------------------------------------------------------------- which wheels
+
+
+@pytest.mark.parametrize("cc, driver, index", [
+    ((10, 3), (13, 0), "cu130"),   # GB300, CUDA 13 driver
+    ((10, 3), (12, 9), "cu129"),
+    ((10, 0), (12, 8), "cu128"),   # B200: 12.8 is the first CUDA with Blackwell
+    ((10, 3), (12, 6), None),      # driver too old for any Blackwell wheel
+    ((9, 0), (12, 6), "cu126"),    # H100 / H200
+    ((9, 0), (13, 1), "cu130"),    # the newest index the driver supports
+    ((9, 0), (12, 4), None),
+    ((10, 3), None, "cu130"),      # driver CUDA unknown: the newest
+])
+def test_wheel_index(cc, driver, index):
+    got = check_setup.wheel_index(cc, driver)
+    assert got == (None if index is None else f"https://download.pytorch.org/whl/{index}")
+
+
+def test_index_url_option(tmp_path):
+    p = _run([sys.executable, "check_setup.py", "--index-url"], _env(fake_smi(tmp_path)))
+    assert (p.returncode, p.stdout.strip()) == (0, CU130)
+    p = _run([sys.executable, "check_setup.py", "--index-url"], _env(tmp_path / "none", keep_path=False))
+    assert (p.returncode, p.stdout.strip()) == (0, "")
+
+
+# ---------------------------------------------------------------- GPU present, torch cannot use it
+
+
+@needs_cpu_torch
+def test_cli_gpu_with_cpu_torch_exits_1_with_the_index(tmp_path):
+    """The real case, with the real (CPU-only) torch: python check_setup.py on a 'GB300'."""
+    p = _run([sys.executable, "check_setup.py"], _env(fake_smi(tmp_path)))
+    assert p.returncode == 1, p.stdout + p.stderr
+    first = p.stderr.splitlines()[0]
+    assert first.startswith("check_setup: NVIDIA GB300 (compute capability 10.3 = sm_103; driver 580.95.05, "
+                            "CUDA 13.0) is present, but torch ") and "is a CPU-only build" in first, first
+    assert f"pip install torch --index-url {CU130}" in p.stderr
+    assert f"make clean && make setup USE_VENV=1 TORCH_INDEX={CU130}" in p.stderr
+    assert f"On {platform.machine()}" in p.stderr
+    assert "docker build -t kernel-dev-ft ." in p.stderr and "docker run --gpus all" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("machine, says", [
+    ("x86_64", "On x86_64, take the CUDA build from PyTorch's index (cu130: CUDA 13.0)"),
+    ("aarch64", ("On aarch64 the torch wheels on PyPI are CPU-only; the CUDA builds come from PyTorch's own "
+                 "index (cu130: CUDA 13.0)")),
+])
+def test_cpu_torch_message_per_architecture(gpu_machine, monkeypatch, machine, says):
+    gpu_machine(cuda=None)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    msg = check_setup.torch_gpu_problem()
+    assert msg is not None and "is a CPU-only build" in msg
+    assert says in msg
+    other = "aarch64" if machine == "x86_64" else "x86_64"
+    assert f"On {other}" not in msg
+    assert f"-m pip install torch --index-url {CU130}" in msg
+
+
+def test_check_or_exit_stops_with_the_message(gpu_machine):
+    gpu_machine(cuda=None)
+    with pytest.raises(SystemExit) as e:
+        check_setup.check_or_exit()
+    assert isinstance(e.value.code, str) and "CPU-only build" in e.value.code and CU130 in e.value.code
+
+
+def test_cuda_build_without_code_for_this_gpu(gpu_machine):
+    gpu_machine(cuda="12.6", available=True, capability=(10, 3), arches=("sm_80", "sm_90"))
+    msg = check_setup.torch_gpu_problem()
+    assert msg is not None
+    assert "has no code for compute capability 10.3 (it carries sm_80 sm_90)" in msg
+    assert "needs wheels for CUDA 12.8 or newer; a GB300 is best served by cu130" in msg
+    assert f"--index-url {CU130}" in msg
+
+
+def test_cuda_build_that_fits_is_ok(gpu_machine, capsys):
+    gpu_machine(cuda="13.0", available=True, capability=(10, 3), arches=("sm_90", "sm_100", "sm_120"))
+    assert check_setup.torch_gpu_problem() is None  # sm_100 code runs on sm_103
+    check_setup.check_or_exit()
+    assert capsys.readouterr().out == ""  # a usable GPU: nothing to say
+
+
+def test_cuda_build_newer_than_the_driver(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(fake_smi(tmp_path, cuda="12.8")))
+    monkeypatch.setitem(sys.modules, "torch", StandInTorch(cuda="13.0", available=False))
+    msg = check_setup.torch_gpu_problem()
+    assert "is built for CUDA 13.0, newer than the driver supports (CUDA 12.8)" in msg
+    assert "https://download.pytorch.org/whl/cu128" in msg
+
+
+def test_driver_too_old_for_blackwell_says_update_the_driver(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(fake_smi(tmp_path, cuda="12.4")))
+    monkeypatch.setitem(sys.modules, "torch", StandInTorch(cuda=None))
+    msg = check_setup.torch_gpu_problem()
+    assert "supports CUDA 12.4" in msg and "update the NVIDIA driver first" in msg
+
+
+def test_cuda_that_does_not_start_or_run_is_reported(gpu_machine):
+    gpu_machine(cuda="13.0", available=False, init_error="Found no NVIDIA driver on your system.")
+    assert "CUDA does not start: Found no NVIDIA driver on your system." in check_setup.torch_gpu_problem()
+    gpu_machine(cuda="13.0", available=True, arches=("sm_100",),
+                run_error="CUDA error: no kernel image is available for execution on the device\nmore")
+    assert "fails to run on it: CUDA error: no kernel image" in check_setup.torch_gpu_problem()
+
+
+def test_importing_check_setup_does_not_import_torch():
+    p = _run([sys.executable, "-c", "import sys, check_setup; print('torch' in sys.modules)"], _env(None))
+    assert p.stdout.strip() == "False", p.stderr
+
+
+# ---------------------------------------------------------------- the Makefile runs the check
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """A copy of the Makefile and check_setup.py whose walkthrough and test suite only leave a marker, with
+    set-up already done (nothing is installed), and a CPU-only stand-in for torch and triton on PYTHONPATH
+    (importing them takes no time, whatever torch is installed)."""
+    box = tmp_path / "box"
+    box.mkdir()
+    for name in ("Makefile", "check_setup.py", "requirements.txt", "pytest.ini"):
+        shutil.copy(HERE / name, box / name)
+    (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")
+    (box / "marker_test.py").write_text("def test_marker():\n    open('tests.ran', 'w').close()\n")
+    later = time.time() + 60
+    (box / ".deps-system").touch()
+    os.utime(box / ".deps-system", (later, later))
+    stand_in = tmp_path / "stand_in"
+    (stand_in / "torch").mkdir(parents=True)
+    (stand_in / "torch" / "__init__.py").write_text(
+        '__version__ = "2.13.0+cpu"\n\n\nclass version:\n    cuda = None\n    hip = None\n')
+    (stand_in / "triton").mkdir()
+    (stand_in / "triton" / "__init__.py").write_text('__version__ = "3.9.0"\n')
+    return box, str(stand_in)
+
+
+def _venv(box: Path) -> None:
+    """The .venv path: a finished .venv whose python is this one."""
+    (box / ".venv" / "bin").mkdir(parents=True)
+    py = box / ".venv" / "bin" / "python"
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    later = time.time() + 60
+    (box / ".venv" / ".done").touch()
+    os.utime(box / ".venv" / ".done", (later, later))
+
+
+def test_make_run_stops_on_the_system_python_path(sandbox, tmp_path):
+    box, stand_in = sandbox
+    p = _run([MAKE, "run", f"PYTHON={sys.executable}"], _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in),
+             cwd=box)
+    assert p.returncode != 0
+    assert f"{sys.executable} check_setup.py" in p.stdout  # make chose this python, not a .venv
+    assert "torch 2.13.0+cpu" in p.stderr and "is a CPU-only build" in p.stderr and CU130 in p.stderr
+    assert not (box / "walkthrough.ran").exists()
+
+
+def test_make_test_stops_on_the_venv_path(sandbox, tmp_path):
+    box, stand_in = sandbox
+    _venv(box)
+    p = _run([MAKE, "test"], _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in), cwd=box)
+    assert p.returncode != 0
+    assert ".venv/bin/python check_setup.py" in p.stdout
+    assert "is a CPU-only build" in p.stderr
+    assert not (box / "tests.ran").exists()
+
+
+def test_make_run_and_test_go_on_when_the_check_passes(sandbox, tmp_path):
+    """The control for the two tests above: the same sandbox reaches the walkthrough and the tests when the
+    check passes (here: no GPU)."""
+    box, stand_in = sandbox
+    _venv(box)
+    p = _run([MAKE, "run", "test"], _env(tmp_path / "empty", keep_path=False, PYTHONPATH=stand_in), cwd=box)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "check_setup: OK: no NVIDIA GPU found" in p.stdout
+    assert (box / "walkthrough.ran").exists() and (box / "tests.ran").exists()
+
+
+def test_make_goes_on_with_cpu_demo_1(sandbox, tmp_path):
+    box, stand_in = sandbox
+    p = _run([MAKE, "run", f"PYTHON={sys.executable}"],
+             _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in, CPU_DEMO="1"), cwd=box)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "check_setup: OK: CPU_DEMO=1 is set, so the GPU is left unused (NVIDIA GB300" in p.stdout
+    assert (box / "walkthrough.ran").exists()
+
+
+def test_makefile_picks_the_index_for_the_gpu(sandbox, tmp_path):
+    box, _ = sandbox
+    setup = [MAKE, "-n", "-W", "requirements.txt", "setup", "USE_VENV=1", f"PYTHON={sys.executable}"]
+    p = _run(setup, _env(fake_smi(tmp_path / "bin"), keep_path=False), cwd=box)
+    assert p.returncode == 0, p.stderr
+    assert f"pip install -q torch --index-url {CU130}\n" in p.stdout
+    assert p.stdout.splitlines()[-1] == ".venv/bin/python check_setup.py"  # set-up ends with the check
+    p = _run(setup, _env(tmp_path / "empty", keep_path=False), cwd=box)  # no nvidia-smi: PyPI, as before
+    assert p.returncode == 0, p.stderr
+    assert "pip install -q torch \n" in p.stdout
+
+
+# ---------------------------------------------------------------- container files
+
+
+def _dockerfile() -> str:
+    return (HERE / "Dockerfile").read_text()
+
+
+def test_dockerfile_base_image_supports_gb300():
+    text = _dockerfile()
+    tag = re.search(r"^ARG NGC_TAG=(\d\d)\.(\d\d)-py3\s*$", text, re.M)
+    assert tag, "Dockerfile: no `ARG NGC_TAG=<yy.mm>-py3` default"
+    assert (int(tag.group(1)), int(tag.group(2))) >= (26, 1), "NGC PyTorch 26.01 or newer is needed for GB300"
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert froms == ["nvcr.io/nvidia/pytorch:${NGC_TAG}"], froms
+    assert text.index("ARG NGC_TAG") < text.index("FROM "), "the ARG must come before FROM to be usable there"
+
+
+def test_dockerfile_installs_requirements_and_runs_make():
+    text = _dockerfile()
+    assert re.search(r"^COPY requirements\.txt (\S+)$", text, re.M)
+    dest = re.search(r"^COPY requirements\.txt (\S+)$", text, re.M).group(1)
+    assert re.search(rf"^RUN pip install .*-r {re.escape(dest)}", text, re.M)
+    assert re.search(r"^COPY \. /workspace$", text, re.M)
+    assert re.search(r'^CMD \["make", "run"\]$', text, re.M)
+    assert check_setup.DOCKER_BUILD in text  # the commands check_setup prints name this image
+    assert "-v $(pwd)/results:/workspace/results" in check_setup.DOCKER_RUN and "WORKDIR /workspace" in text
+
+
+def test_dockerignore_keeps_local_state_out():
+    lines = {ln.strip() for ln in (HERE / ".dockerignore").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")}
+    for needed in (".venv", ".git", "results/traces", "__pycache__", "*.pyc", ".whl", ".pytest_cache", "out",
+                   "checkpoints"):
+        assert needed in lines, f".dockerignore does not exclude {needed}"
+    assert "results" not in lines and "requirements.txt" not in lines  # the image needs these
+
+
+# ---------------------------------------------------------------- selfcheck.py
+
+
+@pytest.mark.parametrize("name, family", [
+    ("NVIDIA GB300", "GB300"), ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA GH200 480GB", "GH200"), ("NVIDIA B200", "B200"),
+    ("CPU (Triton interpreter)", None),
+])
+def test_gpu_family(name, family):
+    assert selfcheck.gpu_family(name) == family
+
+
+def test_results_lookup_by_file_name_and_json_gpu_field(tmp_path):
+    res = tmp_path / "results"
+    (res / "runs").mkdir(parents=True)
+    (res / "benchmark_H200.csv").write_text("x")
+    (res / "runs" / "fsdp2_2xH200_baseline.log").write_text("x")
+    (res / "runs" / "finetune_GH200_b4.log").write_text("x")           # another family
+    (res / "runs" / "finetune_H2000.log").write_text("x")              # not H200
+    (res / "a.json").write_text('{"gpu": "NVIDIA H200 (140 GiB)"}')
+    (res / "b.json").write_text('{"meta": {"gpu": "NVIDIA H200"}, "rows": []}')
+    (res / "c.json").write_text('{"gpu": "NVIDIA H100 80GB HBM3"}')
+    (res / "d.json").write_text('{"gpu": ')                           # broken JSON is skipped
+    (res / "selfcheck_smoke.json").write_text('{"gpu": "NVIDIA H200"}')  # this script's own output
+    found = sorted(p.relative_to(res).as_posix() for p in selfcheck.results_from_family("NVIDIA H200", res))
+    assert found == ["a.json", "b.json", "benchmark_H200.csv", "runs/fsdp2_2xH200_baseline.log"]
+    assert selfcheck.results_note("NVIDIA H200", res).startswith("4 file(s) from the H200 family in results/")
+    assert selfcheck.results_note("NVIDIA GB300", res) == \
+        "no results from an NVIDIA GB300 in results/ yet: these will be the first"
+    assert selfcheck.results_from_family("NVIDIA GB300", tmp_path / "missing") == []
+
+
+def test_selfcheck_plans_the_commands_the_readme_gives():
+    gpu = selfcheck.plan(gpu=True)
+    assert gpu[0].cmd is None
+    assert gpu[1].cmd[1:] == ["-m", "pytest", "-q", "rmsnorm_test.py"]
+    assert gpu[2].cmd[1:10] == ["finetune_optimized.py", "--model", "llama-3.1-8b", "--batch-size", "1",
+                                "--seq-len", "1024", "--steps", "3"] and "--warmup-steps" in gpu[2].cmd
+    cpu = selfcheck.plan(gpu=False)
+    assert cpu[2].cmd[1:5] == ["finetune_optimized.py", "--model", "llama-tiny", "--steps"]
+    assert "interpreter" in cpu[1].name
+    from run_config import make_parser  # the flags still exist and parse
+
+    for check in (gpu[2], cpu[2]):
+        make_parser("x", kernels_default=("rmsnorm",)).parse_args(check.cmd[2:])
+    assert all(c.cmd is None or c.cmd[0] == sys.executable for c in gpu + cpu)
+
+
+def test_selfcheck_subprocess_pass_fail_and_timeout():
+    ok = selfcheck.Check("t", [sys.executable, "-c", "print('===== 3 passed, 1 skipped in 0.10s =====')", "pytest"])
+    selfcheck.run_subprocess(ok)
+    assert (ok.result, ok.detail) == ("PASS", "3 passed, 1 skipped in 0.10s") and ok.seconds >= 0
+    bad = selfcheck.Check("t", [sys.executable, "-c", "raise SystemExit(3)"])
+    selfcheck.run_subprocess(bad)
+    assert (bad.result, bad.detail) == ("FAIL", "exit code 3")
+    slow = selfcheck.Check("t", [sys.executable, "-c", "import time; time.sleep(30)"])
+    selfcheck.run_subprocess(slow, timeout_s=0.5)
+    assert (slow.result, slow.detail) == ("FAIL", "stopped after 0.5 s") and slow.seconds < 10
+
+
+def test_selfcheck_summary_table():
+    checks = [selfcheck.Check("set-up", result="PASS", seconds=0.3),
+              selfcheck.Check("kernel test", ["x"], result="FAIL", seconds=12.0, detail="1 failed, 3 passed"),
+              selfcheck.Check("fine-tune", ["y"], detail="set-up failed")]
+    table = selfcheck.summary_table(checks).splitlines()
+    assert [c.strip() for c in table[0].split("|")[1:5]] == ["check", "result", "time (s)", "detail"]
+    assert len({len(line) for line in table}) == 1  # aligned
+    assert "| PASS    | 0.3      |" in table[2]
+    assert "| not run | -        | set-up failed" in table[4]
