@@ -1,10 +1,17 @@
 """Benchmark the fused kernels against PyTorch eager, torch.compile and (if installed) Liger-Kernel.
 
-    $ python benchmark_kernels.py --kernel all                 # LLaMA 3.1 8B shapes, bf16
-    $ python benchmark_kernels.py --kernel rmsnorm --sizes 4096,16384
-    $ python benchmark_kernels.py --kernel cross_entropy --dtype float16
+    $ python benchmark_kernels.py                              # every kernel, LLaMA 3.1 8B shapes, bf16
+    $ python benchmark_kernels.py --kernels rmsnorm --sizes 4096,16384
+    $ python benchmark_kernels.py --kernels cross_entropy,linear_cross_entropy --dtype float16
     $ python benchmark_kernels.py --tune                       # sweep our launch settings
     $ python benchmark_kernels.py --smoke                      # tiny sizes, runs on a CPU (CI)
+
+`--kernels` takes the names of apply_kernels.KERNEL_NAMES, comma-separated, or `all` (the default).
+Every kernel is one entry of the table `SPECS` below: its cases, how to build random inputs for
+one, its implementations, its correctness check, its forward and forward + backward calls, and
+its kernel module, whose `ideal_bytes(...)` (and, for the compute-bound fused linear
+cross-entropy, `flops(...)`) give the floor each row is held against. `main()` is one loop over
+the selected entries; measuring and reporting are shared.
 
 Method: the device-to-device copy bandwidth is measured first (bytes read + written), the ceiling
 every memory-bound kernel is held against. Each implementation is checked against a float64
@@ -15,24 +22,34 @@ random (never zeros). Each call (forward, or forward + backward through autograd
 once in a CUDA graph and do_bench times the graph's replays: that is the GPU time a training step
 spends, without the Python and launch overhead that otherwise dominates (and adds run-to-run
 noise to) anything under ~0.5 ms. An implementation that cannot be captured (one that waits for
-the GPU on the host, for instance) is timed with ordinary launches and marked "+launch". GB/s counts the *ideal* bytes (each input read once, each output written
-once), so it says how close an implementation is to the floor, not how many bytes it moved.
-Results go to results/benchmark_<gpu>.{json,csv} and PNG plots next to them.
+the GPU on the host, for instance) is timed with ordinary launches and marked "+launch". GB/s
+counts the *ideal* bytes (each input read once, each output written once, as the kernel module's
+`ideal_bytes` counts them), so it says how close an implementation is to the floor, not how many
+bytes it moved. "peak+" is the memory allocated beyond what was live before one forward + backward.
 
 The peers, stated plainly:
   eager           Hugging Face's formulas in PyTorch: LlamaRMSNorm; for the loss, the logits upcast
                   to fp32 before F.cross_entropy (what ForCausalLMLoss does)
   eager-bf16      F.cross_entropy straight on the bf16 logits (no upcast)
   torch.compile   torch.compile of the same eager function (default mode)
-  liger           Liger-Kernel's RMSNorm and cross-entropy (gradient written in place), if installed
-  ours            rmsnorm_kernel.py / cross_entropy_kernel.py (gradient in place) / swiglu_kernel.py /
-                  rope_kernel.py / linear_cross_entropy_kernel.py ("ours" accumulates the weight
-                  gradient in fp32, "ours-bf16acc" in the weight's dtype)
+  torch-chunked   PyTorch's own F.linear_cross_entropy on its chunked path (torch >= 2.13; skipped,
+                  with a line saying so, where the installed torch lacks it)
+  liger           Liger-Kernel's op for the same kernel (its cross-entropy writes the gradient in
+                  place), if installed
+  ours            <kernel>_kernel.py ("ours" of cross_entropy writes the gradient in place; "ours" of
+                  linear_cross_entropy accumulates the weight gradient in fp32, "ours-bf16acc" in
+                  the weight's dtype)
 
-The fused linear cross-entropy is compute bound: its floor is 6 N H V flops at the bf16 matmul rate
-measured in the same run (a large cuBLAS matmul), and its rows report TFLOP/s instead of GB/s. Its
-"peak+" includes the two gradients it returns (dx and dW, which any implementation must
-allocate); the table under it also shows the peak beyond them.
+The fused linear cross-entropy is compute bound: its floor is its matmul flops (6 N H V forward +
+backward) at the bf16 matmul rate measured in the same run (a large cuBLAS matmul), and its rows
+report TFLOP/s instead of GB/s. Its "peak+" includes the two gradients it returns (dx and dW, which
+any implementation must allocate); its table also shows the peak beyond them.
+
+Output: results/benchmark_<tag>.{json,csv} (every row of every kernel measured) and one plot per
+kernel, results/benchmark_<kernel>_<tag>.png. The tag is "smoke" for --smoke and the GPU's name
+otherwise, followed by what sets the run apart from the full default one (the kernels when not all
+of them ran, the dtype when not bf16, "sizes<...>" with --sizes), so a partial run never
+overwrites the files of a full one. Files are written to a temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -41,30 +58,43 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 # Graph pools and 8-25 GB peers fragment the caching allocator; expandable segments let freed
 # memory be reused by the next size (set before torch touches the GPU).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: E402
 
-import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from cross_entropy_kernel import cross_entropy
-from kernel_utils import DEVICE
-from linear_cross_entropy_kernel import linear_cross_entropy
-from rmsnorm_kernel import rmsnorm, rmsnorm_backward, rmsnorm_forward, rmsnorm_ref
-from rope_kernel import rope, rope_ref
-from swiglu_kernel import swiglu, swiglu_ref
-from testkit import close_to_reference
+import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
+import cross_entropy_kernel  # noqa: E402
+import linear_cross_entropy_kernel  # noqa: E402
+import rmsnorm_kernel  # noqa: E402
+import rope_kernel  # noqa: E402
+import swiglu_kernel  # noqa: E402
+from apply_kernels import KERNEL_NAMES  # noqa: E402
+from cross_entropy_kernel import cross_entropy  # noqa: E402
+from kernel_utils import DEVICE  # noqa: E402
+from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
+from rmsnorm_kernel import rmsnorm, rmsnorm_backward, rmsnorm_forward, rmsnorm_ref  # noqa: E402
+from rope_kernel import rope, rope_ref  # noqa: E402
+from swiglu_kernel import swiglu, swiglu_ref  # noqa: E402
+from testkit import close_to_reference  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ON_GPU = DEVICE.type == "cuda"
+
+# LLaMA 3.1 8B: the shapes of the default sweeps
+HIDDEN, INTERMEDIATE, VOCAB = 4096, 14336, 128256
+HEADS, KV_HEADS, HEAD_DIM, SEQ = 32, 8, 128, 2048
 
 
 # ------------------------------------------------------------------------------------------------
@@ -77,14 +107,13 @@ def timed(fn, grad_to_none=None):
 
         q = triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
         return tuple(v * 1e3 for v in q)
-    times = []  # CPU / interpreter: only proves the harness runs; the numbers mean nothing
-    for _ in range(3):
-        for t in grad_to_none or []:
-            t.grad = None
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times), min(times), max(times)
+    # CPU / Triton's interpreter: one call proves the harness runs; its time means nothing
+    for t in grad_to_none or []:
+        t.grad = None
+    t0 = time.perf_counter()
+    fn()
+    us = (time.perf_counter() - t0) * 1e6
+    return us, us, us
 
 
 def timed_graph(fn, grads=()):
@@ -156,7 +185,8 @@ def matmul_tflops() -> float | None:
     if not ON_GPU:
         return None
     n = 8192
-    a, b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16), torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     us = timed(lambda: a @ b)[0]
     return 2 * n**3 / (us * 1e-6) / 1e12
 
@@ -195,36 +225,58 @@ def checked(name, check):
         print(f"  WARNING: {name} does not match the float64 reference: {e}")
 
 
-def _measure_impls(kernel, impls, N, width, dtype, grads, fwd_bytes, fwdbwd_bytes, check, forward, forward_backward,
-                   fwdbwd_flops=None):
-    """Check, then time forward and forward + backward of every implementation; one row each.
+# ------------------------------------------------------------------------------------------------
+# The table of kernels: what `main` needs to know about each
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    """Random inputs of one case, and the calls that use them."""
 
-    check(name, fn), forward(fn), forward_backward(fn): the kernel-specific calls on its inputs.
-    grads: the leaf inputs whose .grad a backward sets (reset around every measurement).
+    grads: list                 # the leaf inputs whose .grad a backward sets (reset around every measurement)
+    forward: Callable           # forward(fn): one forward call, no autograd graph kept
+    forward_backward: Callable  # forward_backward(fn): forward, then backward through autograd
+    check: Callable             # check(name, fn): against float64 (testkit's rule) on a slice of the inputs
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel of the benchmark.
+
+    A case is a dict of the keyword arguments that size the kernel module's `ideal_bytes` (and
+    `flops`), e.g. {"n_rows": 16384, "hidden": 4096}: the rows carry it, so every byte count can be
+    recomputed from the module.
     """
-    rows = []
-    for name, fn in impls.items():
-        def measure():
-            if check is not None:
-                checked(name, lambda: check(name, fn))
-            fwd, g1 = timed_graph(lambda: forward(fn))
-            fb, g2 = timed_graph(lambda: forward_backward(fn), grads=grads)
-            mem = peak_extra_mb(lambda: forward_backward(fn), grad_to_none=grads)
-            rows.append(dict(kernel=kernel, impl=_label(name, g1 and g2), tokens=N, width=width,
-                             dtype=str(dtype).split(".")[-1], fwd_us=fwd, fwdbwd_us=fb,
-                             fwd_bytes=fwd_bytes, fwdbwd_bytes=fwdbwd_bytes, peak_extra_mb=mem,
-                             fwdbwd_flops=fwdbwd_flops,
-                             grads_mb=sum(t.numel() * t.element_size() for t in grads) / 1e6))
-            for t in grads:
-                t.grad = None
-        guarded(name, f"{N}x{width}", measure)
-    return rows
+
+    name: str
+    module: ModuleType            # <name>_kernel: ideal_bytes(**case, dtype, backward), flops(**case, backward)
+    cases: Callable               # cases(tokens): the default sweep, or `tokens` (--sizes) at the LLaMA width
+    smoke: tuple                  # tiny cases for --smoke (CPU, Triton's interpreter)
+    impls: Callable               # impls() -> {name: fn}, "ours" first, "eager" the baseline
+    inputs: Callable              # inputs(case, dtype) -> Inputs
+    tokens: str                   # the key of the case's token count ("n_rows" or "n_tokens")
+    width: Callable               # width(case): the size plotted against tokens (hidden, vocabulary, ...)
+    compute_bound: bool = False   # floor = flops at the matmul rate, not ideal bytes at the copy bandwidth
+
+    def ideal_bytes(self, case: dict, dtype: torch.dtype, backward: bool) -> int:
+        return self.module.ideal_bytes(**case, dtype=dtype, backward=backward)
+
+    def flops(self, case: dict, backward: bool) -> int | None:
+        return self.module.flops(**case, backward=backward) if self.compute_bound else None
 
 
-# ------------------------------------------------------------------------------------------------
-# RMSNorm
-# ------------------------------------------------------------------------------------------------
-def rmsnorm_impls(H, dtype):
+def _generator(*sizes) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(sum(sizes))
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------------
+def _rmsnorm_cases(tokens):
+    cases = [dict(n_rows=n, hidden=HIDDEN) for n in tokens or (1024, 2048, 4096, 8192, 16384, 32768)]
+    if not tokens:  # the hidden sizes of other models, at 16k tokens
+        cases += [dict(n_rows=16384, hidden=h) for h in (1024, 2048, 8192, 16384)]
+    return cases
+
+
+def _rmsnorm_impls():
     impls = {"ours": rmsnorm, "eager": rmsnorm_ref, "torch.compile": compiled(rmsnorm_ref)}
     if liger() is not None and ON_GPU:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -234,17 +286,17 @@ def rmsnorm_impls(H, dtype):
     return impls
 
 
-def bench_rmsnorm(N, H, dtype, impls, check=True):
-    g = torch.Generator(device="cpu").manual_seed(N + H)
+def _rmsnorm_inputs(case, dtype):
+    N, H = case["n_rows"], case["hidden"]
+    g = _generator(N, H)
     x = torch.randn(N, H, generator=g).to(DEVICE, dtype).requires_grad_()
     w = (torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype).requires_grad_()
     dy = torch.randn(N, H, generator=g).to(DEVICE, dtype)
-    elt = x.element_size()
-    return _measure_impls(
-        "rmsnorm", impls, N, H, dtype, grads=[x, w], fwd_bytes=2 * N * H * elt, fwdbwd_bytes=5 * N * H * elt,
-        check=(lambda name, fn: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256])) if check else None,
+    return Inputs(
+        grads=[x, w],
         forward=lambda fn: fn(x.detach(), w.detach(), 1e-5),
         forward_backward=lambda fn: fn(x, w, 1e-5).backward(dy),
+        check=lambda name, fn: _check_rmsnorm(name, fn, x[:256].detach(), w.detach(), dy[:256]),
     )
 
 
@@ -268,14 +320,19 @@ def _check_rmsnorm(name, fn, x, w, dy):
                            n=n, scale=scale)
 
 
-# ------------------------------------------------------------------------------------------------
-# Cross-entropy
-# ------------------------------------------------------------------------------------------------
+# ---- Cross-entropy -------------------------------------------------------------------------------
 def _hf_loss(logits, targets):
     return F.cross_entropy(logits.float(), targets)  # Hugging Face upcasts to fp32 first
 
 
-def ce_impls():
+def _ce_cases(tokens):
+    cases = [dict(n_rows=n, vocab=VOCAB) for n in tokens or (512, 1024, 2048, 4096, 8192, 16384)]
+    if not tokens:  # the vocabularies of other models (LLaMA 2, Qwen 2, Gemma), at 4k tokens
+        cases += [dict(n_rows=4096, vocab=v) for v in (32000, 151936, 256000)]
+    return cases
+
+
+def _ce_impls():
     impls = {
         "ours": lambda lg, t: cross_entropy(lg, t, inplace_grad=True),
         "eager": _hf_loss,
@@ -289,25 +346,27 @@ def ce_impls():
     return impls
 
 
-def bench_cross_entropy(N, V, dtype, impls, check=True):
-    g = torch.Generator(device="cpu").manual_seed(N + V)
+def _ce_inputs(case, dtype):
+    N, V = case["n_rows"], case["vocab"]
+    g = _generator(N, V)
     logits = (torch.randn(N, V, generator=g) * 2).to(DEVICE, dtype).requires_grad_()
     targets = torch.randint(0, V, (N,), generator=g).to(DEVICE)
     targets[::17] = -100  # a few ignored tokens, as padding produces
-    elt = logits.element_size()
 
     def loss_only(fn):
         with torch.no_grad():
             fn(logits, targets)
 
-    # In-place implementations overwrite `logits` with the gradient, so later repetitions read the
-    # previous gradient as logits: finite, non-zero values; the work per element is the same (an exp
-    # each), so the time is too.
-    return _measure_impls(
-        "cross_entropy", impls, N, V, dtype, grads=[logits], fwd_bytes=N * V * elt, fwdbwd_bytes=2 * N * V * elt,
-        check=(lambda name, fn: _check_ce(name, fn, logits[:256].detach(), targets[:256])) if check else None,
+    # A model's logits are an intermediate (the lm_head's output), and our kernel refuses to write
+    # its gradient into a leaf; a view of the leaf is such an intermediate, at no cost, for every
+    # implementation alike. In-place implementations then overwrite `logits` with the gradient, so
+    # later repetitions read the previous gradient as logits: finite, non-zero values; the work per
+    # element is the same (an exp each), so the time is too.
+    return Inputs(
+        grads=[logits],
         forward=loss_only,
-        forward_backward=lambda fn: fn(logits, targets).backward(),
+        forward_backward=lambda fn: fn(logits.view_as(logits), targets).backward(),
+        check=lambda name, fn: _check_ce(name, fn, logits[:256].detach(), targets[:256]),
     )
 
 
@@ -327,10 +386,89 @@ def _check_ce(name, fn, logits, targets):
     close_to_reference(f"cross_entropy {name} grad", x.grad, xs.grad, xr.grad, logits.dtype, n=logits.shape[1])
 
 
-# ------------------------------------------------------------------------------------------------
-# SwiGLU
-# ------------------------------------------------------------------------------------------------
-def swiglu_impls():
+# ---- Fused linear cross-entropy (compute bound) --------------------------------------------------
+def _hf_head_loss(x, w, t):
+    return F.cross_entropy((x @ w.t()).float(), t)  # full logits, upcast, PyTorch's loss
+
+
+def _flce_cases(tokens):
+    return [dict(n_tokens=n, hidden=HIDDEN, vocab=VOCAB) for n in tokens or (4096, 8192, 16384)]
+
+
+def torch_linear_cross_entropy():
+    """PyTorch's own fused op on its chunked path, or (None, why) where this torch lacks it."""
+    fn, options = getattr(F, "linear_cross_entropy", None), getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if fn is None or options is None:
+        return None, f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy (chunked)"
+    opts = options()  # chunking method and accumulation policy picked by PyTorch for the device and dtype
+    # Same semantics as ours: mean over the tokens whose target is not -100 (its default, spelled out)
+    return (lambda x, w, t: fn(x, w, t, ignore_index=-100, reduction="mean", options=opts)), None
+
+
+def _flce_impls():
+    impls = {
+        "ours": lambda x, w, t: linear_cross_entropy(x, w, t),
+        "ours-bf16acc": lambda x, w, t: linear_cross_entropy(x, w, t, accumulate_fp32=False),
+        "eager": _hf_head_loss,
+        "torch.compile": compiled(_hf_head_loss),
+    }
+    fn, why = torch_linear_cross_entropy()
+    if fn is not None:
+        impls["torch-chunked"] = fn
+    else:
+        print(f"  torch-chunked skipped: {why}")
+    if liger() is not None and ON_GPU:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        mod = LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = lambda x, w, t: mod(w, x, t)  # Liger takes (weight, input, target)
+    return impls
+
+
+def _flce_inputs(case, dtype):
+    N, H, V = case["n_tokens"], case["hidden"], case["vocab"]
+    g = _generator(N, V)
+    x = torch.randn(N, H, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * H**-0.5 * 2).to(DEVICE, dtype).requires_grad_()  # logits ~ N(0, 2)
+    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    t[::17] = -100
+    n_check = min(N, 2304)  # > 2048 tokens: our default chunking takes two chunks
+
+    def loss_only(fn):
+        with torch.no_grad():
+            fn(x, w, t)
+
+    return Inputs(
+        grads=[x, w],
+        forward=loss_only,
+        forward_backward=lambda fn: fn(x, w, t).backward(),
+        check=lambda name, fn: _check_flce(name, fn, x[:n_check].detach(), w.detach(), t[:n_check]),
+    )
+
+
+def _check_flce(name, fn, x, w, t):
+    outs = []
+    # fp32 serves as the truth here: a float64 copy of a 128256 x 4096 head would take 4 GB
+    for f, cast in ((fn, lambda v: v), (_hf_head_loss, lambda v: v), (_hf_head_loss, lambda v: v.float())):
+        xi, wi = cast(x).clone().requires_grad_(), cast(w).clone().requires_grad_()
+        loss = f(xi, wi, t)
+        loss.backward()
+        outs.append((loss.detach(), xi.grad, wi.grad))
+    V = w.shape[0]
+    # As in _check_ce: a loss returned in the inputs' dtype (torch-chunked's) is held to that dtype's
+    # precision; fp32 losses (ours, eager, Liger) to fp32's.
+    close_to_reference(f"flce {name} loss", outs[0][0].float(), outs[1][0].float(), outs[2][0].float(),
+                       outs[0][0].dtype, n=V)
+    close_to_reference(f"flce {name} dx", outs[0][1], outs[1][1], outs[2][1], x.dtype, n=V)
+    close_to_reference(f"flce {name} dW", outs[0][2], outs[1][2], outs[2][2], x.dtype, n=x.shape[0])
+
+
+# ---- SwiGLU --------------------------------------------------------------------------------------
+def _swiglu_cases(tokens):
+    return [dict(n_rows=n, width=INTERMEDIATE) for n in tokens or (1024, 4096, 8192, 16384)]
+
+
+def _swiglu_impls():
     impls = {"ours": swiglu, "eager": swiglu_ref, "torch.compile": compiled(swiglu_ref)}
     if liger() is not None and ON_GPU:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -339,17 +477,17 @@ def swiglu_impls():
     return impls
 
 
-def bench_swiglu(N, I, dtype, impls, check=True):
-    g = torch.Generator(device="cpu").manual_seed(N + I)
+def _swiglu_inputs(case, dtype):
+    N, I = case["n_rows"], case["width"]
+    g = _generator(N, I)
     gate = (torch.randn(N, I, generator=g) * 3).to(DEVICE, dtype).requires_grad_()
     up = torch.randn(N, I, generator=g).to(DEVICE, dtype).requires_grad_()
     dh = torch.randn(N, I, generator=g).to(DEVICE, dtype)
-    elt = gate.element_size()
-    return _measure_impls(
-        "swiglu", impls, N, I, dtype, grads=[gate, up], fwd_bytes=3 * N * I * elt, fwdbwd_bytes=8 * N * I * elt,
-        check=(lambda name, fn: _check_swiglu(name, fn, gate[:64].detach(), up[:64].detach(), dh[:64])) if check else None,
+    return Inputs(
+        grads=[gate, up],
         forward=lambda fn: fn(gate.detach(), up.detach()),
         forward_backward=lambda fn: fn(gate, up).backward(dh),
+        check=lambda name, fn: _check_swiglu(name, fn, gate[:64].detach(), up[:64].detach(), dh[:64]),
     )
 
 
@@ -364,67 +502,14 @@ def _check_swiglu(name, fn, gate, up, dh):
         close_to_reference(f"swiglu {name} {what}", outs[0][i], outs[1][i], outs[2][i], gate.dtype)
 
 
-# ------------------------------------------------------------------------------------------------
-# Fused linear cross-entropy (compute bound)
-# ------------------------------------------------------------------------------------------------
-def _hf_head_loss(x, w, t):
-    return F.cross_entropy((x @ w.t()).float(), t)  # full logits, upcast, PyTorch's loss
+# ---- RoPE ----------------------------------------------------------------------------------------
+def _rope_cases(tokens):
+    # Whole sequences of SEQ tokens (fewer tokens: one shorter sequence), as attention sees them
+    sizes = [n if n <= SEQ else n - n % SEQ for n in tokens or (2048, 8192, 16384)]
+    return [dict(n_tokens=n, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM) for n in sizes]
 
 
-def flce_impls():
-    impls = {
-        "ours": lambda x, w, t: linear_cross_entropy(x, w, t),
-        "ours-bf16acc": lambda x, w, t: linear_cross_entropy(x, w, t, accumulate_fp32=False),
-        "eager": _hf_head_loss,
-        "torch.compile": compiled(_hf_head_loss),
-    }
-    if liger() is not None and ON_GPU:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        mod = LigerFusedLinearCrossEntropyLoss()
-        impls["liger"] = lambda x, w, t: mod(w, x, t)  # Liger takes (weight, input, target)
-    return impls
-
-
-def bench_flce(N, V, H, dtype, impls, check=True):
-    g = torch.Generator(device="cpu").manual_seed(N + V)
-    x = torch.randn(N, H, generator=g).to(DEVICE, dtype).requires_grad_()
-    w = (torch.randn(V, H, generator=g) * H**-0.5 * 2).to(DEVICE, dtype).requires_grad_()  # logits ~ N(0, 2)
-    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
-    t[::17] = -100
-    elt = x.element_size()
-    n_check = min(N, 2304)  # > 2048 tokens: our default chunking takes two chunks
-
-    def loss_only(fn):
-        with torch.no_grad():
-            fn(x, w, t)
-
-    return _measure_impls(
-        "linear_cross_entropy", impls, N, V, dtype, grads=[x, w],
-        fwd_bytes=(N * H + V * H) * elt, fwdbwd_bytes=2 * (N * H + V * H) * elt,
-        check=(lambda name, fn: _check_flce(name, fn, x[:n_check].detach(), w.detach(), t[:n_check])) if check else None,
-        forward=loss_only, forward_backward=lambda fn: fn(x, w, t).backward(), fwdbwd_flops=6 * N * H * V,
-    )
-
-
-def _check_flce(name, fn, x, w, t):
-    outs = []
-    # fp32 serves as the truth here: a float64 copy of a 128256 x 4096 head would take 4 GB
-    for f, cast in ((fn, lambda v: v), (_hf_head_loss, lambda v: v), (_hf_head_loss, lambda v: v.float())):
-        xi, wi = cast(x).clone().requires_grad_(), cast(w).clone().requires_grad_()
-        loss = f(xi, wi, t)
-        loss.backward()
-        outs.append((loss.detach().float(), xi.grad, wi.grad))
-    V = w.shape[0]
-    close_to_reference(f"flce {name} loss", outs[0][0], outs[1][0], outs[2][0], torch.float32, n=V)
-    close_to_reference(f"flce {name} dx", outs[0][1], outs[1][1], outs[2][1], x.dtype, n=V)
-    close_to_reference(f"flce {name} dW", outs[0][2], outs[1][2], outs[2][2], x.dtype, n=x.shape[0])
-
-
-# ------------------------------------------------------------------------------------------------
-# RoPE
-# ------------------------------------------------------------------------------------------------
-def rope_impls():
+def _rope_impls():
     impls = {"ours": rope, "eager": rope_ref, "torch.compile": compiled(rope_ref)}
     if liger() is not None and ON_GPU:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
@@ -433,30 +518,29 @@ def rope_impls():
     return impls
 
 
-def bench_rope(N, heads, dtype, impls, check=True, head_dim=128, seq=2048):
-    """N tokens as N / seq sequences; heads = (query heads, KV heads); q/k as attention makes them."""
-    hq, hk = heads
-    B, T = max(1, N // seq), min(N, seq)
-    g = torch.Generator(device="cpu").manual_seed(N + hq)
-    q = torch.randn(B, T, hq, head_dim, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
-    k = torch.randn(B, T, hk, head_dim, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
-    ang = torch.arange(T, dtype=torch.float32)[:, None] * (500000.0 ** (-torch.arange(0, head_dim, 2) / head_dim))
+def _rope_inputs(case, dtype):
+    """n_tokens as sequences of up to SEQ tokens; q/k [B, heads, T, D] as attention makes them."""
+    N, hq, hk, D = case["n_tokens"], case["n_heads"], case["n_kv_heads"], case["head_dim"]
+    T = min(N, SEQ)
+    B = N // T
+    g = _generator(N, hq)
+    q = torch.randn(B, T, hq, D, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, T, hk, D, generator=g).to(DEVICE, dtype).transpose(1, 2).requires_grad_()
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * (500000.0 ** (-torch.arange(0, D, 2) / D))
     ang = torch.cat([ang, ang], dim=-1)[None].to(DEVICE)
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
     dq, dk = torch.randn(q.shape, generator=g).to(DEVICE, dtype), torch.randn(k.shape, generator=g).to(DEVICE, dtype)
-    elt = q.element_size()
-    n_vals = B * T * (hq + hk) * head_dim
 
     def fwd_bwd(fn):
         qo, ko = fn(q, k, cos, sin)
         torch.autograd.backward([qo, ko], [dq, dk])
 
-    return _measure_impls(
-        "rope", impls, B * T, hq * head_dim, dtype, grads=[q, k], fwd_bytes=2 * n_vals * elt,
-        fwdbwd_bytes=4 * n_vals * elt,
-        check=(lambda name, fn: _check_rope(name, fn, q[:1, :, :64].detach(), k[:1, :, :64].detach(), cos[:, :64],
-                                            sin[:, :64])) if check else None,
-        forward=lambda fn: fn(q.detach(), k.detach(), cos, sin), forward_backward=fwd_bwd,
+    return Inputs(
+        grads=[q, k],
+        forward=lambda fn: fn(q.detach(), k.detach(), cos, sin),
+        forward_backward=fwd_bwd,
+        check=lambda name, fn: _check_rope(name, fn, q[:1, :, :64].detach(), k[:1, :, :64].detach(),
+                                           cos[:, :64], sin[:, :64]),
     )
 
 
@@ -472,112 +556,207 @@ def _check_rope(name, fn, q, k, cos, sin):
         close_to_reference(f"rope {name} {what}", outs[0][i], outs[1][i], outs[2][i], q.dtype, n=2)
 
 
+# ---- The table -----------------------------------------------------------------------------------
+SPECS = {spec.name: spec for spec in (
+    KernelSpec("rmsnorm", rmsnorm_kernel, _rmsnorm_cases,
+               smoke=(dict(n_rows=64, hidden=256), dict(n_rows=48, hidden=100)),
+               impls=_rmsnorm_impls, inputs=_rmsnorm_inputs, tokens="n_rows", width=lambda c: c["hidden"]),
+    KernelSpec("cross_entropy", cross_entropy_kernel, _ce_cases,
+               smoke=(dict(n_rows=16, vocab=1000), dict(n_rows=8, vocab=32001)),
+               impls=_ce_impls, inputs=_ce_inputs, tokens="n_rows", width=lambda c: c["vocab"]),
+    KernelSpec("linear_cross_entropy", linear_cross_entropy_kernel, _flce_cases,
+               smoke=(dict(n_tokens=40, hidden=32, vocab=300),),
+               impls=_flce_impls, inputs=_flce_inputs, tokens="n_tokens", width=lambda c: c["vocab"],
+               compute_bound=True),
+    KernelSpec("swiglu", swiglu_kernel, _swiglu_cases,
+               smoke=(dict(n_rows=32, width=300),),
+               impls=_swiglu_impls, inputs=_swiglu_inputs, tokens="n_rows", width=lambda c: c["width"]),
+    KernelSpec("rope", rope_kernel, _rope_cases,
+               smoke=(dict(n_tokens=64, n_heads=4, n_kv_heads=2, head_dim=16),),
+               impls=_rope_impls, inputs=_rope_inputs, tokens="n_tokens",
+               width=lambda c: c["n_heads"] * c["head_dim"]),
+)}
+
+
+def describe(case: dict) -> str:
+    """{"n_rows": 16384, "hidden": 4096} -> "16384 x 4096" (the keys are in the table's heading)."""
+    return " x ".join(str(v) for v in case.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring one case of one kernel
+# ------------------------------------------------------------------------------------------------
+def _measure_impls(spec: KernelSpec, case: dict, dtype: torch.dtype, impls: dict, check: bool = True):
+    """Check, then time forward and forward + backward of every implementation; one row each."""
+    inputs = spec.inputs(case, dtype)
+    grads = inputs.grads
+    common = dict(shape=case, tokens=case[spec.tokens], width=spec.width(case),
+                  dtype=str(dtype).split(".")[-1],
+                  fwd_bytes=spec.ideal_bytes(case, dtype, backward=False),
+                  fwdbwd_bytes=spec.ideal_bytes(case, dtype, backward=True),
+                  fwd_flops=spec.flops(case, backward=False), fwdbwd_flops=spec.flops(case, backward=True),
+                  grads_mb=sum(t.numel() * t.element_size() for t in grads) / 1e6)
+    rows = []
+    for name, fn in impls.items():
+        def measure():
+            if check:
+                checked(name, lambda: inputs.check(name, fn))
+            fwd, g1 = timed_graph(lambda: inputs.forward(fn))
+            fb, g2 = timed_graph(lambda: inputs.forward_backward(fn), grads=grads)
+            mem = peak_extra_mb(lambda: inputs.forward_backward(fn), grad_to_none=grads)
+            rows.append(dict(kernel=spec.name, impl=_label(name, g1 and g2), **common, fwd_us=fwd, fwdbwd_us=fb,
+                             peak_extra_mb=mem))
+            for t in grads:
+                t.grad = None
+        guarded(name, describe(case), measure)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------
 # Reporting
 # ------------------------------------------------------------------------------------------------
 def add_derived(rows, copy_gbs, mm_tflops=None):
+    """Rates, % of the ceiling, the floor, and speed-ups, per row (compute-bound rows in TFLOP/s)."""
     by_case = {}
     for r in rows:
-        by_case.setdefault((r["kernel"], r["tokens"], r["width"]), []).append(r)
+        by_case.setdefault((r["kernel"], json.dumps(r["shape"])), []).append(r)
     for case in by_case.values():
         eager = next((r for r in case if r["impl"].split(" ")[0] == "eager"), None)
         for r in case:
             for phase in ("fwd", "fwdbwd"):
                 us = r[f"{phase}_us"][0]
-                r[f"{phase}_gbs"] = r[f"{phase}_bytes"] / (us * 1e-6) / 1e9
-                r[f"{phase}_pct_copy"] = 100 * r[f"{phase}_gbs"] / copy_gbs if copy_gbs else None
-                r[f"{phase}_floor_us"] = r[f"{phase}_bytes"] / (copy_gbs * 1e9) * 1e6 if copy_gbs else None
+                if r[f"{phase}_flops"]:  # compute bound: TFLOP/s against the matmul rate
+                    r[f"{phase}_tflops"] = r[f"{phase}_flops"] / (us * 1e-6) / 1e12
+                    r[f"{phase}_pct_matmul"] = 100 * r[f"{phase}_tflops"] / mm_tflops if mm_tflops else None
+                    r[f"{phase}_floor_us"] = r[f"{phase}_flops"] / (mm_tflops * 1e12) * 1e6 if mm_tflops else None
+                else:  # memory bound: ideal bytes against the copy bandwidth
+                    r[f"{phase}_gbs"] = r[f"{phase}_bytes"] / (us * 1e-6) / 1e9
+                    r[f"{phase}_pct_copy"] = 100 * r[f"{phase}_gbs"] / copy_gbs if copy_gbs else None
+                    r[f"{phase}_floor_us"] = r[f"{phase}_bytes"] / (copy_gbs * 1e9) * 1e6 if copy_gbs else None
                 r[f"{phase}_x_eager"] = eager[f"{phase}_us"][0] / us if eager else None
                 others = [o[f"{phase}_us"][0] for o in case if o["impl"] != r["impl"]]
                 r[f"{phase}_x_best_other"] = min(others) / us if others else None
-            if r.get("fwdbwd_flops"):  # compute bound: TFLOP/s and the matmul floor replace GB/s
-                us = r["fwdbwd_us"][0]
-                r["fwdbwd_tflops"] = r["fwdbwd_flops"] / (us * 1e-6) / 1e12
-                r["fwdbwd_floor_us"] = r["fwdbwd_flops"] / (mm_tflops * 1e12) * 1e6 if mm_tflops else None
-                r["fwd_gbs"] = r["fwdbwd_gbs"] = r["fwd_pct_copy"] = r["fwdbwd_pct_copy"] = r["fwd_floor_us"] = None
             if r.get("peak_extra_mb") is not None:
-                r["peak_beyond_grads_mb"] = r["peak_extra_mb"] - r.get("grads_mb", 0.0)
+                r["peak_beyond_grads_mb"] = r["peak_extra_mb"] - r["grads_mb"]
     return rows
 
 
-def table(rows):
+def table(rows) -> str:
+    """One aligned table per kernel; compute-bound kernels get TFLOP/s where the others get GB/s."""
     from tabulate import tabulate
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
+    def us(t):
+        return f"{t[0]:.1f} ({t[1]:.0f}-{t[2]:.0f})"
+
     out = []
-    for r in rows:
-        out.append([
-            r["kernel"], f"{r['tokens']}x{r['width']}", r["impl"],
-            f"{r['fwd_us'][0]:.1f} ({r['fwd_us'][1]:.0f}-{r['fwd_us'][2]:.0f})", f(r["fwd_gbs"], ".0f"), f(r["fwd_pct_copy"], ".0f"),
-            f"{r['fwdbwd_us'][0]:.1f} ({r['fwdbwd_us'][1]:.0f}-{r['fwdbwd_us'][2]:.0f})", f(r["fwdbwd_gbs"], ".0f"),
-            f(r["fwdbwd_pct_copy"], ".0f"), f(r.get("fwdbwd_tflops"), ".0f"), f(r["fwdbwd_floor_us"], ".0f"),
-            f(r["peak_extra_mb"], ".0f"), f(r.get("peak_beyond_grads_mb"), ".0f"),
-            f(r["fwdbwd_x_eager"], ".2f"), f(r["fwdbwd_x_best_other"], ".2f"),
-        ])
-    headers = ["kernel", "tokens x width", "impl", "fwd us (p20-p80)", "fwd GB/s", "fwd %copy",
-               "fwd+bwd us (p20-p80)", "fwd+bwd GB/s", "fwd+bwd %copy", "fwd+bwd TFLOP/s", "floor us", "peak+ MB",
-               "peak+ beyond grads MB", "x eager", "x best other"]
-    return tabulate(out, headers=headers, tablefmt="github", disable_numparse=True)
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        sel = [r for r in rows if r["kernel"] == kernel]
+        flops = sel[0]["fwdbwd_flops"] is not None
+        rate, pct = ("tflops", "pct_matmul") if flops else ("gbs", "pct_copy")
+        unit, ceiling = ("TFLOP/s", "%matmul") if flops else ("GB/s", "%copy")
+        headers = ["shape", "impl", "fwd us (p20-p80)", f"fwd {unit}", f"fwd {ceiling}", "fwd+bwd us (p20-p80)",
+                   f"fwd+bwd {unit}", f"fwd+bwd {ceiling}", "floor us", "peak+ MB"]
+        headers += ["peak+ beyond grads MB"] if flops else []
+        headers += ["x eager", "x best other"]
+        body = []
+        for r in sel:
+            line = [describe(r["shape"]), r["impl"], us(r["fwd_us"]), f(r[f"fwd_{rate}"], ".0f"),
+                    f(r[f"fwd_{pct}"], ".0f"), us(r["fwdbwd_us"]), f(r[f"fwdbwd_{rate}"], ".0f"),
+                    f(r[f"fwdbwd_{pct}"], ".0f"), f(r["fwdbwd_floor_us"], ".0f"), f(r["peak_extra_mb"], ".0f")]
+            line += [f(r.get("peak_beyond_grads_mb"), ".0f")] if flops else []
+            line += [f(r["fwdbwd_x_eager"], ".2f"), f(r["fwdbwd_x_best_other"], ".2f")]
+            body.append(line)
+        out.append(f"\n{kernel} ({' x '.join(sel[0]['shape'])}), {sel[0]['dtype']}; "
+                   f"floor: {'flops at the matmul rate' if flops else 'ideal bytes at the copy bandwidth'}")
+        out.append(tabulate(body, headers=headers, tablefmt="github", disable_numparse=True))
+    return "\n".join(out)
+
+
+@contextmanager
+def _atomic(path: Path):
+    """Yield a temporary path beside `path`; rename it to `path` once written (never half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def save(rows, meta, tag):
+    """JSON and CSV of every row, one PNG per kernel; returns the paths written."""
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"benchmark_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(RESULTS / f"benchmark_{tag}.csv", "w", newline="") as fh:
-        flat = [{k: (v[0] if isinstance(v, tuple) else v) for k, v in r.items()} for r in rows]
+    paths = [RESULTS / f"benchmark_{tag}.json", RESULTS / f"benchmark_{tag}.csv"]
+    with _atomic(paths[0]) as tmp:
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    flat = [{k: (v[0] if isinstance(v, tuple) else describe(v) if isinstance(v, dict) else v) for k, v in r.items()}
+            for r in rows]  # times: the median; shape: "16384 x 4096" (keys in the JSON)
+    with _atomic(paths[1]) as tmp, open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         w.writeheader()
         w.writerows(flat)
-    return plot(rows, meta, tag)
+    return paths + plot(rows, meta, tag)
 
 
 def plot(rows, meta, tag):
+    """One figure per kernel in `rows`: forward + backward rate against tokens at the sweep's width,
+    with the ceiling (copy bandwidth, or the matmul rate for compute-bound kernels); beside it the
+    peak extra memory, when measured (GPU)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def base(r):
+        return r["impl"].split(" +")[0]  # one line per implementation, captured or not
+
     paths = []
-    for kernel in ("rmsnorm", "cross_entropy", "swiglu", "rope"):
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
         widths = [r["width"] for r in rows if r["kernel"] == kernel]
-        if not widths:
-            continue
-        sweep_width = max(set(widths), key=widths.count)  # the token sweep's width (4096 / 128256)
+        sweep_width = max(set(widths), key=widths.count)  # the token sweep's width (4096, 128256, ...)
         sel = [r for r in rows if r["kernel"] == kernel and r["width"] == sweep_width]
-        fig, axes = plt.subplots(1, 2 if kernel == "cross_entropy" else 1, figsize=(13 if kernel == "cross_entropy" else 7, 4.5))
-        axes = axes if isinstance(axes, (list, tuple)) or hasattr(axes, "__len__") else [axes]
-        ax = axes[0]
-        base = lambda r: r["impl"].split(" +")[0]  # noqa: E731  (one line per implementation)
+        flops = sel[0]["fwdbwd_flops"] is not None
+        memory = any(r["peak_extra_mb"] is not None for r in sel)
+        fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(13 if memory else 7, 4.5), squeeze=False)
+        ax = axes[0][0]
+        rate = "fwdbwd_tflops" if flops else "fwdbwd_gbs"
         for impl in dict.fromkeys(base(r) for r in sel):
-            pts = sorted((r["tokens"], r["fwdbwd_gbs"], "+launch" in r["impl"]) for r in sel if base(r) == impl)
+            pts = sorted((r["tokens"], r[rate], "+launch" in r["impl"]) for r in sel if base(r) == impl)
             line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
             launched = [p for p in pts if p[2]]  # hollow markers: timed with plain launches
             ax.plot([p[0] for p in launched], [p[1] for p in launched], "o", mfc="white", color=line.get_color())
-        if meta.get("copy_gbs"):
+        if flops and meta.get("matmul_tflops"):
+            ax.axhline(meta["matmul_tflops"], color="k", linestyle="--",
+                       label=f"bf16 matmul rate {meta['matmul_tflops']:.0f} TFLOP/s")
+        elif not flops and meta.get("copy_gbs"):
             ax.axhline(meta["copy_gbs"], color="k", linestyle="--", label=f"copy bandwidth {meta['copy_gbs']:.0f} GB/s")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
-        ax.set_ylabel("forward+backward GB/s (ideal bytes / time)")
-        ax.set_title(f"{kernel}, width {sweep_width}, {meta['dtype']}, {meta['gpu']}\n"
+        ax.set_ylabel("forward+backward TFLOP/s (matmul flops / time)" if flops
+                      else "forward+backward GB/s (ideal bytes / time)")
+        fixed = ", ".join(f"{k} {v}" for k, v in sel[0]["shape"].items() if k not in ("n_rows", "n_tokens"))
+        ax.set_title(f"{kernel}, {fixed}, {meta['dtype']}, {meta['gpu']}\n"
                      "(hollow: timed with plain launches, no CUDA graph)", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        if kernel == "cross_entropy":
-            ax2 = axes[1]
+        if memory:
+            ax2 = axes[0][1]
             for impl in dict.fromkeys(base(r) for r in sel):
                 pts = sorted((r["tokens"], r["peak_extra_mb"] or 0) for r in sel if base(r) == impl)
                 ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
             ax2.set_xscale("log", base=2)
             ax2.set_xlabel("tokens")
             ax2.set_ylabel("peak extra memory, forward+backward (MB)")
-            ax2.set_title("memory beyond the logits")
+            ax2.set_title("memory beyond the inputs" + (" (gradients included)" if flops else ""))
             ax2.legend(fontsize=8)
             ax2.grid(alpha=0.3)
         fig.tight_layout()
         path = RESULTS / f"benchmark_{kernel}_{tag}.png"
-        fig.savefig(path, dpi=110)
+        with _atomic(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         paths.append(path)
     return paths
@@ -589,28 +768,29 @@ def plot(rows, meta, tag):
 def tune(dtype):
     from tabulate import tabulate
 
-    import cross_entropy_kernel as cek
-
     copy = copy_bandwidth_gbs()
-    N, H = 16384, 4096
+    N, H = 16384, HIDDEN
     x = torch.randn(N, H, device=DEVICE, dtype=dtype)
     w = torch.rand(H, device=DEVICE, dtype=dtype) + 0.5
     dy = torch.randn_like(x)
+    fwd_bytes = rmsnorm_kernel.ideal_bytes(N, H, dtype)
+    bwd_bytes = rmsnorm_kernel.ideal_bytes(N, H, dtype, backward=True) - fwd_bytes
     rows = []
     for bm, nw in ((1, 4), (1, 8), (2, 8), (2, 16), (4, 16)):
         us = timed(lambda: rmsnorm_forward(x, w, 1e-5, block_m=bm, num_warps=nw))[0]
-        rows.append(("rmsnorm fwd", f"rows {bm}, warps {nw}", us, 2 * N * H * 2 / us / 1e3))
+        rows.append(("rmsnorm fwd", f"rows {bm}, warps {nw}", us, fwd_bytes / us / 1e3))
     _, rstd = rmsnorm_forward(x, w, 1e-5)
     for bm, nw, pps in ((1, 4, 2), (1, 4, 3), (1, 4, 4), (1, 8, 2), (1, 8, 3), (1, 16, 2), (2, 8, 2), (2, 16, 1)):
         us = timed(lambda: rmsnorm_backward(dy, x, w, rstd, True, programs_per_sm=pps, block_m=bm, num_warps=nw))[0]
-        rows.append(("rmsnorm bwd", f"rows {bm}, warps {nw}, programs/SM {pps}", us, 3 * N * H * 2 / us / 1e3))
-    V = 128256
+        rows.append(("rmsnorm bwd", f"rows {bm}, warps {nw}, programs/SM {pps}", us, bwd_bytes / us / 1e3))
     for n_tok in (16384, 1024):
-        logits = torch.randn(n_tok, V, device=DEVICE, dtype=dtype)
-        t = torch.randint(0, V, (n_tok,), device=DEVICE)
+        logits = torch.randn(n_tok, VOCAB, device=DEVICE, dtype=dtype)
+        t = torch.randint(0, VOCAB, (n_tok,), device=DEVICE)
+        nbytes = cross_entropy_kernel.ideal_bytes(n_tok, VOCAB, dtype, backward=True)  # loss and gradient in one pass
         for bv, nw in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 32)):
-            us = timed(lambda: cek.cross_entropy_forward(logits, t, -100, "mean", True, True, block_v=bv, num_warps=nw))[0]
-            rows.append((f"ce fwd+grad N={n_tok}", f"block {bv}, warps {nw}", us, 2 * n_tok * V * 2 / us / 1e3))
+            us = timed(lambda: cross_entropy_kernel.cross_entropy_forward(logits, t, -100, "mean", True, True,
+                                                                          block_v=bv, num_warps=nw))[0]
+            rows.append((f"ce fwd+grad N={n_tok}", f"block {bv}, warps {nw}", us, nbytes / us / 1e3))
         del logits
     print(tabulate([(a, b, f"{c:.1f}", f"{d:.0f}", f"{100 * d / copy:.0f}") for a, b, c, d in rows],
                    headers=["kernel", "setting", "us", "GB/s", "% copy"], tablefmt="github"))
@@ -618,85 +798,99 @@ def tune(dtype):
 
 
 # ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+def kernel_list(spec: str) -> tuple:
+    """'rope,rmsnorm' -> ('rmsnorm', 'rope') (the registry's order); 'all' -> every kernel."""
+    words = [w.strip().lower() for w in spec.split(",") if w.strip()]
+    if words == ["all"]:
+        return KERNEL_NAMES
+    unknown = [w for w in words if w not in KERNEL_NAMES] or ([] if words else ["(none)"])
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown kernel {', '.join(unknown)}; choose from "
+                                         f"{', '.join(KERNEL_NAMES)}, comma-separated, or 'all'")
+    return tuple(n for n in KERNEL_NAMES if n in words)
+
+
+def token_counts(spec: str) -> list:
+    """'4096,16384' -> [4096, 16384]."""
+    try:
+        sizes = [int(v) for v in spec.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {spec!r}")
+    return sizes
+
+
+def gpu_arch() -> str:
+    """'Hopper, sm_90': the architecture and compute capability of the current GPU."""
+    major, minor = torch.cuda.get_device_capability()
+    name = {(7, 0): "Volta", (7, 5): "Turing", (8, 9): "Ada"}.get((major, minor)) \
+        or {8: "Ampere", 9: "Hopper", 10: "Blackwell", 11: "Blackwell", 12: "Blackwell"}.get(major, "unknown")
+    return f"{name}, sm_{major}{minor}"
+
+
+def run_tag(gpu: str, smoke: bool, kernels: tuple, dtype: str, sizes: list | None) -> str:
+    """'H200' for a full default run; 'H200_rope', 'H200_float16_sizes8192', 'smoke' ... otherwise."""
+    parts = ["smoke" if smoke else gpu.replace("NVIDIA ", "").replace(" ", "_")]
+    if set(kernels) != set(KERNEL_NAMES):
+        parts.append("-".join(kernels))
+    if dtype != "bfloat16":
+        parts.append(dtype)
+    if sizes and not smoke:
+        parts.append("sizes" + "-".join(map(str, sizes)))
+    return "_".join(parts)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernel", choices=["rmsnorm", "cross_entropy", "swiglu", "rope", "linear_cross_entropy", "all"],
-                   default="all")
+    p.add_argument("--kernels", type=kernel_list, default=KERNEL_NAMES, metavar="NAMES",
+                   help=f"comma-separated, from {', '.join(KERNEL_NAMES)}; or 'all' (default)")
+    p.add_argument("--kernel", type=kernel_list, dest="kernels", help=argparse.SUPPRESS)  # the former spelling
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--sizes", default=None, help="comma-separated token counts (replaces the default sweeps)")
+    p.add_argument("--sizes", type=token_counts, default=None,
+                   help="comma-separated token counts (replace the default sweeps, at the LLaMA widths)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: runs the harness end to end, even on a CPU")
     p.add_argument("--tune", action="store_true", help="sweep our kernels' launch settings at LLaMA shapes")
     args = p.parse_args()
     dtype = DTYPES[args.dtype]
+    if not ON_GPU and (args.tune or not args.smoke):
+        print(f"{'--tune' if args.tune else 'Timings'} need{'s' if args.tune else ''} a CUDA GPU, and none was "
+              "found; `--smoke` checks the harness on a CPU (tiny sizes, Triton's interpreter).", file=sys.stderr)
+        return 2
     if args.tune:
-        if not ON_GPU:
-            raise SystemExit("--tune needs a GPU")
         return tune(dtype)
-    if not ON_GPU and not args.smoke:
-        raise SystemExit("Timings need a CUDA GPU: none found. `--smoke` runs the harness at tiny sizes on the "
-                         "CPU (through Triton's interpreter) to check that it works; its numbers mean nothing.")
-    if args.smoke:
-        rms_cases = [(64, 256), (48, 100)]
-        ce_cases = [(16, 1000), (8, 32001)]
-        swiglu_cases = [(32, 300)]
-        rope_cases = [(64, (4, 2), 16, 32)]  # tokens, (query heads, KV heads), head_dim, seq
-        flce_cases = [(40, 300, 32)]  # tokens, vocabulary, hidden
-    else:
-        toks = [int(s) for s in args.sizes.split(",")] if args.sizes else None
-        rms_cases = [(n, 4096) for n in (toks or [1024, 2048, 4096, 8192, 16384, 32768])]
-        ce_cases = [(n, 128256) for n in (toks or [512, 1024, 2048, 4096, 8192, 16384])]
-        swiglu_cases = [(n, 14336) for n in (toks or [1024, 4096, 8192, 16384])]
-        rope_cases = [(n, (32, 8), 128, 2048) for n in (toks or [2048, 8192, 16384])]
-        flce_cases = [(n, 128256, 4096) for n in (toks or [4096, 8192, 16384])]
-        if not toks:
-            rms_cases += [(16384, h) for h in (1024, 2048, 8192, 16384)]
-            ce_cases += [(4096, v) for v in (32000, 151936, 256000)]
+    specs = [SPECS[name] for name in args.kernels]
     copy = copy_bandwidth_gbs()
-    mm = matmul_tflops() if args.kernel in ("linear_cross_entropy", "all") else None
+    mm = matmul_tflops() if any(s.compute_bound for s in specs) else None
     gpu = torch.cuda.get_device_name() if ON_GPU else "CPU (interpreter)"
+    arch = gpu_arch() if ON_GPU else None
     import transformers
     import triton
 
-    meta = dict(gpu=gpu, dtype=args.dtype, copy_gbs=copy, matmul_tflops=mm, torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, liger=getattr(liger(), "__name__", None) and _liger_version())
-    print(f"{gpu}; torch {torch.__version__}, Triton {triton.__version__}; Liger-Kernel: {meta['liger'] or 'not installed'}")
+    meta = dict(gpu=gpu, arch=arch, dtype=args.dtype, kernels=list(args.kernels), sizes=args.sizes, copy_gbs=copy,
+                matmul_tflops=mm, torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, liger=liger() and _liger_version())
+    print(f"{gpu}{f' ({arch})' if arch else ''}; torch {torch.__version__}, Triton {triton.__version__}; "
+          f"Liger-Kernel: {meta['liger'] or 'not installed'}")
     if copy:
         print(f"device-to-device copy bandwidth: {copy:.0f} GB/s (bytes read + written)")
     if mm:
         print(f"bf16 matmul rate (cuBLAS, 8192^3): {mm:.0f} TFLOP/s")
     print("Each implementation is checked against float64 (testkit's rule) before it is timed.")
     rows = []
-    if args.kernel in ("rmsnorm", "all"):
-        impls = {}
-        for N, H in rms_cases:
-            impls.setdefault(H, rmsnorm_impls(H, dtype))
-            guarded("inputs", f"{N}x{H}", lambda: rows.extend(bench_rmsnorm(N, H, dtype, impls[H])))
-            print(f"  rmsnorm {N}x{H} done", flush=True)
-    if args.kernel in ("cross_entropy", "all"):
-        impls = ce_impls()
-        for N, V in ce_cases:
-            guarded("inputs", f"{N}x{V}", lambda: rows.extend(bench_cross_entropy(N, V, dtype, impls)))
-            print(f"  cross_entropy {N}x{V} done", flush=True)
-    if args.kernel in ("swiglu", "all"):
-        impls = swiglu_impls()
-        for N, I in swiglu_cases:
-            guarded("inputs", f"{N}x{I}", lambda: rows.extend(bench_swiglu(N, I, dtype, impls)))
-            print(f"  swiglu {N}x{I} done", flush=True)
-    if args.kernel in ("rope", "all"):
-        impls = rope_impls()
-        for N, heads, D, T in rope_cases:
-            guarded("inputs", f"{N} tokens", lambda: rows.extend(bench_rope(N, heads, dtype, impls, head_dim=D, seq=T)))
-            print(f"  rope {N} tokens x {heads} heads done", flush=True)
-    if args.kernel in ("linear_cross_entropy", "all"):
-        impls = flce_impls()
-        for N, V, H in flce_cases:
-            guarded("inputs", f"{N}x{V}", lambda: rows.extend(bench_flce(N, V, H, dtype, impls)))
-            print(f"  linear_cross_entropy {N}x{H}x{V} done", flush=True)
+    for spec in specs:
+        impls = spec.impls()
+        for case in spec.smoke if args.smoke else spec.cases(args.sizes):
+            guarded("inputs", describe(case), lambda: rows.extend(_measure_impls(spec, case, dtype, impls)))
+            print(f"  {spec.name} {describe(case)} done", flush=True)
     add_derived(rows, copy, mm)
-    tag = "smoke" if args.smoke else gpu.replace("NVIDIA ", "").replace(" ", "_")
+    tag = run_tag(gpu, args.smoke, args.kernels, args.dtype, args.sizes)
     paths = save(rows, meta, tag)
     print(table(rows))
-    print("Saved " + ", ".join(str(p.relative_to(RESULTS.parent)) for p in [RESULTS / f"benchmark_{tag}.json", RESULTS / f"benchmark_{tag}.csv", *paths]))
+    print("Saved " + ", ".join(str(p.relative_to(RESULTS.parent)) for p in paths))
+    return 0
 
 
 def _liger_version():

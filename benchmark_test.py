@@ -1,21 +1,111 @@
-"""The benchmark harness runs end to end (`--smoke`: tiny sizes, CPU-friendly) and writes its files."""
+"""The benchmark harness: `--smoke` runs every kernel end to end (tiny sizes, CPU-friendly) and writes
+its files; every byte count in them is the kernel module's own; bad command lines exit with code 2.
 
+    $ python benchmark_test.py  # a readable report
+    $ pytest benchmark_test.py  # the same tests under pytest
+
+One `--smoke` run (a subprocess, ~20 s on two CPU cores) serves all the checks of its output.
+"""
+
+import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+import benchmark_kernels as bk
+from apply_kernels import KERNEL_NAMES
+from testkit import record, run_as_script
+
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
 
 
-def test_benchmark_smoke_writes_tables_and_plots():
-    out = subprocess.run([sys.executable, "benchmark_kernels.py", "--smoke", "--kernel", "all"], cwd=HERE,
-                         capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def smoke():
+    """The output of one `--smoke` run of every kernel: (stdout, JSON)."""
+    out = subprocess.run([sys.executable, "benchmark_kernels.py", "--smoke"], cwd=HERE, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "fwd+bwd us" in out.stdout
-    data = json.loads((HERE / "results" / "benchmark_smoke.json").read_text())
-    impls = {(r["kernel"], r["impl"]) for r in data["rows"]}
-    assert {("rmsnorm", "ours"), ("rmsnorm", "eager"), ("cross_entropy", "ours"), ("cross_entropy", "eager")} <= impls
-    assert ("swiglu", "ours") in impls
-    for kernel in ("rmsnorm", "cross_entropy", "swiglu"):
-        assert (HERE / "results" / f"benchmark_{kernel}_smoke.png").stat().st_size > 10_000
+    return out.stdout, json.loads((RESULTS / "benchmark_smoke.json").read_text())
+
+
+def test_smoke_measures_every_kernel(smoke):
+    stdout, data = smoke
+    assert "fwd+bwd us" in stdout and "TFLOP/s" in stdout  # the memory-bound tables and the compute-bound one
+    impls = {(r["kernel"], r["impl"].split(" +")[0]) for r in data["rows"]}
+    for kernel in KERNEL_NAMES:
+        assert {(kernel, "ours"), (kernel, "eager"), (kernel, "torch.compile")} <= impls, kernel
+    if hasattr(torch.nn.functional, "linear_cross_entropy"):  # PyTorch's own fused op is a peer where it exists
+        assert ("linear_cross_entropy", "torch-chunked") in impls
+    assert data["meta"]["kernels"] == list(KERNEL_NAMES)
+    with open(RESULTS / "benchmark_smoke.csv", newline="") as fh:
+        assert len(list(csv.DictReader(fh))) == len(data["rows"])
+    record(f"{len(data['rows'])} rows, {len(KERNEL_NAMES)} kernels", 0.0, 0.0, True)
+
+
+def test_byte_and_flop_counts_come_from_the_kernel_modules(smoke):
+    _, data = smoke
+    for r in data["rows"]:
+        module, dtype = bk.SPECS[r["kernel"]].module, getattr(torch, r["dtype"])
+        assert module.__name__ == f"{r['kernel']}_kernel"
+        for phase, backward in (("fwd", False), ("fwdbwd", True)):
+            expected = module.ideal_bytes(**r["shape"], dtype=dtype, backward=backward)
+            assert r[f"{phase}_bytes"] == expected, (r["kernel"], r["shape"], phase)
+            if r["kernel"] == "linear_cross_entropy":
+                assert r[f"{phase}_flops"] == module.flops(**r["shape"], backward=backward)
+            else:
+                assert r[f"{phase}_flops"] is None
+    record("ideal bytes (and flops) of every row = the module's", 0.0, 0.0, True)
+
+
+def test_smoke_draws_one_plot_per_kernel(smoke):
+    for kernel in KERNEL_NAMES:
+        assert (RESULTS / f"benchmark_{kernel}_smoke.png").stat().st_size > 10_000, kernel
+    assert not list(RESULTS.glob(".benchmark_*.tmp"))  # atomic writes leave no temporary files behind
+
+
+def _main(monkeypatch, *args) -> int:
+    """benchmark_kernels.main() on a command line, in this process (no second import of torch)."""
+    monkeypatch.setattr(sys, "argv", ["benchmark_kernels.py", *args])
+    try:
+        return bk.main()
+    except SystemExit as e:  # argparse's usage errors
+        return e.code
+
+
+def test_unknown_kernel_is_a_usage_error(monkeypatch, capsys):
+    assert _main(monkeypatch, "--smoke", "--kernels", "bogus") == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and all(name in err for name in KERNEL_NAMES)
+    record("--kernels bogus: exit 2, lists the valid names", 0.0, 0.0, True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+@pytest.mark.parametrize("args", [(), ("--tune",)])
+def test_timings_without_a_gpu_exit_2(monkeypatch, capsys, args):
+    assert _main(monkeypatch, *args) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "--smoke" in out.err and "GPU" in out.err
+    record(f"no GPU, {' '.join(args) or 'no --smoke'}: exit 2, one line", 0.0, 0.0, True)
+
+
+def test_kernel_list_and_run_tag():
+    assert bk.kernel_list("all") == KERNEL_NAMES
+    assert bk.kernel_list("rope, rmsnorm") == ("rmsnorm", "rope")  # the registry's order
+    for bad in ("liger", "none", "", "rmsnorm,bogus"):  # a peer library is not a kernel here
+        with pytest.raises(Exception, match="choose from"):
+            bk.kernel_list(bad)
+    assert set(bk.SPECS) == set(KERNEL_NAMES)  # every registered kernel has a benchmark entry
+    gpu = "NVIDIA H200"
+    assert bk.run_tag(gpu, False, KERNEL_NAMES, "bfloat16", None) == "H200"  # the names README.md links
+    assert bk.run_tag(gpu, True, KERNEL_NAMES, "bfloat16", None) == "smoke"
+    assert bk.run_tag(gpu, False, ("rope",), "bfloat16", None) == "H200_rope"  # never overwrites a full run
+    assert bk.run_tag(gpu, False, KERNEL_NAMES, "float16", [8192]) == "H200_float16_sizes8192"
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_as_script(__name__, "Kernel benchmark harness: test report"))
