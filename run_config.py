@@ -159,7 +159,7 @@ def make_parser(description: str, kernels_default: tuple | None = None) -> argpa
     d.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per micro-batch (per GPU); default 4 on a GPU, 2 on a CPU")
     d.add_argument("--seq-len", type=positive_int, default=None,
-                   help="tokens per sequence; default 2048 on a GPU, 64 on a CPU (128 with --dataset)")
+                   help="tokens per sequence; default 2048 on a GPU, 64 on a CPU (256 with --dataset)")
     d.add_argument("--dataset", default=None,
                    help="instruction data: a .jsonl / .json / .parquet file or a `datasets` hub id; rows in chat "
                         "(messages), prompt/completion, Alpaca or text form (default: synthetic tokens)")
@@ -258,7 +258,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         script=script, device=device, model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"),
         model_explicit=a.model is not None, num_layers=a.num_layers,
         batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
-        seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (128 if dataset else 64)),
+        seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
         grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=a.warmup_steps, lr=a.lr,
         lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio,
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
