@@ -1,0 +1,171 @@
+"""LoRA through peft: add low-rank adapters to a (kernel-patched) causal LM, save them, merge them.
+
+    >>> from lora import apply_lora, save_adapter, merge_and_save
+    >>> model = apply_lora(model, r=16)                 # all seven linear layers, alpha = 2 r
+    trainable parameters: 41,943,040 of 8,072,204,288 (0.52%)
+    >>> save_adapter(model, "out/adapter")              # adapter_model.safetensors + adapter_config.json
+    >>> merge_and_save(model, "out/merged", tokenizer)  # a plain Hugging Face model, adapters folded in
+
+LoRA replaces the update of a frozen weight W [out, in] by B @ A, with A [r, in] and B [out, r]:
+the layer computes W x + (alpha / r) B A x. Only A and B are trained (B starts at zero, so the
+model starts exactly where the base model is), which makes optimizer state and gradients tiny:
+for LLaMA 3.1 8B at r = 16 on all seven projections, 42 M trainable parameters instead of 8 B.
+
+Order with the kernels: `apply_kernels` runs first, then `apply_lora`. The kernels replace MLP
+forwards, RMSNorm modules and the causal LM's forward, never the seven projection modules, so
+peft finds and wraps exactly the nn.Linear modules it would find in an unpatched model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# LLaMA's (and Mistral's, Qwen2's) linear layers inside each decoder layer
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+TARGET_SETS = {"all": ALL_TARGETS, "attention": ATTENTION_TARGETS}
+
+
+def _peft():
+    # peft imports triton; on a machine without a GPU the kernels need Triton's interpreter, which is
+    # switched on only if kernel_utils is imported before triton is (Triton reads the switch once)
+    import kernel_utils  # noqa: F401
+
+    try:
+        import peft
+    except ImportError:
+        raise RuntimeError("LoRA needs the peft package: pip install peft") from None
+    return peft
+
+
+def _log(text: str) -> None:
+    from common import log  # prints on the main process only
+
+    log(text)
+
+
+def parse_targets(targets) -> tuple:
+    """'all' -> the seven projections, 'attention' -> q, k, v, o, or a comma list / list of their names."""
+    if isinstance(targets, str):
+        key = targets.strip().lower()
+        if key in TARGET_SETS:
+            return TARGET_SETS[key]
+        names = [w.strip() for w in targets.split(",") if w.strip()]
+    elif isinstance(targets, (list, tuple)):
+        names = [str(w).strip() for w in targets]
+    else:
+        raise ValueError(f"LoRA targets must be 'all', 'attention', a comma list or a list, got {type(targets).__name__}")
+    if not names:
+        raise ValueError("LoRA targets are empty: name at least one of " + ", ".join(ALL_TARGETS))
+    unknown = [n for n in names if n not in ALL_TARGETS]
+    if unknown:
+        raise ValueError(f"unknown LoRA target(s) {', '.join(unknown)}; valid: {', '.join(ALL_TARGETS)}, "
+                         f"or 'all' / 'attention'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a LoRA target is named twice in {targets!r}")
+    return tuple(names)
+
+
+def is_peft_model(model) -> bool:
+    """Whether `model` is a peft model (peft is not imported to find out: no peft loaded, no peft model)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(parameters that require grad, all parameters), counted in elements."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def apply_lora(model: nn.Module, r: int, alpha: float | None = None, dropout: float = 0.0,
+               targets: str | list = "all") -> nn.Module:
+    """Wrap `model` in a peft LoRA model: adapters of rank r on `targets`, everything else frozen.
+
+    alpha: the scale numerator (the update is scaled by alpha / r); default 2 r.
+    dropout: dropout on the adapters' input, in [0, 1).
+    Returns the peft model (a PeftModelForCausalLM); `model` itself is modified in place (its
+    projections are wrapped), so use the returned model from here on.
+    """
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"LoRA rank r must be an integer >= 1, got {r!r}")
+    if alpha is None:
+        alpha = 2 * r
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0 or alpha == float("inf"):
+        raise ValueError(f"LoRA alpha must be a finite number > 0, got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    names = parse_targets(targets)
+    peft = _peft()
+    if is_peft_model(model):
+        raise ValueError("the model already has LoRA adapters (it is a peft model): apply_lora once")
+    found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(f"this {type(model).__name__} has no nn.Linear module named {', '.join(missing)}; "
+                         f"its linear layers are {', '.join(sorted(found)) or 'none'}")
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=list(names),
+                             bias="none", task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, config)  # freezes every base parameter
+    trainable, total = trainable_parameters(model)
+    _log(f"LoRA r={r} alpha={alpha:g} dropout={dropout:g} on {', '.join(names)}: trainable parameters "
+         f"{trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
+    return model
+
+
+def _require_peft_model(model, what: str) -> None:
+    if not is_peft_model(model):
+        raise ValueError(f"{what} needs a LoRA model (the result of apply_lora), got {type(model).__name__}")
+
+
+def _refuse_sharded(model, what: str) -> None:
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise RuntimeError(f"{what}: the parameters are sharded (FSDP2); save the adapter with save_checkpoint "
+                           "and merge it on one process (load the base model, load_adapter, merge_and_save)")
+
+
+def save_adapter(model: nn.Module, directory) -> Path:
+    """Write the adapter (adapter_model.safetensors + adapter_config.json) into `directory`, atomically."""
+    _require_peft_model(model, "save_adapter")
+    _refuse_sharded(model, "save_adapter")
+    from checkpoint import atomic_directory
+
+    with atomic_directory(directory) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+    return Path(directory)
+
+
+def load_adapter(model: nn.Module, directory, trainable: bool = False) -> nn.Module:
+    """A base model plus the adapter saved in `directory` (by save_adapter or save_checkpoint)."""
+    peft = _peft()
+    directory = Path(directory)
+    if not (directory / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{directory}: no adapter_config.json (not an adapter directory)")
+    if is_peft_model(model):
+        raise ValueError("load_adapter takes the base model; this one already has adapters")
+    return peft.PeftModel.from_pretrained(model, str(directory), is_trainable=trainable)
+
+
+def merge_and_save(model: nn.Module, directory, tokenizer=None) -> Path:
+    """Fold the adapters into the base weights (W + alpha / r * B A) and save a plain Hugging Face
+    model (safetensors) that `AutoModelForCausalLM.from_pretrained(directory)` loads without peft.
+
+    The merge happens in place: afterwards `model` has no adapters (call this last). The merged
+    weights keep the base weights' dtype. Returns the directory.
+    """
+    _require_peft_model(model, "merge_and_save")
+    _refuse_sharded(model, "merge_and_save")
+    from checkpoint import atomic_directory
+
+    with torch.no_grad():
+        merged = model.merge_and_unload()
+    with atomic_directory(directory) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(directory)
