@@ -1,4 +1,5 @@
-"""Small helpers shared by the kernel files: where kernels run, and how inputs are checked.
+"""Small helpers shared by the kernel files: where kernels run, how inputs are checked, and how a
+backward operator refuses a second derivative.
 
 Import this module *before* `triton`. Without a CUDA GPU it switches Triton to its interpreter
 (`TRITON_INTERPRET=1`), which runs every kernel on CPU tensors with NumPy: slow, but close enough
@@ -65,3 +66,19 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def refuse_double_backward(op, kernel: str) -> None:
+    """Give a backward custom op an autograd rule that refuses, clearly, to be differentiated.
+
+    The fused backward kernels compute first derivatives only. A second derivative
+    (`torch.autograd.grad(..., create_graph=True)` followed by another backward) reaches the
+    backward op, and this rule turns that into one readable error instead of a wrong or zero
+    result. Ordinary training never calls it: a backward pass runs with gradients off.
+    """
+
+    def second_order(ctx, *grads):
+        raise RuntimeError(f"{kernel}: second-order gradients (differentiating the backward pass) are not supported "
+                           f"by the fused kernel; use the plain PyTorch reference for double backward")
+
+    torch.library.register_autograd(op, second_order)

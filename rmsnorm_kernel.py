@@ -5,7 +5,8 @@
 What you build here: a forward kernel that reads x once and writes y once, and a backward kernel
 that reads dy and x once and writes dx once, while summing the weight gradient on the fly.
 What you learn: programs and blocks, masks, fp32 accumulation, persistent (grid-stride) kernels,
-and how a reduction over rows (the weight gradient) is done without a [rows, hidden] buffer.
+how a reduction over rows (the weight gradient) is done without a [rows, hidden] buffer, and how
+a kernel becomes a PyTorch operator that torch.compile treats as one opaque node.
 
 Count the bytes before timing anything
 --------------------------------------
@@ -29,22 +30,28 @@ dy*d summed over rows for the weight): about 76 more bytes per element.
 The fused kernels move only what they must: forward reads x (2) and writes y (2); backward reads
 dy (2) and x (2) and writes dx (2). That is 4 bytes per element forward and 10 forward+backward,
 against about 36 and 112: a 9x and an 11x cut in traffic. RMSNorm does ~4 flops per element, so
-it is memory-bound, and the traffic *is* the time.
+it is memory-bound, and the traffic *is* the time. Add the weight (read once forward; read once
+and its gradient written once backward) and you have `ideal_bytes(n_rows, hidden, dtype,
+backward)`, the floor that `benchmark_kernels.py` measures against. Left out: the fp32 inverse RMS
+(4 bytes per row written forward and read backward: 0.02% at H = 4096) and the fp32 partial sums
+of the weight gradient (a few MB), which are this implementation's choices, not the problem's.
 
 The floor for LLaMA 3.1 8B shapes (16384 tokens x 4096 hidden, bf16) on an H200, whose measured
 device-to-device copy bandwidth is ~4.27 TB/s (bytes read + written):
-    forward            4 * 16384 * 4096 B = 268 MB ->  63 us
-    forward + backward 10 * 16384 * 4096 B = 671 MB -> 157 us
+    forward            ideal_bytes(16384, 4096, bf16)                = 268,443,648 B ->  63 us
+    forward + backward ideal_bytes(16384, 4096, bf16, backward=True) = 671,113,216 B -> 157 us
 `benchmark_kernels.py --kernel rmsnorm` measures how close the kernels come.
 
-Layout of this file: kernels -> checked launchers -> autograd.Function -> nn.Module -> reference.
+Layout of this file: kernels -> launchers -> custom ops (PyTorch operators, with their autograd)
+-> functional API -> module and `patch_model` -> reference.
 """
 
 import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
+from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
+from model_families import family_classes, model_type, norms_per_layer
 
 import triton
 import triton.language as tl
@@ -250,27 +257,63 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# autograd.Function, functional API, module
+# Custom ops: what torch.compile, opcheck and FSDP see
 # ------------------------------------------------------------------------------------------------
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x2 = as_rows(x)
-        y, rstd = rmsnorm_forward(x2, weight.contiguous(), eps)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = rmsnorm_backward(as_rows(dy), x2, weight.contiguous(), rstd, ctx.needs_input_grad[1])
-        return dx.view(dy.shape), dw, None
+# Each launcher becomes a PyTorch operator (`torch.ops.playbook.rmsnorm_fwd` and `..._bwd`). To
+# torch.compile an operator is one opaque node: Dynamo never traces into the Triton launch code.
+# `register_fake` gives the compiler the outputs' shapes, dtypes and strides without running
+# anything; `register_autograd` ties the forward operator to the backward one. The operators take
+# [rows, H] matrices with unit stride along H (the functional API below flattens for them).
+@torch.library.custom_op("playbook::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, H], weight [H] -> y [rows, H], rstd [rows] (fp32)."""
+    return rmsnorm_forward(as_rows(x), weight.contiguous(), eps)
 
 
+@rmsnorm_fwd_op.register_fake
+def _(x, weight, eps):
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("playbook::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                   need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx [rows, H] and dW [H] (an empty tensor when not `need_dw`: an operator returns tensors)."""
+    dx, dw = rmsnorm_backward(as_rows(dy), as_rows(x), weight.contiguous(), rstd, need_dw)
+    return dx, dw if need_dw else weight.new_empty(0)
+
+
+@rmsnorm_bwd_op.register_fake
+def _(dy, x, weight, rstd, need_dw):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape if need_dw else 0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])  # x, not y: the backward needs x and rstd
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = rmsnorm_bwd_op(dy, x, weight, rstd, need_dw)
+    return dx if need_dx else None, dw if need_dw else None, None
+
+
+rmsnorm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+refuse_double_backward(rmsnorm_bwd_op, "rmsnorm")
+
+
+# ------------------------------------------------------------------------------------------------
+# Functional API, module, patching a Hugging Face model
+# ------------------------------------------------------------------------------------------------
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Fused RMSNorm over the last dimension of `x` (any leading shape); differentiable."""
+    """Fused RMSNorm over the last dimension of `x` (any leading shape); differentiable once."""
     _check_inputs(x, weight)
-    return RMSNormFunction.apply(x, weight, float(eps))
+    y, _ = rmsnorm_fwd_op(as_rows(x), weight, float(eps))
+    return y.view(x.shape)
 
 
 class TritonRMSNorm(nn.Module):
@@ -302,6 +345,38 @@ class TritonRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def patch_model(model: nn.Module) -> int:
+    """Replace every RMSNorm module of a Hugging Face causal LM with a TritonRMSNorm sharing its weight.
+
+    Modules are found by class (LlamaRMSNorm, Qwen3RMSNorm, ...), never by name. Returns how many
+    norms now run the kernel; patching twice replaces nothing more and returns the same count.
+    """
+    model_type(model)  # a clear error for a family the kernels do not know
+    classes = family_classes("RMSNorm")
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, TritonRMSNorm.from_llama_rmsnorm(module))
+    return sum(isinstance(m, TritonRMSNorm) for m in model.modules())
+
+
+def expected_patches(config) -> int:
+    """RMSNorms in the architecture: 2 per layer (4 in Qwen3, with its q/k norms) plus the final one."""
+    return norms_per_layer(config) * config.num_hidden_layers + 1
+
+
+def ideal_bytes(n_rows: int, hidden: int, dtype: torch.dtype, backward: bool = False) -> int:
+    """The fewest bytes the fused kernels can move for an [n_rows, hidden] input of `dtype`.
+
+    Forward reads x and the weight and writes y; `backward=True` adds the backward pass, which reads
+    dy, x and the weight and writes dx and the weight gradient (see the module docstring).
+    """
+    e = dtype.itemsize
+    forward = 2 * n_rows * hidden * e + hidden * e
+    return forward + (3 * n_rows * hidden * e + 2 * hidden * e if backward else 0)
 
 
 # ------------------------------------------------------------------------------------------------

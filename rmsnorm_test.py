@@ -6,13 +6,20 @@
 Without a GPU the kernels run in Triton's interpreter at small sizes; with one, the same tests also
 run the LLaMA 3.1 8B shape (4096 tokens x hidden 4096) compiled. Tolerances follow the rule in
 testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+Then the kernel as a PyTorch operator (opcheck, torch.compile, no double backward), its patch of
+Hugging Face models, and its byte count.
 """
+
+import copy
+import types
 
 import pytest
 import torch
 
+import rmsnorm_kernel
 from kernel_utils import DEVICE
-from rmsnorm_kernel import MAX_HIDDEN, TritonRMSNorm, rmsnorm, rmsnorm_ref
+from rmsnorm_kernel import (MAX_HIDDEN, TritonRMSNorm, expected_patches, ideal_bytes, patch_model, rmsnorm,
+                            rmsnorm_bwd_op, rmsnorm_fwd_op, rmsnorm_ref)
 from testkit import close_to_reference, expect_error, exactly, random_like_grad, record, run_as_script
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -93,6 +100,15 @@ def test_stride0_upstream_gradient():
     _check_all("stride-0 dy, as (y * g).sum() gives", x, w, dy=g.expand(8, 64))
 
 
+def test_upstream_gradient_of_a_sum():
+    """`(y * c).sum()` hands backward one value expanded to the whole shape: every stride 0."""
+    x, w = _inputs((6, 40), torch.bfloat16, seed=2)
+    c = torch.randn((), device=DEVICE).to(torch.bfloat16)  # random, so a dropped dy would show
+    dy = c.expand(6, 40)
+    assert dy.stride() == (0, 0)
+    _check_all("dy with strides (0, 0), as .sum() gives", x, w, dy=dy)
+
+
 def test_empty_batch():
     x, w = _inputs((0, 3, 64), torch.bfloat16)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -152,6 +168,95 @@ def test_module_constructor():
     x, _ = _inputs((3, 32), torch.float32)
     close_to_reference("TritonRMSNorm(32) with unit weight", m(x), rmsnorm_ref(x, m.weight),
                        rmsnorm_ref(x.double(), m.weight.double(), 1e-5), torch.float32)
+
+
+def test_second_order_gradients_raise():
+    x, w = _inputs((5, 24), torch.float32)
+    x.requires_grad_()
+    (dx,) = torch.autograd.grad(rmsnorm(x, w), x, random_like_grad(x), create_graph=True)
+    msg = expect_error(RuntimeError, lambda: dx.sum().backward())
+    assert "second-order" in msg
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: schema, fake (meta) implementation, autograd registration, and the
+    operators traced by AOTAutograd with dynamic shapes (gradients included for the forward)."""
+    x, w = _inputs((7, 37), torch.bfloat16, seed=8)
+    torch.library.opcheck(rmsnorm_fwd_op, (x.clone().requires_grad_(), w.clone().requires_grad_(), 1e-6))
+    torch.library.opcheck(rmsnorm_fwd_op, (x[:0].float(), w.float(), 1e-5))  # empty batch
+    y, rstd = rmsnorm_fwd_op(x, w, 1e-6)
+    dy = random_like_grad(y)
+    for need_dw in (True, False):
+        torch.library.opcheck(rmsnorm_bwd_op, (dy, x, w, rstd, need_dw))
+    record("opcheck: rmsnorm_fwd (x2), rmsnorm_bwd (x2)", 0.0, 0.0, True)
+
+
+def test_torch_compile_matches_eager():
+    """fullgraph=True: the functional API compiles to one graph around the opaque operators, so
+    forward and both gradients are the same kernels' results, bit for bit."""
+    torch._dynamo.reset()
+    compiled = torch.compile(rmsnorm, fullgraph=True)
+    x, w = _inputs((3, 5, 48), torch.bfloat16, seed=9)
+    dy = random_like_grad(x, seed=10)
+    results = []
+    for fn in (rmsnorm, compiled):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi, 1e-5)
+        y.backward(dy)
+        results.append((y, xi.grad, wi.grad))
+    for what, eager, comp in zip(("y", "dx", "dW"), *results):
+        exactly(f"torch.compile == eager: {what}", comp, eager)
+
+
+def _tiny_model(kind: str, layers: int = 2):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kind]
+    config = config_class(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    for m in model.modules():  # HF initialises RMSNorm weights to ones; make them random
+        if type(m).__name__.endswith("RMSNorm"):
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_patch_model_replaces_every_norm(kind):
+    """Every RMSNorm (Qwen3: the q/k norms too) becomes a TritonRMSNorm sharing its weight; the
+    count is what the architecture expects, patching twice changes nothing, and the logits match."""
+    base = _tiny_model(kind)
+    ours = copy.deepcopy(base)
+    weights = [m.weight for m in ours.modules() if type(m).__name__.endswith("RMSNorm")]
+    count = patch_model(ours)
+    assert count == expected_patches(ours.config) == (4 if kind == "qwen3" else 2) * 2 + 1
+    norms = [m for m in ours.modules() if isinstance(m, TritonRMSNorm)]
+    assert len(norms) == count and all(n.weight is w for n, w in zip(norms, weights)), "weights must be shared"
+    assert patch_model(ours) == count, "patching twice must neither wrap twice nor change the count"
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        got, same, ref = ours(ids).logits, base(ids).logits, copy.deepcopy(base).double()(ids).logits
+    close_to_reference(f"{kind}: patched logits", got, same, ref, torch.float32, n=32)
+
+
+def test_patch_model_refuses_an_unknown_family():
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2"))
+    assert "gpt2" in expect_error(NotImplementedError, patch_model, model)
+
+
+def test_ideal_bytes_is_the_docstring_count():
+    """LLaMA 3.1 8B, 16384 tokens x 4096 hidden, bf16: the hand count of the module docstring."""
+    n, h, e = 16384, 4096, 2
+    forward = ideal_bytes(n, h, torch.bfloat16)
+    both = ideal_bytes(n, h, torch.bfloat16, backward=True)
+    assert forward == (2 * e) * n * h + h * e  # x read, y written; the weight read once
+    assert both == forward + (3 * e) * n * h + 2 * h * e  # dy and x read, dx written; w read, dW written
+    assert ideal_bytes(n, h, torch.float32) == 2 * forward  # every byte count doubles in fp32
+    for value in (forward, both):
+        assert f"{value:,} B" in rmsnorm_kernel.__doc__, f"the docstring must state {value:,} B"
+    record(f"ideal bytes at 16384 x 4096 bf16: fwd {forward / 1e6:.1f} MB, fwd+bwd {both / 1e6:.1f} MB",
+           0.0, 0.0, True)
 
 
 @pytest.mark.parametrize(

@@ -18,25 +18,34 @@ LLaMA 3.1 8B: 32 query heads, 8 key/value heads, head_dim 128. Per token and lay
 and autograd keeps `rotate_half(q)` and `rotate_half(k)` alive until backward: 5120 x 2 B = 10 KB
 per token and layer, 2.7 GB for 32 layers at 8192 tokens. The fused kernel reads Q, K and one
 cos/sin row and writes the two outputs: 4 bytes per value in bf16, and it saves nothing but cos
-and sin (which every layer shares). Floor at 8192 tokens, one layer, on an H200 (~4.25 TB/s):
-    8192 x 5120 x 4 B = 168 MB -> 40 us forward, the same backward.
+and sin (which every layer shares). Counting the cos/sin rows too (HF computes them per sequence
+and casts them to the activations' dtype, so each token reads 2 x 128 values of its own) gives
+`ideal_bytes(n_tokens, n_heads, n_kv_heads, head_dim, dtype, backward)`. Floor at 8192 tokens,
+one layer, on an H200 (~4.25 TB/s):
+    forward            ideal_bytes(8192, 32, 8, 128, bf16)                = 171,966,464 B -> 40 us
+    forward + backward ideal_bytes(8192, 32, 8, 128, bf16, backward=True) = 343,932,928 B -> 81 us
 
 LLaMA 3.1's rope scaling (low frequencies stretched by 8, a smooth ramp between) changes only the
 angles, i.e. the `cos` and `sin` tables that the model's rotary-embedding module computes once per
 step; the kernel takes those tables as they are, so every scaling scheme and any position ids
 (packed sequences, offsets) work unchanged.
 
-Layout of this file: kernel -> checked launcher -> autograd.Function -> functional API (the HF
-drop-in) -> reference.
+Layout of this file: kernel -> launcher -> custom ops (PyTorch operators, with their autograd) ->
+functional API -> the HF drop-in and `patch_model` / `unpatch_model` -> reference.
 """
 
 import torch
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from kernel_utils import check_device, check_float, next_power_of_2
+from kernel_utils import check_device, check_float, next_power_of_2, refuse_double_backward
+from model_families import family_module, model_type
 
 import triton
 import triton.language as tl
+
+# One program holds one token's [heads, head_dim / 2] tile of Q (and K) in registers: up to 2^16
+# values (LLaMA 3.1 405B: 128 heads x 64 = 8192). Past that it would spill, or fail to compile.
+MAX_HEAD_TILE = 65536
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,14 +115,19 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _empty_outputs(q: torch.Tensor, k: torch.Tensor):
+    """Outputs in the inputs' memory layout: empty_like keeps the strides of a dense tensor (HF's
+    [B, heads, T, D] views of [B, T, heads, D] memory stay so) and makes any other one contiguous.
+    Either way the last dimension has unit stride, as the kernel needs."""
+    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k))
+
+
 def rope_launch(q, k, cos, sin, backward: bool):
     """q [B, HQ, T, D], k [B, HK, T, D], cos/sin [B or 1, T, D] -> rotated (new) q, k."""
     q, k, cos, sin = _unit_last(q), _unit_last(k), _unit_last(cos), _unit_last(sin)
     B, HQ, T, D = q.shape
     HK = k.shape[1]
-    # Same memory layout as the inputs (empty_like keeps the strides of a dense tensor, else makes a
-    # contiguous one): either way the last dimension has unit stride, as the kernel needs.
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    qo, ko = _empty_outputs(q, k)
     if B * T == 0:
         return qo, ko
     if sin.stride() != cos.stride():  # one set of strides addresses both tables
@@ -150,6 +164,11 @@ def _check_inputs(q, k, cos, sin):
         raise ValueError(f"head_dim must be even to rotate pairs of halves, got {D}")
     if q.dtype != k.dtype:
         raise TypeError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+    tile = next_power_of_2(max(q.shape[1], k.shape[1])) * next_power_of_2(D // 2)
+    if tile > MAX_HEAD_TILE:
+        raise ValueError(f"{max(q.shape[1], k.shape[1])} heads x head_dim {D} is past what one program holds "
+                         f"(heads and head_dim / 2, each rounded up to a power of 2, multiply to {tile} > "
+                         f"{MAX_HEAD_TILE})")
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[1:] != (T, D) or cos.shape[0] not in (1, B):
         raise ValueError(f"cos and sin must be [batch or 1, seq={T}, head_dim={D}], got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
@@ -159,25 +178,57 @@ def _check_inputs(q, k, cos, sin):
 
 
 # ------------------------------------------------------------------------------------------------
-# autograd.Function, functional API
+# Custom ops: what torch.compile, opcheck and FSDP see
 # ------------------------------------------------------------------------------------------------
-class RoPEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        ctx.save_for_backward(cos, sin)  # shared by all layers: no memory of their own
-        return rope_launch(q, k, cos, sin, backward=False)
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        cos, sin = ctx.saved_tensors
-        dq, dk = rope_launch(dq, dk, cos, sin, backward=True)
-        return dq, dk, None, None
+# The launcher becomes two PyTorch operators, `torch.ops.playbook.rope_fwd` and `..._bwd` (the
+# same kernel, the rotation and its transpose): one opaque node each to torch.compile, so Dynamo
+# never traces into the Triton launch code. `register_fake` gives the compiler the outputs' shapes
+# and strides without running anything; `register_autograd` ties the forward to the backward.
+@torch.library.custom_op("playbook::rope_fwd", mutates_args=())
+def rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_launch(q, k, cos, sin, backward=False)
 
 
+@torch.library.custom_op("playbook::rope_bwd", mutates_args=())
+def rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope_launch(dq, dk, cos, sin, backward=True)
+
+
+@rope_fwd_op.register_fake
+def _(q, k, cos, sin):
+    return _empty_outputs(q, k)
+
+
+@rope_bwd_op.register_fake
+def _(dq, dk, cos, sin):
+    return _empty_outputs(dq, dk)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[2:])  # cos and sin: shared by all layers, no memory of their own
+
+
+def _backward(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    dq, dk = rope_bwd_op(dq, dk, cos, sin)
+    return dq, dk, None, None
+
+
+rope_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+refuse_double_backward(rope_bwd_op, "rope")
+
+
+# ------------------------------------------------------------------------------------------------
+# Functional API, the Hugging Face drop-in, patching a model
+# ------------------------------------------------------------------------------------------------
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q [B, HQ, T, D] and k [B, HK, T, D] by the angles in cos/sin [B or 1, T, D]."""
+    """Rotate q [B, HQ, T, D] and k [B, HK, T, D] by the angles in cos/sin [B or 1, T, D].
+
+    Differentiable once, in q and k (cos and sin are fixed tables)."""
     _check_inputs(q, k, cos, sin)
-    return RoPEFunction.apply(q, k, cos, sin)
+    return rope_fwd_op(q, k, cos, sin)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim: int = 1, **kwargs):
@@ -194,6 +245,55 @@ def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim: int = 1, **kwargs
     if unsqueeze_dim != 1:
         raise ValueError(f"unsqueeze_dim must be 1 ([B, heads, T, D]) or 2 ([B, T, heads, D]), got {unsqueeze_dim}")
     return rope(q, k, cos, sin)
+
+
+_ORIGINALS = {}  # model_type -> the family's own apply_rotary_pos_emb, while it is patched
+
+
+def patch_model(model) -> int:
+    """Replace the model family's module-level `apply_rotary_pos_emb` with the fused drop-in.
+
+    This is process-global: every model of that family (say, all LLaMA models) uses the fused RoPE
+    afterwards; `unpatch_model` puts the original back. Patching twice keeps the first original
+    and does not wrap twice. Returns 1, the number of functions replaced.
+    """
+    kind = model_type(model)
+    family = family_module(kind)
+    current = getattr(family, "apply_rotary_pos_emb", None)
+    if current is None:
+        raise NotImplementedError(f"transformers' {kind} module has no apply_rotary_pos_emb to replace")
+    if current is not apply_rotary_pos_emb:
+        _ORIGINALS[kind] = current
+        family.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return 1
+
+
+def unpatch_model(model_or_type) -> int:
+    """Put the family's original `apply_rotary_pos_emb` back; return 1, or 0 if it was not patched.
+
+    Takes a model or its model_type string ("llama")."""
+    kind = model_or_type if isinstance(model_or_type, str) else model_type(model_or_type)
+    original = _ORIGINALS.pop(kind, None)
+    if original is None:
+        return 0
+    family_module(kind).apply_rotary_pos_emb = original
+    return 1
+
+
+def expected_patches(config) -> int:
+    """One module-level function per family."""
+    return 1
+
+
+def ideal_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                backward: bool = False) -> int:
+    """The fewest bytes the fused RoPE can move for `n_tokens` tokens of `dtype` activations.
+
+    Forward reads each token's query and key heads and its cos and sin rows, and writes the rotated
+    heads; `backward=True` adds the backward pass, which moves the same for the gradients.
+    """
+    per_token = (2 * (n_heads + n_kv_heads) * head_dim + 2 * head_dim) * dtype.itemsize
+    return per_token * n_tokens * (2 if backward else 1)
 
 
 # ------------------------------------------------------------------------------------------------

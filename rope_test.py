@@ -6,15 +6,22 @@
 Inputs are laid out the way the attention layers hand them over: [batch, heads, seq, head_dim]
 views of [batch, seq, heads, head_dim] projections. The angles come from transformers' own rotary
 embedding module with LLaMA 3.1's rope scaling, at positions past its original 8192-token context.
-Tolerances follow the rule in testkit.py (each output value combines 2 products: n = 2).
+Tolerances follow the rule in testkit.py (each output value combines 2 products: n = 2). Then the
+kernel as a PyTorch operator (opcheck, torch.compile, no double backward), the process-global patch
+of Hugging Face's function (restored after every test that applies it), a tiny LLaMA patched with
+all three of rmsnorm, swiglu and rope under torch.compile, and the byte count.
 """
 
 import pytest
 import torch
 
+import rmsnorm_kernel
+import rope_kernel
+import swiglu_kernel
 from kernel_utils import DEVICE
-from rope_kernel import apply_rotary_pos_emb, rope, rope_ref
-from testkit import close_to_reference, exactly, expect_error, random_like_grad, run_as_script
+from rope_kernel import (MAX_HEAD_TILE, apply_rotary_pos_emb, expected_patches, ideal_bytes, patch_model, rope,
+                         rope_bwd_op, rope_fwd_op, rope_ref, unpatch_model)
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -49,9 +56,10 @@ def _run(fn, q, k, cos, sin, dq, dk):
     return qo.detach(), ko.detach(), q.grad, k.grad
 
 
-def _check(tag, q, k, cos, sin):
+def _check(tag, q, k, cos, sin, dq=None, dk=None):
     dtype = q.dtype
-    dq, dk = random_like_grad(q, 1), random_like_grad(k, 2)
+    dq = random_like_grad(q, 1) if dq is None else dq
+    dk = random_like_grad(k, 2) if dk is None else dk
     ours = _run(rope, q, k, cos, sin, dq, dk)
     same = _run(rope_ref, q, k, cos, sin, dq, dk)
     ref = _run(rope_ref, q.double(), k.double(), cos.double(), sin.double(), dq.double(), dk.double())
@@ -60,9 +68,10 @@ def _check(tag, q, k, cos, sin):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq, hk, head_dim", [(4, 2, 16), (4, 1, 16), (6, 6, 64), (3, 1, 24)])
+@pytest.mark.parametrize("hq, hk, head_dim", [(4, 2, 16), (4, 1, 16), (6, 6, 64), (3, 1, 24), (1, 1, 2)])
 def test_matches_hugging_face(hq, hk, head_dim, dtype):
-    """GQA (2 groups), one KV head (MQA), MHA, and head counts / dims that are not powers of 2."""
+    """GQA (2 groups), one KV head (MQA), MHA, head counts / dims that are not powers of 2, and the
+    smallest head (one pair of halves of one value each)."""
     positions = torch.arange(5).unsqueeze(0) * 2000 + 9000  # 9000 ... 17000: past the 8192 context
     cos, sin = _angles(2, positions, head_dim, dtype)
     q, k = _qk(2, hq, hk, 5, head_dim, dtype)
@@ -109,11 +118,162 @@ def test_hugging_face_signature_and_layouts():
     exactly("older signature with position_ids", old_style[0], out[0])
 
 
+def test_upstream_gradients_with_stride_0():
+    """A gradient broadcast over the heads (stride 0 along heads) and one from `.sum()` (every
+    stride 0), as autograd can hand them over."""
+    cos, sin = _angles(2, torch.arange(6).unsqueeze(0) + 50, 16, torch.bfloat16)
+    q, k = _qk(2, 4, 2, 6, 16, torch.bfloat16, seed=8)
+    g = torch.Generator().manual_seed(9)
+    dq = torch.randn(2, 1, 6, 16, generator=g).to(DEVICE, torch.bfloat16).expand_as(q)
+    dk = torch.randn((), generator=g).to(DEVICE, torch.bfloat16).expand_as(k)  # random, so a dropped dk shows
+    assert dq.stride(1) == 0 and dk.stride() == (0, 0, 0, 0)
+    _check("dq broadcast over heads, dk of a sum", q, k, cos, sin, dq=dq, dk=dk)
+
+
 def test_empty_sequence():
+    """No tokens: forward and backward return empty tensors of the right shapes."""
     cos = torch.zeros(1, 0, 16, device=DEVICE)
-    q, k = _qk(2, 2, 1, 0, 16, torch.float32)
+    q, k = (t.clone().requires_grad_() for t in _qk(2, 2, 1, 0, 16, torch.float32))
     qo, ko = rope(q, k, cos, cos)
     assert qo.shape == q.shape and ko.shape == k.shape
+    (qo.sum() + ko.sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    record("empty sequence: forward and backward", 0.0, 0.0, True)
+
+
+def test_too_many_heads_are_refused():
+    heads, head_dim = 512, 512
+    assert heads * head_dim // 2 > MAX_HEAD_TILE  # 131072 values of one token's heads
+    q = torch.randn(1, heads, 1, head_dim, device=DEVICE)
+    cos = torch.randn(1, 1, head_dim, device=DEVICE)
+    expect_error(ValueError, rope, q, q[:, :1], cos, cos)
+
+
+def test_second_order_gradients_raise():
+    """RoPE is linear in q, so dq depends only on the upstream gradient: differentiate through it
+    with respect to that gradient (the double-backward trick behind Jacobian-vector products)."""
+    cos, sin = _angles(1, torch.arange(4).unsqueeze(0), 16, torch.float32)
+    q, k = (t.clone().requires_grad_() for t in _qk(1, 2, 1, 4, 16, torch.float32))
+    qo, ko = rope(q, k, cos, sin)
+    v = random_like_grad(qo).requires_grad_()
+    (dq,) = torch.autograd.grad(qo, q, v, create_graph=True)
+    assert "second-order" in expect_error(RuntimeError, lambda: dq.sum().backward())
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: schema, fake implementation (strides included: HF's transposed views
+    must come back in the same layout), autograd registration, AOTAutograd with dynamic shapes."""
+    cos, sin = _angles(2, torch.arange(5).unsqueeze(0) + 7, 24, torch.bfloat16)
+    q, k = _qk(2, 3, 1, 5, 24, torch.bfloat16, seed=10)
+    torch.library.opcheck(rope_fwd_op, (q.clone().requires_grad_(), k.clone().requires_grad_(), cos, sin))
+    torch.library.opcheck(rope_fwd_op, (q.contiguous(), k.contiguous(), cos[:1], sin[:1]))
+    torch.library.opcheck(rope_bwd_op, (random_like_grad(q, 11), random_like_grad(k, 12), cos, sin))
+    record("opcheck: rope_fwd (x2), rope_bwd", 0.0, 0.0, True)
+
+
+def test_torch_compile_matches_eager():
+    """fullgraph=True: the operators are opaque, so the compiled graph runs the same kernels on the
+    same data, and outputs and gradients are equal bit for bit."""
+    torch._dynamo.reset()
+    compiled = torch.compile(rope, fullgraph=True)
+    cos, sin = _angles(2, torch.arange(6).unsqueeze(0) + 3, 16, torch.bfloat16)
+    q, k = _qk(2, 4, 2, 6, 16, torch.bfloat16, seed=13)
+    dq, dk = random_like_grad(q, 14), random_like_grad(k, 15)
+    results = []
+    for fn in (rope, compiled):
+        qi, ki = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        qo, ko = fn(qi, ki, cos, sin)
+        torch.autograd.backward([qo, ko], [dq, dk])
+        results.append((qo, ko, qi.grad, ki.grad))
+    for what, eager, comp in zip(("q_embed", "k_embed", "dq", "dk"), *results):
+        exactly(f"torch.compile == eager: {what}", comp, eager)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=176, rms_norm_eps=1e-5)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(DEVICE)
+    for m in model.modules():  # HF initialises RMSNorm weights to ones; make them random
+        if type(m).__name__.endswith("RMSNorm"):
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+    return model
+
+
+def test_patch_model_is_idempotent_and_restorable():
+    from transformers.models.llama import modeling_llama
+
+    model = _tiny_llama()
+    original = modeling_llama.apply_rotary_pos_emb
+    try:
+        assert patch_model(model) == expected_patches(model.config) == 1
+        assert modeling_llama.apply_rotary_pos_emb is apply_rotary_pos_emb
+        assert patch_model(model) == 1 and modeling_llama.apply_rotary_pos_emb is apply_rotary_pos_emb
+    finally:
+        restored = unpatch_model(model)
+    assert restored == 1 and modeling_llama.apply_rotary_pos_emb is original, "patching twice lost the original"
+    assert unpatch_model("llama") == 0, "a second restore has nothing to do"
+    record("patch twice, restore once: HF's original function is back", 0.0, 0.0, True)
+
+
+def test_patched_tiny_llama_under_torch_compile():
+    """A tiny LLaMA with rmsnorm, swiglu and rope patched: torch.compile(model, fullgraph=True) puts
+    every kernel call in one graph and gives eager's loss and gradients. Inductor compiles everything
+    around the opaque kernels (attention, matmuls, the loss), fusing and reordering those fp32 ops,
+    so results are close, not bit-identical."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = _tiny_llama()
+    try:
+        for kernel in (rmsnorm_kernel, swiglu_kernel, rope_kernel):
+            assert kernel.patch_model(model) == kernel.expected_patches(model.config)
+        g = torch.Generator().manual_seed(16)
+        ids = torch.randint(0, 512, (2, 12), generator=g).to(DEVICE)
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")  # Inductor, keeping the graphs Dynamo captured
+        results = []
+        for run in (model, torch.compile(model, backend=counter, fullgraph=True)):
+            model.zero_grad(set_to_none=True)
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    finally:
+        unpatch_model(model)
+    calls = [str(node.target) for graph in counter.graphs for node in graph.graph.nodes]
+    for op, expected in (("rmsnorm_fwd", 5), ("swiglu_down_fwd", 2), ("rope_fwd", 2)):  # 2 layers
+        assert calls.count(f"playbook.{op}.default") == expected, f"{op} must run {expected}x in the compiled graph"
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    # fp32 throughout; Inductor's fused and reordered reductions change each result by a few ulps
+    # (2^-23 relative), which two layers and the loss carry to ~1e-6 relative. 1e-4 of the largest
+    # value leaves a 100x margin and still fails any real error (a missing or misrouted gradient
+    # is as large as the gradient itself).
+    rel = 1e-4
+    err = (loss_c - loss_e).abs().item()
+    record("compiled vs eager: loss", err, rel * loss_e.abs().item(), err <= rel * loss_e.abs().item())
+    worst, worst_err, worst_tol = "", 0.0, 0.0
+    for name, ge in grads_e.items():
+        e, tol = (grads_c[name] - ge).abs().max().item(), rel * ge.abs().max().item()
+        assert e <= tol, f"{name}: compiled gradient differs by {e:.3e} > {tol:.3e}"
+        if e / tol >= (worst_err / worst_tol if worst_tol else 0.0):
+            worst, worst_err, worst_tol = name, e, tol
+    record(f"compiled vs eager: {len(grads_e)} gradients, worst {worst}", worst_err, worst_tol, True)
+
+
+def test_ideal_bytes_is_the_docstring_count():
+    """LLaMA 3.1 8B (32 query heads, 8 KV heads, head_dim 128) at 8192 tokens, bf16."""
+    n, e = 8192, 2
+    forward = ideal_bytes(n, 32, 8, 128, torch.bfloat16)
+    both = ideal_bytes(n, 32, 8, 128, torch.bfloat16, backward=True)
+    # per token: Q and K heads read and written, plus one cos and one sin row read
+    assert forward == n * ((32 + 8) * 128 * 2 + 2 * 128) * e
+    assert both == 2 * forward  # backward: the same traffic for the gradients
+    for value in (forward, both):
+        assert f"{value:,} B" in rope_kernel.__doc__, f"the docstring must state {value:,} B"
+    record(f"ideal bytes at 8192 tokens bf16: fwd {forward / 1e6:.1f} MB, fwd+bwd {both / 1e6:.1f} MB",
+           0.0, 0.0, True)
 
 
 @pytest.mark.parametrize(

@@ -5,15 +5,21 @@
 
 Tolerances follow testkit.py's rule (at most 2x PyTorch's own error against float64, plus one ulp
 of the output scale). PyTorch rounds silu(gate) to the input dtype before the multiply; the kernel
-keeps it in fp32 and rounds once, so it is usually the closer of the two.
+keeps it in fp32 and rounds once, so it is usually the closer of the two. Then the MLP path (the
+down projection fused in, its checks, autocast), the kernels as PyTorch operators (opcheck,
+torch.compile, no double backward), the patch of Hugging Face models, and the byte count.
 """
+
+import copy
 
 import pytest
 import torch
 
+import swiglu_kernel
 from kernel_utils import DEVICE
-from swiglu_kernel import swiglu, swiglu_mlp_forward, swiglu_ref
-from testkit import close_to_reference, expect_error, random_like_grad, record, run_as_script
+from swiglu_kernel import (expected_patches, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
+                           swiglu_down_bwd_op, swiglu_down_fwd_op, swiglu_fwd_op, swiglu_mlp_forward, swiglu_ref)
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 
@@ -25,9 +31,10 @@ def _inputs(shape, dtype, seed=0):
     return gate, up
 
 
-def _check(tag, gate, up):
+def _check(tag, gate, up, dh=None):
     dtype = gate.dtype
-    dh = random_like_grad(gate.new_empty(gate.shape), seed=5)
+    if dh is None:
+        dh = random_like_grad(gate.new_empty(gate.shape), seed=5)
 
     def run(fn, cast):
         gi, ui = cast(gate.detach()).clone().requires_grad_(), cast(up.detach()).clone().requires_grad_()
@@ -55,13 +62,26 @@ def test_halves_of_a_fused_projection():
     _check("transposed (copied)", t.t(), t.t() * 0.5 + 1)
 
 
+def test_upstream_gradient_of_a_sum_or_a_broadcast():
+    """Stride-0 upstream gradients: `(h * c).sum()` gives strides (0, 0), a broadcast row (0, 1)."""
+    gate, up = _inputs((6, 50), torch.bfloat16, seed=2)
+    c = torch.randn((), device=DEVICE).to(torch.bfloat16)  # random, so a dropped dh would show
+    _check("dh with strides (0, 0), as .sum() gives", gate, up, dh=c.expand(6, 50))
+    row = torch.randn(50, device=DEVICE).to(torch.bfloat16)
+    _check("dh with strides (0, 1), a broadcast row", gate, up, dh=row.expand(6, 50))
+
+
 def test_empty_batch():
     gate, up = _inputs((0, 64), torch.bfloat16)
-    gate.requires_grad_()
-    h = swiglu(gate, up)
-    h.sum().backward()
-    assert h.shape == (0, 64) and gate.grad.shape == (0, 64)
-    record("empty batch", 0.0, 0.0, True)
+    w = torch.randn(16, 64, device=DEVICE).to(torch.bfloat16)
+    for name, fn, args in (("swiglu", swiglu, (gate, up)), ("swiglu_down", swiglu_down, (gate, up, w))):
+        args = [a.clone().requires_grad_() for a in args]
+        out = fn(*args)
+        out.backward(random_like_grad(out))
+        assert out.shape[0] == 0 and all(a.grad.shape == a.shape for a in args)
+        if name == "swiglu_down":  # no rows: the weight gradient is an exact zero, not garbage
+            exactly("empty batch: d weight of swiglu_down is zero", args[2].grad, torch.zeros_like(w))
+    record("empty batch: forward and backward of swiglu and swiglu_down", 0.0, 0.0, True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the LLaMA MLP width needs a GPU (the interpreter is slow)")
@@ -109,6 +129,131 @@ def test_mlp_gradients_and_what_is_saved(dtype):
             assert len(wide) == 2, f"only gate and up may be saved at width {I}, got {wide}"
     for i, what in enumerate(("dx", "d gate_proj", "d up_proj", "d down_proj")):
         close_to_reference(f"MLP {what} ({str(dtype)[6:]})", results[0][i], results[1][i], results[2][i], dtype, n=I)
+
+
+def _mlp(dtype=torch.float32, H=32, I=80, seed=2):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(seed)
+    return LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I)).to(DEVICE, dtype)
+
+
+def test_down_projection_on_another_device_or_dtype_is_refused():
+    """The fused down projection reads its weight directly: a weight on another device (here the
+    meta device, which has no data) or of another dtype must be refused, not multiplied."""
+    mlp = _mlp()
+    x = torch.randn(2, 3, 32, device=DEVICE)
+    mlp.down_proj.to("meta")
+    assert "meta" in expect_error(ValueError, swiglu_mlp_forward, mlp, x)
+    mlp = _mlp()
+    mlp.down_proj.to(torch.bfloat16)
+    assert "bfloat16" in expect_error(ValueError, swiglu_mlp_forward, mlp, x)
+
+
+def test_mlp_under_autocast():
+    """torch.autocast: the projections compute in bf16 while the weights stay fp32; the fused path
+    casts the down weight as autocast casts nn.Linear's, and matches Hugging Face's MLP."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    x0 = torch.randn(2, 5, 32, device=DEVICE)
+    dout = random_like_grad(torch.empty(2, 5, 32, device=DEVICE), seed=3)
+    results = []
+    for fwd, dtype, amp in ((swiglu_mlp_forward, torch.float32, True), (LlamaMLP.forward, torch.float32, True),
+                            (LlamaMLP.forward, torch.float64, False)):
+        mlp, x = _mlp(dtype), x0.to(dtype).clone().requires_grad_()
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
+            out = fwd(mlp, x)
+        out.backward(dout.to(out.dtype))
+        results.append((out, x.grad, mlp.down_proj.weight.grad, mlp.gate_proj.weight.grad))
+    assert results[0][0].dtype == torch.bfloat16, "under autocast the MLP's output is bf16, as in Hugging Face"
+    for i, what in enumerate(("out", "dx", "d down_proj", "d gate_proj")):
+        close_to_reference(f"autocast bf16: {what}", *(r[i] for r in results), torch.bfloat16, n=80)
+
+
+def test_second_order_gradients_raise():
+    gate, up = _inputs((4, 24), torch.float32)
+    w = torch.randn(8, 24, device=DEVICE)
+    for name, fn, args in (("swiglu", swiglu, (gate, up)), ("swiglu_down", swiglu_down, (gate, up, w))):
+        gi = args[0].clone().requires_grad_()
+        out = fn(gi, *args[1:])
+        (dg,) = torch.autograd.grad(out, gi, random_like_grad(out), create_graph=True)
+        assert "second-order" in expect_error(RuntimeError, lambda: dg.sum().backward())
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck: schema, fake implementation, autograd registration, and AOTAutograd
+    with dynamic shapes (gradients included for the forward operators)."""
+    gate, up = _inputs((5, 37), torch.bfloat16, seed=4)
+    w = torch.randn(6, 37, device=DEVICE).to(torch.bfloat16)
+    dh, dout = random_like_grad(gate, seed=6), random_like_grad(gate.new_empty(5, 6), seed=7)
+    grad = [t.clone().requires_grad_() for t in (gate, up, w)]
+    torch.library.opcheck(swiglu_fwd_op, tuple(grad[:2]))
+    torch.library.opcheck(swiglu_bwd_op, (dh, gate, up))
+    torch.library.opcheck(swiglu_down_fwd_op, tuple(grad))
+    for need_gate_up, need_weight in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(swiglu_down_bwd_op, (dout, gate, up, w, need_gate_up, need_weight))
+    record("opcheck: swiglu_fwd, swiglu_bwd, swiglu_down_fwd, swiglu_down_bwd (x3)", 0.0, 0.0, True)
+
+
+def test_torch_compile_matches_eager():
+    """fullgraph=True around both entry points: the operators are opaque, so the compiled graph
+    runs the same kernels on the same data, and every result is equal bit for bit."""
+    def both(gate, up, w):
+        return swiglu(gate, up), swiglu_down(gate, up, w)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(both, fullgraph=True)
+    gate, up = _inputs((2, 3, 40), torch.bfloat16, seed=8)
+    w = torch.randn(12, 40, device=DEVICE).to(torch.bfloat16)
+    results = []
+    for fn in (both, compiled):
+        args = [t.clone().requires_grad_() for t in (gate, up, w)]
+        h, out = fn(*args)
+        torch.autograd.backward([h, out], [random_like_grad(h, 9), random_like_grad(out, 10)])
+        results.append((h, out) + tuple(a.grad for a in args))
+    for what, eager, comp in zip(("h", "swiglu_down", "d gate", "d up", "d weight"), *results):
+        exactly(f"torch.compile == eager: {what}", comp, eager)
+
+
+def _tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, **overrides)
+    return LlamaForCausalLM(config).to(DEVICE)
+
+
+def test_patch_model_replaces_every_mlp():
+    base = _tiny_llama()
+    ours = copy.deepcopy(base)
+    count = patch_model(ours)
+    assert count == expected_patches(ours.config) == 2
+    assert all(layer.mlp.forward.__func__ is swiglu_mlp_forward for layer in ours.model.layers)
+    assert patch_model(ours) == count, "patching twice must return the same count"
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        got, same, ref = ours(ids).logits, base(ids).logits, copy.deepcopy(base).double()(ids).logits
+    close_to_reference("patched logits", got, same, ref, torch.float32, n=48)
+
+
+def test_patch_model_refuses_another_activation():
+    model = _tiny_llama(hidden_act="gelu")
+    assert "gelu" in expect_error(NotImplementedError, patch_model, model)
+
+
+def test_ideal_bytes_is_the_docstring_count():
+    """LLaMA 3.1 8B's MLP width at 8192 tokens, bf16: the hand count of the module docstring."""
+    n, width, e = 8192, 14336, 2
+    forward = ideal_bytes(n, width, torch.bfloat16)
+    both = ideal_bytes(n, width, torch.bfloat16, backward=True)
+    assert forward == (2 + 1) * e * n * width  # gate and up read, h written
+    assert both == forward + (3 + 2) * e * n * width  # dh, gate and up read; d gate and d up written
+    for value in (forward, both):
+        assert f"{value:,} B" in swiglu_kernel.__doc__, f"the docstring must state {value:,} B"
+    record(f"ideal bytes at 8192 x 14336 bf16: fwd {forward / 1e6:.1f} MB, fwd+bwd {both / 1e6:.1f} MB",
+           0.0, 0.0, True)
 
 
 @pytest.mark.parametrize(
