@@ -23,6 +23,11 @@ LLaMA 3.1 8B: H = 4096, V = 128256. At N = 16384 tokens:
   6 N H V = 5.2e13 flops = 65 ms at the ~790 TFLOP/s an H200 sustains in bf16 matmuls. That is the
   floor; the cross-entropy between the matmuls streams 4 bytes per logit (~1 ms per 4k tokens).
   This op is compute bound: the goal is to stay at the matmul floor while using almost no memory.
+  `flops()` gives these counts; `ideal_bytes()` the least traffic an ideal fused kernel has (read
+  x, W and the targets, write the fp32 per-token losses; backward writes dx and dW once):
+      forward:              (16384 + 128256) * 4096 * 2 + 16384 * (8 + 4) = 1,185,087,488 B
+      forward + backward: 2 * (16384 + 128256) * 4096 * 2 + 16384 * (8 + 4) = 2,369,978,368 B
+  2.37 GB is 0.56 ms at 4.27 TB/s, against 65 ms of matmuls: the bytes are not what limits it.
 
 The design, and the trade-off it makes
 --------------------------------------
@@ -52,19 +57,30 @@ just the losses and backward recomputes each chunk's logits with the factors app
 Conventions are the cross-entropy kernel's: `ignore_index` rows give loss 0 and no gradient; mean
 over non-ignored rows, 0.0 (attached to the graph) when all are ignored; a target outside [0, V)
 gives NaN; the loss is fp32. Tied embeddings (W shared with the input embedding) need nothing
-special: autograd adds this op's dW to the embedding's gradient.
+special: autograd adds this op's dW to the embedding's gradient. A frozen weight (LoRA adapters
+train beside a frozen lm_head) costs no dW work and no memory: neither the fp32 accumulator nor dW
+is allocated, and the chunk loop skips the dW matmuls. Second-order gradients raise an error.
 
-Layout of this file: chunked pass (launcher) -> autograd.Function -> functional API and
-nn.Module -> reference.
+The chunked pass is two custom ops (`torch.ops.playbook.linear_cross_entropy_fwd` / `_bwd`), so
+`torch.compile` and FSDP see one opaque op and never trace the loop, its Triton launches or its
+mixed-dtype cuBLAS calls.
+
+Layout of this file: chunked pass (launcher) -> custom ops -> autograd.Function and functional
+API -> Hugging Face drop-in (`patch_model`) -> reference.
 """
+
+import types
+from typing import Optional
 
 import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from cross_entropy_kernel import (_REDUCTIONS, check_targets_and_reduction, cross_entropy_forward, reduce_loss,
+from cross_entropy_kernel import (causal_targets, check_first_order, check_targets_and_reduction,
+                                  cross_entropy_forward, hf_reduction, reduce_loss, scale_grad,
                                   scale_gradient_)
 from kernel_utils import check_device, check_float
+from model_families import model_type
 
 # Memory budget of the reused logits buffer. 512 MiB holds 2048 tokens of a 128256-entry
 # vocabulary in bf16 (2048 x 128256 x 2 B = 525 MB): matmuls of 2048 x 4096 x 128256 are large
@@ -166,7 +182,47 @@ def _check_inputs(x, weight, targets, reduction):
 
 
 # ------------------------------------------------------------------------------------------------
-# autograd.Function, functional API, module
+# Custom ops: one opaque node each for torch.compile, opcheck and FSDP. Gradients that are not
+# wanted come back as empty placeholders (an op returns the same number of tensors every time).
+# ------------------------------------------------------------------------------------------------
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else like.new_empty(0)
+
+
+@torch.library.custom_op("playbook::linear_cross_entropy_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+            want_dx: bool, want_dw: bool, accumulate_fp32: bool,
+            chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dx, dW) for an upstream gradient of 1; dx / dW are empty when not wanted."""
+    loss, dx, dw = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx, want_dw,
+                                             accumulate_fp32, chunk)
+    return loss, _or_empty(dx, x), _or_empty(dw, weight)
+
+
+@torch.library.custom_op("playbook::linear_cross_entropy_bwd", mutates_args=())
+def _bwd_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_rows: torch.Tensor,
+            ignore_index: int, want_dx: bool, want_dw: bool, accumulate_fp32: bool,
+            chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of reduction="none": (dx, dW) with row i's gradient scaled by grad_rows[i]."""
+    _, dx, dw = linear_cross_entropy_pass(x, weight, targets, ignore_index, "none", want_dx, want_dw,
+                                          accumulate_fp32, chunk, row_scale=grad_rows)
+    return _or_empty(dx, x), _or_empty(dw, weight)
+
+
+@_fwd_op.register_fake
+def _(x, weight, targets, ignore_index, reduction, want_dx, want_dw, accumulate_fp32, chunk):
+    loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+    dx = x.new_empty(x.shape if want_dx else (0,))
+    return loss, dx, weight.new_empty(weight.shape if want_dw else (0,))
+
+
+@_bwd_op.register_fake
+def _(x, weight, targets, grad_rows, ignore_index, want_dx, want_dw, accumulate_fp32, chunk):
+    return x.new_empty(x.shape if want_dx else (0,)), weight.new_empty(weight.shape if want_dw else (0,))
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd.Function and functional API
 # ------------------------------------------------------------------------------------------------
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
@@ -174,49 +230,50 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         x, weight = x.contiguous(), weight.contiguous()
         # needs_input_grad is True under torch.no_grad() too; grad_enabled is the caller's grad mode
         want_dx, want_dw = ctx.needs_input_grad[0] and grad_enabled, ctx.needs_input_grad[1] and grad_enabled
-        ctx.args = (ignore_index, reduction, accumulate_fp32, chunk)
+        ctx.args = (ignore_index, accumulate_fp32, chunk)
+        ctx.want = (want_dx, want_dw)
         ctx.consumed = False
-        if reduction == "none" and (want_dx or want_dw):
-            # One upstream value per token, known only in backward: compute losses now, and the
-            # gradients in backward (see the module docstring).
-            loss, _, _ = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, False, False,
-                                                   accumulate_fp32, chunk)
+        # One upstream value per token (reduction="none") is known only in backward: compute the
+        # losses now, and the gradients in backward (see the module docstring).
+        ctx.deferred = reduction == "none" and (want_dx or want_dw)
+        fwd = torch.ops.playbook.linear_cross_entropy_fwd
+        if ctx.deferred:
+            loss, _, _ = fwd(x, weight, targets, ignore_index, reduction, False, False, accumulate_fp32, chunk)
             ctx.save_for_backward(x, weight, targets)
-            ctx.deferred = True
-            return loss
-        loss, dx, dw = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx, want_dw,
-                                                 accumulate_fp32, chunk)
-        ctx.deferred = False
-        ctx.save_for_backward(dx, dw)
+        else:
+            loss, dx, dw = fwd(x, weight, targets, ignore_index, reduction, want_dx, want_dw, accumulate_fp32, chunk)
+            ctx.save_for_backward(dx, dw)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
+        check_first_order("fused linear cross-entropy")
         if ctx.consumed:
             raise RuntimeError("the fused linear cross-entropy's gradients were already used by a previous "
                                "backward; run backward once per forward (retain_graph is not supported)")
         ctx.consumed = True
-        ignore_index, reduction, accumulate_fp32, chunk = ctx.args
+        ignore_index, accumulate_fp32, chunk = ctx.args
+        want_dx, want_dw = ctx.want
         if ctx.deferred:
             x, weight, targets = ctx.saved_tensors
-            _, dx, dw = linear_cross_entropy_pass(
-                x, weight, targets, ignore_index, reduction, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                accumulate_fp32, chunk, row_scale=grad_output.float().contiguous())
+            dx, dw = torch.ops.playbook.linear_cross_entropy_bwd(
+                x, weight, targets, grad_output.float().contiguous(), ignore_index, want_dx, want_dw,
+                accumulate_fp32, chunk)
         else:
             dx, dw = ctx.saved_tensors
-            # Usually grad_output is exactly 1.0 and these launches skip every row on the GPU.
-            if dx is not None:
-                scale_gradient_(dx, grad_output)
-            if dw is not None:
-                scale_gradient_(dw, grad_output)
-        return dx, dw, None, None, None, None, None, None
+            # Usually grad_output is exactly 1.0 and (in eager mode) these launches skip every row.
+            dx = scale_grad(dx, grad_output) if want_dx else dx
+            dw = scale_grad(dw, grad_output) if want_dw else dw
+        # a gradient that is not wanted is an empty placeholder: autograd gets None for it
+        return dx if want_dx else None, dw if want_dw else None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "mean", accumulate_fp32: bool = True, chunk: int | None = None):
     """cross_entropy(x @ weight.T, targets) without materialising the logits; differentiable.
 
-    x [..., H] (flattened to [N, H]), weight [V, H], targets [...] matching x's leading shape.
+    x [..., H] (flattened to [N, H]), weight [V, H], targets [...] matching x's leading shape, any
+    stride. reduction="none" returns one loss per token, flattened to [N].
     accumulate_fp32: sum the weight gradient across chunks in an fp32 buffer (V x H x 4 bytes);
     False rounds the running sum to the weight's dtype once per chunk and needs no buffer.
     chunk: tokens per chunk (default: a [chunk, V] buffer of at most CHUNK_BYTES).
@@ -240,24 +297,83 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                             bool(accumulate_fp32), chunk, torch.is_grad_enabled())
 
 
-class TritonLinearCrossEntropyLoss(nn.Module):
-    """loss(x, weight, targets) = cross-entropy of x @ weight.T (e.g. weight = model.lm_head.weight)."""
+def flops(n_tokens: int, hidden: int, vocab: int, backward: bool = True) -> int:
+    """Matmul flops of the op: 2 N H V for the logits, plus 2 N H V each for dx and dW in backward.
+    (reduction="none" recomputes the logits in backward: 8 N H V in all; this counts the ideal.)"""
+    return (6 if backward else 2) * n_tokens * hidden * vocab
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", accumulate_fp32: bool = True,
-                 chunk: int | None = None):
-        super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        self.ignore_index, self.reduction = ignore_index, reduction
-        self.accumulate_fp32, self.chunk = accumulate_fp32, chunk
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(x, weight, targets, self.ignore_index, self.reduction,
-                                    self.accumulate_fp32, self.chunk)
+def ideal_bytes(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, backward: bool = False,
+                target_dtype: torch.dtype = torch.int64) -> int:
+    """Least traffic of an ideal fused kernel: read x, W and the targets, write fp32 per-token losses;
+    with `backward`, write dx and dW once each (the logits and any accumulator stay on chip)."""
+    elt, t_elt = torch.empty((), dtype=dtype).element_size(), torch.empty((), dtype=target_dtype).element_size()
+    inputs = (n_tokens + vocab) * hidden * elt  # x and W (dx and dW have the same sizes)
+    return inputs * (2 if backward else 1) + n_tokens * (t_elt + 4)
 
-    def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"accumulate_fp32={self.accumulate_fp32}, chunk={self.chunk}")
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face drop-in: the causal LM's forward, lm_head fused with the loss
+# ------------------------------------------------------------------------------------------------
+def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                      inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """`XxxForCausalLM.forward` with the lm_head fused into the loss whenever labels are given.
+
+    With labels the [batch, seq, vocab] logits are never computed: `outputs.logits` is None and
+    `outputs.loss` comes from the fused linear cross-entropy (same shift, ignore_index and mean or
+    sum / num_items_in_batch as Hugging Face). Without labels (generation, evaluation of logits)
+    it computes the logits exactly as the original forward does.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         **kwargs)
+    hidden = outputs.last_hidden_state
+    loss = logits = None
+    if labels is not None or shift_labels is not None:
+        targets = causal_targets(labels, ignore_index, shift_labels).to(hidden.device)
+        weight = lm_head_weight(self)
+        loss = hf_reduction(lambda reduction: linear_cross_entropy(hidden, weight, targets, ignore_index, reduction),
+                            num_items_in_batch)
+    else:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """The weight the fused op multiplies by, refusing heads it would compute wrongly: a biased
+    lm_head (the op has no bias term) or one wrapped by an adapter (its update would be skipped)."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or hasattr(head, "base_layer"):
+        raise NotImplementedError(f"the fused linear cross-entropy needs a plain `lm_head` with a weight; "
+                                  f"this model's is {type(head).__name__}")
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("the fused linear cross-entropy needs a bias-free `lm_head` "
+                                  "(it computes x @ W.T); this model's lm_head has a bias")
+    return weight
+
+
+def patch_model(model) -> int:
+    """Make a Hugging Face causal LM fuse its lm_head with the loss whenever labels are given; returns 1.
+
+    The model's `forward` is replaced by `causal_lm_forward` (on this instance only).
+    """
+    model_type(model)  # a clear error for a family the kernels do not know
+    lm_head_weight(model)
+    model.forward = types.MethodType(causal_lm_forward, model)
+    return 1
+
+
+def expected_patches(config) -> int:
+    """One replacement whatever the architecture: the causal LM's forward."""
+    return 1
 
 
 # ------------------------------------------------------------------------------------------------

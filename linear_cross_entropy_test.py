@@ -9,17 +9,16 @@ in testkit.py (at most 2x PyTorch's own error, plus one ulp of the output scale)
 explains otherwise. Small chunks force the multi-chunk path at sizes the interpreter can run.
 """
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import linear_cross_entropy_kernel
+from cross_entropy_test import model_close, model_step, tiny_llama
 from kernel_utils import DEVICE
-from linear_cross_entropy_kernel import (
-    TritonLinearCrossEntropyLoss,
-    chunk_tokens,
-    linear_cross_entropy,
-    linear_cross_entropy_ref,
-)
+from linear_cross_entropy_kernel import chunk_tokens, flops, ideal_bytes, linear_cross_entropy, linear_cross_entropy_ref
 from testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
@@ -51,7 +50,7 @@ def _run(fn, x, w, t, reduction="mean", **kw):
 
 
 def _check(tag, x, w, t, reduction="mean", **kw):
-    dtype, (n, h), v = x.dtype, x.shape, w.shape[0]
+    dtype, n, v = x.dtype, x.reshape(-1, x.shape[-1]).shape[0], w.shape[0]
     ours = _run(linear_cross_entropy, x, w, t, reduction, **kw)
     same = _run(linear_cross_entropy_ref, x, w, t, reduction)  # HF's way, in this dtype
     ref = _run(linear_cross_entropy_ref, x.double(), w.double(), t, reduction)  # float64 truth
@@ -67,7 +66,7 @@ def _check(tag, x, w, t, reduction="mean", **kw):
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_matches_reference(chunk, reduction, dtype):
     """chunk=None: all 50 tokens in one chunk; 16: four chunks, the last one short (2 tokens)."""
-    x, w, t = _inputs(50, 32, 300, dtype, ignore=(3, 17, 40))
+    x, w, t = _inputs(50, 32, 131, dtype, ignore=(3, 17, 40))
     _check(f"{reduction} chunk={chunk}", x, w, t, reduction, chunk=chunk)
 
 
@@ -81,20 +80,22 @@ def test_chunking_does_not_change_loss_or_dx():
 
 
 def test_fp32_accumulation_beats_rounding_per_chunk():
-    """dW summed over 32 chunks: an fp32 accumulator must stay at one-matmul accuracy; rounding the
+    """dW summed over 16 chunks: an fp32 accumulator must stay at one-matmul accuracy; rounding the
     running sum to bf16 after every chunk must be measurably worse (else the fp32 path is not on)."""
-    x, w, t = _inputs(512, 16, 64, torch.bfloat16, seed=2)
+    chunks, chunk = 16, 2
+    x, w, t = _inputs(chunks * chunk, 16, 48, torch.bfloat16, seed=2)
     ref = _run(linear_cross_entropy_ref, x.double(), w.double(), t, "sum")
     same = _run(linear_cross_entropy_ref, x, w, t, "sum")
-    acc32 = _run(linear_cross_entropy, x, w, t, "sum", chunk=16)
-    acc16 = _run(linear_cross_entropy, x, w, t, "sum", chunk=16, accumulate_fp32=False)
-    close_to_reference("dW, 32 chunks, fp32 accumulator", acc32[2], same[2], ref[2], torch.bfloat16, n=512)
+    acc32 = _run(linear_cross_entropy, x, w, t, "sum", chunk=chunk)
+    acc16 = _run(linear_cross_entropy, x, w, t, "sum", chunk=chunk, accumulate_fp32=False)
+    close_to_reference(f"dW, {chunks} chunks, fp32 accumulator", acc32[2], same[2], ref[2], torch.bfloat16,
+                       n=chunks * chunk)
     err32 = (acc32[2].double() - ref[2]).abs().max().item()
     err16 = (acc16[2].double() - ref[2]).abs().max().item()
-    # bf16 running sum: each of the 32 additions may round by half an ulp of the sum, so its error
-    # may grow to 32 x 0.5 ulp; it stays far below that in practice but above the fp32 path.
-    bound = 32 * 0.5 * ULP[torch.bfloat16] * ref[2].abs().max().item()
-    record("dW, bf16 running sum: within 32 half-ulps", err16, bound, err16 <= bound)
+    # bf16 running sum: each of the 16 additions may round by half an ulp of the sum, so its error
+    # may grow to 16 x 0.5 ulp; it stays far below that in practice but above the fp32 path.
+    bound = chunks * 0.5 * ULP[torch.bfloat16] * ref[2].abs().max().item()
+    record(f"dW, bf16 running sum: within {chunks} half-ulps", err16, bound, err16 <= bound)
     record("dW error: fp32 accumulator < bf16 running sum", err32, err16, err32 < err16)
 
 
@@ -132,18 +133,22 @@ def test_tied_embeddings():
                        torch.float32, n=B * T)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("which", ["x", "weight"])
-def test_only_one_input_needs_grad(which):
-    """A frozen lm_head (adapters) or frozen hidden states: only the needed gradient is computed."""
+def test_only_one_input_needs_grad(which, reduction):
+    """A frozen lm_head (adapters) or frozen hidden states: only the needed gradient is computed
+    (reduction="none" computes it in backward, from the per-token upstream gradients)."""
     x, w, t = _inputs(30, 16, 100, torch.float32, seed=5, ignore=(2,))
     xg, wg = x.clone().requires_grad_(which == "x"), w.clone().requires_grad_(which == "weight")
-    linear_cross_entropy(xg, wg, t, chunk=8).backward()
+    loss = linear_cross_entropy(xg, wg, t, reduction=reduction, chunk=8)
+    (loss * _upstream(loss)).sum().backward()
     xr, wr = x.double().requires_grad_(which == "x"), w.double().requires_grad_(which == "weight")
-    linear_cross_entropy_ref(xr, wr, t).backward()
+    ref_loss = linear_cross_entropy_ref(xr, wr, t, reduction=reduction)
+    (ref_loss * _upstream(loss).double()).sum().backward()
     ours, ref = (xg.grad, xr.grad) if which == "x" else (wg.grad, wr.grad)
     other = wg.grad if which == "x" else xg.grad
     assert other is None, "the input that does not need a gradient must not get one"
-    close_to_reference(f"only {which} needs grad", ours, ref.float(), ref, torch.float32, n=100)
+    close_to_reference(f"only {which} needs grad, {reduction}", ours, ref.float(), ref, torch.float32, n=100)
 
 
 def test_ignored_all_ignored_and_out_of_range_targets():
@@ -199,13 +204,77 @@ def test_under_autocast():
     close_to_reference("autocast dW", outs[0][2], outs[1][2], ref[2] / 3, torch.bfloat16, n=40)
 
 
-def test_module_with_batch_and_sequence_dims():
+def test_batch_and_sequence_dims():
     B, T, H, V = 2, 7, 16, 130
     x, w, t = _inputs(B * T, H, V, torch.float32, seed=7, ignore=(0,))
-    loss = TritonLinearCrossEntropyLoss(reduction="none", chunk=4)(x.view(B, T, H), w, t.view(B, T))
+    loss = linear_cross_entropy(x.view(B, T, H), w, t.view(B, T), reduction="none", chunk=4)
     assert loss.shape == (B * T,), "reduction='none' returns one loss per token, flattened"
     ref = linear_cross_entropy_ref(x.double(), w.double(), t, reduction="none")
     close_to_reference("[B, T, H] inputs, per-token loss", loss, ref.float(), ref, torch.float32, n=V)
+
+
+@pytest.mark.parametrize("kind, reduction", [("column of [N, 2]", "none"), ("expanded constant", "mean"),
+                                             ("labels[:, 1:] of a batch", "mean")])
+def test_strided_targets(kind, reduction):
+    """Each chunk's kernel reads its targets with their stride: 2, 0, or a [B, T] slice."""
+    B, T, H, V = 3, 10, 16, 61
+    g = torch.Generator(device="cpu").manual_seed(11)
+    if kind == "column of [N, 2]":
+        targets = torch.randint(0, V, (B * T, 2), generator=g).to(DEVICE)[:, 1]
+    elif kind == "expanded constant":
+        targets = torch.full((1,), V - 1, device=DEVICE).expand(B * T)
+    else:
+        labels = torch.randint(0, V, (B, T + 1), generator=g).to(DEVICE)
+        labels[1, 4] = -100
+        targets = labels[:, 1:]
+    assert not targets.is_contiguous()
+    x, w, _ = _inputs(B * T, H, V, torch.float32, seed=11)
+    x = x.view(B, T, H) if targets.dim() == 2 else x
+    _check(f"targets: {kind}, {reduction}, chunks of 8", x, w, targets, reduction, chunk=8)
+
+
+def test_frozen_weight_costs_no_grad_weight_work(monkeypatch):
+    """A frozen lm_head (LoRA trains adapters beside it): no dW, no fp32 accumulator, no .grad.
+    Every allocation of the pass is watched; the same run with a trainable weight must show the
+    [V, H] fp32 accumulator, which proves the watch would see it."""
+    x, w, t = _inputs(32, 16, 96, torch.bfloat16, seed=12, ignore=(5,))
+    seen = []
+    for name in ("empty", "zeros", "empty_like", "zeros_like"):
+        original = getattr(torch, name)
+
+        def watched(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            seen.append((tuple(out.shape), out.dtype))
+            return out
+
+        monkeypatch.setattr(torch, name, watched)
+    for weight_trains in (True, False):
+        seen.clear()
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_(weight_trains)
+        linear_cross_entropy(xg, wg, t, chunk=8).backward()  # 4 chunks: the accumulator is needed
+        weight_sized = [s for s in seen if s[0] == tuple(w.shape)]
+        if weight_trains:
+            assert (tuple(w.shape), torch.float32) in weight_sized, "the watch must see the fp32 accumulator"
+            continue
+        assert wg.grad is None, "a frozen weight must get no gradient"
+        record("frozen weight: [V, H] buffers allocated", len(weight_sized), 0, not weight_sized)
+    monkeypatch.undo()
+    xr = x.double().requires_grad_()
+    linear_cross_entropy_ref(xr, w.double(), t).backward()
+    xs = x.clone().requires_grad_()
+    linear_cross_entropy_ref(xs, w, t).backward()
+    close_to_reference("frozen weight: dx", xg.grad, xs.grad, xr.grad, torch.bfloat16, n=96)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_order_gradients_raise(reduction):
+    x, w, t = _inputs(10, 8, 40, torch.float32, seed=13)
+    xg = x.clone().requires_grad_()
+    loss = linear_cross_entropy(xg, w, t, reduction=reduction, chunk=4).sum()
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        (g,) = torch.autograd.grad(loss, xg, create_graph=True)
+        (g * g).sum().backward()
+    record(f"create_graph=True, {reduction}: clear error", 0.0, 0.0, True)
 
 
 def test_backward_twice_is_refused():
@@ -257,6 +326,103 @@ def test_bad_options_give_clear_errors():
     x, w, t = _inputs(4, 8, 10, torch.float32)
     expect_error(ValueError, lambda: linear_cross_entropy(x, w, t, chunk=0))
     expect_error(ValueError, lambda: linear_cross_entropy(x, w, t, reduction="avg"))
+
+
+# ---------------------------------------------------------------------------- custom ops, compile
+def test_opcheck_every_op():
+    """torch.library.opcheck on both ops: schema, fake tensors (placeholders included), AOT
+    dispatch, autograd registration (none: autograd lives in the Function; inputs need no grad)."""
+    x, w, t = _inputs(12, 8, 30, torch.float32, seed=14, ignore=(3,))
+    row_grads = _upstream(torch.empty(12, device=DEVICE))
+    ops = torch.ops.playbook
+    cases = [
+        ("fwd, mean, dx and dW, 3 chunks", ops.linear_cross_entropy_fwd.default,
+         (x, w, t, -100, "mean", True, True, True, 5)),
+        ("fwd, none, loss only, bf16", ops.linear_cross_entropy_fwd.default,
+         (x.bfloat16(), w.bfloat16(), t, -100, "none", False, False, True, None)),
+        ("bwd, dW only", ops.linear_cross_entropy_bwd.default, (x, w, t, row_grads, -100, False, True, True, 5)),
+    ]
+    for name, op, args in cases:
+        result = torch.library.opcheck(op, args)
+        passed = all(v == "SUCCESS" for v in result.values())
+        record(f"opcheck {name}", 0.0, 0.0, passed, note="" if passed else str(result))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """One opaque op: Dynamo never reaches the mixed-dtype matmuls of the chunk loop."""
+    x, w, t = _inputs(24, 16, 60, torch.float32, seed=15, ignore=(2,))
+
+    def head_loss(a, b):
+        return linear_cross_entropy(torch.tanh(a), b, t, chunk=8) * 3
+
+    results = []
+    for fn in (head_loss, torch.compile(head_loss, fullgraph=True)):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(xg, wg)
+        loss.backward()
+        results.append((loss.detach(), xg.grad, wg.grad))
+    eager, compiled = results
+    # The same op on the same inputs; only tanh and its backward around it are inductor's code,
+    # which may differ from eager by an fp32 ulp per element (testkit's rule with torch_impl = ref).
+    for i, name in enumerate(("loss", "dx", "dW")):
+        close_to_reference(f"compiled {name}", compiled[i], eager[i], eager[i], torch.float32, n=60)
+
+
+# ---------------------------------------------------------------------------- Hugging Face model
+def test_patch_model_matches_hugging_face_and_torch_compile():
+    """patch_model fuses lm_head with the loss (1 replacement, as expected_patches says): the same
+    loss and gradients as Hugging Face, no logits with labels, logits without; torch.compile too."""
+    model = tiny_llama()
+    reference = model_step(model)
+    count = linear_cross_entropy_kernel.patch_model(model)
+    assert count == 1 == linear_cross_entropy_kernel.expected_patches(model.config)
+    eager = model_step(model)
+    assert eager[1].logits is None, "with labels the logits are never built"
+    # fp32 throughout; the fused loss sums in another order than PyTorch (and the head's matmul is
+    # split in chunks of tokens): a few fp32 ulps (2^-23 = 1.2e-7) that 2 layers of backward
+    # amplify. 1e-5 relative allows ~80 ulps, while a wrong shift, mean or missing gradient term
+    # is an O(1) relative error.
+    model_close("patched vs Hugging Face (eager)", eager, reference)
+    with torch.no_grad():
+        ids = torch.arange(12, device=DEVICE).view(2, 6)
+        logits = model(input_ids=ids).logits
+        expected = model.lm_head(model.model(input_ids=ids).last_hidden_state)
+    exactly("without labels: the usual logits", logits, expected)
+    # aot_eager: Dynamo, functionalization and the forward/backward partition without inductor's
+    # C++ compilation of the whole model (see the cross-entropy test of the same name).
+    compiled = model_step(model, torch.compile(model, backend="aot_eager"))
+    model_close("torch.compile(patched model) vs eager", compiled, eager)
+
+
+def test_patch_model_refuses_a_biased_or_wrapped_lm_head():
+    model = tiny_llama()
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    message = expect_error(NotImplementedError, linear_cross_entropy_kernel.patch_model, model)
+    assert "bias" in message
+
+    class Adapter(torch.nn.Module):  # how peft wraps a layer: the frozen layer as `base_layer`
+        def __init__(self, base_layer):
+            super().__init__()
+            self.base_layer = base_layer
+            self.weight = base_layer.weight
+
+    model.lm_head = Adapter(head)
+    expect_error(NotImplementedError, linear_cross_entropy_kernel.patch_model, model)
+
+
+def test_ideal_bytes_and_flops_match_the_docstring():
+    """The docstring's hand counts for LLaMA 3.1 8B's head at 16384 tokens, bf16."""
+    doc = linear_cross_entropy_kernel.__doc__
+    n, h, v = 16384, 4096, 128256
+    for label, backward in (("forward:", False), ("forward + backward:", True)):
+        line = next(line for line in doc.splitlines() if line.strip().startswith(label))
+        counted = int(re.search(r"= ([\d,]+) B", line).group(1).replace(",", ""))
+        computed = ideal_bytes(n, h, v, torch.bfloat16, backward=backward)
+        exactly(f"{label} {computed / 1e9:.3f} GB ({computed:,} B)", torch.tensor(computed), torch.tensor(counted))
+    exactly(f"forward + backward: 6 N H V = {flops(n, h, v) / 1e12:.1f} TFLOP", torch.tensor(flops(n, h, v)),
+            torch.tensor(3 * flops(n, h, v, backward=False)))
+    assert "6 N H V = 5.2e13 flops" in doc and abs(flops(n, h, v) - 5.2e13) < 0.05e13
 
 
 # ---------------------------------------------------------------------------- GPU-only, full size
