@@ -843,6 +843,17 @@ def run_tag(gpu: str, smoke: bool, kernels: tuple, dtype: str, sizes: list | Non
     return "_".join(parts)
 
 
+def release_memory():
+    """Between kernels: drop compiled peers and cached blocks, so one kernel's 25 GB peers (the eager
+    cross-entropy at a 256k vocabulary) do not leave the next kernel too little memory."""
+    import gc
+
+    torch._dynamo.reset()  # compiled peers hold their graphs (and inputs) alive
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", type=kernel_list, default=KERNEL_NAMES, metavar="NAMES",
@@ -885,6 +896,8 @@ def main():
         for case in spec.smoke if args.smoke else spec.cases(args.sizes):
             guarded("inputs", describe(case), lambda: rows.extend(_measure_impls(spec, case, dtype, impls)))
             print(f"  {spec.name} {describe(case)} done", flush=True)
+        del impls
+        release_memory()
     add_derived(rows, copy, mm)
     tag = run_tag(gpu, args.smoke, args.kernels, args.dtype, args.sizes)
     paths = save(rows, meta, tag)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
+from kernel_utils import DEVICE
 import lora
 import testkit
 from lora import ALL_TARGETS, apply_lora, load_adapter, merge_and_save, save_adapter, trainable_parameters
@@ -54,17 +55,6 @@ def randomize_adapters(model, seed=0):
 
 def adapter_state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
-
-
-@pytest.fixture(autouse=True)
-def _restore_hugging_face_rope():
-    """The rope kernel swaps a module-level function of transformers; undo it after each test."""
-    from model_families import SUPPORTED_MODEL_TYPES, family_module
-
-    saved = {f: family_module(f).apply_rotary_pos_emb for f in SUPPORTED_MODEL_TYPES}
-    yield
-    for f, fn in saved.items():
-        family_module(f).apply_rotary_pos_emb = fn
 
 
 def test_only_the_adapters_train():
@@ -194,13 +184,14 @@ def _same_loss_as_plain_lora(tag, patch):
     """Loss of tiny -> patch -> apply_lora against plain tiny -> apply_lora with the same base and adapter
     weights (and the float64 plain model as reference). The plain losses are computed before `patch`
     runs: a kernel may swap a function of transformers for every model. Returns the patched model."""
-    x = tokens(10)
-    plain, ref = apply_lora(tiny(seed=8), r=R), apply_lora(tiny(seed=8, dtype=torch.float64), r=R)
+    x = tokens(10).to(DEVICE)  # the kernels run where Triton runs: the GPU when there is one
+    plain, ref = (apply_lora(tiny(seed=8).to(DEVICE), r=R),
+                  apply_lora(tiny(seed=8, dtype=torch.float64).to(DEVICE), r=R))
     for m in (plain, ref):
         randomize_adapters(m, seed=9)
     with torch.no_grad():
         torch_loss, ref_loss = _loss(plain, x), _loss_float64(ref, x)
-    patched = tiny(seed=8)
+    patched = tiny(seed=8).to(DEVICE)
     patch(patched)
     patched = apply_lora(patched, r=R)
     randomize_adapters(patched, seed=9)
@@ -235,7 +226,7 @@ def test_project_kernels_then_lora():
 
     patched = _same_loss_as_plain_lora("default kernels + LoRA",
                                        lambda m: apply_kernels.apply_kernels(m, apply_kernels.DEFAULT_KERNELS))
-    x = tokens(11)
+    x = tokens(11).to(DEVICE)
     _loss(patched, x).backward()
     grads = [p.grad for n, p in patched.named_parameters() if "lora_" in n]
     assert all(g is not None and g.abs().max() > 0 for g in grads)

@@ -151,14 +151,19 @@ def training_step(model, optimizer, micro_batches, max_grad_norm: float | None =
     the mean over all target tokens of the window.
     """
     _, size = world()
-    n_items = count_targets(micro_batches).clamp_min(1)
-    if size > 1:  # every rank divides by the count of the whole job; FSDP2 averages gradients over ranks
-        torch.distributed.all_reduce(n_items)
+    extra = {}
+    if len(micro_batches) > 1 or size > 1:
+        # One micro-batch on one process: the model's own mean is already the token mean (and keeps
+        # the loss's upstream gradient at 1, which the fused losses skip rescaling for).
+        n_items = count_targets(micro_batches).clamp_min(1)
+        if size > 1:  # every rank divides by the count of the whole job; FSDP2 averages gradients over ranks
+            torch.distributed.all_reduce(n_items)
+        extra["num_items_in_batch"] = n_items
     total = None
     for batch in micro_batches:
         # Keep only the loss: holding the whole output would keep the [batch, seq, vocab] logits
         # (2.1 GB at 4 x 2048 tokens in bf16) alive through the backward pass for nothing.
-        loss = model(**batch, num_items_in_batch=n_items).loss
+        loss = model(**batch, **extra).loss
         (loss * size if size > 1 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     norm = None

@@ -40,9 +40,9 @@ def default_workload():
     """(arguments, description, lesson) for this machine."""
     data = ["--dataset", str(EXAMPLE_DATA.relative_to(HERE)), "--packing"]
     if not torch.cuda.is_available():
-        return (data + ["--model", "llama-tiny", "--steps", "30", "--lr", "1e-3", "--batch-size", "4", "--seq-len", "128",
+        return (data + ["--model", "llama-tiny", "--steps", "12", "--lr", "2e-3", "--batch-size", "2", "--seq-len", "256",
                         "--log-every", "5"],
-                "CPU: llama-tiny preset, 4 x 128 tokens, 30 steps (an interpreter run: timings mean nothing)",
+                "CPU: llama-tiny preset, 2 x 256 tokens, 12 steps (an interpreter run: timings mean nothing)",
                 "on a CPU both runs learn the same thing: compare the loss columns, not the speed")
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     big = data + ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "12", "--lr", "1e-4"]
