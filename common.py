@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -131,12 +130,4 @@ def result_path(tag: str, suffix: str = ".json", overwrite: bool = False, folder
     while path.exists() and not overwrite:
         path = folder / f"{tag}-{n}{suffix}"
         n += 1
-    return path
-
-
-def save_json(tag: str, payload: dict, overwrite: bool = False) -> Path:
-    path = result_path(tag, ".json", overwrite)
-    if path.name != f"{tag}.json":
-        log(f"results/{tag}.json exists: writing {path.name} instead (--overwrite replaces it)")
-    write_atomic(path, json.dumps(payload, indent=2, default=str))
     return path

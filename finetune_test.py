@@ -47,7 +47,7 @@ def tiny(num_layers=None, dtype=torch.float32):
 
 
 def text_data(cfg, model):
-    return training.make_run_data(cfg, model, "llama-tiny", None)
+    return training.make_run_data(cfg, model, None)
 
 
 @functools.lru_cache(maxsize=None)

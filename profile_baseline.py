@@ -62,7 +62,7 @@ def main():
     check_or_exit()
     cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=()), "profile_baseline")
     model, model_name, desc, kernel_report = prepare_model(cfg)
-    data = make_run_data(cfg, model, model_name, run_tokenizer(cfg, model_name))
+    data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
     optimizer = make_optimizer(model, cfg)
     gpu = cfg.on_gpu
 

@@ -313,7 +313,7 @@ def plot_curve(result: RunResult, path) -> None:
     plt.close(fig)
 
 
-def make_run_data(cfg, model, model_name: str, tokenizer=None):
+def make_run_data(cfg, model, tokenizer=None):
     from data import make_data
 
     kind = "dataset" if cfg.dataset else "text" if cfg.data else "synthetic"
@@ -366,7 +366,7 @@ def _train(cfg) -> dict:
     log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), bf16, on "
         f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else ""))
     tokenizer = run_tokenizer(cfg, model_name)
-    data = make_run_data(cfg, model, model_name, tokenizer)
+    data = make_run_data(cfg, model, tokenizer)
     log(f"Data: {data.describe()}")
     steps = total_steps(cfg, data)
     if steps <= cfg.warmup_steps:
