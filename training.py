@@ -360,14 +360,15 @@ def _train(cfg) -> dict:
     from tabulate import tabulate
 
     model, model_name, desc, kernel_report = prepare_model(cfg)
-    rank, size = world()
+    _, size = world()
     n_params, n_train = count_params(model), count_params(model, trainable_only=True)
     count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
     log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), bf16, on "
         f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else ""))
     tokenizer = run_tokenizer(cfg, model_name)
     data = make_run_data(cfg, model, tokenizer)
-    log(f"Data: {data.describe()}")
+    data_line = data.describe()
+    log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
     if steps <= cfg.warmup_steps:
         raise SystemExit(f"error: {steps} steps leave no timed step after --warmup-steps {cfg.warmup_steps}")
@@ -385,7 +386,7 @@ def _train(cfg) -> dict:
                        gpu=describe_gpu(cfg.device), world_size=size, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        grad_accum=cfg.grad_accum, steps=steps,
                        optimizer=cfg.optimizer + (" in backward" if cfg.optimizer_in_backward else ""),
-                       params=n_params, trainable_params=n_train, data=data.describe(), versions=versions(),
+                       params=n_params, trainable_params=n_train, data=data_line, versions=versions(),
                        config=cfg.as_dict())
     start = 0
     if cfg.resume is not None:
