@@ -180,7 +180,7 @@ def _patch_bypass(model):
             m.forward = types.MethodType(_mlp_bypassing_down_proj, m)
 
 
-def _same_loss_as_plain_lora(tag, patch):
+def _same_loss_as_plain_lora(tag, patch, after=None):
     """Loss of tiny -> patch -> apply_lora against plain tiny -> apply_lora with the same base and adapter
     weights (and the float64 plain model as reference). The plain losses are computed before `patch`
     runs: a kernel may swap a function of transformers for every model. Returns the patched model."""
@@ -195,6 +195,8 @@ def _same_loss_as_plain_lora(tag, patch):
     patch(patched)
     patched = apply_lora(patched, r=R)
     randomize_adapters(patched, seed=9)
+    if after is not None:
+        after(patched)
     with torch.no_grad():
         got = _loss(patched, x)
         with patched.disable_adapter():
@@ -231,6 +233,214 @@ def test_project_kernels_then_lora():
     grads = [p.grad for n, p in patched.named_parameters() if "lora_" in n]
     assert all(g is not None and g.abs().max() > 0 for g in grads)
     record(f"{len(grads)} adapter tensors got non-zero gradients", 0.0, 0.0, True)
+
+
+def _reference_lora(x, x_lora, weight, bias, a, b, s):
+    y = x @ weight.t() + (x_lora @ a.t()) @ b.t() * s
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("dropout,bias,train_base", [(False, False, False), (True, True, False), (False, True, True)])
+def test_fused_lora_function(dropout, bias, train_base):
+    """LoRALinearFunction against plain autograd on the same formula, in float64: output and the
+    gradients of x, the adapters A and B, and (when they are trained) the base weight and bias."""
+    g = torch.Generator().manual_seed(12)
+
+    def rnd(*shape, grad=True):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(grad)
+
+    x, weight, a, b = rnd(3, 5, 24), rnd(40, 24, grad=train_base), rnd(R, 24), rnd(40, R)
+    b_vec = rnd(40, grad=train_base) if bias else None
+    mask = (torch.rand(3, 5, 24, generator=g) > 0.25).double() / 0.75 if dropout else None
+    ours_in = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, weight, a, b)]
+    ours_bias = b_vec.detach().clone().requires_grad_(train_base) if bias else None
+    xo = ours_in[0]
+    y = lora.LoRALinearFunction.apply(xo, xo * mask if dropout else xo, ours_in[1], ours_bias, ours_in[2],
+                                      ours_in[3], 0.5)
+    ref = _reference_lora(x, x * mask if dropout else x, weight, b_vec, a, b, 0.5)
+    dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    y.backward(dy)
+    ref.backward(dy)
+    # float64 throughout; the fused order (x W^T, then += s (x A^T) B^T) only rounds differently, at
+    # ~1e-16 relative on values of size ~10: 1e-12 absolute is far above that and far below any bug
+    pairs = [("y", y, ref), ("dx", xo.grad, x.grad), ("dA", ours_in[2].grad, a.grad), ("dB", ours_in[3].grad, b.grad)]
+    if train_base:
+        pairs += [("dW", ours_in[1].grad, weight.grad), ("dbias", ours_bias.grad, b_vec.grad)]
+    else:
+        assert ours_in[1].grad is None
+    for name, got, want in pairs:
+        err = (got - want).abs().max().item()
+        record(f"fused LoRA {name} (dropout={dropout}, bias={bias}, base trained={train_base})", err, 1e-12,
+               err <= 1e-12)
+
+
+def _two_lora_models(dtype):
+    plain = apply_lora(tiny(seed=13).to(dtype), r=R)
+    fused = apply_lora(tiny(seed=13).to(dtype), r=R)
+    for m in (plain, fused):
+        randomize_adapters(m, seed=14)
+        if dtype != torch.float32:  # peft keeps adapters in fp32 whatever the base dtype
+            assert all(p.dtype == torch.float32 for n, p in m.named_parameters() if "lora_" in n)
+    assert lora.fuse_lora_layers(fused) == 7 * 2
+    return plain, fused
+
+
+def test_fused_lora_layers_match_peft():
+    """fuse_lora_layers on a tiny fp32 LoRA model: loss and every adapter gradient as peft's own
+    forward (float64 model as the reference), and the same adapter keys in the state dict."""
+    plain, fused = _two_lora_models(torch.float32)
+    ref = apply_lora(tiny(seed=13, dtype=torch.float64), r=R)
+    randomize_adapters(ref, seed=14)
+    x = tokens(15)
+    losses = [_loss(m, x) for m in (plain, fused)] + [_loss_float64(ref, x)]
+    for loss in losses:
+        loss.backward()
+    close_to_reference("fused LoRA loss vs peft (fp32)", losses[1], losses[0], losses[2], torch.float32, n=VOCAB)
+    grads = [{n: p.grad for n, p in m.named_parameters() if "lora_" in n} for m in (plain, fused, ref)]
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys() and len(grads[0]) == 28
+    for name in sorted(grads[0])[:4] + sorted(grads[0])[-4:]:
+        # an adapter gradient sums over the 2 x 24 tokens and the layer width (up to 176)
+        close_to_reference(f"d {name.split('model.')[-1]}", grads[1][name], grads[0][name], grads[2][name],
+                           torch.float32, n=176, scale=grads[2][name].abs().max().item())
+    assert adapter_state(fused).keys() == adapter_state(plain).keys()
+
+
+def test_fused_lora_bf16_keeps_no_fp32_copies():
+    """bf16 base model: peft saves an fp32 copy of every adapter's input for backward; the fused
+    path saves none (x itself is saved once, in bf16), and the loss stays within bf16 rounding of
+    peft's (which runs the adapters in fp32) and of the float64 model."""
+    plain, fused = _two_lora_models(torch.bfloat16)
+    ref = apply_lora(tiny(seed=13, dtype=torch.float64), r=R)
+    randomize_adapters(ref, seed=14)
+    x = tokens(16)
+
+    def saved_in_lora_layers(model):
+        """dtypes of the tensors the 14 LoRA layers save for backward (inside their own forward only)."""
+        seen, handles = [], []
+
+        def pack(t):
+            seen.append((t.dtype, t.numel()))
+            return t
+
+        def enter(module, args):
+            module._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            module._ctx.__enter__()
+
+        def leave(module, args, out):
+            module._ctx.__exit__(None, None, None)
+
+        peft_linear = type(model.get_base_model().model.layers[0].self_attn.q_proj)
+        for m in model.modules():
+            if type(m) is peft_linear:
+                handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+        loss = _loss(model, x)
+        for h in handles:
+            h.remove()
+        return loss, seen
+
+    plain_loss, plain_saved = saved_in_lora_layers(plain)
+    fused_loss, fused_saved = saved_in_lora_layers(fused)
+    fp32 = [n for dtype, n in plain_saved if dtype == torch.float32 and n >= 48 * 64]  # a row per token
+    assert fp32, "peft was expected to save fp32 copies of the adapter inputs"
+    bytes_saved = [sum(n * d.itemsize for d, n in saved) for saved in (plain_saved, fused_saved)]
+    record(f"LoRA layers save: peft {bytes_saved[0]:,} B ({len(fp32)} fp32 input copies), fused {bytes_saved[1]:,} B, "
+           "no fp32 per-token tensor", 0.0, 0.0,
+           not [n for d, n in fused_saved if d == torch.float32 and n >= 48 * 64] and bytes_saved[1] < bytes_saved[0])
+    with torch.no_grad():
+        ref_loss = _loss_float64(ref, x)
+    close_to_reference("fused LoRA loss vs peft (bf16 base)", fused_loss, plain_loss, ref_loss, torch.bfloat16, n=VOCAB)
+    fused_loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().max() > 0
+               for n, p in fused.named_parameters() if "lora_" in n)
+
+
+def test_fused_lora_falls_back_to_peft():
+    """What the fused path does not cover goes through peft unchanged: disabled adapters (the base
+    model's output), a merged layer, autocast."""
+    plain, fused = _two_lora_models(torch.float32)
+    x = tokens(17)
+    with torch.no_grad():
+        with fused.disable_adapter():
+            exactly("disabled adapters: the base model", fused(x).logits, tiny(seed=13)(x).logits)
+        layer = fused.get_base_model().model.layers[0].self_attn.q_proj
+        assert lora._fusable(layer, torch.zeros(1, 64), (), {}) == "default"
+        assert lora._fusable(layer, torch.zeros(1, 64), (), {"adapter_names": ["default"]}) is None
+        layer.merge()
+        assert lora._fusable(layer, torch.zeros(1, 64), (), {}) is None
+        layer.unmerge()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert lora._fusable(layer, torch.zeros(1, 64), (), {}) is None
+    record("fallbacks: disabled, mixed batch, merged, autocast", 0.0, 0.0, True)
+    assert "LoRA model" in expect_error(ValueError, lora.fuse_lora_layers, tiny())
+
+
+def test_project_kernels_then_fused_lora():
+    """The optimized scripts' LoRA: apply_kernels, apply_lora, fuse_lora_layers. The plain LoRA
+    model's loss; the MLPs take the SwiGLU + LoRA down-projection path, which keeps no h =
+    silu(gate) * up for backward; every adapter gets a gradient."""
+    import apply_kernels
+    import swiglu_kernel
+
+    fused_mlps = []
+
+    def fuse(model):
+        assert lora.fuse_lora_layers(model) == 14
+        fused_mlps.extend(m for m in model.modules()
+                          if getattr(m.forward, "__func__", None) is lora.swiglu_lora_mlp_forward)
+
+    patched = _same_loss_as_plain_lora("default kernels + fused LoRA",
+                                       lambda m: apply_kernels.apply_kernels(m, apply_kernels.DEFAULT_KERNELS), fuse)
+    assert len(fused_mlps) == 2
+    x = tokens(11).to(DEVICE)
+    widths = []
+
+    def pack(t):
+        widths.append(tuple(t.shape))
+        return t
+
+    mlp = fused_mlps[0]
+    handle_in = mlp.register_forward_pre_hook(lambda m, a: setattr(m, "_ctx", torch.autograd.graph.saved_tensors_hooks(
+        pack, lambda t: t)) or m._ctx.__enter__())
+    handle_out = mlp.register_forward_hook(lambda m, a, o: m._ctx.__exit__(None, None, None))
+    loss = _loss(patched, x)
+    handle_in.remove(), handle_out.remove()
+    # g and u are [tokens, 176] each and saved once by SwiGLUDownLoRAFunction; h would be a third
+    per_token = [shape for shape in widths if shape[:-1] == (48,) and shape[-1] == 176]
+    assert len(per_token) == 2, widths
+    record(f"fused LoRA MLP saves g and u only of the [tokens, 176] activations ({per_token})", 0.0, 0.0, True)
+    loss.backward()
+    grads = [p.grad for n, p in patched.named_parameters() if "lora_" in n]
+    assert all(g is not None and g.abs().max() > 0 for g in grads)
+    record(f"{len(grads)} adapter tensors got non-zero gradients", 0.0, 0.0, True)
+    assert swiglu_kernel.swiglu_mlp_forward is not lora.swiglu_lora_mlp_forward
+
+
+def test_swiglu_down_lora_function():
+    """SwiGLUDownLoRAFunction in fp32 against the float64 composition: output and the gradients of
+    gate, up, A and B (base weight frozen), with h recomputed in backward."""
+    g = torch.Generator().manual_seed(18)
+    gate, up = (torch.randn(30, 176, generator=g) for _ in range(2))
+    weight, a, b = torch.randn(64, 176, generator=g) / 13, torch.randn(R, 176, generator=g) / 13, torch.randn(64, R, generator=g)
+    dy = torch.randn(30, 64, generator=g)
+    ins = [t.clone().to(DEVICE).requires_grad_(True) for t in (gate, up)] + [weight.to(DEVICE)] + [
+        t.clone().to(DEVICE).requires_grad_(True) for t in (a, b)]
+    y = lora.SwiGLUDownLoRAFunction.apply(*ins, 0.5)
+    y.backward(dy.to(DEVICE))
+    ref_in = [t.double().requires_grad_(True) for t in (gate, up)] + [weight.double()] + [
+        t.double().requires_grad_(True) for t in (a, b)]
+    h = nn.functional.silu(ref_in[0]) * ref_in[1]
+    ref = h @ ref_in[2].t() + (h @ ref_in[3].t()) @ ref_in[4].t() * 0.5
+    ref.backward(dy.double())
+    # torch's fp32 composition, the "PyTorch" side of testkit's rule
+    t_in = [t.clone().requires_grad_(True) for t in (gate, up)] + [weight] + [t.clone().requires_grad_(True) for t in (a, b)]
+    th = nn.functional.silu(t_in[0]) * t_in[1]
+    tref = th @ t_in[2].t() + (th @ t_in[3].t()) @ t_in[4].t() * 0.5
+    tref.backward(dy)
+    close_to_reference("swiglu-down-LoRA y", y, tref, ref, torch.float32, n=176)
+    for i, name in ((0, "d gate"), (1, "d up"), (3, "dA"), (4, "dB")):
+        # dA sums over 30 tokens, d gate / d up over the 64 outputs (through W and B A)
+        close_to_reference(f"swiglu-down-LoRA {name}", ins[i].grad, t_in[i].grad, ref_in[i].grad, torch.float32,
+                           n=176, scale=ref_in[i].grad.abs().max().item())
 
 
 class _NoProjections(nn.Module):

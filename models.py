@@ -193,6 +193,10 @@ def prepare_model(cfg):
         from lora import apply_lora
 
         model = apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
+        if report.replaced:  # this project's kernels are on: the adapters take the fused path too
+            from lora import fuse_lora_layers
+
+            log(f"LoRA layers on the fused path (bf16 adapter matmuls, no fp32 input copies): {fuse_lora_layers(model)}")
     if cfg.compile:
         model.compile()  # compiles the forward on its first call (the warm-up steps)
         log("torch.compile: the model's forward is compiled on the first (warm-up) step")
