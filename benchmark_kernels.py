@@ -5,6 +5,8 @@
     $ python benchmark_kernels.py --kernels cross_entropy,linear_cross_entropy --dtype float16
     $ python benchmark_kernels.py --tune                       # sweep our launch settings
     $ python benchmark_kernels.py --smoke                      # tiny sizes, runs on a CPU (CI)
+    $ python benchmark_kernels.py --kernels adamw              # the optimizer step, run only when named
+    $ python benchmark_kernels.py --kernels jsd,linear_jsd     # the distillation losses, run only when named
 
 `--kernels` takes the names of apply_kernels.KERNEL_NAMES, comma-separated, or `all` (the default).
 Every kernel is one entry of the table `SPECS` below: its cases, how to build random inputs for
@@ -74,7 +76,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
+import adamw_kernel  # noqa: E402
 import cross_entropy_kernel  # noqa: E402
+import distillation_kernel  # noqa: E402
 import linear_cross_entropy_kernel  # noqa: E402
 import rmsnorm_kernel  # noqa: E402
 import rope_kernel  # noqa: E402
@@ -556,6 +560,200 @@ def _check_rope(name, fn, q, k, cos, sin):
         close_to_reference(f"rope {name} {what}", outs[0][i], outs[1][i], outs[2][i], q.dtype, n=2)
 
 
+# ---- AdamW (an optimizer step has no backward: "fwd" and "fwd+bwd" both time one step) ----------
+def _adamw_shapes(n_params):
+    """LLaMA 3.1 8B's decoder-layer tensors (q, k, v, o, gate, up, down, two norms), repeated until
+    n_params are reached (the last tensor cut short if need be); hidden 64 for --smoke's tiny sizes."""
+    h = HIDDEN if n_params >= 10**8 else 64
+    i, kv = h * INTERMEDIATE // HIDDEN, h * KV_HEADS // HEADS
+    layer = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h,), (h,)]
+    shapes, left = [], n_params
+    while left > 0:
+        for s in layer:
+            n = min(left, torch.Size(s).numel())
+            shapes.append(s if n == torch.Size(s).numel() else (n,))
+            left -= n
+            if not left:
+                break
+    return shapes
+
+
+def _adamw_cases(tokens):
+    """5 decoder layers of LLaMA 3.1 8B: 45 tensors, 1,090,560,000 parameters (--sizes does not apply)."""
+    return [dict(n_params=5 * sum(torch.Size(s).numel() for s in _adamw_shapes(10**9)[:9]))]
+
+
+def _adamw_impls():
+    return {
+        "ours": lambda params: adamw_kernel.TritonAdamW(params, lr=1e-3, weight_decay=0.1),
+        "torch-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True),
+        "torch-foreach": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True),
+    }
+
+
+def _adamw_inputs(case, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(case["n_params"] % 2**31)
+    params = [torch.randn(s, generator=g, device=DEVICE, dtype=dtype) for s in _adamw_shapes(case["n_params"])]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, device=DEVICE, dtype=dtype)
+    optimizers = {}  # one per implementation, built on its first step; all step the same tensors
+
+    def step(fn):
+        optimizers.setdefault(fn, fn(params)).step()
+
+    return Inputs(grads=[], forward=step, forward_backward=step,
+                  check=lambda name, fn: _check_adamw(name, fn, dtype))
+
+
+def _check_adamw(name, fn, dtype):
+    """Three steps on small tensors of odd shapes against PyTorch's single-tensor AdamW in float64,
+    with PyTorch's fused AdamW in `dtype` as the yardstick (testkit's rule; adamw_test.py says why)."""
+    g = torch.Generator(device="cpu").manual_seed(3)
+    shapes = [(37, 53), (129,), (5, 3, 7)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    fused = _adamw_impls()["torch-fused"]
+    runs = []
+    for make, cast in ((fn, dtype), (fused, dtype), (adamw_kernel.adamw_ref, torch.float64)):
+        params = [p.to(DEVICE, cast) for p in start]
+        opt = make(params) if make is not adamw_kernel.adamw_ref else make(params, lr=1e-3, weight_decay=0.1)
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.to(DEVICE, cast)
+            opt.step()
+        runs.append(params)
+    for i, s in enumerate(shapes):
+        close_to_reference(f"adamw {name} param {list(s)}", runs[0][i], runs[1][i], runs[2][i], dtype)
+
+
+# ---- Distillation losses (distillation_kernel.py: jsd, linear_jsd; run only when named) --------
+# A student LLaMA 3.2 1B (hidden 2048) distilled from LLaMA 3.1 8B (HIDDEN), sharing VOCAB. The JSD
+# at beta 0.5; the fused linear JSD at temperature 2, as distillation runs it.
+STUDENT_HIDDEN = 2048
+
+
+def _op_costs(op: str) -> ModuleType:
+    """distillation_kernel holds two ops: a view of it whose ideal_bytes / flops are that op's
+    (distillation_kernel.<op>_ideal_bytes, <op>_flops), the names KernelSpec calls."""
+    view = ModuleType(f"distillation_kernel.{op}")
+    view.ideal_bytes = getattr(distillation_kernel, f"{op}_ideal_bytes")
+    view.flops = getattr(distillation_kernel, f"{op}_flops", None)
+    return view
+
+
+def _liger_distillation(name):
+    """Liger-Kernel's module `name` (from liger_kernel.transformers), or None with a line saying why."""
+    if liger() is None or not ON_GPU:
+        print(f"  liger skipped: {'Liger-Kernel is not installed' if liger() is None else 'its kernels need a GPU'}")
+        return None
+    return getattr(liger(), name)
+
+
+def _jsd_eager(x, y, labels):
+    return distillation_kernel.jsd_ref(x, y, 0.5, shift_labels=labels)  # fp32 math, as TRL writes it
+
+
+def _jsd_cases(tokens):
+    return [dict(n_rows=n, vocab=VOCAB) for n in tokens or (1024, 4096, 8192, 16384)]
+
+
+def _jsd_impls():
+    impls = {"ours": lambda x, y, t: distillation_kernel.jsd(x, y, 0.5, shift_labels=t), "eager": _jsd_eager,
+             "torch.compile": compiled(_jsd_eager)}
+    module = _liger_distillation("LigerJSD")
+    if module is not None:
+        mod = module(beta=0.5)
+        impls["liger"] = lambda x, y, t: mod(x, y, t)  # Liger takes (student log q, teacher log p, shift_labels)
+    return impls
+
+
+def _jsd_inputs(case, dtype):
+    """Bf16 log-probabilities of a teacher and of a student whose logits are the teacher's plus noise;
+    every 17th token ignored. Generated on the device (three N x V tensors at N = 16384)."""
+    N, V = case["n_rows"], case["vocab"]
+    g = torch.Generator(device=DEVICE).manual_seed(N + V)
+    z = torch.randn(N, V, generator=g, device=DEVICE) * 2
+    y = F.log_softmax(z, -1).to(dtype)
+    z += torch.randn(N, V, generator=g, device=DEVICE) * 0.7
+    x = F.log_softmax(z, -1).to(dtype).requires_grad_()
+    del z
+    t = torch.randint(0, V, (N,), generator=g, device=DEVICE)
+    t[::17] = -100
+
+    def loss_only(fn):
+        with torch.no_grad():
+            fn(x, y, t)
+
+    return Inputs(grads=[x], forward=loss_only, forward_backward=lambda fn: fn(x, y, t).backward(),
+                  check=lambda name, fn: _check_jsd(name, fn, x[:256].detach(), y[:256], t[:256]))
+
+
+def _check_jsd(name, fn, x, y, t):
+    outs = []
+    for f, cast in ((fn, lambda v: v), (_jsd_eager, lambda v: v), (_jsd_eager, lambda v: v.double())):
+        xi = cast(x).clone().requires_grad_()
+        loss = f(xi, cast(y), t)
+        loss.backward()
+        outs.append((loss.detach(), xi.grad))
+    close_to_reference(f"jsd {name} loss", outs[0][0].float(), outs[1][0], outs[2][0], outs[0][0].dtype,
+                       n=x.shape[1], scale=1.0)  # scale: the terms (p log p ~ 1 a token) exceed the divergence
+    close_to_reference(f"jsd {name} grad", outs[0][1], outs[1][1], outs[2][1], x.dtype)
+
+
+def _ljsd_eager(xs, ws, xt, wt, t):
+    return distillation_kernel.linear_jsd_ref(xs, ws, xt, wt, t, beta=0.5, temperature=2.0)
+
+
+def _ljsd_cases(tokens):
+    return [dict(n_tokens=n, hidden=STUDENT_HIDDEN, teacher_hidden=HIDDEN, vocab=VOCAB)
+            for n in tokens or (4096, 8192, 16384)]
+
+
+def _ljsd_impls():
+    impls = {"ours": lambda xs, ws, xt, wt, t: distillation_kernel.linear_jsd(xs, ws, xt, wt, t, 0.5, 2.0),
+             "eager": _ljsd_eager, "torch.compile": compiled(_ljsd_eager)}
+    module = _liger_distillation("LigerFusedLinearJSD")
+    if module is not None:
+        mod = module(jsd_beta=0.5, temperature=2.0)
+        impls["liger"] = lambda xs, ws, xt, wt, t: mod(xs, ws, xt, wt, t)  # same argument order as ours
+    return impls
+
+
+def _ljsd_inputs(case, dtype):
+    N, Hs, Ht, V = case["n_tokens"], case["hidden"], case["teacher_hidden"], case["vocab"]
+    g = torch.Generator(device=DEVICE).manual_seed(N + V)
+    xs = torch.randn(N, Hs, generator=g, device=DEVICE).to(dtype).requires_grad_()
+    ws = (torch.randn(V, Hs, generator=g, device=DEVICE) * Hs**-0.5 * 2).to(dtype).requires_grad_()
+    xt = torch.randn(N, Ht, generator=g, device=DEVICE).to(dtype)
+    wt = (torch.randn(V, Ht, generator=g, device=DEVICE) * Ht**-0.5 * 2).to(dtype)  # logits ~ N(0, 2)
+    t = torch.randint(0, V, (N,), generator=g, device=DEVICE)
+    t[::17] = -100
+    n_check = min(N, 1152)  # > 1024 tokens: our default chunking takes two chunks
+
+    def loss_only(fn):
+        with torch.no_grad():
+            fn(xs, ws, xt, wt, t)
+
+    return Inputs(grads=[xs, ws], forward=loss_only, forward_backward=lambda fn: fn(xs, ws, xt, wt, t).backward(),
+                  check=lambda name, fn: _check_ljsd(name, fn, xs[:n_check].detach(), ws.detach(), xt[:n_check],
+                                                     wt, t[:n_check]))
+
+
+def _check_ljsd(name, fn, xs, ws, xt, wt, t):
+    outs = []
+    # fp32 serves as the truth, as for the fused linear cross-entropy: float64 heads would take 6 GB
+    for f, cast in ((fn, lambda v: v), (_ljsd_eager, lambda v: v), (_ljsd_eager, lambda v: v.float())):
+        xi, wi = cast(xs).clone().requires_grad_(), cast(ws).clone().requires_grad_()
+        loss = f(xi, wi, cast(xt), cast(wt), t)
+        loss.backward()
+        outs.append((loss.detach(), xi.grad, wi.grad))
+    V = ws.shape[0]
+    close_to_reference(f"linear_jsd {name} loss", outs[0][0].float(), outs[1][0].float(), outs[2][0].float(),
+                       outs[0][0].dtype, n=V, scale=1.0)
+    close_to_reference(f"linear_jsd {name} dx", outs[0][1], outs[1][1], outs[2][1], xs.dtype, n=V)
+    close_to_reference(f"linear_jsd {name} dW", outs[0][2], outs[1][2], outs[2][2], xs.dtype, n=xs.shape[0])
+
+
 # ---- The table -----------------------------------------------------------------------------------
 SPECS = {spec.name: spec for spec in (
     KernelSpec("rmsnorm", rmsnorm_kernel, _rmsnorm_cases,
@@ -575,6 +773,17 @@ SPECS = {spec.name: spec for spec in (
                smoke=(dict(n_tokens=64, n_heads=4, n_kv_heads=2, head_dim=16),),
                impls=_rope_impls, inputs=_rope_inputs, tokens="n_tokens",
                width=lambda c: c["n_heads"] * c["head_dim"]),
+    KernelSpec("adamw", adamw_kernel, _adamw_cases,
+               smoke=(dict(n_params=100_000),),
+               impls=_adamw_impls, inputs=_adamw_inputs, tokens="n_params",
+               width=lambda c: len(_adamw_shapes(c["n_params"]))),
+    KernelSpec("jsd", _op_costs("jsd"), _jsd_cases,
+               smoke=(dict(n_rows=8, vocab=1000),),
+               impls=_jsd_impls, inputs=_jsd_inputs, tokens="n_rows", width=lambda c: c["vocab"]),
+    KernelSpec("linear_jsd", _op_costs("linear_jsd"), _ljsd_cases,
+               smoke=(dict(n_tokens=24, hidden=32, teacher_hidden=48, vocab=300),),
+               impls=_ljsd_impls, inputs=_ljsd_inputs, tokens="n_tokens", width=lambda c: c["vocab"],
+               compute_bound=True),
 )}
 
 
@@ -805,11 +1014,12 @@ def kernel_list(spec: str) -> tuple:
     words = [w.strip().lower() for w in spec.split(",") if w.strip()]
     if words == ["all"]:
         return KERNEL_NAMES
-    unknown = [w for w in words if w not in KERNEL_NAMES] or ([] if words else ["(none)"])
+    # SPECS: the model's kernels (KERNEL_NAMES, 'all'), then entries that run only when named
+    unknown = [w for w in words if w not in SPECS] or ([] if words else ["(none)"])
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown kernel {', '.join(unknown)}; choose from "
-                                         f"{', '.join(KERNEL_NAMES)}, comma-separated, or 'all'")
-    return tuple(n for n in KERNEL_NAMES if n in words)
+                                         f"{', '.join(SPECS)}, comma-separated, or 'all'")
+    return tuple(n for n in SPECS if n in words)
 
 
 def token_counts(spec: str) -> list:

@@ -99,7 +99,7 @@ def test_kernel_list_and_run_tag():
     for bad in ("liger", "none", "", "rmsnorm,bogus"):  # a peer library is not a kernel here
         with pytest.raises(Exception, match="choose from"):
             bk.kernel_list(bad)
-    assert set(bk.SPECS) == set(KERNEL_NAMES)  # every registered kernel has a benchmark entry
+    assert set(KERNEL_NAMES) <= set(bk.SPECS)  # every registered kernel has a benchmark entry, and more
     gpu = "NVIDIA H200"
     assert bk.run_tag(gpu, False, KERNEL_NAMES, "bfloat16", None) == "H200"  # the names README.md links
     assert bk.run_tag(gpu, True, KERNEL_NAMES, "bfloat16", None) == "smoke"

@@ -459,5 +459,15 @@ def test_fsdp2_two_processes():
     record("2-process FSDP2 run: finite losses, job tokens/s reported", 0.0, 0.0, True)
 
 
+
+def test_attention_order():
+    """The SDPA order the scripts set on Hopper names real backends; on a CPU nothing is changed."""
+    from torch.nn.attention import SDPBackend
+
+    assert all(hasattr(SDPBackend, name) for name in models.ATTENTION_PRIORITY)
+    line = models.prefer_fast_attention(torch.device("cpu"))
+    assert "no GPU" in line and not models._attention_order
+    record(line, 0.0, 0.0, True)
+
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "Fine-tuning workflow: test report"))

@@ -58,7 +58,7 @@ def build_datasets(cfg, tokenizer):
 def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
-    from models import load_model
+    from models import load_model, prefer_fast_attention
     from training import run_tokenizer
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
@@ -67,11 +67,16 @@ def main(argv=None):
         raise SystemExit("error: finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
     model, name, desc = load_model(cfg)
     model.config.use_cache = False
+    log(prefer_fast_attention(cfg.device))
     report = apply_kernels(model, cfg.kernels, verbose=True)
-    if cfg.lora_r:
-        from lora import apply_lora
+    if cfg.fp8:
+        from models import apply_fp8
 
-        model = apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
+        apply_fp8(model)
+    if cfg.lora_r:
+        from lora import lora_from_config
+
+        model = lora_from_config(model, cfg, fuse=bool(report.replaced))
     tokenizer = run_tokenizer(cfg, name)
     train_set, eval_set = build_datasets(cfg, tokenizer)
     out = cfg.output_dir or "out/trainer"  # the Trainer needs a folder; out/ is not committed

@@ -48,6 +48,8 @@ BAD_ARGUMENTS = [  # (command-line words, what the one-line error must mention)
     (["--data", "no/such/file.txt"], "no such file"),
     (["--packing"], "need --dataset"),
     (["--lora-alpha", "16"], "need --lora-r"),
+    (["--load-in-4bit"], "need --lora-r"),
+    (["--lora-r", "8", "--load-in-4bit", "--merge-lora", "--output-dir", "x"], "4-bit weights"),
     (["--save-every", "5"], "need --output-dir"),
     (["--resume", "no/such/dir"], "no such checkpoint"),
     (["--optimizer", "adamw-fused"], "CUDA"),

@@ -9,6 +9,7 @@ depend on the machine (a GPU gets the 8B architecture at 4 x 2048 tokens, a CPU 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -48,6 +49,7 @@ class RunConfig:
     max_grad_norm: float | None
     gradient_checkpointing: bool
     compile: bool
+    fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
     kernels: tuple
     data: Path | None
     dataset: str | None
@@ -63,6 +65,7 @@ class RunConfig:
     lora_dropout: float
     lora_targets: str
     merge_lora: bool
+    load_in_4bit: bool
     seed: int
     log_every: int
     tag: str | None
@@ -146,6 +149,9 @@ def make_parser(description: str, kernels_default: tuple | None = None) -> argpa
                        help=f"comma-separated: {', '.join(KERNEL_NAMES)}; 'default' "
                             f"({','.join(DEFAULT_KERNELS)}), 'none', or a peer library ({', '.join(PEERS)})")
     m.add_argument("--compile", action="store_true", help="torch.compile the model (after the kernels)")
+    m.add_argument("--fp8", action="store_true",
+                   help="q/k/v/o and gate/up/down projections as FP8 matmuls (row-wise scales; GPUs of compute "
+                        "capability 8.9+, or the CPU for tests); lm_head and embeddings stay bf16")
     m.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer in backward (Hugging Face's; less memory, ~1/3 more compute)")
     m.add_argument("--lora-r", type=nonnegative_int, default=0, help="LoRA rank through peft; 0 = full fine-tune")
@@ -154,6 +160,8 @@ def make_parser(description: str, kernels_default: tuple | None = None) -> argpa
     m.add_argument("--lora-targets", default="all",
                    help="'all' (q,k,v,o,gate,up,down projections), 'attention', or a comma list of module names")
     m.add_argument("--merge-lora", action="store_true", help="also write the merged weights to --output-dir/merged")
+    m.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: the frozen projections in NF4 through bitsandbytes (needs --lora-r)")
 
     d = p.add_argument_group("data")
     d.add_argument("--batch-size", type=positive_int, default=None,
@@ -187,8 +195,9 @@ def make_parser(description: str, kernels_default: tuple | None = None) -> argpa
     t.add_argument("--warmup-ratio", type=fraction, default=0.0, help="learning-rate warm-up as a share of the steps")
     t.add_argument("--weight-decay", type=nonnegative_float, default=0.0,
                    help="AdamW weight decay (matrices only; norms and biases are not decayed)")
-    t.add_argument("--optimizer", choices=["adamw-fused", "adamw-foreach"], default=None,
-                   help="AdamW implementation; default fused on a GPU, foreach on a CPU")
+    t.add_argument("--optimizer", choices=["adamw-fused", "adamw-foreach", "adamw-triton"], default=None,
+                   help="AdamW implementation: PyTorch's fused or foreach, or adamw_kernel.py's (one Triton launch "
+                        "per param group); default fused on a GPU, foreach on a CPU")
     t.add_argument("--optimizer-in-backward", action="store_true",
                    help="step each parameter's AdamW inside backward as soon as its gradient exists")
     t.add_argument("--max-grad-norm", type=positive_float, default=None, help="clip gradients to this global norm")
@@ -234,14 +243,23 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
     if optimizer == "adamw-fused" and not gpu:
         raise usage_error("--optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")
+    if optimizer == "adamw-triton" and (script == "finetune_trainer" or int(os.environ.get("WORLD_SIZE", 1)) > 1):
+        raise usage_error("--optimizer adamw-triton works in the scripts' own loop on one process: the Trainer builds "
+                          "its own optimizer, and sharded (FSDP2) parameters are not supported; use adamw-fused")
     if a.optimizer_in_backward:
         clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),
                                        ("torchrun (FSDP2)", int(os.environ.get("WORLD_SIZE", 1)) > 1)) if on]
         if clash:
             raise usage_error(f"--optimizer-in-backward updates each parameter inside backward, which rules out "
                               f"{', '.join(clash)}: drop one of them")
-    if (a.lora_alpha is not None or a.lora_dropout or a.merge_lora or a.lora_targets != "all") and not a.lora_r:
-        raise usage_error("--lora-alpha, --lora-dropout, --lora-targets and --merge-lora need --lora-r")
+    if (a.lora_alpha is not None or a.lora_dropout or a.merge_lora or a.lora_targets != "all"
+            or a.load_in_4bit) and not a.lora_r:
+        raise usage_error("--lora-alpha, --lora-dropout, --lora-targets, --merge-lora and --load-in-4bit need --lora-r")
+    if a.load_in_4bit and a.merge_lora:
+        raise usage_error("--merge-lora with --load-in-4bit would fold the adapters into 4-bit weights; merge them "
+                          "into the original bf16 model instead (lora.load_adapter + lora.merge_and_save)")
+    if a.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise usage_error("--load-in-4bit needs the bitsandbytes package: pip install bitsandbytes")
     if (a.save_every or a.merge_lora) and a.output_dir is None:
         raise usage_error("--save-every and --merge-lora need --output-dir")
     if a.output_dir is not None and a.output_dir.exists() and not a.output_dir.is_dir():
@@ -263,12 +281,12 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
         seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
         grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=a.warmup_steps, lr=a.lr,
-        lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio,
+        lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio, fp8=a.fp8,
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, gradient_checkpointing=a.gradient_checkpointing, compile=a.compile,
         kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,
         eval_fraction=a.eval_fraction if a.eval_fraction is not None else (0.05 if dataset else 0.0),
         eval_every=a.eval_every, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
-        merge_lora=a.merge_lora, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
+        merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
         report_to=a.report_to)

@@ -44,10 +44,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def make_optimizer(model: nn.Module, cfg):
     kind = {"fused": True} if cfg.optimizer == "adamw-fused" else {"foreach": True}
+    adamw = torch.optim.AdamW
+    if cfg.optimizer == "adamw-triton":  # one multi-tensor Triton launch per param group
+        from adamw_kernel import TritonAdamW as adamw
+
+        kind = {}
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer_in_backward:
-        return OptimizerInBackward(groups, lambda group: torch.optim.AdamW([group], lr=cfg.lr, **kind))
-    return torch.optim.AdamW(groups, lr=cfg.lr, **kind)
+        return OptimizerInBackward(groups, lambda group: adamw([group], lr=cfg.lr, **kind))
+    return adamw(groups, lr=cfg.lr, **kind)
 
 
 class OptimizerInBackward:

@@ -1,0 +1,645 @@
+"""FP8 linear layers for training: the decoder's seven projections on FP8 tensor cores (Hopper, Blackwell).
+
+    y  = x W^T          x [M tokens, K], W [N, K]          (forward)
+    dx = dy W           dy [M, N]                          (backward, reduction over N)
+    dW = dy^T x                                            (backward, reduction over the M tokens)
+
+What you build here: Triton kernels that quantize a bf16 tensor to float8_e4m3fn with one fp32 scale
+per row (or per column, written transposed), an `autograd.Function` that runs all three matmuls of a
+linear layer as `torch._scaled_mm` on FP8 operands, and a module that replaces the q/k/v/o and
+gate/up/down projections of a Hugging Face model.
+What you learn: what a scaled FP8 matmul needs (which dimension each scale runs along, which operand
+must be column-major, the 16-element alignment), why the weight-gradient matmul needs a *different*
+quantization than the forward (its reduction runs over tokens), and how much memory the backward
+pass really keeps.
+
+Why FP8, and what it costs
+--------------------------
+An H100 or H200 multiplies FP8 operands at twice the bf16 rate (~1979 against ~989 dense TFLOPS at
+peak). The seven projections are ~87% of an 8B model's training FLOPs at 2048 tokens per sequence
+(the lm_head and attention are the rest), so once the element-wise work is fused (the other kernel
+files) they set the step's floor; FP8 lowers that floor. The price is precision:
+e4m3 keeps 3 mantissa bits, so each quantized value is off by up to 2^-4 of itself (half a step of
+2^-3), against bf16's 2^-8. The matmuls accumulate in fp32 and return bf16, and errors of many
+independent products average out along the reduction (see fp8_linear_test.py for the bounds).
+
+Scales. e4m3's largest finite value is 448. A row r of x is stored as q = x / s_r with
+s_r = amax_r / 448 (amax_r = max |x| over the row), and the matmul multiplies the scales back in:
+    y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k]
+which is exact algebra only if every scale is constant along the *reduction* dimension. Hence:
+    forward   y  = x W^T     x scaled per token row,    W per output row (both along K)
+    backward  dx = dy W      dy per token row,          W per column, i.e. along N (the out dim)
+              dW = dy^T x    dy and x both along the tokens (per column of each, over M)
+So W is quantized twice (per row for the forward, per column for dx), and x and dy once per row and
+once per column. `torch._scaled_mm(a, b, scale_a [rows of a, 1], scale_b [1, cols of b])` wants `a`
+row-major and `b` column-major: the column-quantizing kernel therefore writes its output transposed
+(xT [K, M] row-major, whose transpose is the column-major [M, K] operand), which also puts the token
+dimension last, where the dW matmul reduces over it. The matmul needs every dimension it reduces
+over, and `b`'s columns, to be multiples of 16: in_features and out_features must be, and the token
+dimension is zero-padded to a multiple of 16 inside the transposed copies (zeros add nothing to dW).
+
+Count the bytes before timing anything
+--------------------------------------
+The matmuls are compute-bound; the quantizations are pure memory traffic added around them, and
+they are what the kernels below must keep small. Quantizing an [M, K] bf16 tensor per row, written
+in PyTorch (bytes per element):
+
+    xf = x.float()                               # read 2, write 4
+    amax = xf.abs().amax(dim=1)                  # read 4, write 4; read 4
+    q = (xf * (448 / amax)[:, None])             # read 4, write 4
+    q = q.clamp(-448, 448).to(float8_e4m3fn)     # read 4, write 4; read 4, write 1
+                                                 # 39 bytes per element
+
+The row kernel reads x once and writes q once: 3 bytes per element (13x less). A per-*column* scale
+depends on every row, so no kernel can both find it and apply it while streaming a tensor larger
+than on-chip memory once. So the row kernel also takes the column maxima of what it reads (the
+tensor is in registers anyway: a few MB of fp32 partial maxima written, no extra read), and the
+column kernel reads x a second time to cast and transpose it: 3 more bytes per element. Every
+column quantization in this file follows a row quantization of the same tensor (of x and W in the
+forward, of dy in backward), so a layer never reads a tensor more than twice, and backward reads W
+and x only once each. `ideal_bytes(n_rows, n_cols, dtype, layouts)` is that count (plus the fp32
+scales); left out are the fp32 partial column maxima (one row of K per program: ~4 MB at K = 4096
+on an H200), an implementation detail.
+
+The floor at 8192 tokens of LLaMA 3.1 8B (hidden 4096) on an H200 (copy bandwidth ~4.27 TB/s):
+    per row            ideal_bytes(8192, 4096, bf16, "rows") = 100,696,064 B ->  24 us
+    rows and columns   ideal_bytes(8192, 4096, bf16, "both") = 201,375,744 B ->  47 us
+against ~140 us for the q_proj forward matmul (275 GFLOP) at the FP8 peak and ~280 us at the bf16
+peak. Per decoder layer and step (8192 tokens, the policy of `patch_model` below) the quantizations
+move ~4.0 GB of activations and ~1.3 GB for the weights (again for every micro-batch): ~1.3 ms at
+copy bandwidth, against ~5.4 ms of matmul time saved at peak rates (10.7 TFLOP per layer: 10.8 ms
+in bf16, 5.4 ms in FP8). These are estimates from peak rates; a GPU benchmark must confirm them.
+
+What backward keeps, per token and decoder layer (LLaMA 3.1 8B: H = 4096, I = 14336)
+--------------------------------------------------------------------------------------
+nn.Linear keeps its bf16 input (2 bytes per element). `Float8Linear` keeps either the same bf16
+input (`keep_fp8_input=False`; quantized per column in backward) or only its FP8 transposed copy
+and K fp32 scales (`keep_fp8_input=True`: 1 byte per element; the bf16 input is freed). The weight
+is kept as the Parameter itself (no copy), quantized per column in backward: keeping that FP8 copy
+from the forward would hold 1 byte per parameter (7 GB for 8B) from forward to backward. Which is
+better for the input depends on who else holds it, so `patch_model` chooses per projection:
+
+    input of             shared by / also kept by       bf16 nn.Linear    Float8Linear (patch_model)
+    q, k, v              one tensor, three layers       2H =  8,192 B     bf16 kept: 8,192 B (3 FP8 copies: 12,288)
+    o                    SDPA keeps its output          2H (shared)       bf16 kept: shared
+    gate, up             one tensor, two layers         2H =  8,192 B     bf16 kept: 8,192 B
+    down (h)             nothing                        2I = 28,672 B     FP8 kept: I = 14,336 B
+
+For stock nn.Linear layers that is 45,056 B per token and layer (plus o's shared input), and
+30,720 B with FP8. The fused SwiGLU (swiglu_kernel.py) keeps *no* h for a plain nn.Linear down_proj
+(it recomputes h in backward), but it only fuses when `type(mlp.down_proj) is nn.Linear`; a
+Float8Linear down_proj is called as a module instead, so with both, FP8 keeps 14,336 B per token
+and layer more than bf16 with the fused SwiGLU: 3.8 GB at 8192 tokens x 32 layers. (And the MLP then
+runs the plain SwiGLU forward op, which is as fast; what is lost is only the recomputation trick.)
+
+Layout of this file: kernels -> launchers -> custom ops -> the autograd.Function -> functional API ->
+module and `patch_model` -> references.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
+from model_families import family_classes, model_type
+
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+# A row whose largest |value| is below AMAX_FLOOR is scaled as if it were AMAX_FLOOR: all-zero rows
+# (the gradient of ignored tokens) then stay exactly zero instead of dividing by zero, and a power of
+# two keeps the scale exact. Values below ~2^-55 (2^-6, e4m3's smallest normal, times the floor's
+# scale) lose precision; bf16 training has nothing that small that matters.
+AMAX_FLOOR = 2.0**-40
+ALIGN = 16  # torch._scaled_mm: reduced dimensions and b's columns must be multiples of 16
+MAX_COLS = 65536  # one row must fit in one program's registers (the row kernel holds a whole row)
+# Hopper's FP8 tensor cores accumulate with fewer than 32 bits unless the matmul promotes partial sums
+# to fp32 now and then; "fast accumulation" skips that. Like torchao's float8 recipes, the forward
+# uses it and the two gradient matmuls (longer, more cancelling sums) do not. (The CPU ignores it.)
+FAST_ACCUM_FORWARD = True
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+# The interpreter's float -> fp8 conversion does not round to nearest even for every value (it
+# rounds half up on the first dropped bit, and flushes some subnormals); a GPU does (`cvt.rn.satfinite`).
+# On the CPU the kernels therefore round to the e4m3 grid themselves first, so that the conversion
+# is exact there and the results equal the GPU's bit for bit.
+ROUND_IN_SOFTWARE = kernel_utils.INTERPRET
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_block(
+    x,  # an fp32 block [R, C]
+    amax,  # the largest |x| of each row ([R], AXIS = 1) or of each column ([C], AXIS = 0)
+    AXIS: tl.constexpr,  # the axis the maxima were taken along
+    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+):
+    """(x / scale as float8_e4m3fn, scale) with scale = max(amax, floor) / 448 per row or column.
+
+    Scales are divided with `div_rn`, IEEE round-to-nearest: Triton's `/` on fp32 is an approximate
+    division on NVIDIA GPUs (up to 2 ulp), and the scales must match the reference bit for bit. The
+    clamp saturates at +-448 (x * (448 / amax) can land one ulp above 448) and keeps NaN: a NaN
+    input must poison its output, not turn into +-448. (The maxima skip NaN, so a NaN poisons only
+    its own element, not its row's scale.)
+    """
+    a = tl.maximum(amax, _AMAX_FLOOR)
+    scale = tl.math.div_rn(a, _FP8_MAX)
+    inv = tl.math.div_rn(_FP8_MAX, a)
+    if AXIS == 1:
+        v = x * inv[:, None]
+    else:
+        v = x * inv[None, :]
+    v = tl.where(v == v, tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX), v)  # NaN != NaN: NaN stays
+    if ROUND_IN_SOFTWARE:
+        # Round to the nearest e4m3 value, ties to even, in fp32. e4m3 has 3 mantissa bits, so near
+        # v its values are 2^(e - 3) apart (e = v's binary exponent), and 2^-9 apart below 2^-6
+        # (subnormals). Adding then subtracting 2^23 such steps makes the fp32 adder round to a
+        # multiple of the step with its own round-to-nearest-even; the cast below is then exact.
+        bits = v.to(tl.int32, bitcast=True)
+        exponent = (bits >> 23) & 0xFF  # biased by 127
+        step_exponent = tl.maximum(exponent, 127 - 6) - 3
+        big = ((step_exponent + 23) << 23).to(tl.float32, bitcast=True)  # 2^23 steps
+        r = (tl.abs(v) + big) - big
+        r = tl.where(bits < 0, -r, r)  # v's sign bit, so that -0.0 stays -0.0
+        # The interpreter's conversion keeps a NaN's top 3 mantissa bits and rounds on the 4th; only
+        # 111 then 0 (fp32 bits 0x7FF00000) arrives as e4m3's NaN.
+        v = tl.where(v == v, r, tl.full(v.shape, 0x7FF00000, tl.int32).to(tl.float32, bitcast=True))
+    return v.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _quantize_rows(
+    X,  # pointer to the input, [M, K], unit stride along K
+    Q,  # pointer to the row-quantized output, [M, K] float8_e4m3fn, contiguous
+    Scale,  # pointer to the row scales, [M] fp32
+    ColMax,  # pointer to this kernel's partial column maxima, [n_programs, K] fp32
+    stride_x,  # elements between two rows of X
+    M,  # rows (tokens, or a weight's output features)
+    K,  # row length
+    ROWS: tl.constexpr,  # rows per loop iteration
+    BLOCK_K: tl.constexpr,  # power of two >= K: a program holds whole rows
+    WRITE_ROWS: tl.constexpr,  # quantize per row and write Q and Scale
+    COL_MAX: tl.constexpr,  # also write the maxima of |x| per column over this program's rows
+    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+):
+    # Persistent: program p takes row blocks p, p + n_programs, ... and keeps a running maximum of
+    # each column in registers, written once at the end: n_programs x K partial maxima, reduced by a
+    # tiny torch.amax, instead of one atomic per element.
+    pid = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 past 149,796 rows of 14336
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    col_max = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, n_programs)):
+        rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        if COL_MAX:
+            col_max = tl.maximum(col_max, tl.max(a, axis=0))
+        if WRITE_ROWS:
+            q, scale = _quantize_block(x, tl.max(a, axis=1), 1, ROUND_IN_SOFTWARE)
+            tl.store(Q + rows[:, None] * K + cols[None, :], q, mask=mask)
+            tl.store(Scale + rows, scale, mask=row_ok)
+    if COL_MAX:
+        tl.store(ColMax + pid * K + cols, col_max, mask=col_ok)
+
+
+@triton.jit
+def _quantize_cols_transposed(
+    X,  # pointer to the input, [M, K], unit stride along K
+    QT,  # pointer to the column-quantized output, transposed: [K, M_pad] float8_e4m3fn, contiguous
+    Scale,  # pointer to the column scales, [K] fp32 (written by the programs of the first row block)
+    ColMax,  # pointer to the column maxima of |x|, [K] fp32
+    stride_x,  # elements between two rows of X
+    M,  # rows of X
+    M_pad,  # M rounded up to a multiple of 16; rows M..M_pad-1 of the output are written as zeros
+    K,  # columns of X
+    BLOCK_M: tl.constexpr,  # tile rows (becomes the contiguous dimension of the output)
+    BLOCK_K: tl.constexpr,  # tile columns
+    ROUND_IN_SOFTWARE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)  # rows past M load 0: they become the zero padding
+    q, scale = _quantize_block(x, tl.load(ColMax + cols, mask=col_ok, other=0.0), 0, ROUND_IN_SOFTWARE)
+    # The transpose: a [BLOCK_M, BLOCK_K] tile becomes [BLOCK_K, BLOCK_M], stored with M contiguous.
+    # Triton moves it through shared memory so that both the loads and the stores stay coalesced.
+    out_mask = col_ok[:, None] & (rows < M_pad)[None, :]
+    tl.store(QT + cols[:, None] * M_pad + rows[None, :], tl.trans(q), mask=out_mask)
+    if pid_m == 0:
+        tl.store(Scale + cols, scale, mask=col_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+# Launch settings. On a GPU the row kernel runs like RMSNorm's backward (~4096 values per loop
+# iteration, 16 per thread, two persistent programs per SM) and the transposing kernel on 128 x 64
+# tiles (128 fp8 bytes written contiguously per output row); neither has been tuned on a GPU yet.
+# Triton's interpreter pays per program and per loop iteration, not per element, so there the
+# blocks are as large as the data allows and the row kernel runs two programs (which keeps its
+# grid-stride loop and the reduction of partial column maxima exercised).
+ROW_TARGET_ELEMENTS = 4096
+ROW_PROGRAMS_PER_SM = 2
+COL_BLOCK_M, COL_BLOCK_K, COL_NUM_WARPS = 128, 64, 4
+
+
+def padded(m: int) -> int:
+    """The token dimension of a transposed FP8 copy: m rounded up to a multiple of 16."""
+    return (m + ALIGN - 1) // ALIGN * ALIGN
+
+
+def quantize_rows(x2: torch.Tensor, write_rows: bool = True, col_max: bool = False):
+    """One read of a 2-D [M, K] tensor (unit stride along K).
+
+    Returns (q [M, K] float8_e4m3fn, scale [M] fp32), with x ~= q * scale[:, None], if `write_rows`
+    (else two empty tensors), and the column maxima of |x| [K] (what `quantize_cols` needs) if
+    `col_max` (else None).
+    """
+    M, K = x2.shape
+    if not 1 <= K <= MAX_COLS:
+        raise ValueError(f"rows of 1 to {MAX_COLS} elements can be quantized, got {K}")
+    q = torch.empty((M, K) if write_rows else (0,), dtype=FP8_DTYPE, device=x2.device)
+    scale = torch.empty(M if write_rows else 0, dtype=torch.float32, device=x2.device)
+    block_k = next_power_of_2(K)
+    if kernel_utils.INTERPRET:
+        rows = max(1, min(256, 16384 // block_k))
+        num_warps, n_programs = 4, 2
+    else:
+        rows = max(1, min(16, ROW_TARGET_ELEMENTS // block_k))
+        num_warps = max(1, min(32, rows * block_k // (32 * 16)))
+        # Two programs of 32 warps would need two SMs' worth of threads: then one per SM, as in
+        # RMSNorm's backward (K = 14336, the MLP width, takes 32 warps).
+        n_programs = num_sms(x2.device) * (1 if num_warps >= 32 else ROW_PROGRAMS_PER_SM)
+    n_programs = max(1, min(triton.cdiv(M, rows), n_programs))
+    partial = torch.empty((n_programs, K) if col_max else (1, 1), dtype=torch.float32, device=x2.device)
+    _quantize_rows[(n_programs,)](
+        x2, q, scale, partial, x2.stride(0), M, K,
+        ROWS=rows, BLOCK_K=block_k, WRITE_ROWS=write_rows, COL_MAX=col_max,
+        ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
+    )
+    return q, scale, (partial.amax(dim=0) if col_max else None)  # a deterministic max over programs
+
+
+def quantize_cols(x2: torch.Tensor, col_max: torch.Tensor):
+    """One read of x [M, K] and its column maxima [K] (from `quantize_rows`): the column-quantized copy,
+    transposed, qT [K, padded(M)] float8_e4m3fn (zeros past M), and its scales [K] fp32, with
+    x ~= (qT * scale[:, None])[:, :M].T."""
+    M, K = x2.shape
+    m_pad = padded(M)
+    qt = torch.empty((K, m_pad), dtype=FP8_DTYPE, device=x2.device)
+    scale = torch.empty(K, dtype=torch.float32, device=x2.device)
+    block_m, block_k = COL_BLOCK_M, COL_BLOCK_K
+    if kernel_utils.INTERPRET:
+        block_m, block_k = min(256, next_power_of_2(m_pad)), min(256, next_power_of_2(K))
+    grid = (max(1, triton.cdiv(m_pad, block_m)), triton.cdiv(K, block_k))
+    _quantize_cols_transposed[grid](
+        x2, qt, scale, col_max, x2.stride(0), M, m_pad, K,
+        BLOCK_M=block_m, BLOCK_K=block_k, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=COL_NUM_WARPS,
+    )
+    return qt, scale
+
+
+def quantize(x2: torch.Tensor, rows: bool = True, cols: bool = False):
+    """Both quantizations of x [M, K] as asked: (q, row scales, qT, column scales), a layout not asked
+    for as empty tensors. Rows alone read x once; columns read it twice (maxima, then the cast), and
+    both layouts share the first read."""
+    q, s_rows, col_max = quantize_rows(x2, write_rows=rows, col_max=cols)
+    if not cols:
+        return q, s_rows, x2.new_empty(0, dtype=FP8_DTYPE), x2.new_empty(0, dtype=torch.float32)
+    return (q, s_rows, *quantize_cols(x2, col_max))
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom ops: what torch.compile and opcheck see
+# ------------------------------------------------------------------------------------------------
+# Each launcher is one opaque node for torch.compile (Dynamo never traces the Triton launch code);
+# `register_fake` gives its outputs' shapes and dtypes. Quantization has no gradient: the
+# autograd.Function below calls these ops only inside its forward and backward, where autograd is off.
+@torch.library.custom_op("playbook::fp8_quantize_rows", mutates_args=())
+def fp8_rows_op(x: torch.Tensor, write_rows: bool, col_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] fp8, scale [M], column maxima [K]); what is not asked for is empty."""
+    q, scale, cmax = quantize_rows(as_rows(x), write_rows, col_max)
+    return q, scale, cmax if col_max else x.new_empty(0, dtype=torch.float32)
+
+
+@fp8_rows_op.register_fake
+def _(x, write_rows, col_max):
+    M, K = x.shape
+    f32 = torch.float32
+    q = x.new_empty((M, K) if write_rows else (0,), dtype=FP8_DTYPE)
+    return q, x.new_empty(M if write_rows else 0, dtype=f32), x.new_empty(K if col_max else 0, dtype=f32)
+
+
+@torch.library.custom_op("playbook::fp8_quantize_cols", mutates_args=())
+def fp8_cols_op(x: torch.Tensor, col_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K], its column maxima [K] -> (qT [K, padded(M)] fp8, scale [K])."""
+    return quantize_cols(as_rows(x), col_max)
+
+
+@fp8_cols_op.register_fake
+def _(x, col_max):
+    M, K = x.shape
+    return x.new_empty((K, (M + ALIGN - 1) // ALIGN * ALIGN), dtype=FP8_DTYPE), x.new_empty(K, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# The linear layer: forward and backward as three scaled FP8 matmuls
+# ------------------------------------------------------------------------------------------------
+def _scaled_mm(a, a_scale, bt, bt_scale, fast_accum: bool) -> torch.Tensor:
+    """a [R, S] fp8 (row scales [R]) @ b, where bt [C, S] is b transposed, row-major (scales [C]).
+
+    `bt.t()` is the column-major [S, C] operand torch._scaled_mm wants, without a copy. Returns bf16:
+    the row-wise scaled matmul writes bf16 only.
+    """
+    return torch._scaled_mm(a, bt.t(), a_scale[:, None], bt_scale[None, :], out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
+class Float8LinearFunction(torch.autograd.Function):
+    """y = x W^T with FP8 operands in the forward and in both gradient matmuls.
+
+    Saved for backward (exactly): the weight Parameter itself (no copy) with its column maxima [K]
+    when dx is needed, and, when the weight needs a gradient, either the input x as given and its
+    column maxima [K] (`keep_fp8_input` False), or only xT, x's FP8 copy quantized per column and
+    transposed ([K, padded(M)], 1 byte per element), and its K fp32 scales. Nothing of x is saved
+    when the weight is frozen (LoRA): dx does not need x. The column maxima come free with the
+    forward's row quantization (the tensor is in registers anyway), so backward reads W and x once
+    each to quantize them per column.
+    """
+
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, keep_fp8_input: bool, need_input_grad: bool,
+                need_weight_grad: bool):
+        keep_fp8 = keep_fp8_input and need_weight_grad
+        xq, sx, xmax = fp8_rows_op(x2, True, need_weight_grad)
+        wq, sw, wmax = fp8_rows_op(weight, True, need_input_grad)
+        y = _scaled_mm(xq, sx, wq, sw, FAST_ACCUM_FORWARD)  # wq [N, K] is W: b = W^T, column-major
+        ctx.keep_fp8 = keep_fp8
+        if keep_fp8:
+            saved_x = fp8_cols_op(x2, xmax)  # xT and its scales; x itself is not kept
+        elif need_weight_grad:
+            saved_x = (x2, xmax)
+        else:
+            saved_x = ()
+        ctx.save_for_backward(weight, wmax, *saved_x)
+        return y.to(x2.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        if torch.is_grad_enabled():  # backward(create_graph=True): the FP8 backward has no derivative
+            raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
+                               "matmuls; use nn.Linear for double backward")
+        weight, wmax, *saved = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dy2 = as_rows(dy)
+        dyq, sdy, dymax = fp8_rows_op(dy2, need_dx, need_dw)  # rows, and the maxima for the columns
+        dx = dw = None
+        if need_dx:
+            # dx = dy W: b = W [N, K] column-major is W^T [K, N] row-major, scaled along N per column of W.
+            wqt, swt = fp8_cols_op(weight, wmax)
+            dx = _scaled_mm(dyq, sdy, wqt, swt, False).to(dy.dtype)
+        if need_dw:
+            xqt, sxt = saved if ctx.keep_fp8 else fp8_cols_op(*saved)
+            dyqt, sdyt = fp8_cols_op(dy2, dymax)
+            # dW = dy^T x: a = dyT [N, padded(M)], b = x [padded(M), K] column-major (from xT); the
+            # zero padding of both along the tokens adds nothing.
+            dw = _scaled_mm(dyqt, sdyt, xqt, sxt, False).to(weight.dtype)
+        return dx, dw, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks, and the functional API
+# ------------------------------------------------------------------------------------------------
+_probed: dict = {}
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse, with a clear message, a device that cannot run row-wise scaled FP8 matmuls.
+
+    CPU: allowed (PyTorch's CPU `_scaled_mm` is a slow reference, and the kernels run in Triton's
+    interpreter), so every test runs without a GPU. CUDA: compute capability 8.9 or newer (Ada,
+    Hopper, Blackwell), and a 16 x 16 x 16 row-wise scaled matmul is tried once per device, so that a
+    PyTorch build without that matmul for this GPU (row-wise scaling came to sm_100 and later GPUs
+    after Hopper) fails here, at set-up, in one line, instead of in the first training step.
+    """
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise RuntimeError(f"FP8 linear layers need a CUDA GPU of compute capability 8.9 or newer (or the CPU, for "
+                           f"tests); the tensors are on {device}")
+    if torch.version.hip is not None:
+        raise RuntimeError("FP8 linear layers use float8_e4m3fn, NVIDIA's FP8; ROCm GPUs (MI300: e4m3fnuz) are not "
+                           "supported: train without --fp8")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise RuntimeError(f"FP8 matmuls need compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                           f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: train without --fp8")
+    key = (device.index if device.index is not None else torch.cuda.current_device(), torch.__version__)
+    if key not in _probed:
+        a = torch.ones((ALIGN, ALIGN), device=device).to(FP8_DTYPE)
+        ones = torch.ones(ALIGN, device=device)
+        try:
+            _scaled_mm(a, ones, a, ones, False)
+            _probed[key] = None
+        except RuntimeError as err:
+            _probed[key] = (f"this PyTorch ({torch.__version__}) has no row-wise scaled FP8 matmul for "
+                            f"sm_{major}{minor} ({str(err).splitlines()[0][:160]}): train without --fp8, or "
+                            "try a newer PyTorch")
+    if _probed[key]:
+        raise RuntimeError(_probed[key])
+
+
+def unsupported_reason(in_features: int, out_features: int) -> str | None:
+    """Why a [out_features, in_features] weight cannot go through torch._scaled_mm, or None."""
+    bad = [f"{name} = {n}" for name, n in (("in_features", in_features), ("out_features", out_features)) if n % ALIGN]
+    if bad:
+        return f"{' and '.join(bad)} not a multiple of {ALIGN}, as torch._scaled_mm requires"
+    if in_features > MAX_COLS or out_features > MAX_COLS:
+        return f"a dimension above {MAX_COLS} (the quantizing kernel holds a whole row)"
+    return None
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_float("x", x)
+    check_float("weight", weight)
+    check_device(x, weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x's last dimension must equal in_features = {weight.shape[1]}, "
+                         f"got x of shape {tuple(x.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    reason = unsupported_reason(weight.shape[1], weight.shape[0])
+    if reason:
+        raise ValueError(f"FP8 linear: {reason}; keep this layer in bf16 (patch_model skips such layers)")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               keep_fp8_input: bool = True) -> torch.Tensor:
+    """F.linear(x, weight, bias) with FP8 matmuls forward and backward; any leading shape of x.
+
+    The output has x's dtype (the autocast dtype under torch.autocast) and passes through bf16 (the
+    row-wise scaled matmul writes bf16). `keep_fp8_input`: what backward keeps of x (module docstring).
+    """
+    _check_inputs(x, weight, bias)
+    if not torch.compiler.is_compiling():
+        check_fp8_device(x.device)  # cached after the first call; nothing a compiled graph needs to see
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x2 = as_rows(x.to(out_dtype))
+    if x2.shape[0] == 0:  # no tokens: an empty output, zero gradients, and no zero-sized matmul
+        y = x2 @ weight.t().to(out_dtype)
+    else:
+        grad = torch.is_grad_enabled()
+        y = Float8LinearFunction.apply(x2, weight, keep_fp8_input, grad and x2.requires_grad,
+                                       grad and weight.requires_grad)
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Module, and patching a Hugging Face model
+# ------------------------------------------------------------------------------------------------
+class Float8Linear(nn.Linear):
+    """nn.Linear whose three matmuls run in FP8; same Parameters (`weight`, `bias`), same state dict.
+
+    A subclass, so that code asking `isinstance(m, nn.Linear)` (peft's LoRA, optimizers' weight-decay
+    rules) still sees a linear layer, while code asking `type(m) is nn.Linear` (the fused SwiGLU's
+    down-projection shortcut) calls this module instead of reading its weight.
+    """
+
+    keep_fp8_input: bool = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, keep_fp8_input: bool = True) -> "Float8Linear":
+        """Wrap an existing nn.Linear, *sharing* its weight and bias Parameters (no copy)."""
+        reason = unsupported_reason(linear.in_features, linear.out_features)
+        if reason:
+            raise ValueError(f"cannot run this layer in FP8: {reason}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight  # the same Parameter objects: optimizers and FSDP keep working
+        new.bias = linear.bias
+        new.keep_fp8_input = keep_fp8_input
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.keep_fp8_input)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fp8, keep_fp8_input={self.keep_fp8_input}"
+
+
+# The decoder's projections by attribute name; Phi-3 fuses q/k/v into `qkv_proj` and gate/up into
+# `gate_up_proj`, which are converted the same way.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+# Which projections keep only their FP8 input for backward (module docstring: the others' bf16 input
+# is shared with another projection or kept by attention anyway).
+KEEP_FP8_INPUT = {"down_proj"}
+
+
+def _projections(model: nn.Module):
+    """(owner module, attribute name) of every decoder projection, found by class (LlamaAttention, ...)."""
+    blocks = family_classes("Attention") + family_classes("MLP")
+    for module in model.modules():
+        if isinstance(module, blocks):
+            for name in PROJECTIONS:
+                if isinstance(getattr(module, name, None), nn.Linear):
+                    yield module, name
+
+
+def patch_model(model: nn.Module) -> int:
+    """Replace the q/k/v/o and gate/up/down projections of every decoder layer with Float8Linear.
+
+    The lm_head and the embeddings stay in bf16 (the head's logits are the most precision-sensitive
+    matmul of the model, and an embedding is a lookup, not a matmul). A projection whose dimensions
+    torch._scaled_mm cannot take, or that is not a plain nn.Linear (an adapter, a 4-bit layer), stays
+    as it is and is named in one log line. Refuses (RuntimeError) a GPU without FP8 matmuls. Returns
+    how many projections now run in FP8; patching twice changes nothing.
+    """
+    from common import log
+
+    model_type(model)
+    for device in {p.device for p in model.parameters()}:
+        check_fp8_device(device)
+    skipped = []
+    for owner, name in list(_projections(model)):
+        linear = getattr(owner, name)
+        if isinstance(linear, Float8Linear):
+            continue
+        reason = (f"a {type(linear).__name__}, not a plain nn.Linear" if type(linear) is not nn.Linear
+                  else unsupported_reason(linear.in_features, linear.out_features))
+        if reason:
+            skipped.append(f"{name} [{linear.out_features}, {linear.in_features}]: {reason}")
+            continue
+        setattr(owner, name, Float8Linear.from_linear(linear, keep_fp8_input=name in KEEP_FP8_INPUT))
+    if skipped:
+        log(f"FP8: {len(skipped)} projection(s) stay as they are: {'; '.join(sorted(set(skipped)))}")
+    return sum(isinstance(getattr(owner, name), Float8Linear) for owner, name in _projections(model))
+
+
+def expected_patches(config) -> int:
+    """Decoder projections whose dimensions torch._scaled_mm takes: 7 per layer (4 in Phi-3, fused)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    if config.model_type == "phi3":  # (in, out) of qkv_proj, o_proj, gate_up_proj, down_proj
+        shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)]
+    else:  # q, k, v, o, gate, up, down
+        shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter),
+                  (inter, hidden)]
+    return config.num_hidden_layers * sum(unsupported_reason(i, o) is None for i, o in shapes)
+
+
+def ideal_bytes(n_rows: int, n_cols: int, dtype: torch.dtype, layouts: str = "rows") -> int:
+    """Bytes the quantizing kernels move for an [n_rows, n_cols] input of `dtype` (module docstring).
+
+    layouts: "rows" (read once, write the FP8 copy and a scale per row), "cols" (read once more, given
+    the column maxima from the row pass, write the transposed FP8 copy and a scale per column) or
+    "both" (the two passes).
+    """
+    n, e = n_rows * n_cols, dtype.itemsize
+    rows = n * (e + 1) + 4 * n_rows
+    cols = n * (e + 1) + 4 * n_cols
+    return {"rows": rows, "cols": cols, "both": rows + cols}[layouts]
+
+
+# ------------------------------------------------------------------------------------------------
+# References
+# ------------------------------------------------------------------------------------------------
+def quantize_rows_ref(x: torch.Tensor):
+    """Plain PyTorch: (q [M, K] float8_e4m3fn, scale [M] fp32) with the kernels' exact arithmetic."""
+    xf = x.float()
+    a = torch.where(xf.isnan(), 0.0, xf.abs())  # the maxima skip NaN, as the kernels' do
+    amax = (a.amax(dim=1) if xf.shape[1] else xf.new_zeros(xf.shape[0])).clamp(min=AMAX_FLOOR)
+    # Not `FP8_MAX / amax`: PyTorch computes number / tensor as reciprocal(tensor) * number, rounding twice.
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    q = (xf * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, amax / FP8_MAX
+
+
+def quantize_cols_ref(x: torch.Tensor):
+    """Plain PyTorch: (qT [K, padded(M)] float8_e4m3fn, scale [K]): x quantized per column, transposed."""
+    qt, scale = quantize_rows_ref(x.t())
+    return torch.nn.functional.pad(qt.view(torch.uint8), (0, padded(x.shape[0]) - x.shape[0])).view(FP8_DTYPE), scale
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The forward in plain PyTorch from the reference quantizers: dequantize, multiply in fp32."""
+    xq, sx = quantize_rows_ref(x)
+    wq, sw = quantize_rows_ref(weight)
+    return (xq.float() * sx[:, None]) @ (wq.float() * sw[:, None]).t()
