@@ -11,19 +11,26 @@ A kernel's name is the stem of its files: `<name>_kernel.py` holds the kernel, i
 functions it replaced) with `expected_patches(config) -> int`; `<name>_test.py` tests it. Adding a
 kernel is those two files and one line in `KERNELS` below. The same names are what
 `--kernels` takes in `profile_baseline.py`, `finetune_optimized.py` and `benchmark_kernels.py`.
+
+Families (model_families.py): llama, mistral, qwen2, qwen3, gemma, gemma2, phi3. A kernel that does
+not apply to a model (an MLP activation the fused MLP does not compute; Gemma 2's final-logit
+softcap, which the fused lm_head + loss must then apply itself) is left out, and said so in one
+line, `apply_kernels: swiglu not applied to this gemma model: ...`, and in `report.not_applied`;
+the other kernels still apply. A family no kernel knows is refused as a whole.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 
 # name -> what it replaces in a Hugging Face causal LM (printed in reports and the README's table)
 KERNELS = {
     "rmsnorm": "every RMSNorm module -> TritonRMSNorm (fused forward, one-pass backward)",
     "cross_entropy": "the loss on the logits -> fused cross-entropy (gradient written into the logits)",
     "linear_cross_entropy": "lm_head + loss -> fused linear cross-entropy (the logits are never built)",
-    "swiglu": "every MLP -> silu(gate) * up fused, recomputed in backward",
+    "swiglu": "every MLP -> act(gate) * up fused (SwiGLU, or GeGLU for Gemma), recomputed in backward",
     "rope": "the family's apply_rotary_pos_emb -> fused RoPE (forward and backward in one kernel)",
 }
 KERNEL_NAMES = tuple(KERNELS)
@@ -38,6 +45,7 @@ class KernelReport:
 
     replaced: dict  # name -> count
     peer: str | None = None
+    not_applied: dict = field(default_factory=dict)  # name -> why the kernel does not apply to this model
 
     @property
     def names(self) -> tuple:
@@ -46,9 +54,11 @@ class KernelReport:
     def describe(self) -> str:
         if self.peer:
             return f"{self.peer} (peer library)"
+        parts = [f"{name} x{count}" for name, count in self.replaced.items()]
+        parts += [f"{name} not applied" for name in self.not_applied]
         if not self.replaced:
-            return "none (plain PyTorch)"
-        return ", ".join(f"{name} x{count}" for name, count in self.replaced.items())
+            parts.insert(0, "none (plain PyTorch)")
+        return ", ".join(parts)
 
 
 def parse_kernels(spec) -> tuple:
@@ -86,33 +96,64 @@ def kernel_module(name: str):
     return importlib.import_module(f"{name}_kernel")
 
 
+def not_applicable(name: str, model) -> str | None:
+    """Why kernel `name` cannot run on this model although its family is supported, or None.
+
+    Decided before patching, from the family's architecture: Gemma 2 caps its final logits,
+    `cap * tanh(logits / cap)`, between the lm_head and the loss. The cross-entropy kernel replaces
+    only the loss and receives capped logits; the fused lm_head + loss never builds the logits, so
+    it applies only in a version that takes the cap (a `softcap` argument).
+    """
+    from model_families import final_logit_softcap
+
+    cap = final_logit_softcap(model.config)
+    if name == "linear_cross_entropy" and cap is not None:
+        fused = getattr(kernel_module(name), "linear_cross_entropy", None)
+        if fused is None or "softcap" not in inspect.signature(fused).parameters:
+            return (f"this model caps its logits before the loss (final_logit_softcapping={cap}), which this fused "
+                    f"lm_head + loss does not do; use cross_entropy, which receives the capped logits")
+    return None
+
+
 def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False) -> KernelReport:
     """Patch a Hugging Face causal LM in place with the named kernels; return what was replaced.
 
     Each replacement count is checked against the architecture (for example 2 RMSNorms per layer
     plus the final one for LLaMA): a model of an unexpected shape raises instead of training with
-    half its modules unpatched.
+    half its modules unpatched. A kernel that does not apply to this model's family (see
+    `not_applicable`, or a kernel's own NotImplementedError, raised before it patches anything) is
+    left out with a one-line message and listed in `report.not_applied`.
     """
+    from common import log
+
     names = parse_kernels(kernels)
     if names and names[0] in PEERS:
         report = KernelReport(replaced={}, peer=apply_peer(model, names[0]))
     else:
         from model_families import model_type
 
-        if names:
-            model_type(model)  # a clear error for an unsupported family before anything is patched
-        replaced = {}
+        # a clear error for an unsupported family, before anything is patched
+        kind = model_type(model) if names else None
+        replaced, not_applied = {}, {}
         for name in names:
             module = kernel_module(name)
-            count, expected = module.patch_model(model), module.expected_patches(model.config)
+            why = not_applicable(name, model)
+            if why is None:
+                try:
+                    count = module.patch_model(model)
+                except NotImplementedError as err:
+                    why = str(err)
+            if why is not None:
+                not_applied[name] = why
+                log(f"apply_kernels: {name} not applied to this {kind} model: {why}")
+                continue
+            expected = module.expected_patches(model.config)
             if count != expected:
                 raise RuntimeError(f"{name}: replaced {count}, expected {expected} for this "
                                    f"{model.config.model_type} model of {model.config.num_hidden_layers} layers")
             replaced[name] = count
-        report = KernelReport(replaced=replaced)
+        report = KernelReport(replaced=replaced, not_applied=not_applied)
     if verbose:
-        from common import log
-
         log(f"apply_kernels: {report.describe()}")
         for name in report.replaced:
             log(f"  {name:<21} {KERNELS[name]}")

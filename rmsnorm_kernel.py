@@ -42,16 +42,38 @@ device-to-device copy bandwidth is ~4.27 TB/s (bytes read + written):
     forward + backward ideal_bytes(16384, 4096, bf16, backward=True) = 671,113,216 B -> 157 us
 `benchmark_kernels.py --kernel rmsnorm` measures how close the kernels come.
 
+Three options, for the families that need them
+----------------------------------------------
+- `offset`: the weight is applied as (offset + weight). Gemma stores its norm weights around 0 and
+  uses offset=1.0; LLaMA uses 0.0. The sum is formed in fp32 inside the kernel.
+- `casting_mode`: where the result is rounded to a low-precision dtype.
+      "llama"  normalise in fp32, round to the input dtype, then multiply by the weight (LlamaRMSNorm;
+               the output has the dtype `weight * x` would have)
+      "gemma"  everything in fp32, the weight multiply included, rounded once (GemmaRMSNorm; the
+               output has the input's dtype)
+      "none"   the input dtype throughout: the inverse RMS, the normalised value, the weight and the
+               product are each rounded to it, as a norm written without `.float()` computes them.
+               Only the sum of squares stays fp32 (PyTorch's own reduction does the same).
+  The backward pass computes in fp32 in every mode, and its weight gradient multiplies dy by the
+  normalised value as the forward pass rounded it.
+- `in_place`: the backward kernel writes dx over dy's memory, saving one [rows, H] buffer. That is
+  safe only when nothing else reads this dy afterwards, which depends on the graph around the norm,
+  not on the norm: see `rmsnorm` for when it is not allowed.
+All three are `tl.constexpr` in the kernels, so the default (offset 0, "llama", out of place)
+compiles to exactly the code it did before they existed, and each other choice to its own binary.
+
 Layout of this file: kernels -> launchers -> custom ops (PyTorch operators, with their autograd)
 -> functional API -> module and `patch_model` -> reference.
 """
+
+import math
 
 import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
-from model_families import family_classes, model_type, norms_per_layer
+from model_families import family, family_classes
 
 import triton
 import triton.language as tl
@@ -79,9 +101,12 @@ def _rmsnorm_fwd(
     eps,  # added to the mean square before the square root
     BLOCK_M: tl.constexpr,  # rows per program (several when H is small, to keep programs busy)
     BLOCK_H: tl.constexpr,  # power of two >= H (blocks must have power-of-two sizes)
+    OFFSET: tl.constexpr,  # the weight is applied as OFFSET + w (0.0, or 1.0 for Gemma)
+    CASTING: tl.constexpr,  # "llama", "gemma" or "none": where the result is rounded
 ):
     # `tl.constexpr` arguments are known when the kernel is compiled: Triton builds one binary
-    # per distinct value, so block shapes can depend on them.
+    # per distinct value, so block shapes can depend on them, and an `if` on them is resolved at
+    # compile time (the branches not taken leave no trace in the binary).
     pid = tl.program_id(0).to(tl.int64)  # int64: row * stride overflows int32 on big tensors
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] row indices of this program
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H] column indices
@@ -95,13 +120,29 @@ def _rmsnorm_fwd(
     xf = x.to(tl.float32)  # accumulate in fp32 whatever the input dtype
     mean_sq = tl.sum(xf * xf, axis=1) / H  # [BLOCK_M]: a reduction along the row
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    if CASTING == "none":
+        rstd = rstd.to(x.dtype).to(tl.float32)  # the input dtype throughout: round every step
     tl.store(Rstd + rows, rstd, mask=row_ok)  # 4 bytes per row, kept for the backward pass
 
-    # Hugging Face's order of operations: normalise in fp32, round to the input dtype, *then*
-    # multiply by the weight. Rounding first keeps our output bit-compatible with LlamaRMSNorm.
-    x_hat = (xf * rstd[:, None]).to(x.dtype)
-    w = tl.load(W + cols, mask=col_ok, other=0.0)
-    y = x_hat.to(tl.float32) * w.to(tl.float32)[None, :]
+    if CASTING == "gemma":
+        # GemmaRMSNorm: the weight multiply in fp32 too, one rounding at the end.
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + OFFSET
+        y = xf * rstd[:, None] * w[None, :]
+    else:
+        # Hugging Face's LLaMA order of operations: normalise in fp32, round to the input dtype,
+        # *then* multiply by the weight. Rounding first keeps our output bit-compatible with
+        # LlamaRMSNorm. ("none" rounds the weight and the product to the input dtype as well.)
+        x_hat = (xf * rstd[:, None]).to(x.dtype)
+        w = tl.load(W + cols, mask=col_ok, other=0.0)
+        if CASTING == "none":
+            w = w.to(x.dtype)
+        if OFFSET != 0.0:
+            w = w.to(tl.float32) + OFFSET
+            if CASTING == "none":
+                w = w.to(x.dtype)
+        y = x_hat.to(tl.float32) * w.to(tl.float32)[None, :]
+        if CASTING == "none":
+            y = y.to(x.dtype)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -111,7 +152,7 @@ def _rmsnorm_bwd(
     X,  # pointer to the saved input, [n_rows, H]
     W,  # pointer to the weight, [H]
     Rstd,  # pointer to the saved inverse RMS, [n_rows], fp32
-    DX,  # pointer to the input gradient, [n_rows, H], contiguous
+    DX,  # pointer to the input gradient, [n_rows, H] (may be DY itself: see `in_place`)
     DW_partial,  # pointer to fp32 partial weight gradients, [n_programs, H]
     stride_dy,  # elements between two rows of DY
     stride_x,  # elements between two rows of X
@@ -121,6 +162,8 @@ def _rmsnorm_bwd(
     BLOCK_M: tl.constexpr,  # rows handled per loop iteration
     BLOCK_H: tl.constexpr,  # power of two >= H
     COMPUTE_DW: tl.constexpr,  # False when the weight does not require a gradient
+    OFFSET: tl.constexpr,  # the weight is applied as OFFSET + w
+    CASTING: tl.constexpr,  # "llama", "gemma" or "none", as in the forward pass
 ):
     # This kernel is *persistent*: the grid has only a few programs per SM, and each program
     # walks over row blocks pid, pid + n_programs, pid + 2 * n_programs, ... (a grid-stride loop).
@@ -130,12 +173,21 @@ def _rmsnorm_bwd(
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < H
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0)
+    if CASTING == "none":
+        w = w.to(X.dtype.element_ty)  # the weight as the forward pass rounded it
+    w = w.to(tl.float32)
+    if OFFSET != 0.0:
+        w += OFFSET
+        if CASTING == "none":
+            w = w.to(X.dtype.element_ty).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     n_blocks = tl.cdiv(n_rows, BLOCK_M)
     # Software pipelining by hand: load the first row block, then in each iteration issue the
     # loads of the *next* block before computing this one, so that memory is always busy.
+    # (When DX is DY, each program overwrites only rows it has already read: the prefetch reads
+    # the next block, never one that was written.)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     x_next = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
@@ -163,9 +215,13 @@ def _rmsnorm_bwd(
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
         if COMPUTE_DW:
-            # dW = sum over rows of dy * x_hat, with x_hat rounded to the input dtype exactly as
-            # the forward pass used it. Masked rows loaded dy = 0, so they add nothing.
-            dw_acc += tl.sum(dy * x_hat.to(x.dtype).to(tl.float32), axis=0)
+            # dW = sum over rows of dy * x_hat, with x_hat as the forward pass multiplied it by the
+            # weight: rounded to the input dtype ("llama", "none") or not ("gemma"). Masked rows
+            # loaded dy = 0, so they add nothing.
+            if CASTING == "gemma":
+                dw_acc += tl.sum(dy * x_hat, axis=0)
+            else:
+                dw_acc += tl.sum(dy * x_hat.to(x.dtype).to(tl.float32), axis=0)
 
     if COMPUTE_DW:
         tl.store(DW_partial + pid * H + cols, dw_acc, mask=col_ok)
@@ -193,12 +249,16 @@ def _num_warps(elements: int, values_per_thread: int = 16) -> int:
     return max(1, min(32, elements // (32 * values_per_thread)))
 
 
-def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float,
-                    block_m: int | None = None, num_warps: int | None = None):
+def _output_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting_mode: str) -> torch.dtype:
+    """"llama": the dtype `weight * x` would give; "gemma" and "none": the input's."""
+    return torch.promote_types(x_dtype, w_dtype) if casting_mode == "llama" else x_dtype
+
+
+def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                    casting_mode: str = "llama", block_m: int | None = None, num_warps: int | None = None):
     """x2: [rows, H] with unit stride along H. Returns y [rows, H] and rstd [rows] (fp32)."""
     n_rows, H = x2.shape
-    out_dtype = torch.promote_types(x2.dtype, weight.dtype)  # as `weight * x` would give
-    y = torch.empty((n_rows, H), dtype=out_dtype, device=x2.device)
+    y = torch.empty((n_rows, H), dtype=_output_dtype(x2.dtype, weight.dtype, casting_mode), device=x2.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     if n_rows == 0:
         return y, rstd
@@ -209,16 +269,22 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float,
     _rmsnorm_fwd[grid](
         x2, weight, y, rstd,
         x2.stride(0), y.stride(0), n_rows, H, eps,
-        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_H=block_h, OFFSET=float(offset), CASTING=casting_mode, num_warps=num_warps,
     )
     return y, rstd
 
 
-def rmsnorm_backward(dy2, x2, weight, rstd, need_dw: bool, programs_per_sm: int | None = None,
+def rmsnorm_backward(dy2, x2, weight, rstd, need_dw: bool, offset: float = 0.0, casting_mode: str = "llama",
+                     dx: torch.Tensor | None = None, programs_per_sm: int | None = None,
                      block_m: int | None = None, num_warps: int | None = None):
-    """Gradients for x (same dtype as x) and, if `need_dw`, for the weight (weight's dtype)."""
+    """Gradients for x (same dtype as x) and, if `need_dw`, for the weight (weight's dtype).
+
+    `dx`: where to write the input gradient, [rows, H] with unit stride along H (by default a new
+    tensor). Passing `dy2` itself makes the backward in place.
+    """
     n_rows, H = x2.shape
-    dx = torch.empty((n_rows, H), dtype=x2.dtype, device=x2.device)
+    if dx is None:
+        dx = torch.empty((n_rows, H), dtype=x2.dtype, device=x2.device)
     if n_rows == 0:
         dw = torch.zeros_like(weight) if need_dw else None
         return dx, dw
@@ -235,14 +301,18 @@ def rmsnorm_backward(dy2, x2, weight, rstd, need_dw: bool, programs_per_sm: int 
     _rmsnorm_bwd[(n_programs,)](
         dy2, x2, weight, rstd, dx, dw_partial,
         dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, H,
-        BLOCK_M=block_m, BLOCK_H=block_h, COMPUTE_DW=need_dw, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_H=block_h, COMPUTE_DW=need_dw, OFFSET=float(offset), CASTING=casting_mode,
+        num_warps=num_warps,
     )
     # The final reduction over programs is a tiny, deterministic torch.sum (no atomics).
     dw = dw_partial.sum(dim=0).to(weight.dtype) if need_dw else None
     return dx, dw
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+CASTING_MODES = ("llama", "gemma", "none")
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, offset: float = 0.0, casting_mode: str = "llama") -> None:
     check_float("x", x)
     check_float("weight", weight)
     check_device(x, weight)
@@ -254,6 +324,10 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
     if not 1 <= weight.shape[0] <= MAX_HIDDEN:
         raise ValueError(f"hidden size must be between 1 and {MAX_HIDDEN}, got {weight.shape[0]}")
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
+    if not math.isfinite(offset):
+        raise ValueError(f"offset must be a finite number, got {offset}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,107 +339,186 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
 # anything; `register_autograd` ties the forward operator to the backward one. The operators take
 # [rows, H] matrices with unit stride along H (the functional API below flattens for them).
 @torch.library.custom_op("playbook::rmsnorm_fwd", mutates_args=())
-def rmsnorm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, H], weight [H] -> y [rows, H], rstd [rows] (fp32)."""
-    return rmsnorm_forward(as_rows(x), weight.contiguous(), eps)
+def rmsnorm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                   casting_mode: str = "llama", in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, H], weight [H] -> y [rows, H], rstd [rows] (fp32).
+
+    `in_place` changes nothing here: it is an input so that the backward can read it."""
+    return rmsnorm_forward(as_rows(x), weight.contiguous(), eps, offset, casting_mode)
 
 
 @rmsnorm_fwd_op.register_fake
-def _(x, weight, eps):
-    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _(x, weight, eps, offset=0.0, casting_mode="llama", in_place=False):
+    y = x.new_empty(x.shape, dtype=_output_dtype(x.dtype, weight.dtype, casting_mode))
     return y, x.new_empty(x.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("playbook::rmsnorm_bwd", mutates_args=())
 def rmsnorm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                   need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   need_dw: bool, offset: float = 0.0,
+                   casting_mode: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
     """dx [rows, H] and dW [H] (an empty tensor when not `need_dw`: an operator returns tensors)."""
-    dx, dw = rmsnorm_backward(as_rows(dy), as_rows(x), weight.contiguous(), rstd, need_dw)
+    dx, dw = rmsnorm_backward(as_rows(dy), as_rows(x), weight.contiguous(), rstd, need_dw, offset, casting_mode)
     return dx, dw if need_dw else weight.new_empty(0)
 
 
 @rmsnorm_bwd_op.register_fake
-def _(dy, x, weight, rstd, need_dw):
+def _(dy, x, weight, rstd, need_dw, offset=0.0, casting_mode="llama"):
     return x.new_empty(x.shape), weight.new_empty(weight.shape if need_dw else 0)
 
 
+# The in-place backward is an operator of its own that *declares* that it writes into dy
+# (`mutates_args`): an operator's output may not alias its input, and a write that PyTorch is not
+# told about would go unseen by torch.compile and by autograd's checks of saved tensors.
+@torch.library.custom_op("playbook::rmsnorm_bwd_in_place", mutates_args=("dy",))
+def rmsnorm_bwd_in_place_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                            need_dw: bool, offset: float = 0.0, casting_mode: str = "llama") -> torch.Tensor:
+    """Writes dx over dy (contiguous [rows, H], x's dtype); returns dW (empty when not `need_dw`)."""
+    _, dw = rmsnorm_backward(dy, as_rows(x), weight.contiguous(), rstd, need_dw, offset, casting_mode, dx=dy)
+    return dw if need_dw else weight.new_empty(0)
+
+
+@rmsnorm_bwd_in_place_op.register_fake
+def _(dy, x, weight, rstd, need_dw, offset=0.0, casting_mode="llama"):
+    return weight.new_empty(weight.shape if need_dw else 0)
+
+
 def _setup_context(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, _, offset, casting_mode, in_place = inputs
     ctx.save_for_backward(x, weight, output[1])  # x, not y: the backward needs x and rstd
     ctx.mark_non_differentiable(output[1])
+    ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
+
+
+def _can_overwrite(dy: torch.Tensor, x: torch.Tensor) -> bool:
+    """dx may be written over dy when dy has dx's dtype and its own dense memory (not an expanded,
+    stride-0 gradient, whose rows share memory), and when this backward is not itself being
+    differentiated (`create_graph=True`: then the out-of-place operator refuses, clearly)."""
+    return (dy.dtype == x.dtype and dy.shape == x.shape and dy.is_contiguous()
+            and not torch.is_grad_enabled() and not dy.requires_grad)
 
 
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = rmsnorm_bwd_op(dy, x, weight, rstd, need_dw)
-    return dx if need_dx else None, dw if need_dw else None, None
+    if ctx.in_place and need_dx and _can_overwrite(dy, x):
+        dw = rmsnorm_bwd_in_place_op(dy, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode)
+        dx = dy  # now holds dx
+    else:
+        dx, dw = rmsnorm_bwd_op(dy, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode)
+    return dx if need_dx else None, dw if need_dw else None, None, None, None, None
 
 
 rmsnorm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-refuse_double_backward(rmsnorm_bwd_op, "rmsnorm")
+refuse_double_backward(rmsnorm_bwd_op, "rmsnorm")  # (the in-place one only runs with gradients off)
 
 
 # ------------------------------------------------------------------------------------------------
 # Functional API, module, patching a Hugging Face model
 # ------------------------------------------------------------------------------------------------
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Fused RMSNorm over the last dimension of `x` (any leading shape); differentiable once."""
-    _check_inputs(x, weight)
-    y, _ = rmsnorm_fwd_op(as_rows(x), weight, float(eps))
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
+            casting_mode: str = "llama", in_place: bool = False) -> torch.Tensor:
+    """Fused RMSNorm over the last dimension of `x` (any leading shape); differentiable once.
+
+    offset: the weight is applied as (offset + weight): 1.0 for Gemma, whose weights are stored
+        around 0, 0.0 otherwise.
+    casting_mode: "llama" (LlamaRMSNorm's rounding), "gemma" (GemmaRMSNorm's) or "none" (the input
+        dtype throughout); see the module docstring.
+    in_place: the backward pass writes dx over the memory of dy, the gradient it receives, instead
+        of a new [rows, H] buffer. It falls back to a new buffer by itself when dy cannot hold dx (a
+        dtype other than x's, as with fp32 weights and bf16 x in "llama" mode; an expanded or
+        strided gradient). It is *not allowed* when anything else reads that same dy tensor after
+        this backward, which the norm cannot see. That happens when
+          - the norm's output is added to another tensor (`residual + norm(h)`, Gemma 2's post
+            norms): autograd hands the addition's gradient, one tensor, to both of its inputs, so
+            the other input would receive dx instead of dy;
+          - you pass your own tensor to `y.backward(dy)` and use it afterwards (it is overwritten);
+          - the graph is run backward twice (`retain_graph=True`) and the gradient that reaches
+            the norm is a tensor kept by the graph.
+        A norm whose output feeds only matrix multiplications (the q/k/v or gate/up projections,
+        the lm_head) receives a fresh gradient and can run in place; `patch_model(in_place=True)`
+        does so for exactly those norms.
+    """
+    _check_inputs(x, weight, offset, casting_mode)
+    y, _ = rmsnorm_fwd_op(as_rows(x), weight, float(eps), float(offset), casting_mode, bool(in_place))
     return y.view(x.shape)
 
 
 class TritonRMSNorm(nn.Module):
-    """Drop-in replacement for `LlamaRMSNorm` (same parameter name, `weight`, and same numerics)."""
+    """Drop-in replacement for `LlamaRMSNorm` (same parameter name, `weight`, and same numerics);
+    with `offset=1.0, casting_mode="gemma"` for `GemmaRMSNorm`. See `rmsnorm` for the options."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, offset: float = 0.0,
+                 casting_mode: str = "llama", in_place: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        # (offset + weight) starts at 1: ones for LLaMA, zeros for Gemma's offset of 1.
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
         self.variance_epsilon = eps
+        self.offset, self.casting_mode, self.in_place = float(offset), casting_mode, bool(in_place)
 
     @classmethod
-    def from_llama_rmsnorm(cls, module: nn.Module) -> "TritonRMSNorm":
+    def from_module(cls, module: nn.Module, *, offset: float = 0.0, casting_mode: str = "llama",
+                    in_place: bool = False) -> "TritonRMSNorm":
         """Wrap an existing RMSNorm module, *sharing* its weight Parameter (no copy).
 
         Sharing matters: an optimizer built before the swap, a tied weight, or an FSDP-sharded
-        parameter keep pointing at the same tensor.
+        parameter keep pointing at the same tensor. The options say how the module computes:
+        `offset=1.0, casting_mode="gemma"` for GemmaRMSNorm and Gemma2RMSNorm.
         """
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None:
             raise TypeError(f"{type(module).__name__} has no `variance_epsilon` or `eps` attribute")
+        if casting_mode not in CASTING_MODES:
+            raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.weight = module.weight  # the same Parameter object
         new.variance_epsilon = float(eps)
+        new.offset, new.casting_mode, new.in_place = float(offset), casting_mode, bool(in_place)
         return new
 
+    @classmethod
+    def from_llama_rmsnorm(cls, module: nn.Module) -> "TritonRMSNorm":
+        """`from_module` with LlamaRMSNorm's numerics (offset 0, "llama" casting, out of place)."""
+        return cls.from_module(module)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, self.weight, self.variance_epsilon)
+        return rmsnorm(x, self.weight, self.variance_epsilon, offset=self.offset, casting_mode=self.casting_mode,
+                       in_place=self.in_place)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        extra = f", offset={self.offset}" if self.offset else ""
+        extra += f", casting_mode={self.casting_mode!r}" if self.casting_mode != "llama" else ""
+        extra += ", in_place=True" if self.in_place else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{extra}"
 
 
-def patch_model(model: nn.Module) -> int:
+def patch_model(model: nn.Module, in_place: bool = False) -> int:
     """Replace every RMSNorm module of a Hugging Face causal LM with a TritonRMSNorm sharing its weight.
 
-    Modules are found by class (LlamaRMSNorm, Qwen3RMSNorm, ...), never by name. Returns how many
-    norms now run the kernel; patching twice replaces nothing more and returns the same count.
+    Modules are found by class (LlamaRMSNorm, GemmaRMSNorm, ...), never by name; the family table
+    (model_families.py) says how the family's norm computes (Gemma: offset 1, "gemma" casting).
+    `in_place=True` runs the backward in place in every norm except those whose output is added
+    to the residual stream (Gemma 2's post-attention and post-feed-forward norms), where it is not
+    allowed (see `rmsnorm`). Returns how many norms now run the kernel; patching twice replaces
+    nothing more and returns the same count.
     """
-    model_type(model)  # a clear error for a family the kernels do not know
-    classes = family_classes("RMSNorm")
+    fam = family(model)  # a clear error for a family the kernels do not know
+    classes = family_classes("RMSNorm", model.config.model_type)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, TritonRMSNorm.from_llama_rmsnorm(module))
+        setattr(parent, child, TritonRMSNorm.from_module(
+            module, offset=fam.norm_offset, casting_mode=fam.norm_casting,
+            in_place=in_place and child not in fam.residual_norms))
     return sum(isinstance(m, TritonRMSNorm) for m in model.modules())
 
 
 def expected_patches(config) -> int:
-    """RMSNorms in the architecture: 2 per layer (4 in Qwen3, with its q/k norms) plus the final one."""
-    return norms_per_layer(config) * config.num_hidden_layers + 1
+    """RMSNorms in the architecture: 2 per layer (4 in Qwen3, with its q/k norms, and in Gemma 2,
+    with its pre/post feed-forward norms) plus the final one."""
+    return family(config).norms_per_layer * config.num_hidden_layers + 1
 
 
 def ideal_bytes(n_rows: int, hidden: int, dtype: torch.dtype, backward: bool = False) -> int:
@@ -382,10 +535,18 @@ def ideal_bytes(n_rows: int, hidden: int, dtype: torch.dtype, backward: bool = F
 # ------------------------------------------------------------------------------------------------
 # Reference
 # ------------------------------------------------------------------------------------------------
-def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Plain PyTorch, exactly as Hugging Face's LlamaRMSNorm computes it."""
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+                casting_mode: str = "llama") -> torch.Tensor:
+    """Plain PyTorch: Hugging Face's LlamaRMSNorm ("llama"), GemmaRMSNorm ("gemma", offset=1.0), or
+    the same formula in the input dtype ("none"). The fp32 steps run in float64 for float64 input,
+    so that a float64 call is a float64 reference."""
     input_dtype = x.dtype
-    xf = x.to(torch.float32)
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    xf = xf * torch.rsqrt(variance + eps)
-    return weight * xf.to(input_dtype)
+    if casting_mode == "none":
+        w = weight.to(input_dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + w)
+    compute = torch.promote_types(input_dtype, torch.float32)
+    xf = x.to(compute)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting_mode == "gemma":
+        return (xf * (offset + weight.to(compute))).to(input_dtype)
+    return (offset + weight) * xf.to(input_dtype) if offset else weight * xf.to(input_dtype)

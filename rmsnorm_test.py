@@ -6,11 +6,14 @@
 Without a GPU the kernels run in Triton's interpreter at small sizes; with one, the same tests also
 run the LLaMA 3.1 8B shape (4096 tokens x hidden 4096) compiled. Tolerances follow the rule in
 testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+The options (Gemma's weight offset, the "llama", "gemma" and "none" casting modes, the in-place
+backward) are checked the same way, and against transformers' LlamaRMSNorm and GemmaRMSNorm.
 Then the kernel as a PyTorch operator (opcheck, torch.compile, no double backward), its patch of
 Hugging Face models, and its byte count.
 """
 
 import copy
+import functools
 import types
 
 import pytest
@@ -18,24 +21,28 @@ import torch
 
 import rmsnorm_kernel
 from kernel_utils import DEVICE
-from rmsnorm_kernel import (MAX_HIDDEN, TritonRMSNorm, expected_patches, ideal_bytes, patch_model, rmsnorm,
-                            rmsnorm_bwd_op, rmsnorm_fwd_op, rmsnorm_ref)
+from rmsnorm_kernel import (CASTING_MODES, MAX_HIDDEN, TritonRMSNorm, expected_patches, ideal_bytes, patch_model,
+                            rmsnorm, rmsnorm_bwd_in_place_op, rmsnorm_bwd_op, rmsnorm_fwd_op, rmsnorm_ref)
 from testkit import close_to_reference, expect_error, exactly, random_like_grad, record, run_as_script
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ON_GPU = DEVICE.type == "cuda"
 
 
-def _inputs(shape, dtype, seed=0, device=DEVICE):
+def _inputs(shape, dtype, seed=0, device=DEVICE, offset=0.0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     # Non-zero mean and a spread of magnitudes: a plain randn would hide an eps or mean bug less
     x = (torch.randn(shape, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
-    w = (torch.rand(shape[-1], generator=g) + 0.5).to(device=device, dtype=dtype)  # never all ones
+    # never all ones; (offset + w) in [0.5, 1.5], so with Gemma's offset of 1 the weights sit around 0
+    w = (torch.rand(shape[-1], generator=g) + 0.5 - offset).to(device=device, dtype=dtype)
     return x, w
 
 
-def _check_all(tag, x, w, eps=1e-6, seed=1, dy=None, grad_x=True, grad_w=True):
-    """Forward, dx and dW of ours vs float64 reference vs PyTorch in the same dtype."""
+def _check_all(tag, x, w, eps=1e-6, seed=1, dy=None, grad_x=True, grad_w=True, **options):
+    """Forward, dx and dW of ours vs float64 reference vs PyTorch in the same dtype.
+
+    `options` (offset, casting_mode) go to both the kernel and the reference. Returns our
+    (y, dx, dW), computed out of place."""
     dtype = x.dtype
     if dy is None:
         dy = random_like_grad(x.new_empty(x.shape[:-1] + (w.shape[0],)), seed=seed)
@@ -47,23 +54,27 @@ def _check_all(tag, x, w, eps=1e-6, seed=1, dy=None, grad_x=True, grad_w=True):
         y.backward(cast(dy))
         return y, xi.grad, wi.grad
 
-    ours = run(rmsnorm, lambda t: t)
-    torch_same = run(rmsnorm_ref, lambda t: t)
-    ref = run(rmsnorm_ref, lambda t: t.double())
+    ref_options = {k: v for k, v in options.items() if k != "in_place"}
+    ours = run(functools.partial(rmsnorm, **options), lambda t: t)
+    torch_same = run(functools.partial(rmsnorm_ref, **ref_options), lambda t: t)
+    ref = run(functools.partial(rmsnorm_ref, **ref_options), lambda t: t.double())
 
-    assert ours[0].dtype == dtype and ours[0].shape == x.shape
+    assert ours[0].shape == x.shape
+    assert ours[0].dtype == torch_same[0].dtype, f"output dtype {ours[0].dtype}, PyTorch gives {torch_same[0].dtype}"
     H, rows = x.shape[-1], x.numel() // max(x.shape[-1], 1)
     # dx = rstd * (dy * w - x_hat * mean(dy * w * x_hat)) can cancel to ~0 (always, for H = 1):
     # measure its error against the size of the terms, rstd * |dy * w|, not against the result.
     xd = x.detach().double()
     rstd = torch.rsqrt(xd.pow(2).mean(-1) + eps).max().item() if x.numel() else 0.0
-    dx_scale = rstd * (dy.double().abs().max().item() if dy.numel() else 0.0) * w.double().abs().max().item()
+    w_max = (w.double() + options.get("offset", 0.0)).abs().max().item()
+    dx_scale = rstd * (dy.double().abs().max().item() if dy.numel() else 0.0) * w_max
     checks = [("y", H, None), ("dx", H, dx_scale), ("dW", rows, None)]
     for (what, n, scale), o, t, r in zip(checks, ours, torch_same, ref):
         if r is None:
             assert o is None, f"{what} should not have been computed"
             continue
         close_to_reference(f"{tag} {what}", o, t, r, dtype, n=n, scale=scale)
+    return ours
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,6 +146,102 @@ def test_frozen_weight_and_frozen_input():
     _check_all("frozen input", x, w, grad_x=False)
 
 
+# (casting_mode, offset): LLaMA's and Gemma's norms first, then the other combinations
+OPTIONS = [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("llama", 1.0), ("gemma", 0.0), ("none", 1.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting_mode, offset", OPTIONS)
+@pytest.mark.parametrize("shape", [(19, 123), (2, 3, 257)])
+def test_casting_modes_and_offset(shape, casting_mode, offset, dtype):
+    """Each casting mode, with and without an offset, against PyTorch computing the same formula;
+    then the in-place backward, which must give bitwise the out-of-place gradients, in dy's memory."""
+    x, w = _inputs(shape, dtype, offset=offset)
+    tag = f"{casting_mode}, offset {offset:g}, {list(shape)}"
+    y, dx, dw = _check_all(tag, x, w, casting_mode=casting_mode, offset=offset)
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y2 = rmsnorm(xi, wi, 1e-6, casting_mode=casting_mode, offset=offset, in_place=True)
+    dy = random_like_grad(x, seed=1)  # the dy of _check_all
+    dx2, dw2 = torch.autograd.grad(y2, (xi, wi), dy)
+    assert dx2.data_ptr() == dy.data_ptr(), "in place: dx must be written over dy"
+    exactly(f"{tag} in place: dx", dx2, dx)
+    exactly(f"{tag} in place: dW", dw2, dw)
+
+
+def test_in_place_falls_back_when_dy_cannot_hold_dx():
+    """An expanded gradient (rows sharing memory) and an fp32 dy for a bf16 x (fp32 weights in
+    "llama" mode) cannot hold dx: the backward then writes a new buffer, with the same results."""
+    x, w = _inputs((6, 40), torch.bfloat16, seed=2)
+    c = torch.randn((), device=DEVICE).to(torch.bfloat16)
+    cases = (("stride-0 dy, as (y * c).sum() gives", w, c.expand(6, 40)),
+             ("fp32 weight, bf16 x: dy is fp32", w.float(), random_like_grad(x.float(), seed=3)))
+    for tag, weight, dy in cases:
+        grads = []
+        for in_place in (False, True):
+            xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+            y = rmsnorm(xi, wi, in_place=in_place)
+            grads.append(torch.autograd.grad(y, (xi, wi), dy.clone() if dy.stride(0) else dy))
+        assert grads[1][0].data_ptr() != dy.data_ptr()
+        exactly(f"{tag}: dx in place == out of place", grads[1][0], grads[0][0])
+        exactly(f"{tag}: dW in place == out of place", grads[1][1], grads[0][1])
+    assert c.item() == c.expand(1).item(), "the expanded gradient's one value must be untouched"
+
+
+def test_in_place_is_not_allowed_when_the_gradient_is_shared():
+    """Why `residual + norm(h)` must not run in place: autograd hands the sum's gradient, one tensor,
+    to both of its inputs; the norm's backward runs first (it is the newer node) and overwrites it,
+    and the residual's branch then receives dx instead of dy. This is what `rmsnorm` documents and
+    why patch_model keeps Gemma 2's post-attention and post-feed-forward norms out of place."""
+    x, w = _inputs((5, 32), torch.float32, seed=4)
+    r0 = torch.randn(5, 32, device=DEVICE)
+    grads = []
+    for in_place in (False, True):
+        r_leaf, xi = r0.clone().requires_grad_(), x.clone().requires_grad_()
+        residual = r_leaf * 2  # a non-leaf, as the residual stream of a decoder layer is
+        out = residual + rmsnorm(xi, w, in_place=in_place)
+        out.backward(random_like_grad(out, seed=5))
+        grads.append(r_leaf.grad)
+    err = (grads[1] - grads[0]).abs().max().item()
+    record(f"in place, residual + norm(h): residual's gradient off by {err:.2f}", 0.0, 0.0, err > 0)
+
+
+def test_matches_hugging_face_gemma_module():
+    """GemmaRMSNorm ((1 + w) * x_hat, all in fp32, rounded once) in bf16: `from_module` with
+    offset 1 and "gemma" casting shares the weight and computes the same output and gradients."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    hf = GemmaRMSNorm(256, eps=1e-6).to(device=DEVICE, dtype=torch.bfloat16)
+    x, w = _inputs((16, 7, 256), torch.bfloat16, seed=6, offset=1.0)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    ours = TritonRMSNorm.from_module(hf, offset=1.0, casting_mode="gemma")
+    assert ours.weight is hf.weight and ours.variance_epsilon == 1e-6
+    exactly("rmsnorm_ref('gemma', offset 1) is GemmaRMSNorm, bit for bit", rmsnorm_ref(x, w, 1e-6, 1.0, "gemma"), hf(x))
+    # Both compute in fp32 and round once; the fp32 sums of squares, added in another order, can
+    # tip that one rounding by 1 ulp (and the interpreter truncates): at most 1 ulp of the output.
+    y_hf, y = hf(x), ours(x)
+    err = (y.double() - y_hf.double()).abs().max().item()
+    tol = 2.0**-7 * y_hf.double().abs().max().item()
+    record("same output as GemmaRMSNorm (bf16), max difference", err, tol, err <= tol)
+    dy = random_like_grad(y, seed=7)
+
+    def grads(fn, cast):
+        xi, wi = x.to(cast).clone().requires_grad_(), w.to(cast).clone().requires_grad_()
+        fn(xi, wi).backward(dy.to(cast))
+        return xi.grad, wi.grad
+
+    ours_g = grads(lambda xi, wi: rmsnorm(xi, wi, 1e-6, offset=1.0, casting_mode="gemma"), torch.bfloat16)
+    hf_g = grads(lambda xi, wi: torch.func.functional_call(hf, {"weight": wi}, (xi,)), torch.bfloat16)
+    ref_g = grads(lambda xi, wi: rmsnorm_ref(xi, wi, 1e-6, 1.0, "gemma"), torch.float64)
+    # dx cancels (see _check_all): its error is measured against rstd * |dy| * |1 + w|.
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-6).max().item()
+    dx_scale = rstd * dy.double().abs().max().item() * (1 + w.double()).abs().max().item()
+    close_to_reference("Gemma dx vs GemmaRMSNorm's autograd", ours_g[0], hf_g[0], ref_g[0], torch.bfloat16, n=256,
+                       scale=dx_scale)
+    close_to_reference("Gemma dW vs GemmaRMSNorm's autograd", ours_g[1], hf_g[1], ref_g[1], torch.bfloat16,
+                       n=x.numel() // 256)
+
+
 def test_matches_hugging_face_module():
     """Same numerics as transformers' LlamaRMSNorm in bf16, and the swap shares the weight.
 
@@ -188,56 +295,95 @@ def test_custom_ops_pass_opcheck():
     dy = random_like_grad(y)
     for need_dw in (True, False):
         torch.library.opcheck(rmsnorm_bwd_op, (dy, x, w, rstd, need_dw))
-    record("opcheck: rmsnorm_fwd (x2), rmsnorm_bwd (x2)", 0.0, 0.0, True)
+    # Gemma's options, and the in-place backward (its schema declares that it writes into dy)
+    torch.library.opcheck(rmsnorm_fwd_op, (x.clone().requires_grad_(), w.clone().requires_grad_(), 1e-6, 1.0,
+                                           "gemma", True))
+    y, rstd = rmsnorm_fwd_op(x, w, 1e-6, 1.0, "gemma")
+    torch.library.opcheck(rmsnorm_bwd_op, (dy, x, w, rstd, True, 1.0, "gemma"))
+    for need_dw in (True, False):
+        torch.library.opcheck(rmsnorm_bwd_in_place_op, (dy.clone(), x, w, rstd, need_dw, 1.0, "gemma"))
+    record("opcheck: rmsnorm_fwd (x3), rmsnorm_bwd (x3), rmsnorm_bwd_in_place (x2)", 0.0, 0.0, True)
 
 
-def test_torch_compile_matches_eager():
+@pytest.mark.parametrize("options", [{}, {"offset": 1.0, "casting_mode": "gemma", "in_place": True}],
+                         ids=["defaults", "gemma in place"])
+def test_torch_compile_matches_eager(options):
     """fullgraph=True: the functional API compiles to one graph around the opaque operators, so
-    forward and both gradients are the same kernels' results, bit for bit."""
+    forward and both gradients are the same kernels' results, bit for bit (in place too: the
+    compiler sees the in-place operator's declared write into dy)."""
     torch._dynamo.reset()
-    compiled = torch.compile(rmsnorm, fullgraph=True)
+    fn = functools.partial(rmsnorm, **options)
+    compiled = torch.compile(fn, fullgraph=True)
     x, w = _inputs((3, 5, 48), torch.bfloat16, seed=9)
     dy = random_like_grad(x, seed=10)
     results = []
-    for fn in (rmsnorm, compiled):
+    for f in (fn, compiled):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fn(xi, wi, 1e-5)
-        y.backward(dy)
+        y = f(xi, wi, 1e-5)
+        y.backward(dy.clone())  # a copy each: in place, the backward overwrites it
         results.append((y, xi.grad, wi.grad))
     for what, eager, comp in zip(("y", "dx", "dW"), *results):
         exactly(f"torch.compile == eager: {what}", comp, eager)
 
 
 def _tiny_model(kind: str, layers: int = 2):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config}[kind]
-    config = config_class(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5)
+    from model_families import FAMILIES
+
+    config_class = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "gemma": "GemmaConfig",
+                    "gemma2": "Gemma2Config", "phi3": "Phi3Config"}[kind]
+    config = getattr(transformers, config_class)(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(DEVICE)
-    for m in model.modules():  # HF initialises RMSNorm weights to ones; make them random
+    offset = FAMILIES[kind].norm_offset
+    for m in model.modules():  # HF initialises (offset + weight) to ones; make it random
         if type(m).__name__.endswith("RMSNorm"):
-            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+            torch.nn.init.uniform_(m.weight, 0.5 - offset, 1.5 - offset)
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+# RMSNorms per layer: input and post-attention; Qwen3 adds q/k norms, Gemma 2 pre/post feed-forward
+NORMS_PER_LAYER = {"llama": 2, "qwen3": 4, "gemma": 2, "gemma2": 4, "phi3": 2}
+
+
+@pytest.mark.parametrize("kind", list(NORMS_PER_LAYER))
 def test_patch_model_replaces_every_norm(kind):
-    """Every RMSNorm (Qwen3: the q/k norms too) becomes a TritonRMSNorm sharing its weight; the
-    count is what the architecture expects, patching twice changes nothing, and the logits match."""
+    """Every RMSNorm (Qwen3: the q/k norms too) becomes a TritonRMSNorm sharing its weight, with the
+    family's offset and casting; the count is what the architecture expects, patching twice changes
+    nothing, and the logits match."""
+    from model_families import FAMILIES
+
     base = _tiny_model(kind)
     ours = copy.deepcopy(base)
     weights = [m.weight for m in ours.modules() if type(m).__name__.endswith("RMSNorm")]
     count = patch_model(ours)
-    assert count == expected_patches(ours.config) == (4 if kind == "qwen3" else 2) * 2 + 1
+    assert count == expected_patches(ours.config) == NORMS_PER_LAYER[kind] * 2 + 1
     norms = [m for m in ours.modules() if isinstance(m, TritonRMSNorm)]
     assert len(norms) == count and all(n.weight is w for n, w in zip(norms, weights)), "weights must be shared"
+    fam = FAMILIES[kind]
+    assert all((n.offset, n.casting_mode, n.in_place) == (fam.norm_offset, fam.norm_casting, False) for n in norms)
     assert patch_model(ours) == count, "patching twice must neither wrap twice nor change the count"
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         got, same, ref = ours(ids).logits, base(ids).logits, copy.deepcopy(base).double()(ids).logits
     close_to_reference(f"{kind}: patched logits", got, same, ref, torch.float32, n=32)
+
+
+def test_patch_model_in_place_spares_the_residual_norms():
+    """patch_model(in_place=True) runs every norm in place except Gemma 2's post-attention and
+    post-feed-forward norms, whose output is added to the residual stream."""
+    model = _tiny_model("gemma2")
+    patch_model(model, in_place=True)
+    in_place = {name.rsplit(".", 1)[-1]: m.in_place for name, m in model.named_modules()
+                if isinstance(m, TritonRMSNorm)}
+    assert in_place == {"input_layernorm": True, "post_attention_layernorm": False, "pre_feedforward_layernorm": True,
+                        "post_feedforward_layernorm": False, "norm": True}, in_place
+    record("gemma2, in_place=True: 2 of 4 norms per layer and the final one run in place", 0.0, 0.0, True)
 
 
 def test_patch_model_refuses_an_unknown_family():
@@ -267,11 +413,15 @@ def test_ideal_bytes_is_the_docstring_count():
         pytest.param(lambda: (torch.randint(0, 5, (4, 8)), torch.randn(8)), TypeError, id="integer input"),
         pytest.param(lambda: (torch.randn(2, MAX_HIDDEN + 1), torch.randn(MAX_HIDDEN + 1)), ValueError,
                      id="hidden too large"),
+        pytest.param(lambda: (torch.randn(4, 8), torch.randn(8), {"casting_mode": "fp32"}), ValueError,
+                     id="unknown casting mode"),
+        pytest.param(lambda: (torch.randn(4, 8), torch.randn(8), {"offset": float("nan")}), ValueError,
+                     id="offset not finite"),
     ],
 )
 def test_bad_input_gives_clear_error(make, error):
-    x, w = make()
-    expect_error(error, rmsnorm, x.to(DEVICE), w.to(DEVICE))
+    x, w, *options = make()
+    expect_error(error, functools.partial(rmsnorm, **(options[0] if options else {})), x.to(DEVICE), w.to(DEVICE))
 
 
 if __name__ == "__main__":

@@ -231,20 +231,33 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return rope_fwd_op(q, k, cos, sin)
 
 
+def _rotate(q, k, cos, sin):
+    """q [B, HQ, T, D], k [B, HK, T, D] rotated by cos/sin [B or 1, T, R]: all of each head when
+    R = D; with R < D (partial rotary) the first R dimensions rotate and the rest pass through."""
+    rotary = cos.shape[-1]
+    if cos.dim() == 3 and q.dim() == 4 and rotary < q.shape[-1]:
+        q_rot, k_rot = rope(q[..., :rotary], k[..., :rotary], cos, sin)  # strided views, read in place
+        return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
+    return rope(q, k, cos, sin)
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim: int = 1, **kwargs):
     """Drop-in for transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`.
 
     Older releases had a `position_ids` argument before `unsqueeze_dim` (unused: cos/sin are
     already per position); a trailing int positional argument is read as `unsqueeze_dim`.
+    Partial rotary, as in Phi-3's version of the function (`partial_rotary_factor < 1`, e.g.
+    Phi-4-mini): when cos/sin are narrower than head_dim, only the first cos.shape[-1] dimensions
+    of each head rotate and the others pass through unchanged (one concatenation, as in HF).
     """
     if args and isinstance(args[-1], int):
         unsqueeze_dim = args[-1]
     if unsqueeze_dim == 2:  # [B, T, heads, D] layout: rotate the [B, heads, T, D] views
-        qo, ko = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        qo, ko = _rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return qo.transpose(1, 2), ko.transpose(1, 2)
     if unsqueeze_dim != 1:
         raise ValueError(f"unsqueeze_dim must be 1 ([B, heads, T, D]) or 2 ([B, T, heads, D]), got {unsqueeze_dim}")
-    return rope(q, k, cos, sin)
+    return _rotate(q, k, cos, sin)
 
 
 _ORIGINALS = {}  # model_type -> the family's own apply_rotary_pos_emb, while it is patched

@@ -1,4 +1,4 @@
-"""Fused SwiGLU in Triton: `silu(gate) * up`, forward and backward, one pass each.
+"""Fused SwiGLU in Triton: `silu(gate) * up`, forward and backward, one pass each; and GeGLU.
 
     h = silu(g) * u,  silu(g) = g * sigmoid(g)
     dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))),   du = dh * silu(g)
@@ -7,6 +7,17 @@ What you build here: the activation of LLaMA's MLP, `down_proj(silu(gate_proj(x)
 as one forward kernel and one backward kernel, saving only the two inputs for backward.
 What you learn: an element-wise kernel over rows with strides, and *recomputation*: the backward
 re-derives sigmoid(g) from g (cheap arithmetic) instead of storing it (expensive memory).
+
+The same kernels serve Gemma's MLP, whose activation is GELU's tanh approximation (GeGLU,
+`activation="gelu_tanh"`, Hugging Face's "gelu_pytorch_tanh"):
+
+    gelu_tanh(g) = g/2 * (1 + tanh(z)),  z = sqrt(2/pi) * (g + 0.044715 g^3)
+                 = g * sigmoid(2z)                      (since (1 + tanh(z)) / 2 = sigmoid(2z))
+    d/dg gelu_tanh(g) = s + g * s * (1 - s) * 2 sqrt(2/pi) * (1 + 3 * 0.044715 g^2),  s = sigmoid(2z)
+                      (with 1 - s = sigmoid(-2z), which keeps its precision where s is near 1)
+
+The activation is a `tl.constexpr`: each one compiles to its own binary, and SwiGLU's is the code
+it was before GeGLU existed. The byte counts below are the same for both.
 
 Count the bytes before timing anything
 --------------------------------------
@@ -41,13 +52,15 @@ from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
-from model_families import family_classes, model_type
+from model_families import family_classes, mlp_activation, model_type
 
 import triton
 import triton.language as tl
 
 BLOCK = 2048  # columns per program: 8 values per thread at 8 warps
 NUM_WARPS = 8
+ACTIVATIONS = ("silu", "gelu_tanh")  # act(gate) * up: SwiGLU (LLaMA, Qwen, Phi-3) and GeGLU (Gemma)
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.hidden_act -> ours
 
 
 @triton.jit
@@ -57,6 +70,13 @@ def _tile(n_rows, I, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
     return row, cols, (row < n_rows) & (cols < I)
+
+
+@triton.jit
+def _gelu_tanh_arg(g):
+    """2z = 2 sqrt(2/pi) (g + 0.044715 g^3): gelu_tanh(g) = g * sigmoid(2z).
+    (0.7978845608028654 is sqrt(2/pi); 0.044715 is the approximation's constant.)"""
+    return 2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g)
 
 
 @triton.jit
@@ -70,11 +90,15 @@ def _swiglu_fwd(
     I,  # row length (the MLP width)
     ROWS: tl.constexpr,  # rows per program (1 on a GPU; more in the interpreter)
     BLOCK: tl.constexpr,  # columns per program
+    ACT: tl.constexpr,  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
 ):
     row, cols, mask = _tile(n_rows, I, ROWS, BLOCK)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u  # all in fp32, rounded once on store
+    if ACT == "gelu_tanh":
+        h = g * tl.sigmoid(_gelu_tanh_arg(g)) * u
+    else:
+        h = g * tl.sigmoid(g) * u  # all in fp32, rounded once on store
     tl.store(H + row * I + cols, h.to(H.dtype.element_ty), mask=mask)
 
 
@@ -92,16 +116,28 @@ def _swiglu_bwd(
     I,  # row length
     ROWS: tl.constexpr,  # rows per program
     BLOCK: tl.constexpr,  # columns per program
+    ACT: tl.constexpr,  # "silu" or "gelu_tanh", as in the forward pass
 ):
     row, cols, mask = _tile(n_rows, I, ROWS, BLOCK)
     dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)  # recomputed: cheaper than storing silu(g) in forward and reading it here
-    silu = g * sig
-    tl.store(DU + row * I + cols, (dh * silu).to(DU.dtype.element_ty), mask=mask)
-    dsilu = sig * (1.0 + g * (1.0 - sig))  # d/dg [g * sigmoid(g)]
-    tl.store(DG + row * I + cols, (dh * u * dsilu).to(DG.dtype.element_ty), mask=mask)
+    if ACT == "gelu_tanh":
+        t = _gelu_tanh_arg(g)
+        s = tl.sigmoid(t)  # recomputed, as sigmoid(g) is for SwiGLU
+        act = g * s
+    else:
+        sig = tl.sigmoid(g)  # recomputed: cheaper than storing silu(g) in forward and reading it here
+        act = g * sig
+    tl.store(DU + row * I + cols, (dh * act).to(DU.dtype.element_ty), mask=mask)
+    if ACT == "gelu_tanh":
+        # d/dg [g * sigmoid(t(g))] = s + g * s * (1 - s) * dt/dg. Where s is near 1, 1 - s computed
+        # as a difference keeps only the rounding error of s; sigmoid(-t) is the same value to full
+        # relative precision (one more exp, free in a memory-bound kernel).
+        dact = s + g * s * tl.sigmoid(-t) * (2.0 * 0.7978845608028654) * (1.0 + 3.0 * 0.044715 * g * g)
+    else:
+        dact = sig * (1.0 + g * (1.0 - sig))  # d/dg [g * sigmoid(g)]
+    tl.store(DG + row * I + cols, (dh * u * dact).to(DG.dtype.element_ty), mask=mask)
 
 
 def _launch(n_rows: int, width: int):
@@ -116,24 +152,24 @@ def _launch(n_rows: int, width: int):
     return (triton.cdiv(n_rows, rows), triton.cdiv(width, block)), rows, block
 
 
-def swiglu_forward(g2: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+def swiglu_forward(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     n_rows, width = g2.shape
     h = torch.empty((n_rows, width), dtype=g2.dtype, device=g2.device)
     if h.numel():
         grid, rows, block = _launch(n_rows, width)
         _swiglu_fwd[grid](g2, u2, h, g2.stride(0), u2.stride(0), n_rows, width, ROWS=rows, BLOCK=block,
-                          num_warps=NUM_WARPS)
+                          ACT=activation, num_warps=NUM_WARPS)
     return h
 
 
-def swiglu_backward(dh2, g2, u2):
+def swiglu_backward(dh2, g2, u2, activation: str = "silu"):
     n_rows, width = g2.shape
     dg = torch.empty((n_rows, width), dtype=g2.dtype, device=g2.device)
     du = torch.empty((n_rows, width), dtype=u2.dtype, device=u2.device)
     if dg.numel():
         grid, rows, block = _launch(n_rows, width)
         _swiglu_bwd[grid](dh2, g2, u2, dg, du, dh2.stride(0), g2.stride(0), u2.stride(0), n_rows, width,
-                          ROWS=rows, BLOCK=block, num_warps=NUM_WARPS)
+                          ROWS=rows, BLOCK=block, ACT=activation, num_warps=NUM_WARPS)
     return dg, du
 
 
@@ -143,34 +179,37 @@ def swiglu_backward(dh2, g2, u2):
 # Each launcher becomes a PyTorch operator (`torch.ops.playbook.swiglu_fwd`, ...): one opaque node
 # to torch.compile, so Dynamo never traces into the Triton launch code. `register_fake` gives the
 # compiler the outputs' shapes without running anything; `register_autograd` ties each forward
-# operator to its backward one. The operators take [rows, I] matrices with unit stride along I.
+# operator to its backward one. The operators take [rows, I] matrices with unit stride along I;
+# `activation` is "silu" or "gelu_tanh".
 @torch.library.custom_op("playbook::swiglu_fwd", mutates_args=())
-def swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return swiglu_forward(as_rows(gate), as_rows(up))
+def swiglu_fwd_op(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    return swiglu_forward(as_rows(gate), as_rows(up), activation)
 
 
 @swiglu_fwd_op.register_fake
-def _(gate, up):
+def _(gate, up, activation="silu"):
     return gate.new_empty(gate.shape)
 
 
 @torch.library.custom_op("playbook::swiglu_bwd", mutates_args=())
-def swiglu_bwd_op(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_backward(as_rows(dh), as_rows(gate), as_rows(up))
+def swiglu_bwd_op(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward(as_rows(dh), as_rows(gate), as_rows(up), activation)
 
 
 @swiglu_bwd_op.register_fake
-def _(dh, gate, up):
+def _(dh, gate, up, activation="silu"):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
 def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)  # g and u (and the weight): the matmuls keep them alive anyway
+    ctx.save_for_backward(*inputs[:-1])  # g and u (and the weight): the matmuls keep them alive anyway
+    ctx.activation = inputs[-1]
 
 
 def _swiglu_backward(ctx, dh):
     gate, up = ctx.saved_tensors
-    return swiglu_bwd_op(dh, gate, up)
+    return *swiglu_bwd_op(dh, gate, up, ctx.activation), None
 
 
 swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_save_inputs)
@@ -186,31 +225,33 @@ refuse_double_backward(swiglu_bwd_op, "swiglu")
 # recompute h in backward for the weight gradient: one extra SwiGLU forward per layer (~0.1 ms
 # at 8192 tokens on an H200, against ~20 ms for the layer) buys back the whole h.
 @torch.library.custom_op("playbook::swiglu_down_fwd", mutates_args=())
-def swiglu_down_fwd_op(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """gate, up [rows, I], weight [out, I] -> (silu(gate) * up) @ weight.T, [rows, out]."""
-    return swiglu_forward(as_rows(gate), as_rows(up)) @ weight.t()
+def swiglu_down_fwd_op(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                       activation: str = "silu") -> torch.Tensor:
+    """gate, up [rows, I], weight [out, I] -> (act(gate) * up) @ weight.T, [rows, out]."""
+    return swiglu_forward(as_rows(gate), as_rows(up), activation) @ weight.t()
 
 
 @swiglu_down_fwd_op.register_fake
-def _(gate, up, weight):
+def _(gate, up, weight, activation="silu"):
     return gate.new_empty((gate.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("playbook::swiglu_down_bwd", mutates_args=())
 def swiglu_down_bwd_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                       need_gate_up: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       need_gate_up: bool, need_weight: bool,
+                       activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """d gate, d up [rows, I] and d weight [out, I]; a gradient not asked for is an empty tensor."""
     g2, u2 = as_rows(gate), as_rows(up)
     dg, du, dw = (weight.new_empty(0) for _ in range(3))  # three tensors: outputs may not alias
     if need_weight:
-        dw = dout.t() @ swiglu_forward(g2, u2)  # h recomputed, used, dropped
+        dw = dout.t() @ swiglu_forward(g2, u2, activation)  # h recomputed, used, dropped
     if need_gate_up:
-        dg, du = swiglu_backward(dout @ weight, g2, u2)
+        dg, du = swiglu_backward(dout @ weight, g2, u2, activation)
     return dg, du, dw
 
 
 @swiglu_down_bwd_op.register_fake
-def _(dout, gate, up, weight, need_gate_up, need_weight):
+def _(dout, gate, up, weight, need_gate_up, need_weight, activation="silu"):
     if need_gate_up:
         dg, du = gate.new_empty(gate.shape), up.new_empty(up.shape)
     else:
@@ -220,9 +261,9 @@ def _(dout, gate, up, weight, need_gate_up, need_weight):
 
 def _swiglu_down_backward(ctx, dout):
     gate, up, weight = ctx.saved_tensors  # not h: it is recomputed
-    need_gate, need_up, need_weight = ctx.needs_input_grad
-    dg, du, dw = swiglu_down_bwd_op(dout, gate, up, weight, need_gate or need_up, need_weight)
-    return dg if need_gate else None, du if need_up else None, dw if need_weight else None
+    need_gate, need_up, need_weight = ctx.needs_input_grad[:3]
+    dg, du, dw = swiglu_down_bwd_op(dout, gate, up, weight, need_gate or need_up, need_weight, ctx.activation)
+    return dg if need_gate else None, du if need_up else None, dw if need_weight else None, None
 
 
 swiglu_down_fwd_op.register_autograd(_swiglu_down_backward, setup_context=_save_inputs)
@@ -232,7 +273,7 @@ refuse_double_backward(swiglu_down_bwd_op, "swiglu_down")
 # ------------------------------------------------------------------------------------------------
 # Functional API
 # ------------------------------------------------------------------------------------------------
-def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
+def _check_pair(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
     check_float("gate", gate)
     check_float("up", up)
     check_device(gate, up)
@@ -241,17 +282,26 @@ def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
                          f"and {tuple(up.shape)} {up.dtype}")
     if gate.dim() == 0:
         raise ValueError("gate and up must have at least one dimension")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for tensors of the same shape and dtype; differentiable once."""
-    _check_pair(gate, up)
-    return swiglu_fwd_op(as_rows(gate), as_rows(up)).view(gate.shape)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up for tensors of the same shape and dtype; differentiable once.
+
+    activation: "silu" (SwiGLU, LLaMA) or "gelu_tanh" (GeGLU, Gemma: GELU's tanh approximation)."""
+    _check_pair(gate, up, activation)
+    return swiglu_fwd_op(as_rows(gate), as_rows(up), activation).view(gate.shape)
 
 
-def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T, recomputing silu(gate) * up in backward instead of storing it."""
-    _check_pair(gate, up)
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up: `swiglu(gate, up, "gelu_tanh")`."""
+    return swiglu(gate, up, "gelu_tanh")
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """(act(gate) * up) @ weight.T, recomputing act(gate) * up in backward instead of storing it."""
+    _check_pair(gate, up, activation)
     check_float("weight", weight)
     if weight.device != gate.device:
         raise ValueError(f"the down-projection weight is on {weight.device}, gate and up on {gate.device}: "
@@ -261,7 +311,7 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> t
                          "model to one dtype, or run it under torch.autocast")
     if weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
         raise ValueError(f"weight must be [out, {gate.shape[-1]}], got {tuple(weight.shape)}")
-    out = swiglu_down_fwd_op(as_rows(gate), as_rows(up), weight)
+    out = swiglu_down_fwd_op(as_rows(gate), as_rows(up), weight, activation)
     return out.view(*gate.shape[:-1], weight.shape[0])
 
 
@@ -269,36 +319,47 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> t
 # The Hugging Face drop-in and patching a model
 # ------------------------------------------------------------------------------------------------
 def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """LLaMA's MLP (`down_proj(act(gate_proj(x)) * up_proj(x))`) with the fused activation.
+    """A gated MLP, `down_proj(act(gate) * up)`, with the fused activation.
+
+    gate and up come from `gate_proj` and `up_proj` (LLaMA, Gemma), or are the two halves of one
+    `gate_up_proj` (Phi-3: the halves are strided views, read in place, not copied). The
+    activation is `mlp.fused_activation` ("silu" unless patch_model set it).
 
     A plain bias-free nn.Linear down_proj is folded into `swiglu_down` (h not stored); any other
     down_proj (a bias, an adapter wrapper) is called as a module on the fused activation. Under
     torch.autocast the projections return the autocast dtype while the weights keep theirs: the
     down-projection weight is then cast as autocast would cast it for nn.Linear.
     """
-    g, u = mlp.gate_proj(x), mlp.up_proj(x)
+    activation = getattr(mlp, "fused_activation", "silu")
+    if hasattr(mlp, "gate_up_proj"):
+        g, u = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        g, u = mlp.gate_proj(x), mlp.up_proj(x)
     down = mlp.down_proj
     if type(down) is nn.Linear and down.bias is None:
         weight = down.weight
         if weight.dtype != g.dtype and torch.is_autocast_enabled(g.device.type):
             weight = weight.to(g.dtype)
-        return swiglu_down(g, u, weight)
-    return down(swiglu(g, u))
+        return swiglu_down(g, u, weight, activation)
+    return down(swiglu(g, u, activation))
 
 
 def patch_model(model: nn.Module) -> int:
     """Run every MLP of a Hugging Face causal LM through `swiglu_mlp_forward`; return how many.
 
-    MLPs are found by class (LlamaMLP, Qwen2MLP, ...). Only for models whose activation is SiLU.
-    Patching twice sets the same forward again and returns the same count.
+    MLPs are found by class (LlamaMLP, GemmaMLP, Phi3MLP, ...). The activation is the config's
+    (`hidden_act`, or Gemma 2's `hidden_activation`): SiLU gives SwiGLU, "gelu_pytorch_tanh"
+    GeGLU; any other is refused with NotImplementedError before anything is patched. Patching
+    twice sets the same forward again and returns the same count.
     """
     kind = model_type(model)
-    act = getattr(model.config, "hidden_act", None)
-    if act != "silu":
-        raise NotImplementedError(f"the fused SwiGLU computes silu(gate) * up; this {kind} model's hidden_act "
-                                  f"is {act!r}")
-    mlps = [m for m in model.modules() if isinstance(m, family_classes("MLP"))]
+    act = mlp_activation(model.config)
+    if act not in HF_ACTIVATIONS:
+        raise NotImplementedError(f"the fused MLP computes {' or '.join(HF_ACTIVATIONS)} activations; this {kind} "
+                                  f"model's is {act!r}")
+    mlps = [m for m in model.modules() if isinstance(m, family_classes("MLP", kind))]
     for mlp in mlps:
+        mlp.fused_activation = HF_ACTIVATIONS[act]
         mlp.forward = types.MethodType(swiglu_mlp_forward, mlp)
     return len(mlps)
 
@@ -321,6 +382,8 @@ def ideal_bytes(n_rows: int, width: int, dtype: torch.dtype, backward: bool = Fa
 # ------------------------------------------------------------------------------------------------
 # Reference
 # ------------------------------------------------------------------------------------------------
-def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Plain PyTorch, as Hugging Face's LlamaMLP computes it."""
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Plain PyTorch, as Hugging Face's LlamaMLP ("silu") and GemmaMLP ("gelu_tanh") compute it."""
+    if activation == "gelu_tanh":
+        return nn.functional.gelu(gate, approximate="tanh") * up
     return nn.functional.silu(gate) * up

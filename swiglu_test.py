@@ -1,4 +1,5 @@
-"""Tests of the fused SwiGLU (`silu(gate) * up`): output and both gradients against float64.
+"""Tests of the fused SwiGLU (`silu(gate) * up`) and GeGLU (`gelu_tanh(gate) * up`): output and
+both gradients against float64.
 
     $ python swiglu_test.py         # a readable report
     $ pytest swiglu_test.py
@@ -6,8 +7,9 @@
 Tolerances follow testkit.py's rule (at most 2x PyTorch's own error against float64, plus one ulp
 of the output scale). PyTorch rounds silu(gate) to the input dtype before the multiply; the kernel
 keeps it in fp32 and rounds once, so it is usually the closer of the two. Then the MLP path (the
-down projection fused in, its checks, autocast), the kernels as PyTorch operators (opcheck,
-torch.compile, no double backward), the patch of Hugging Face models, and the byte count.
+down projection fused in, its checks, autocast) against Hugging Face's LLaMA, Gemma and Phi-3
+MLPs, the kernels as PyTorch operators (opcheck, torch.compile, no double backward), the patch of
+Hugging Face models, and the byte count.
 """
 
 import copy
@@ -17,7 +19,7 @@ import torch
 
 import swiglu_kernel
 from kernel_utils import DEVICE
-from swiglu_kernel import (expected_patches, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
+from swiglu_kernel import (expected_patches, geglu, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
                            swiglu_down_bwd_op, swiglu_down_fwd_op, swiglu_fwd_op, swiglu_mlp_forward, swiglu_ref)
 from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
@@ -31,14 +33,14 @@ def _inputs(shape, dtype, seed=0):
     return gate, up
 
 
-def _check(tag, gate, up, dh=None):
+def _check(tag, gate, up, dh=None, activation="silu"):
     dtype = gate.dtype
     if dh is None:
         dh = random_like_grad(gate.new_empty(gate.shape), seed=5)
 
     def run(fn, cast):
         gi, ui = cast(gate.detach()).clone().requires_grad_(), cast(up.detach()).clone().requires_grad_()
-        h = fn(gi, ui)
+        h = fn(gi, ui, activation)
         h.backward(cast(dh))
         return h, gi.grad, ui.grad
 
@@ -48,10 +50,21 @@ def _check(tag, gate, up, dh=None):
         close_to_reference(f"{tag} {what}", o, s, r, dtype)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(7, 1), (5, 123), (2, 3, 4097), (2, 2, 2, 64)])
-def test_matches_reference(shape, dtype):
-    _check(f"{list(shape)}", *_inputs(shape, dtype))
+def test_matches_reference(shape, dtype, activation):
+    _check(f"{activation} {list(shape)}", *_inputs(shape, dtype), activation=activation)
+
+
+def test_geglu_is_gelu_tanh_times_up():
+    """`geglu` is the "gelu_tanh" activation, and the reference is transformers' gelu_pytorch_tanh."""
+    from transformers.activations import ACT2FN
+
+    gate, up = _inputs((6, 40), torch.float32, seed=11)
+    exactly("geglu(g, u) == swiglu(g, u, 'gelu_tanh')", geglu(gate, up), swiglu(gate, up, "gelu_tanh"))
+    exactly("reference == ACT2FN['gelu_pytorch_tanh'](g) * u", swiglu_ref(gate, up, "gelu_tanh"),
+            ACT2FN["gelu_pytorch_tanh"](gate) * up)
 
 
 def test_halves_of_a_fused_projection():
@@ -101,34 +114,58 @@ def test_llama_mlp_forward_matches_hugging_face():
     close_to_reference("LlamaMLP with fused SwiGLU", ours, ref, ref, torch.float32, n=80, factor=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mlp_gradients_and_what_is_saved(dtype):
-    """Gradients of x and all three weights match HF's LlamaMLP, and backward keeps no [N, I] tensor
-    besides gate and up (h = silu(gate) * up is recomputed)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaMLP
+MLP_FAMILIES = {  # family -> (config class, MLP class): SwiGLU, GeGLU, and one fused gate_up_proj
+    "llama": ("LlamaConfig", "transformers.models.llama.modeling_llama.LlamaMLP"),
+    "gemma": ("GemmaConfig", "transformers.models.gemma.modeling_gemma.GemmaMLP"),
+    "phi3": ("Phi3Config", "transformers.models.phi3.modeling_phi3.Phi3MLP"),
+}
 
+
+def _family_mlp(kind, H, I):
+    """A Hugging Face MLP of the family, and its activation as swiglu_kernel names it."""
+    import importlib
+
+    import transformers
+    from swiglu_kernel import HF_ACTIVATIONS
+
+    config_name, path = MLP_FAMILIES[kind]
+    module, _, name = path.rpartition(".")
+    config = getattr(transformers, config_name)(hidden_size=H, intermediate_size=I, pad_token_id=None,
+                                                bos_token_id=None, eos_token_id=None)
+    return getattr(importlib.import_module(module), name)(config), HF_ACTIVATIONS[config.hidden_act]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(MLP_FAMILIES))
+def test_mlp_gradients_and_what_is_saved(kind, dtype):
+    """Gradients of x and all weights match HF's LlamaMLP, GemmaMLP (GeGLU) and Phi3MLP (gate and up
+    as halves of one projection), and backward keeps no [N, I] tensor besides gate and up
+    (h = act(gate) * up is recomputed)."""
     torch.manual_seed(1)
     N, H, I = 24, 32, 80
-    base = LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I)).to(DEVICE, dtype)
+    base, activation = _family_mlp(kind, H, I)
+    base.to(DEVICE, dtype)
+    mlp_class = type(base)
     x0 = torch.randn(2, N // 2, H, device=DEVICE, dtype=dtype)
     dout = torch.randn(2, N // 2, H, device=DEVICE, dtype=dtype)
     results = []
-    for tag, cast, fwd in (("ours", dtype, swiglu_mlp_forward), ("same", dtype, LlamaMLP.forward),
-                           ("ref", torch.float64, LlamaMLP.forward)):
-        mlp = LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I)).to(DEVICE, cast)
-        mlp.load_state_dict(base.state_dict())
+    for tag, cast, fwd in (("ours", dtype, swiglu_mlp_forward), ("same", dtype, mlp_class.forward),
+                           ("ref", torch.float64, mlp_class.forward)):
+        mlp = copy.deepcopy(base).to(DEVICE, cast)
+        mlp.fused_activation = activation  # what patch_model sets
         x = x0.detach().to(cast).clone().requires_grad_()
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
             out = fwd(mlp, x)
         out.backward(dout.to(cast))
-        results.append([x.grad] + [getattr(mlp, n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")])
+        results.append([x.grad] + [p.grad for p in mlp.parameters()])
+        names = ["dx"] + [f"d {n}" for n, _ in mlp.named_parameters()]
         if tag == "ours":
             wide = [s for s in saved if s[-1] == I and len(s) > 1 and s != (H, I)]
             assert len(wide) == 2, f"only gate and up may be saved at width {I}, got {wide}"
-    for i, what in enumerate(("dx", "d gate_proj", "d up_proj", "d down_proj")):
-        close_to_reference(f"MLP {what} ({str(dtype)[6:]})", results[0][i], results[1][i], results[2][i], dtype, n=I)
+    for i, what in enumerate(names):
+        close_to_reference(f"{kind} MLP {what} ({str(dtype)[6:]})", results[0][i], results[1][i], results[2][i],
+                           dtype, n=I)
 
 
 def _mlp(dtype=torch.float32, H=32, I=80, seed=2):
@@ -193,7 +230,10 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(swiglu_down_fwd_op, tuple(grad))
     for need_gate_up, need_weight in ((True, True), (True, False), (False, True)):
         torch.library.opcheck(swiglu_down_bwd_op, (dout, gate, up, w, need_gate_up, need_weight))
-    record("opcheck: swiglu_fwd, swiglu_bwd, swiglu_down_fwd, swiglu_down_bwd (x3)", 0.0, 0.0, True)
+    # GeGLU: the activation is an operator argument that reaches the backward
+    torch.library.opcheck(swiglu_fwd_op, tuple(grad[:2]) + ("gelu_tanh",))
+    torch.library.opcheck(swiglu_down_fwd_op, tuple(grad) + ("gelu_tanh",))
+    record("opcheck: swiglu_fwd (x2), swiglu_bwd, swiglu_down_fwd (x2), swiglu_down_bwd (x3)", 0.0, 0.0, True)
 
 
 def test_torch_compile_matches_eager():
@@ -216,30 +256,38 @@ def test_torch_compile_matches_eager():
         exactly(f"torch.compile == eager: {what}", comp, eager)
 
 
-def _tiny_llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_model(kind="llama", **overrides):
+    import transformers
 
+    config_class = {"llama": "LlamaConfig", "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "phi3": "Phi3Config"}
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, **overrides)
-    return LlamaForCausalLM(config).to(DEVICE)
+    config = getattr(transformers, config_class[kind])(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, bos_token_id=None, eos_token_id=None, pad_token_id=None, **overrides)
+    return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
 
 
-def test_patch_model_replaces_every_mlp():
-    base = _tiny_llama()
+# the activation each family's patch uses: Gemma's gelu_pytorch_tanh is GeGLU
+PATCHED_ACTIVATION = {"llama": "silu", "gemma": "gelu_tanh", "gemma2": "gelu_tanh", "phi3": "silu"}
+
+
+@pytest.mark.parametrize("kind", list(PATCHED_ACTIVATION))
+def test_patch_model_replaces_every_mlp(kind):
+    base = _tiny_model(kind)
     ours = copy.deepcopy(base)
     count = patch_model(ours)
     assert count == expected_patches(ours.config) == 2
     assert all(layer.mlp.forward.__func__ is swiglu_mlp_forward for layer in ours.model.layers)
+    assert all(layer.mlp.fused_activation == PATCHED_ACTIVATION[kind] for layer in ours.model.layers)
     assert patch_model(ours) == count, "patching twice must return the same count"
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         got, same, ref = ours(ids).logits, base(ids).logits, copy.deepcopy(base).double()(ids).logits
-    close_to_reference("patched logits", got, same, ref, torch.float32, n=48)
+    close_to_reference(f"{kind}: patched logits ({PATCHED_ACTIVATION[kind]})", got, same, ref, torch.float32, n=48)
 
 
 def test_patch_model_refuses_another_activation():
-    model = _tiny_llama(hidden_act="gelu")
+    model = _tiny_model(hidden_act="gelu")
     assert "gelu" in expect_error(NotImplementedError, patch_model, model)
 
 
@@ -262,11 +310,12 @@ def test_ideal_bytes_is_the_docstring_count():
         pytest.param(lambda: (torch.randn(4, 8), torch.randn(4, 9)), ValueError, id="shape mismatch"),
         pytest.param(lambda: (torch.randn(4, 8), torch.randn(4, 8).half()), ValueError, id="dtype mismatch"),
         pytest.param(lambda: (torch.randint(0, 3, (4, 8)), torch.randint(0, 3, (4, 8))), TypeError, id="integers"),
+        pytest.param(lambda: (torch.randn(4, 8), torch.randn(4, 8), "gelu"), ValueError, id="unknown activation"),
     ],
 )
 def test_bad_input_gives_clear_error(make, error):
-    gate, up = make()
-    expect_error(error, swiglu, gate.to(DEVICE), up.to(DEVICE))
+    gate, up, *activation = make()
+    expect_error(error, swiglu, gate.to(DEVICE), up.to(DEVICE), *activation)
 
 
 if __name__ == "__main__":
