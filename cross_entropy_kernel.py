@@ -74,6 +74,29 @@ Conventions
   raises a RuntimeError saying so, instead of handing back a gradient whose own derivative would
   silently be zero.
 
+Options: what fine-tuning recipes add to the loss
+------------------------------------------------
+`cross_entropy(..., weight=, label_smoothing=, lse_square_scale=, softcap=)` takes PyTorch's (and
+the fused-kernel libraries') options with their names and meaning. Each is a compile-time flag of
+the kernel: with none of them the flags vanish and the plain kernel above is what runs, instruction
+for instruction. With c = softcap, eps = label_smoothing, s = lse_square_scale, w = weight:
+
+    z     = c * tanh(x / c)                                    (softcap: Gemma 2's final logits)
+    loss  = (1 - eps) * w[t] * (lse - z[t]) + eps / V * sum_c w[c] * (lse - z[c])   (PyTorch's)
+          + s * lse^2                                          (z-loss, PaLM; lse = logsumexp(z))
+    dloss/dx_j = (p_j * ((1 - eps) w[t] + eps / V * sum_c w[c] + 2 s lse)
+                  - (1 - eps) w[t] [j = t] - eps / V * w[j]) * (1 - tanh(x_j / c)^2)
+
+(w = 1 without class weights.) "mean" divides the cross-entropy by the sum of the non-ignored
+targets' weights, as PyTorch (by their number without weights), and the z-loss by the number of
+non-ignored rows: the z-loss belongs to a token's logits, not to its target's class. Sweep 1 also
+sums w[c] * (z[c] - z[t]) for the smoothing term and tracks each row's argmax; sweep 2 applies the
+cap's derivative. None of it reads more than the logits, except the class weights (V x 4 bytes a
+row, the same 0.5 MB for every row, which stay in L2). The return_* flags return a
+`CrossEntropyOutput(loss, z_loss, token_accuracy, predicted_tokens)`: the z-loss term alone, the
+share of non-ignored tokens whose argmax is their target, and each token's argmax (-1 on ignored
+tokens), all from the same pass and none differentiable.
+
 PyTorch sees the kernels as custom ops (`torch.ops.playbook.cross_entropy_*`), each one opaque
 node for `torch.compile`, `torch.library.opcheck` and FSDP; Dynamo never traces a Triton launch.
 A compiled graph may not rescale the saved gradient in place (see `scale_grad`), so under
@@ -83,6 +106,9 @@ N x V than eager mode, the default, which pays nothing for `loss.backward()`.
 Layout of this file: kernels -> checked launchers -> custom ops -> autograd.Function and functional
 API -> Hugging Face drop-in (`patch_model`) -> reference.
 """
+
+import math
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -107,21 +133,56 @@ MIN_START = tl.constexpr(-1.0e38)  # a finite "minus infinity" (logits below it 
 # Kernels
 # ------------------------------------------------------------------------------------------------
 @triton.jit
+def _softcap(x, softcap):
+    """(softcap * tanh(x / softcap), its derivative 1 - tanh(x / softcap)^2), in fp32.
+
+    With e = exp(-2|u|) (u = x / softcap), tanh|u| = (1 - e) / (1 + e) and 1 - tanh^2 = 4e / (1 + e)^2:
+    the derivative never computes 1 - tanh^2 by subtraction, which would cancel to a few bits where
+    tanh is close to 1. Below |u| = 0.4, 1 - e loses bits instead, and the odd Taylor series of tanh
+    (seven terms; the eighth is below 2^-26 of tanh there) takes over. Both stay within 2 ulps.
+    """
+    u = x / softcap
+    a = tl.abs(u)
+    e = tl.exp2(a * (-2.0 * LOG2E))  # exp(-2|u|): 1 at u = 0, 0 at |u| = inf (no overflow)
+    s = a * a
+    series = a + a * s * (-1.0 / 3.0 + s * (2.0 / 15.0 + s * (-17.0 / 315.0 + s * (
+        62.0 / 2835.0 + s * (-1382.0 / 155925.0 + s * (21844.0 / 6081075.0))))))
+    t = tl.where(a < 0.4, series, (1.0 - e) / (1.0 + e))  # tanh|u|
+    t = tl.where(u < 0.0, -t, t)
+    one_plus_e = 1.0 + e
+    return softcap * t, 4.0 * e / (one_plus_e * one_plus_e)
+
+
+@triton.jit
 def _cross_entropy_fwd(
     Logits,  # pointer to the logits, [N, V], unit stride along V
     Grad,  # pointer to the gradient output, [N, V] (may be Logits itself: in place)
     Targets,  # pointer to the targets, [N], any integer dtype, any stride (0 for an expanded one)
-    Loss,  # pointer to the per-row losses, [N], fp32
+    Loss,  # pointer to the per-row losses, [N], fp32 (without the z-loss)
     NValid,  # pointer to the number of non-ignored rows (a 0-d int64 tensor on the device)
+    ClassWeight,  # pointer to the class weights, [V], fp32 (HAS_WEIGHT)
+    WeightSum,  # pointer to the sum of the non-ignored targets' weights, 0-d fp32 (HAS_WEIGHT and MEAN)
+    ZLoss,  # pointer to the per-row z-loss, [N], fp32 (Z_LOSS)
+    Pred,  # pointer to the per-row argmax, [N], int64 (ARGMAX)
     stride_l,  # elements between two rows of Logits
     stride_g,  # elements between two rows of Grad
     stride_t,  # elements between two targets (a slice like labels[:, 1:].T[0] is not contiguous)
     V,  # vocabulary size
     ignore_index,  # target value whose rows are skipped
+    label_smoothing,  # eps: the target distribution is (1 - eps) * onehot + eps / V (SMOOTHING)
+    lse_square_scale,  # z-loss coefficient: adds lse_square_scale * lse^2 per row (Z_LOSS)
+    softcap,  # logits -> softcap * tanh(logits / softcap) before the softmax (SOFTCAP)
     MEAN: tl.constexpr,  # scale the gradient by 1 / n_valid (reduction="mean")
     COMPUTE_GRAD: tl.constexpr,  # also write the gradient (False when no backward will run)
+    HAS_WEIGHT: tl.constexpr,  # weight each row by its target's class weight
+    SMOOTHING: tl.constexpr,  # label smoothing (label_smoothing > 0)
+    Z_LOSS: tl.constexpr,  # z-loss (lse_square_scale != 0)
+    SOFTCAP: tl.constexpr,  # cap the logits with tanh
+    ARGMAX: tl.constexpr,  # store each row's argmax (token accuracy, predicted tokens)
     BLOCK_V: tl.constexpr,  # columns per block of the sweep
 ):
+    # The options are compile-time flags: with all of them off, every `if` on them below vanishes
+    # and this is the plain kernel, instruction for instruction.
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride exceeds 2^31 past ~16.7k rows
     logits_row = Logits + row * stride_l
     grad_row = Grad + row * stride_g
@@ -133,6 +194,10 @@ def _cross_entropy_fwd(
         # Ignored row: loss 0 and a gradient row of exact zeros. The zeros must be *stored*
         # (the gradient buffer is uninitialised, or holds logits when in place).
         tl.store(Loss + row, 0.0)
+        if Z_LOSS:
+            tl.store(ZLoss + row, 0.0)
+        if ARGMAX:
+            tl.store(Pred + row, -1)  # no prediction is scored on an ignored row
         if COMPUTE_GRAD:
             for b in range(0, n_blocks):
                 cols = b * BLOCK_V + cols0
@@ -151,14 +216,43 @@ def _cross_entropy_fwd(
         # and computes reached only a third of the memory bandwidth).
         m_lane = tl.full([BLOCK_V], MIN_START, tl.float32)
         s_lane = tl.zeros([BLOCK_V], tl.float32)
+        if SMOOTHING:
+            # The smoothing term needs sum_c w_c * (lse - z_c) (w_c = 1 without class weights).
+            # Each lane sums w_c * (z_c - z_target) and w_c; measuring from the target's logit
+            # keeps the sum as small as the logits' spread even when they all sit near 1000.
+            z_ref = tl.load(logits_row + target, mask=(target >= 0) & (target < V), other=float("nan")).to(tl.float32)
+            if SOFTCAP:
+                z_ref = _softcap(z_ref, softcap)[0]
+            zsum_lane = tl.zeros([BLOCK_V], tl.float32)
+            if HAS_WEIGHT:
+                wsum_lane = tl.zeros([BLOCK_V], tl.float32)
+        if ARGMAX:
+            # Each lane keeps the first column holding its largest *raw* logit (x > max, strictly).
+            # The cap is monotonic, so this is the capped logits' argmax too, free of tanh rounding.
+            xmax_lane = tl.full([BLOCK_V], MIN_START, tl.float32)
+            arg_lane = tl.zeros([BLOCK_V], tl.int32)
         x_next = tl.load(logits_row + cols0, mask=cols0 < V, other=-float("inf"))
         for b in range(0, n_blocks):
             x = x_next.to(tl.float32)
             cols = (b + 1) * BLOCK_V + cols0  # the next block (all masked off after the last)
             x_next = tl.load(logits_row + cols, mask=cols < V, other=-float("inf"))
+            if ARGMAX:
+                arg_lane = tl.where(x > xmax_lane, cols - BLOCK_V, arg_lane)
+                xmax_lane = tl.maximum(xmax_lane, x)
+            if SOFTCAP:
+                # the tail must stay -inf (a capped -inf is -softcap, a real logit's value)
+                x = tl.where(cols - BLOCK_V < V, _softcap(x, softcap)[0], -float("inf"))
             e = tl.exp2(tl.abs(x - m_lane) * -LOG2E)  # exp(-|x - m|); exp2 is the native unit
             s_lane = tl.where(x > m_lane, s_lane * e + 1.0, s_lane + e)
             m_lane = tl.maximum(m_lane, x)
+            if SMOOTHING:
+                in_row = cols - BLOCK_V < V
+                if HAS_WEIGHT:
+                    w = tl.load(ClassWeight + cols - BLOCK_V, mask=in_row, other=0.0)
+                    zsum_lane += w * tl.where(in_row, x - z_ref, 0.0)
+                    wsum_lane += w
+                else:
+                    zsum_lane += tl.where(in_row, x - z_ref, 0.0)
         m = tl.max(m_lane, axis=0)  # the row max; bring every lane's sum to it and add them up
         s = tl.sum(s_lane * tl.exp2((m_lane - m) * LOG2E), axis=0)  # lanes that saw nothing: 0
         # log-sum-exp = m + log(s). Keep m and log(s) apart: m may be ~1000, and their rounded sum
@@ -168,8 +262,29 @@ def _cross_entropy_fwd(
         in_range = (target >= 0) & (target < V)
         # An out-of-range target never reads memory: it gets NaN, which poisons loss and gradient.
         x_target = tl.load(logits_row + target, mask=in_range, other=float("nan")).to(tl.float32)
+        if SOFTCAP:
+            x_target, dcap_target = _softcap(x_target, softcap)
         # loss = lse - x_target (NaN for an all -inf row, as in PyTorch)
-        tl.store(Loss + row, (m - x_target) + log2_s / LOG2E)
+        loss = (m - x_target) + log2_s / LOG2E
+        if HAS_WEIGHT:
+            w_target = tl.load(ClassWeight + target, mask=in_range, other=float("nan"))
+            loss = w_target * loss
+        if SMOOTHING:
+            # sum_c w_c (lse - z_c) = W * (lse - z_target) - sum_c w_c (z_c - z_target), W = sum_c w_c
+            if HAS_WEIGHT:
+                w_all = tl.sum(wsum_lane, axis=0)
+            else:
+                w_all = V * 1.0
+            smooth = w_all * ((m - z_ref) + log2_s / LOG2E) - tl.sum(zsum_lane, axis=0)
+            loss = (1.0 - label_smoothing) * loss + (label_smoothing / V) * smooth
+        tl.store(Loss + row, loss)
+        if Z_LOSS:
+            lse = m + log2_s / LOG2E
+            tl.store(ZLoss + row, lse_square_scale * lse * lse)
+        if ARGMAX:
+            # the first column among the lanes that hold the row's maximum, as torch.argmax
+            xmax = tl.max(xmax_lane, axis=0)
+            tl.store(Pred + row, tl.min(tl.where(xmax_lane == xmax, arg_lane, V), axis=0).to(tl.int64))
 
         # ---- sweep 2 (backwards, for L2 reuse): gradient = (softmax - onehot) * scale ----------
         if COMPUTE_GRAD:
@@ -179,7 +294,31 @@ def _cross_entropy_fwd(
                 # all-ignored batch never reaches this branch, but stay safe against 1/0.
                 n_valid = tl.load(NValid).to(tl.float32)
                 scale = 1.0 / tl.maximum(n_valid, 1.0)
+            # With the options, the gradient of a row is
+            #   d loss / d z_j = p_j * coef_p - coef_s * w_j - [j = target] * coef_t
+            # with p = softmax(z), coef_t = scale * (1 - eps) * w_target, coef_s = scale * eps / V,
+            # coef_p = coef_t + coef_s * W (the weights of the target distribution add up to that)
+            # plus the z-loss's 2 * lse_square_scale * lse, and then, through the cap,
+            # d loss / d x_j = d loss / d z_j * (1 - tanh^2). Without options: p_j - [j = target].
+            if Z_LOSS:
+                z_scale = scale  # the z-loss is a mean over tokens, unweighted
+            if HAS_WEIGHT:
+                if MEAN:
+                    # mean over the targets' weights, as PyTorch; a zero sum counts as 1
+                    w_valid = tl.load(WeightSum)
+                    scale = 1.0 / tl.where(w_valid != 0.0, w_valid, 1.0)
             scale = tl.where(in_range, scale, float("nan"))
+            coef_p = scale
+            if HAS_WEIGHT:
+                coef_p = coef_p * w_target
+            if SMOOTHING:
+                coef_s = scale * (label_smoothing / V)
+                coef_t = coef_p * (1.0 - label_smoothing)
+                coef_p = coef_t + coef_s * w_all
+            else:
+                coef_t = coef_p
+            if Z_LOSS:
+                coef_p += z_scale * (2.0 * lse_square_scale) * lse
             # softmax * scale = exp(x - m) / s * scale = exp2((x - m) * log2(e) - log2(s)) * scale:
             # a subtraction, a fused multiply-add, one exp2 and a multiply per element. x - m comes
             # first (two nearby numbers: exact enough); folding m into the fused multiply-add would
@@ -191,7 +330,16 @@ def _cross_entropy_fwd(
                 mask = cols < V
                 cols_next = cols - BLOCK_V  # prefetch the block before; none after the first
                 x_next = tl.load(logits_row + cols_next, mask=(cols_next >= 0) & (cols_next < V), other=-float("inf"))
-                g = tl.exp2((x - m) * LOG2E - log2_s) * scale
+                if SOFTCAP:
+                    x, dcap = _softcap(x, softcap)
+                g = tl.exp2((x - m) * LOG2E - log2_s) * coef_p
+                if SMOOTHING:
+                    if HAS_WEIGHT:
+                        g -= coef_s * tl.load(ClassWeight + cols, mask=mask, other=0.0)
+                    else:
+                        g -= coef_s
+                if SOFTCAP:
+                    g *= dcap
                 tl.store(grad_row + cols, g.to(Grad.dtype.element_ty), mask=mask)
                 cols = cols_next
             # The one-hot part touches a single element: fix it up after the sweep instead of
@@ -199,8 +347,18 @@ def _cross_entropy_fwd(
             # element (by some other thread of this program) land before this one.
             tl.debug_barrier()
             p_target = tl.exp2((x_target - m) * LOG2E - log2_s)
-            tl.store(grad_row + target, ((p_target - 1.0) * scale).to(Grad.dtype.element_ty), mask=in_range)
-
+            if HAS_WEIGHT or SMOOTHING or Z_LOSS or SOFTCAP:
+                g_target = p_target * coef_p - coef_t
+                if SMOOTHING:
+                    if HAS_WEIGHT:
+                        g_target -= coef_s * w_target
+                    else:
+                        g_target -= coef_s
+                if SOFTCAP:
+                    g_target *= dcap_target
+            else:
+                g_target = (p_target - 1.0) * scale
+            tl.store(grad_row + target, g_target.to(Grad.dtype.element_ty), mask=in_range)
 
 @triton.jit
 def _scale_rows(
@@ -234,7 +392,26 @@ def _scale_rows(
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _launch_settings(V: int, block_v: int | None, num_warps: int | None):
+class LossOptions(NamedTuple):
+    """What a loss computes beyond plain cross-entropy; the defaults select the plain kernel."""
+
+    weight: Optional[torch.Tensor] = None  # class weights [V], fp32, contiguous (see check_options)
+    label_smoothing: float = 0.0  # eps in [0, 1]
+    lse_square_scale: float = 0.0  # z-loss coefficient
+    softcap: Optional[float] = None  # cap the logits at +-softcap with tanh
+
+
+PLAIN = LossOptions()
+
+
+def _launch_settings(V: int, block_v: int | None, num_warps: int | None, lane_state: bool = False):
+    """Block and warps of a launch. `lane_state`: options that keep more per-lane values through
+    the sweep (label smoothing's sums, the argmax, the cap's temporaries) get half the block with
+    the same warps, 8 values per thread, which ptxas fits in registers where 16 would spill."""
+    if lane_state:
+        block_v = block_v or min(BLOCK_V // 2, next_power_of_2(V))
+        num_warps = num_warps or max(1, min(NUM_WARPS, block_v // 256))
+        return block_v, num_warps
     block_v = block_v or min(BLOCK_V, next_power_of_2(V))
     num_warps = num_warps or max(1, min(NUM_WARPS, block_v // 512))
     return block_v, num_warps
@@ -245,14 +422,28 @@ def rows_overlap(rows: torch.Tensor) -> bool:
     return rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]
 
 
+def target_weight_sum(targets: torch.Tensor, ignore_index: int, weight: torch.Tensor) -> torch.Tensor:
+    """The weighted mean's divisor: the sum of weight[target] over the non-ignored rows, as PyTorch
+    divides by. A 0-d fp32 tensor computed on the device (no sync); out-of-range targets add 0."""
+    V = weight.shape[0]
+    counted = (targets != ignore_index) & (targets >= 0) & (targets < V)
+    return torch.where(counted, weight[targets.clamp(0, V - 1)], 0.0).sum()
+
+
 def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad,
-                          block_v=None, num_warps=None, n_valid=None, loss_rows=None):
+                          block_v=None, num_warps=None, n_valid=None, loss_rows=None, options=PLAIN,
+                          weight_sum=None, z_rows=None, pred_rows=None):
     """logits2: [N, V], unit stride along V; targets: [N], any stride. Returns (loss, gradient or None).
 
     A caller that splits one batch into several calls (the fused linear cross-entropy walks the
     tokens in chunks) passes the whole batch's non-ignored count `n_valid` (a 0-d tensor on the
     device) so that each chunk's "mean" gradient is scaled by the global count, and its own slice
     of the per-row losses as `loss_rows`; it then reduces those itself.
+
+    `options` (a checked LossOptions) adds class weights, label smoothing, the z-loss and the cap;
+    with class weights a chunking caller also passes the batch's `weight_sum`. The per-row z-loss
+    goes to `z_rows` ([N] fp32, allocated when not given) and into the returned loss. With
+    `pred_rows` ([N] int64) each row's argmax is stored there too (-1 on ignored rows).
     """
     N, V = logits2.shape
     if V > 1 and logits2.stride(1) != 1:
@@ -261,33 +452,59 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
         raise ValueError(f"cannot write the gradient in place: rows of the logits share memory "
                          f"(strides {logits2.stride()}, an expanded tensor?)")
     device = logits2.device
+    weight, label_smoothing, lse_square_scale, softcap = options
     if loss_rows is None:
         loss_rows = torch.empty(N, dtype=torch.float32, device=device)
     # The mean's token count stays on the GPU (no sync); only "mean" reads it.
     if n_valid is None and reduction == "mean":
         n_valid = (targets != ignore_index).sum()
+    if weight is not None and weight_sum is None and reduction == "mean":
+        weight_sum = target_weight_sum(targets, ignore_index, weight)
+    if lse_square_scale == 0:
+        z_rows = None
+    elif z_rows is None:
+        z_rows = torch.empty(N, dtype=torch.float32, device=device)
     grad = None
     if compute_grad:
         grad = logits2 if inplace_grad else torch.empty((N, V), dtype=logits2.dtype, device=device)
     if N > 0:
-        block_v, num_warps = _launch_settings(V, block_v, num_warps)
+        lane_state = label_smoothing > 0 or softcap is not None or pred_rows is not None
+        block_v, num_warps = _launch_settings(V, block_v, num_warps, lane_state)
         _cross_entropy_fwd[(N,)](
             logits2, grad if compute_grad else logits2, targets, loss_rows,
             n_valid if n_valid is not None else loss_rows,  # never read unless MEAN
+            # each of these is touched only when its option is on
+            weight if weight is not None else loss_rows,
+            weight_sum if weight_sum is not None else loss_rows,
+            z_rows if z_rows is not None else loss_rows,
+            pred_rows if pred_rows is not None else loss_rows,
             logits2.stride(0), grad.stride(0) if compute_grad else 0, targets.stride(0), V, ignore_index,
-            MEAN=reduction == "mean", COMPUTE_GRAD=compute_grad, BLOCK_V=block_v,
+            float(label_smoothing), float(lse_square_scale), float(softcap or 1.0),
+            MEAN=reduction == "mean", COMPUTE_GRAD=compute_grad,
+            HAS_WEIGHT=weight is not None, SMOOTHING=label_smoothing > 0, Z_LOSS=z_rows is not None,
+            SOFTCAP=softcap is not None, ARGMAX=pred_rows is not None, BLOCK_V=block_v,
             num_warps=num_warps,
         )
-    return reduce_loss(loss_rows, reduction, n_valid), grad
+    return reduce_loss(loss_rows, reduction, n_valid, z_rows, weight_sum), grad
 
 
-def reduce_loss(loss_rows: torch.Tensor, reduction: str, n_valid: torch.Tensor | None) -> torch.Tensor:
-    """Per-row losses -> the requested reduction (mean over non-ignored rows; 0.0 when none are)."""
+def reduce_loss(loss_rows: torch.Tensor, reduction: str, n_valid: torch.Tensor | None,
+                z_rows: torch.Tensor | None = None, weight_sum: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row losses -> the requested reduction (mean over non-ignored rows; 0.0 when none are).
+
+    With class weights the mean divides by `weight_sum` (the non-ignored targets' weights) instead,
+    as PyTorch does; a sum of 0 counts as 1. The z-loss rows `z_rows` are added, averaged over the
+    non-ignored rows (the z-loss is a property of a token's logits, not of its target's class).
+    """
     if reduction == "none":
-        return loss_rows
+        return loss_rows if z_rows is None else loss_rows + z_rows
     if reduction == "sum":
-        return loss_rows.sum()
-    return loss_rows.sum() / n_valid.clamp(min=1)
+        return loss_rows.sum() if z_rows is None else loss_rows.sum() + z_rows.sum()
+    if weight_sum is None:
+        loss = loss_rows.sum() / n_valid.clamp(min=1)
+    else:
+        loss = loss_rows.sum() / torch.where(weight_sum != 0, weight_sum, 1.0)
+    return loss if z_rows is None else loss + z_rows.sum() / n_valid.clamp(min=1)
 
 
 def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,6 +531,32 @@ def check_targets_and_reduction(targets, reduction: str) -> None:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
+def check_options(vocab: int, device: torch.device, weight=None, label_smoothing=0.0, lse_square_scale=0.0,
+                  softcap=None, weight_name: str = "weight") -> LossOptions:
+    """Check the loss options (Python numbers, and a [vocab] float tensor of class weights on
+    `device`); returns them as the kernel takes them, the weights as fp32 and contiguous."""
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"{weight_name} (class weights) must be a floating-point tensor, got {got}")
+        if tuple(weight.shape) != (vocab,):
+            raise ValueError(f"{weight_name} (class weights) must have shape [{vocab}] (one per class), "
+                             f"got {tuple(weight.shape)}")
+        if weight.device != device:
+            raise ValueError(f"{weight_name} (class weights) is on {weight.device}, the logits on {device}")
+        weight = weight.detach().to(torch.float32).contiguous()
+    label_smoothing, lse_square_scale = float(label_smoothing), float(lse_square_scale)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (math.isfinite(lse_square_scale) and lse_square_scale >= 0):
+        raise ValueError(f"lse_square_scale must be a finite number >= 0, got {lse_square_scale}")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a finite number > 0 (or None for no cap), got {softcap}")
+    return LossOptions(weight, label_smoothing, lse_square_scale, softcap)
+
+
 def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> None:
     check_float("logits", logits)
     check_targets_and_reduction(targets, reduction)
@@ -328,29 +571,68 @@ def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -
 # ------------------------------------------------------------------------------------------------
 # Custom ops: what torch.compile, opcheck and FSDP see (one opaque op each; Dynamo never enters
 # the Triton launches). Their inputs are already checked: logits2 [N, V] with unit column stride.
+# The options arguments default to the plain loss. Each forward op also returns the z-loss (reduced
+# like the loss) and the per-row argmax when asked (want_z, want_pred), else empty placeholders
+# (an op returns the same number of tensors every time).
 # ------------------------------------------------------------------------------------------------
 def _loss_like(logits2: torch.Tensor, reduction: str) -> torch.Tensor:
     shape = (logits2.shape[0],) if reduction == "none" else ()
     return logits2.new_empty(shape, dtype=torch.float32)
 
 
+def _extras_like(logits2: torch.Tensor, reduction: str, want_z: bool, want_pred: bool):
+    z = _loss_like(logits2, reduction) if want_z else logits2.new_empty(0, dtype=torch.float32)
+    pred = logits2.new_empty(logits2.shape[0] if want_pred else 0, dtype=torch.int64)
+    return z, pred
+
+
+def _forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad, weight, label_smoothing,
+             lse_square_scale, softcap, want_z, want_pred):
+    """(loss, gradient or None, z-loss, argmax rows): the ops' shared body."""
+    options = LossOptions(weight, label_smoothing, lse_square_scale, softcap)
+    z, pred = _extras_like(logits2, reduction, want_z, want_pred)
+    n_valid = (targets != ignore_index).sum() if reduction == "mean" else None
+    z_rows = torch.empty(logits2.shape[0], dtype=torch.float32, device=logits2.device) \
+        if want_z and lse_square_scale != 0 else None
+    loss, grad = cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad,
+                                       n_valid=n_valid, options=options, z_rows=z_rows,
+                                       pred_rows=pred if want_pred else None)
+    if want_z:  # no z-loss asked for (lse_square_scale = 0): it is 0
+        z = reduce_loss(z_rows, reduction, n_valid) if z_rows is not None else z.zero_()
+    return loss, grad, z, pred
+
+
 @torch.library.custom_op("playbook::cross_entropy_loss", mutates_args=())
-def _loss_op(logits2: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """The loss alone (evaluation, or logits that need no gradient): reads the logits once."""
-    return cross_entropy_forward(logits2, targets, ignore_index, reduction, False, False)[0]
+def _loss_op(logits2: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+             weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+             softcap: Optional[float] = None, want_z: bool = False,
+             want_pred: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z-loss, argmax rows) alone (evaluation, or logits that need no gradient): reads the logits once."""
+    loss, _, z, pred = _forward(logits2, targets, ignore_index, reduction, False, False, weight, label_smoothing,
+                                lse_square_scale, softcap, want_z, want_pred)
+    return loss, z, pred
 
 
 @torch.library.custom_op("playbook::cross_entropy_fwd", mutates_args=())
-def _fwd_op(logits2: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-            reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, gradient for an upstream gradient of 1) with the gradient in a new [N, V] buffer."""
-    return cross_entropy_forward(logits2, targets, ignore_index, reduction, True, False)
+def _fwd_op(logits2: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+            weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+            softcap: Optional[float] = None, want_z: bool = False,
+            want_pred: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, gradient for an upstream gradient of 1, z-loss, argmax rows), the gradient in a new
+    [N, V] buffer."""
+    return _forward(logits2, targets, ignore_index, reduction, True, False, weight, label_smoothing,
+                    lse_square_scale, softcap, want_z, want_pred)
 
 
 @torch.library.custom_op("playbook::cross_entropy_fwd_inplace", mutates_args=("logits2",))
-def _fwd_inplace_op(logits2: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """The loss; the gradient (for an upstream gradient of 1) overwrites `logits2`."""
-    return cross_entropy_forward(logits2, targets, ignore_index, reduction, True, True)[0]
+def _fwd_inplace_op(logits2: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+                    weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0,
+                    lse_square_scale: float = 0.0, softcap: Optional[float] = None, want_z: bool = False,
+                    want_pred: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z-loss, argmax rows); the gradient (for an upstream gradient of 1) overwrites `logits2`."""
+    loss, _, z, pred = _forward(logits2, targets, ignore_index, reduction, True, True, weight, label_smoothing,
+                                lse_square_scale, softcap, want_z, want_pred)
+    return loss, z, pred
 
 
 @torch.library.custom_op("playbook::cross_entropy_scale_grad_inplace", mutates_args=("grad",))
@@ -367,18 +649,22 @@ def _scale_grad_op(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tenso
 
 
 @_loss_op.register_fake
-def _(logits2, targets, ignore_index, reduction):
-    return _loss_like(logits2, reduction)
+def _(logits2, targets, ignore_index, reduction, weight=None, label_smoothing=0.0, lse_square_scale=0.0,
+      softcap=None, want_z=False, want_pred=False):
+    return _loss_like(logits2, reduction), *_extras_like(logits2, reduction, want_z, want_pred)
 
 
 @_fwd_op.register_fake
-def _(logits2, targets, ignore_index, reduction):
-    return _loss_like(logits2, reduction), logits2.new_empty(logits2.shape)
+def _(logits2, targets, ignore_index, reduction, weight=None, label_smoothing=0.0, lse_square_scale=0.0,
+      softcap=None, want_z=False, want_pred=False):
+    return (_loss_like(logits2, reduction), logits2.new_empty(logits2.shape),
+            *_extras_like(logits2, reduction, want_z, want_pred))
 
 
 @_fwd_inplace_op.register_fake
-def _(logits2, targets, ignore_index, reduction):
-    return _loss_like(logits2, reduction)
+def _(logits2, targets, ignore_index, reduction, weight=None, label_smoothing=0.0, lse_square_scale=0.0,
+      softcap=None, want_z=False, want_pred=False):
+    return _loss_like(logits2, reduction), *_extras_like(logits2, reduction, want_z, want_pred)
 
 
 @_scale_grad_inplace_op.register_fake
@@ -408,6 +694,34 @@ def scale_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # autograd.Function and functional API
 # ------------------------------------------------------------------------------------------------
+class CrossEntropyOutput(NamedTuple):
+    """What a loss returns when any `return_*` flag is set; None for what was not asked for.
+
+    loss: as without the flags (differentiable). z_loss: the z-loss term alone, reduced like the
+    loss (already included in `loss`). token_accuracy: a 0-d fp32 fraction of the non-ignored
+    tokens whose argmax is their target (0.0 when all are ignored), whatever the reduction.
+    predicted_tokens: each token's argmax (int64, the targets' shape), -1 on ignored tokens.
+    None of the extras is differentiable.
+    """
+
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
+
+
+def loss_output(loss, z, pred, targets, ignore_index, return_z_loss, return_token_accuracy,
+                return_predicted_tokens, shape) -> CrossEntropyOutput:
+    """Assemble the extras: `pred` holds each row's argmax (-1 where ignored); `shape` is the
+    per-token shape (reduction="none" losses and the predicted tokens take it)."""
+    accuracy = None
+    if return_token_accuracy:
+        scored = targets != ignore_index
+        accuracy = ((pred == targets) & scored).sum() / scored.sum().clamp(min=1)
+    return CrossEntropyOutput(loss, z.view(loss.shape) if return_z_loss else None, accuracy,
+                              pred.view(shape) if return_predicted_tokens else None)
+
+
 def check_first_order(what: str) -> None:
     """Refuse `backward(create_graph=True)`: a fused loss's gradient is a buffer, not a function
     PyTorch can differentiate again, and a silent constant would make second derivatives zero."""
@@ -420,26 +734,37 @@ def check_first_order(what: str) -> None:
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index, reduction, inplace_grad, grad_enabled):
+    def forward(ctx, logits, targets, ignore_index, reduction, inplace_grad, grad_enabled, weight=None,
+                label_smoothing=0.0, lse_square_scale=0.0, softcap=None, want_z=False, want_pred=False):
         rows = as_rows(logits)  # logits itself, or a contiguous copy (never a view made here)
+        # The plain loss calls the ops with their four plain arguments; the options follow them.
+        extras = want_z or want_pred
+        plain = weight is None and label_smoothing == 0 and lse_square_scale == 0 and softcap is None
+        options = () if plain and not extras else (weight, label_smoothing, lse_square_scale, softcap,
+                                                   want_z, want_pred)
         # needs_input_grad says whether the logits require grad, even under torch.no_grad();
         # grad_enabled (the caller's grad mode) says whether a backward can happen at all.
         ctx.consumed = False
         if not (ctx.needs_input_grad[0] and grad_enabled):
-            return torch.ops.playbook.cross_entropy_loss(rows, targets, ignore_index, reduction)
-        if inplace_grad and not rows_overlap(rows):
+            loss, z, pred = torch.ops.playbook.cross_entropy_loss(rows, targets, ignore_index, reduction, *options)
+        elif inplace_grad and not rows_overlap(rows):
             # The op declares that it mutates `rows`, so PyTorch bumps the version counter that
             # `rows` shares with `logits`: an op that saved the logits for its own backward (a
             # softmax before the loss, say) then raises "modified by an inplace operation".
-            loss = torch.ops.playbook.cross_entropy_fwd_inplace(rows, targets, ignore_index, reduction)
-            grad = rows
+            loss, z, pred = torch.ops.playbook.cross_entropy_fwd_inplace(rows, targets, ignore_index, reduction,
+                                                                         *options)
+            ctx.save_for_backward(rows)
         else:
-            loss, grad = torch.ops.playbook.cross_entropy_fwd(rows, targets, ignore_index, reduction)
-        ctx.save_for_backward(grad)
-        return loss
+            loss, grad, z, pred = torch.ops.playbook.cross_entropy_fwd(rows, targets, ignore_index, reduction,
+                                                                       *options)
+            ctx.save_for_backward(grad)
+        if not extras:
+            return loss
+        ctx.mark_non_differentiable(z, pred)
+        return loss, z, pred
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *extras_grads):
         check_first_order("fused cross-entropy")
         if ctx.consumed:
             raise RuntimeError(
@@ -448,11 +773,14 @@ class CrossEntropyFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         (grad,) = ctx.saved_tensors
-        return scale_grad(grad, grad_output), None, None, None, None, None
+        return (scale_grad(grad, grad_output),) + (None,) * 11
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                  reduction: str = "mean", inplace_grad: bool = False) -> torch.Tensor:
+                  reduction: str = "mean", inplace_grad: bool = False, *, weight: torch.Tensor | None = None,
+                  label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                  return_z_loss: bool = False, return_token_accuracy: bool = False,
+                  return_predicted_tokens: bool = False):
     """Cross-entropy of `logits` [N, V] (or [B, T, V]) against int64 `targets` [N] (or [B, T]).
 
     Same semantics as `torch.nn.functional.cross_entropy` (mean over non-ignored rows), except:
@@ -460,17 +788,34 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     reduction="none" returns one loss per row, in the targets' shape.
     inplace_grad: write the gradient into the logits' memory (see the module docstring); logits
     whose rows share memory (an expanded tensor) get a new gradient buffer instead.
+
+    Options (keyword only; see the module docstring):
+    weight: class weights [V], as PyTorch's `weight` ("mean" divides by the non-ignored targets' weights).
+    label_smoothing: eps in [0, 1], as PyTorch's (with class weights too).
+    lse_square_scale: z-loss, adds lse_square_scale * logsumexp(logits)^2 per non-ignored token.
+    softcap: logits -> softcap * tanh(logits / softcap) first (Gemma 2's final_logit_softcapping).
+    return_z_loss / return_token_accuracy / return_predicted_tokens: return a CrossEntropyOutput
+    with these extras (not differentiable) instead of the loss tensor alone.
     """
     _check_inputs(logits, targets, reduction)
+    options = check_options(logits.shape[-1], logits.device, weight, label_smoothing, lse_square_scale, softcap)
     if inplace_grad and logits.is_leaf and logits.requires_grad and torch.is_grad_enabled():
         raise RuntimeError("inplace_grad=True would overwrite a leaf tensor that requires grad; pass the "
                            "logits computed by the model (an intermediate), or use inplace_grad=False")
     # Flatten [B, T, V] here, in the caller's grad mode: autograd forbids writing in place into a
     # view that was made inside the Function's forward (where grad mode is off).
     logits2 = logits.reshape(-1, logits.shape[-1]) if logits.dim() == 3 else logits
-    loss = CrossEntropyFunction.apply(logits2, targets.reshape(-1), int(ignore_index), reduction,
-                                      bool(inplace_grad), torch.is_grad_enabled())
-    return loss.view(targets.shape) if reduction == "none" else loss
+    want_pred = bool(return_token_accuracy or return_predicted_tokens)
+    if not (return_z_loss or want_pred):
+        loss = CrossEntropyFunction.apply(logits2, targets.reshape(-1), int(ignore_index), reduction,
+                                          bool(inplace_grad), torch.is_grad_enabled(), *options)
+        return loss.view(targets.shape) if reduction == "none" else loss
+    loss, z, pred = CrossEntropyFunction.apply(logits2, targets.reshape(-1), int(ignore_index), reduction,
+                                               bool(inplace_grad), torch.is_grad_enabled(), *options,
+                                               bool(return_z_loss), want_pred)
+    loss = loss.view(targets.shape) if reduction == "none" else loss
+    return loss_output(loss, z, pred, targets.reshape(-1), int(ignore_index), return_z_loss,
+                       return_token_accuracy, return_predicted_tokens, targets.shape)
 
 
 def ideal_bytes(n_rows: int, vocab: int, dtype: torch.dtype, backward: bool = False,
@@ -515,6 +860,9 @@ def fused_causal_lm_loss(inplace_grad: bool = True):
     under gradient accumulation. Unlike HF it does not upcast the logits to fp32: the kernel reads
     bf16 and computes in fp32. With `inplace_grad` the gradient overwrites the logits during the
     forward pass: after `model(..., labels=...)`, `outputs.logits` holds gradients, not logits.
+    Gemma 2 caps its logits (`final_logit_softcapping`) in its own forward, before it calls the
+    loss: they arrive capped, and this loss must not cap them again (no `softcap` here; the fused
+    linear cross-entropy, which replaces that forward, applies the cap itself).
     """
 
     def loss_fn(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
@@ -546,8 +894,30 @@ def expected_patches(config) -> int:
 # Reference
 # ------------------------------------------------------------------------------------------------
 def cross_entropy_ref(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                      reduction: str = "mean") -> torch.Tensor:
-    """PyTorch on fp32-upcast logits, as Hugging Face computes its loss (NaN when all ignored)."""
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                       ignore_index=ignore_index, reduction=reduction).view(
-        targets.shape if reduction == "none" else ())
+                      reduction: str = "mean", *, weight: torch.Tensor | None = None, label_smoothing: float = 0.0,
+                      lse_square_scale: float = 0.0, softcap: float | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """PyTorch on logits cast to `dtype`: fp32 by default, as Hugging Face computes its loss (NaN
+    when all rows are ignored); the tests also run it in the logits' own dtype and in float64.
+    The options are PyTorch's own (weight, label_smoothing) or spelled out (softcap, z-loss)."""
+    z = logits.to(dtype).reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    loss = nn.functional.cross_entropy(z, t, weight=None if weight is None else weight.to(dtype),
+                                       ignore_index=ignore_index, reduction=reduction,
+                                       label_smoothing=label_smoothing)
+    if lse_square_scale:
+        loss = loss + z_loss_ref(z, t, ignore_index, reduction, lse_square_scale)
+    return loss.view(targets.shape if reduction == "none" else ())
+
+
+def z_loss_ref(z: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+               lse_square_scale: float) -> torch.Tensor:
+    """lse_square_scale * logsumexp(z)^2 per non-ignored row of the (capped) logits z [N, V],
+    reduced like the loss: "mean" divides by the number of non-ignored rows."""
+    scored = targets != ignore_index
+    rows = torch.where(scored, lse_square_scale * torch.logsumexp(z, dim=-1).square(), 0.0)
+    if reduction == "none":
+        return rows
+    return rows.sum() if reduction == "sum" else rows.sum() / scored.sum()

@@ -7,6 +7,9 @@ Without a GPU the kernels run in Triton's interpreter at small sizes; with one, 
 run LLaMA 3.1 8B's vocabulary (128256) over thousands of tokens compiled, past the int32 offset
 limit, inside a CUDA graph and with host syncs turned into errors. Tolerances follow the rule in
 testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+The options (class weights, label smoothing, z-loss, softcap) are checked the same way against
+PyTorch's own `weight` and `label_smoothing` and a spelled-out cap and z-loss; the extras (z-loss,
+token accuracy, predicted tokens) against PyTorch exactly where they can be exact.
 """
 
 import re
@@ -16,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import cross_entropy_kernel
-from cross_entropy_kernel import cross_entropy, cross_entropy_forward, cross_entropy_ref, ideal_bytes, scale_gradient_
+from cross_entropy_kernel import (cross_entropy, cross_entropy_forward, cross_entropy_ref, ideal_bytes, scale_gradient_,
+                                  z_loss_ref)
 from kernel_utils import DEVICE
 from testkit import close_to_reference, expect_error, exactly, record, run_as_script
 
@@ -357,6 +361,215 @@ def test_bad_reduction_gives_clear_error():
     expect_error(ValueError, lambda: cross_entropy(_logits(3, 5, torch.float32), _targets(3, 5), reduction="avg"))
 
 
+# ---------------------------------------------------------------------------- options
+# Class weights, label smoothing, the z-loss and the logit cap change the loss and its gradient;
+# each is checked against PyTorch (F.cross_entropy's own `weight` and `label_smoothing`, the cap
+# and the z-loss spelled out in cross_entropy_ref) in the logits' dtype and in float64. Most checks
+# use V = 257, one block of 512 columns with its tail masked, as the default launch runs it. The
+# tests that take the `small_blocks` fixture shrink the block to 512 columns (256 for the options
+# that keep more per-lane state), so that V = 1000 takes 2 (4) blocks, the last one partial: the
+# loop, its prefetch and the tail masks then run as they do for LLaMA's 128256 columns.
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(cross_entropy_kernel, "BLOCK_V", 512)
+
+
+def _class_weights(v, seed=30):
+    """Class weights in [0.25, 1.75): far from uniform, so a missing or misplaced weight shows."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.rand(v, generator=g) * 1.5 + 0.25).to(DEVICE)
+
+
+def _options(name, v):
+    """The option sets under test. The z-loss coefficient is 1e-2, 100x PaLM's 1e-4, so that its
+    term (~1.5 at lse ~ 12) and its gradient 2 * 0.01 * lse * p are large enough to be checked."""
+    return {
+        "label smoothing": dict(label_smoothing=0.1),
+        "class weights": dict(weight=_class_weights(v)),
+        "class weights + label smoothing": dict(weight=_class_weights(v), label_smoothing=0.2),
+        "z-loss": dict(lse_square_scale=1e-2),
+        "softcap": dict(softcap=5.0),  # logits of spread 4: |x / cap| up to ~3, deep in tanh's bend
+        "all options": dict(weight=_class_weights(v), label_smoothing=0.1, lse_square_scale=1e-2, softcap=5.0),
+    }[name]
+
+
+OPTION_SETS = ["label smoothing", "class weights", "class weights + label smoothing", "z-loss", "softcap",
+               "all options"]
+
+
+def _run_loss(loss_fn, logits, inplace=False):
+    """loss_fn(logits) and its gradient for a random non-uniform upstream gradient."""
+    x = logits.detach().clone().requires_grad_()
+    loss = loss_fn(x * 1 if inplace else x)
+    (loss.float() * _upstream(loss)).sum().backward()
+    return loss.detach(), x.grad
+
+
+def _check_options(tag, logits, targets, reduction="mean", ignore_index=-100, inplace=False, **options):
+    """Ours against PyTorch in the logits' dtype and in float64, with the same options."""
+    V = logits.shape[-1]
+    ours = _run_loss(lambda x: cross_entropy(x, targets, ignore_index, reduction, inplace, **options), logits, inplace)
+    same = _run_loss(lambda x: cross_entropy_ref(x, targets, ignore_index, reduction, dtype=x.dtype, **options), logits)
+    ref = _run_loss(lambda x: cross_entropy_ref(x, targets, ignore_index, reduction, dtype=torch.float64, **options),
+                    logits.double())
+    assert ours[0].dtype == torch.float32 and ours[0].shape == ref[0].shape
+    # as in _check: the loss at fp32 precision, the gradient at the logits' (sums over V terms)
+    close_to_reference(f"{tag} loss", ours[0], same[0], ref[0], torch.float32, n=V)
+    close_to_reference(f"{tag} grad", ours[1], same[1], ref[1], logits.dtype, n=V)
+    return ours
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", OPTION_SETS)
+def test_options_match_pytorch(option, dtype, reduction):
+    """Each option alone and all together, with ignored rows, V = 257 (one block, tail masked)."""
+    n, v = 9, 257
+    logits, targets = _logits(n, v, dtype, seed=31), _targets(n, v, seed=31, ignore=(2, 6))
+    _check_options(f"{option}, {reduction}", logits, targets, reduction, **_options(option, v))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_options_across_blocks(reduction, small_blocks):
+    """Every option at once, V = 1000 in 4 blocks: the smoothing sums and the cap's tail mask
+    carried across blocks (the argmax's are in the accuracy tests below)."""
+    n, v = 8, 1000
+    logits, targets = _logits(n, v, torch.bfloat16, seed=32), _targets(n, v, seed=32, ignore=(4,))
+    _check_options(f"all options, V=1000 in 4 blocks, {reduction}", logits, targets, reduction,
+                   **_options("all options", v))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_options_with_the_gradient_in_place(reduction, small_blocks):
+    """In place, sweep 2 rereads each raw logit (the cap needs it) before overwriting it, and the
+    target's fix-up uses the logit read before the sweep: the same bits as out of place."""
+    n, v = 8, 1000
+    logits, targets = _logits(n, v, torch.bfloat16, seed=33), _targets(n, v, seed=33, ignore=(0,))
+    options = _options("all options", v)
+    a = _check_options(f"all options in place, {reduction}", logits, targets, reduction, inplace=True, **options)
+    b = _run_loss(lambda x: cross_entropy(x, targets, reduction=reduction, **options), logits)
+    exactly(f"all options: in-place grad == out-of-place grad, {reduction}", a[1], b[1])
+
+
+def test_weights_and_smoothing_with_an_ignore_index_inside_the_vocabulary():
+    """ignore_index = 7 is a real class: its rows are skipped and left out of the weighted mean's
+    divisor, and class 7 still takes part in every other row's softmax and smoothing."""
+    n, v = 10, 257
+    targets = _targets(n, v, seed=34)
+    targets[[1, 5, 6]] = 7
+    logits = _logits(n, v, torch.float32, seed=34)
+    for reduction in ("mean", "sum"):
+        _check_options(f"ignore_index=7, weights + smoothing, {reduction}", logits, targets, reduction, ignore_index=7,
+                       weight=_class_weights(v), label_smoothing=0.3)
+
+
+def test_all_rows_ignored_with_every_option():
+    """Every option on, every row ignored: loss, z-loss and accuracy 0, gradient 0, no prediction
+    (-1), and the loss still attached to the graph (PyTorch's weighted mean would be 0 / 0 = NaN)."""
+    n, v = 5, 64
+    x = _logits(n, v, torch.bfloat16).requires_grad_()
+    targets = torch.full((n,), -100, device=DEVICE)
+    out = cross_entropy(x, targets, return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True,
+                        **_options("all options", v))
+    assert out.loss.requires_grad and out.loss.grad_fn is not None, "must stay attached (FSDP/DDP would hang)"
+    out.loss.backward()
+    zero = torch.tensor(0.0, device=DEVICE)
+    exactly("all ignored, all options: loss 0", out.loss, zero)
+    exactly("all ignored, all options: z-loss 0", out.z_loss, zero)
+    exactly("all ignored, all options: accuracy 0", out.token_accuracy, zero)
+    exactly("all ignored, all options: predicted tokens -1", out.predicted_tokens, torch.full_like(targets, -1))
+    exactly("all ignored, all options: gradient 0", x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_z_loss_is_returned_alone_and_included_in_the_loss(reduction):
+    """return_z_loss gives lse_square_scale * lse^2 reduced like the loss (mean over non-ignored
+    rows); asking for it changes nothing else, and it carries no gradient."""
+    n, v, scale = 10, 257, 1e-2
+    logits, targets = _logits(n, v, torch.float32, seed=35), _targets(n, v, seed=35, ignore=(3, 4))
+    x = logits.clone().requires_grad_()
+    out = cross_entropy(x, targets, reduction=reduction, lse_square_scale=scale, return_z_loss=True)
+    plain = cross_entropy(logits, targets, reduction=reduction, lse_square_scale=scale)
+    assert out.token_accuracy is None and out.predicted_tokens is None, "only what was asked for"
+    assert not out.z_loss.requires_grad, "the z-loss is returned for logging; the loss already holds it"
+    exactly(f"{reduction}: the loss is the same with and without return_z_loss", out.loss, plain)
+    ref = z_loss_ref(logits.double(), targets, -100, reduction, scale)
+    same = z_loss_ref(logits, targets, -100, reduction, scale)
+    # a logsumexp over V terms in fp32, squared: the testkit rule with n = V
+    close_to_reference(f"{reduction}: z-loss alone", out.z_loss, same, ref, torch.float32, n=v)
+    off = cross_entropy(logits, targets, reduction=reduction, return_z_loss=True)
+    exactly(f"{reduction}: lse_square_scale=0 returns a z-loss of 0", off.z_loss, torch.zeros_like(off.loss))
+
+
+def test_softcap_on_saturated_logits():
+    """Logits of spread 100 under a cap of 10: most are deep in tanh's flat tails, where the
+    gradient factor 1 - tanh^2 is tiny and would cancel to nothing if computed by subtraction."""
+    n, v = 8, 257
+    logits, targets = _logits(n, v, torch.float32, seed=36, spread=100.0), _targets(n, v, seed=36, ignore=(1,))
+    _check_options("softcap=10 on logits of spread 100", logits, targets, "none", softcap=10.0)
+    _check_options("softcap=10 on logits of spread 100, all options", logits, targets, "mean",
+                   **{**_options("all options", v), "softcap": 10.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_accuracy_and_predicted_tokens(dtype, small_blocks):
+    """Predicted tokens are torch.argmax of the logits, exactly (bf16 logits tie often: the first
+    index wins, as in torch); -1 on ignored rows; [B, T] in, [B, T] out. The accuracy is their
+    share of correct non-ignored tokens, and asking for them leaves the loss bit for bit alone."""
+    B, T, v = 2, 6, 1000
+    logits = _logits(B * T, v, dtype, seed=37).view(B, T, v)
+    labels = _targets(B * T, v, seed=37, ignore=(0, 9)).view(B, T)
+    best = logits.float().argmax(-1)
+    labels[1, :3] = best[1, :3]  # some tokens right, so the accuracy is neither 0 nor 1
+    expected = torch.where(labels == -100, -1, best)
+    scored = labels != -100
+    accuracy = ((best == labels) & scored).sum() / scored.sum()
+    for options in ({}, _options("all options", v)):
+        tag = "all options" if options else "no options"
+        out = cross_entropy(logits, labels, return_token_accuracy=True, return_predicted_tokens=True, **options)
+        exactly(f"{dtype}, {tag}: predicted tokens == torch.argmax", out.predicted_tokens, expected)
+        exactly(f"{dtype}, {tag}: token accuracy", out.token_accuracy, accuracy)
+    exactly(f"{dtype}: the loss is unchanged by the extras", out.loss, cross_entropy(logits, labels, **options))
+
+
+def test_argmax_ties_go_to_the_first_index(small_blocks):
+    """Lanes keep their first maximum and the lanes are then searched for the smallest column:
+    ties across blocks, across lanes and within a lane all resolve to the first index."""
+    v = 1000  # blocks of 256 columns here (argmax keeps per-lane state)
+    logits = _logits(3, v, torch.float32, seed=38)
+    logits[0, [700, 300, 45]] = 50.0  # three blocks, three lanes: 45 first
+    logits[1, [259, 3, 999]] = 50.0  # 3 and 259 share a lane (259 = 256 + 3): 3 first
+    logits[2] = 1.0  # a constant row: 0
+    targets = torch.tensor([45, 259, 5], device=DEVICE)
+    out = cross_entropy(logits, targets, return_predicted_tokens=True, return_token_accuracy=True)
+    exactly("ties: the first index, as torch.argmax", out.predicted_tokens, logits.argmax(-1))
+    exactly("ties: predicted [45, 3, 0]", out.predicted_tokens, torch.tensor([45, 3, 0], device=DEVICE))
+    exactly("ties: accuracy 1 of 3", out.token_accuracy, torch.tensor(1 / 3, device=DEVICE))
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        pytest.param(dict(label_smoothing=-0.1), "label_smoothing", id="label_smoothing < 0"),
+        pytest.param(dict(label_smoothing=1.5), "label_smoothing", id="label_smoothing > 1"),
+        pytest.param(dict(label_smoothing=float("nan")), "label_smoothing", id="label_smoothing NaN"),
+        pytest.param(dict(weight=torch.ones(31)), "shape", id="weight of the wrong length"),
+        pytest.param(dict(weight=torch.ones(1, 30)), "shape", id="weight 2-D"),
+        pytest.param(dict(weight=torch.ones(30, dtype=torch.long)), "floating", id="integer weight"),
+        pytest.param(dict(weight=torch.ones(30, device="meta")), "meta", id="weight on another device"),
+        pytest.param(dict(softcap=0.0), "softcap", id="softcap 0"),
+        pytest.param(dict(softcap=-30.0), "softcap", id="softcap < 0"),
+        pytest.param(dict(softcap=float("inf")), "softcap", id="softcap inf"),
+        pytest.param(dict(lse_square_scale=-1e-4), "lse_square_scale", id="lse_square_scale < 0"),
+    ],
+)
+def test_bad_options_give_clear_errors(options, words):
+    options = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v)
+               for k, v in options.items()}
+    message = expect_error(ValueError, lambda: cross_entropy(_logits(4, 30, torch.float32), _targets(4, 30), **options))
+    assert words in message
+
+
 # ---------------------------------------------------------------------------- custom ops, compile
 def test_opcheck_every_op():
     """torch.library.opcheck: schema (mutation declared), fake tensors, AOT dispatch, autograd
@@ -408,6 +621,53 @@ def test_torch_compile_fullgraph_matches_eager():
     close_to_reference("compiled gradient", comp_grad, eager_grad, eager_grad, torch.float32, n=6 * n)
 
 
+def test_opcheck_with_options():
+    """The same checks with the option arguments in use and the extras asked for (their fake
+    shapes, the int64 predictions), for the three forward ops."""
+    n, v = 7, 45
+    logits, targets = _logits(n, v, torch.float32, seed=39), _targets(n, v, seed=39, ignore=(2,))
+    options = (_class_weights(v), 0.1, 1e-2, 5.0)
+    ops = torch.ops.playbook
+    cases = [
+        ("cross_entropy_loss, mean, all options and extras", ops.cross_entropy_loss.default,
+         (logits, targets, -100, "mean", *options, True, True)),
+        ("cross_entropy_fwd, none, all options and extras", ops.cross_entropy_fwd.default,
+         (logits, targets, -100, "none", *options, True, True)),
+        ("cross_entropy_fwd_inplace, sum, bf16, softcap and predictions", ops.cross_entropy_fwd_inplace.default,
+         (logits.bfloat16(), targets, -100, "sum", None, 0.0, 0.0, 30.0, False, True)),
+    ]
+    for name, op, args in cases:
+        result = torch.library.opcheck(op, args)
+        passed = all(v == "SUCCESS" for v in result.values())
+        record(f"opcheck {name}", 0.0, 0.0, passed, note="" if passed else str(result))
+
+
+def test_torch_compile_with_options_and_extras():
+    """fullgraph capture of a loss with every option that returns a CrossEntropyOutput: one graph,
+    the same loss, extras and gradient as eager. backend="aot_eager" runs Dynamo, the fake
+    implementations and the forward/backward partition (where a wrong fake shape or a
+    differentiable extra would fail) without inductor's C++ build; the ops are opaque to inductor
+    anyway, and test_torch_compile_fullgraph_matches_eager compiles its code around them."""
+    n, v = 6, 37
+    logits, targets = _logits(n, v, torch.float32, seed=40), _targets(n, v, seed=40, ignore=(1,))
+    options = _options("all options", v)
+
+    def loss_and_extras(x):
+        out = cross_entropy(x * 1, targets, inplace_grad=True, return_z_loss=True, return_token_accuracy=True,
+                            return_predicted_tokens=True, **options)
+        return out.loss * 3, out.z_loss, out.token_accuracy, out.predicted_tokens
+
+    results = []
+    for fn in (loss_and_extras, torch.compile(loss_and_extras, fullgraph=True, backend="aot_eager")):
+        x = logits.clone().requires_grad_()
+        loss, *extras = fn(x)
+        loss.backward()
+        results.append((loss.detach(), *extras, x.grad))
+    # the same kernels on the same inputs, and aot_eager runs the same ATen ops around them
+    for i, name in enumerate(("loss", "z-loss", "token accuracy", "predicted tokens", "gradient")):
+        exactly(f"compiled with options: {name}", results[1][i], results[0][i])
+
+
 # ---------------------------------------------------------------------------- Hugging Face model
 def tiny_llama(seed: int = 0):
     """A 2-layer LLaMA (vocab 512, hidden 64, 4 heads, 2 KV heads), fp32, SDPA attention."""
@@ -434,13 +694,20 @@ def model_step(model, call=None, seed: int = 1, **kwargs):
     return out.loss.detach(), out, grads
 
 
-def model_close(tag, ours, expected, rel=1e-5):
-    """Loss and every parameter gradient of two runs of the same fp32 model, relative to the largest."""
+def model_error(ours, expected) -> float:
+    """The largest relative difference between two runs of model_step: the loss, and each
+    parameter gradient relative to its largest entry."""
     loss_a, _, grads_a = ours
     loss_b, _, grads_b = expected
-    assert grads_a.keys() == grads_b.keys(), f"{tag}: different parameters got gradients"
-    err = max([abs(loss_a.item() - loss_b.item()) / abs(loss_b.item())] +
-              [((grads_a[k] - grads_b[k]).abs().max() / grads_b[k].abs().max().clamp(min=1e-30)).item() for k in grads_a])
+    assert grads_a.keys() == grads_b.keys(), "different parameters got gradients"
+    return max([abs(loss_a.item() - loss_b.item()) / abs(loss_b.item())] +
+               [((grads_a[k] - grads_b[k]).abs().max() / grads_b[k].abs().max().clamp(min=1e-30)).item()
+                for k in grads_a])
+
+
+def model_close(tag, ours, expected, rel=1e-5):
+    """Loss and every parameter gradient of two runs of the same fp32 model, relative to the largest."""
+    err = model_error(ours, expected)
     record(f"{tag}: loss and all gradients (relative)", err, rel, err <= rel)
 
 
@@ -471,6 +738,41 @@ def test_patch_model_matches_hugging_face_and_torch_compile():
     model_close("torch.compile(patched model) vs eager", compiled, eager)
 
 
+def tiny_gemma2(seed: int = 0, softcap: float = 0.25):
+    """A 2-layer Gemma 2 (vocab 512, hidden 64), fp32, eager attention, with its final logits
+    capped by `softcap` (the real model uses 30.0). Its random logits are ~0.2 in size: a cap of
+    0.25 bends them enough that capping twice, or not at all, changes the gradients visibly."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          sliding_window=8, final_logit_softcapping=softcap)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return Gemma2ForCausalLM(config).to(DEVICE)
+
+
+def test_loss_of_a_softcapped_model_caps_once():
+    """Gemma 2's forward caps its logits itself (final_logit_softcapping) before it calls
+    model.loss_function, so the fused loss must not cap them again: it matches Hugging Face, and a
+    loss that capped again would be measurably off."""
+    model = tiny_gemma2()
+    reference = model_step(model)
+    model.loss_function = cross_entropy_kernel.fused_causal_lm_loss()  # what patch_model installs
+    # fp32 throughout: a few ulps, as in test_patch_model_matches_hugging_face_and_torch_compile
+    model_close("Gemma 2 (logits capped by HF): fused loss vs Hugging Face", model_step(model), reference)
+    cap = model.config.final_logit_softcapping
+
+    def capped_twice(logits, labels, vocab_size, **kwargs):
+        targets = cross_entropy_kernel.causal_targets(labels).reshape(-1)
+        return cross_entropy(logits.reshape(-1, vocab_size), targets, softcap=cap)
+
+    model.loss_function = capped_twice
+    off = model_error(model_step(model), reference)
+    # the test can tell: capping twice is off by far more than 1e-3 (100x the tolerance above)
+    record("Gemma 2: a loss that caps twice is off (relative)", off, 1e-3, off > 1e-3)
+
+
 def test_patch_model_refuses_unknown_families():
     class NotAModel:
         config = type("Config", (), {"model_type": "gpt2"})()
@@ -495,6 +797,27 @@ def test_llama_vocabulary(inplace):
     n, V = 4096, 128256
     logits, targets = _logits(n, V, torch.bfloat16, seed=12), _targets(n, V, seed=12, ignore=range(0, n, 7))
     _check(f"{n} tokens x V={V}", logits, targets, "mean", inplace=inplace)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="LLaMA's 128256 vocabulary needs a GPU (the interpreter is slow)")
+def test_llama_vocabulary_with_every_option():
+    """Every option and extra at LLaMA's vocabulary, compiled, in place (blocks of 8192: the launch
+    of the options that keep more per-lane state), then once more with host syncs made errors."""
+    n, V = 1024, 128256
+    logits, targets = _logits(n, V, torch.bfloat16, seed=14), _targets(n, V, seed=14, ignore=range(0, n, 7))
+    options = _options("all options", V)
+    _check_options(f"{n} tokens x V={V}, all options", logits, targets, "mean", inplace=True, **options)
+    x = logits.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host-device sync now raises
+    try:
+        out = cross_entropy(x * 1, targets, inplace_grad=True, return_z_loss=True, return_token_accuracy=True,
+                            return_predicted_tokens=True, **options)
+        (out.loss * 3).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    exactly("V=128256: predicted tokens == torch.argmax", out.predicted_tokens,
+            torch.where(targets == -100, -1, logits.argmax(-1)))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~12 GB free")

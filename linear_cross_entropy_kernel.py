@@ -61,6 +61,13 @@ special: autograd adds this op's dW to the embedding's gradient. A frozen weight
 train beside a frozen lm_head) costs no dW work and no memory: neither the fp32 accumulator nor dW
 is allocated, and the chunk loop skips the dW matmuls. Second-order gradients raise an error.
 
+Bias and options. A biased lm_head's `bias` [V] is added by the chunk's matmul itself (`addmm`),
+and its gradient is the column sum of each chunk's logit gradient, accumulated in fp32 ([V]
+floats). The cross-entropy's options (class weights as `ce_weight`, since `weight` is the
+lm_head's; label_smoothing, lse_square_scale, softcap and the return_* extras) go to every chunk's
+kernel, with the whole batch's divisors counted once on the GPU. The Hugging Face drop-in passes
+the lm_head's bias and Gemma 2's `final_logit_softcapping` as `softcap`.
+
 The chunked pass is two custom ops (`torch.ops.playbook.linear_cross_entropy_fwd` / `_bwd`), so
 `torch.compile` and FSDP see one opaque op and never trace the loop, its Triton launches or its
 mixed-dtype cuBLAS calls.
@@ -76,9 +83,10 @@ import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from cross_entropy_kernel import (causal_targets, check_first_order, check_targets_and_reduction,
-                                  cross_entropy_forward, hf_reduction, reduce_loss, scale_grad,
-                                  scale_gradient_)
+from cross_entropy_kernel import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
+                                  check_targets_and_reduction, cross_entropy_forward, cross_entropy_ref,
+                                  hf_reduction, loss_output, reduce_loss, scale_grad, scale_gradient_,
+                                  target_weight_sum)
 from kernel_utils import check_device, check_float
 from model_families import model_type
 
@@ -120,36 +128,51 @@ def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor,
 
 
 def linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx, want_dw,
-                              accumulate_fp32=True, chunk=None, row_scale=None):
-    """One chunked sweep over the tokens. Returns (loss, dx or None, dW or None).
+                              accumulate_fp32=True, chunk=None, row_scale=None, bias=None, want_db=False,
+                              options=PLAIN, want_z=False, want_pred=False):
+    """One chunked sweep over the tokens. Returns (loss, dx, dW, dbias, z-loss, argmax rows), each
+    None when not wanted.
 
-    x [N, H], weight [V, H], targets [N]. With `row_scale` ([N], backward of reduction="none") each
-    row's gradient is multiplied by its upstream value before the two gradient matmuls.
+    x [N, H], weight [V, H], bias [V] or None, targets [N]; `options` (a checked LossOptions) are
+    the cross-entropy kernel's. With `row_scale` ([N], backward of reduction="none") each row's
+    gradient is multiplied by its upstream value before the gradient matmuls (and the bias sum).
     """
     N, H = x.shape
     V = weight.shape[0]
     device = x.device
     chunk = chunk or chunk_tokens(N, V, x.dtype)
     n_chunks = -(-N // chunk) if N else 0
-    want_grad = want_dx or want_dw
+    want_grad = want_dx or want_dw or want_db
     kernel_reduction = "sum" if row_scale is not None else reduction
-    # "mean" divides every chunk's gradient by the whole batch's count, counted once, on the GPU
+    # "mean" divides every chunk's gradient by the whole batch's count (or, with class weights, the
+    # sum of its targets' weights), computed once, on the GPU
     n_valid = (targets != ignore_index).sum() if kernel_reduction == "mean" else None
+    weight_sum = target_weight_sum(targets, ignore_index, options.weight) \
+        if options.weight is not None and kernel_reduction == "mean" else None
     loss_rows = torch.empty(N, dtype=torch.float32, device=device)
+    z_rows = torch.empty(N, dtype=torch.float32, device=device) if options.lse_square_scale != 0 else None
+    pred_rows = torch.empty(N, dtype=torch.int64, device=device) if want_pred else None
     dx = torch.empty_like(x) if want_dx else None
     dw = acc = None
     if want_dw:
         dw = torch.empty_like(weight) if N else torch.zeros_like(weight)
         acc = dw if (n_chunks <= 1 or not accumulate_fp32 or weight.dtype == torch.float32) else \
             torch.empty(weight.shape, dtype=torch.float32, device=device)
+    # the bias gradient is a column sum of the logits' gradient: [V] fp32, whatever accumulate_fp32
+    db_acc = torch.zeros(V, dtype=torch.float32, device=device) if want_db else None
     buf = torch.empty((min(chunk, N), V), dtype=x.dtype, device=device) if N else None
     for i in range(n_chunks):
         s, e = i * chunk, min(N, (i + 1) * chunk)
         xc, logits = x[s:e], buf[: e - s]
-        torch.mm(xc, weight.t(), out=logits)
+        if bias is None:
+            torch.mm(xc, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, xc, weight.t(), out=logits)
         # The gradient (already divided by the global count for "mean") replaces the logits.
         cross_entropy_forward(logits, targets[s:e], ignore_index, kernel_reduction, want_grad, True,
-                              n_valid=n_valid, loss_rows=loss_rows[s:e])
+                              n_valid=n_valid, loss_rows=loss_rows[s:e], options=options, weight_sum=weight_sum,
+                              z_rows=None if z_rows is None else z_rows[s:e],
+                              pred_rows=None if pred_rows is None else pred_rows[s:e])
         if not want_grad:
             continue
         if row_scale is not None:
@@ -158,13 +181,20 @@ def linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_
             torch.mm(logits, weight, out=dx[s:e])
         if want_dw:
             _accumulate_grad_weight(acc, logits, xc, first=i == 0)
+        if want_db:
+            db_acc += logits.sum(0, dtype=torch.float32)
     if acc is not None and acc is not dw:
         dw.copy_(acc)
-    loss = reduce_loss(loss_rows, reduction, n_valid) if row_scale is None else None
-    return loss, dx, dw
+    db = db_acc.to(bias.dtype) if want_db else None
+    loss = reduce_loss(loss_rows, reduction, n_valid, z_rows, weight_sum) if row_scale is None else None
+    z = None
+    if want_z:  # no z-loss asked for (lse_square_scale = 0): it is 0
+        z = reduce_loss(z_rows, reduction, n_valid) if z_rows is not None else \
+            loss_rows.new_zeros(loss_rows.shape if reduction == "none" else ())
+    return loss, dx, dw, db, z, pred_rows
 
 
-def _check_inputs(x, weight, targets, reduction):
+def _check_inputs(x, weight, targets, reduction, bias=None):
     check_float("x", x)
     check_float("weight", weight)
     check_targets_and_reduction(targets, reduction)
@@ -179,46 +209,75 @@ def _check_inputs(x, weight, targets, reduction):
         raise TypeError(f"x and weight must have the same dtype, got {x.dtype} and {weight.dtype}")
     if weight.shape[0] == 0:
         raise ValueError("weight has a vocabulary of size 0")
+    if bias is not None:
+        check_float("bias", bias)
+        check_device(x, bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [{weight.shape[0]}] (one per row of weight), "
+                             f"got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"bias must have the dtype of x and weight ({x.dtype}), got {bias.dtype}")
 
 
 # ------------------------------------------------------------------------------------------------
-# Custom ops: one opaque node each for torch.compile, opcheck and FSDP. Gradients that are not
-# wanted come back as empty placeholders (an op returns the same number of tensors every time).
+# Custom ops: one opaque node each for torch.compile, opcheck and FSDP. Gradients and extras that
+# are not wanted come back as empty placeholders (an op returns the same number of tensors every
+# time). The arguments after `chunk` default to the plain loss: no bias, no options, no extras.
 # ------------------------------------------------------------------------------------------------
-def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return t if t is not None else like.new_empty(0)
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return t if t is not None else like.new_empty(0, dtype=dtype)
 
 
 @torch.library.custom_op("playbook::linear_cross_entropy_fwd", mutates_args=())
 def _fwd_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str,
-            want_dx: bool, want_dw: bool, accumulate_fp32: bool,
-            chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dx, dW) for an upstream gradient of 1; dx / dW are empty when not wanted."""
-    loss, dx, dw = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx, want_dw,
-                                             accumulate_fp32, chunk)
-    return loss, _or_empty(dx, x), _or_empty(dw, weight)
+            want_dx: bool, want_dw: bool, accumulate_fp32: bool, chunk: Optional[int],
+            bias: Optional[torch.Tensor] = None, want_db: bool = False, ce_weight: Optional[torch.Tensor] = None,
+            label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: Optional[float] = None,
+            want_z: bool = False, want_pred: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dx, dW, dbias, z-loss, argmax rows) for an upstream gradient of 1; empty when not wanted."""
+    options = LossOptions(ce_weight, label_smoothing, lse_square_scale, softcap)
+    loss, dx, dw, db, z, pred = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx,
+                                                          want_dw, accumulate_fp32, chunk, bias=bias,
+                                                          want_db=want_db, options=options, want_z=want_z,
+                                                          want_pred=want_pred)
+    return (loss, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight),
+            _or_empty(z, loss, torch.float32), _or_empty(pred, loss, torch.int64))
 
 
 @torch.library.custom_op("playbook::linear_cross_entropy_bwd", mutates_args=())
 def _bwd_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_rows: torch.Tensor,
-            ignore_index: int, want_dx: bool, want_dw: bool, accumulate_fp32: bool,
-            chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of reduction="none": (dx, dW) with row i's gradient scaled by grad_rows[i]."""
-    _, dx, dw = linear_cross_entropy_pass(x, weight, targets, ignore_index, "none", want_dx, want_dw,
-                                          accumulate_fp32, chunk, row_scale=grad_rows)
-    return _or_empty(dx, x), _or_empty(dw, weight)
+            ignore_index: int, want_dx: bool, want_dw: bool, accumulate_fp32: bool, chunk: Optional[int],
+            bias: Optional[torch.Tensor] = None, want_db: bool = False, ce_weight: Optional[torch.Tensor] = None,
+            label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+            softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of reduction="none": (dx, dW, dbias) with row i's gradient scaled by grad_rows[i]."""
+    options = LossOptions(ce_weight, label_smoothing, lse_square_scale, softcap)
+    _, dx, dw, db, _, _ = linear_cross_entropy_pass(x, weight, targets, ignore_index, "none", want_dx, want_dw,
+                                                    accumulate_fp32, chunk, row_scale=grad_rows, bias=bias,
+                                                    want_db=want_db, options=options)
+    return _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight)
 
 
 @_fwd_op.register_fake
-def _(x, weight, targets, ignore_index, reduction, want_dx, want_dw, accumulate_fp32, chunk):
-    loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+def _(x, weight, targets, ignore_index, reduction, want_dx, want_dw, accumulate_fp32, chunk, bias=None,
+      want_db=False, ce_weight=None, label_smoothing=0.0, lse_square_scale=0.0, softcap=None, want_z=False,
+      want_pred=False):
+    loss_shape = (x.shape[0],) if reduction == "none" else ()
+    loss = x.new_empty(loss_shape, dtype=torch.float32)
     dx = x.new_empty(x.shape if want_dx else (0,))
-    return loss, dx, weight.new_empty(weight.shape if want_dw else (0,))
+    dw = weight.new_empty(weight.shape if want_dw else (0,))
+    db = weight.new_empty((weight.shape[0],) if want_db else (0,))
+    z = x.new_empty(loss_shape if want_z else (0,), dtype=torch.float32)
+    pred = x.new_empty((x.shape[0],) if want_pred else (0,), dtype=torch.int64)
+    return loss, dx, dw, db, z, pred
 
 
 @_bwd_op.register_fake
-def _(x, weight, targets, grad_rows, ignore_index, want_dx, want_dw, accumulate_fp32, chunk):
-    return x.new_empty(x.shape if want_dx else (0,)), weight.new_empty(weight.shape if want_dw else (0,))
+def _(x, weight, targets, grad_rows, ignore_index, want_dx, want_dw, accumulate_fp32, chunk, bias=None,
+      want_db=False, ce_weight=None, label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
+    return (x.new_empty(x.shape if want_dx else (0,)), weight.new_empty(weight.shape if want_dw else (0,)),
+            weight.new_empty((weight.shape[0],) if want_db else (0,)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,75 +285,117 @@ def _(x, weight, targets, grad_rows, ignore_index, want_dx, want_dw, accumulate_
 # ------------------------------------------------------------------------------------------------
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk, grad_enabled):
+    def forward(ctx, x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk, grad_enabled, bias=None,
+                ce_weight=None, label_smoothing=0.0, lse_square_scale=0.0, softcap=None, want_z=False,
+                want_pred=False):
         x, weight = x.contiguous(), weight.contiguous()
+        bias = bias.contiguous() if bias is not None else None
         # needs_input_grad is True under torch.no_grad() too; grad_enabled is the caller's grad mode
         want_dx, want_dw = ctx.needs_input_grad[0] and grad_enabled, ctx.needs_input_grad[1] and grad_enabled
-        ctx.args = (ignore_index, accumulate_fp32, chunk)
-        ctx.want = (want_dx, want_dw)
+        want_db = bias is not None and ctx.needs_input_grad[8] and grad_enabled
+        extras = want_z or want_pred
+        # The plain loss calls the ops with their plain arguments; bias, options and extras follow.
+        plain = (bias is None and ce_weight is None and label_smoothing == 0 and lse_square_scale == 0
+                 and softcap is None)
+        options = (ce_weight, label_smoothing, lse_square_scale, softcap)
+        ctx.args = (ignore_index, accumulate_fp32, chunk, plain, label_smoothing, lse_square_scale, softcap)
+        ctx.want = (want_dx, want_dw, want_db)
         ctx.consumed = False
         # One upstream value per token (reduction="none") is known only in backward: compute the
         # losses now, and the gradients in backward (see the module docstring).
-        ctx.deferred = reduction == "none" and (want_dx or want_dw)
+        ctx.deferred = reduction == "none" and (want_dx or want_dw or want_db)
         fwd = torch.ops.playbook.linear_cross_entropy_fwd
+        args = (x, weight, targets, ignore_index, reduction)
         if ctx.deferred:
-            loss, _, _ = fwd(x, weight, targets, ignore_index, reduction, False, False, accumulate_fp32, chunk)
-            ctx.save_for_backward(x, weight, targets)
+            tail = () if plain and not extras else (bias, False, *options, want_z, want_pred)
+            loss, _, _, _, z, pred = fwd(*args, False, False, accumulate_fp32, chunk, *tail)
+            ctx.save_for_backward(x, weight, targets, bias, ce_weight)
         else:
-            loss, dx, dw = fwd(x, weight, targets, ignore_index, reduction, want_dx, want_dw, accumulate_fp32, chunk)
-            ctx.save_for_backward(dx, dw)
-        return loss
+            tail = () if plain and not extras else (bias, want_db, *options, want_z, want_pred)
+            loss, dx, dw, db, z, pred = fwd(*args, want_dx, want_dw, accumulate_fp32, chunk, *tail)
+            ctx.save_for_backward(dx, dw, db)
+        if not extras:
+            return loss
+        ctx.mark_non_differentiable(z, pred)
+        return loss, z, pred
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *extras_grads):
         check_first_order("fused linear cross-entropy")
         if ctx.consumed:
             raise RuntimeError("the fused linear cross-entropy's gradients were already used by a previous "
                                "backward; run backward once per forward (retain_graph is not supported)")
         ctx.consumed = True
-        ignore_index, accumulate_fp32, chunk = ctx.args
-        want_dx, want_dw = ctx.want
+        ignore_index, accumulate_fp32, chunk, plain, label_smoothing, lse_square_scale, softcap = ctx.args
+        want_dx, want_dw, want_db = ctx.want
         if ctx.deferred:
-            x, weight, targets = ctx.saved_tensors
-            dx, dw = torch.ops.playbook.linear_cross_entropy_bwd(
+            x, weight, targets, bias, ce_weight = ctx.saved_tensors
+            tail = () if plain else (bias, want_db, ce_weight, label_smoothing, lse_square_scale, softcap)
+            dx, dw, db = torch.ops.playbook.linear_cross_entropy_bwd(
                 x, weight, targets, grad_output.float().contiguous(), ignore_index, want_dx, want_dw,
-                accumulate_fp32, chunk)
+                accumulate_fp32, chunk, *tail)
         else:
-            dx, dw = ctx.saved_tensors
+            dx, dw, db = ctx.saved_tensors
             # Usually grad_output is exactly 1.0 and (in eager mode) these launches skip every row.
             dx = scale_grad(dx, grad_output) if want_dx else dx
             dw = scale_grad(dw, grad_output) if want_dw else dw
+            db = scale_grad(db.view(1, -1), grad_output).view(-1) if want_db else db
         # a gradient that is not wanted is an empty placeholder: autograd gets None for it
-        return dx if want_dx else None, dw if want_dw else None, None, None, None, None, None, None
+        return (dx if want_dx else None, dw if want_dw else None) + (None,) * 6 + \
+            (db if want_db else None,) + (None,) * 6
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                         reduction: str = "mean", accumulate_fp32: bool = True, chunk: int | None = None):
-    """cross_entropy(x @ weight.T, targets) without materialising the logits; differentiable.
+                         reduction: str = "mean", accumulate_fp32: bool = True, chunk: int | None = None, *,
+                         bias: torch.Tensor | None = None, ce_weight: torch.Tensor | None = None,
+                         label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: float | None = None,
+                         return_z_loss: bool = False, return_token_accuracy: bool = False,
+                         return_predicted_tokens: bool = False):
+    """cross_entropy(x @ weight.T + bias, targets) without materialising the logits; differentiable.
 
     x [..., H] (flattened to [N, H]), weight [V, H], targets [...] matching x's leading shape, any
     stride. reduction="none" returns one loss per token, flattened to [N].
     accumulate_fp32: sum the weight gradient across chunks in an fp32 buffer (V x H x 4 bytes);
     False rounds the running sum to the weight's dtype once per chunk and needs no buffer.
     chunk: tokens per chunk (default: a [chunk, V] buffer of at most CHUNK_BYTES).
+
+    Keyword-only options: bias [V] (the lm_head's bias; differentiable), and the cross-entropy's
+    options with its names and meaning, `ce_weight` being its class weights (`weight` is the
+    lm_head's): label_smoothing, lse_square_scale (z-loss), softcap, return_z_loss,
+    return_token_accuracy, return_predicted_tokens (then a CrossEntropyOutput is returned, the
+    predicted tokens flattened to [N]).
     """
     if isinstance(x, torch.Tensor) and isinstance(targets, torch.Tensor) and x.dim() >= 2 \
             and tuple(targets.shape) == tuple(x.shape[:-1]):
         x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+    options = dict(bias=bias, ce_weight=ce_weight, label_smoothing=label_smoothing,
+                   lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+                   return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     device_type = x.device.type if isinstance(x, torch.Tensor) else "cpu"
     if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(device_type):
         # Under autocast (fp32 weights, bf16 compute) the head's matmul would run in the autocast
-        # dtype, as nn.Linear does; cast both inputs once (autograd casts the gradients back) and
+        # dtype, as nn.Linear does; cast the inputs once (autograd casts the gradients back) and
         # run the chunked loop with autocast off, so its out= matmuls see one dtype.
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
+        if isinstance(bias, torch.Tensor):
+            options["bias"] = bias.to(dtype)
         with torch.autocast(device_type, enabled=False):
-            return linear_cross_entropy(x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk)
-    _check_inputs(x, weight, targets, reduction)
+            return linear_cross_entropy(x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk,
+                                        **options)
+    _check_inputs(x, weight, targets, reduction, bias)
+    loss_options = check_options(weight.shape[0], x.device, ce_weight, label_smoothing, lse_square_scale, softcap,
+                                 weight_name="ce_weight")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
-    return LinearCrossEntropyFunction.apply(x, weight, targets, int(ignore_index), reduction,
-                                            bool(accumulate_fp32), chunk, torch.is_grad_enabled())
+    args = (x, weight, targets, int(ignore_index), reduction, bool(accumulate_fp32), chunk, torch.is_grad_enabled(),
+            bias, *loss_options)
+    want_pred = bool(return_token_accuracy or return_predicted_tokens)
+    if not (return_z_loss or want_pred):
+        return LinearCrossEntropyFunction.apply(*args)
+    loss, z, pred = LinearCrossEntropyFunction.apply(*args, bool(return_z_loss), want_pred)
+    return loss_output(loss, z, pred, targets, int(ignore_index), return_z_loss, return_token_accuracy,
+                       return_predicted_tokens, targets.shape)
 
 
 def flops(n_tokens: int, hidden: int, vocab: int, backward: bool = True) -> int:
@@ -319,10 +420,11 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """`XxxForCausalLM.forward` with the lm_head fused into the loss whenever labels are given.
 
-    With labels the [batch, seq, vocab] logits are never computed: `outputs.logits` is None and
-    `outputs.loss` comes from the fused linear cross-entropy (same shift, ignore_index and mean or
-    sum / num_items_in_batch as Hugging Face). Without labels (generation, evaluation of logits)
-    it computes the logits exactly as the original forward does.
+    With labels the [batch, seq, vocab] logits are never computed: `outputs.loss` comes from the
+    fused linear cross-entropy (same shift, ignore_index and mean or sum / num_items_in_batch as
+    Hugging Face; the lm_head's bias, if any; Gemma 2's `final_logit_softcapping` as `softcap`)
+    and `outputs.logits` is None. Without labels (generation, evaluation of logits) it computes
+    the logits exactly as the original forward does, capped the same way.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -333,31 +435,32 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          **kwargs)
     hidden = outputs.last_hidden_state
+    softcap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: 30.0; most families: none
     loss = logits = None
     if labels is not None or shift_labels is not None:
         targets = causal_targets(labels, ignore_index, shift_labels).to(hidden.device)
-        weight = lm_head_weight(self)
-        loss = hf_reduction(lambda reduction: linear_cross_entropy(hidden, weight, targets, ignore_index, reduction),
+        weight, bias = lm_head_params(self)
+        loss = hf_reduction(lambda reduction: linear_cross_entropy(hidden, weight, targets, ignore_index, reduction,
+                                                                   bias=bias, softcap=softcap),
                             num_items_in_batch)
     else:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-def lm_head_weight(model) -> torch.Tensor:
-    """The weight the fused op multiplies by, refusing heads it would compute wrongly: a biased
-    lm_head (the op has no bias term) or one wrapped by an adapter (its update would be skipped)."""
+def lm_head_params(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias or None) of the model's lm_head, refusing a head wrapped by an adapter (the
+    fused op would skip the adapter's update)."""
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or hasattr(head, "base_layer"):
         raise NotImplementedError(f"the fused linear cross-entropy needs a plain `lm_head` with a weight; "
                                   f"this model's is {type(head).__name__}")
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError("the fused linear cross-entropy needs a bias-free `lm_head` "
-                                  "(it computes x @ W.T); this model's lm_head has a bias")
-    return weight
+    return weight, getattr(head, "bias", None)
 
 
 def patch_model(model) -> int:
@@ -366,7 +469,7 @@ def patch_model(model) -> int:
     The model's `forward` is replaced by `causal_lm_forward` (on this instance only).
     """
     model_type(model)  # a clear error for a family the kernels do not know
-    lm_head_weight(model)
+    lm_head_params(model)
     model.forward = types.MethodType(causal_lm_forward, model)
     return 1
 
@@ -380,8 +483,12 @@ def expected_patches(config) -> int:
 # Reference
 # ------------------------------------------------------------------------------------------------
 def linear_cross_entropy_ref(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """What Hugging Face does: full logits, upcast to fp32, PyTorch's cross-entropy."""
-    logits = x.reshape(-1, x.shape[-1]) @ weight.t()
-    return nn.functional.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index,
-                                       reduction=reduction)
+                             ignore_index: int = -100, reduction: str = "mean", *, bias: torch.Tensor | None = None,
+                             ce_weight: torch.Tensor | None = None, label_smoothing: float = 0.0,
+                             lse_square_scale: float = 0.0, softcap: float | None = None) -> torch.Tensor:
+    """What Hugging Face does: full logits, upcast to fp32 (float64 stays float64), PyTorch's
+    cross-entropy (`cross_entropy_ref`, with the same options). reduction="none" gives [N]."""
+    logits = nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return cross_entropy_ref(logits, targets.reshape(-1), ignore_index, reduction, weight=ce_weight,
+                             label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap,
+                             dtype=torch.promote_types(logits.dtype, torch.float32))

@@ -7,18 +7,23 @@ Every numeric check compares three computations of cross_entropy(x @ W.T, target
 Face's way in the same dtype (full logits, upcast to fp32), and float64. Tolerances follow the rule
 in testkit.py (at most 2x PyTorch's own error, plus one ulp of the output scale) unless a test
 explains otherwise. Small chunks force the multi-chunk path at sizes the interpreter can run.
+The lm_head's bias (and its gradient) and the cross-entropy's options are checked the same way;
+their own arithmetic is tested in cross_entropy_test.py, here that they reach every chunk.
 """
 
 import re
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import linear_cross_entropy_kernel
-from cross_entropy_test import model_close, model_step, tiny_llama
+from cross_entropy_kernel import z_loss_ref
+from cross_entropy_test import model_close, model_error, model_step, tiny_gemma2, tiny_llama
 from kernel_utils import DEVICE
-from linear_cross_entropy_kernel import chunk_tokens, flops, ideal_bytes, linear_cross_entropy, linear_cross_entropy_ref
+from linear_cross_entropy_kernel import (causal_lm_forward, chunk_tokens, flops, ideal_bytes, linear_cross_entropy,
+                                         linear_cross_entropy_ref)
 from testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
@@ -328,6 +333,138 @@ def test_bad_options_give_clear_errors():
     expect_error(ValueError, lambda: linear_cross_entropy(x, w, t, reduction="avg"))
 
 
+# ---------------------------------------------------------------------------- options
+# The lm_head's bias and the cross-entropy's options (class weights `ce_weight`, label smoothing,
+# z-loss, softcap), checked as above: loss, dx, dW and dbias against Hugging Face's way in the
+# same dtype (F.linear with the bias, fp32 cross-entropy) and against float64.
+def _bias(v, dtype, seed=40):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(v, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def _ce_weight(v, seed=41):
+    """Class weights in [0.25, 1.75): far from uniform, so a missing or misplaced weight shows."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.rand(v, generator=g) * 1.5 + 0.25).to(DEVICE)
+
+
+def _options(name, v):
+    """The option sets under test. Each option's own arithmetic is the cross-entropy kernel's,
+    tested there; here it must reach every chunk's kernel, with the whole batch's divisors. The
+    z-loss coefficient is 1e-2, large enough to check; the logits are ~N(0, 3), which a cap of 4
+    bends strongly."""
+    return {
+        "bias": dict(),
+        "bias and all options": dict(ce_weight=_ce_weight(v), label_smoothing=0.1, lse_square_scale=1e-2, softcap=4.0),
+    }[name]
+
+
+def _run_with_bias(fn, x, w, b, t, reduction="mean", **kw):
+    x, w, b = (a.detach().clone().requires_grad_() for a in (x, w, b))
+    loss = fn(x, w, t, reduction=reduction, bias=b, **kw)
+    (loss.float() * _upstream(loss)).sum().backward()
+    return loss.detach(), x.grad, w.grad, b.grad
+
+
+def _check_with_bias(tag, x, w, b, t, reduction="mean", chunk=None, **options):
+    n, v = x.shape[0], w.shape[0]
+    ours = _run_with_bias(linear_cross_entropy, x, w, b, t, reduction, chunk=chunk, **options)
+    same = _run_with_bias(linear_cross_entropy_ref, x, w, b, t, reduction, **options)  # HF's way, in this dtype
+    ref = _run_with_bias(linear_cross_entropy_ref, x.double(), w.double(), b.double(), t, reduction, **options)
+    close_to_reference(f"{tag} loss", ours[0], same[0], ref[0], torch.float32, n=v)
+    close_to_reference(f"{tag} dx", ours[1], same[1], ref[1], x.dtype, n=v)
+    close_to_reference(f"{tag} dW", ours[2], same[2], ref[2], x.dtype, n=n)
+    close_to_reference(f"{tag} dbias", ours[3], same[3], ref[3], x.dtype, n=n)  # a column sum over n tokens
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", ["bias", "bias and all options"])
+def test_bias_and_options_match_reference(option, dtype, reduction):
+    """24 tokens in chunks of 10 (the last one short), V = 257, three ignored tokens."""
+    v = 257
+    x, w, t = _inputs(24, 16, v, dtype, seed=42, ignore=(3, 17, 22))
+    _check_with_bias(f"{option}, {reduction}", x, w, _bias(v, dtype), t, reduction, chunk=10, **_options(option, v))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_only_the_bias_needs_grad(reduction):
+    """x and W frozen, the bias trained: only dbias is computed (for reduction="none" in backward,
+    from the per-token upstream gradients)."""
+    v = 100
+    x, w, t = _inputs(30, 16, v, torch.float32, seed=43, ignore=(2,))
+    b = _bias(v, torch.float32)
+    bg = b.clone().requires_grad_()
+    loss = linear_cross_entropy(x, w, t, reduction=reduction, chunk=8, bias=bg, label_smoothing=0.1)
+    (loss * _upstream(loss)).sum().backward()
+    br = b.double().requires_grad_()
+    ref = linear_cross_entropy_ref(x.double(), w.double(), t, reduction=reduction, bias=br, label_smoothing=0.1)
+    (ref * _upstream(loss).double()).sum().backward()
+    close_to_reference(f"only the bias needs grad, {reduction}", bg.grad, br.grad.float(), br.grad, torch.float32, n=30)
+
+
+def test_all_ignored_with_bias_and_options():
+    """Every token ignored: loss, z-loss and accuracy 0, dx, dW and dbias 0, no prediction (-1)."""
+    v = 90
+    x, w, t = _inputs(12, 16, v, torch.float32, seed=44)
+    t = torch.full_like(t, -100)
+    xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), _bias(v, torch.float32).requires_grad_()
+    out = linear_cross_entropy(xg, wg, t, chunk=5, bias=bg, return_z_loss=True, return_token_accuracy=True,
+                               return_predicted_tokens=True, **_options("bias and all options", v))
+    assert out.loss.requires_grad, "an all-ignored loss stays attached to the graph"
+    out.loss.backward()
+    zero = torch.tensor(0.0, device=DEVICE)
+    for name, got in (("loss", out.loss), ("z-loss", out.z_loss), ("accuracy", out.token_accuracy)):
+        exactly(f"all ignored, all options: {name} 0", got, zero)
+    exactly("all ignored, all options: predicted tokens -1", out.predicted_tokens, torch.full_like(t, -1))
+    for name, grad in (("dx", xg.grad), ("dW", wg.grad), ("dbias", bg.grad)):
+        exactly(f"all ignored, all options: {name} 0", grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_extras_across_chunks(reduction):
+    """Predicted tokens are torch.argmax of x @ W.T + b, token by token across 4 chunks (-1 on
+    ignored tokens); the accuracy is their share of correct non-ignored tokens; the z-loss is
+    lse_square_scale * lse^2 reduced like the loss; asking for them changes nothing else."""
+    v, scale = 200, 1e-2
+    x, w, t = _inputs(30, 16, v, torch.float32, seed=45, ignore=(0, 11))
+    b = _bias(v, torch.float32)
+    logits = F.linear(x, w, b)
+    best = logits.argmax(-1)  # fp32, random: no two logits of a row within rounding of each other
+    t[20:26] = best[20:26]  # some tokens right, so the accuracy is neither 0 nor 1
+    scored = t != -100
+    xg = x.clone().requires_grad_()
+    out = linear_cross_entropy(xg, w, t, reduction=reduction, chunk=8, bias=b, lse_square_scale=scale,
+                               return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
+    exactly(f"{reduction}: predicted tokens == torch.argmax", out.predicted_tokens, torch.where(scored, best, -1))
+    exactly(f"{reduction}: token accuracy", out.token_accuracy, ((best == t) & scored).sum() / scored.sum())
+    ref = z_loss_ref(logits.double(), t, -100, reduction, scale)
+    same = z_loss_ref(logits, t, -100, reduction, scale)
+    close_to_reference(f"{reduction}: z-loss alone", out.z_loss, same, ref, torch.float32, n=v)  # as in the CE tests
+    plain = linear_cross_entropy(x, w, t, reduction=reduction, chunk=8, bias=b, lse_square_scale=scale)
+    exactly(f"{reduction}: the loss is unchanged by the extras", out.loss, plain)
+    assert not (out.z_loss.requires_grad or out.token_accuracy.requires_grad), "the extras carry no gradient"
+    out.loss.sum().backward()  # and the loss still does
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        pytest.param(lambda v: dict(bias=torch.zeros(v + 1)), ValueError, "bias", id="bias of the wrong length"),
+        pytest.param(lambda v: dict(bias=torch.zeros(v, dtype=torch.bfloat16)), TypeError, "bias",
+                     id="bias dtype mismatch"),
+        pytest.param(lambda v: dict(ce_weight=torch.ones(v - 1)), ValueError, "ce_weight", id="ce_weight wrong length"),
+        pytest.param(lambda v: dict(label_smoothing=1.5), ValueError, "label_smoothing", id="label_smoothing > 1"),
+        pytest.param(lambda v: dict(softcap=-1.0), ValueError, "softcap", id="softcap < 0"),
+    ],
+)
+def test_bad_bias_and_options_give_clear_errors(make, error, words):
+    x, w, t = _inputs(4, 8, 10, torch.float32)
+    options = {k: (a.to(DEVICE) if isinstance(a, torch.Tensor) else a) for k, a in make(10).items()}
+    message = expect_error(error, lambda: linear_cross_entropy(x, w, t, **options))
+    assert words in message
+
+
 # ---------------------------------------------------------------------------- custom ops, compile
 def test_opcheck_every_op():
     """torch.library.opcheck on both ops: schema, fake tensors (placeholders included), AOT
@@ -368,6 +505,24 @@ def test_torch_compile_fullgraph_matches_eager():
         close_to_reference(f"compiled {name}", compiled[i], eager[i], eager[i], torch.float32, n=60)
 
 
+def test_opcheck_with_bias_and_options():
+    """Both ops with the bias, every option and the extras: their placeholders and fake shapes."""
+    x, w, t = _inputs(8, 8, 20, torch.float32, seed=46, ignore=(3,))
+    b, cw = _bias(20, torch.float32), _ce_weight(20)
+    row_grads = _upstream(torch.empty(8, device=DEVICE))
+    ops = torch.ops.playbook
+    cases = [
+        ("fwd, mean, dx, dW and dbias, all options and extras, 2 chunks", ops.linear_cross_entropy_fwd.default,
+         (x, w, t, -100, "mean", True, True, True, 5, b, True, cw, 0.1, 1e-2, 4.0, True, True)),
+        ("bwd, dbias only, all options", ops.linear_cross_entropy_bwd.default,
+         (x, w, t, row_grads, -100, False, False, True, 5, b, True, cw, 0.1, 1e-2, 4.0)),
+    ]
+    for name, op, args in cases:
+        result = torch.library.opcheck(op, args)
+        passed = all(v == "SUCCESS" for v in result.values())
+        record(f"opcheck {name}", 0.0, 0.0, passed, note="" if passed else str(result))
+
+
 # ---------------------------------------------------------------------------- Hugging Face model
 def test_patch_model_matches_hugging_face_and_torch_compile():
     """patch_model fuses lm_head with the loss (1 replacement, as expected_patches says): the same
@@ -394,12 +549,43 @@ def test_patch_model_matches_hugging_face_and_torch_compile():
     model_close("torch.compile(patched model) vs eager", compiled, eager)
 
 
-def test_patch_model_refuses_a_biased_or_wrapped_lm_head():
+def test_patch_model_on_a_softcapped_model():
+    """Gemma 2 caps its logits (final_logit_softcapping) in the forward this patch replaces: the
+    fused forward passes the cap to the loss as `softcap` and caps the logits it returns without
+    labels, so it matches Hugging Face both ways; without the cap it would be measurably off."""
+    model = tiny_gemma2()
+    reference = model_step(model)
+    ids = torch.arange(12, device=DEVICE).view(2, 6)
+    with torch.no_grad():
+        hf_logits = model(input_ids=ids).logits
+    model.forward = types.MethodType(causal_lm_forward, model)  # what patch_model installs
+    # fp32 throughout: a few ulps, as in test_patch_model_matches_hugging_face_and_torch_compile
+    model_close("Gemma 2 (softcap 0.25): patched vs Hugging Face", model_step(model), reference)
+    with torch.no_grad():
+        exactly("Gemma 2 without labels: the capped logits", model(input_ids=ids).logits, hf_logits)
+    model.config.final_logit_softcapping = None  # the fused forward now leaves the logits uncapped
+    off = model_error(model_step(model), reference)
+    # the test can tell: without the cap the gradients are off by far more than 1e-3 (100x the tolerance)
+    record("Gemma 2: a fused forward without the cap is off (relative)", off, 1e-3, off > 1e-3)
+
+
+def test_patch_model_with_a_biased_lm_head():
+    """An lm_head with a bias: the fused forward passes it to the loss, and its gradient matches."""
     model = tiny_llama()
     head = model.lm_head
-    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    message = expect_error(NotImplementedError, linear_cross_entropy_kernel.patch_model, model)
-    assert "bias" in message
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True).to(DEVICE)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head.weight)
+        model.lm_head.bias.copy_(_bias(head.out_features, torch.float32) * 0.5)
+    reference = model_step(model)
+    assert "lm_head.bias" in reference[2], "the bias must get a gradient"
+    linear_cross_entropy_kernel.patch_model(model)
+    # fp32 throughout: a few ulps, as in test_patch_model_matches_hugging_face_and_torch_compile
+    model_close("biased lm_head: patched vs Hugging Face", model_step(model), reference)
+
+
+def test_patch_model_refuses_a_wrapped_lm_head():
+    model = tiny_llama()
 
     class Adapter(torch.nn.Module):  # how peft wraps a layer: the frozen layer as `base_layer`
         def __init__(self, base_layer):
@@ -407,7 +593,7 @@ def test_patch_model_refuses_a_biased_or_wrapped_lm_head():
             self.base_layer = base_layer
             self.weight = base_layer.weight
 
-    model.lm_head = Adapter(head)
+    model.lm_head = Adapter(model.lm_head)
     expect_error(NotImplementedError, linear_cross_entropy_kernel.patch_model, model)
 
 
