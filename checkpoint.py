@@ -14,8 +14,9 @@ Layout of `output_dir/checkpoint-<step>/`:
     adapter_model.safetensors         the frozen base is the model the run started from
     tokenizer files                   when a tokenizer is given
     trainer_state.pt                  step, optimizer and scheduler state, `extra` (data position,
-                                      config, losses, ...), RNG states (python, torch CPU, CUDA, numpy),
-                                      and for an adapter a fingerprint of the frozen base weights
+                                      config, losses, ...), RNG states (python, torch CPU, CUDA, numpy)
+                                      of every process, and for an adapter a fingerprint of the frozen
+                                      base weights
 
 and `output_dir/latest`, one line: the name of the newest checkpoint directory.
 
@@ -30,9 +31,24 @@ trainer_state.pt is read with `torch.load(weights_only=True)`: no code runs when
 loaded, so `extra` may hold only str, int, float, bool, None, tensors, and lists, tuples and dicts
 of those (save_checkpoint refuses anything else, naming the key).
 
-Several processes (torchrun, FSDP2): not supported; save_checkpoint and load_checkpoint refuse a
-world size above 1 with a clear error. (A single-process checkpoint cannot be written from sharded
-parameters without gathering them; that path is not implemented.)
+Several processes (torchrun, FSDP2): every process calls save_checkpoint and load_checkpoint with the
+same arguments; the files are the same as one process writes.
+    saving   the sharded weights and optimizer state are gathered whole onto rank 0's CPU
+             (get_model_state_dict / get_optimizer_state_dict with full_state_dict=True), and rank 0
+             alone writes the directory; every rank returns once it is renamed into place and
+             `latest` points at it, so no rank can read a half-written checkpoint. The optimizer
+             state is then keyed by parameter name instead of position. Every rank's RNG state is
+             kept. A LoRA model gathers its trainable (adapter) parameters only.
+    loading  rank 0 reads the weights and checks them; set_model_state_dict (and
+             set_optimizer_state_dict) with broadcast_from_rank0 sends every rank its shard.
+Each step is agreed on: an error on one rank (a bad path, a corrupt file, a full disk) is raised on
+every rank, so none is left waiting in a collective.
+
+A checkpoint written by N processes resumes on M: the weights, the optimizer state (its keys are
+converted between positions and names) and the schedule carry over exactly. The random generators
+are restored only when N == M (with N != M there is no rank-for-rank counterpart); what the data
+position means across a change of N is for the caller to judge (training.py refuses it for a
+--dataset, whose epochs are dealt out per process).
 """
 
 from __future__ import annotations
@@ -47,15 +63,14 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
 PREFIX = "checkpoint-"
-FORMAT = 1  # trainer_state.pt layout version
+FORMAT = 2  # trainer_state.pt layout version (1: one process only, read too)
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(checkpoint-\d+)\.(tmp|old)-[0-9a-f-]+$")
-
-
 # ------------------------------------------------------------------------------------------------
 # Atomic files and directories
 # ------------------------------------------------------------------------------------------------
@@ -151,21 +166,72 @@ def list_checkpoints(output_dir) -> list[tuple[int, Path]]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Several processes: agreeing on each step
+# ------------------------------------------------------------------------------------------------
+def _world(what: str) -> tuple[int, int]:
+    """(rank, world size): of the process group when there is one, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    if size > 1:
+        raise RuntimeError(f"{what}: WORLD_SIZE is {size} but torch.distributed is not initialized; every process "
+                           "must call torch.distributed.init_process_group before saving or loading a checkpoint")
+    return 0, 1
+
+
+_ERROR_TYPES = {e.__name__: e for e in (ValueError, TypeError, KeyError, RuntimeError, OSError, FileNotFoundError,
+                                        NotADirectoryError)}
+
+
+def _together(size: int, fn):
+    """fn() on this rank. If it raised on any rank, every rank raises (its own error, or the first rank's
+    error's type and message), so that no rank goes on to a collective the others never reach."""
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001  (passed on to the other ranks, then raised)
+        error = err
+    if size > 1:
+        outcomes = [None] * size
+        dist.all_gather_object(outcomes, None if error is None else (type(error).__name__, str(error)))  # a sync point
+        failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+        if failed and error is None:
+            rank, (kind, message) = failed[0]
+            raise _ERROR_TYPES.get(kind, RuntimeError)(f"(on rank {rank}) {message}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _from_rank0(size: int, fn):
+    """fn() on rank 0 only; its value (or its error) reaches every rank."""
+    value = _together(size, lambda: fn() if size == 1 or dist.get_rank() == 0 else None)
+    if size > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value
+
+
+def _same_on_every_rank(size: int, what: str, **values) -> None:
+    """Refuse on every rank when the ranks disagree on a value (a checkpoint step or directory)."""
+    if size == 1:
+        return
+    seen = [None] * size
+    dist.all_gather_object(seen, values)
+    for rank, other in enumerate(seen):
+        if other != seen[0]:
+            raise ValueError(f"{what}: every process must pass the same arguments; rank 0 has {seen[0]}, "
+                             f"rank {rank} has {other}")
+
+
+def _is_sharded(p) -> bool:
+    return type(p).__name__ == "DTensor"
+
+
+# ------------------------------------------------------------------------------------------------
 # What goes into trainer_state.pt
 # ------------------------------------------------------------------------------------------------
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _refuse_distributed(what: str) -> None:
-    size = _world_size()
-    if size > 1:
-        raise RuntimeError(f"{what}: checkpoints of a run over {size} processes (FSDP2) are not supported; "
-                           "train on one process to save and resume checkpoints")
-
-
 def _check_plain(value, where: str) -> None:
     """`extra` must survive torch.load(weights_only=True) unchanged: plain Python values and tensors."""
     if value is None or isinstance(value, (str, int, float, bool, torch.Tensor)):
@@ -184,10 +250,15 @@ def _check_plain(value, where: str) -> None:
                      "float, bool, None, tensors and lists / tuples / dicts of them (convert it, e.g. str(path))")
 
 
-def _rng_state() -> dict:
+def _rng_state(size: int) -> dict:
+    """This process's generators. CUDA: every visible device for one process; under torchrun only the
+    rank's own device (touching the others would open a CUDA context on each of them)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        if size == 1:
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        else:
+            state["cuda_device"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
     except ImportError:
@@ -206,6 +277,8 @@ def _set_rng_state(state: dict, where: Path) -> None:
             raise RuntimeError(f"{where}: saved with {len(saved)} CUDA devices visible, now "
                                f"{torch.cuda.device_count()}: the CUDA random state cannot be restored")
         torch.cuda.set_rng_state_all(saved)
+    if "cuda_device" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_device"])
     if "numpy" in state:
         import numpy as np
 
@@ -226,30 +299,81 @@ def _is_peft(model) -> bool:
 
 def _base_fingerprint(model) -> dict:
     """name -> (float64 sum, float64 L2 norm) of every frozen parameter: tells the base a LoRA run
-    started from apart from any other, without storing it. No copy of a weight is made."""
-    out = {}
+    started from apart from any other, without storing it. No copy of a weight is made. A sharded
+    parameter's sums are those of the whole parameter (its shards' sums, added over the ranks):
+    the same numbers, up to the order of summation, as one process gets."""
+    out, partial = {}, {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not p.requires_grad:
+            if p.requires_grad:
+                continue
+            if _is_sharded(p):
+                local = p.to_local()
+                partial[name] = torch.stack([torch.sum(local, dtype=torch.float64),
+                                             torch.linalg.vector_norm(local, dtype=torch.float64) ** 2])
+            else:
                 out[name] = (torch.sum(p, dtype=torch.float64).item(),
                              torch.linalg.vector_norm(p, dtype=torch.float64).item())
+        if partial:
+            sums = torch.stack(list(partial.values()))
+            dist.all_reduce(sums)  # a sync point: every rank has every sharded parameter
+            for name, (total, squares) in zip(partial, sums.tolist()):
+                out[name] = (total, squares ** 0.5)
     return out
+
+
+def _parameter_names(model, optimizer) -> list[str]:
+    """The model's name of each of the optimizer's parameters, in the optimizer's order (the order
+    of the integer keys of optimizer.state_dict())."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = sum(id(p) not in names for p in params)
+    if missing:
+        raise RuntimeError(f"{missing} of the optimizer's parameters are not parameters of the model")
+    return [names[id(p)] for p in params]
+
+
+def _optimizer_by_name(saved: dict, names: list[str]) -> dict:
+    """optimizer.state_dict() (parameters numbered) -> the same keyed by parameter name, the form of
+    get_optimizer_state_dict."""
+    numbered = [i for group in saved["param_groups"] for i in group["params"]]
+    if sorted(numbered) != list(range(len(names))):
+        raise RuntimeError(f"the checkpoint's optimizer has {len(numbered)} parameters, this one {len(names)}")
+    return {"state": {names[i]: s for i, s in saved["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+
+
+def _optimizer_by_index(saved: dict, names: list[str]) -> dict:
+    """The inverse of _optimizer_by_name: parameter names -> this optimizer's positions."""
+    index = {name: i for i, name in enumerate(names)}
+    unknown = {n for g in saved["param_groups"] for n in g["params"]} - index.keys()
+    if unknown:
+        raise RuntimeError(f"the checkpoint's optimizer holds {_describe_keys(unknown)}, not trained here")
+    return {"state": {index[n]: s for n, s in saved["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]]}
+
+
+def _optimizer_state(model, optimizer, size: int):
+    """(state, "index" or "name"). One process, or nothing stepped yet: optimizer.state_dict() (the
+    full-state gather would first take a zero-lr step to create a state, which counts as a step).
+    Several processes: the whole state on rank 0 (an empty dict elsewhere), keyed by name."""
+    if optimizer is None:
+        return None, None
+    if size == 1 or not optimizer.state:
+        return optimizer.state_dict(), "index"
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"save_checkpoint: the optimizer of a sharded run must be a torch.optim.Optimizer "
+                        f"(got {type(optimizer).__name__})")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options), "name"
 
 
 # ------------------------------------------------------------------------------------------------
 # Saving
 # ------------------------------------------------------------------------------------------------
-def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None,
-                    keep_last: int | None = None) -> Path:
-    """Write output_dir/checkpoint-<step>/ atomically, point output_dir/latest at it, and (keep_last)
-    delete all but the newest `keep_last` checkpoints by step (never the one just written).
-
-    model: a Hugging Face model (weights saved) or a peft model (adapter saved). tokenizer,
-    optimizer, scheduler: saved when not None (optimizer and scheduler through state_dict()).
-    extra: plain values to get back from load_checkpoint (data position, config, losses...).
-    Returns the checkpoint directory.
-    """
-    _refuse_distributed("save_checkpoint")
+def _check_save_arguments(output_dir, step, keep_last, extra) -> tuple[Path, dict]:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
@@ -261,31 +385,68 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
     _check_plain(extra, "extra")
     output_dir = Path(output_dir)
     _check_directory_path(output_dir, "output_dir")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(output_dir)
+    return output_dir, extra
 
+
+def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None,
+                    keep_last: int | None = None) -> Path:
+    """Write output_dir/checkpoint-<step>/ atomically, point output_dir/latest at it, and (keep_last)
+    delete all but the newest `keep_last` checkpoints by step (never the one just written).
+
+    model: a Hugging Face model (weights saved) or a peft model (adapter saved), sharded by FSDP2 or
+    not. tokenizer, optimizer, scheduler: saved when not None (optimizer and scheduler through
+    state_dict()). extra: plain values to get back from load_checkpoint (data position, config,
+    losses...). Under torchrun every rank calls it with the same arguments. Returns the checkpoint
+    directory.
+    """
+    rank, size = _world("save_checkpoint")
+    output_dir, extra = _together(size, lambda: _check_save_arguments(output_dir, step, keep_last, extra))
+    _same_on_every_rank(size, "save_checkpoint", output_dir=str(output_dir.absolute()), step=step)
     adapter = _is_peft(model)
+    # Collectives first, on every rank: the whole weights, optimizer state and random states.
+    weights = None
+    if size > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
+        weights = get_model_state_dict(model, options=options)  # rank 0: full CPU tensors; the others: {}
+    optimizer_state, optimizer_keys = _optimizer_state(model, optimizer, size)
+    rng = [_rng_state(size)]
+    if size > 1:
+        rng = [None] * size
+        dist.all_gather_object(rng, _rng_state(size))
     state = {
         "format": FORMAT,
         "step": step,
         "weights": "adapter" if adapter else "full",
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer": optimizer_state,
+        "optimizer_keys": optimizer_keys,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "extra": extra,
-        "rng": _rng_state(),
+        "rng": rng,  # one per rank
         "base_fingerprint": _base_fingerprint(model) if adapter else None,
     }
     final = output_dir / f"{PREFIX}{step}"
-    with atomic_directory(final) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        torch.save(state, tmp / STATE_FILE)
-    write_text_atomic(output_dir / LATEST_FILE, final.name + "\n")
-    if keep_last is not None:
-        others = [p for _, p in list_checkpoints(output_dir) if p.name != final.name]
-        for old in others[: max(0, len(others) - (keep_last - 1))]:
-            shutil.rmtree(old)
+
+    def write():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _clean_leftovers(output_dir)
+        with atomic_directory(final) as tmp:
+            if weights is None:
+                model.save_pretrained(tmp, safe_serialization=True)
+            else:
+                model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            torch.save(state, tmp / STATE_FILE)
+        write_text_atomic(output_dir / LATEST_FILE, final.name + "\n")
+        if keep_last is not None:
+            others = [p for _, p in list_checkpoints(output_dir) if p.name != final.name]
+            for old in others[: max(0, len(others) - (keep_last - 1))]:
+                shutil.rmtree(old)
+
+    # Rank 0 writes; the others wait for it here (the agreement is a sync point), then return.
+    _together(size, lambda: write() if rank == 0 else None)
     return final
 
 
@@ -311,16 +472,20 @@ def resolve_checkpoint(path) -> Path:
     raise FileNotFoundError(f"{path}: not a checkpoint (no {STATE_FILE}) nor an output directory (no {LATEST_FILE})")
 
 
-def _read_state(ckpt: Path) -> dict:
+def _read_state(ckpt: Path, mmap: bool = False) -> dict:
+    """trainer_state.pt, in the current format (a format-1 file, written by one process, is converted).
+    mmap: map the file instead of reading it (the optimizer state is then read only where it is used)."""
     file = ckpt / STATE_FILE
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # truncated zip, wrong format, disallowed type...
         raise RuntimeError(f"{file}: cannot be read ({str(err).splitlines()[0][:200]}); the checkpoint is "
                            "corrupt or not one of these checkpoints") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (1, FORMAT):
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise RuntimeError(f"{file}: not a trainer state of format {FORMAT} (found {got!r})")
+        raise RuntimeError(f"{file}: not a trainer state of format 1 or {FORMAT} (found {got!r})")
+    if state["format"] == 1:
+        state = {**state, "rng": [state["rng"]], "optimizer_keys": "index" if state["optimizer"] is not None else None}
     return state
 
 
@@ -368,7 +533,9 @@ def _check_tensors(where, saved: dict, expected: dict) -> None:
                                f"{tuple(ref.shape)} {ref.dtype} in the model")
 
 
-def _load_full_weights(ckpt: Path, model) -> None:
+def _read_full_weights(ckpt: Path, model) -> dict:
+    """The checkpoint's weights, checked against the model's names, shapes and dtypes (those of the
+    whole parameters when the model is sharded)."""
     files = _weight_files(ckpt)
     saved = _read_safetensors(files)
     expected = model.state_dict()
@@ -382,11 +549,24 @@ def _load_full_weights(ckpt: Path, model) -> None:
             if present and n not in saved:
                 saved[n] = saved[present[0]]
     _check_tensors(", ".join(str(f) for f in files), saved, expected)
-    model.load_state_dict(saved, strict=True)
+    return saved
 
 
-def _load_adapter(ckpt: Path, model, state: dict) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+def _load_full_weights(ckpt: Path, model, rank: int, size: int) -> None:
+    if size == 1:
+        model.load_state_dict(_read_full_weights(ckpt, model), strict=True)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    saved = _together(size, lambda: _read_full_weights(ckpt, model) if rank == 0 else {})
+    # rank 0 sends each tensor in turn; every rank keeps its own shard
+    set_model_state_dict(model, saved, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _read_adapter(ckpt: Path, model, state: dict, fingerprint: dict) -> dict:
+    """The checkpoint's adapter tensors (peft's names), after checking the LoRA settings, the names,
+    shapes and dtypes, and that the frozen base (its fingerprint) is the one the adapter was trained on."""
+    from peft import get_peft_model_state_dict
 
     config_file, weights = ckpt / "adapter_config.json", ckpt / "adapter_model.safetensors"
     if not config_file.is_file() or not weights.is_file():
@@ -405,29 +585,79 @@ def _load_adapter(ckpt: Path, model, state: dict) -> None:
                            f"LoRA has {sorted(ours.target_modules or ())}; resume with the same LoRA targets")
     saved = _read_safetensors([weights])
     _check_tensors(str(weights), saved, get_peft_model_state_dict(model))
-    fingerprint = state.get("base_fingerprint") or {}
-    now = _base_fingerprint(model)
-    if fingerprint.keys() != now.keys():
+    recorded = state.get("base_fingerprint") or {}
+    if recorded.keys() != fingerprint.keys():
         raise RuntimeError(f"{ckpt}: the frozen base parameters differ from the ones this adapter was trained on "
-                           f"({_describe_keys(fingerprint.keys() ^ now.keys())})")
-    for name, pair in fingerprint.items():
-        # Same weights give the same float64 sums up to the order of summation (another device or
-        # thread count): ~1e-12 relative at most; any other base differs in the 3rd digit or earlier.
-        if any(abs(a - b) > 1e-9 * max(1.0, abs(a), abs(b)) for a, b in zip(pair, now[name])):
+                           f"({_describe_keys(recorded.keys() ^ fingerprint.keys())})")
+    for name, pair in recorded.items():
+        # Same weights give the same float64 sums up to the order of summation (another device,
+        # thread count or number of shards): ~1e-12 relative at most; any other base differs in
+        # the 3rd digit or earlier.
+        if any(abs(a - b) > 1e-9 * max(1.0, abs(a), abs(b)) for a, b in zip(pair, fingerprint[name])):
             raise RuntimeError(f"{ckpt}: the base weight {name} is not the one this adapter was trained on; "
                                "load the same base model before resuming")
+    return saved
+
+
+def _load_adapter(ckpt: Path, model, state: dict, size: int) -> None:
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    fingerprint = _base_fingerprint(model)  # a collective when sharded: before any rank can stop on an error
+    # An adapter is small (tens of MB for an 8B model): every rank reads and checks it.
+    saved = _together(size, lambda: _read_adapter(ckpt, model, state, fingerprint))
+    if size > 1:
+        from torch.distributed.tensor import distribute_tensor
+
+        # Each whole tensor placed as the model's sharded parameter is (every rank keeps its shard),
+        # then loaded by peft's own function, which puts back the adapter's name in the keys.
+        placed = get_peft_model_state_dict(model)
+        saved = {k: distribute_tensor(v.to(placed[k].device), placed[k].device_mesh, placed[k].placements)
+                 if _is_sharded(placed[k]) else v for k, v in saved.items()}
     result = set_peft_model_state_dict(model, saved)
     if result.unexpected_keys:
-        raise RuntimeError(f"{weights}: peft did not place {_describe_keys(result.unexpected_keys)}")
+        raise RuntimeError(f"{ckpt}/adapter_model.safetensors: peft did not place "
+                           f"{_describe_keys(result.unexpected_keys)}")
+
+
+def _load_optimizer(ckpt: Path, model, optimizer, state: dict, rank: int, size: int) -> None:
+    saved, keys = state["optimizer"], state["optimizer_keys"]
+    try:
+        if size == 1 or not saved["state"]:
+            # torch's own loader: positions; an optimizer that never stepped has no tensors to shard
+            if keys == "name":
+                saved = _optimizer_by_index(saved, _parameter_names(model, optimizer))
+            optimizer.load_state_dict(saved)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        def checked():  # names and shapes, on every rank, so that the broadcast below cannot fail half-way
+            by_name = saved if keys == "name" else _optimizer_by_name(saved, _parameter_names(model, optimizer))
+            params = dict(model.named_parameters())
+            ours = _optimizer_by_name(optimizer.state_dict(), _parameter_names(model, optimizer))
+            if [g["params"] for g in by_name["param_groups"]] != [g["params"] for g in ours["param_groups"]]:
+                raise ValueError("the parameter groups hold other parameters")
+            for name, s in by_name["state"].items():
+                for key, t in s.items():
+                    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != params[name].shape:
+                        raise ValueError(f"{name} {key} is {tuple(t.shape)}, the parameter {tuple(params[name].shape)}")
+            return by_name
+
+        by_name = _together(size, checked)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, optimizer, by_name if rank == 0 else {}, options=options)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise RuntimeError(f"{ckpt}: the optimizer state does not fit this optimizer "
+                           f"({str(err).splitlines()[0][:200]})") from None
 
 
 def load_checkpoint(path, model, optimizer=None, scheduler=None) -> dict:
     """Restore a checkpoint written by save_checkpoint into model, optimizer and scheduler (those not
     None) and restore the random number generators. path: a checkpoint directory, or the output
-    directory (its `latest` is followed). Returns the saved `extra` plus "step"."""
-    _refuse_distributed("load_checkpoint")
-    ckpt = resolve_checkpoint(path)
-    state = _read_state(ckpt)
+    directory (its `latest` is followed). Under torchrun every rank calls it with the same arguments
+    (the model sharded by FSDP2 or not). Returns the saved `extra` plus "step"."""
+    rank, size = _world("load_checkpoint")
+    ckpt = _from_rank0(size, lambda: resolve_checkpoint(path))  # every rank follows the `latest` rank 0 read
+    state = _together(size, lambda: _read_state(ckpt, mmap=size > 1))
     adapter = _is_peft(model)
     if (state["weights"] == "adapter") != adapter:
         have = "a LoRA adapter" if state["weights"] == "adapter" else "full weights"
@@ -437,16 +667,13 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None) -> dict:
         if obj is not None and state[name] is None:
             raise RuntimeError(f"{ckpt}: saved without {name} state, and a {name} was given to restore")
     if adapter:
-        _load_adapter(ckpt, model, state)
+        _load_adapter(ckpt, model, state, size)
     else:
-        _load_full_weights(ckpt, model)
+        _load_full_weights(ckpt, model, rank, size)
     if optimizer is not None:
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise RuntimeError(f"{ckpt}: the optimizer state does not fit this optimizer "
-                               f"({str(err).splitlines()[0][:200]})") from None
+        _load_optimizer(ckpt, model, optimizer, state, rank, size)
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"], ckpt)
+    if len(state["rng"]) == size:  # another number of processes: no rank-for-rank counterpart
+        _set_rng_state(state["rng"][rank], ckpt)
     return {**state["extra"], "step": state["step"]}

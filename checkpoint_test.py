@@ -9,9 +9,17 @@ they were at the save, so one more training step gives bitwise the same weights.
 loads with AutoModelForCausalLM.from_pretrained (also after the model's modules were patched in place)
 and gives identical logits. A save that dies part-way leaves the previous checkpoint and `latest` as
 they were; keep_last deletes old checkpoints; bad input gets a one-line error naming the path.
+
+Under torchrun (two CPU processes, gloo, the model sharded by FSDP2; one launch of this file as a
+worker): 4 steps straight and 2 steps + save + resume + 2 steps give bitwise the same losses,
+weights and optimizer state, for full fine-tuning and for LoRA; each rank's random state comes back;
+the directory is laid out as one process lays it out and AutoModelForCausalLM.from_pretrained gives
+bitwise the sharded model's logits; a checkpoint of 1 process loads exactly into 2 and one of 2 into 1;
+an error on one rank is raised on both.
 """
 
 import copy
+import os
 import random
 import sys
 import types
@@ -118,6 +126,27 @@ def test_round_trip_is_exact(tmp_path):
     same_tree("scheduler", sched2.state_dict(), saved_sched)
     train(other, opt2, sched2, 1, seed=50)
     same_tree("weights one step later", weights(other), after_step)
+
+
+def test_reads_format_1(tmp_path):
+    """A checkpoint of the first format (one process: one RNG state, the optimizer keyed by position)
+    still resumes exactly."""
+    model = tiny(seed=0)
+    optimizer, scheduler = make_training(model)
+    train(model, optimizer, scheduler, 2, seed=10)
+    path = save_checkpoint(tmp_path, 2, model, None, optimizer, scheduler, {"n": 2})
+    state = torch.load(path / checkpoint.STATE_FILE, weights_only=True)
+    assert state["format"] == checkpoint.FORMAT == 2 and len(state["rng"]) == 1
+    state = {**state, "format": 1, "rng": state["rng"][0]}
+    del state["optimizer_keys"]
+    torch.save(state, path / checkpoint.STATE_FILE)
+    next_torch = torch.rand(8)
+    other = tiny(seed=1)
+    opt2, sched2 = make_training(other)
+    assert load_checkpoint(path, other, opt2, sched2) == {"n": 2, "step": 2}
+    exactly("format 1: next torch.rand after load", torch.rand(8), next_torch)
+    same_tree("format 1: weights", weights(other), weights(model))
+    same_tree("format 1: optimizer", opt2.state_dict(), optimizer.state_dict())
 
 
 def test_hugging_face_loads_it(tmp_path):
@@ -329,13 +358,31 @@ def test_errors(tmp_path):
     assert str(state_file) in expect_error(RuntimeError, load_checkpoint, path, model)
 
 
-def test_refuses_several_processes(tmp_path, monkeypatch):
-    """Under torchrun (WORLD_SIZE > 1) both functions refuse instead of writing one shard's view."""
+def test_several_processes_need_a_process_group(tmp_path, monkeypatch):
+    """WORLD_SIZE > 1 without torch.distributed initialised: both functions refuse, naming the fix,
+    instead of writing (or reading) one process's view of a sharded model."""
     model = tiny(seed=12)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert "2 processes" in expect_error(RuntimeError, save_checkpoint, tmp_path, 1, model, None, None, None, {})
-    expect_error(RuntimeError, load_checkpoint, tmp_path, model)
+    assert "init_process_group" in expect_error(RuntimeError, save_checkpoint, tmp_path, 1, model, None, None, None, {})
+    assert "init_process_group" in expect_error(RuntimeError, load_checkpoint, tmp_path, model)
     assert not list(tmp_path.iterdir())
+
+
+def test_torchrun_command_line(monkeypatch, capsys):
+    """Under torchrun --output-dir, --save-every and --resume are accepted; --merge-lora is refused
+    (exit code 2, one line): merging needs each whole weight in one process."""
+    import apply_kernels as ak
+    from run_config import make_parser, parse_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
+    cfg = parse_config(parser, "finetune_optimized", ["--output-dir", "out", "--save-every", "2", "--resume", "."])
+    assert cfg.output_dir == Path("out") and cfg.save_every == 2 and cfg.resume == Path(".")
+    with pytest.raises(SystemExit) as info:
+        parse_config(parser, "finetune_optimized", ["--lora-r", "4", "--merge-lora", "--output-dir", "out"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--merge-lora works in one process" in err and "Traceback" not in err, err
+    record("torchrun: --output-dir / --resume accepted, --merge-lora refused", 0.0, 0.0, True)
 
 
 def _lora_run(seed_base, r=4):
@@ -370,5 +417,241 @@ def test_lora_checkpoint(tmp_path):
     assert "full weights" in expect_error(RuntimeError, load_checkpoint, full, again)
 
 
+# ------------------------------------------------------------------------------------------------
+# Two processes (torchrun, FSDP2, gloo on the CPU)
+# ------------------------------------------------------------------------------------------------
+HERE = Path(__file__).resolve().parent
+RUN = ["--steps", "4", "--warmup-steps", "1", "--seq-len", "32", "--kernels", "none", "--lr", "1e-3", "--lr-schedule",
+       "cosine", "--lr-warmup-steps", "2", "--weight-decay", "0.1", "--log-every", "100", "--overwrite"]
+PHASES = {  # the worker's runs, in order: name -> command-line words after RUN (SCRATCH: the test's folder)
+    "straight": ["--output-dir", "SCRATCH/straight", "--save-every", "2"],
+    "resumed": ["--output-dir", "SCRATCH/resumed", "--resume", "SCRATCH/straight/checkpoint-2"],
+    "from_one": ["--output-dir", "SCRATCH/from_one", "--resume", "SCRATCH/one/checkpoint-2"],
+    "lora_straight": ["--lora-r", "4", "--output-dir", "SCRATCH/lora_straight", "--save-every", "2"],
+    "lora_resumed": ["--lora-r", "4", "--output-dir", "SCRATCH/lora_resumed",
+                     "--resume", "SCRATCH/lora_straight/checkpoint-2"],
+}
+PROBE = tokens(99)  # the input whose logits are compared
+
+
+def _config(*argv):
+    import apply_kernels as ak
+    from run_config import make_parser, parse_config
+
+    return parse_config(make_parser("test", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized", list(argv))
+
+
+def _phase_config(name, scratch):
+    return _config(*RUN, "--tag", f"test_ckpt_{name}", *[w.replace("SCRATCH", str(scratch)) for w in PHASES[name]])
+
+
+def _full_state(model, optimizer):
+    """The whole weights (trainable only, for LoRA) and optimizer state, keyed by name, on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=checkpoint._is_peft(model))
+    return {"weights": get_model_state_dict(model, options=options),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+
+
+def _fsdp2_worker(scratch: Path) -> int:
+    """Runs under torchrun, called by test_fsdp2_save_and_resume: the PHASES through training.train,
+    recording what the test compares (rank 0 writes it into `scratch`)."""
+    import json
+
+    import models
+    import training
+
+    rank = int(os.environ["RANK"])
+    real_save, real_load = training.save, checkpoint.load_checkpoint
+    phase = None
+
+    def save_and_record(cfg, step, model, *rest):
+        if phase == "straight":  # each rank its own generator state (training draws none: this changes nothing else)
+            torch.manual_seed(1000 * step + rank)
+            random.seed(1000 * step + rank)
+        real_save(cfg, step, model, *rest)
+        draws = {"torch": torch.rand(4), "python": random.random()}  # what the generators give right after the save
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=PROBE).logits  # the sharded model's own forward
+        model.train()
+        torch.save({"logits": logits, "draws": draws}, scratch / f"{phase}-saved-{step}-rank{rank}.pt")
+
+    def load_and_record(path, model, optimizer=None, scheduler=None):
+        got = real_load(path, model, optimizer, scheduler)
+        draws = {"torch": torch.rand(4), "python": random.random()}
+        state = _full_state(model, optimizer)
+        if rank == 0:
+            torch.save(state, scratch / f"{phase}-loaded.pt")
+        torch.save({"draws": draws}, scratch / f"{phase}-loaded-rank{rank}.pt")
+        return got
+
+    # One process group for all the runs: each run ends by destroying it, and a new one cannot be
+    # created reliably in the same torchrun job (a rank still in the old one meets the new one's keys).
+    real_destroy = torch.distributed.destroy_process_group
+    training.save, checkpoint.load_checkpoint = save_and_record, load_and_record
+    torch.distributed.destroy_process_group = lambda *args, **kwargs: None
+    losses = {}
+    for phase in PHASES:
+        losses[phase] = training.train(_phase_config(phase, scratch))["losses"]
+    training.save, checkpoint.load_checkpoint = real_save, real_load
+    torch.distributed.destroy_process_group = real_destroy
+
+    # An error on one rank reaches every rank: disagreeing arguments, then rank 0 failing to write.
+    model = models.shard_model(models.build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16))
+    errors = {}
+    for case in ("disagree", "rank 0 cannot write"):
+        if case == "rank 0 cannot write" and rank == 0:
+            model.save_pretrained = _disk_full  # this instance only (torch.save also carries the ranks' messages)
+        try:
+            save_checkpoint(scratch / "errors", 1 + (rank if case == "disagree" else 0), model, None, None, None, {})
+            errors[case] = None
+        except (ValueError, OSError) as err:
+            errors[case] = f"{type(err).__name__}: {err}"
+    errors["left in output_dir"] = sorted(p.name for p in (scratch / "errors").iterdir()) if rank == 0 else []
+    (scratch / f"worker-rank{rank}.json").write_text(json.dumps({"losses": losses, "errors": errors}))
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def _gathered_names(model, optimizer):
+    """One process: optimizer state keyed by parameter name, as get_optimizer_state_dict gives it."""
+    return checkpoint._optimizer_by_name(optimizer.state_dict(), checkpoint._parameter_names(model, optimizer))
+
+
+def _one_process(cfg):
+    """The model, optimizer and schedule the training loop builds for cfg (one process)."""
+    import models
+    import training
+
+    model = models.prepare_model(cfg)[0]
+    optimizer = training.make_optimizer(model, cfg)
+    return model, optimizer, training.LRSchedule(optimizer, cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule)
+
+
+def _cleanup_results(tags):
+    import common
+
+    for tag in tags:
+        for suffix in (".json", ".png", ".metrics.jsonl"):
+            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+
+
+def test_fsdp2_save_and_resume(tmp_path):
+    """torchrun --nproc-per-node 2 (FSDP2, gloo): 4 steps straight == 2 + save + resume + 2, bit for bit,
+    for full fine-tuning and for LoRA; every rank's random state comes back; the checkpoint has the
+    one-process layout and loads with AutoModelForCausalLM.from_pretrained, giving the sharded model's
+    logits; checkpoints cross between 1 and 2 processes exactly; an error on one rank stops both."""
+    import json
+    import subprocess
+
+    import training
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tags = ["test_ckpt_one", "test_ckpt_to_one", "test_ckpt_dataset"] + [f"test_ckpt_{p}" for p in PHASES]
+    try:
+        # A one-process run first: the reference layout, and a checkpoint for two processes to resume.
+        training.train(_config(*RUN, "--tag", "test_ckpt_one", "--output-dir", str(tmp_path / "one"),
+                               "--save-every", "2"))
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              str(HERE / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)],
+                             cwd=HERE, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread each (see the logits below)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        ranks = [json.loads((tmp_path / f"worker-rank{r}.json").read_text()) for r in range(2)]
+        losses = ranks[0]["losses"]
+
+        # Resuming: the same float arithmetic in the same order, so the same bits.
+        for kind in ("", "lora_"):
+            assert len(losses[f"{kind}straight"]) == 4 and losses[f"{kind}resumed"] == losses[f"{kind}straight"], losses
+            record(f"2 processes{' LoRA' if kind else ''}: 4 steps == 2 + resume + 2 (bit for bit)", 0.0, 0.0, True)
+        straight, resumed = tmp_path / "straight" / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4"
+        assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+        same_tree("optimizer after 4 steps, straight vs resumed",
+                  checkpoint._read_state(straight)["optimizer"], checkpoint._read_state(resumed)["optimizer"])
+        for r in range(2):  # each rank's generators, right after the save and right after the load
+            saved = torch.load(tmp_path / f"straight-saved-2-rank{r}.pt")["draws"]
+            loaded = torch.load(tmp_path / f"resumed-loaded-rank{r}.pt")["draws"]
+            exactly(f"rank {r}: torch.rand after load", loaded["torch"], saved["torch"])
+            assert loaded["python"] == saved["python"], (r, loaded, saved)
+        draws = [torch.load(tmp_path / f"straight-saved-2-rank{r}.pt")["draws"]["torch"] for r in range(2)]
+        assert not torch.equal(*draws), "the ranks' generators must differ for this test to tell them apart"
+
+        # The layout of a one-process checkpoint, loadable without this project's code.
+        assert sorted(p.name for p in (tmp_path / "straight" / "checkpoint-2").iterdir()) == \
+            sorted(p.name for p in (tmp_path / "one" / "checkpoint-2").iterdir())
+        assert (tmp_path / "straight" / "latest").read_text() == "checkpoint-4\n"
+        assert json.loads((straight / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        loaded = AutoModelForCausalLM.from_pretrained(straight, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+        sharded = torch.load(tmp_path / "straight-saved-4-rank0.pt")["logits"]
+        threads = torch.get_num_threads()
+        # bitwise: the same weights and input, and one thread as in the torchrun processes, so the
+        # same CPU kernels sum in the same order
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                exactly("logits: from_pretrained(checkpoint) vs the sharded model",
+                        loaded(input_ids=PROBE).logits, sharded)
+        finally:
+            torch.set_num_threads(threads)
+
+        # 1 process -> 2: what the sharded model holds after the load is the one-process checkpoint.
+        one = tmp_path / "one" / "checkpoint-2"
+        got = torch.load(tmp_path / "from_one-loaded.pt")
+        same_tree("1 -> 2 processes: weights", got["weights"], load_file(one / "model.safetensors"))
+        cfg = _config(*RUN, "--tag", "test_ckpt_to_one")
+        model, optimizer, schedule = _one_process(cfg)
+        load_checkpoint(one, model, optimizer, schedule)
+        same_tree("1 -> 2 processes: optimizer", got["optimizer"], _gathered_names(model, optimizer))
+        assert len(losses["from_one"]) == 4 and all(x == x for x in losses["from_one"]), losses["from_one"]
+        assert (tmp_path / "from_one" / "checkpoint-4" / "model.safetensors").is_file()
+
+        # 2 processes -> 1: the same, the other way.
+        two = tmp_path / "straight" / "checkpoint-2"
+        model, optimizer, schedule = _one_process(cfg)
+        assert load_checkpoint(two, model, optimizer, schedule)["world_size"] == 2
+        same_tree("2 -> 1 process: weights", weights(model), load_file(two / "model.safetensors"))
+        same_tree("2 -> 1 process: optimizer", _gathered_names(model, optimizer),
+                  checkpoint._read_state(two)["optimizer"])
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text("\n".join(json.dumps({"prompt": f"Count to {i}.", "completion": " 1 2 3"}) for i in range(40)))
+        with pytest.raises(SystemExit, match=r"written by 2 process\(es\), this run has 1"):
+            training.train(_config(*RUN, "--tag", "test_ckpt_dataset", "--dataset", str(rows), "--resume", str(two)))
+        record("1 <-> 2 processes: weights and optimizer exact; --dataset refused", 0.0, 0.0, True)
+
+        # LoRA: peft's adapter files, loadable by one process on the same base.
+        lora = tmp_path / "lora_straight" / "checkpoint-2"
+        assert sorted(p.name for p in lora.iterdir() if "adapter" in p.name or "model" in p.name) == \
+            ["adapter_config.json", "adapter_model.safetensors"]
+        adapter = load_file(lora / "adapter_model.safetensors")
+        got = torch.load(tmp_path / "lora_resumed-loaded.pt")["weights"]  # the sharded model after the load
+        assert len(got) == len(adapter) > 0
+        for name, t in got.items():
+            exactly(f"LoRA loaded into 2 processes: {name}", t, adapter[name.replace(".default.", ".")])
+        model, optimizer, schedule = _one_process(_config(*RUN, "--tag", "test_ckpt_to_one", "--lora-r", "4"))
+        load_checkpoint(lora, model, optimizer, schedule)  # the base fingerprint of 2 shards == that of 1 process
+        from peft import get_peft_model_state_dict
+
+        same_tree("2 -> 1 process: LoRA adapter", get_peft_model_state_dict(model), adapter)
+
+        # An error on one rank is raised on both; nothing is left behind.
+        for rank in ranks:
+            assert "every process must pass the same arguments" in rank["errors"]["disagree"], rank["errors"]
+            assert "No space left on device" in rank["errors"]["rank 0 cannot write"], rank["errors"]
+        assert "(on rank 0)" in ranks[1]["errors"]["rank 0 cannot write"]
+        assert ranks[0]["errors"]["left in output_dir"] == [], ranks[0]["errors"]
+        record("an error on one rank stops both, leaves no files", 0.0, 0.0, True)
+    finally:
+        _cleanup_results(tags)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fsdp2-worker"]:  # one of the two processes of test_fsdp2_save_and_resume
+        sys.exit(_fsdp2_worker(Path(sys.argv[2])))
     sys.exit(run_as_script(__name__, "Checkpoints: exact round trip, Hugging Face loading, atomic saves"))

@@ -264,9 +264,10 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         raise usage_error("--save-every and --merge-lora need --output-dir")
     if a.output_dir is not None and a.output_dir.exists() and not a.output_dir.is_dir():
         raise usage_error(f"--output-dir {a.output_dir} is a file")
-    if (a.output_dir is not None or a.resume is not None) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise usage_error("--output-dir and --resume work in one process; checkpoints of a sharded (FSDP2) run "
-                          "are not supported yet: fine-tune with one GPU, or run torchrun without them")
+    if a.merge_lora and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise usage_error("--merge-lora works in one process (the merge needs each whole weight): under torchrun the "
+                          "checkpoints hold the adapter; merge it afterwards on one process (lora.load_adapter, "
+                          "lora.merge_and_save)")
     if a.resume is not None and not a.resume.is_dir():
         raise usage_error(f"--resume {a.resume}: no such checkpoint directory")
     if a.report_to == "tensorboard":

@@ -399,6 +399,14 @@ def _train(cfg) -> dict:
 
         state = load_checkpoint(cfg.resume, model, optimizer, schedule)
         start = int(state["step"])
+        saved_size = int(state.get("world_size", 1))
+        if saved_size != size and cfg.dataset:
+            raise SystemExit(f"error: the checkpoint was written by {saved_size} process(es), this run has {size}: a "
+                             "--dataset epoch is dealt out among the processes, so at another count the step no longer "
+                             f"says which rows were seen; resume with {saved_size} process(es)")
+        if saved_size != size:
+            log(f"The checkpoint was written by {saved_size} process(es), this run has {size}: the weights, optimizer "
+                "and schedule carry over; the batches and random numbers from here on are this run's own")
         result.losses = list(state.get("losses", []))[:start]
         result.eval_losses = [tuple(e) for e in state.get("eval_losses", []) if e[0] <= start]
         log(f"Resumed from {cfg.resume} at step {start} of {steps}")
@@ -494,7 +502,7 @@ def save(cfg, step, model, tokenizer, optimizer, schedule, result) -> None:
     from checkpoint import save_checkpoint
 
     extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
-             "eval_losses": result.eval_losses, "config": cfg.as_dict()}
+             "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1]}
     path = save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra)
     if path is not None:
         log(f"checkpoint: {path}")
