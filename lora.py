@@ -222,8 +222,6 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, xl2, weight, xa, a, b = ctx.saved_tensors
-        if ctx.dequantize is not None:
-            weight = ctx.dequantize()
         xl2 = x2 if ctx.same_input else xl2
         x_shape, a_dtype, b_dtype = ctx.shapes
         s = ctx.scaling
@@ -236,7 +234,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if need_a:
             da = (dyb.t() @ xl2).mul_(s).to(a_dtype)
         if need_x or (need_xl and ctx.same_input):
-            dx = dy2 @ weight
+            dx = dy2 @ (weight if ctx.dequantize is None else ctx.dequantize())  # 4 bits: unpacked only here
             if ctx.same_input:
                 dx.addmm_(dyb, a, alpha=s)
             dx = dx.view(x_shape)
@@ -245,7 +243,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if need_w:
             dw = (dy2.t() @ x2).to(weight.dtype)
         if need_bias:
-            dbias = dy2.sum(0).to(weight.dtype)
+            dbias = dy2.sum(0)  # dy2 is in x's dtype, which _fusable requires to be the base weight's
         return dx, dxl, dw, dbias, da, db, None, None
 
 
@@ -345,8 +343,6 @@ class SwiGLUDownLoRAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         g2, u2, weight, ha, a, b = ctx.saved_tensors
-        if ctx.dequantize is not None:
-            weight = ctx.dequantize()
         s, (a_dtype, b_dtype) = ctx.scaling, ctx.dtypes
         need_g, need_u, need_w, need_a, need_b = ctx.needs_input_grad[:5]
         dy2 = dy.reshape(-1, dy.shape[-1]).to(g2.dtype)
@@ -362,7 +358,7 @@ class SwiGLUDownLoRAFunction(torch.autograd.Function):
                 dw = (dy2.t() @ h).to(weight.dtype)
             del h
         if need_g or need_u:
-            dh = dy2 @ weight
+            dh = dy2 @ (weight if ctx.dequantize is None else ctx.dequantize())  # 4 bits: unpacked only here
             dh.addmm_(dyb, a, alpha=s)
             dg, du = torch.ops.playbook.swiglu_bwd(dh, g2, u2)
             dg, du = dg.view(ctx.shape), du.view(ctx.shape)
