@@ -138,6 +138,8 @@ def timed_graph(fn, grads=()):
                     t.grad = None
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
+        if _host_syncs(fn, grads):  # capture would fail; a failed capture can leave the default
+            return timed(fn, grad_to_none=list(grads)), False  # generator and a memory pool stuck
         for t in grads:
             t.grad = None
         graph = torch.cuda.CUDAGraph()
@@ -154,6 +156,26 @@ def timed_graph(fn, grads=()):
         t.grad = None
     torch.cuda.empty_cache()  # a graph's private memory pool is only returned by this
     return result, True
+
+
+def _host_syncs(fn, grads=()) -> bool:
+    """Whether one call of `fn` waits on the GPU from the host (an .item(), a data-dependent shape):
+    such a call cannot be captured in a CUDA graph. Checked with PyTorch's sync debug mode, outside
+    any capture, because a capture that fails part way can leave the process's default CUDA
+    generator marked as capturing (every later torch.randn / nn.init on the GPU then raises) and the
+    graph's memory pool allocated."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in grads:
+            t.grad = None
+        fn()
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
 
 
 def _label(name: str, captured: bool) -> str:
@@ -1101,17 +1123,22 @@ def main():
         print(f"bf16 matmul rate (cuBLAS, 8192^3): {mm:.0f} TFLOP/s")
     print("Each implementation is checked against float64 (testkit's rule) before it is timed.")
     rows = []
+    tag = run_tag(gpu, args.smoke, args.kernels, args.dtype, args.sizes)
     for spec in specs:
         impls = spec.impls()
+        kernel_rows = []
         for case in spec.smoke if args.smoke else spec.cases(args.sizes):
-            guarded("inputs", describe(case), lambda: rows.extend(_measure_impls(spec, case, dtype, impls)))
+            guarded("inputs", describe(case), lambda: kernel_rows.extend(_measure_impls(spec, case, dtype, impls)))
             print(f"  {spec.name} {describe(case)} done", flush=True)
         del impls
         release_memory()
-    add_derived(rows, copy, mm)
-    tag = run_tag(gpu, args.smoke, args.kernels, args.dtype, args.sizes)
-    paths = save(rows, meta, tag)
-    print(table(rows))
+        # each kernel's table and the files as soon as that kernel is done: a long sweep stopped part
+        # way (a time limit, a crash in a peer) keeps every kernel finished before it
+        add_derived(kernel_rows, copy, mm)
+        rows.extend(kernel_rows)
+        if kernel_rows:
+            print(table(kernel_rows), flush=True)
+        paths = save(rows, meta, tag)
     print("Saved " + ", ".join(str(p.relative_to(RESULTS.parent)) for p in paths))
     return 0
 

@@ -37,8 +37,8 @@ import common
 import fp8_linear_kernel
 import models
 import training
-from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, check_fp8_device, expected_patches,
-                               fp8_cols_op, fp8_linear, fp8_rows_op, ideal_bytes, padded, patch_model, quantize,
+from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, check_fp8_device, compiled_graph_trusted, expected_patches,
+                               fp8_cols_op, fp8_linear, fp8_rows_op, fp8_scaled_mm_op, ideal_bytes, padded, patch_model, quantize,
                                quantize_cols_ref, quantize_rows_ref)
 from kernel_utils import DEVICE
 from run_config import make_parser, parse_config
@@ -135,7 +135,14 @@ def test_custom_ops_pass_opcheck():
     cmax = fp8_rows_op(x, False, True)[2]
     torch.library.opcheck(fp8_cols_op, (x, cmax))
     torch.library.opcheck(fp8_cols_op, (x[:0], torch.zeros_like(cmax)))
-    record("opcheck: fp8_quantize_rows (x5), fp8_quantize_cols (x2)", 0.0, 0.0, True)
+    xq, sx, _ = fp8_rows_op(x, True, False)
+    wq, sw, _ = fp8_rows_op(_spread((32, 48), torch.bfloat16, seed=3), True, False)
+    # Without "test_schema": its mutation check compares the fp8 inputs with arithmetic that PyTorch
+    # does not implement for float8_e4m3fn on the CPU; the fake, AOT and dispatch checks all run.
+    for fast_accum in (True, False):
+        torch.library.opcheck(fp8_scaled_mm_op, (xq, sx, wq, sw, fast_accum),
+                              test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    record("opcheck: fp8_quantize_rows (x5), fp8_quantize_cols (x2), fp8_scaled_mm (x2)", 0.0, 0.0, True)
 
 
 # ------------------------------------------------------------------------------------------------ the linear layer
@@ -292,21 +299,56 @@ def test_second_order_gradients_raise():
     assert "second-order" in msg
 
 
-def test_torch_compile_fullgraph_matches_eager():
-    """One graph around the opaque quantize operator and aten._scaled_mm: the same bits as eager."""
-    torch._dynamo.reset()
-    compiled = torch.compile(fp8_linear, fullgraph=True)
-    x = _spread((3, 19, 64), torch.bfloat16, seed=19)
-    w = _spread((48, 64), torch.bfloat16, seed=20)
-    dy = random_like_grad(x.new_empty(3, 19, 48), seed=21)
+def _compiled_and_eager(compiled, seed=19):
+    x = _spread((3, 19, 64), torch.bfloat16, seed=seed)
+    w = _spread((48, 64), torch.bfloat16, seed=seed + 1)
+    dy = random_like_grad(x.new_empty(3, 19, 48), seed=seed + 2)
     results = []
     for fn in (fp8_linear, compiled):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(xi, wi)
         y.backward(dy)
         results.append((y, xi.grad, wi.grad))
-    for what, eager, comp in zip(("y", "dx", "dW"), *results):
-        exactly(f"torch.compile(fullgraph=True) == eager: {what}", comp, eager)
+    return results
+
+
+def test_torch_compile_matches_eager():
+    """Where the compiled graph is trusted (the CPU): one graph around the opaque quantize and
+    scaled-matmul operators, the same bits as eager. On a GPU (not trusted, `compiled_graph_trusted`
+    says why): fullgraph=True is refused, and a compiled caller runs the layer eagerly, same bits."""
+    torch._dynamo.reset()
+    if compiled_graph_trusted(torch.device(DEVICE)):
+        eager, comp = _compiled_and_eager(torch.compile(fp8_linear, fullgraph=True))
+        label = "torch.compile(fullgraph=True) == eager"
+    else:
+        x = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
+        w = torch.randn(48, 64, device=DEVICE, dtype=torch.bfloat16)
+        with pytest.raises(Exception, match="(?i)disable|skip|graph break"):
+            torch.compile(fp8_linear, fullgraph=True)(x, w)
+        torch._dynamo.reset()
+        eager, comp = _compiled_and_eager(torch.compile(fp8_linear))
+        label = "torch.compile (the FP8 layer outside the graph) == eager"
+    for what, a, b in zip(("y", "dx", "dW"), eager, comp):
+        exactly(f"{label}: {what}", b, a)
+
+
+def test_untrusted_compile_runs_the_layer_outside_the_graph(monkeypatch):
+    """The GPU's path, taken on this device: with the compiled graph not trusted, the layer is left
+    out of the traced graph (the multiplication after it is traced), and the results equal eager's
+    bit for bit."""
+    monkeypatch.setattr(fp8_linear_kernel, "compiled_graph_trusted", lambda device: False)
+    torch._dynamo.reset()
+    x = _spread((3, 19, 64), torch.bfloat16, seed=5)
+    w = _spread((48, 64), torch.bfloat16, seed=6)
+    explained = torch._dynamo.explain(lambda a, b: fp8_linear(a, b) * 2)(x, w)
+    traced = [str(node.target) for g in explained.graphs for node in g.graph.nodes]
+    assert explained.graph_count >= 1 and any("mul" in t for t in traced), traced  # the rest is compiled
+    assert not any("fp8" in t or "Float8" in t or "autograd_function" in t for t in traced), \
+        f"the FP8 layer must run outside the compiled graph: {traced}"
+    torch._dynamo.reset()
+    eager, comp = _compiled_and_eager(torch.compile(fp8_linear), seed=7)
+    for what, a, b in zip(("y", "dx", "dW"), eager, comp):
+        exactly(f"compiled with a graph break == eager: {what}", b, a)
 
 
 @pytest.mark.parametrize("make, error, says", [
