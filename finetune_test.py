@@ -414,7 +414,16 @@ def test_compile_matches_eager(kernels):
                                                              zip(compiled["losses"], eager["losses"])), 0.0, True)
 
 
-def test_trainer_uses_the_fused_loss(tmp_path, monkeypatch):
+def _trainer_rows(tmp_path):
+    rows = tmp_path / "chat.jsonl"
+    qa = [("What is 2 + 2?", "4."), ("Name a colour.", "Blue."), ("Capital of France?", "Paris."),
+          ("Opposite of hot?", "Cold."), ("A fruit?", "An apple."), ("Say hi.", "Hi!")] * 3
+    rows.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                         {"role": "assistant", "content": a}]}) for q, a in qa))
+    return rows
+
+
+def test_trainer_uses_the_fused_loss(tmp_path, monkeypatch, capsys):
     """The Hugging Face Trainer passes labels to the model: its loss must come from the fused linear
     cross-entropy (counted here), and training must lower it."""
     import finetune_trainer
@@ -423,13 +432,12 @@ def test_trainer_uses_the_fused_loss(tmp_path, monkeypatch):
     calls = []
     fused = lce.linear_cross_entropy
     monkeypatch.setattr(lce, "linear_cross_entropy", lambda *a, **k: calls.append(a[0].shape) or fused(*a, **k))
-    rows = tmp_path / "chat.jsonl"
-    qa = [("What is 2 + 2?", "4."), ("Name a colour.", "Blue."), ("Capital of France?", "Paris."),
-          ("Opposite of hot?", "Cold."), ("A fruit?", "An apple."), ("Say hi.", "Hi!")] * 3
-    rows.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                         {"role": "assistant", "content": a}]}) for q, a in qa))
+    rows = _trainer_rows(tmp_path)
     trainer, metrics = finetune_trainer.main(["--dataset", str(rows), "--steps", "6", "--lr", "3e-3", "--seq-len", "64",
                                               "--batch-size", "4", "--log-every", "1", "--output-dir", str(tmp_path / "o")])
+    printed = capsys.readouterr().out
+    assert "18 kept (17 train, 1 eval)" in printed, printed  # the data line reports the real split (5% held out)
+    assert "1 process" in printed, printed
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(calls) >= 6, f"the fused loss ran {len(calls)} times in 6 steps"
     assert losses[-1] < losses[0], losses
@@ -438,6 +446,25 @@ def test_trainer_uses_the_fused_loss(tmp_path, monkeypatch):
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "final")  # loadable with no project code
     assert saved.config.num_hidden_layers == 2
     record(f"Trainer: fused loss called {len(calls)} times, loss {losses[0]:.3f} -> {losses[-1]:.3f}", 0.0, 0.0, True)
+
+
+def test_trainer_under_torchrun_two_processes(tmp_path):
+    """`torchrun --nproc-per-node 2 finetune_trainer.py`: the Trainer runs data-parallel over two CPU
+    processes (gloo) with the kernels on, both ranks train, and rank 0 saves a loadable model."""
+    import subprocess
+
+    rows = _trainer_rows(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "finetune_trainer.py",
+                          "--dataset", str(rows), "--steps", "2", "--warmup-steps", "0", "--seq-len", "64", "--batch-size", "2",
+                          "--eval-fraction", "0", "--output-dir", str(tmp_path / "o")],
+                         cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 processes" in out.stdout, out.stdout[-3000:]
+    # each process takes half of the 18 rows: 9 rows in batches of 2 = 5 steps per epoch, so 2 steps are
+    # epoch 0.4 (one process alone: 9 steps per epoch, epoch 0.2222)
+    assert "epoch 0.4" in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "o" / "final" / "config.json").is_file()
+    record("Trainer under torchrun: 2 processes, epoch 0.4 after 2 steps, model saved", 0.0, 0.0, True)
 
 
 def test_fsdp2_two_processes():

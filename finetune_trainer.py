@@ -43,14 +43,16 @@ def build_datasets(cfg, tokenizer):
 
     rows = load_rows(cfg.dataset)
     examples, report = encode_rows(rows, tokenizer, cfg.seq_len, cfg.train_on_prompt, source=cfg.dataset)
-    log(f"Data: {report}")  # rows kept and dropped, by reason
     if len(examples) < 2:
+        log(f"Data: {report}")
         raise SystemExit(f"error: {cfg.dataset}: {len(examples)} usable example(s); the Trainer needs at least 2")
     g = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(examples), generator=g).tolist()
     n_eval = max(1, int(cfg.eval_fraction * len(examples))) if cfg.eval_fraction else 0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pick = lambda idx: RowsDataset(pad_examples([examples[i] for i in idx], cfg.seq_len, pad))  # noqa: E731
+    report.train_examples, report.eval_examples = len(order) - n_eval, n_eval
+    log(f"Data: {report}")  # rows kept and dropped, by reason, and the split
     log(f"Split: {len(order) - n_eval} training and {n_eval} held-out examples, one per row of {cfg.seq_len} tokens")
     return pick(order[n_eval:]), (pick(order[:n_eval]) if n_eval else None)
 
@@ -89,6 +91,9 @@ def main(argv=None):
         save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         eval_strategy="steps" if eval_set is not None and cfg.eval_every else "no", eval_steps=cfg.eval_every or None,
         bf16=cfg.on_gpu, use_cpu=not cfg.on_gpu, report_to=[] if cfg.report_to == "none" else [cfg.report_to],
+        # every trainable parameter gets a gradient in every step (frozen LoRA bases need none), so
+        # DDP's search for unused parameters (the Trainer's default) would only add a graph walk
+        ddp_find_unused_parameters=False,
         seed=cfg.seed, disable_tqdm=True, optim="adamw_torch_fused" if cfg.optimizer == "adamw-fused" else "adamw_torch",
     )
     if cfg.gradient_checkpointing:
@@ -96,7 +101,8 @@ def main(argv=None):
     if cfg.warmup_ratio:
         args.warmup_steps = int(cfg.warmup_ratio * (cfg.steps or 0))
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set)
-    log(f"Trainer: {desc}, kernels {report.describe()}, {len(train_set)} training rows")
+    log(f"Trainer: {desc}, kernels {report.describe()}, {len(train_set)} training rows, "
+        f"{args.world_size} process{'es' if args.world_size > 1 else ''}")
     result = trainer.train(resume_from_checkpoint=str(cfg.resume) if cfg.resume else None)
     metrics = dict(result.metrics)
     if eval_set is not None:
