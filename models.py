@@ -241,6 +241,12 @@ def prepare_model(cfg):
     if cfg.compile:
         model.compile()  # compiles the forward on its first call (the warm-up steps)
         log("torch.compile: the model's forward is compiled on the first (warm-up) step")
+        if cfg.fp8:
+            import fp8_linear_kernel
+
+            if not fp8_linear_kernel.compiled_graph_trusted(torch.device(cfg.device)):
+                log("torch.compile with --fp8: each FP8 projection runs outside the compiled graph (its compiled "
+                    "gradient is not trusted on this device; fp8_linear_kernel.compiled_graph_trusted says why)")
     if world()[1] > 1:
         shard_model(model)
     return model, name, desc, report
