@@ -84,6 +84,7 @@ import rmsnorm_kernel  # noqa: E402
 import rope_kernel  # noqa: E402
 import swiglu_kernel  # noqa: E402
 from apply_kernels import KERNEL_NAMES  # noqa: E402
+from common import is_out_of_memory  # noqa: E402
 from cross_entropy_kernel import cross_entropy  # noqa: E402
 from kernel_utils import DEVICE  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
@@ -231,10 +232,13 @@ def liger():
 
 
 def guarded(name, size, measure):
-    """Run one implementation's measurement; out of GPU memory skips it (with a warning), not the run."""
+    """Run one implementation's measurement; out of GPU memory skips it (with a warning), not the run.
+    cuBLAS failing to allocate its handle or workspace (a plain RuntimeError) is running out too."""
     try:
         measure()
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as err:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(err):
+            raise
         print(f"  WARNING: {name} ran out of GPU memory at {size}; skipped")
     finally:
         if ON_GPU:

@@ -93,6 +93,22 @@ def test_timings_without_a_gpu_exit_2(monkeypatch, capsys, args):
     record(f"no GPU, {' '.join(args) or 'no --smoke'}: exit 2, one line", 0.0, 0.0, True)
 
 
+@pytest.mark.parametrize("error", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.92 GiB"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+], ids=["OutOfMemoryError", "cuBLAS alloc"])
+def test_running_out_of_memory_skips_one_implementation(error, capsys):
+    """Out of GPU memory (PyTorch's error, or cuBLAS failing to allocate) skips that implementation
+    with a warning and the sweep goes on; any other error still stops the run."""
+    def measure():
+        raise error
+    bk.guarded("eager", "8192 x 128256", measure)
+    assert "WARNING: eager ran out of GPU memory at 8192 x 128256; skipped" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        bk.guarded("ours", "8192 x 128256", lambda: (_ for _ in ()).throw(RuntimeError("an illegal memory access")))
+    record(f"{type(error).__name__} ({str(error)[:30]}...): skipped with a warning", 0.0, 0.0, True)
+
+
 def test_kernel_list_and_run_tag():
     assert bk.kernel_list("all") == KERNEL_NAMES
     assert bk.kernel_list("rope, rmsnorm") == ("rmsnorm", "rope")  # the registry's order
