@@ -34,10 +34,11 @@ from training import make_optimizer, make_run_data, run_tokenizer, training_step
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
-    ("loss", r"_cross_entropy|_scale_rows|softmax|nll_loss|cross_entropy"),
+    ("loss", r"_cross_entropy|_scale_rows|softmax|nll_loss|cross_entropy|_jsd|_kl_div|kl_div"),
     ("SwiGLU", r"_swiglu|silu"),
     ("RoPE", r"_rope"),
     ("optimizer", r"adam|multi_tensor_apply|foreach|optimizer"),
+    ("FP8 casts", r"_quantize_rows|_quantize_cols|fp8_quantize"),  # --fp8: the Triton quantizers
     ("attention", r"flash|fmha|attention|sdpa|efficient|cudnn"),
     ("matrix multiply", r"gemm|xmma|nvjet|cutlass|cublas|gemv|splitk|sm\d\d_|_mma|matmul|aten::(mm|bmm|addmm|linear)\b"),
     ("element-wise", r"elementwise|vectorized|unrolled|functor|copy|cat_|fill|silu|index|gather|scatter|embedding"
