@@ -35,7 +35,7 @@ endif
 
 .PHONY: run test setup selfcheck check clean
 run: check
-	$(PY) walkthrough.py
+	$(PY) walkthrough.py $(WALKTHROUGH_ARGS)
 
 test: check
 	$(PY) -m pytest -q

@@ -123,6 +123,8 @@ def main():
     p.add_argument("--batch-size", default=None)
     p.add_argument("--seq-len", default=None)
     p.add_argument("--num-layers", default=None)
+    p.add_argument("--skip-kernel-tests", action="store_true",
+                   help="leave out step 2 (the kernel test files), e.g. right after `make test` ran them")
     args = p.parse_args()
     workload, desc, lesson = default_workload()
     for flag in ("model", "batch_size", "seq_len", "num_layers"):  # the user's choices win
@@ -152,7 +154,9 @@ def main():
          prof + ["--tag", "walkthrough_profile_baseline"])
     print(f"-> the number: {profile_line('walkthrough_profile_baseline')}")
 
-    for name in apply_kernels.KERNEL_NAMES:
+    if args.skip_kernel_tests:
+        print(f"\n{'=' * 100}\nStep 2: the kernel tests: skipped (--skip-kernel-tests); `make test` runs them\n{'=' * 100}")
+    for name in () if args.skip_kernel_tests else apply_kernels.KERNEL_NAMES:
         step(f"Step 2 ({name}): test the fused {name} kernel",
              f"{apply_kernels.KERNELS[name]}.\nEach line compares the kernel with PyTorch and a float64 reference on the "
              "same inputs: 'max err' must stay under 'tol' (at most 2x PyTorch's own error).",
