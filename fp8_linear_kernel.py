@@ -366,8 +366,8 @@ def fp8_scaled_mm_op(a: torch.Tensor, a_scale: torch.Tensor, bt: torch.Tensor, b
     `bt.t()` is the column-major [S, C] operand torch._scaled_mm wants, without a copy. Returns bf16:
     the row-wise scaled matmul writes bf16 only. A custom operator of its own, so that torch.compile
     calls this exact cuBLAS matmul instead of lowering aten._scaled_mm to Inductor's own scaled-matmul
-    templates (on an H200 with torch 2.11 the compiled graph's dx differed from eager's by thousands
-    with the row-wise scales of the backward; the same matmul in both keeps the bits equal).
+    templates. (It did not cure the compiled dx that differs from eager on GPUs: see
+    `compiled_graph_trusted`.)
     """
     return torch._scaled_mm(a, bt.t(), a_scale[:, None], bt_scale[None, :], out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)
