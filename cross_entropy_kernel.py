@@ -114,7 +114,7 @@ import torch
 from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from kernel_utils import as_rows, check_device, check_float, next_power_of_2
+from kernel_utils import INTERPRET, as_rows, check_device, check_float, next_power_of_2
 from model_families import model_type
 
 import triton
@@ -360,6 +360,120 @@ def _cross_entropy_fwd(
                 g_target = (p_target - 1.0) * scale
             tl.store(grad_row + target, g_target.to(Grad.dtype.element_ty), mask=in_range)
 
+# Split rows: the plain loss and its gradient at the floor (read once, write once)
+# ------------------------------------------------------------------------------
+# The sweep kernel above reads a row twice (sweep 2 re-reads what sweep 1 streamed past, and only
+# part of it is still in L2), so it moves ~1.3x the floor's bytes. Here a row of 128256 is cut into
+# pieces of SPLIT_BLOCK_V columns, one program per piece: 16 programs of 8192 columns, each holding
+# its piece in registers (32 fp32 values per thread at 8 warps). Each program writes its piece's
+# (max, sum of exp) to a small workspace, signals, and waits until all pieces of its row have
+# signalled; then it combines the SPLIT partials into the row's log-sum-exp and writes its piece of
+# the gradient from the values still in its registers. Every logit is read once.
+#
+# Waiting for other programs is safe only when they are guaranteed to run. Programs take their piece
+# from a ticket counter (an atomic add) instead of their launch index, so tickets follow the order in
+# which programs actually start: when a program waits, all pieces with smaller tickets have started,
+# and those of its row with larger tickets are next in line. Only the last row handed out can be
+# incomplete, so as long as SPLIT programs fit on the GPU at once (16 on a GPU with 132 SMs), the
+# waits always end. (Single-pass scans such as CUB's decoupled look-back rely on the same argument.)
+# Triton's interpreter runs programs one after another, where a wait for a later program would never
+# end: there (and on request) the same kernel runs as two launches, PHASE 1 writing the partials
+# and PHASE 2 re-reading the row, which is the same arithmetic with one more read.
+SPLIT_BLOCK_V = 8192
+SPLIT_NUM_WARPS = 8
+# Rows shorter than this take the sweep kernel: a row of a few blocks stays in L1/L2 between its two
+# sweeps, so splitting it would add a launch and a workspace for nothing.
+SPLIT_MIN_V = 32768
+# Whether `cross_entropy_forward` picks the split kernel by itself (for rows of SPLIT_MIN_V or more).
+# Off, because on Hopper it loses. One H200, 16384 x 128256 bf16, loss + gradient, copy floor 1954 us
+# (results/runs/ce_split_H200.log): the sweep kernel 2664 us (1.36x); this kernel 4655 us in pieces of
+# 8192 (8 warps), 3931 us in pieces of 32768 (32 warps), 4076 us in pieces of 4096; with programs
+# taking their launch index instead of a ticket (no forward-progress argument) 3521 us at best, with
+# polling by volatile loads instead of atomics no better; as two launches 3308 us. A program holds
+# its piece while it waits, so the SM cannot stream the next piece meanwhile, and the ticket's single
+# counter serialises 262144 atomics. It stays, tested, for `split=True` and for GPUs with other balances.
+SPLIT_AUTO = False
+
+
+@triton.jit
+def _cross_entropy_split(
+    Logits,  # pointer to the logits, [N, V], unit stride along V
+    Grad,  # pointer to the gradient output, [N, V] (may be Logits itself: in place)
+    Targets,  # pointer to the targets, [N], any stride
+    Loss,  # pointer to the per-row losses, [N], fp32
+    NValid,  # pointer to the number of non-ignored rows (0-d int64; read when MEAN)
+    Partial,  # pointer to fp32 [2, N, SPLIT]: each piece's max, then its sum of exp(x - max)
+    Sync,  # pointer to int32 [1 + N], zeroed: the ticket counter, then one arrival count per row
+    stride_l,
+    stride_g,
+    stride_t,
+    V,
+    N,
+    ignore_index,
+    MEAN: tl.constexpr,
+    PHASE: tl.constexpr,  # 0: one launch (pieces wait for each other); 1: partials only; 2: gradient only
+    SPLIT: tl.constexpr,  # pieces per row: cdiv(V, BLOCK_V)
+    SPLIT_P2: tl.constexpr,  # SPLIT rounded up to a power of 2 (the combine's block)
+    BLOCK_V: tl.constexpr,  # columns per piece
+):
+    if PHASE == 0:
+        # the order programs start in, not the order they were launched in (see above)
+        ticket = tl.atomic_add(Sync, 1).to(tl.int64)
+    else:
+        ticket = tl.program_id(0).to(tl.int64)
+    row = ticket // SPLIT
+    piece = ticket % SPLIT
+    cols = piece * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    logits_row = Logits + row * stride_l
+    grad_row = Grad + row * stride_g
+    target = tl.load(Targets + row * stride_t).to(tl.int64)
+    if target == ignore_index:
+        # every piece of an ignored row sees the same target: none of them waits for the others
+        if PHASE != 1:
+            tl.store(grad_row + cols, tl.zeros([BLOCK_V], tl.float32).to(Grad.dtype.element_ty), mask=mask)
+            if piece == 0:
+                tl.store(Loss + row, 0.0)
+    else:
+        x = tl.load(logits_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        part_m = Partial + row * SPLIT
+        part_s = Partial + (N + row) * SPLIT
+        if PHASE != 2:
+            # MIN_START keeps an all -inf piece (or the masked tail) from computing -inf - (-inf)
+            m_piece = tl.maximum(tl.max(x, axis=0), MIN_START)
+            s_piece = tl.sum(tl.exp2((x - m_piece) * LOG2E), axis=0)
+            tl.store(part_m + piece, m_piece)
+            tl.store(part_s + piece, s_piece)
+        if PHASE == 0:
+            # Publish the partials, then wait for the row's other pieces. The barrier makes every
+            # thread's stores precede the release; the acquire makes the others' partials visible.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Sync + 1 + row, 1, sem="release") + 1
+            while arrived < SPLIT:
+                arrived = tl.atomic_add(Sync + 1 + row, 0, sem="acquire")
+            tl.debug_barrier()
+        if PHASE != 1:
+            j = tl.arange(0, SPLIT_P2)
+            # ".cg": read from L2, where the other SMs' stores are, never from a stale L1 line
+            pm = tl.load(part_m + j, mask=j < SPLIT, other=MIN_START, cache_modifier=".cg")
+            ps = tl.load(part_s + j, mask=j < SPLIT, other=0.0, cache_modifier=".cg")
+            m = tl.max(pm, axis=0)
+            log2_s = tl.log2(tl.sum(ps * tl.exp2((pm - m) * LOG2E), axis=0))
+            in_range = (target >= 0) & (target < V)
+            scale = 1.0
+            if MEAN:
+                scale = 1.0 / tl.maximum(tl.load(NValid).to(tl.float32), 1.0)
+            scale = tl.where(in_range, scale, float("nan"))  # an out-of-range target: a NaN row
+            is_target = cols == target
+            p = tl.exp2((x - m) * LOG2E - log2_s)
+            g = tl.where(is_target, p - 1.0, p) * scale
+            tl.store(grad_row + cols, g.to(Grad.dtype.element_ty), mask=mask)
+            # the piece holding the target writes the row's loss (piece 0 for an out-of-range one)
+            if piece == tl.where(in_range, target // BLOCK_V, 0):
+                x_target = tl.where(in_range, tl.sum(tl.where(is_target, x, 0.0), axis=0), float("nan"))
+                tl.store(Loss + row, (m - x_target) + log2_s / LOG2E)
+
+
 @triton.jit
 def _scale_rows(
     Grad,  # pointer to the gradient, [N, V]
@@ -430,9 +544,36 @@ def target_weight_sum(targets: torch.Tensor, ignore_index: int, weight: torch.Te
     return torch.where(counted, weight[targets.clamp(0, V - 1)], 0.0).sum()
 
 
+def _launch_split(logits2, grad, targets, loss_rows, n_valid, ignore_index, mean: bool,
+                  block_v: int | None = None, num_warps: int | None = None, one_launch: bool | None = None) -> None:
+    """The split-row kernel (plain loss, gradient wanted): one launch whose pieces wait for each
+    other on a GPU, two launches (partials, then gradient) in Triton's interpreter or on request."""
+    N, V = logits2.shape
+    block_v = block_v or min(SPLIT_BLOCK_V, next_power_of_2(V))
+    num_warps = num_warps or max(1, min(SPLIT_NUM_WARPS, block_v // 256))
+    split = triton.cdiv(V, block_v)
+    if one_launch is None:
+        one_launch = not INTERPRET
+    if one_launch and INTERPRET and split > 1:
+        raise ValueError("the one-launch split kernel cannot run in Triton's interpreter, which runs programs "
+                         "one at a time (a piece would wait forever for the next): use two launches")
+    if N * split >= 2**31:
+        raise ValueError(f"{N} rows x {split} pieces exceed the launch grid's 2^31 - 1 programs")
+    partial = torch.empty((2, N, split), dtype=torch.float32, device=logits2.device)
+    args = (logits2, grad, targets, loss_rows, n_valid if n_valid is not None else loss_rows, partial)
+    tail = (logits2.stride(0), grad.stride(0), targets.stride(0), V, N, ignore_index)
+    meta = dict(MEAN=mean, SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_V=block_v, num_warps=num_warps)
+    if one_launch:
+        sync = torch.zeros(1 + N, dtype=torch.int32, device=logits2.device)
+        _cross_entropy_split[(N * split,)](*args, sync, *tail, PHASE=0, **meta)
+    else:  # the workspace for the counters is never touched: pass any tensor
+        _cross_entropy_split[(N * split,)](*args, partial, *tail, PHASE=1, **meta)
+        _cross_entropy_split[(N * split,)](*args, partial, *tail, PHASE=2, **meta)
+
+
 def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad,
                           block_v=None, num_warps=None, n_valid=None, loss_rows=None, options=PLAIN,
-                          weight_sum=None, z_rows=None, pred_rows=None):
+                          weight_sum=None, z_rows=None, pred_rows=None, split=None, split_one_launch=None):
     """logits2: [N, V], unit stride along V; targets: [N], any stride. Returns (loss, gradient or None).
 
     A caller that splits one batch into several calls (the fused linear cross-entropy walks the
@@ -444,6 +585,11 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
     with class weights a chunking caller also passes the batch's `weight_sum`. The per-row z-loss
     goes to `z_rows` ([N] fp32, allocated when not given) and into the returned loss. With
     `pred_rows` ([N] int64) each row's argmax is stored there too (-1 on ignored rows).
+
+    `split` picks the split-row kernel (the plain loss with its gradient; see _cross_entropy_split):
+    None chooses it (when SPLIT_AUTO) for rows of SPLIT_MIN_V columns or more when nothing rules it out, True asks for
+    it (then `block_v` / `num_warps` are the pieces' width and warps), False never uses it;
+    `split_one_launch` (None: on a GPU) picks its one-launch form over the two-launch one.
     """
     N, V = logits2.shape
     if V > 1 and logits2.stride(1) != 1:
@@ -467,7 +613,16 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
     grad = None
     if compute_grad:
         grad = logits2 if inplace_grad else torch.empty((N, V), dtype=logits2.dtype, device=device)
-    if N > 0:
+    plain = weight is None and label_smoothing == 0 and lse_square_scale == 0 and softcap is None
+    if split is None:
+        split = (SPLIT_AUTO and compute_grad and plain and pred_rows is None and block_v is None
+                 and num_warps is None and V >= SPLIT_MIN_V)
+    elif split and not (compute_grad and plain and pred_rows is None):
+        raise ValueError("the split-row kernel computes the plain loss with its gradient: no options, no argmax")
+    if N > 0 and split:
+        _launch_split(logits2, grad, targets, loss_rows, n_valid, ignore_index, reduction == "mean",
+                      block_v, num_warps, split_one_launch)
+    elif N > 0:
         lane_state = label_smoothing > 0 or softcap is not None or pred_rows is not None
         block_v, num_warps = _launch_settings(V, block_v, num_warps, lane_state)
         _cross_entropy_fwd[(N,)](
