@@ -305,7 +305,29 @@ def test_chunk_size_from_memory_budget():
     assert chunk_tokens(16384, 128256, torch.bfloat16) == 2048, "512 MiB of bf16 logits = 2048 LLaMA tokens"
     assert chunk_tokens(100, 128256, torch.bfloat16) == 100, "never more than the tokens there are"
     assert chunk_tokens(16384, 128256, torch.float32) == 1024
-    record("chunk sizes from the 512 MiB budget", 0.0, 0.0, True)
+    acc = 128256 * 4096 * 4  # LLaMA 3.1 8B's fp32 weight-gradient accumulator, 2.1 GB
+    assert chunk_tokens(8192, 128256, torch.bfloat16, accumulator_bytes=acc) == 8192, \
+        "4 x 2048 tokens: 2.1 GB of logits fit in the buffer + the accumulator chunking would need: one chunk"
+    assert chunk_tokens(16384, 128256, torch.bfloat16, accumulator_bytes=acc) == 2048, "4.2 GB do not: chunks"
+    record("chunk sizes from the 512 MiB budget (+ the accumulator one chunk saves)", 0.0, 0.0, True)
+
+
+def test_one_chunk_when_it_saves_the_accumulator(monkeypatch):
+    """With a trainable weight, a batch whose logits fit in buffer + fp32 accumulator runs as one chunk
+    (no accumulator); with a frozen weight (no accumulator to save) it keeps the buffer budget."""
+    import linear_cross_entropy_kernel as lce
+    seen = []
+    real = lce.chunk_tokens
+    monkeypatch.setattr(lce, "chunk_tokens", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    # budget: 4 tokens of V = 100 bf16 logits (800 B); the fp32 accumulator is V x H x 4 = 6400 B
+    monkeypatch.setattr(lce, "CHUNK_BYTES", 800)
+    monkeypatch.setattr(lce, "CHUNK_MULTIPLE", 1)
+    x, w, t = _inputs(20, 16, 100, torch.float32, seed=9)
+    xb, wb = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    linear_cross_entropy(xb, wb, t).backward()  # 20 x 100 x 2 B = 4000 <= 800 + 6400: one chunk
+    wb.requires_grad_(False)
+    linear_cross_entropy(xb, wb, t).backward()  # frozen weight: 4 tokens per 800 B chunk
+    exactly("chunk sizes: trainable weight, frozen weight", torch.tensor(seen), torch.tensor([20, 4]))
 
 
 @pytest.mark.parametrize(
