@@ -78,12 +78,19 @@ def main():
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         log(f"Profiling {ACTIVE} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
         t0 = time.perf_counter()
+        wall = []  # seconds per recorded step
         with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE)) as prof:
             for i in range(WAIT + WARMUP + ACTIVE):
+                start = time.perf_counter()
                 step(cfg.warmup_steps + i)
+                if gpu:
+                    # Wait for the step's last kernel before the profiler moves on: without this the
+                    # GPU still runs the previous step's backward when a window opens, and a window
+                    # of "3 steps" held ~10% more kernels than 3 steps launch.
+                    torch.cuda.synchronize()
+                if i >= WAIT + WARMUP:
+                    wall.append(time.perf_counter() - start)
                 prof.step()
-        if gpu:
-            torch.cuda.synchronize()  # a sync point: make sure every kernel has been recorded
     except RuntimeError as err:  # OutOfMemoryError, or cuBLAS failing to allocate
         if not is_out_of_memory(err):
             raise
@@ -91,7 +98,7 @@ def main():
     except KeyboardInterrupt:
         raise SystemExit("\ninterrupted (Ctrl-C): nothing was recorded") from None
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
-    report(prof, cfg, model_name, kernel_report, gpu)
+    report(prof, cfg, model_name, kernel_report, gpu, sorted(wall)[len(wall) // 2] * 1e3)
 
 
 def _self_time_us(evt, gpu: bool) -> float:
@@ -101,7 +108,7 @@ def _self_time_us(evt, gpu: bool) -> float:
     return t if t is not None else evt.self_cuda_time_total
 
 
-def report(prof, cfg, model_name, kernel_report, gpu):
+def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = None):
     from tabulate import tabulate
 
     # User annotations (ProfilerStep#N, Optimizer.step#AdamW.step, record_function ranges) span
@@ -121,6 +128,10 @@ def report(prof, cfg, model_name, kernel_report, gpu):
     log(f"\nSelf {unit} time per training step: {per_step:.1f} ms ({label}, {model_name}, "
         f"{cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens)"
         f"{'' if gpu else ' -- CPU run: CPU time of the Triton interpreter, not GPU time'}")
+    if gpu and wall_ms:
+        # the profiler slows the host's launches, so this idle time is an upper bound of the real one
+        log(f"Wall time per profiled step: {wall_ms:.1f} ms (median of {ACTIVE}, under the profiler); the GPU "
+            f"ran no kernel for {max(0.0, wall_ms - per_step):.1f} ms of it")
 
     by_cat = {}
     for e in rows:
@@ -146,7 +157,8 @@ def report(prof, cfg, model_name, kernel_report, gpu):
     prof.export_chrome_trace(str(trace))
     log(f"\nChrome trace: {trace} (open it in https://ui.perfetto.dev)")
     summary = {"label": label, "model": model_name, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-               "grad_accum": cfg.grad_accum, "unit": unit, "ms_per_step": per_step, "attention_backend": backend,
+               "grad_accum": cfg.grad_accum, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
+               "attention_backend": backend,
                "categories_ms_per_step": {c: t / ACTIVE / 1e3 for c, t in cat_rows},
                "top": [(e.key[:200], _self_time_us(e, gpu) / ACTIVE / 1e3, e.count // ACTIVE) for e in top],
                "config": cfg.as_dict()}
