@@ -248,6 +248,90 @@ def test_what_backward_keeps():
            0.0, 0.0, True)
 
 
+def _count_quantizations(monkeypatch):
+    """Count the row and column quantizations of activations (weights are [N, K] Parameters)."""
+    calls = {"rows": 0, "cols": 0}
+    rows, cols = fp8_linear_kernel.fp8_rows_op, fp8_linear_kernel.fp8_cols_op
+
+    def count_rows(x, *a):
+        calls["rows"] += not isinstance(x, nn.Parameter)
+        return rows(x, *a)
+
+    def count_cols(x, *a):
+        calls["cols"] += not isinstance(x, nn.Parameter)
+        return cols(x, *a)
+
+    monkeypatch.setattr(fp8_linear_kernel, "fp8_rows_op", count_rows)
+    monkeypatch.setattr(fp8_linear_kernel, "fp8_cols_op", count_cols)
+    return calls
+
+
+def _qkv(x, weights, dys):
+    """Three layers reading one input, as q, k and v do; returns (outputs, dx, dWs)."""
+    xi = x.detach().clone().requires_grad_()
+    h = xi * 1  # a non-leaf, like the RMSNorm output that q/k/v share
+    ws = [nn.Parameter(w.clone()) for w in weights]
+    ys = [fp8_linear(h, w, keep_fp8_input=False) for w in ws]
+    torch.autograd.backward(ys, dys)
+    return [y.detach() for y in ys], xi.grad, [w.grad for w in ws]
+
+
+def _qkv_inputs():
+    x = _spread((40, 64), torch.bfloat16, seed=30)
+    weights = [_spread((n, 64), torch.bfloat16, seed=31 + n) for n in (64, 32, 32)]
+    dys = [random_like_grad(x.new_empty(40, n), seed=40 + n) for n in (64, 32, 32)]
+    return x, weights, dys
+
+
+def test_shared_input_is_quantized_once(monkeypatch):
+    """q/k/v-like layers on one tensor: its row quantization (forward) and its column quantization
+    (backward) run once, not three times, with the bits of quantizing it for each layer."""
+    x, weights, dys = _qkv_inputs()
+    monkeypatch.setattr(fp8_linear_kernel, "SHARE_QUANTIZED_INPUTS", False)
+    separate = _qkv(x, weights, dys)
+    monkeypatch.setattr(fp8_linear_kernel, "SHARE_QUANTIZED_INPUTS", True)
+    calls = _count_quantizations(monkeypatch)
+    shared = _qkv(x, weights, dys)
+    # x once each way, and each layer's dy per row and per column
+    exactly("activation row quantizations: x once + 3 dy", torch.tensor(calls["rows"]), torch.tensor(1 + 3))
+    exactly("activation column quantizations: x once + 3 dy", torch.tensor(calls["cols"]), torch.tensor(1 + 3))
+    for i in range(3):
+        exactly(f"layer {i}: output bits", separate[0][i], shared[0][i])
+        exactly(f"layer {i}: weight gradient bits", separate[2][i], shared[2][i])
+    exactly("input gradient bits", separate[1], shared[1])
+
+
+def test_an_input_changed_in_place_is_quantized_again(monkeypatch):
+    """Evaluation (no autograd, which would refuse the in-place write): the third layer reads the
+    tensor after an in-place change and must not reuse the first layer's FP8 copy."""
+    x, weights, _ = _qkv_inputs()
+    weights = [nn.Parameter(w, requires_grad=False) for w in weights]  # counted apart from activations
+    calls = _count_quantizations(monkeypatch)
+    with torch.no_grad():
+        h = x.clone()
+        ys = [fp8_linear(h, w, keep_fp8_input=False) for w in weights[:2]]
+        h.mul_(0.5)
+        ys.append(fp8_linear(h, weights[2], keep_fp8_input=False))
+        fresh = fp8_linear(x.clone() * 0.5, weights[2], keep_fp8_input=False)
+    # the shared tensor before and after the change, and the reference's own input
+    exactly("row quantizations: before and after the change", torch.tensor(calls["rows"]), torch.tensor(2 + 1))
+    exactly("the changed input's output", ys[2], fresh)
+
+
+def test_shared_quantization_holds_nothing_across_passes():
+    """A forward empties backward's entry and a backward the forward's, so no FP8 copy (nor the
+    tensor it came from) outlives the pass that made it."""
+    x = _spread((40, 64), torch.bfloat16, seed=32).requires_grad_()
+    w = nn.Parameter(_spread((32, 64), torch.bfloat16, seed=33))
+    y = fp8_linear(x * 1, w, keep_fp8_input=False)
+    assert fp8_linear_kernel._forward_cache.tensor is not None
+    y.sum().backward()
+    assert fp8_linear_kernel._forward_cache.tensor is None and fp8_linear_kernel._backward_cache.tensor is not None
+    fp8_linear(x * 1, w, keep_fp8_input=False)
+    assert fp8_linear_kernel._backward_cache.tensor is None
+    record("caches emptied by the other pass", 0.0, 0.0, True)
+
+
 def test_frozen_weight_and_frozen_input():
     """A gradient not asked for is not computed, and the others are the same bits as with both."""
     x = _spread((33, 32), torch.bfloat16, seed=9)
@@ -503,6 +587,29 @@ def test_tiny_llama_loss_and_gradients_close_to_bf16():
         if err / tol > worst[1] / worst[2]:
             worst = (name, err, tol)
     record(f"gradients, worst of {len(gr)}: {worst[0]}", worst[1], worst[2], True)
+
+
+def test_tiny_llama_shared_quantization_changes_no_bit(monkeypatch):
+    """The whole model (q/k/v and gate/up share their inputs) with and without sharing the FP8 copies:
+    the same loss and the same gradient bits, with fewer activation quantizations."""
+    base = _tiny(layers=2)
+    patch_model(base)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    runs = []
+    for share in (False, True):
+        monkeypatch.setattr(fp8_linear_kernel, "SHARE_QUANTIZED_INPUTS", share)
+        model = copy.deepcopy(base)
+        with monkeypatch.context() as m:
+            calls = _count_quantizations(m)
+            runs.append((*_loss_and_grads(model, ids), dict(calls)))
+    (l0, g0, c0), (l1, g1, c1) = runs
+    exactly("loss, shared vs separate quantization", l1, l0)
+    for name in g0:
+        exactly(f"{name}.grad", g1[name], g0[name])
+    # per layer, forward: q/k/v read one tensor (3 -> 1), gate/up one (2 -> 1); backward the same
+    saved = 2 * (2 + 1)
+    exactly("activation quantizations saved per way (rows, cols)", torch.tensor([c0["rows"] - c1["rows"], c0["cols"] - c1["cols"]]),
+            torch.tensor([saved, saved]))
 
 
 def _config(*argv):
