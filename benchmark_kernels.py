@@ -1093,7 +1093,8 @@ def release_memory():
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", type=kernel_list, default=KERNEL_NAMES, metavar="NAMES",
-                   help=f"comma-separated, from {', '.join(KERNEL_NAMES)}; or 'all' (default)")
+                   help=f"comma-separated, from {', '.join(KERNEL_NAMES)}; or 'all' (default), which leaves "
+                        f"out what runs only when named: {', '.join(n for n in SPECS if n not in KERNEL_NAMES)}")
     p.add_argument("--kernel", type=kernel_list, dest="kernels", help=argparse.SUPPRESS)  # the former spelling
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--sizes", type=token_counts, default=None,

@@ -101,7 +101,7 @@ import torch.nn.functional as F
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from cross_entropy_kernel import check_first_order, scale_grad
 from kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
-from linear_cross_entropy_kernel import CHUNK_BYTES, CHUNK_MULTIPLE, _accumulate_grad_weight
+from linear_cross_entropy_kernel import CHUNK_BYTES, CHUNK_MULTIPLE, accumulate_grad_weight
 
 import triton
 import triton.language as tl
@@ -512,7 +512,7 @@ def linear_jsd_pass(xs, ws, xt, wt, labels, beta: float, temperature: float, ign
         if want_dx:
             torch.mm(s_logits, ws, out=dx[s:e])  # s_logits now holds dLoss/dlogits
         if want_dw:
-            _accumulate_grad_weight(acc, s_logits, xc, first=i == 0)
+            accumulate_grad_weight(acc, s_logits, xc, first=i == 0)
     if acc is not None and acc is not dw:
         dw.copy_(acc)
     return loss_rows.sum() / n_valid.clamp(min=1), dx, dw

@@ -120,7 +120,7 @@ def chunk_tokens(n: int, vocab: int, dtype: torch.dtype, budget_bytes: int | Non
 # ------------------------------------------------------------------------------------------------
 # Matmul helpers: the weight-gradient accumulation
 # ------------------------------------------------------------------------------------------------
-def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor, first: bool) -> None:
+def accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, x: torch.Tensor, first: bool) -> None:
     """acc (+)= g.T @ x, with the products summed in fp32 and added to `acc` in its own dtype."""
     gt = g.t()
     if acc.dtype == g.dtype:  # same dtype: a plain (add)mm, cuBLAS accumulates in fp32 inside
@@ -194,7 +194,7 @@ def linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_
         if want_dx:
             torch.mm(logits, weight, out=dx[s:e])
         if want_dw:
-            _accumulate_grad_weight(acc, logits, xc, first=i == 0)
+            accumulate_grad_weight(acc, logits, xc, first=i == 0)
         if want_db:
             db_acc += logits.sum(0, dtype=torch.float32)
     if acc is not None and acc is not dw:
