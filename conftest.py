@@ -12,3 +12,21 @@ def _restore_hugging_face_rope():
     yield
     for f, fn in saved.items():
         family_module(f).apply_rotary_pos_emb = fn
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_runs_in_background(request, tmp_path_factory):
+    """finetune_test.py's loss-parity tests compare 20-step training runs with the project's kernels
+    (about 1.5 min each on a CPU) against baselines. When a session has any of those tests selected,
+    their kernel runs start here, at the session's start, each in a child process
+    (finetune_test.start_kernel_runs), and train on the spare cores while the other tests run; the
+    tests collect them (finetune_test.parity_runs). Yields {run: (process, result file, log file)}."""
+    items = [item for item in request.session.items if "parity_runs" in getattr(item, "fixturenames", ())]
+    children = items[0].module.start_kernel_runs(items, tmp_path_factory.mktemp("parity_runs")) if items else {}
+    try:
+        yield children
+    finally:
+        for proc, _, _ in children.values():  # still running only when the session ended first (-x, Ctrl-C)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

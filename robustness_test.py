@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -83,9 +84,13 @@ def _script(*argv, timeout=300):
 
 def test_errors_found_after_loading_the_model():
     """What only the model knows: its positions and layers. One line, exit code 2, before training."""
-    for argv, mentions in ((["--seq-len", "4096"], "above this model's 2048 positions"),
-                           (["--num-layers", "5"], "has only 2 layers")):
-        out = _script("finetune_baseline.py", "--steps", "3", *argv)
+    cases = ((["--seq-len", "4096"], "above this model's 2048 positions"),
+             (["--num-layers", "5"], "has only 2 layers"))
+    # The two runs are independent, and each spends its ~7 s importing torch and transformers on one
+    # core: run them at the same time. Each is still a process of its own, checked on its own below.
+    with ThreadPoolExecutor(len(cases)) as pool:
+        outs = list(pool.map(lambda case: _script("finetune_baseline.py", "--steps", "3", *case[0]), cases))
+    for (argv, mentions), out in zip(cases, outs):
         assert out.returncode == 2 and mentions in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
         record(f"{' '.join(argv)} -> exit 2", 0.0, 0.0, True)
 
