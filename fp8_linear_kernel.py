@@ -440,9 +440,10 @@ class Float8LinearFunction(torch.autograd.Function):
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, keep_fp8_input: bool, need_input_grad: bool,
                 need_weight_grad: bool):
         keep_fp8 = keep_fp8_input and need_weight_grad
-        share = _sharing() and not keep_fp8_input
-        if _sharing():
+        sharing = _sharing()
+        if sharing:
             _backward_cache.clear()
+        share = sharing and not keep_fp8_input
         hit = _forward_cache.get(x2) if share else None
         if hit is not None and (hit[2] is not None or not need_weight_grad):
             xq, sx, xmax = hit
@@ -476,15 +477,16 @@ class Float8LinearFunction(torch.autograd.Function):
             # dx = dy W: b = W [N, K] column-major is W^T [K, N] row-major, scaled along N per column of W.
             wqt, swt = fp8_cols_op(weight, wmax)
             dx = _scaled_mm(dyq, sdy, wqt, swt, False).to(dy.dtype)
-        if _sharing():
+        sharing = _sharing()
+        if sharing:
             _forward_cache.clear()
         if need_dw:
             if ctx.keep_fp8:
                 xqt, sxt = saved
             else:  # a bf16 input that q/k/v (or gate/up) share: quantize it per column once
-                hit = _backward_cache.get(saved[0]) if _sharing() else None
+                hit = _backward_cache.get(saved[0]) if sharing else None
                 xqt, sxt = hit if hit is not None else fp8_cols_op(*saved)
-                if hit is None and _sharing():
+                if hit is None and sharing:
                     _backward_cache.put(saved[0], (xqt, sxt))
             dyqt, sdyt = fp8_cols_op(dy2, dymax)
             # dW = dy^T x: a = dyT [N, padded(M)], b = x [padded(M), K] column-major (from xT); the

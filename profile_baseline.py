@@ -86,7 +86,7 @@ def main():
                 if gpu:
                     # Wait for the step's last kernel before the profiler moves on: without this the
                     # GPU still runs the previous step's backward when a window opens, and a window
-                    # of "3 steps" held ~10% more kernels than 3 steps launch.
+                    # of "3 steps" held ~13% more kernels than 3 steps launch.
                     torch.cuda.synchronize()
                 if i >= WAIT + WARMUP:
                     wall.append(time.perf_counter() - start)
