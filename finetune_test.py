@@ -72,9 +72,14 @@ RUNS = [pytest.param("default", False, id="all kernels"),
         pytest.param("rmsnorm,cross_entropy,swiglu", False, id="cross-entropy on logits")]
 
 # A child process runs `_train` for one kernel run and saves (losses, final parameters) to argv[3].
-# It runs at a lower priority (nice 10) so that it takes only the CPU time the tests leave idle.
-_TRAIN_IN_CHILD = ("import os, sys, torch, finetune_test as t; os.nice(10); "
+_TRAIN_IN_CHILD = ("import sys, torch, finetune_test as t; "
                    "torch.save(t._train(sys.argv[1], torch.bfloat16, sys.argv[2] == '1'), sys.argv[3])")
+
+
+def _set_nice(proc, nice: int) -> None:
+    """Set a child's nice value, where the OS allows it (raising it always; lowering it takes root)."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no os.setpriority (Windows)
+        os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
 
 
 def start_kernel_runs(items, tmp: Path) -> dict:
@@ -82,13 +87,14 @@ def start_kernel_runs(items, tmp: Path) -> dict:
     need: {(kernels, bf16, in_backward): (process, result file, log file)}. conftest.py calls this when
     the session starts; `parity_runs` collects the results.
 
-    Why: a kernel run keeps one core busy for about 1.5 min on a CPU (its kernels run in Triton's
-    interpreter, single-threaded Python), and so does the rest of the test suite, one test after the
-    other. Trained in child processes from the session's start, the kernel runs use the other cores
-    while the other tests run here. A child calls the same `_train` with the same arguments in the
-    same environment (seed, data, step count, thread settings), so its losses and parameters are bit
-    for bit those the run gives in this process (checked on this file's two kernel runs); only where
-    and when the runs train changes."""
+    Why: a kernel run keeps one core busy for 1.5 to 2.5 min on a CPU (its kernels run in Triton's
+    interpreter, single-threaded Python), and the rest of the suite, one test after another, mostly
+    keeps only one core busy too. Trained in child processes from the session's start, at a lower
+    priority, the kernel runs use the cores the other tests leave idle. A child calls the same
+    `_train` with the same arguments in the same environment (seed, data, step count, thread
+    settings, transformers' own RoPE to start from, as conftest.py restores it after every test), so
+    its losses and parameters are bit for bit those the run gives in this process (checked on this
+    file's two kernel runs); only where and when the runs train changes."""
     wanted = sorted({(item.callspec.params["kernels"], item.callspec.params["in_backward"]) for item in items})
     children = {}
     for i, (kernels, in_backward) in enumerate(wanted):
@@ -96,6 +102,7 @@ def start_kernel_runs(items, tmp: Path) -> dict:
         with open(log, "w") as log_file:  # a file, not a pipe: a full pipe would stall the child
             proc = subprocess.Popen([sys.executable, "-c", _TRAIN_IN_CHILD, kernels, "1" if in_backward else "0",
                                      str(out)], cwd=HERE, stdout=log_file, stderr=subprocess.STDOUT)
+        _set_nice(proc, 10)  # a lower priority: the run takes only the CPU time the tests leave idle
         children[kernels, torch.bfloat16, in_backward] = (proc, out, log)
     return children
 
@@ -106,6 +113,11 @@ def parity_runs(kernel_runs_in_background):
     -> (losses, final parameters), as `_train` returns them. The two baselines (a few seconds) train
     here; the kernel runs come from the child processes that conftest.py started (start_kernel_runs)."""
     runs = {key: _train(*key) for key in (("none", torch.float32, False), ("none", torch.bfloat16, False))}
+    for proc, _, _ in kernel_runs_in_background.values():
+        # From here this process only waits: a run still training gets its normal priority back, so
+        # that other load on the machine cannot starve it (where the OS allows; elsewhere it goes on
+        # at nice 10, which an otherwise idle machine runs at full speed)
+        _set_nice(proc, 0)
     for key, (proc, out, log) in kernel_runs_in_background.items():
         code = proc.wait(timeout=1800)
         assert code == 0, f"training run {key} failed in its child process:\n{log.read_text()[-3000:]}"
