@@ -35,7 +35,7 @@ from testkit import close_to_reference, record, run_as_script
 HERE = Path(__file__).resolve().parent
 STEPS = 20
 CPU = torch.device("cpu")
-TEXT = HERE / "cross_entropy_kernel.py"  # real text the tiny model can learn
+TEXT = HERE / "examples" / "chat.jsonl"  # real text the tiny model can learn, in a file no code change edits
 
 
 def config(*argv, script="finetune_optimized"):

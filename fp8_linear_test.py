@@ -27,6 +27,7 @@ import contextlib
 import copy
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,7 +53,8 @@ MODEL_FACTOR = 2 * 2**4  # for whole models (module docstring)
 # GPU the forward accumulates without promotion to fp32 (fast accumulation), and Hopper's FP8 tensor
 # cores then keep about 14 bits (DeepSeek-V3 technical report): 2^-14 there.
 ACC = 2.0**-14 if DEVICE.type == "cuda" else 2.0**-24
-TEXT = fp8_linear_kernel.__file__  # real text the tiny model can learn
+# Real text the tiny model can learn, in a file no code change edits (the chat examples, read as raw text)
+TEXT = str(Path(__file__).parent / "examples" / "chat.jsonl")
 
 
 def _spread(shape, dtype, seed=0):
@@ -89,6 +91,36 @@ def test_quantize_matches_reference(shape, dtype):
     exactly(f"{list(shape)} {str(dtype)[6:]}: rows (fp8 bits)", _bits(q), _bits(rq))
     exactly(f"{list(shape)} {str(dtype)[6:]}: column scales", st, cs)
     exactly(f"{list(shape)} {str(dtype)[6:]}: columns, transposed and zero-padded", _bits(qt), _bits(cq))
+
+
+# Shapes that take each launch setting of `row_launch` on a GPU (rows of 1024, 4096 and 14336 values, as
+# in LLaMA 3.1 8B, with row counts that leave the last loop iteration of a program partly filled); the
+# interpreter, which runs its own settings, gets small stand-ins of the same row widths.
+LAUNCH_SHAPES = ([(8190, 1024), (4100, 4096), (1030, 14336)] if DEVICE.type == "cuda"
+                 else [(35, 1024), (9, 4096), (5, 14336)])
+
+
+@pytest.mark.parametrize("shape", LAUNCH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantize_matches_reference_at_launch_shapes(shape):
+    x = _spread(shape, torch.bfloat16, seed=shape[1])
+    q, s, qt, st = quantize(x, rows=True, cols=True)
+    rq, rs = quantize_rows_ref(x)
+    cq, cs = quantize_cols_ref(x)
+    exactly(f"{list(shape)}: row scales", s, rs)
+    exactly(f"{list(shape)}: rows (fp8 bits)", _bits(q), _bits(rq))
+    exactly(f"{list(shape)}: column scales", st, cs)
+    exactly(f"{list(shape)}: columns, transposed and zero-padded", _bits(qt), _bits(cq))
+
+
+def test_row_launch_settings_fit_the_registers():
+    """Every row width up to MAX_COLS gets a launch a GPU can run: at most 128 fp32 values per thread,
+    at most 32 warps, and at least 16384 values per loop iteration in flight."""
+    for p in range(17):
+        block_k = 2**p
+        rows, warps, programs = fp8_linear_kernel.row_launch(block_k, 132)
+        assert rows >= 1 and warps in (1, 2, 4, 8, 16, 32) and programs in (132, 264), (block_k, rows, warps)
+        assert rows * block_k // (32 * warps) <= 128, (block_k, rows, warps)
+        assert rows * block_k >= 16384, (block_k, rows, warps)
 
 
 def test_each_layout_alone_equals_both():
