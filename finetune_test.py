@@ -418,6 +418,41 @@ def test_resume_reproduces_the_uninterrupted_curve(tmp_path):
     record("2N steps == N + resume + N (bit for bit)", 0.0, 0.0, True)
 
 
+def test_host_runs_one_step_ahead(monkeypatch, tmp_path):
+    """The loop queues step n + 1 before it reads step n's loss (L = launch, R = read), except after a
+    step that is evaluated (E) or saved (S), and the last one: those are read, evaluated and saved
+    before the next launch, so that they see their own weights."""
+    events = []
+
+    class Recorded:  # the loss as training_step returns it; reading it is recorded
+        def __init__(self, loss, step):
+            self.loss, self.step = loss, step
+
+        def float(self):
+            return self
+
+        def item(self):
+            events.append(f"R{self.step}")
+            return self.loss.float().item()
+
+    real_step = training.training_step
+
+    def step(*args, **kwargs):
+        n = sum(e.startswith("L") for e in events)
+        events.append(f"L{n}")
+        loss, norm = real_step(*args, **kwargs)
+        return Recorded(loss, n), norm
+
+    monkeypatch.setattr(training, "training_step", step)
+    monkeypatch.setattr(training, "evaluate", lambda *a, **k: events.append(f"E{events[-1][1:]}"))
+    monkeypatch.setattr(training, "save", lambda cfg, n, *a, **k: events.append(f"S{n - 1}"))
+    out = _run("--data", str(TEXT), "--steps", "6", "--warmup-steps", "1", "--kernels", "none", "--seq-len", "32",
+               "--eval-every", "3", "--save-every", "2", "--output-dir", str(tmp_path), tag="test_one_step_ahead")
+    assert " ".join(events) == "L0 L1 R0 R1 S1 L2 R2 E2 L3 R3 S3 L4 L5 R4 R5 E5 S5", events
+    assert len(out["losses"]) == 6 and len(out["step_times_s"]) == 5
+    record("launch n+1 before reading n; eval/save/last steps read first", 0.0, 0.0, True)
+
+
 @pytest.mark.parametrize("kernels", ["default", "rmsnorm,cross_entropy"])  # together: every kernel
 def test_compile_matches_eager(kernels):
     """--compile with the kernels: the compiled model's losses follow the eager ones."""

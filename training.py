@@ -420,48 +420,79 @@ def _train(cfg) -> dict:
 
     bar = tqdm(range(start, steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
                dynamic_ncols=True)
+
+    def wants_eval(step: int) -> bool:
+        return bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1
+
+    def wants_save(step: int) -> bool:
+        return cfg.output_dir is not None and (bool(cfg.save_every and (step + 1) % cfg.save_every == 0)
+                                               or step == steps - 1)
+
+    clock = [time.perf_counter()]  # when the last step was seen to finish (or the pipeline was drained)
+
+    def finish(step: int, lr: float, loss, norm, log_now: bool) -> None:
+        """Everything after a step that needs its results: read the loss (the host waits here for the
+        step's last kernel), time it, log it, evaluate and save where asked."""
+        loss_value = loss.float().item()  # a sync point: the step's kernels have all run
+        now = time.perf_counter()
+        dt, clock[0] = now - clock[0], now
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"error: the loss is {loss_value} at step {step + 1}; try a lower --lr or "
+                             "--max-grad-norm 1.0")
+        result.losses.append(loss_value)
+        if step >= timed_from:
+            result.step_times_s.append(dt)
+        eval_loss = None
+        if wants_eval(step):
+            eval_loss = evaluate(model, data.eval_batches(cfg.device))
+            if eval_loss is not None:
+                result.eval_losses.append((step + 1, eval_loss))
+        tokens_s = result.tokens_per_step / dt
+        mem = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.on_gpu else None
+        metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
+                      grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
+                      step_ms=dt * 1e3, peak_memory_gb=mem)
+        bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
+        if log_now or eval_loss is not None:
+            line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"
+                    + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
+                    + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
+                    + f"  {dt * 1e3:8.1f} ms  {tokens_s:,.0f} tokens/s")
+            if bar.disable:
+                log(line)
+            else:
+                bar.write(line)
+        if wants_save(step):
+            save(cfg, step + 1, model, tokenizer, optimizer, schedule, result)
+
+    # The host runs one step ahead of the GPU: step n + 1 is queued before step n's loss is read, so
+    # the GPU never waits for the host to launch a step's first kernels (with FP8's many short kernels
+    # it otherwise idled ~35 ms of each step). Step n's results are read while step n + 1 runs; a step
+    # that is evaluated or saved, and the last one, are finished before the next is queued, so that
+    # they see their own weights. A step's time runs from the end of the previous one to its own end
+    # (after a drain: from its launch), so the times add up to the run's wall time.
+    pending = None
     try:
         for step in bar:
             if step == timed_from and cfg.on_gpu:
+                if pending is not None:
+                    finish(*pending)
+                    pending = None
                 synchronize(cfg.device)
                 torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
             lr = schedule.apply(step)
             batches = [data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
             log_now = (step + 1) % cfg.log_every == 0 or step == steps - 1
-            synchronize(cfg.device)
-            t0 = time.perf_counter()
+            if pending is None:
+                synchronize(cfg.device)
+                clock[0] = time.perf_counter()
             loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
-            synchronize(cfg.device)
-            dt = time.perf_counter() - t0
-            loss_value = loss.float().item()  # a sync point (already synchronised above)
-            if not math.isfinite(loss_value):
-                raise SystemExit(f"error: the loss is {loss_value} at step {step + 1}; try a lower --lr or "
-                                 "--max-grad-norm 1.0")
-            result.losses.append(loss_value)
-            if step >= timed_from:
-                result.step_times_s.append(dt)
-            eval_loss = None
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1:
-                eval_loss = evaluate(model, data.eval_batches(cfg.device))
-                if eval_loss is not None:
-                    result.eval_losses.append((step + 1, eval_loss))
-            tokens_s = result.tokens_per_step / dt
-            mem = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.on_gpu else None
-            metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
-                          grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
-                          step_ms=dt * 1e3, peak_memory_gb=mem)
-            bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
-            if log_now or eval_loss is not None:
-                line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"
-                        + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
-                        + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
-                        + f"  {dt * 1e3:8.1f} ms  {tokens_s:,.0f} tokens/s")
-                if bar.disable:
-                    log(line)
-                else:
-                    bar.write(line)
-            if cfg.output_dir is not None and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step == steps - 1):
-                save(cfg, step + 1, model, tokenizer, optimizer, schedule, result)
+            if pending is not None:
+                finish(*pending)
+            pending = (step, lr, loss, norm, log_now)
+            if wants_eval(step) or wants_save(step):
+                finish(*pending)
+                pending = None
     except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
