@@ -418,6 +418,38 @@ def test_resume_reproduces_the_uninterrupted_curve(tmp_path):
     record("2N steps == N + resume + N (bit for bit)", 0.0, 0.0, True)
 
 
+def test_unpacked_batches_skip_the_packed_check(monkeypatch):
+    """Hugging Face asks `find_packed_sequence_indices` whether a batch without a mask is packed (on a
+    GPU a host sync); inside `known_unpacked` a batch with neither mask nor position ids is answered
+    without it, with the same loss. Batches with position ids still get the check, and outside the
+    context Hugging Face does call it (else the hook would be dead code)."""
+    import transformers.masking_utils as masking
+
+    calls = []
+    real = masking.find_packed_sequence_indices
+
+    def counted(position_ids):
+        calls.append(position_ids.shape)
+        return real(position_ids)
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", counted)
+    model = tiny(num_layers=1)
+    model.config.use_cache = False  # as the training scripts set it (with a cache, Hugging Face skips the check)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    plain = model(**batch).loss
+    assert len(calls) == 1, "Hugging Face no longer asks find_packed_sequence_indices: the hook is dead code"
+    with training.known_unpacked(batch):
+        skipped = model(**batch).loss
+    assert len(calls) == 1, "an unpacked batch still ran the packed-sequence check"
+    assert torch.equal(skipped, plain)
+    with_positions = {**batch, "position_ids": torch.arange(16).expand(2, 16)}
+    with training.known_unpacked(with_positions):
+        model(**with_positions)
+    assert len(calls) == 2, "a batch with its own position ids must keep the check"
+    record("unpacked batches skip the packed check; the loss is unchanged", 0.0, 0.0, True)
+
+
 def test_host_runs_one_step_ahead(monkeypatch, tmp_path):
     """The loop queues step n + 1 before it reads step n's loss (L = launch, R = read), except after a
     step that is evaluated (E) or saved (S), and the last one: those are read, evaluated and saved

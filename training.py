@@ -12,6 +12,7 @@ the model as `num_items_in_batch`, so each micro-batch's loss is its sum divided
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -149,6 +150,50 @@ def count_targets(micro_batches) -> torch.Tensor:
     return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in micro_batches)
 
 
+_known_unpacked = [False]
+
+
+def _install_packed_check_skip() -> bool:
+    """Let `training_step` tell Hugging Face's mask code that a batch is not packed.
+
+    Given no attention mask, transformers' `create_causal_mask` asks `find_packed_sequence_indices` whether
+    the position ids hold several packed sequences, and that function reads a value back from the
+    GPU: the host waits there for every kernel queued before the forward, once per forward, so the
+    training loop's step queued ahead (see `_train`) is drained at each step's start. A batch with
+    neither an attention mask nor position ids (the loop's running-text windows) gets the model's own
+    position ids 0, 1, 2, ...: one sequence per row, which is what the answer None says. Batches that
+    bring their own mask or position ids (packed rows, padded rows) still go through the check.
+    Returns whether the hook is in place (False on a transformers without that function)."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        return False
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        return False
+    if getattr(original, "playbook_hook", False):
+        return True
+
+    def find_packed_sequence_indices(position_ids):
+        return None if _known_unpacked[0] else original(position_ids)
+
+    find_packed_sequence_indices.playbook_hook = True
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    return True
+
+
+@contextlib.contextmanager
+def known_unpacked(batch: dict):
+    """Within: the model's forward on `batch` skips Hugging Face's packed-sequence check (and its host
+    sync) when the batch has neither `attention_mask` nor `position_ids`."""
+    before = _known_unpacked[0]
+    _known_unpacked[0] = "attention_mask" not in batch and "position_ids" not in batch and _install_packed_check_skip()
+    try:
+        yield
+    finally:
+        _known_unpacked[0] = before
+
+
 def training_step(model, optimizer, micro_batches, max_grad_norm: float | None = None, grad_norm: bool = False):
     """Forward and backward over the micro-batches, then one optimizer step.
 
@@ -168,7 +213,8 @@ def training_step(model, optimizer, micro_batches, max_grad_norm: float | None =
     for batch in micro_batches:
         # Keep only the loss: holding the whole output would keep the [batch, seq, vocab] logits
         # (2.1 GB at 4 x 2048 tokens in bf16) alive through the backward pass for nothing.
-        loss = model(**batch, **extra).loss
+        with known_unpacked(batch):
+            loss = model(**batch, **extra).loss
         (loss * size if size > 1 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     norm = None
