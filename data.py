@@ -567,12 +567,12 @@ class TrainData:
             return self._to(out, device)
         out["position_ids"] = rows["position_ids"][picks]
         out = self._to(out, device)
-        out["attention_mask"] = packed_attention_mask(to_device(rows["segments"][picks], device))  # built on the device
+        out["attention_mask"] = packed_attention_mask(rows["segments"][picks].to(device))  # built on the device
         return out
 
     @staticmethod
     def _to(batch: dict, device) -> dict:
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
     # ---- reporting ----
     def describe(self) -> str:
@@ -608,17 +608,6 @@ def _check_ids_fit(ids_max: int, pad_id: int | None, vocab_size: int, what: str)
     if top >= vocab_size:
         raise ValueError(f"{what} produces token id {top}, but the model's vocabulary has {vocab_size} entries "
                          f"(ids 0 to {vocab_size - 1}); use the model's own tokenizer")
-
-
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor copied to `device` without making the host wait for the GPU. A copy from pageable
-    host memory first waits for everything already queued on the stream (the whole previous training
-    step, which the training loop queues ahead); from pinned memory it is queued behind that work and
-    the host goes on. PyTorch's pinned-memory cache keeps the pinned buffer until its copy has run."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_size: int, seq_len: int, seed: int,

@@ -12,7 +12,6 @@ the model as `num_items_in_batch`, so each micro-batch's loss is its sum divided
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import statistics
@@ -150,50 +149,6 @@ def count_targets(micro_batches) -> torch.Tensor:
     return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in micro_batches)
 
 
-_known_unpacked = [False]
-
-
-def _install_packed_check_skip() -> bool:
-    """Let `training_step` tell Hugging Face's mask code that a batch is not packed.
-
-    Given no attention mask, transformers' `create_causal_mask` asks `find_packed_sequence_indices` whether
-    the position ids hold several packed sequences, and that function reads a value back from the
-    GPU: the host waits there for every kernel queued before the forward, once per forward, so the
-    training loop's step queued ahead (see `_train`) is drained at each step's start. A batch with
-    neither an attention mask nor position ids (the loop's running-text windows) gets the model's own
-    position ids 0, 1, 2, ...: one sequence per row, which is what the answer None says. Batches that
-    bring their own mask or position ids (packed rows, padded rows) still go through the check.
-    Returns whether the hook is in place (False on a transformers without that function)."""
-    try:
-        import transformers.masking_utils as masking
-    except ImportError:
-        return False
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        return False
-    if getattr(original, "playbook_hook", False):
-        return True
-
-    def find_packed_sequence_indices(position_ids):
-        return None if _known_unpacked[0] else original(position_ids)
-
-    find_packed_sequence_indices.playbook_hook = True
-    masking.find_packed_sequence_indices = find_packed_sequence_indices
-    return True
-
-
-@contextlib.contextmanager
-def known_unpacked(batch: dict):
-    """Within: the model's forward on `batch` skips Hugging Face's packed-sequence check (and its host
-    sync) when the batch has neither `attention_mask` nor `position_ids`."""
-    before = _known_unpacked[0]
-    _known_unpacked[0] = "attention_mask" not in batch and "position_ids" not in batch and _install_packed_check_skip()
-    try:
-        yield
-    finally:
-        _known_unpacked[0] = before
-
-
 def training_step(model, optimizer, micro_batches, max_grad_norm: float | None = None, grad_norm: bool = False):
     """Forward and backward over the micro-batches, then one optimizer step.
 
@@ -213,8 +168,7 @@ def training_step(model, optimizer, micro_batches, max_grad_norm: float | None =
     for batch in micro_batches:
         # Keep only the loss: holding the whole output would keep the [batch, seq, vocab] logits
         # (2.1 GB at 4 x 2048 tokens in bf16) alive through the backward pass for nothing.
-        with known_unpacked(batch):
-            loss = model(**batch, **extra).loss
+        loss = model(**batch, **extra).loss
         (loss * size if size > 1 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     norm = None
@@ -466,79 +420,48 @@ def _train(cfg) -> dict:
 
     bar = tqdm(range(start, steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
                dynamic_ncols=True)
-
-    def wants_eval(step: int) -> bool:
-        return bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1
-
-    def wants_save(step: int) -> bool:
-        return cfg.output_dir is not None and (bool(cfg.save_every and (step + 1) % cfg.save_every == 0)
-                                               or step == steps - 1)
-
-    clock = [time.perf_counter()]  # when the last step was seen to finish (or the pipeline was drained)
-
-    def finish(step: int, lr: float, loss, norm, log_now: bool) -> None:
-        """Everything after a step that needs its results: read the loss (the host waits here for the
-        step's last kernel), time it, log it, evaluate and save where asked."""
-        loss_value = loss.float().item()  # a sync point: the step's kernels have all run
-        now = time.perf_counter()
-        dt, clock[0] = now - clock[0], now
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: the loss is {loss_value} at step {step + 1}; try a lower --lr or "
-                             "--max-grad-norm 1.0")
-        result.losses.append(loss_value)
-        if step >= timed_from:
-            result.step_times_s.append(dt)
-        eval_loss = None
-        if wants_eval(step):
-            eval_loss = evaluate(model, data.eval_batches(cfg.device))
-            if eval_loss is not None:
-                result.eval_losses.append((step + 1, eval_loss))
-        tokens_s = result.tokens_per_step / dt
-        mem = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.on_gpu else None
-        metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
-                      grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
-                      step_ms=dt * 1e3, peak_memory_gb=mem)
-        bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
-        if log_now or eval_loss is not None:
-            line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"
-                    + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
-                    + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
-                    + f"  {dt * 1e3:8.1f} ms  {tokens_s:,.0f} tokens/s")
-            if bar.disable:
-                log(line)
-            else:
-                bar.write(line)
-        if wants_save(step):
-            save(cfg, step + 1, model, tokenizer, optimizer, schedule, result)
-
-    # The host runs one step ahead of the GPU: step n + 1 is queued before step n's loss is read, so
-    # the GPU never waits for the host to launch a step's first kernels (with FP8's many short kernels
-    # it otherwise idled ~35 ms of each step). Step n's results are read while step n + 1 runs; a step
-    # that is evaluated or saved, and the last one, are finished before the next is queued, so that
-    # they see their own weights. A step's time runs from the end of the previous one to its own end
-    # (after a drain: from its launch), so the times add up to the run's wall time.
-    pending = None
     try:
         for step in bar:
             if step == timed_from and cfg.on_gpu:
-                if pending is not None:
-                    finish(*pending)
-                    pending = None
                 synchronize(cfg.device)
                 torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
             lr = schedule.apply(step)
             batches = [data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
             log_now = (step + 1) % cfg.log_every == 0 or step == steps - 1
-            if pending is None:
-                synchronize(cfg.device)
-                clock[0] = time.perf_counter()
+            synchronize(cfg.device)
+            t0 = time.perf_counter()
             loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
-            if pending is not None:
-                finish(*pending)
-            pending = (step, lr, loss, norm, log_now)
-            if wants_eval(step) or wants_save(step):
-                finish(*pending)
-                pending = None
+            synchronize(cfg.device)
+            dt = time.perf_counter() - t0
+            loss_value = loss.float().item()  # a sync point (already synchronised above)
+            if not math.isfinite(loss_value):
+                raise SystemExit(f"error: the loss is {loss_value} at step {step + 1}; try a lower --lr or "
+                                 "--max-grad-norm 1.0")
+            result.losses.append(loss_value)
+            if step >= timed_from:
+                result.step_times_s.append(dt)
+            eval_loss = None
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1:
+                eval_loss = evaluate(model, data.eval_batches(cfg.device))
+                if eval_loss is not None:
+                    result.eval_losses.append((step + 1, eval_loss))
+            tokens_s = result.tokens_per_step / dt
+            mem = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.on_gpu else None
+            metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
+                          grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
+                          step_ms=dt * 1e3, peak_memory_gb=mem)
+            bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
+            if log_now or eval_loss is not None:
+                line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"
+                        + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
+                        + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
+                        + f"  {dt * 1e3:8.1f} ms  {tokens_s:,.0f} tokens/s")
+                if bar.disable:
+                    log(line)
+                else:
+                    bar.write(line)
+            if cfg.output_dir is not None and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step == steps - 1):
+                save(cfg, step + 1, model, tokenizer, optimizer, schedule, result)
     except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
