@@ -18,11 +18,20 @@ launched them, so in the eager baseline only RMSNorm's pow, mean and rsqrt are c
 RMSNorm, and only softmax / NLL as the loss; their multiplies and the fp32 upcast of the logits
 land in "element-wise". The re-profile with the kernels shows how much of that column was theirs.
 The attention backend SDPA picked is reported by name (the kernel names say which one ran).
+
+Where the GPU waits: on a GPU the report also reads the saved trace for the gaps between consecutive
+kernels of each recorded step and splits them into those where the next kernel was launched only after
+the previous one had ended (the host was behind: Python, autograd and launch overhead) and the rest,
+with the host operation that was running at each late launch. Many short kernels (FP8's quantizers,
+small matmuls) make a step host-bound; fusing kernels or capturing the step in a CUDA graph is then the
+fix, not faster kernels.
 """
 
+import bisect
 import json
 import re
 import time
+from collections import Counter, defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -156,16 +165,70 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
     trace.unlink(missing_ok=True)  # never leave a stale trace under the new name
     prof.export_chrome_trace(str(trace))
     log(f"\nChrome trace: {trace} (open it in https://ui.perfetto.dev)")
+    gaps = launch_gaps(json.loads(trace.read_text())) if gpu else None
+    if gaps:
+        log(f"Gaps between kernels per recorded step: {gaps['late_ms']:.1f} ms where the next kernel was launched only "
+            f"after the previous one ended (the host was behind), {gaps['other_ms']:.1f} ms other")
+        log(tabulate([(op, f"{ms:.2f}", f"{n:.0f}") for op, ms, n in gaps["late_by_op"][:8]],
+                     headers=["host op at the late launch", "ms per step", "late launches per step"], tablefmt="github"))
     summary = {"label": label, "model": model_name, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                "grad_accum": cfg.grad_accum, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
                "attention_backend": backend,
                "categories_ms_per_step": {c: t / ACTIVE / 1e3 for c, t in cat_rows},
                "top": [(e.key[:200], _self_time_us(e, gpu) / ACTIVE / 1e3, e.count // ACTIVE) for e in top],
+               "launch_gaps": gaps,
                "config": cfg.as_dict()}
     if out.name != f"{tag}.json":
         log(f"results/{tag}.json exists: writing {out.name} instead (--overwrite replaces it)")
     write_atomic(out, json.dumps(summary, indent=1))
     log(f"Summary: {out}")
+
+
+def launch_gaps(trace: dict) -> dict | None:
+    """Gaps between consecutive GPU kernels inside the recorded steps of a Chrome trace (as exported by
+    torch.profiler), averaged per step: `late_ms` where the next kernel's launch call ended after the
+    previous kernel had finished (the GPU waited for the host), `other_ms` the rest, and `late_by_op`:
+    [(outermost host op running at the late launch, ms per step, launches per step)], largest first.
+    None when the trace holds no kernel inside a ProfilerStep."""
+    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in spans
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    steps = [e for e in spans if e.get("cat") == "user_annotation" and e.get("name", "").startswith("ProfilerStep")]
+    host = defaultdict(list)  # thread -> its outermost host ops, in time order
+    for e in sorted((e for e in spans if e.get("cat") in ("cpu_op", "user_annotation")
+                     and not e.get("name", "").startswith("ProfilerStep")), key=lambda e: e["ts"]):
+        ops = host[e["tid"]]
+        if not ops or e["ts"] >= ops[-1]["ts"] + ops[-1]["dur"]:
+            ops.append(e)
+    starts = {tid: [e["ts"] for e in ops] for tid, ops in host.items()}
+
+    def running(launch) -> str:
+        ops = host.get(launch["tid"], [])
+        i = bisect.bisect_right(starts.get(launch["tid"], []), launch["ts"]) - 1
+        return ops[i]["name"] if i >= 0 and ops[i]["ts"] + ops[i]["dur"] >= launch["ts"] else "(no op)"
+
+    late, other, by_ms, by_n, n_steps = 0.0, 0.0, Counter(), Counter(), 0
+    for step in steps:
+        inside = [k for k in kernels if step["ts"] <= k["ts"] < step["ts"] + step["dur"]]
+        n_steps += bool(inside)
+        for a, b in zip(inside, inside[1:]):
+            end = a["ts"] + a["dur"]
+            gap = b["ts"] - end
+            if gap <= 0:
+                continue
+            launch = launches.get(b.get("args", {}).get("correlation"))
+            if launch is not None and launch["ts"] + launch["dur"] > end:
+                late += gap
+                op = running(launch)
+                by_ms[op] += gap
+                by_n[op] += 1
+            else:
+                other += gap
+    if not n_steps:
+        return None
+    return {"late_ms": late / n_steps / 1e3, "other_ms": other / n_steps / 1e3,
+            "late_by_op": [(op, ms / n_steps / 1e3, by_n[op] / n_steps) for op, ms in by_ms.most_common()]}
 
 
 def attention_backend(rows) -> str:

@@ -22,7 +22,7 @@ import fp8_linear_kernel
 import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
-from profile_baseline import category
+from profile_baseline import category, launch_gaps
 from testkit import record, run_as_script
 
 
@@ -63,6 +63,39 @@ def test_library_kernels_have_their_category(name, expected):
     assert category(name) == expected, (name, category(name))
     record(f"{name[:40]}... -> {expected}", 0.0, 0.0, True)
 
+
+
+def _span(cat, name, ts, dur, tid=1, correlation=None):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1,
+            "args": {} if correlation is None else {"correlation": correlation}}
+
+
+def test_launch_gaps_split_late_launches_from_other_gaps():
+    """A two-step trace laid out by hand (times in us): in step 1 kernel 2 is launched after kernel 1
+    ended (a 130 us gap while the host ran Float8LinearFunction) and kernel 3 was queued in time (a 10 us
+    gap); in step 2 a 50 us late gap under aten::mm and a 20 us queued one. A kernel outside any step
+    does not count."""
+    spans = [_span("user_annotation", "ProfilerStep#1", 0, 1000), _span("user_annotation", "ProfilerStep#2", 1000, 1000)]
+
+    def kernel(n, ts, dur, launch_ts, op_start, op_name, op_dur=100):
+        return [_span("cpu_op", op_name, op_start, op_dur), _span("cuda_runtime", "cudaLaunchKernel", launch_ts, 5, correlation=n),
+                _span("kernel", f"k{n}", ts, dur, tid=7, correlation=n)]
+
+    spans += kernel(1, 30, 100, 20, 10, "aten::mm", op_dur=15)
+    spans += kernel(2, 260, 100, 250, 200, "Float8LinearFunction")  # k1 ended at 130: late by 130
+    spans += [_span("cuda_runtime", "cudaLaunchKernel", 290, 5, correlation=3), _span("kernel", "k3", 370, 100, tid=7, correlation=3)]
+    spans += kernel(4, 1030, 100, 1020, 1010, "aten::add", op_dur=15)
+    spans += kernel(5, 1180, 100, 1170, 1160, "aten::mm")  # k4 ended at 1130: late by 50
+    spans += [_span("cuda_runtime", "cudaLaunchKernel", 1200, 5, correlation=6), _span("kernel", "k6", 1300, 10, tid=7, correlation=6)]
+    spans += [_span("kernel", "outside", 2500, 10, tid=7)]
+    gaps = launch_gaps({"traceEvents": spans})
+    assert gaps["late_ms"] == pytest.approx((130 + 50) / 2 / 1e3)
+    assert gaps["other_ms"] == pytest.approx((10 + 20) / 2 / 1e3)
+    assert [(op, round(ms * 1e3, 6), n) for op, ms, n in gaps["late_by_op"]] == [
+        ("Float8LinearFunction", 65.0, 0.5), ("aten::mm", 25.0, 0.5)]
+    assert launch_gaps({"traceEvents": spans[:2]}) is None  # no kernel inside a step
+    record("late launches 0.09 ms/step (Float8LinearFunction 0.065, aten::mm 0.025), other gaps 0.015 ms/step",
+           0.0, 0.0, True)
 
 if __name__ == "__main__":
     raise SystemExit(run_as_script(__name__, "Profile categories: test report"))
