@@ -101,7 +101,7 @@ import torch.nn.functional as F
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from cross_entropy_kernel import check_first_order, scale_grad
 from kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
-from linear_cross_entropy_kernel import CHUNK_BYTES, CHUNK_MULTIPLE, accumulate_grad_weight
+from linear_cross_entropy_kernel import CHUNK_BYTES, accumulate_grad_weight, tokens_per_chunk
 
 import triton
 import triton.language as tl
@@ -465,9 +465,7 @@ def chunk_rows(n: int, vocab: int, student_dtype: torch.dtype, teacher_dtype: to
                budget_bytes: int = CHUNK_BYTES) -> int:
     """Tokens per chunk so that the two [chunk, V] logits buffers (student's and teacher's) fit in
     `budget_bytes`, in multiples of a tensor-core tile (1024 LLaMA tokens in bf16 for 512 MiB)."""
-    per_token = vocab * (student_dtype.itemsize + teacher_dtype.itemsize)
-    c = max(CHUNK_MULTIPLE, budget_bytes // per_token // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
-    return max(1, min(n, c))
+    return tokens_per_chunk(n, vocab * (student_dtype.itemsize + teacher_dtype.itemsize), budget_bytes)
 
 
 def linear_jsd_pass(xs, ws, xt, wt, labels, beta: float, temperature: float, ignore_index: int,

@@ -113,7 +113,13 @@ def chunk_tokens(n: int, vocab: int, dtype: torch.dtype, budget_bytes: int | Non
     per_token = vocab * torch.empty((), dtype=dtype).element_size()
     if n * per_token <= budget_bytes + accumulator_bytes:
         return max(1, n)
-    c = max(CHUNK_MULTIPLE, budget_bytes // per_token // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    return tokens_per_chunk(n, per_token, budget_bytes)
+
+
+def tokens_per_chunk(n: int, bytes_per_token: int, budget_bytes: int) -> int:
+    """The most tokens, in multiples of CHUNK_MULTIPLE (at least one multiple) and at most n, whose
+    buffers of `bytes_per_token` each fit in `budget_bytes`."""
+    c = max(CHUNK_MULTIPLE, budget_bytes // bytes_per_token // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
     return max(1, min(n, c))
 
 
