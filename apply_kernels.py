@@ -2,7 +2,7 @@
 
     >>> import apply_kernels as ak
     >>> ak.KERNEL_NAMES
-    ('rmsnorm', 'cross_entropy', 'linear_cross_entropy', 'swiglu', 'rope')
+    ('rmsnorm', 'cross_entropy', 'linear_cross_entropy', 'swiglu', 'rope', 'projections')
     >>> report = ak.apply_kernels(model)                    # DEFAULT_KERNELS
     >>> report = ak.apply_kernels(model, "rmsnorm,cross_entropy")
 
@@ -32,9 +32,10 @@ KERNELS = {
     "linear_cross_entropy": "lm_head + loss -> fused linear cross-entropy (the logits are never built)",
     "swiglu": "every MLP -> act(gate) * up fused (SwiGLU, or GeGLU for Gemma), recomputed in backward",
     "rope": "the family's apply_rotary_pos_emb -> fused RoPE (forward and backward in one kernel)",
+    "projections": "q/k/v and gate/up -> one matmul each (weights placed side by side; same Parameters)",
 }
 KERNEL_NAMES = tuple(KERNELS)
-DEFAULT_KERNELS = ("rmsnorm", "linear_cross_entropy", "swiglu", "rope")  # the fastest measured set
+DEFAULT_KERNELS = ("rmsnorm", "linear_cross_entropy", "swiglu", "rope", "projections")  # the fastest measured set
 PEERS = ("liger",)  # other kernel libraries, applied to the same model for side-by-side runs
 EXCLUSIVE = (("cross_entropy", "linear_cross_entropy"),)  # two losses cannot both own the loss
 

@@ -80,6 +80,7 @@ import adamw_kernel  # noqa: E402
 import cross_entropy_kernel  # noqa: E402
 import distillation_kernel  # noqa: E402
 import linear_cross_entropy_kernel  # noqa: E402
+import projections_kernel  # noqa: E402
 import rmsnorm_kernel  # noqa: E402
 import rope_kernel  # noqa: E402
 import swiglu_kernel  # noqa: E402
@@ -532,6 +533,48 @@ def _check_swiglu(name, fn, gate, up, dh):
         close_to_reference(f"swiglu {name} {what}", outs[0][i], outs[1][i], outs[2][i], gate.dtype)
 
 
+# ---- Joined projections --------------------------------------------------------------------------
+def _proj_cases(tokens):
+    groups = (f"{HEADS * HEAD_DIM}+{KV_HEADS * HEAD_DIM}+{KV_HEADS * HEAD_DIM}", f"{INTERMEDIATE}+{INTERMEDIATE}")
+    return [dict(n_tokens=n, hidden=HIDDEN, outputs=o) for o in groups for n in tokens or (8192,)]
+
+
+def _proj_impls():
+    return {"ours": projections_kernel.joined_matmul, "eager": projections_kernel.separate_matmuls,
+            "torch.compile": compiled(projections_kernel.separate_matmuls)}
+
+
+def _proj_inputs(case, dtype):
+    N, H, sizes = case["n_tokens"], case["hidden"], projections_kernel._sizes(case["outputs"])
+    g = _generator(N, H, *sizes)
+    x = torch.randn(N, H, generator=g).to(DEVICE, dtype).requires_grad_()
+    joint = (torch.randn(sum(sizes), H, generator=g) * H**-0.5).to(DEVICE, dtype)
+    weights = [w.requires_grad_() for w in joint.split(sizes)]  # side by side: rows of one buffer
+    dys = [torch.randn(N, n, generator=g).to(DEVICE, dtype) for n in sizes]
+    return Inputs(
+        grads=[x, *weights],
+        forward=lambda fn: fn(x.detach(), [w.detach() for w in weights]),
+        forward_backward=lambda fn: torch.autograd.backward(fn(x, weights), dys),
+        check=lambda name, fn: _check_proj(name, fn, x[:256].detach(), [w.detach() for w in weights],
+                                           [d[:256] for d in dys]),
+    )
+
+
+def _check_proj(name, fn, x, weights, dys):
+    outs = []
+    for f, cast in ((fn, lambda t: t), (projections_kernel.separate_matmuls, lambda t: t),
+                    (projections_kernel.separate_matmuls, lambda t: t.double())):
+        xi = cast(x).clone().requires_grad_()
+        joint = torch.cat([cast(w) for w in weights]).requires_grad_()
+        wi = list(joint.split([w.shape[0] for w in weights]))
+        ys = f(xi, wi)
+        torch.autograd.backward(ys, [cast(d) for d in dys])
+        outs.append((torch.cat(ys, dim=-1), xi.grad, joint.grad))
+    lengths = (x.shape[1], sum(w.shape[0] for w in weights), x.shape[0])  # the sum behind each y, dx, dW value
+    for what, n, ours, torch_impl, ref in zip(("y", "dx", "dW"), lengths, *outs):
+        close_to_reference(f"projections {name} {what}", ours, torch_impl, ref, x.dtype, n=n)
+
+
 # ---- RoPE ----------------------------------------------------------------------------------------
 def _rope_cases(tokens):
     # Whole sequences of SEQ tokens (fewer tokens: one shorter sequence), as attention sees them
@@ -799,6 +842,10 @@ SPECS = {spec.name: spec for spec in (
                smoke=(dict(n_tokens=64, n_heads=4, n_kv_heads=2, head_dim=16),),
                impls=_rope_impls, inputs=_rope_inputs, tokens="n_tokens",
                width=lambda c: c["n_heads"] * c["head_dim"]),
+    KernelSpec("projections", projections_kernel, _proj_cases,
+               smoke=(dict(n_tokens=48, hidden=64, outputs="64+16+16"),),
+               impls=_proj_impls, inputs=_proj_inputs, tokens="n_tokens",
+               width=lambda c: sum(projections_kernel._sizes(c["outputs"])), compute_bound=True),
     KernelSpec("adamw", adamw_kernel, _adamw_cases,
                smoke=(dict(n_params=100_000),),
                impls=_adamw_impls, inputs=_adamw_inputs, tokens="n_params",

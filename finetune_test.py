@@ -127,7 +127,7 @@ def parity_runs(kernel_runs_in_background):
 
 def test_registry_names_and_report():
     """One spelling per kernel, one default; the report counts what was replaced."""
-    assert ak.KERNEL_NAMES == ("rmsnorm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope")
+    assert ak.KERNEL_NAMES == ("rmsnorm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope", "projections")
     for name in ak.KERNEL_NAMES:  # every registered kernel has its two files
         assert (HERE / f"{name}_kernel.py").is_file() and (HERE / f"{name}_test.py").is_file(), name
     model = tiny()
@@ -136,8 +136,10 @@ def test_registry_names_and_report():
     norms = [m for m in model.modules() if isinstance(m, TritonRMSNorm)]
     assert report.replaced["rmsnorm"] == len(norms) == 2 * 2 + 1, "2 per layer + the final norm"
     assert report.replaced["swiglu"] == 2
+    assert report.replaced["projections"] == 2 * 2, "q/k/v and gate/up joined in each layer"
     assert "rmsnorm x5" in report.describe()
-    record("2 layers: 5 RMSNorms, 2 MLPs, the head and RoPE patched; report counts them", 0.0, 0.0, True)
+    record("2 layers: 5 RMSNorms, 2 MLPs, 4 projection groups, the head and RoPE patched; report counts them",
+           0.0, 0.0, True)
 
 
 def test_kernel_list_errors():

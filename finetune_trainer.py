@@ -74,7 +74,7 @@ def main(argv=None):
     if cfg.fp8:
         from models import apply_fp8
 
-        apply_fp8(model)
+        apply_fp8(model, cfg.fp8_backend, cfg.compile)
     if cfg.lora_r:
         from lora import lora_from_config
 

@@ -680,6 +680,32 @@ def test_fp8_flag_is_parsed():
     record("--fp8: off by default, RunConfig.fp8 when given", 0.0, 0.0, True)
 
 
+def test_fp8_backend_flag(capsys):
+    assert _config("--fp8").fp8_backend == "playbook"
+    assert _config("--fp8", "--fp8-backend", "torchao").fp8_backend == "torchao"
+    expect_error(SystemExit, _config, "--fp8-backend", "torchao")  # without --fp8: nothing to choose
+    assert "add --fp8" in capsys.readouterr().err
+    record("--fp8-backend: playbook by default; torchao only with --fp8", 0.0, 0.0, True)
+
+
+def test_torchao_backend_without_torchao_says_so(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    msg = expect_error(SystemExit, models.apply_fp8, _tiny(layers=1), "torchao")
+    assert "pip install torchao" in msg
+    record("--fp8-backend torchao without torchao: one line naming the package", 0.0, 0.0, True)
+
+
+def test_torchao_backend_converts_the_same_projections():
+    pytest.importorskip("torchao.float8")
+    model = _tiny(layers=2)
+    assert models.apply_fp8(model, "torchao", compiled=True) == 14  # 7 per layer; lm_head left alone
+    assert type(model.lm_head) is nn.Linear
+    record("--fp8-backend torchao: the 7 projections per layer, not the lm_head", 0.0, 0.0, True)
+
+
 def test_finetune_optimized_with_fp8_runs():
     """What `python finetune_optimized.py --fp8 --num-layers 1 --steps 2 ...` runs, in this process: the
     script's default kernels, then the FP8 patch (logged with its count), two steps with finite losses."""

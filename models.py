@@ -203,9 +203,31 @@ def prefer_fast_attention(device) -> str:
            f"{major}.{minor})"
 
 
-def apply_fp8(model: nn.Module) -> int:
+def apply_torchao_fp8(model: nn.Module, compiled: bool) -> int:
+    """--fp8 --fp8-backend torchao: torchao's float8 training (row-wise scales, as ours) on the same
+    decoder projections, a peer to compare with; returns how many layers it converted."""
+    import fp8_linear_kernel
+
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise SystemExit(f"error: --fp8-backend torchao needs torchao (pip install torchao): {err}") from None
+    wanted = {id(getattr(owner, name)) for owner, name in fp8_linear_kernel._projections(model)}
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda module, fqn: id(module) in wanted)
+    converted = sum(type(getattr(owner, name)).__module__.startswith("torchao")
+                    for owner, name in fp8_linear_kernel._projections(model))
+    log(f"FP8 (torchao, row-wise recipe): {converted} decoder projections converted; lm_head and embeddings stay bf16"
+        + ("" if compiled else "; torchao's casts are meant to be fused by torch.compile: add --compile"))
+    return converted
+
+
+def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = False) -> int:
     """--fp8: the decoder's projections as FP8 matmuls (fp8_linear_kernel.py); returns how many."""
     import fp8_linear_kernel
+
+    if backend == "torchao":
+        return apply_torchao_fp8(model, compiled)
 
     try:
         converted = fp8_linear_kernel.patch_model(model)
@@ -230,7 +252,7 @@ def prepare_model(cfg):
     log(prefer_fast_attention(torch.device(cfg.device)))
     report = apply_kernels(model, cfg.kernels, verbose=True)
     if cfg.fp8:
-        apply_fp8(model)
+        apply_fp8(model, cfg.fp8_backend, cfg.compile)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         log("Gradient checkpointing: each decoder layer is recomputed in backward")
@@ -241,7 +263,7 @@ def prepare_model(cfg):
     if cfg.compile:
         model.compile()  # compiles the forward on its first call (the warm-up steps)
         log("torch.compile: the model's forward is compiled on the first (warm-up) step")
-        if cfg.fp8:
+        if cfg.fp8 and cfg.fp8_backend == "playbook":
             import fp8_linear_kernel
 
             if not fp8_linear_kernel.compiled_graph_trusted(torch.device(cfg.device)):

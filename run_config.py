@@ -50,6 +50,7 @@ class RunConfig:
     gradient_checkpointing: bool
     compile: bool
     fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
+    fp8_backend: str  # whose FP8 layers: "playbook" (fp8_linear_kernel.py) or "torchao" (a peer, for comparison)
     kernels: tuple
     data: Path | None
     dataset: str | None
@@ -152,6 +153,9 @@ def make_parser(description: str, kernels_default: tuple | None = None) -> argpa
     m.add_argument("--fp8", action="store_true",
                    help="q/k/v/o and gate/up/down projections as FP8 matmuls (row-wise scales; GPUs of compute "
                         "capability 8.9+, or the CPU for tests); lm_head and embeddings stay bf16")
+    m.add_argument("--fp8-backend", choices=("playbook", "torchao"), default="playbook",
+                   help="with --fp8: this project's FP8 layers, or torchao's float8 training (row-wise recipe; "
+                        "pip install torchao; meant to run with --compile) as a peer to compare with")
     m.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer in backward (Hugging Face's; less memory, ~1/3 more compute)")
     m.add_argument("--lora-r", type=nonnegative_int, default=0, help="LoRA rank through peft; 0 = full fine-tune")
@@ -228,6 +232,8 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     kernels = getattr(a, "kernels", ())
+    if a.fp8_backend != "playbook" and not a.fp8:
+        raise usage_error("--fp8-backend chooses whose FP8 layers --fp8 uses: add --fp8")
     if a.data is not None and a.dataset is not None:
         raise usage_error("choose one of --data (raw text) and --dataset (instruction rows)")
     if a.data is not None and not a.data.is_file():
@@ -283,6 +289,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
         grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=a.warmup_steps, lr=a.lr,
         lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio, fp8=a.fp8,
+        fp8_backend=a.fp8_backend,
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, gradient_checkpointing=a.gradient_checkpointing, compile=a.compile,
         kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,

@@ -161,8 +161,10 @@ def test_mlp_gradients_and_what_is_saved(kind, dtype):
         results.append([x.grad] + [p.grad for p in mlp.parameters()])
         names = ["dx"] + [f"d {n}" for n, _ in mlp.named_parameters()]
         if tag == "ours":
-            wide = [s for s in saved if s[-1] == I and len(s) > 1 and s != (H, I)]
-            assert len(wide) == 2, f"only gate and up may be saved at width {I}, got {wide}"
+            # gate and up: two [.., I] tensors, or for Phi-3's joined gate_up_proj one [.., 2I] tensor
+            wide = [s for s in saved if s[-1] in (I, 2 * I) and len(s) > 1 and s not in ((H, I), (H, 2 * I))]  # not weights
+            assert [s[-1] for s in wide] == ([2 * I] if kind == "phi3" else [I, I]), \
+                f"only gate and up may be saved at width {I} (or joined, {2 * I}), got {wide}"
     for i, what in enumerate(names):
         close_to_reference(f"{kind} MLP {what} ({str(dtype)[6:]})", results[0][i], results[1][i], results[2][i],
                            dtype, n=I)
