@@ -94,7 +94,10 @@ runs the plain SwiGLU forward op, which is as fast; what is lost is only the rec
 
 q, k and v read one tensor, and so do gate and up: the layers that keep their bf16 input quantize it
 once for all of them, per row in the forward and per column in backward (`_LastQuantized`), which
-saves 6 of the 10 activation quantizations of those inputs per decoder layer and step.
+saves 6 of the 10 activation quantizations of those inputs per decoder layer and step. With the
+joined projections (projections_kernel.py, in the default kernel set) q/k/v and gate/up each run as
+one FP8 layer on one joined weight: that layer is its input's only reader, so it keeps only the FP8
+copy (1 byte per element), and the table above then reads 4,096 B for q/k/v and for gate/up.
 
 Layout of this file: kernels -> launchers -> custom ops -> the autograd.Function -> functional API ->
 module and `patch_model` -> references.
@@ -253,7 +256,10 @@ def _quantize_cols_transposed(
 # results/runs/fp8_tune_H200.log, each variant checked bit for bit before it was timed):
 # - The row kernel is latency-bound unless each program has enough bytes in flight: 16384 values per
 #   loop iteration (4 rows of 4096, 16 of 1024) on 4 warps, two programs per SM, and for rows wider
-#   than 8192 two rows per iteration on 16 warps, one program per SM. Against the earlier setting
+#   than 8192 (up to 16384) two rows per iteration on 16 warps, one program per SM; wider rows one row
+#   per iteration on block/4096 warps (the output gradient of joined gate/up projections, [8192, 28672]:
+#   658.0 us with two rows on 32 warps, 344.6 us with one row on 8 warps; results/runs/fp8_wide_H200.log).
+#   Against the earlier setting
 #   (4096 values per iteration, 2 programs per SM): [8192, 4096] 75.7 -> 46.0 us, [8192, 14336]
 #   161.4 -> 134.1 us, [8192, 1024] 90.8 -> 31.6 us, [14336, 4096] 90.0 -> 66.4 us.
 # - The transposing kernel: 128 x 128 tiles on 4 warps, best or within 3% of the best at every shape
@@ -271,8 +277,9 @@ def row_launch(block_k: int, sms: int) -> tuple[int, int, int]:
     values of a loop iteration (fp32 registers)."""
     if block_k <= 8192:
         return ROW_ELEMENTS // block_k, ROW_WARPS, sms * ROW_PROGRAMS_PER_SM
-    rows = 2 if block_k <= 32768 else 1
-    return rows, min(32, rows * block_k // 2048), sms
+    if block_k <= 16384:
+        return 2, 16, sms
+    return 1, block_k // 4096, sms  # 128 values per thread
 
 
 def padded(m: int) -> int:

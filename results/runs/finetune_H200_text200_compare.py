@@ -1,8 +1,11 @@
-"""FP8 vs bf16 loss over the 200 steps of finetune_H200_text200_{bf16,fp8}.json (same data, seed and schedule):
-per-step relative difference and means over windows of steps. Run from the repository root."""
-import json, statistics as st
-b = json.load(open("results/runs/finetune_H200_text200_bf16.json"))["losses"]
-f = json.load(open("results/runs/finetune_H200_text200_fp8.json"))["losses"]
+"""FP8 vs bf16 loss over the 200 steps of two runs (same data, seed and schedule): per-step relative difference
+and means over windows of steps. Run from the repository root:
+    python3 results/runs/finetune_H200_text200_compare.py [BF16.json FP8.json]
+(default: results/runs/finetune_H200_text200_{bf16,fp8}.json)."""
+import json, statistics as st, sys
+paths = sys.argv[1:3] or ["results/runs/finetune_H200_text200_bf16.json", "results/runs/finetune_H200_text200_fp8.json"]
+b = json.load(open(paths[0]))["losses"]
+f = json.load(open(paths[1]))["losses"]
 rel = [100 * (y - x) / x for x, y in zip(b, f)]
 print("| steps | bf16 mean loss | FP8 mean loss | FP8 vs bf16 | per-step min | per-step max |")
 print("|---|---:|---:|---:|---:|---:|")
