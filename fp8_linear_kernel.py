@@ -182,6 +182,22 @@ def _quantize_block(
 
 
 @triton.jit
+def _rows_block(X, Q, Scale, x, rows, cols, col_ok, col_max, M, K, WRITE_ROWS: tl.constexpr, COL_MAX: tl.constexpr,
+                ROUND_IN_SOFTWARE: tl.constexpr):
+    """One loaded block of whole rows: quantize and store it, fold it into the column maxima."""
+    row_ok = rows < M
+    xf = x.to(tl.float32)
+    a = tl.abs(xf)
+    if COL_MAX:
+        col_max = tl.maximum(col_max, tl.max(a, axis=0))
+    if WRITE_ROWS:
+        q, scale = _quantize_block(xf, tl.max(a, axis=1), 1, ROUND_IN_SOFTWARE)
+        tl.store(Q + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(Scale + rows, scale, mask=row_ok)
+    return col_max
+
+
+@triton.jit
 def _quantize_rows(
     X,  # pointer to the input, [M, K], unit stride along K
     Q,  # pointer to the row-quantized output, [M, K] float8_e4m3fn, contiguous
@@ -194,6 +210,7 @@ def _quantize_rows(
     BLOCK_K: tl.constexpr,  # power of two >= K: a program holds whole rows
     WRITE_ROWS: tl.constexpr,  # quantize per row and write Q and Scale
     COL_MAX: tl.constexpr,  # also write the maxima of |x| per column over this program's rows
+    PREFETCH: tl.constexpr,  # load the next block of rows before working on this one
     ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
 ):
     # Persistent: program p takes row blocks p, p + n_programs, ... and keeps a running maximum of
@@ -204,18 +221,28 @@ def _quantize_rows(
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
     col_max = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, n_programs)):
-        rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        if COL_MAX:
-            col_max = tl.maximum(col_max, tl.max(a, axis=0))
-        if WRITE_ROWS:
-            q, scale = _quantize_block(x, tl.max(a, axis=1), 1, ROUND_IN_SOFTWARE)
-            tl.store(Q + rows[:, None] * K + cols[None, :], q, mask=mask)
-            tl.store(Scale + rows, scale, mask=row_ok)
+    n_blocks = tl.cdiv(tl.cdiv(M, ROWS) - pid, n_programs)
+    if PREFETCH:
+        # Register double buffering: the next block's loads are in flight while this block's row
+        # maxima, scales and stores are computed (two blocks live per thread). The load after the
+        # last block is masked off entirely.
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
+                    other=0.0)
+        for i in range(0, n_blocks):
+            this_rows, this_x = rows, x
+            rows = (pid + (i + 1) * n_programs) * ROWS + tl.arange(0, ROWS)
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
+                        other=0.0)
+            col_max = _rows_block(X, Q, Scale, this_x, this_rows, cols, col_ok, col_max, M, K, WRITE_ROWS, COL_MAX,
+                                  ROUND_IN_SOFTWARE)
+    else:
+        for i in range(0, n_blocks):
+            rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
+                        other=0.0)
+            col_max = _rows_block(X, Q, Scale, x, rows, cols, col_ok, col_max, M, K, WRITE_ROWS, COL_MAX,
+                                  ROUND_IN_SOFTWARE)
     if COL_MAX:
         tl.store(ColMax + pid * K + cols, col_max, mask=col_ok)
 
@@ -255,31 +282,43 @@ def _quantize_cols_transposed(
 # Launch settings, from a sweep on an H200 at every shape one LLaMA 3.1 8B step quantizes (8192 tokens;
 # results/runs/fp8_tune_H200.log, each variant checked bit for bit before it was timed):
 # - The row kernel is latency-bound unless each program has enough bytes in flight: 16384 values per
-#   loop iteration (4 rows of 4096, 16 of 1024) on 4 warps, two programs per SM, and for rows wider
-#   than 8192 (up to 16384) two rows per iteration on 16 warps, one program per SM; wider rows one row
-#   per iteration on block/4096 warps (the output gradient of joined gate/up projections, [8192, 28672]:
-#   658.0 us with two rows on 32 warps, 344.6 us with one row on 8 warps; results/runs/fp8_wide_H200.log).
-#   Against the earlier setting
-#   (4096 values per iteration, 2 programs per SM): [8192, 4096] 75.7 -> 46.0 us, [8192, 14336]
-#   161.4 -> 134.1 us, [8192, 1024] 90.8 -> 31.6 us, [14336, 4096] 90.0 -> 66.4 us.
+#   loop iteration (4 rows of 4096, 16 of 1024) on 4 warps, two programs per SM. Against the earlier
+#   setting (4096 values per iteration, 2 programs per SM): [8192, 4096] 75.7 -> 46.0 us, [8192, 14336]
+#   161.4 -> 134.1 us (then two rows on 16 warps), [8192, 1024] 90.8 -> 31.6 us, [14336, 4096] 90.0 ->
+#   66.4 us. Rows wider than 16384: one row per iteration on block/4096 warps (the output gradient of
+#   the joined gate/up projections, [8192, 28672]: 658.0 us with two rows on 32 warps, 344.6 us with one
+#   row on 8 warps; results/runs/fp8_wide_H200.log). Rows of 4096 to 16384 values: next paragraph.
 # - The transposing kernel: 128 x 128 tiles on 4 warps, best or within 3% of the best at every shape
 #   ([8192, 4096] 37.2 -> 32.6 us, [8192, 14336] 99.2 -> 90.7 us).
 # Triton's interpreter pays per program and per loop iteration, not per element, so there the
 # blocks are as large as the data allows and the row kernel runs two programs (which keeps its
 # grid-stride loop and the reduction of partial column maxima exercised).
-ROW_ELEMENTS, ROW_WARPS, ROW_PROGRAMS_PER_SM = 16384, 4, 2  # rows of up to 8192 values
+ROW_ELEMENTS, ROW_WARPS, ROW_PROGRAMS_PER_SM = 16384, 4, 2  # rows of up to 2048 values
+# Rows padded to 4096, 8192 and 16384 values (LLaMA's 4096, the joined q/k/v's 6144, the MLP's 14336):
+# the double-buffered loop (PREFETCH), block -> (rows per iteration, warps, programs per SM). Against
+# the single-buffered loop at the settings above (results/runs/fp8_prefetch_H200.log, bit-equal first):
+# [8192, 4096] 46.3 -> 43.8 us, [8192, 6144] 74.5 -> 61.1, [8192, 14336] 134.0 -> 111.2,
+# [4096, 14336] 78.1 -> 64.5, [6144, 4096] 39.2 -> 37.1. Rows of 28672 (joined gate/up) were slower
+# double-buffered (724.4 against 340.9 us with 16 warps): they keep the single loop.
+PREFETCH_LAUNCH = {4096: (2, 8, 2), 8192: (1, 8, 2), 16384: (1, 16, 1)}
 COL_BLOCK_M, COL_BLOCK_K, COL_NUM_WARPS = 128, 128, 4
 
 
 def row_launch(block_k: int, sms: int) -> tuple[int, int, int]:
     """(rows per loop iteration, warps, persistent programs) of the row kernel on a GPU with `sms` SMs,
     for rows padded to `block_k` (a power of two, at most MAX_COLS). Each thread holds at most 128
-    values of a loop iteration (fp32 registers)."""
+    values of a loop iteration (fp32 registers), or with `row_prefetch` two iterations of 32 each."""
+    if block_k in PREFETCH_LAUNCH:
+        rows, warps, per_sm = PREFETCH_LAUNCH[block_k]
+        return rows, warps, sms * per_sm
     if block_k <= 8192:
         return ROW_ELEMENTS // block_k, ROW_WARPS, sms * ROW_PROGRAMS_PER_SM
-    if block_k <= 16384:
-        return 2, 16, sms
     return 1, block_k // 4096, sms  # 128 values per thread
+
+
+def row_prefetch(block_k: int) -> bool:
+    """Whether the row kernel double-buffers its loads for rows padded to `block_k`."""
+    return block_k in PREFETCH_LAUNCH
 
 
 def padded(m: int) -> int:
@@ -305,11 +344,12 @@ def quantize_rows(x2: torch.Tensor, write_rows: bool = True, col_max: bool = Fal
         num_warps, n_programs = 4, 2
     else:
         rows, num_warps, n_programs = row_launch(block_k, num_sms(x2.device))
+    prefetch = row_prefetch(block_k)  # the interpreter runs the same loop as the GPU for this width
     n_programs = max(1, min(triton.cdiv(M, rows), n_programs))
     partial = torch.empty((n_programs, K) if col_max else (1, 1), dtype=torch.float32, device=x2.device)
     _quantize_rows[(n_programs,)](
         x2, q, scale, partial, x2.stride(0), M, K,
-        ROWS=rows, BLOCK_K=block_k, WRITE_ROWS=write_rows, COL_MAX=col_max,
+        ROWS=rows, BLOCK_K=block_k, WRITE_ROWS=write_rows, COL_MAX=col_max, PREFETCH=prefetch,
         ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
     )
     return q, scale, (partial.amax(dim=0) if col_max else None)  # a deterministic max over programs

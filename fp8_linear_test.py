@@ -94,11 +94,12 @@ def test_quantize_matches_reference(shape, dtype):
 
 
 # Shapes that take each launch setting of `row_launch` on a GPU (rows of 1024, 4096 and 14336 values, as
-# in LLaMA 3.1 8B, and 28672, the joined gate/up projections' output gradient, with row counts that
+# in LLaMA 3.1 8B, 6144 and 28672, the joined q/k/v's and gate/up's output gradients; the double-buffered
+# loop for 4096 to 14336 and the single one for the others; with row counts that
 # leave the last loop iteration of a program partly filled); the interpreter, which runs its own
 # settings, gets small stand-ins of the same row widths.
-LAUNCH_SHAPES = ([(8190, 1024), (4100, 4096), (1030, 14336), (1030, 28672)] if DEVICE.type == "cuda"
-                 else [(35, 1024), (9, 4096), (5, 14336), (3, 28672)])
+LAUNCH_SHAPES = ([(8190, 1024), (4100, 4096), (2050, 6144), (1030, 14336), (1030, 28672)] if DEVICE.type == "cuda"
+                 else [(35, 1024), (9, 4096), (5, 6144), (5, 14336), (3, 28672)])
 
 
 @pytest.mark.parametrize("shape", LAUNCH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -114,14 +115,17 @@ def test_quantize_matches_reference_at_launch_shapes(shape):
 
 
 def test_row_launch_settings_fit_the_registers():
-    """Every row width up to MAX_COLS gets a launch a GPU can run: at most 128 fp32 values per thread,
-    at most 32 warps, and at least 16384 values per loop iteration in flight."""
+    """Every row width up to MAX_COLS gets a launch a GPU can run: at most 128 fp32 values per thread
+    (counting both blocks of the double-buffered loop), at most 32 warps, and at least 16384 values in
+    flight per program."""
     for p in range(17):
         block_k = 2**p
         rows, warps, programs = fp8_linear_kernel.row_launch(block_k, 132)
+        live = 2 if fp8_linear_kernel.row_prefetch(block_k) else 1  # loop iterations held in registers
         assert rows >= 1 and warps in (1, 2, 4, 8, 16, 32) and programs in (132, 264), (block_k, rows, warps)
-        assert rows * block_k // (32 * warps) <= 128, (block_k, rows, warps)
-        assert rows * block_k >= 16384, (block_k, rows, warps)
+        assert live * rows * block_k // (32 * warps) <= 128, (block_k, rows, warps)
+        assert live * rows * block_k >= 16384, (block_k, rows, warps)
+    assert [fp8_linear_kernel.row_prefetch(2**p) for p in (11, 12, 13, 14, 15)] == [False, True, True, True, False]
 
 
 def test_each_layout_alone_equals_both():
