@@ -21,6 +21,7 @@ from torch import nn
 import apply_kernels as ak
 import projections_kernel as pk
 import swiglu_kernel
+from families_test import N_TERMS, batch, loss_and_grads, tiny_model  # 2 layers, hidden 64, vocabulary 256
 from kernel_utils import DEVICE
 from testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
@@ -28,22 +29,7 @@ KERNELS = ("rmsnorm", "swiglu", "rope")  # the rest of the default set that shar
 
 
 def tiny(kind="llama", dtype=torch.float32, seed=0):
-    from families_test import tiny_model
-
     return tiny_model(kind, seed=seed).to(dtype)
-
-
-def batch(seed=0, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, 12), generator=g)
-    return ids.to(DEVICE), ids.to(DEVICE)
-
-
-def loss_and_grads(model, ids, labels):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 class Spy:
@@ -119,7 +105,7 @@ def test_model_matches_unjoined_model(kind, monkeypatch):
     loss, grads = loss_and_grads(ours, ids, labels)
     layers = ours.config.num_hidden_layers
     assert sorted(spy.sizes) == sorted([3] * layers + [2] * layers), spy.sizes  # every group ran joined
-    n = 24 * 256  # tokens x the widest dimension: the longest sums behind the loss and gradients
+    n = N_TERMS  # tokens x the widest dimension: the longest sums behind the loss and gradients
     close_to_reference(f"{kind}: loss", loss, base_loss, ref_loss, torch.float32, n=n)
     for name, ref in ref_grads.items():
         close_to_reference(f"{kind}: d {name}", grads[name], base_grads[name], ref, torch.float32, n=n)
