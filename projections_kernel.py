@@ -41,8 +41,9 @@ and v_proj(x) in turn. So q_proj's call computes all three and holds k's and v's
 two calls with *the same tensor* x (the same object, its version counter unchanged, the weights'
 too); any other call computes its own projection as before. The group joins only what it can do
 exactly: plain nn.Linear or Float8Linear layers of one type, one dtype and device, weights still side
-by side (`model.to(...)` after patching moves each weight alone: the group then runs as separate
-matmuls again, and says so once), and not while torch.compile traces. An adapter wrapped around a
+by side (`model.to(...)` after patching moves each weight alone, and FSDP2 gathers each weight into a
+buffer of its own: the group then runs as separate matmuls again, and says so once), and not while
+torch.compile traces. An adapter wrapped around a
 projection (LoRA) calls the joined layer inside it, which stays exact.
 
     >>> import projections_kernel
@@ -141,7 +142,8 @@ def why_not_joined(modules) -> str | None:
     if len({m.bias is None for m in modules}) != 1:
         return "some projections have a bias and some do not"
     if not side_by_side([m.weight for m in modules]):
-        return "the weights are no longer side by side in memory (moved or cast after patching?)"
+        return ("the weights are not side by side in memory (moved or cast after patching, or gathered one by one "
+                "by FSDP2)")
     return None
 
 
