@@ -121,9 +121,24 @@ def test_results_are_never_overwritten_silently():
     record("same --tag twice: the second run writes <tag>-2.json and says so", 0.0, 0.0, True)
 
 
+# A child process inherits its parent's blocked signals and ignored signals, and a Python started with
+# SIGINT ignored never turns Ctrl-C into KeyboardInterrupt. A shell starts a script with neither; the
+# test process may hold either (left by a library it loaded). So the child starts as from a shell: it
+# unblocks SIGINT and takes Python's default handler before running the script, and says what it
+# inherited (/proc/self/status, in hex masks) for the failure message.
+_AS_FROM_A_SHELL = (
+    "import runpy, signal, sys; "
+    "status = open('/proc/self/status').read().splitlines() if sys.platform == 'linux' else []; "
+    "print('inherited:', *[l for l in status if l.startswith(('SigBlk', 'SigIgn'))], file=sys.stderr); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 def test_ctrl_c_is_one_line():
-    proc = subprocess.Popen([sys.executable, "finetune_baseline.py", "--steps", "100000", "--log-every", "1",
-                             "--tag", "test_robust_ctrl_c"], cwd=HERE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _AS_FROM_A_SHELL, "finetune_baseline.py", "--steps", "100000",
+                             "--log-every", "1", "--tag", "test_robust_ctrl_c"], cwd=HERE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         for line in proc.stdout:  # wait until training has started
@@ -135,6 +150,7 @@ def test_ctrl_c_is_one_line():
     finally:
         proc.kill()
     assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+    assert len([line for line in err.splitlines() if line.strip()]) == 2, err  # what it inherited, then the one line
     assert not (common.RESULTS_DIR / "test_robust_ctrl_c.json").exists()
     (common.RESULTS_DIR / "test_robust_ctrl_c.metrics.jsonl").unlink(missing_ok=True)
     record("Ctrl-C during a run -> one line, exit 1", 0.0, 0.0, True)
