@@ -146,7 +146,12 @@ def test_ctrl_c_is_one_line():
                 break
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"still running 60 s after Ctrl-C; its stderr: {err[-2000:]}")
     finally:
         proc.kill()
     assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err, err[-2000:]
