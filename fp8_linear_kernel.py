@@ -182,6 +182,12 @@ def _quantize_block(
 
 
 @triton.jit
+def _load_rows(X, rows, cols, col_ok, stride_x, M):
+    """A block of whole rows of X (rows past M and columns past K read as 0)."""
+    return tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _rows_block(X, Q, Scale, x, rows, cols, col_ok, col_max, M, K, WRITE_ROWS: tl.constexpr, COL_MAX: tl.constexpr,
                 ROUND_IN_SOFTWARE: tl.constexpr):
     """One loaded block of whole rows: quantize and store it, fold it into the column maxima."""
@@ -227,20 +233,17 @@ def _quantize_rows(
         # maxima, scales and stores are computed (two blocks live per thread). The load after the
         # last block is masked off entirely.
         rows = pid * ROWS + tl.arange(0, ROWS)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
-                    other=0.0)
+        x = _load_rows(X, rows, cols, col_ok, stride_x, M)
         for i in range(0, n_blocks):
             this_rows, this_x = rows, x
             rows = (pid + (i + 1) * n_programs) * ROWS + tl.arange(0, ROWS)
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
-                        other=0.0)
+            x = _load_rows(X, rows, cols, col_ok, stride_x, M)
             col_max = _rows_block(X, Q, Scale, this_x, this_rows, cols, col_ok, col_max, M, K, WRITE_ROWS, COL_MAX,
                                   ROUND_IN_SOFTWARE)
     else:
         for i in range(0, n_blocks):
             rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
-                        other=0.0)
+            x = _load_rows(X, rows, cols, col_ok, stride_x, M)
             col_max = _rows_block(X, Q, Scale, x, rows, cols, col_ok, col_max, M, K, WRITE_ROWS, COL_MAX,
                                   ROUND_IN_SOFTWARE)
     if COL_MAX:
