@@ -70,17 +70,22 @@ GROUPS = {"Attention": ("q_proj", "k_proj", "v_proj"), "MLP": ("gate_proj", "up_
 # ------------------------------------------------------------------------------------------------
 # Weights side by side
 # ------------------------------------------------------------------------------------------------
+def _stackable(weights) -> bool:
+    """2-D, one dtype, one device, one row length: rows that one [sum of rows, in] matrix can hold."""
+    first = weights[0]
+    return all(w.dim() == 2 and w.dtype == first.dtype and w.device == first.device and w.shape[1] == first.shape[1]
+               for w in weights)
+
+
 def side_by_side(weights) -> bool:
     """True when the weights are contiguous row blocks of one storage, in order, with one dtype and
     row length: then they are one [sum of rows, in] matrix, readable without a copy."""
-    first = weights[0]
     if any(type(w.data) is not torch.Tensor for w in weights):  # a DTensor (FSDP2 shard), a subclass
         return False
-    if any(w.dim() != 2 or not w.is_contiguous() or w.dtype != first.dtype or w.device != first.device
-           or w.shape[1] != first.shape[1] for w in weights):
+    if not _stackable(weights) or not all(w.is_contiguous() for w in weights):
         return False
-    ptr = first.untyped_storage().data_ptr()
-    offset = first.storage_offset()
+    ptr = weights[0].untyped_storage().data_ptr()
+    offset = weights[0].storage_offset()
     for w in weights:
         if w.untyped_storage().data_ptr() != ptr or w.storage_offset() != offset:
             return False
@@ -94,10 +99,9 @@ def place_side_by_side(modules) -> None:
     weights = [m.weight for m in modules]
     if side_by_side(weights):
         return
-    first = weights[0]
-    if any(w.dtype != first.dtype or w.device != first.device or w.dim() != 2 or w.shape[1] != first.shape[1]
-           for w in weights):
+    if not _stackable(weights):
         raise NotImplementedError("the projections of a group differ in dtype, device or input size")
+    first = weights[0]
     buffer = torch.empty((sum(w.shape[0] for w in weights), first.shape[1]), dtype=first.dtype, device=first.device)
     row = 0
     with torch.no_grad():
