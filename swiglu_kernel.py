@@ -249,18 +249,22 @@ def _(gate, up, weight, activation="silu"):
     return gate.new_empty((gate.shape[0], weight.shape[0]))
 
 
+def _down_grads(dout, g2, u2, weight, need_gate_up: bool, need_weight: bool, activation: str, packed: bool):
+    """The backward of (act(gate) * up) @ weight.T: (the gate and up gradients, as a pair or with `packed`
+    as one [rows, 2I] tensor; d weight), None for what is not asked for. h is recomputed for d weight."""
+    dw = dout.t() @ swiglu_forward(g2, u2, activation) if need_weight else None  # h recomputed, used, dropped
+    grads = swiglu_backward(dout @ weight, g2, u2, activation, packed) if need_gate_up else None
+    return grads, dw
+
+
 @torch.library.custom_op("playbook::swiglu_down_bwd", mutates_args=())
 def swiglu_down_bwd_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                        need_gate_up: bool, need_weight: bool,
                        activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """d gate, d up [rows, I] and d weight [out, I]; a gradient not asked for is an empty tensor."""
-    g2, u2 = as_rows(gate), as_rows(up)
-    dg, du, dw = (weight.new_empty(0) for _ in range(3))  # three tensors: outputs may not alias
-    if need_weight:
-        dw = dout.t() @ swiglu_forward(g2, u2, activation)  # h recomputed, used, dropped
-    if need_gate_up:
-        dg, du = swiglu_backward(dout @ weight, g2, u2, activation)
-    return dg, du, dw
+    grads, dw = _down_grads(dout, as_rows(gate), as_rows(up), weight, need_gate_up, need_weight, activation, False)
+    dg, du = grads or (weight.new_empty(0), weight.new_empty(0))  # separate empties: outputs may not alias
+    return dg, du, weight.new_empty(0) if dw is None else dw
 
 
 @swiglu_down_bwd_op.register_fake
@@ -335,13 +339,8 @@ def _(gate_up, weight, activation="silu"):
 def swiglu_down_joined_bwd_op(dout: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor, need_gate_up: bool,
                               need_weight: bool, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """d gate_up [rows, 2I] and d weight [out, I]; a gradient not asked for is an empty tensor."""
-    g2, u2 = halves(gate_up)
-    dgu, dw = weight.new_empty(0), weight.new_empty(0)
-    if need_weight:
-        dw = dout.t() @ swiglu_forward(g2, u2, activation)  # h recomputed, used, dropped
-    if need_gate_up:
-        dgu = swiglu_backward(dout @ weight, g2, u2, activation, packed=True)
-    return dgu, dw
+    dgu, dw = _down_grads(dout, *halves(gate_up), weight, need_gate_up, need_weight, activation, True)
+    return (weight.new_empty(0) if dgu is None else dgu), (weight.new_empty(0) if dw is None else dw)
 
 
 @swiglu_down_joined_bwd_op.register_fake
@@ -390,24 +389,30 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return swiglu(gate, up, "gelu_tanh")
 
 
+def _check_down_weight(weight: torch.Tensor, acts: torch.Tensor, width: int) -> None:
+    """The down projection's weight against what it multiplies (gate, or gate_up), I = `width` wide."""
+    check_float("weight", weight)
+    if weight.device != acts.device:
+        raise ValueError(f"the down-projection weight is on {weight.device}, gate and up on {acts.device}: "
+                         "they must be on one device")
+    if weight.dtype != acts.dtype:
+        raise ValueError(f"the down-projection weight is {weight.dtype}, gate and up are {acts.dtype}: cast the "
+                         "model to one dtype, or run it under torch.autocast")
+    if weight.dim() != 2 or weight.shape[1] != width:
+        raise ValueError(f"weight must be [out, {width}], got {tuple(weight.shape)}")
+
+
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """(act(gate) * up) @ weight.T, recomputing act(gate) * up in backward instead of storing it."""
     _check_pair(gate, up, activation)
-    check_float("weight", weight)
-    if weight.device != gate.device:
-        raise ValueError(f"the down-projection weight is on {weight.device}, gate and up on {gate.device}: "
-                         "they must be on one device")
-    if weight.dtype != gate.dtype:
-        raise ValueError(f"the down-projection weight is {weight.dtype}, gate and up are {gate.dtype}: cast the "
-                         "model to one dtype, or run it under torch.autocast")
-    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
-        raise ValueError(f"weight must be [out, {gate.shape[-1]}], got {tuple(weight.shape)}")
+    _check_down_weight(weight, gate, gate.shape[-1])
     out = swiglu_down_fwd_op(as_rows(gate), as_rows(up), weight, activation)
     return out.view(*gate.shape[:-1], weight.shape[0])
 
 
 def _check_joined(gate_up: torch.Tensor, activation: str) -> None:
     check_float("gate_up", gate_up)
+    check_device(gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be [..., 2I] (gate, then up), got {tuple(gate_up.shape)}")
     if activation not in ACTIVATIONS:
@@ -424,13 +429,7 @@ def swiglu_down_joined(gate_up: torch.Tensor, weight: torch.Tensor, activation: 
     """`swiglu_down` on the two halves of gate_up [..., 2I]; its gradient comes back as one [..., 2I] tensor."""
     _check_joined(gate_up, activation)
     width = gate_up.shape[-1] // 2
-    check_float("weight", weight)
-    check_device(gate_up, weight)
-    if weight.dtype != gate_up.dtype:
-        raise ValueError(f"the down-projection weight is {weight.dtype}, gate_up is {gate_up.dtype}: cast the "
-                         "model to one dtype, or run it under torch.autocast")
-    if weight.dim() != 2 or weight.shape[1] != width:
-        raise ValueError(f"weight must be [out, {width}], got {tuple(weight.shape)}")
+    _check_down_weight(weight, gate_up, width)
     out = swiglu_down_joined_fwd_op(as_rows(gate_up), weight, activation)
     return out.view(*gate_up.shape[:-1], weight.shape[0])
 
