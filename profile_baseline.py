@@ -208,9 +208,11 @@ def launch_gaps(trace: dict) -> dict | None:
         i = bisect.bisect_right(starts.get(launch["tid"], []), launch["ts"]) - 1
         return ops[i]["name"] if i >= 0 and ops[i]["ts"] + ops[i]["dur"] >= launch["ts"] else "(no op)"
 
+    kernel_starts = [k["ts"] for k in kernels]
     late, other, by_ms, by_n, n_steps = 0.0, 0.0, Counter(), Counter(), 0
-    for step in steps:
-        inside = [k for k in kernels if step["ts"] <= k["ts"] < step["ts"] + step["dur"]]
+    for step in steps:  # the kernels that start inside the step: a slice of the time-sorted list
+        inside = kernels[bisect.bisect_left(kernel_starts, step["ts"]):
+                         bisect.bisect_left(kernel_starts, step["ts"] + step["dur"])]
         n_steps += bool(inside)
         for a, b in zip(inside, inside[1:]):
             end = a["ts"] + a["dur"]
