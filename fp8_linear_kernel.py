@@ -462,6 +462,7 @@ class _LastQuantized:
 
     def __init__(self):
         self.key = self.tensor = self.value = None
+        self.taken = 0  # entries handed over by `take` (the tests check that a fused path ran)
 
     @staticmethod
     def _key(x: torch.Tensor):
@@ -476,13 +477,41 @@ class _LastQuantized:
     def clear(self) -> None:
         self.key = self.tensor = self.value = None
 
+    def take(self, x: torch.Tensor):
+        """`get`, and empty the entry when it matched (its tensors are then the caller's alone)."""
+        value = self.get(x)
+        if value is not None:
+            self.clear()
+            self.taken += 1
+        return value
+
 
 SHARE_QUANTIZED_INPUTS = True  # quantize an input that several layers read once (see _LastQuantized)
 _forward_cache, _backward_cache = _LastQuantized(), _LastQuantized()
+# FP8 copies made by the kernel that wrote the tensor (swiglu_kernel's SwiGLU + FP8 kernels): the next
+# FP8 layer that reads that very tensor takes them instead of quantizing it per row again.
+FUSE_CASTS = True
+_produced_input, _produced_grad = _LastQuantized(), _LastQuantized()
 
 
 def _sharing() -> bool:
     return SHARE_QUANTIZED_INPUTS and not torch.compiler.is_compiling()
+
+
+def fusing_casts() -> bool:
+    """Whether kernels that write an FP8 layer's input (or output gradient) also quantize it per row."""
+    return FUSE_CASTS and not torch.compiler.is_compiling()
+
+
+def offer_input(x: torch.Tensor, quantized: tuple) -> None:
+    """Hand (q, row scales, column maxima) of x [M, K] -- exactly `quantize_rows(x, col_max=True)` --
+    to the next FP8 layer whose forward reads x, unchanged."""
+    _produced_input.put(as_rows(x), quantized)
+
+
+def offer_grad(dy: torch.Tensor, quantized: tuple) -> None:
+    """The same for the output gradient dy that the next FP8 layer's backward receives."""
+    _produced_grad.put(as_rows(dy), quantized)
 
 
 class Float8LinearFunction(torch.autograd.Function):
@@ -504,8 +533,13 @@ class Float8LinearFunction(torch.autograd.Function):
         sharing = _sharing()
         if sharing:
             _backward_cache.clear()
+        _produced_grad.clear()
         share = sharing and not keep_fp8_input
         hit = _forward_cache.get(x2) if share else None
+        if hit is None and fusing_casts():
+            hit = _produced_input.take(x2)  # quantized by the kernel that wrote x2
+            if hit is not None and share:
+                _forward_cache.put(x2, hit)
         if hit is not None and (hit[2] is not None or not need_weight_grad):
             xq, sx, xmax = hit
         else:
@@ -532,7 +566,10 @@ class Float8LinearFunction(torch.autograd.Function):
         weight, wmax, *saved = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy2 = as_rows(dy)
-        dyq, sdy, dymax = fp8_rows_op(dy2, need_dx, need_dw)  # rows, and the maxima for the columns
+        _produced_input.clear()
+        made = _produced_grad.take(dy2) if fusing_casts() else None  # quantized by the kernel that wrote dy
+        # rows, and the maxima for the columns
+        dyq, sdy, dymax = made if made is not None else fp8_rows_op(dy2, need_dx, need_dw)
         dx = dw = None
         if need_dx:
             # dx = dy W: b = W [N, K] column-major is W^T [K, N] row-major, scaled along N per column of W.

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 
+import fp8_linear_kernel
 import swiglu_kernel
 from kernel_utils import DEVICE
 from swiglu_kernel import (expected_patches, geglu, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
@@ -318,6 +319,93 @@ def test_ideal_bytes_is_the_docstring_count():
 def test_bad_input_gives_clear_error(make, error):
     gate, up, *activation = make()
     expect_error(error, swiglu, gate.to(DEVICE), up.to(DEVICE), *activation)
+
+
+# ------------------------------------------------------------------------------------------------
+# Under --fp8: the activation and the next matmul's row quantization in one pass
+# ------------------------------------------------------------------------------------------------
+def _same_bits(name, ours, expected):
+    """`exactly`, also for float8 tensors (compared as their bytes)."""
+    if ours.dtype == fp8_linear_kernel.FP8_DTYPE:
+        ours, expected = ours.view(torch.uint8), expected.view(torch.uint8)
+    exactly(name, ours, expected)
+
+
+FP8_SHAPES = [(7, 96), (33, 200), (1, 16)] + ([(300, 14336)] if ON_GPU else [])  # LLaMA 3.1 8B's width on a GPU
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows, width", FP8_SHAPES)
+def test_fp8_fused_kernels_equal_the_separate_passes(rows, width, activation):
+    """The fused kernels write what the SwiGLU kernel writes and what the FP8 row quantizer makes of it,
+    bit for bit: h and d gate_up, their FP8 copies, row scales and column maxima. A NaN stays in its
+    own element (its row's scale comes from the other values)."""
+    gate_up = torch.cat(_inputs((rows, 2 * width), torch.bfloat16, seed=rows), dim=1)[:, : 2 * width]
+    gate_up[rows // 2, 3] = float("nan")
+    gate, up = swiglu_kernel.halves(gate_up)
+    tag = f"{activation} [{rows}, {width}]"
+    made = swiglu_kernel.swiglu_forward_fp8(gate, up, activation)
+    h = swiglu_kernel.swiglu_forward(gate, up, activation)
+    for what, o, e in zip(("h", "q", "row scale", "column max"), made, (h, *fp8_linear_kernel.quantize_rows(h, True, True))):
+        _same_bits(f"fp8 forward {tag}: {what}", o, e)
+    dh = random_like_grad(h, seed=3)
+    made = swiglu_kernel.swiglu_joined_backward_fp8(dh, gate, up, activation)
+    dgu = swiglu_kernel.swiglu_backward(dh, gate, up, activation, packed=True)
+    for what, o, e in zip(("d gate_up", "q", "row scale", "column max"), made,
+                          (dgu, *fp8_linear_kernel.quantize_rows(dgu, True, True))):
+        _same_bits(f"fp8 backward {tag}: {what}", o, e)
+
+
+def test_fp8_mlp_hands_its_quantized_tensors_to_the_fp8_projections():
+    """A tiny LLaMA with joined projections and FP8 layers: with the fused kernels each down projection
+    takes h's FP8 copy from the SwiGLU forward and each gate/up projection takes d gate_up's from its
+    backward (counted), and the loss and every gradient equal those of the unfused path bit for bit."""
+    import apply_kernels
+    from families_test import batch, loss_and_grads, tiny_model
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    apply_kernels.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
+    fp8_linear_kernel.patch_model(model)
+    ids, labels = batch()
+    results = {}
+    for fused in (False, True):
+        fp8_linear_kernel.FUSE_CASTS = fused
+        taken = fp8_linear_kernel._produced_input.taken, fp8_linear_kernel._produced_grad.taken
+        try:
+            results[fused] = loss_and_grads(model, ids, labels)
+        finally:
+            fp8_linear_kernel.FUSE_CASTS = True
+        counts = (fp8_linear_kernel._produced_input.taken - taken[0], fp8_linear_kernel._produced_grad.taken - taken[1])
+        layers = model.config.num_hidden_layers
+        assert counts == ((layers, layers) if fused else (0, 0)), (fused, counts)
+    (loss, grads), (loss_fused, grads_fused) = results[False], results[True]
+    exactly("fp8 MLP: loss, fused casts against separate passes", loss_fused, loss)
+    for name, g in grads.items():
+        exactly(f"fp8 MLP: {name}.grad", grads_fused[name], g)
+    assert fp8_linear_kernel._produced_input.tensor is None and fp8_linear_kernel._produced_grad.tensor is None
+
+
+def test_fp8_hand_off_goes_only_to_the_same_unchanged_tensor():
+    """An FP8 copy is handed to the layer that reads the very tensor it was made from, once, and to
+    nobody after that tensor changed in place."""
+    x = torch.randn(8, 32, device=DEVICE, dtype=torch.bfloat16)
+    quantized = fp8_linear_kernel.quantize_rows(x, True, True)
+    fp8_linear_kernel.offer_input(x, quantized)
+    assert fp8_linear_kernel._produced_input.take(x.clone()) is None  # equal values, another tensor
+    assert fp8_linear_kernel._produced_input.take(x) is quantized
+    assert fp8_linear_kernel._produced_input.take(x) is None  # taken once
+    fp8_linear_kernel.offer_input(x, quantized)
+    x.mul_(2)
+    assert fp8_linear_kernel._produced_input.take(x) is None  # changed in place after the offer
+    record("FP8 hand-off: only to the same, unchanged tensor, once", 0.0, 0.0, True)
+
+
+def test_fp8_fused_ops_pass_opcheck():
+    gate_up = torch.cat(_inputs((6, 64), torch.bfloat16), dim=1)
+    dh = random_like_grad(gate_up[:, :64])
+    torch.library.opcheck(swiglu_kernel.swiglu_joined_fp8_fwd_op, (gate_up, "silu", True))
+    torch.library.opcheck(swiglu_kernel.swiglu_joined_fp8_bwd_op, (dh, gate_up, "silu"))
+    record("swiglu_joined_fp8 forward and backward pass torch.library.opcheck", 0.0, 0.0, True)
 
 
 if __name__ == "__main__":
