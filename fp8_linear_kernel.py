@@ -263,13 +263,25 @@ def _quantize_cols_transposed(
     BLOCK_M: tl.constexpr,  # tile rows (becomes the contiguous dimension of the output)
     BLOCK_K: tl.constexpr,  # tile columns
     ROUND_IN_SOFTWARE: tl.constexpr,
+    ROWS_TOO: tl.constexpr = False,  # also quantize per row, from the row maxima given in RowMax
+    RowMax=None,  # [M] fp32: the largest |x| of each row (ROWS_TOO)
+    Q=None,  # [M, K] float8_e4m3fn: x quantized per row (ROWS_TOO)
+    RowScale=None,  # [M] fp32: its scales (written by the programs of the first column block)
 ):
     pid_m = tl.program_id(0)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & col_ok[None, :],
+    row_ok = rows < M
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                 other=0.0).to(tl.float32)  # rows past M load 0: they become the zero padding
+    if ROWS_TOO:
+        # The row quantization of the same tile, when the kernel that wrote x also took its row
+        # maxima: both FP8 layouts from one read of x.
+        q_rows, row_scale = _quantize_block(x, tl.load(RowMax + rows, mask=row_ok, other=0.0), 1, ROUND_IN_SOFTWARE)
+        tl.store(Q + rows[:, None] * K + cols[None, :], q_rows, mask=row_ok[:, None] & col_ok[None, :])
+        if tl.program_id(1) == 0:
+            tl.store(RowScale + rows, row_scale, mask=row_ok)
     q, scale = _quantize_block(x, tl.load(ColMax + cols, mask=col_ok, other=0.0), 0, ROUND_IN_SOFTWARE)
     # The transpose: a [BLOCK_M, BLOCK_K] tile becomes [BLOCK_K, BLOCK_M], stored with M contiguous.
     # Triton moves it through shared memory so that both the loads and the stores stay coalesced.
@@ -377,6 +389,28 @@ def quantize_cols(x2: torch.Tensor, col_max: torch.Tensor):
     return qt, scale
 
 
+def quantize_both(x2: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor):
+    """One read of x [M, K], given its row maxima [M] and column maxima [K] (from the kernel that wrote
+    x): (q [M, K], row scales [M], qT [K, padded(M)], column scales [K]), each equal bit for bit to
+    what `quantize_rows` and `quantize_cols` make of x, which read it twice."""
+    M, K = x2.shape
+    m_pad = padded(M)
+    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x2.device)
+    row_scale = torch.empty(M, dtype=torch.float32, device=x2.device)
+    qt = torch.empty((K, m_pad), dtype=FP8_DTYPE, device=x2.device)
+    scale = torch.empty(K, dtype=torch.float32, device=x2.device)
+    block_m, block_k = COL_BLOCK_M, COL_BLOCK_K
+    if kernel_utils.INTERPRET:
+        block_m, block_k = min(256, next_power_of_2(m_pad)), min(256, next_power_of_2(K))
+    grid = (max(1, triton.cdiv(m_pad, block_m)), triton.cdiv(K, block_k))
+    _quantize_cols_transposed[grid](
+        x2, qt, scale, col_max, x2.stride(0), M, m_pad, K,
+        BLOCK_M=block_m, BLOCK_K=block_k, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, ROWS_TOO=True, RowMax=row_max, Q=q,
+        RowScale=row_scale, num_warps=COL_NUM_WARPS,
+    )
+    return q, row_scale, qt, scale
+
+
 def quantize(x2: torch.Tensor, rows: bool = True, cols: bool = False):
     """Both quantizations of x [M, K] as asked: (q, row scales, qT, column scales), a layout not asked
     for as empty tensors. Rows alone read x once; columns read it twice (maxima, then the cast), and
@@ -418,6 +452,21 @@ def fp8_cols_op(x: torch.Tensor, col_max: torch.Tensor) -> tuple[torch.Tensor, t
 def _(x, col_max):
     M, K = x.shape
     return x.new_empty((K, (M + ALIGN - 1) // ALIGN * ALIGN), dtype=FP8_DTYPE), x.new_empty(K, dtype=torch.float32)
+
+
+@torch.library.custom_op("playbook::fp8_quantize_both", mutates_args=())
+def fp8_both_op(x: torch.Tensor, row_max: torch.Tensor,
+                col_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K], its row maxima [M] and column maxima [K] -> (q [M, K], scale [M], qT [K, padded(M)], scale [K])."""
+    return quantize_both(as_rows(x), row_max, col_max)
+
+
+@fp8_both_op.register_fake
+def _(x, row_max, col_max):
+    M, K = x.shape
+    f32 = torch.float32
+    return (x.new_empty((M, K), dtype=FP8_DTYPE), x.new_empty(M, dtype=f32),
+            x.new_empty((K, (M + ALIGN - 1) // ALIGN * ALIGN), dtype=FP8_DTYPE), x.new_empty(K, dtype=f32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,8 +537,9 @@ class _LastQuantized:
 
 SHARE_QUANTIZED_INPUTS = True  # quantize an input that several layers read once (see _LastQuantized)
 _forward_cache, _backward_cache = _LastQuantized(), _LastQuantized()
-# FP8 copies made by the kernel that wrote the tensor (swiglu_kernel's SwiGLU + FP8 kernels): the next
-# FP8 layer that reads that very tensor takes them instead of quantizing it per row again.
+# The row and column maxima of a tensor, taken by the kernel that wrote it (swiglu_kernel's FP8
+# variants): the next FP8 layer that reads that very tensor makes both of its FP8 copies in one read
+# instead of two (a pass for the maxima and the rows, then one for the columns).
 FUSE_CASTS = True
 _produced_input, _produced_grad = _LastQuantized(), _LastQuantized()
 
@@ -499,19 +549,19 @@ def _sharing() -> bool:
 
 
 def fusing_casts() -> bool:
-    """Whether kernels that write an FP8 layer's input (or output gradient) also quantize it per row."""
+    """Whether kernels that write an FP8 layer's input (or output gradient) also take its row and column maxima."""
     return FUSE_CASTS and not torch.compiler.is_compiling()
 
 
-def offer_input(x: torch.Tensor, quantized: tuple) -> None:
-    """Hand (q, row scales, column maxima) of x [M, K] -- exactly `quantize_rows(x, col_max=True)` --
-    to the next FP8 layer whose forward reads x, unchanged."""
-    _produced_input.put(as_rows(x), quantized)
+def offer_input(x: torch.Tensor, maxima: tuple) -> None:
+    """Hand (row maxima [M], column maxima [K]) of |x| for x [M, K] to the next FP8 layer whose forward
+    reads x, unchanged: it then makes both FP8 copies of x in one read (`quantize_both`)."""
+    _produced_input.put(as_rows(x), maxima)
 
 
-def offer_grad(dy: torch.Tensor, quantized: tuple) -> None:
+def offer_grad(dy: torch.Tensor, maxima: tuple) -> None:
     """The same for the output gradient dy that the next FP8 layer's backward receives."""
-    _produced_grad.put(as_rows(dy), quantized)
+    _produced_grad.put(as_rows(dy), maxima)
 
 
 class Float8LinearFunction(torch.autograd.Function):
@@ -535,12 +585,13 @@ class Float8LinearFunction(torch.autograd.Function):
             _backward_cache.clear()
         _produced_grad.clear()
         share = sharing and not keep_fp8_input
+        # The maxima of x from the kernel that wrote it (the SwiGLU forward): both layouts in one read.
+        made = _produced_input.take(x2) if fusing_casts() else None
+        both = made is not None and keep_fp8
         hit = _forward_cache.get(x2) if share else None
-        if hit is None and fusing_casts():
-            hit = _produced_input.take(x2)  # quantized by the kernel that wrote x2
-            if hit is not None and share:
-                _forward_cache.put(x2, hit)
-        if hit is not None and (hit[2] is not None or not need_weight_grad):
+        if both:
+            xq, sx, *saved_x = fp8_both_op(x2, *made)
+        elif hit is not None and (hit[2] is not None or not need_weight_grad):
             xq, sx, xmax = hit
         else:
             xq, sx, xmax = fp8_rows_op(x2, True, need_weight_grad)
@@ -549,7 +600,9 @@ class Float8LinearFunction(torch.autograd.Function):
         wq, sw, wmax = fp8_rows_op(weight, True, need_input_grad)
         y = _scaled_mm(xq, sx, wq, sw, FAST_ACCUM_FORWARD)  # wq [N, K] is W: b = W^T, column-major
         ctx.keep_fp8 = keep_fp8
-        if keep_fp8:
+        if both:
+            pass  # saved_x: xT and its scales, made above
+        elif keep_fp8:
             saved_x = fp8_cols_op(x2, xmax)  # xT and its scales; x itself is not kept
         elif need_weight_grad:
             saved_x = (x2, xmax)
@@ -567,9 +620,12 @@ class Float8LinearFunction(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy2 = as_rows(dy)
         _produced_input.clear()
-        made = _produced_grad.take(dy2) if fusing_casts() else None  # quantized by the kernel that wrote dy
-        # rows, and the maxima for the columns
-        dyq, sdy, dymax = made if made is not None else fp8_rows_op(dy2, need_dx, need_dw)
+        made = _produced_grad.take(dy2) if fusing_casts() else None  # dy's maxima, from the kernel that wrote it
+        dyqt = None
+        if made is not None and need_dx and need_dw:
+            dyq, sdy, dyqt, sdyt = fp8_both_op(dy2, *made)  # both layouts in one read
+        else:
+            dyq, sdy, dymax = fp8_rows_op(dy2, need_dx, need_dw)  # rows, and the maxima for the columns
         dx = dw = None
         if need_dx:
             # dx = dy W: b = W [N, K] column-major is W^T [K, N] row-major, scaled along N per column of W.
@@ -586,7 +642,8 @@ class Float8LinearFunction(torch.autograd.Function):
                 xqt, sxt = hit if hit is not None else fp8_cols_op(*saved)
                 if hit is None and sharing:
                     _backward_cache.put(saved[0], (xqt, sxt))
-            dyqt, sdyt = fp8_cols_op(dy2, dymax)
+            if dyqt is None:
+                dyqt, sdyt = fp8_cols_op(dy2, dymax)
             # dW = dy^T x: a = dyT [N, padded(M)], b = x [padded(M), K] column-major (from xT); the
             # zero padding of both along the tokens adds nothing.
             dw = _scaled_mm(dyqt, sdyt, xqt, sxt, False).to(weight.dtype)

@@ -52,8 +52,7 @@ from torch import nn
 
 import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 import fp8_linear_kernel
-from fp8_linear_kernel import FP8_DTYPE, ROUND_IN_SOFTWARE, _quantize_block, _rows_block
-from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
+from kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
 from model_families import family_classes, mlp_activation, model_type
 
 import triton
@@ -198,67 +197,74 @@ def halves(gu2: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8: the activation and the next matmul's row quantization in one pass
+# FP8: the activation, and the maxima the next matmul's quantization needs, in one pass
 # ------------------------------------------------------------------------------------------------
-# Under --fp8 the down projection quantizes h per row before its matmul (fp8_linear_kernel.py), and
-# the joined gate/up projection quantizes the gradient this backward writes, d gate_up [N, 2I], per
-# row before its input-gradient matmul. Each of those is a pass of its own that reads back what the
-# SwiGLU kernel has just written: h (2 bytes per element of I) forward, and d gate_up (4 bytes per
-# element of I) backward, 470 MB per layer at 8192 tokens of LLaMA 3.1 8B. The kernels below
-# compute the same values and quantize them while they are still in registers: a program holds
-# whole rows (a row's scale is the largest |value| of the row), quantizes what it rounded to bf16
-# (so the FP8 copy equals quantizing the written tensor, bit for bit) and keeps the column maxima
-# that the column-quantized copy needs, as fp8_linear_kernel's row kernel does. The bf16 tensor is
-# still written: the column-quantized copy for the weight gradient is made from it.
+# Under --fp8 the down projection quantizes h twice before its matmuls (fp8_linear_kernel.py): per
+# row for the forward, per column (transposed) for the weight gradient. A scale is the largest |value|
+# of its row or column, so the quantizer reads h once for the maxima (writing the row copy on the way)
+# and once more for the column copy. Backward, the joined gate/up projection does the same with the
+# gradient written here, d gate_up [N, 2I]: 470 MB per read at 8192 tokens of LLaMA 3.1 8B. The
+# kernels below write what `_swiglu_fwd` / `_swiglu_bwd` write and also take both maxima of the
+# values they have just rounded to bf16 (so they are the maxima of the written tensor, exactly):
+# each program covers a stripe of STRIPE_ROWS rows x BLOCK columns, in blocks of SUB_ROWS rows, and
+# writes its partial maxima (per row of its columns; per column of its rows), which two small
+# reductions finish. The FP8 layer then makes both copies in one read (`fp8_linear_kernel.quantize_both`).
+# The whole-row alternative (the row's scale known in registers, quantize at once) was slower than
+# the two passes it replaced: results/runs/swiglu_fp8_wholerow_H200.log.
 @triton.jit
-def _swiglu_fwd_fp8(
+def _stripe_maxima(v, rows, cols, row_ok, col_ok, col_max, RowMax, n_col_blocks, COL_BLOCK):
+    """Fold a block's column maxima into `col_max`; store its row maxima as column block COL_BLOCK's."""
+    a = tl.abs(v.to(tl.float32))
+    tl.store(RowMax + rows * n_col_blocks + COL_BLOCK, tl.max(a, axis=1), mask=row_ok)
+    return tl.maximum(col_max, tl.max(a, axis=0))
+
+
+@triton.jit
+def _swiglu_fwd_maxima(
     G, U,  # pointers to gate and up, [n_rows, I], unit stride along I
     H,  # pointer to h, [n_rows, I], contiguous
-    Q, Scale,  # h quantized per row: [n_rows, I] float8_e4m3fn and [n_rows] fp32
-    ColMax,  # this kernel's partial column maxima of |h|, [n_programs, I] fp32
+    RowMax,  # partial row maxima of |h|, [n_rows, n_col_blocks] fp32
+    ColMax,  # partial column maxima of |h|, [n_stripes, I] fp32
     stride_g, stride_u, n_rows, I,
-    ROWS: tl.constexpr,  # rows per loop iteration
-    BLOCK: tl.constexpr,  # power of two >= I: a program holds whole rows
+    STRIPE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ACT: tl.constexpr,
-    ROUND_IN_SOFTWARE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK)
+    stripe = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < I
     col_max = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, tl.cdiv(tl.cdiv(n_rows, ROWS) - pid, n_programs)):
-        rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
-        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    for r in range(0, STRIPE_ROWS, SUB_ROWS):
+        rows = stripe * STRIPE_ROWS + r + tl.arange(0, SUB_ROWS)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         h = _act_out(g, u, ACT).to(H.dtype.element_ty)
         tl.store(H + rows[:, None] * I + cols[None, :], h, mask=mask)
-        col_max = _rows_block(H, Q, Scale, h, rows, cols, col_ok, col_max, n_rows, I, True, True, ROUND_IN_SOFTWARE)
-    tl.store(ColMax + pid * I + cols, col_max, mask=col_ok)
+        col_max = _stripe_maxima(h, rows, cols, row_ok, col_ok, col_max, RowMax, tl.num_programs(1), tl.program_id(1))
+    tl.store(ColMax + stripe * I + cols, col_max, mask=col_ok)
 
 
 @triton.jit
-def _swiglu_joined_bwd_fp8(
+def _swiglu_joined_bwd_maxima(
     DH,  # pointer to the upstream gradient, [n_rows, I], unit stride along I
     G, U,  # pointers to the saved gate and up (the halves of gate_up)
     DGU,  # pointer to d gate_up, [n_rows, 2I], contiguous: d gate, then d up
-    Q, Scale,  # d gate_up quantized per row: [n_rows, 2I] float8_e4m3fn and [n_rows] fp32
-    ColMax,  # this kernel's partial column maxima of |d gate_up|, [n_programs, 2I] fp32
+    RowMax,  # partial row maxima of |d gate_up|, [n_rows, 2 n_col_blocks] fp32
+    ColMax,  # partial column maxima of |d gate_up|, [n_stripes, 2I] fp32
     stride_dh, stride_g, stride_u, n_rows, I,
-    ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,  # power of two >= I: a program holds whole rows of both halves
+    STRIPE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ACT: tl.constexpr,
-    ROUND_IN_SOFTWARE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK)
+    stripe = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    n_blocks = tl.num_programs(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < I
     g_max = tl.zeros([BLOCK], dtype=tl.float32)
     u_max = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, tl.cdiv(tl.cdiv(n_rows, ROWS) - pid, n_programs)):
-        rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
+    for r in range(0, STRIPE_ROWS, SUB_ROWS):
+        rows = stripe * STRIPE_ROWS + r + tl.arange(0, SUB_ROWS)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
         dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -270,76 +276,57 @@ def _swiglu_joined_bwd_fp8(
         out = rows[:, None] * (2 * I) + cols[None, :]
         tl.store(DGU + out, dg, mask=mask)
         tl.store(DGU + out + I, du, mask=mask)
-        # One scale per row of d gate_up: the largest |value| over both halves.
-        dgf = dg.to(tl.float32)
-        duf = du.to(tl.float32)
-        ag = tl.abs(dgf)
-        au = tl.abs(duf)
-        g_max = tl.maximum(g_max, tl.max(ag, axis=0))
-        u_max = tl.maximum(u_max, tl.max(au, axis=0))
-        amax = tl.maximum(tl.max(ag, axis=1), tl.max(au, axis=1))
-        qg, scale = _quantize_block(dgf, amax, 1, ROUND_IN_SOFTWARE)
-        qu, scale = _quantize_block(duf, amax, 1, ROUND_IN_SOFTWARE)
-        tl.store(Q + out, qg, mask=mask)
-        tl.store(Q + out + I, qu, mask=mask)
-        tl.store(Scale + rows, scale, mask=row_ok)
-    tl.store(ColMax + pid * (2 * I) + cols, g_max, mask=col_ok)
-    tl.store(ColMax + pid * (2 * I) + I + cols, u_max, mask=col_ok)
+        g_max = _stripe_maxima(dg, rows, cols, row_ok, col_ok, g_max, RowMax, 2 * n_blocks, block)
+        u_max = _stripe_maxima(du, rows, cols, row_ok, col_ok, u_max, RowMax, 2 * n_blocks, n_blocks + block)
+    tl.store(ColMax + stripe * (2 * I) + cols, g_max, mask=col_ok)
+    tl.store(ColMax + stripe * (2 * I) + I + cols, u_max, mask=col_ok)
 
 
-# Launch: one row per loop iteration, whole rows on BLOCK / FP8_ROW_VALUES warps (32 values of each
-# row tensor per thread at 1024: h forward; d gate and d up, and their column maxima, backward),
-# one persistent program per SM. From the sweep in results/runs/swiglu_fp8_H200.log.
-FP8_ROW_VALUES = {"forward": 1024, "backward": 1024}
-FP8_PROGRAMS_PER_SM = {"forward": 1, "backward": 1}
-MAX_FP8_WIDTH = 32768  # I: whole rows in one program's registers
+# Launch of the maxima kernels: stripes of STRIPE_ROWS rows (partial column maxima: n_rows / STRIPE_ROWS
+# rows of fp32, 3.7 MB for d gate_up at 8192 tokens) in blocks of SUB_ROWS x BLOCK values (8 per
+# thread at 8 warps, as the plain SwiGLU kernels). From results/runs/swiglu_fp8_H200.log.
+FP8_LAUNCH = {"forward": (256, 4, 512, 8), "backward": (256, 4, 512, 8)}  # stripe rows, sub rows, block, warps
 
 
-def _fp8_launch(n_rows: int, width: int, device: torch.device, direction: str):
-    """(programs, rows per iteration, block, warps) of the fused FP8 kernels."""
-    if width > MAX_FP8_WIDTH:
-        raise ValueError(f"the fused SwiGLU + FP8 kernels hold whole rows: I = {width} is above {MAX_FP8_WIDTH}")
-    block = next_power_of_2(width)
-    if kernel_utils.INTERPRET:  # few programs, many rows each (the interpreter pays per program and step)
-        rows = max(1, min(64, 4096 // block))
-        return max(1, min(2, triton.cdiv(n_rows, rows))), rows, block, 4
-    warps = max(1, min(32, block // FP8_ROW_VALUES[direction]))
-    programs = num_sms(device) * FP8_PROGRAMS_PER_SM[direction]
-    return max(1, min(n_rows, programs)), 1, block, warps
+def _maxima_launch(n_rows: int, width: int, direction: str):
+    """(grid, stripe rows, sub rows, block, warps) of the maxima kernels."""
+    stripe, sub, block, warps = FP8_LAUNCH[direction]
+    if kernel_utils.INTERPRET:  # few, large programs: the interpreter pays per program and loop step
+        block = min(1024, next_power_of_2(width))
+        sub = max(1, min(64, 4096 // block))
+        stripe, warps = 2 * sub, 4
+    return (triton.cdiv(n_rows, stripe), triton.cdiv(width, block)), stripe, sub, block, warps
 
 
-def swiglu_forward_fp8(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
-    """(h, q, scale, column maxima): h = act(g) * u [n_rows, I] as `swiglu_forward` writes it, and h
-    quantized per row as `fp8_linear_kernel.quantize_rows(h, col_max=True)` returns it, in one pass."""
+def swiglu_forward_maxima(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
+    """(h, row maxima [n_rows], column maxima [I]): h = act(g) * u as `swiglu_forward` writes it, and the
+    largest |h| of each row and of each column (what h's two FP8 quantizations need)."""
     n_rows, width = g2.shape
     h = torch.empty((n_rows, width), dtype=g2.dtype, device=g2.device)
-    q = torch.empty((n_rows, width), dtype=FP8_DTYPE, device=g2.device)
-    scale = torch.empty(n_rows, dtype=torch.float32, device=g2.device)
-    programs, rows, block, warps = _fp8_launch(n_rows, width, g2.device, "forward")
-    partial = (torch.empty if h.numel() else torch.zeros)((programs, width), dtype=torch.float32, device=g2.device)
+    grid, stripe, sub, block, warps = _maxima_launch(n_rows, width, "forward")
+    alloc = torch.empty if n_rows * width else torch.zeros  # the kernel writes every partial maximum
+    row_part = alloc((n_rows, grid[1]), dtype=torch.float32, device=g2.device)
+    col_part = alloc((max(1, grid[0]), width), dtype=torch.float32, device=g2.device)
     if h.numel():
-        _swiglu_fwd_fp8[(programs,)](g2, u2, h, q, scale, partial, g2.stride(0), u2.stride(0), n_rows, width,
-                                     ROWS=rows, BLOCK=block, ACT=activation, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
-                                     num_warps=warps)
-    return h, q, scale, partial.amax(dim=0)
+        _swiglu_fwd_maxima[grid](g2, u2, h, row_part, col_part, g2.stride(0), u2.stride(0), n_rows, width,
+                                 STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block, ACT=activation, num_warps=warps)
+    return h, row_part.amax(dim=1), col_part.amax(dim=0)
 
 
-def swiglu_joined_backward_fp8(dh2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
-    """(d gate_up, q, scale, column maxima): d gate_up [n_rows, 2I] as `swiglu_backward(..., packed=True)`
-    writes it, and its row quantization as `fp8_linear_kernel.quantize_rows(dgu, col_max=True)`
-    returns it, in one pass."""
+def swiglu_joined_backward_maxima(dh2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
+    """(d gate_up [n_rows, 2I] as `swiglu_backward(..., packed=True)` writes it, its row maxima [n_rows],
+    its column maxima [2I])."""
     n_rows, width = g2.shape
     dgu = torch.empty((n_rows, 2 * width), dtype=g2.dtype, device=g2.device)
-    q = torch.empty((n_rows, 2 * width), dtype=FP8_DTYPE, device=g2.device)
-    scale = torch.empty(n_rows, dtype=torch.float32, device=g2.device)
-    programs, rows, block, warps = _fp8_launch(n_rows, width, g2.device, "backward")
-    partial = (torch.empty if dgu.numel() else torch.zeros)((programs, 2 * width), dtype=torch.float32,
-                                                            device=g2.device)
+    grid, stripe, sub, block, warps = _maxima_launch(n_rows, width, "backward")
+    alloc = torch.empty if n_rows * width else torch.zeros  # the kernel writes every partial maximum
+    row_part = alloc((n_rows, 2 * grid[1]), dtype=torch.float32, device=g2.device)
+    col_part = alloc((max(1, grid[0]), 2 * width), dtype=torch.float32, device=g2.device)
     if dgu.numel():
-        _swiglu_joined_bwd_fp8[(programs,)](dh2, g2, u2, dgu, q, scale, partial, dh2.stride(0), g2.stride(0),
-                                            u2.stride(0), n_rows, width, ROWS=rows, BLOCK=block, ACT=activation,
-                                            ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=warps)
-    return dgu, q, scale, partial.amax(dim=0)
+        _swiglu_joined_bwd_maxima[grid](dh2, g2, u2, dgu, row_part, col_part, dh2.stride(0), g2.stride(0),
+                                        u2.stride(0), n_rows, width, STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block,
+                                        ACT=activation, num_warps=warps)
+    return dgu, row_part.amax(dim=1), col_part.amax(dim=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -480,37 +467,36 @@ swiglu_joined_fwd_op.register_autograd(_swiglu_joined_backward, setup_context=_s
 refuse_double_backward(swiglu_joined_bwd_op, "swiglu_joined")
 
 
-# Under --fp8: the joined forward that also quantizes h per row for the FP8 down projection, and
-# (with `quantize_grad`) a backward that also quantizes d gate_up per row for the FP8 gate/up
-# projection. The FP8 copies reach those layers through fp8_linear_kernel's hand-off (`offer_input`,
-# `offer_grad`): kept for the very next FP8 layer that reads the same, unchanged tensor.
+# Under --fp8: the joined forward that also takes h's maxima for the FP8 down projection, and (with
+# `quantize_grad`) a backward that also takes d gate_up's maxima for the FP8 gate/up projection. The
+# maxima reach those layers through fp8_linear_kernel's hand-off (`offer_input`, `offer_grad`): kept
+# for the very next FP8 layer that reads the same, unchanged tensor.
 @torch.library.custom_op("playbook::swiglu_joined_fp8_fwd", mutates_args=())
 def swiglu_joined_fp8_fwd_op(gate_up: torch.Tensor, activation: str,
-                             quantize_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate_up [rows, 2I] -> (h [rows, I], h per row in FP8 [rows, I], row scales [rows], column maxima [I])."""
-    return swiglu_forward_fp8(*halves(gate_up), activation)
+                             quantize_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate_up [rows, 2I] -> (h [rows, I], the row maxima of |h| [rows], its column maxima [I])."""
+    return swiglu_forward_maxima(*halves(gate_up), activation)
 
 
 @swiglu_joined_fp8_fwd_op.register_fake
 def _(gate_up, activation, quantize_grad):
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     f32 = torch.float32
-    return (gate_up.new_empty((rows, width)), gate_up.new_empty((rows, width), dtype=FP8_DTYPE),
-            gate_up.new_empty(rows, dtype=f32), gate_up.new_empty(width, dtype=f32))
+    return gate_up.new_empty((rows, width)), gate_up.new_empty(rows, dtype=f32), gate_up.new_empty(width, dtype=f32)
 
 
 @torch.library.custom_op("playbook::swiglu_joined_fp8_bwd", mutates_args=())
 def swiglu_joined_fp8_bwd_op(dh: torch.Tensor, gate_up: torch.Tensor,
-                             activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d gate_up [rows, 2I], d gate_up per row in FP8, row scales [rows], column maxima [2I])."""
-    return swiglu_joined_backward_fp8(as_rows(dh), *halves(gate_up), activation)
+                             activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d gate_up [rows, 2I], its row maxima [rows], its column maxima [2I]) of |d gate_up|."""
+    return swiglu_joined_backward_maxima(as_rows(dh), *halves(gate_up), activation)
 
 
 @swiglu_joined_fp8_bwd_op.register_fake
 def _(dh, gate_up, activation):
     f32 = torch.float32
-    return (gate_up.new_empty(gate_up.shape), gate_up.new_empty(gate_up.shape, dtype=FP8_DTYPE),
-            gate_up.new_empty(gate_up.shape[0], dtype=f32), gate_up.new_empty(gate_up.shape[1], dtype=f32))
+    return (gate_up.new_empty(gate_up.shape), gate_up.new_empty(gate_up.shape[0], dtype=f32),
+            gate_up.new_empty(gate_up.shape[1], dtype=f32))
 
 
 def _save_joined_fp8(ctx, inputs, output):
@@ -523,8 +509,8 @@ def _swiglu_joined_fp8_backward(ctx, dh, *_):
     (gate_up,) = ctx.saved_tensors
     if not ctx.quantize_grad:
         return swiglu_joined_bwd_op(dh, gate_up, ctx.activation), None, None
-    dgu, q, scale, col_max = swiglu_joined_fp8_bwd_op(dh, gate_up, ctx.activation)
-    fp8_linear_kernel.offer_grad(dgu, (q, scale, col_max))
+    dgu, row_max, col_max = swiglu_joined_fp8_bwd_op(dh, gate_up, ctx.activation)
+    fp8_linear_kernel.offer_grad(dgu, (row_max, col_max))
     return dgu, None, None
 
 
@@ -634,16 +620,13 @@ def swiglu_joined(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tens
 
 
 def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", quantize_grad: bool = True) -> torch.Tensor:
-    """`swiglu_joined`, for an FP8 down projection: h's row quantization is made in the same pass and
-    handed to the next FP8 layer that reads h (`fp8_linear_kernel.offer_input`). With `quantize_grad`
-    (the gate/up projection is FP8 too) backward hands over d gate_up's row quantization the same way."""
+    """`swiglu_joined`, for an FP8 down projection: h's row and column maxima are taken in the same
+    pass and handed to the next FP8 layer that reads h (`fp8_linear_kernel.offer_input`). With
+    `quantize_grad` (the gate/up projection is FP8 too) backward hands over d gate_up's the same way."""
     _check_joined(gate_up, activation)
-    width = gate_up.shape[-1] // 2
-    if width > MAX_FP8_WIDTH:
-        raise ValueError(f"the fused SwiGLU + FP8 kernels hold whole rows: I = {width} is above {MAX_FP8_WIDTH}")
-    h, q, scale, col_max = swiglu_joined_fp8_fwd_op(as_rows(gate_up), activation, quantize_grad)
-    fp8_linear_kernel.offer_input(h, (q, scale, col_max))
-    return h.view(*gate_up.shape[:-1], width)
+    h, row_max, col_max = swiglu_joined_fp8_fwd_op(as_rows(gate_up), activation, quantize_grad)
+    fp8_linear_kernel.offer_input(h, (row_max, col_max))
+    return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def swiglu_down_joined(gate_up: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -695,10 +678,8 @@ def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_fp8(down: nn.Module, gate_up: torch.Tensor) -> bool:
-    """Whether the MLP takes the SwiGLU + FP8 quantization path: an FP8 down projection, and a joined
-    gate/up output the fused kernels can hold whole rows of."""
-    return (fp8_linear_kernel.fusing_casts() and isinstance(down, fp8_linear_kernel.Float8Linear)
-            and gate_up.shape[-1] // 2 <= MAX_FP8_WIDTH)
+    """Whether the MLP takes the SwiGLU path that hands h's maxima to an FP8 down projection."""
+    return fp8_linear_kernel.fusing_casts() and isinstance(down, fp8_linear_kernel.Float8Linear)
 
 
 def patch_model(model: nn.Module) -> int:

@@ -331,35 +331,43 @@ def _same_bits(name, ours, expected):
     exactly(name, ours, expected)
 
 
-FP8_SHAPES = [(7, 96), (33, 200), (1, 16)] + ([(300, 14336)] if ON_GPU else [])  # LLaMA 3.1 8B's width on a GPU
+def _both_copies(x):
+    """What the FP8 layer makes of x without the maxima: rows (and column maxima), then columns."""
+    q, scale, col_max = fp8_linear_kernel.quantize_rows(x, True, True)
+    return (q, scale, *fp8_linear_kernel.quantize_cols(x, col_max))
+
+
+FP8_SHAPES = [(7, 96), (33, 200), (1, 16), (19, 1100)] + ([(300, 14336)] if ON_GPU else [])  # LLaMA 3.1 8B's width on a GPU
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows, width", FP8_SHAPES)
-def test_fp8_fused_kernels_equal_the_separate_passes(rows, width, activation):
-    """The fused kernels write what the SwiGLU kernel writes and what the FP8 row quantizer makes of it,
-    bit for bit: h and d gate_up, their FP8 copies, row scales and column maxima. A NaN stays in its
-    own element (its row's scale comes from the other values)."""
+def test_fp8_maxima_kernels_give_the_same_fp8_copies(rows, width, activation):
+    """The maxima kernels write what the SwiGLU kernels write, bit for bit, and the FP8 copies made in
+    one read from their maxima (`quantize_both`) equal those of the two separate quantizing passes:
+    both layouts and all four scales. A NaN stays in its own element."""
     gate_up = torch.cat(_inputs((rows, 2 * width), torch.bfloat16, seed=rows), dim=1)[:, : 2 * width]
     gate_up[rows // 2, 3] = float("nan")
     gate, up = swiglu_kernel.halves(gate_up)
-    tag = f"{activation} [{rows}, {width}]"
-    made = swiglu_kernel.swiglu_forward_fp8(gate, up, activation)
-    h = swiglu_kernel.swiglu_forward(gate, up, activation)
-    for what, o, e in zip(("h", "q", "row scale", "column max"), made, (h, *fp8_linear_kernel.quantize_rows(h, True, True))):
-        _same_bits(f"fp8 forward {tag}: {what}", o, e)
-    dh = random_like_grad(h, seed=3)
-    made = swiglu_kernel.swiglu_joined_backward_fp8(dh, gate, up, activation)
-    dgu = swiglu_kernel.swiglu_backward(dh, gate, up, activation, packed=True)
-    for what, o, e in zip(("d gate_up", "q", "row scale", "column max"), made,
-                          (dgu, *fp8_linear_kernel.quantize_rows(dgu, True, True))):
-        _same_bits(f"fp8 backward {tag}: {what}", o, e)
+    dh = random_like_grad(gate.new_empty(gate.shape), seed=3)
+    for direction, made, plain in (
+        ("forward", swiglu_kernel.swiglu_forward_maxima(gate, up, activation),
+         swiglu_kernel.swiglu_forward(gate, up, activation)),
+        ("backward", swiglu_kernel.swiglu_joined_backward_maxima(dh, gate, up, activation),
+         swiglu_kernel.swiglu_backward(dh, gate, up, activation, packed=True)),
+    ):
+        tag = f"fp8 {direction} {activation} [{rows}, {width}]"
+        out, row_max, col_max = made
+        _same_bits(f"{tag}: the bf16 output", out, plain)
+        ours = fp8_linear_kernel.quantize_both(out, row_max, col_max)
+        for what, o, e in zip(("q", "row scales", "qT", "column scales"), ours, _both_copies(plain)):
+            _same_bits(f"{tag}: {what}", o, e)
 
 
-def test_fp8_mlp_hands_its_quantized_tensors_to_the_fp8_projections():
-    """A tiny LLaMA with joined projections and FP8 layers: with the fused kernels each down projection
-    takes h's FP8 copy from the SwiGLU forward and each gate/up projection takes d gate_up's from its
-    backward (counted), and the loss and every gradient equal those of the unfused path bit for bit."""
+def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections():
+    """A tiny LLaMA with joined projections and FP8 layers: each down projection takes h's maxima from
+    the SwiGLU forward and each gate/up projection takes d gate_up's from its backward (counted), and
+    the loss and every gradient equal those of the separate quantizing passes bit for bit."""
     import apply_kernels
     from families_test import batch, loss_and_grads, tiny_model
 
@@ -389,7 +397,7 @@ def test_fp8_hand_off_goes_only_to_the_same_unchanged_tensor():
     """An FP8 copy is handed to the layer that reads the very tensor it was made from, once, and to
     nobody after that tensor changed in place."""
     x = torch.randn(8, 32, device=DEVICE, dtype=torch.bfloat16)
-    quantized = fp8_linear_kernel.quantize_rows(x, True, True)
+    quantized = (x.float().abs().amax(dim=1), x.float().abs().amax(dim=0))
     fp8_linear_kernel.offer_input(x, quantized)
     assert fp8_linear_kernel._produced_input.take(x.clone()) is None  # equal values, another tensor
     assert fp8_linear_kernel._produced_input.take(x) is quantized
