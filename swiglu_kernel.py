@@ -285,7 +285,7 @@ def _swiglu_joined_bwd_maxima(
 # Launch of the maxima kernels: stripes of STRIPE_ROWS rows (partial column maxima: n_rows / STRIPE_ROWS
 # rows of fp32, 3.7 MB for d gate_up at 8192 tokens) in blocks of SUB_ROWS x BLOCK values (8 per
 # thread at 8 warps, as the plain SwiGLU kernels). From results/runs/swiglu_fp8_H200.log.
-FP8_LAUNCH = {"forward": (256, 4, 512, 8), "backward": (256, 4, 512, 8)}  # stripe rows, sub rows, block, warps
+FP8_LAUNCH = {"forward": (32, 1, 2048, 8), "backward": (32, 1, 2048, 8)}  # stripe rows, sub rows, block, warps
 
 
 def _maxima_launch(n_rows: int, width: int, direction: str):
