@@ -246,6 +246,28 @@ def _swiglu_fwd_maxima(
 
 
 @triton.jit
+def _block_of(P, rows, cols, stride, ok):
+    """The [SUB_ROWS, BLOCK] block of P at these rows and columns, in fp32 (0 where not `ok`)."""
+    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bwd_maxima_block(dh, g, u, DGU, RowMax, rows, cols, row_ok, col_ok, g_max, u_max, I, block, n_blocks,
+                      ACT: tl.constexpr):
+    """d gate and d up of one block of rows: store them, their row maxima; fold in their column maxima."""
+    dg, du = _act_grads(dh, g, u, ACT)
+    dg = dg.to(DGU.dtype.element_ty)
+    du = du.to(DGU.dtype.element_ty)
+    mask = row_ok[:, None] & col_ok[None, :]
+    out = rows[:, None] * (2 * I) + cols[None, :]
+    tl.store(DGU + out, dg, mask=mask)
+    tl.store(DGU + out + I, du, mask=mask)
+    g_max = _stripe_maxima(dg, rows, cols, row_ok, col_ok, g_max, RowMax, 2 * n_blocks, block)
+    u_max = _stripe_maxima(du, rows, cols, row_ok, col_ok, u_max, RowMax, 2 * n_blocks, n_blocks + block)
+    return g_max, u_max
+
+
+@triton.jit
 def _swiglu_joined_bwd_maxima(
     DH,  # pointer to the upstream gradient, [n_rows, I], unit stride along I
     G, U,  # pointers to the saved gate and up (the halves of gate_up)
@@ -255,6 +277,7 @@ def _swiglu_joined_bwd_maxima(
     stride_dh, stride_g, stride_u, n_rows, I,
     STRIPE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ACT: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next block of rows before working on this one
 ):
     stripe = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -263,21 +286,30 @@ def _swiglu_joined_bwd_maxima(
     col_ok = cols < I
     g_max = tl.zeros([BLOCK], dtype=tl.float32)
     u_max = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in range(0, STRIPE_ROWS, SUB_ROWS):
-        rows = stripe * STRIPE_ROWS + r + tl.arange(0, SUB_ROWS)
-        row_ok = rows < n_rows
-        mask = row_ok[:, None] & col_ok[None, :]
-        dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dg, du = _act_grads(dh, g, u, ACT)
-        dg = dg.to(DGU.dtype.element_ty)
-        du = du.to(DGU.dtype.element_ty)
-        out = rows[:, None] * (2 * I) + cols[None, :]
-        tl.store(DGU + out, dg, mask=mask)
-        tl.store(DGU + out + I, du, mask=mask)
-        g_max = _stripe_maxima(dg, rows, cols, row_ok, col_ok, g_max, RowMax, 2 * n_blocks, block)
-        u_max = _stripe_maxima(du, rows, cols, row_ok, col_ok, u_max, RowMax, 2 * n_blocks, n_blocks + block)
+    rows = stripe * STRIPE_ROWS + tl.arange(0, SUB_ROWS)
+    if PREFETCH:
+        # Register double buffering: the next block's loads are in flight while this one is computed,
+        # stored and reduced. The load past the stripe's last block is masked off.
+        ok = (rows < n_rows)[:, None] & col_ok[None, :]
+        dh, g, u = _block_of(DH, rows, cols, stride_dh, ok), _block_of(G, rows, cols, stride_g, ok), \
+            _block_of(U, rows, cols, stride_u, ok)
+        for r in range(0, STRIPE_ROWS, SUB_ROWS):
+            this_rows, this_dh, this_g, this_u = rows, dh, g, u
+            rows = this_rows + SUB_ROWS
+            ok = ((rows < n_rows) & (r + SUB_ROWS < STRIPE_ROWS))[:, None] & col_ok[None, :]
+            dh, g, u = _block_of(DH, rows, cols, stride_dh, ok), _block_of(G, rows, cols, stride_g, ok), \
+                _block_of(U, rows, cols, stride_u, ok)
+            g_max, u_max = _bwd_maxima_block(this_dh, this_g, this_u, DGU, RowMax, this_rows, cols,
+                                             this_rows < n_rows, col_ok, g_max, u_max, I, block, n_blocks, ACT)
+    else:
+        for r in range(0, STRIPE_ROWS, SUB_ROWS):
+            row_ok = rows < n_rows
+            ok = row_ok[:, None] & col_ok[None, :]
+            g_max, u_max = _bwd_maxima_block(_block_of(DH, rows, cols, stride_dh, ok),
+                                             _block_of(G, rows, cols, stride_g, ok),
+                                             _block_of(U, rows, cols, stride_u, ok), DGU, RowMax, rows, cols,
+                                             row_ok, col_ok, g_max, u_max, I, block, n_blocks, ACT)
+            rows += SUB_ROWS
     tl.store(ColMax + stripe * (2 * I) + cols, g_max, mask=col_ok)
     tl.store(ColMax + stripe * (2 * I) + I + cols, u_max, mask=col_ok)
 
@@ -285,7 +317,12 @@ def _swiglu_joined_bwd_maxima(
 # Launch of the maxima kernels: stripes of STRIPE_ROWS rows (partial column maxima: n_rows / STRIPE_ROWS
 # rows of fp32, 3.7 MB for d gate_up at 8192 tokens) in blocks of SUB_ROWS x BLOCK values (8 per
 # thread at 8 warps, as the plain SwiGLU kernels). From results/runs/swiglu_fp8_H200.log.
-FP8_LAUNCH = {"forward": (32, 1, 2048, 8), "backward": (32, 1, 2048, 8)}  # stripe rows, sub rows, block, warps
+FP8_LAUNCH = {"forward": (32, 1, 1024, 4), "backward": (128, 1, 2048, 8)}  # stripe rows, sub rows, block, warps
+FP8_PREFETCH = True  # the backward kernel double-buffers its loads
+# Forward, the maxima kernel costs more than the quantizer's read it saves (results/runs/swiglu_fp8_H200.log:
+# h at [8192, 14336], 402.0 us against 373.7 us for the SwiGLU kernel and the two separate passes), so
+# the MLP's forward runs the plain kernel; backward, where the saved read is twice as large, pays.
+FP8_FORWARD_MAXIMA = False
 
 
 def _maxima_launch(n_rows: int, width: int, direction: str):
@@ -325,7 +362,7 @@ def swiglu_joined_backward_maxima(dh2: torch.Tensor, g2: torch.Tensor, u2: torch
     if dgu.numel():
         _swiglu_joined_bwd_maxima[grid](dh2, g2, u2, dgu, row_part, col_part, dh2.stride(0), g2.stride(0),
                                         u2.stride(0), n_rows, width, STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block,
-                                        ACT=activation, num_warps=warps)
+                                        ACT=activation, PREFETCH=FP8_PREFETCH, num_warps=warps)
     return dgu, row_part.amax(dim=1), col_part.amax(dim=0)
 
 
@@ -472,17 +509,22 @@ refuse_double_backward(swiglu_joined_bwd_op, "swiglu_joined")
 # maxima reach those layers through fp8_linear_kernel's hand-off (`offer_input`, `offer_grad`): kept
 # for the very next FP8 layer that reads the same, unchanged tensor.
 @torch.library.custom_op("playbook::swiglu_joined_fp8_fwd", mutates_args=())
-def swiglu_joined_fp8_fwd_op(gate_up: torch.Tensor, activation: str,
+def swiglu_joined_fp8_fwd_op(gate_up: torch.Tensor, activation: str, maxima: bool,
                              quantize_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate_up [rows, 2I] -> (h [rows, I], the row maxima of |h| [rows], its column maxima [I])."""
+    """gate_up [rows, 2I] -> (h [rows, I], the row maxima of |h| [rows], its column maxima [I]); without
+    `maxima`, h alone (the plain kernel) and two empty tensors."""
+    if not maxima:
+        return swiglu_forward(*halves(gate_up), activation), gate_up.new_empty(0, dtype=torch.float32), \
+            gate_up.new_empty(0, dtype=torch.float32)
     return swiglu_forward_maxima(*halves(gate_up), activation)
 
 
 @swiglu_joined_fp8_fwd_op.register_fake
-def _(gate_up, activation, quantize_grad):
+def _(gate_up, activation, maxima, quantize_grad):
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     f32 = torch.float32
-    return gate_up.new_empty((rows, width)), gate_up.new_empty(rows, dtype=f32), gate_up.new_empty(width, dtype=f32)
+    return (gate_up.new_empty((rows, width)), gate_up.new_empty(rows if maxima else 0, dtype=f32),
+            gate_up.new_empty(width if maxima else 0, dtype=f32))
 
 
 @torch.library.custom_op("playbook::swiglu_joined_fp8_bwd", mutates_args=())
@@ -500,7 +542,7 @@ def _(dh, gate_up, activation):
 
 
 def _save_joined_fp8(ctx, inputs, output):
-    gate_up, ctx.activation, ctx.quantize_grad = inputs
+    gate_up, ctx.activation, _, ctx.quantize_grad = inputs
     ctx.save_for_backward(gate_up)
     ctx.mark_non_differentiable(*output[1:])
 
@@ -508,10 +550,10 @@ def _save_joined_fp8(ctx, inputs, output):
 def _swiglu_joined_fp8_backward(ctx, dh, *_):
     (gate_up,) = ctx.saved_tensors
     if not ctx.quantize_grad:
-        return swiglu_joined_bwd_op(dh, gate_up, ctx.activation), None, None
+        return swiglu_joined_bwd_op(dh, gate_up, ctx.activation), None, None, None
     dgu, row_max, col_max = swiglu_joined_fp8_bwd_op(dh, gate_up, ctx.activation)
     fp8_linear_kernel.offer_grad(dgu, (row_max, col_max))
-    return dgu, None, None
+    return dgu, None, None, None
 
 
 swiglu_joined_fp8_fwd_op.register_autograd(_swiglu_joined_fp8_backward, setup_context=_save_joined_fp8)
@@ -619,13 +661,17 @@ def swiglu_joined(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tens
     return swiglu_joined_fwd_op(as_rows(gate_up), activation).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", quantize_grad: bool = True) -> torch.Tensor:
-    """`swiglu_joined`, for an FP8 down projection: h's row and column maxima are taken in the same
-    pass and handed to the next FP8 layer that reads h (`fp8_linear_kernel.offer_input`). With
-    `quantize_grad` (the gate/up projection is FP8 too) backward hands over d gate_up's the same way."""
+def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", quantize_grad: bool = True,
+                      maxima: bool | None = None) -> torch.Tensor:
+    """`swiglu_joined` before an FP8 down projection. With `maxima` (default: FP8_FORWARD_MAXIMA) h's
+    row and column maxima are taken in the same pass and handed to the next FP8 layer that reads h
+    (`fp8_linear_kernel.offer_input`). With `quantize_grad` (the gate/up projection is FP8 too)
+    backward hands over d gate_up's maxima the same way (`offer_grad`)."""
     _check_joined(gate_up, activation)
-    h, row_max, col_max = swiglu_joined_fp8_fwd_op(as_rows(gate_up), activation, quantize_grad)
-    fp8_linear_kernel.offer_input(h, (row_max, col_max))
+    maxima = FP8_FORWARD_MAXIMA if maxima is None else maxima
+    h, row_max, col_max = swiglu_joined_fp8_fwd_op(as_rows(gate_up), activation, maxima, quantize_grad)
+    if maxima:
+        fp8_linear_kernel.offer_input(h, (row_max, col_max))
     return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 

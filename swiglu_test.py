@@ -340,12 +340,15 @@ def _both_copies(x):
 FP8_SHAPES = [(7, 96), (33, 200), (1, 16), (19, 1100)] + ([(300, 14336)] if ON_GPU else [])  # LLaMA 3.1 8B's width on a GPU
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows, width", FP8_SHAPES)
-def test_fp8_maxima_kernels_give_the_same_fp8_copies(rows, width, activation):
+def test_fp8_maxima_kernels_give_the_same_fp8_copies(rows, width, activation, prefetch, monkeypatch):
     """The maxima kernels write what the SwiGLU kernels write, bit for bit, and the FP8 copies made in
     one read from their maxima (`quantize_both`) equal those of the two separate quantizing passes:
-    both layouts and all four scales. A NaN stays in its own element."""
+    both layouts and all four scales. A NaN stays in its own element. (`prefetch`: the backward
+    kernel's double-buffered loop and its plain loop.)"""
+    monkeypatch.setattr(swiglu_kernel, "FP8_PREFETCH", prefetch)
     gate_up = torch.cat(_inputs((rows, 2 * width), torch.bfloat16, seed=rows), dim=1)[:, : 2 * width]
     gate_up[rows // 2, 3] = float("nan")
     gate, up = swiglu_kernel.halves(gate_up)
@@ -364,10 +367,13 @@ def test_fp8_maxima_kernels_give_the_same_fp8_copies(rows, width, activation):
             _same_bits(f"{tag}: {what}", o, e)
 
 
-def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections():
-    """A tiny LLaMA with joined projections and FP8 layers: each down projection takes h's maxima from
-    the SwiGLU forward and each gate/up projection takes d gate_up's from its backward (counted), and
-    the loss and every gradient equal those of the separate quantizing passes bit for bit."""
+@pytest.mark.parametrize("forward_maxima", [False, True])
+def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections(forward_maxima, monkeypatch):
+    """A tiny LLaMA with joined projections and FP8 layers: each gate/up projection takes d gate_up's
+    maxima from the SwiGLU backward, and with `forward_maxima` each down projection takes h's from its
+    forward (counted), and the loss and every gradient equal those of the separate quantizing passes
+    bit for bit."""
+    monkeypatch.setattr(swiglu_kernel, "FP8_FORWARD_MAXIMA", forward_maxima)
     import apply_kernels
     from families_test import batch, loss_and_grads, tiny_model
 
@@ -385,7 +391,7 @@ def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections():
             fp8_linear_kernel.FUSE_CASTS = True
         counts = (fp8_linear_kernel._produced_input.taken - taken[0], fp8_linear_kernel._produced_grad.taken - taken[1])
         layers = model.config.num_hidden_layers
-        assert counts == ((layers, layers) if fused else (0, 0)), (fused, counts)
+        assert counts == ((layers * forward_maxima, layers) if fused else (0, 0)), (fused, counts)
     (loss, grads), (loss_fused, grads_fused) = results[False], results[True]
     exactly("fp8 MLP: loss, fused casts against separate passes", loss_fused, loss)
     for name, g in grads.items():
@@ -411,7 +417,8 @@ def test_fp8_hand_off_goes_only_to_the_same_unchanged_tensor():
 def test_fp8_fused_ops_pass_opcheck():
     gate_up = torch.cat(_inputs((6, 64), torch.bfloat16), dim=1)
     dh = random_like_grad(gate_up[:, :64])
-    torch.library.opcheck(swiglu_kernel.swiglu_joined_fp8_fwd_op, (gate_up, "silu", True))
+    for maxima in (False, True):
+        torch.library.opcheck(swiglu_kernel.swiglu_joined_fp8_fwd_op, (gate_up, "silu", maxima, True))
     torch.library.opcheck(swiglu_kernel.swiglu_joined_fp8_bwd_op, (dh, gate_up, "silu"))
     record("swiglu_joined_fp8 forward and backward pass torch.library.opcheck", 0.0, 0.0, True)
 
