@@ -314,13 +314,16 @@ def _swiglu_joined_bwd_maxima(
     tl.store(ColMax + stripe * (2 * I) + I + cols, u_max, mask=col_ok)
 
 
-# Launch of the maxima kernels: stripes of STRIPE_ROWS rows (partial column maxima: n_rows / STRIPE_ROWS
-# rows of fp32, 3.7 MB for d gate_up at 8192 tokens) in blocks of SUB_ROWS x BLOCK values (8 per
-# thread at 8 warps, as the plain SwiGLU kernels). From results/runs/swiglu_fp8_H200.log.
-FP8_LAUNCH = {"forward": (32, 1, 1024, 4), "backward": (128, 1, 2048, 8)}  # stripe rows, sub rows, block, warps
+# Launch of the maxima kernels: stripes of STRIPE_ROWS rows (the partial column maxima are
+# n_rows / STRIPE_ROWS rows of fp32: 7.3 MB for d gate_up at 8192 tokens), one row of BLOCK values per
+# loop step. From the sweep at [8192, 14336] on an H200 (results/runs/swiglu_fp8_H200.log, each setting
+# bit-equal first): backward, maxima kernel + quantize_both 625.2 us against 802.5 us for the SwiGLU
+# kernel + the two separate passes; taller stripes leave too few programs (256 rows of 4 x 512: 2480 us,
+# results/runs/swiglu_fp8_tallstripes_H200.log).
+FP8_LAUNCH = {"forward": (32, 1, 1024, 4), "backward": (128, 1, 1024, 4)}  # stripe rows, sub rows, block, warps
 FP8_PREFETCH = True  # the backward kernel double-buffers its loads
 # Forward, the maxima kernel costs more than the quantizer's read it saves (results/runs/swiglu_fp8_H200.log:
-# h at [8192, 14336], 402.0 us against 373.7 us for the SwiGLU kernel and the two separate passes), so
+# h at [8192, 14336], 401.4 us against 370.8 us for the SwiGLU kernel and the two separate passes), so
 # the MLP's forward runs the plain kernel; backward, where the saved read is twice as large, pays.
 FP8_FORWARD_MAXIMA = False
 
