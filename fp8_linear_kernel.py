@@ -483,6 +483,10 @@ def fp8_scaled_mm_op(a: torch.Tensor, a_scale: torch.Tensor, bt: torch.Tensor, b
     templates. (It did not cure the compiled dx that differs from eager on GPUs: see
     `compiled_graph_trusted`.)
     """
+    return _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
+
+
+def _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum: bool) -> torch.Tensor:
     return torch._scaled_mm(a, bt.t(), a_scale[:, None], bt_scale[None, :], out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)
 
@@ -492,7 +496,36 @@ def _(a, a_scale, bt, bt_scale, fast_accum):
     return a.new_empty((a.shape[0], bt.shape[0]), dtype=torch.bfloat16)
 
 
-_scaled_mm = fp8_scaled_mm_op
+# Host time. Calling a custom operator costs the host ~15 us of Python and dispatcher work before the
+# kernel is launched (a do-nothing operator against a plain function, CPU, torch 2.13), and one FP8
+# training step of LLaMA 3.1 8B makes ~1,100 such calls in its FP8 layers: where the host falls behind
+# the GPU (the late launches that profile_baseline.py reports) that is step time. torch.compile needs
+# the operators (each one opaque node in its graph); in eager mode the autograd.Function below calls
+# the same launchers directly. Same kernels, same results.
+DIRECT_LAUNCH = True
+
+
+def _direct() -> bool:
+    return DIRECT_LAUNCH and not torch.compiler.is_compiling()
+
+
+def _quant_rows(x2, write_rows: bool, col_max: bool):
+    """`fp8_rows_op`, or its launcher in eager mode (the column maxima are then None when not asked for)."""
+    return quantize_rows(as_rows(x2), write_rows, col_max) if _direct() else fp8_rows_op(x2, write_rows, col_max)
+
+
+def _quant_cols(x2, col_max):
+    return quantize_cols(as_rows(x2), col_max) if _direct() else fp8_cols_op(x2, col_max)
+
+
+def _quant_both(x2, row_max, col_max):
+    return quantize_both(as_rows(x2), row_max, col_max) if _direct() else fp8_both_op(x2, row_max, col_max)
+
+
+def _scaled_mm(a, a_scale, bt, bt_scale, fast_accum: bool):
+    if _direct():
+        return _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
+    return fp8_scaled_mm_op(a, a_scale, bt, bt_scale, fast_accum)
 
 
 class _LastQuantized:
@@ -590,20 +623,20 @@ class Float8LinearFunction(torch.autograd.Function):
         both = made is not None and keep_fp8
         hit = _forward_cache.get(x2) if share else None
         if both:
-            xq, sx, *saved_x = fp8_both_op(x2, *made)
+            xq, sx, *saved_x = _quant_both(x2, *made)
         elif hit is not None and (hit[2] is not None or not need_weight_grad):
             xq, sx, xmax = hit
         else:
-            xq, sx, xmax = fp8_rows_op(x2, True, need_weight_grad)
+            xq, sx, xmax = _quant_rows(x2, True, need_weight_grad)
             if share:
                 _forward_cache.put(x2, (xq, sx, xmax if need_weight_grad else None))
-        wq, sw, wmax = fp8_rows_op(weight, True, need_input_grad)
+        wq, sw, wmax = _quant_rows(weight, True, need_input_grad)
         y = _scaled_mm(xq, sx, wq, sw, FAST_ACCUM_FORWARD)  # wq [N, K] is W: b = W^T, column-major
         ctx.keep_fp8 = keep_fp8
         if both:
             pass  # saved_x: xT and its scales, made above
         elif keep_fp8:
-            saved_x = fp8_cols_op(x2, xmax)  # xT and its scales; x itself is not kept
+            saved_x = _quant_cols(x2, xmax)  # xT and its scales; x itself is not kept
         elif need_weight_grad:
             saved_x = (x2, xmax)
         else:
@@ -623,13 +656,13 @@ class Float8LinearFunction(torch.autograd.Function):
         made = _produced_grad.take(dy2) if fusing_casts() else None  # dy's maxima, from the kernel that wrote it
         dyqt = None
         if made is not None and need_dx and need_dw:
-            dyq, sdy, dyqt, sdyt = fp8_both_op(dy2, *made)  # both layouts in one read
+            dyq, sdy, dyqt, sdyt = _quant_both(dy2, *made)  # both layouts in one read
         else:
-            dyq, sdy, dymax = fp8_rows_op(dy2, need_dx, need_dw)  # rows, and the maxima for the columns
+            dyq, sdy, dymax = _quant_rows(dy2, need_dx, need_dw)  # rows, and the maxima for the columns
         dx = dw = None
         if need_dx:
             # dx = dy W: b = W [N, K] column-major is W^T [K, N] row-major, scaled along N per column of W.
-            wqt, swt = fp8_cols_op(weight, wmax)
+            wqt, swt = _quant_cols(weight, wmax)
             dx = _scaled_mm(dyq, sdy, wqt, swt, False).to(dy.dtype)
         sharing = _sharing()
         if sharing:
@@ -639,11 +672,11 @@ class Float8LinearFunction(torch.autograd.Function):
                 xqt, sxt = saved
             else:  # a bf16 input that q/k/v (or gate/up) share: quantize it per column once
                 hit = _backward_cache.get(saved[0]) if sharing else None
-                xqt, sxt = hit if hit is not None else fp8_cols_op(*saved)
+                xqt, sxt = hit if hit is not None else _quant_cols(*saved)
                 if hit is None and sharing:
                     _backward_cache.put(saved[0], (xqt, sxt))
             if dyqt is None:
-                dyqt, sdyt = fp8_cols_op(dy2, dymax)
+                dyqt, sdyt = _quant_cols(dy2, dymax)
             # dW = dy^T x: a = dyT [N, padded(M)], b = x [padded(M), K] column-major (from xT); the
             # zero padding of both along the tokens adds nothing.
             dw = _scaled_mm(dyqt, sdyt, xqt, sxt, False).to(weight.dtype)

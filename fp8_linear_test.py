@@ -285,21 +285,23 @@ def test_what_backward_keeps():
            0.0, 0.0, True)
 
 
-def _count_quantizations(monkeypatch):
-    """Count the row and column quantizations of activations (weights are [N, K] Parameters)."""
+def _count_quantizations(monkeypatch, activation=lambda x: x.shape[0] == 40):
+    """Count the row and column quantizations of activations (`activation(x)`: by default the 40 token
+    rows of `_qkv_inputs`; its weights have 32 or 64). The launchers are counted, which the operators
+    and the eager path both call, and which see 2-D views rather than the Parameters."""
     calls = {"rows": 0, "cols": 0}
-    rows, cols = fp8_linear_kernel.fp8_rows_op, fp8_linear_kernel.fp8_cols_op
+    rows, cols = fp8_linear_kernel.quantize_rows, fp8_linear_kernel.quantize_cols
 
-    def count_rows(x, *a):
-        calls["rows"] += not isinstance(x, nn.Parameter)
-        return rows(x, *a)
+    def count_rows(x, *a, **k):
+        calls["rows"] += bool(activation(x))
+        return rows(x, *a, **k)
 
-    def count_cols(x, *a):
-        calls["cols"] += not isinstance(x, nn.Parameter)
-        return cols(x, *a)
+    def count_cols(x, *a, **k):
+        calls["cols"] += bool(activation(x))
+        return cols(x, *a, **k)
 
-    monkeypatch.setattr(fp8_linear_kernel, "fp8_rows_op", count_rows)
-    monkeypatch.setattr(fp8_linear_kernel, "fp8_cols_op", count_cols)
+    monkeypatch.setattr(fp8_linear_kernel, "quantize_rows", count_rows)
+    monkeypatch.setattr(fp8_linear_kernel, "quantize_cols", count_cols)
     return calls
 
 
@@ -336,6 +338,29 @@ def test_shared_input_is_quantized_once(monkeypatch):
         exactly(f"layer {i}: output bits", separate[0][i], shared[0][i])
         exactly(f"layer {i}: weight gradient bits", separate[2][i], shared[2][i])
     exactly("input gradient bits", separate[1], shared[1])
+
+
+def test_eager_layers_launch_their_kernels_without_the_operators(monkeypatch):
+    """In eager mode the FP8 layer calls the launchers directly (a custom-operator call costs the host
+    ~15 us: `DIRECT_LAUNCH`), with the bits it gets through the operators. (Under torch.compile the
+    operators are what the graph holds: the compile tests below.)"""
+    x, weights, dys = _qkv_inputs()
+    calls = {"ops": 0}
+    for name in ("fp8_rows_op", "fp8_cols_op", "fp8_both_op", "fp8_scaled_mm_op"):
+        def counting(*a, _op=getattr(fp8_linear_kernel, name), **k):
+            calls["ops"] += 1
+            return _op(*a, **k)
+
+        monkeypatch.setattr(fp8_linear_kernel, name, counting)
+    direct = _qkv(x, weights, dys)
+    assert calls["ops"] == 0, calls
+    monkeypatch.setattr(fp8_linear_kernel, "DIRECT_LAUNCH", False)
+    through_ops = _qkv(x, weights, dys)
+    assert calls["ops"] > 0, calls
+    for i in range(3):
+        exactly(f"layer {i}: output, direct launch vs operators", direct[0][i], through_ops[0][i])
+        exactly(f"layer {i}: weight gradient, direct launch vs operators", direct[2][i], through_ops[2][i])
+    exactly("input gradient, direct launch vs operators", direct[1], through_ops[1])
 
 
 def test_an_input_changed_in_place_is_quantized_again(monkeypatch):
@@ -636,8 +661,9 @@ def test_tiny_llama_shared_quantization_changes_no_bit(monkeypatch):
     for share in (False, True):
         monkeypatch.setattr(fp8_linear_kernel, "SHARE_QUANTIZED_INPUTS", share)
         model = copy.deepcopy(base)
+        weights = {p.data_ptr() for p in model.parameters()}
         with monkeypatch.context() as m:
-            calls = _count_quantizations(m)
+            calls = _count_quantizations(m, lambda x: x.data_ptr() not in weights)
             runs.append((*_loss_and_grads(model, ids), dict(calls)))
     (l0, g0, c0), (l1, g1, c1) = runs
     exactly("loss, shared vs separate quantization", l1, l0)
