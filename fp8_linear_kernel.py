@@ -99,6 +99,14 @@ joined projections (projections_kernel.py, in the default kernel set) q/k/v and 
 one FP8 layer on one joined weight: that layer is its input's only reader, so it keeps only the FP8
 copy (1 byte per element), and the table above then reads 4,096 B for q/k/v and for gate/up.
 
+One read for both copies, when the kernel that wrote the tensor took its maxima
+-------------------------------------------------------------------------------
+The row pass exists to find the maxima. A kernel that writes a tensor and also takes both maxima of
+what it wrote (the SwiGLU backward, for the [tokens, 2 x 14336] output gradient of gate/up:
+swiglu_kernel.py) hands them over (`offer_input`, `offer_grad`), and the next FP8 layer that reads
+that very tensor makes both copies in one read (`quantize_both`: the column kernel, also writing the
+row copy): 3 bytes per element fewer, bit for bit the same copies.
+
 Layout of this file: kernels -> launchers -> custom ops -> the autograd.Function -> functional API ->
 module and `patch_model` -> references.
 """
@@ -374,29 +382,23 @@ def quantize_cols(x2: torch.Tensor, col_max: torch.Tensor):
     """One read of x [M, K] and its column maxima [K] (from `quantize_rows`): the column-quantized copy,
     transposed, qT [K, padded(M)] float8_e4m3fn (zeros past M), and its scales [K] fp32, with
     x ~= (qT * scale[:, None])[:, :M].T."""
-    M, K = x2.shape
-    m_pad = padded(M)
-    qt = torch.empty((K, m_pad), dtype=FP8_DTYPE, device=x2.device)
-    scale = torch.empty(K, dtype=torch.float32, device=x2.device)
-    block_m, block_k = COL_BLOCK_M, COL_BLOCK_K
-    if kernel_utils.INTERPRET:
-        block_m, block_k = min(256, next_power_of_2(m_pad)), min(256, next_power_of_2(K))
-    grid = (max(1, triton.cdiv(m_pad, block_m)), triton.cdiv(K, block_k))
-    _quantize_cols_transposed[grid](
-        x2, qt, scale, col_max, x2.stride(0), M, m_pad, K,
-        BLOCK_M=block_m, BLOCK_K=block_k, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=COL_NUM_WARPS,
-    )
-    return qt, scale
+    return _launch_cols(x2, col_max)[2:]
 
 
 def quantize_both(x2: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor):
     """One read of x [M, K], given its row maxima [M] and column maxima [K] (from the kernel that wrote
     x): (q [M, K], row scales [M], qT [K, padded(M)], column scales [K]), each equal bit for bit to
     what `quantize_rows` and `quantize_cols` make of x, which read it twice."""
+    return _launch_cols(x2, col_max, row_max)
+
+
+def _launch_cols(x2: torch.Tensor, col_max: torch.Tensor, row_max: torch.Tensor | None = None):
+    """The column kernel: (q, row scales, qT, column scales), the first two None without `row_max`."""
     M, K = x2.shape
     m_pad = padded(M)
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x2.device)
-    row_scale = torch.empty(M, dtype=torch.float32, device=x2.device)
+    rows_too = row_max is not None
+    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x2.device) if rows_too else None
+    row_scale = torch.empty(M, dtype=torch.float32, device=x2.device) if rows_too else None
     qt = torch.empty((K, m_pad), dtype=FP8_DTYPE, device=x2.device)
     scale = torch.empty(K, dtype=torch.float32, device=x2.device)
     block_m, block_k = COL_BLOCK_M, COL_BLOCK_K
@@ -405,7 +407,7 @@ def quantize_both(x2: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor
     grid = (max(1, triton.cdiv(m_pad, block_m)), triton.cdiv(K, block_k))
     _quantize_cols_transposed[grid](
         x2, qt, scale, col_max, x2.stride(0), M, m_pad, K,
-        BLOCK_M=block_m, BLOCK_K=block_k, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, ROWS_TOO=True, RowMax=row_max, Q=q,
+        BLOCK_M=block_m, BLOCK_K=block_k, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, ROWS_TOO=rows_too, RowMax=row_max, Q=q,
         RowScale=row_scale, num_warps=COL_NUM_WARPS,
     )
     return q, row_scale, qt, scale

@@ -41,6 +41,10 @@ g, u; write dg, du), and keep nothing but g and u, which the matmuls need anyway
 The MLP path (`swiglu_down`, below) moves 6 bytes per element more in backward: it recomputes h
 there instead of keeping it alive from the forward pass.
 
+Under --fp8 the backward also takes the row and column maxima of the gradient it writes, so that the
+FP8 gate/up projection quantizes it in one read instead of two (the FP8 section below; measured
+1.28x on the pair of kernels at 8192 tokens on an H200).
+
 Layout of this file: kernels -> launchers -> custom ops (PyTorch operators, with their autograd)
 -> functional API -> the MLP drop-in and `patch_model` -> reference.
 """
@@ -719,16 +723,13 @@ def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if weight.dtype != dtype and torch.is_autocast_enabled(x.device.type):
             weight = weight.to(dtype)
         return swiglu_down(g, u, weight, activation) if gu is None else swiglu_down_joined(gu, weight, activation)
-    if gu is not None and _fused_fp8(down, gu):
+    if gu is not None and fp8_linear_kernel.fusing_casts():
         gate_up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj
-        quantize_grad = isinstance(gate_up, fp8_linear_kernel.Float8Linear)
-        return down(swiglu_joined_fp8(gu, activation, quantize_grad))
+        fp8_down, fp8_gate_up = (isinstance(m, fp8_linear_kernel.Float8Linear) for m in (down, gate_up))
+        if fp8_down or fp8_gate_up:  # hand the maxima of h / d gate_up to the FP8 projection that reads it
+            return down(swiglu_joined_fp8(gu, activation, quantize_grad=fp8_gate_up,
+                                          maxima=FP8_FORWARD_MAXIMA and fp8_down))
     return down(swiglu(g, u, activation) if gu is None else swiglu_joined(gu, activation))
-
-
-def _fused_fp8(down: nn.Module, gate_up: torch.Tensor) -> bool:
-    """Whether the MLP takes the SwiGLU path that hands h's maxima to an FP8 down projection."""
-    return fp8_linear_kernel.fusing_casts() and isinstance(down, fp8_linear_kernel.Float8Linear)
 
 
 def patch_model(model: nn.Module) -> int:
