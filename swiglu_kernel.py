@@ -224,6 +224,12 @@ def _stripe_maxima(v, rows, cols, row_ok, col_ok, col_max, RowMax, n_col_blocks,
 
 
 @triton.jit
+def _block_of(P, rows, cols, stride, ok):
+    """The [SUB_ROWS, BLOCK] block of P at these rows and columns, in fp32 (0 where not `ok`)."""
+    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _swiglu_fwd_maxima(
     G, U,  # pointers to gate and up, [n_rows, I], unit stride along I
     H,  # pointer to h, [n_rows, I], contiguous
@@ -241,18 +247,11 @@ def _swiglu_fwd_maxima(
         rows = stripe * STRIPE_ROWS + r + tl.arange(0, SUB_ROWS)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
-        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        h = _act_out(g, u, ACT).to(H.dtype.element_ty)
+        h = _act_out(_block_of(G, rows, cols, stride_g, mask), _block_of(U, rows, cols, stride_u, mask),
+                     ACT).to(H.dtype.element_ty)
         tl.store(H + rows[:, None] * I + cols[None, :], h, mask=mask)
         col_max = _stripe_maxima(h, rows, cols, row_ok, col_ok, col_max, RowMax, tl.num_programs(1), tl.program_id(1))
     tl.store(ColMax + stripe * I + cols, col_max, mask=col_ok)
-
-
-@triton.jit
-def _block_of(P, rows, cols, stride, ok):
-    """The [SUB_ROWS, BLOCK] block of P at these rows and columns, in fp32 (0 where not `ok`)."""
-    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -342,15 +341,21 @@ def _maxima_launch(n_rows: int, width: int, direction: str):
     return (triton.cdiv(n_rows, stripe), triton.cdiv(width, block)), stripe, sub, block, warps
 
 
+def _partials(n_rows: int, col_blocks: int, stripes: int, width: int, device: torch.device):
+    """The maxima kernels' partial row maxima [n_rows, col_blocks] and column maxima [stripes, width],
+    fp32; the kernel writes every one (zeros when there is nothing to launch)."""
+    alloc = torch.empty if n_rows * width else torch.zeros
+    return (alloc((n_rows, col_blocks), dtype=torch.float32, device=device),
+            alloc((max(1, stripes), width), dtype=torch.float32, device=device))
+
+
 def swiglu_forward_maxima(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
     """(h, row maxima [n_rows], column maxima [I]): h = act(g) * u as `swiglu_forward` writes it, and the
     largest |h| of each row and of each column (what h's two FP8 quantizations need)."""
     n_rows, width = g2.shape
     h = torch.empty((n_rows, width), dtype=g2.dtype, device=g2.device)
     grid, stripe, sub, block, warps = _maxima_launch(n_rows, width, "forward")
-    alloc = torch.empty if n_rows * width else torch.zeros  # the kernel writes every partial maximum
-    row_part = alloc((n_rows, grid[1]), dtype=torch.float32, device=g2.device)
-    col_part = alloc((max(1, grid[0]), width), dtype=torch.float32, device=g2.device)
+    row_part, col_part = _partials(n_rows, grid[1], grid[0], width, g2.device)
     if h.numel():
         _swiglu_fwd_maxima[grid](g2, u2, h, row_part, col_part, g2.stride(0), u2.stride(0), n_rows, width,
                                  STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block, ACT=activation, num_warps=warps)
@@ -363,9 +368,7 @@ def swiglu_joined_backward_maxima(dh2: torch.Tensor, g2: torch.Tensor, u2: torch
     n_rows, width = g2.shape
     dgu = torch.empty((n_rows, 2 * width), dtype=g2.dtype, device=g2.device)
     grid, stripe, sub, block, warps = _maxima_launch(n_rows, width, "backward")
-    alloc = torch.empty if n_rows * width else torch.zeros  # the kernel writes every partial maximum
-    row_part = alloc((n_rows, 2 * grid[1]), dtype=torch.float32, device=g2.device)
-    col_part = alloc((max(1, grid[0]), 2 * width), dtype=torch.float32, device=g2.device)
+    row_part, col_part = _partials(n_rows, 2 * grid[1], grid[0], 2 * width, g2.device)
     if dgu.numel():
         _swiglu_joined_bwd_maxima[grid](dh2, g2, u2, dgu, row_part, col_part, dh2.stride(0), g2.stride(0),
                                         u2.stride(0), n_rows, width, STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block,
