@@ -7,14 +7,14 @@
 # torch and triton (the NGC container, a prepared environment); otherwise make builds .venv with
 # torch, triton and requirements.txt. USE_VENV=1 builds .venv even where python3 has torch.
 # TORCH_SPEC / TORCH_INDEX choose the torch build for .venv. TORCH_INDEX defaults to the PyTorch index
-# for this machine's NVIDIA GPU and driver (`python3 check_setup.py --index-url`: cu130 on a GB300 with
+# for this machine's NVIDIA GPU and driver (`python3 selfcheck.py --index-url`: cu130 on a GB300 with
 # a CUDA 13 driver) and to PyPI on a machine without one; e.g.
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu    (small CPU-only wheels)
-# After set-up, check_setup.py stops run / test / setup with the fix when an NVIDIA GPU is present but
+# After set-up, `selfcheck.py --setup` stops run / test / setup with the fix when an NVIDIA GPU is present but
 # the torch in use cannot use it (a CPU-only build, or a CUDA build too old for the GPU).
 PYTHON ?= python3
 TORCH_SPEC ?= torch
-TORCH_INDEX ?= $(shell $(PYTHON) check_setup.py --index-url 2>/dev/null)
+TORCH_INDEX ?= $(shell $(PYTHON) selfcheck.py --index-url 2>/dev/null)
 USE_VENV ?=
 
 ifeq ($(USE_VENV),1)
@@ -47,7 +47,7 @@ selfcheck: $(SETUP)
 
 # Exits 1 with the fix when a GPU is present and this torch cannot use it.
 check: $(SETUP)
-	$(PY) check_setup.py
+	$(PY) selfcheck.py --setup
 
 .deps-system: requirements.txt
 	$(PY) -c "import transformers, accelerate, huggingface_hub, tabulate, tqdm, matplotlib, pytest" 2>/dev/null \

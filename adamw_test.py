@@ -23,13 +23,13 @@ import pytest
 import torch
 
 import adamw_kernel
-import common
-import models
-import training
+from playbook import common
+from playbook import models
+from playbook import training
 from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
-from kernel_utils import DEVICE
-from run_config import make_parser, parse_config
-from testkit import close_to_reference, exactly, expect_error, record, run_as_script
+from playbook.kernel_utils import DEVICE
+from playbook.config import make_parser, parse_config
+from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 HERE = Path(__file__).resolve().parent

@@ -75,7 +75,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
+from playbook import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
 import adamw_kernel  # noqa: E402
 import cross_entropy_kernel  # noqa: E402
 import distillation_kernel  # noqa: E402
@@ -84,15 +84,15 @@ import projections_kernel  # noqa: E402
 import rmsnorm_kernel  # noqa: E402
 import rope_kernel  # noqa: E402
 import swiglu_kernel  # noqa: E402
-from apply_kernels import KERNEL_NAMES  # noqa: E402
-from common import is_out_of_memory  # noqa: E402
+from playbook.registry import KERNEL_NAMES  # noqa: E402
+from playbook.common import is_out_of_memory  # noqa: E402
 from cross_entropy_kernel import cross_entropy  # noqa: E402
-from kernel_utils import DEVICE  # noqa: E402
+from playbook.kernel_utils import DEVICE  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import rmsnorm, rmsnorm_backward, rmsnorm_forward, rmsnorm_ref  # noqa: E402
 from rope_kernel import rope, rope_ref  # noqa: E402
 from swiglu_kernel import swiglu, swiglu_ref  # noqa: E402
-from testkit import close_to_reference  # noqa: E402
+from playbook.testkit import close_to_reference  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

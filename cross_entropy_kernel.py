@@ -113,9 +113,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from kernel_utils import INTERPRET, as_rows, check_device, check_float, next_power_of_2
-from model_families import model_type
+from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.kernel_utils import INTERPRET, as_rows, check_device, check_float, next_power_of_2
+from playbook.model_families import model_type
 
 import triton
 import triton.language as tl

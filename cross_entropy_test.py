@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import cross_entropy_kernel
 from cross_entropy_kernel import (cross_entropy, cross_entropy_forward, cross_entropy_ref, ideal_bytes, scale_gradient_,
                                   z_loss_ref)
-from kernel_utils import DEVICE
-from testkit import close_to_reference, expect_error, exactly, record, run_as_script
+from playbook.kernel_utils import DEVICE
+from playbook.testkit import close_to_reference, expect_error, exactly, record, run_as_script
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ON_GPU = DEVICE.type == "cuda"

@@ -49,13 +49,13 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
-from common import describe_gpu, is_out_of_memory, log, result_path, synchronize, versions, write_atomic
+from playbook import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
+from playbook.common import describe_gpu, is_out_of_memory, log, result_path, synchronize, versions, write_atomic
 from cross_entropy_kernel import causal_targets
 from distillation_kernel import jsd_ref, linear_jsd
 from linear_cross_entropy_kernel import linear_cross_entropy
-from models import PRESETS, build_preset, count_params, load_model
-from run_config import TAG_PATTERN, nonnegative_int, positive_float, positive_int, usage_error
+from playbook.models import PRESETS, build_preset, count_params, load_model
+from playbook.config import TAG_PATTERN, nonnegative_int, positive_float, positive_int, usage_error
 
 MODES = ("baseline", "fused")
 
@@ -179,7 +179,7 @@ def build_model(name: str, num_layers: int | None, device: torch.device, dtype: 
 
 
 def make_batches(args, vocab_size: int):
-    from data import make_data, make_tokenizer
+    from playbook.data import make_data, make_tokenizer
 
     tokenizer = make_tokenizer(args.teacher, preset=args.teacher in PRESETS) if args.data else None
     try:
@@ -337,7 +337,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from check_setup import check_or_exit
+    from playbook.setup_check import check_or_exit
 
     check_or_exit()
     main()

@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_flatten
 import distillation_kernel
 from distillation_kernel import (jsd, jsd_ideal_bytes, jsd_ref, kl_div, linear_jsd, linear_jsd_flops,
                                  linear_jsd_ideal_bytes, linear_jsd_ref)
-from kernel_utils import DEVICE
-from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from playbook.kernel_utils import DEVICE
+from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 
 # The scale of a JSD loss check: the loss sums V products per token (p * (log p - log m) and the
@@ -555,7 +555,7 @@ def test_distill_modes_agree_on_the_first_step():
     """distill.py in this process, fp32, both modes, 2 steps on 1 x 16 tokens: the baseline (full
     logits, F.cross_entropy, jsd_ref) and the fused mode (linear_cross_entropy, linear_jsd) must give
     the same first-step losses, and the run writes its JSON."""
-    import common
+    from playbook import common
     import distill
 
     tag = "test_distill_llama-tiny"

@@ -11,11 +11,11 @@ flag of finetune_optimized.py except --kernels: both run the very same loop (tra
 the two summaries compare the kernels and nothing else.
 """
 
-from run_config import make_parser, parse_config
-from training import train
+from playbook.config import make_parser, parse_config
+from playbook.training import train
 
 if __name__ == "__main__":
-    from check_setup import check_or_exit
+    from playbook.setup_check import check_or_exit
 
     check_or_exit()
     train(parse_config(make_parser(__doc__.splitlines()[0]), "finetune_baseline"))

@@ -14,12 +14,12 @@ The same loop as finetune_baseline.py (training.train) from the same seed and da
 attention's rotary embedding with fused kernels. `python apply_kernels.py` lists the kernels.
 """
 
-from apply_kernels import DEFAULT_KERNELS
-from run_config import make_parser, parse_config
-from training import train
+from playbook.registry import DEFAULT_KERNELS
+from playbook.config import make_parser, parse_config
+from playbook.training import train
 
 if __name__ == "__main__":
-    from check_setup import check_or_exit
+    from playbook.setup_check import check_or_exit
 
     check_or_exit()
     train(parse_config(make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS), "finetune_optimized"))

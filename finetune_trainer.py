@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
+from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
 
-from apply_kernels import DEFAULT_KERNELS, apply_kernels
-from common import log
-from run_config import make_parser, parse_config
+from playbook.registry import DEFAULT_KERNELS, apply_kernels
+from playbook.common import log
+from playbook.config import make_parser, parse_config
 
 
 class RowsDataset(torch.utils.data.Dataset):
@@ -39,7 +39,7 @@ class RowsDataset(torch.utils.data.Dataset):
 
 
 def build_datasets(cfg, tokenizer):
-    from data import encode_rows, load_rows, pad_examples
+    from playbook.data import encode_rows, load_rows, pad_examples
 
     rows = load_rows(cfg.dataset)
     examples, report = encode_rows(rows, tokenizer, cfg.seq_len, cfg.train_on_prompt, source=cfg.dataset)
@@ -60,8 +60,8 @@ def build_datasets(cfg, tokenizer):
 def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
-    from models import load_model, prefer_fast_attention
-    from training import run_tokenizer
+    from playbook.models import load_model, prefer_fast_attention
+    from playbook.training import run_tokenizer
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_trainer", argv)
@@ -72,11 +72,11 @@ def main(argv=None):
     log(prefer_fast_attention(cfg.device))
     report = apply_kernels(model, cfg.kernels, verbose=True)
     if cfg.fp8:
-        from models import apply_fp8
+        from playbook.models import apply_fp8
 
         apply_fp8(model, cfg.fp8_backend, cfg.compile)
     if cfg.lora_r:
-        from lora import lora_from_config
+        from playbook.lora import lora_from_config
 
         model = lora_from_config(model, cfg, fuse=bool(report.replaced))
     tokenizer = run_tokenizer(cfg, name)
@@ -118,7 +118,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from check_setup import check_or_exit
+    from playbook.setup_check import check_or_exit
 
     check_or_exit()
     main()

@@ -116,9 +116,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
-from model_families import family_classes, model_type
+from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
+from playbook.model_families import family_classes, model_type
 
 import triton
 import triton.language as tl
@@ -856,7 +856,7 @@ def patch_model(model: nn.Module) -> int:
     as it is and is named in one log line. Refuses (RuntimeError) a GPU without FP8 matmuls. Returns
     how many projections now run in FP8; patching twice changes nothing.
     """
-    from common import log
+    from playbook.common import log
 
     model_type(model)
     for device in {p.device for p in model.parameters()}:

@@ -33,17 +33,17 @@ import pytest
 import torch
 from torch import nn
 
-import apply_kernels as ak
-import common
+from playbook import registry as ak
+from playbook import common
 import fp8_linear_kernel
-import models
-import training
+from playbook import models
+from playbook import training
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, check_fp8_device, compiled_graph_trusted, expected_patches,
                                fp8_cols_op, fp8_linear, fp8_rows_op, fp8_scaled_mm_op, ideal_bytes, padded, patch_model, quantize,
                                quantize_cols_ref, quantize_rows_ref)
-from kernel_utils import DEVICE
-from run_config import make_parser, parse_config
-from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from playbook.kernel_utils import DEVICE
+from playbook.config import make_parser, parse_config
+from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 U = 2.0**-4  # e4m3's largest relative rounding error for normal values: half of its 2^-3 step
 SUB = 2.0**-10  # its largest absolute rounding error below 2^-6, in units of the scale: half of 2^-9
@@ -605,7 +605,7 @@ def test_down_proj_runs_in_fp8_under_the_fused_swiglu(monkeypatch):
 def test_lora_on_fp8_projections(monkeypatch):
     """peft wraps a Float8Linear as it wraps nn.Linear (it is one); the frozen base weight runs in FP8
     and saves nothing of its input, and the adapters train."""
-    from lora import apply_lora, fuse_lora_layers
+    from playbook.lora import apply_lora, fuse_lora_layers
 
     model = _tiny(layers=1)
     patch_model(model)

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 import linear_cross_entropy_kernel
 from cross_entropy_kernel import z_loss_ref
 from cross_entropy_test import model_close, model_error, model_step, tiny_gemma2, tiny_llama
-from kernel_utils import DEVICE
+from playbook.kernel_utils import DEVICE
 from linear_cross_entropy_kernel import (causal_lm_forward, chunk_tokens, flops, ideal_bytes, linear_cross_entropy,
                                          linear_cross_entropy_ref)
-from testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script
+from playbook.testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 

@@ -36,10 +36,10 @@ from collections import Counter, defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from common import RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, write_atomic
-from models import prepare_model
-from run_config import make_parser, parse_config
-from training import make_optimizer, make_run_data, run_tokenizer, training_step
+from playbook.common import RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, write_atomic
+from playbook.models import prepare_model
+from playbook.config import make_parser, parse_config
+from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
@@ -67,7 +67,7 @@ def category(name: str) -> str:
 
 
 def main():
-    from check_setup import check_or_exit
+    from playbook.setup_check import check_or_exit
 
     check_or_exit()
     cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=()), "profile_baseline")

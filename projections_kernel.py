@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_families import family_classes, model_type
+from playbook.model_families import family_classes, model_type
 
 GROUPS = {"Attention": ("q_proj", "k_proj", "v_proj"), "MLP": ("gate_proj", "up_proj")}
 
@@ -187,7 +187,7 @@ _told = set()
 
 def _tell_once(why: str) -> None:
     if why not in _told and not why.startswith("torch.compile"):
-        from common import log
+        from playbook.common import log
 
         _told.add(why)
         log(f"projections: running q/k/v and gate/up as separate matmuls: {why}")

@@ -71,9 +71,9 @@ import math
 import torch
 from torch import nn
 
-import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
-from model_families import family, family_classes
+from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
+from playbook.model_families import family, family_classes
 
 import triton
 import triton.language as tl

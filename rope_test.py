@@ -18,10 +18,10 @@ import torch
 import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
-from kernel_utils import DEVICE
+from playbook.kernel_utils import DEVICE
 from rope_kernel import (MAX_HEAD_TILE, apply_rotary_pos_emb, expected_patches, ideal_bytes, patch_model, rope,
                          rope_bwd_op, rope_fwd_op, rope_ref, unpatch_model)
-from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -1,11 +1,13 @@
 """A new machine's first run: what is on it, and does the playbook work there? (`make selfcheck`)
 
     $ python selfcheck.py
+    $ python selfcheck.py --setup       # only the set-up check: "OK: ..." and exit 0, or the fix and exit 1
+    $ python selfcheck.py --index-url   # the PyTorch wheel index for this GPU and driver (`make` uses it)
 
 Prints the GPU (name, compute capability, memory), the driver and its CUDA version, the versions of
 torch (and its CUDA), Triton and transformers, bf16 support, and whether results/ already holds
 figures from this GPU family. Then runs three checks, each timed and marked PASS or FAIL:
-  1. set-up        check_setup.py: torch can use the GPU (or there is none)
+  1. set-up        setup_check.py: torch can use the GPU (or there is none)
   2. kernel test   python -m pytest -q rmsnorm_test.py
   3. fine-tune     python finetune_optimized.py --model llama-3.1-8b --batch-size 1 --seq-len 1024 --steps 3
                    --warmup-steps 1 (the LLaMA 3.1 8B architecture, random weights, all kernels)
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import check_setup
+from playbook import setup_check
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -132,14 +134,14 @@ def _dist_version(*names: str) -> str:
     return "not installed"
 
 
-def machine_facts(report: check_setup.SmiReport) -> list[tuple[str, str]]:
+def machine_facts(report: setup_check.SmiReport) -> list[tuple[str, str]]:
     """(label, value) pairs describing this machine; torch's view of the GPU where it has one."""
     facts = []
     try:
         import torch
     except Exception as e:  # reported; the set-up check says what to do
         torch = None
-        facts.append(("torch", f"cannot be imported: {check_setup.first_line(str(e))}"))
+        facts.append(("torch", f"cannot be imported: {setup_check.first_line(str(e))}"))
     on_gpu = torch is not None and torch.cuda.is_available()
     if on_gpu:
         p = torch.cuda.get_device_properties(0)
@@ -150,7 +152,7 @@ def machine_facts(report: check_setup.SmiReport) -> list[tuple[str, str]]:
     elif report.gpus:
         g = report.gpus[0]
         facts += [("GPU (nvidia-smi)", g.name),
-                  ("compute capability", check_setup.capability_text(g.capability)),
+                  ("compute capability", setup_check.capability_text(g.capability)),
                   ("GPU memory", "unknown" if g.memory_mib is None else f"{g.memory_mib / 1024:.1f} GiB")]
     elif report.error is not None:
         facts.append(("GPU", f"unknown: {report.error}"))
@@ -158,7 +160,7 @@ def machine_facts(report: check_setup.SmiReport) -> list[tuple[str, str]]:
         facts.append(("GPU", "none (" + ("nvidia-smi not found" if not report.found else "nvidia-smi lists no GPU")
                       + "): a CPU machine"))
     if report.found and report.error is None:
-        facts.append(("driver", f"{report.driver or 'unknown'}, supports CUDA {check_setup.version_text(report.cuda)}"))
+        facts.append(("driver", f"{report.driver or 'unknown'}, supports CUDA {setup_check.version_text(report.cuda)}"))
     if torch is not None:
         facts.append(("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: CPU-only build'})"))
     facts += [("Triton", _dist_version("triton", "pytorch-triton")),
@@ -234,7 +236,7 @@ def summary_table(checks: list[Check]) -> str:
 
 
 def main() -> int:
-    report = check_setup.nvidia_smi_report()
+    report = setup_check.nvidia_smi_report()
     gpu = report.error is not None or bool(report.gpus)  # a failing nvidia-smi: a GPU that cannot be used
     print("selfcheck: this machine")
     facts = machine_facts(report)
@@ -247,7 +249,7 @@ def main() -> int:
               "(their times say nothing about a GPU).")
     checks = plan(gpu)
     for i, check in enumerate(checks, 1):
-        shown = "python check_setup.py" if check.cmd is None else shlex.join(["python"] + check.cmd[1:])
+        shown = "python setup_check.py" if check.cmd is None else shlex.join(["python"] + check.cmd[1:])
         print(f"\n[{i}/{len(checks)}] {check.name}\n$ {shown}", flush=True)
         if i > 1 and checks[0].result != "PASS":
             check.detail = "set-up failed"
@@ -255,11 +257,11 @@ def main() -> int:
             continue
         if check.cmd is None:
             t0 = time.perf_counter()
-            problem = check_setup.diagnose(report)[1]
+            problem = setup_check.diagnose(report)[1]
             check.seconds = time.perf_counter() - t0
             check.result = "FAIL" if problem else "PASS"
-            check.detail = check_setup.first_line(problem)[len("check_setup: "):][:100] if problem else ""
-            print(problem or ("torch can use the GPU" if gpu else check_setup.cpu_demo_note()))
+            check.detail = setup_check.first_line(problem)[len("setup: "):][:100] if problem else ""
+            print(problem or ("torch can use the GPU" if gpu else setup_check.cpu_demo_note()))
         else:
             run_subprocess(check)
         print(f"{check.result} ({check.seconds:.1f} s)", flush=True)
@@ -274,4 +276,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["--setup"], ["--index-url"]):  # the quick set-up check `make` runs before each command
+        sys.exit(setup_check.main([a for a in sys.argv[1:] if a != "--setup"]))
     sys.exit(main())

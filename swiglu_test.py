@@ -19,10 +19,10 @@ import torch
 
 import fp8_linear_kernel
 import swiglu_kernel
-from kernel_utils import DEVICE
+from playbook.kernel_utils import DEVICE
 from swiglu_kernel import (expected_patches, geglu, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
                            swiglu_down_bwd_op, swiglu_down_fwd_op, swiglu_fwd_op, swiglu_mlp_forward, swiglu_ref)
-from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 
@@ -374,11 +374,11 @@ def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections(forward_maxima, monkeyp
     forward (counted), and the loss and every gradient equal those of the separate quantizing passes
     bit for bit."""
     monkeypatch.setattr(swiglu_kernel, "FP8_FORWARD_MAXIMA", forward_maxima)
-    import apply_kernels
-    from families_test import batch, loss_and_grads, tiny_model
+    from playbook import registry
+    from playbook.testkit import batch, loss_and_grads, tiny_model
 
     model = tiny_model("llama").to(torch.bfloat16)
-    apply_kernels.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
+    registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
     fp8_linear_kernel.patch_model(model)
     ids, labels = batch()
     results = {}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import apply_kernels
+from playbook import registry
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -156,9 +156,9 @@ def main():
 
     if args.skip_kernel_tests:
         print(f"\n{'=' * 100}\nStep 2: the kernel tests: skipped (--skip-kernel-tests); `make test` runs them\n{'=' * 100}")
-    for name in () if args.skip_kernel_tests else apply_kernels.KERNEL_NAMES:
+    for name in () if args.skip_kernel_tests else registry.KERNEL_NAMES:
         step(f"Step 2 ({name}): test the fused {name} kernel",
-             f"{apply_kernels.KERNELS[name]}.\nEach line compares the kernel with PyTorch and a float64 reference on the "
+             f"{registry.KERNELS[name]}.\nEach line compares the kernel with PyTorch and a float64 reference on the "
              "same inputs: 'max err' must stay under 'tol' (at most 2x PyTorch's own error).",
              [py, f"{name}_test.py"])
 
@@ -174,7 +174,7 @@ def main():
               + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s["peak GPU memory (GB)"] else ""))
 
     step("Step 4: fine-tune, optimized",
-         f"The same loop, seed and data with the kernels ({','.join(apply_kernels.DEFAULT_KERNELS)}). Look at\n"
+         f"The same loop, seed and data with the kernels ({','.join(registry.DEFAULT_KERNELS)}). Look at\n"
          "the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down.",
          [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized", *overwrite])
     opt = load("walkthrough_optimized")

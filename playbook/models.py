@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
-from common import log, world
-from run_config import DEFAULT_MODEL, usage_error
+from playbook import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
+from playbook.common import log, world
+from playbook.config import DEFAULT_MODEL, usage_error
 
 PRESETS = {
     # meta-llama/Llama-3.1-8B's config.json, field for field (weights are random)
@@ -240,7 +240,7 @@ def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = Fals
 
 def prepare_model(cfg):
     """Load the model and get it ready to train. Returns (model, model name used, description, kernel report)."""
-    from apply_kernels import apply_kernels
+    from playbook.registry import apply_kernels
 
     init_distributed(cfg.device)
     model, name, desc = load_model(cfg)
@@ -257,7 +257,7 @@ def prepare_model(cfg):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         log("Gradient checkpointing: each decoder layer is recomputed in backward")
     if cfg.lora_r:
-        from lora import lora_from_config
+        from playbook.lora import lora_from_config
 
         model = lora_from_config(model, cfg, fuse=bool(report.replaced))  # fused when the kernels are on
     if cfg.compile:

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from common import (RESULTS_DIR, describe_gpu, gpu_bf16_peak_tflops, interactive, is_main, is_out_of_memory, log,
+from playbook.common import (RESULTS_DIR, describe_gpu, gpu_bf16_peak_tflops, interactive, is_main, is_out_of_memory, log,
                     oom_message, result_path, synchronize, versions, world, write_atomic)
-from models import PRESETS, count_params, flops_per_token, prepare_model
+from playbook.models import PRESETS, count_params, flops_per_token, prepare_model
 
 IGNORE_INDEX = -100
 
@@ -319,7 +319,7 @@ def plot_curve(result: RunResult, path) -> None:
 
 
 def make_run_data(cfg, model, tokenizer=None):
-    from data import make_data
+    from playbook.data import make_data
 
     kind = "dataset" if cfg.dataset else "text" if cfg.data else "synthetic"
     rank, size = world()
@@ -338,7 +338,7 @@ def needs_tokenizer(cfg) -> bool:
 def run_tokenizer(cfg, model_name: str):
     if not needs_tokenizer(cfg):
         return None
-    from data import make_tokenizer
+    from playbook.data import make_tokenizer
 
     return make_tokenizer(model_name, preset=model_name in PRESETS)
 
@@ -395,7 +395,7 @@ def _train(cfg) -> dict:
                        config=cfg.as_dict())
     start = 0
     if cfg.resume is not None:
-        from checkpoint import load_checkpoint
+        from playbook.checkpoint import load_checkpoint
 
         state = load_checkpoint(cfg.resume, model, optimizer, schedule)
         start = int(state["step"])
@@ -488,7 +488,7 @@ def _train(cfg) -> dict:
         print(f"Saved {summary_path}, its loss curve {summary_path.with_suffix('.png').name} and "
               f"{metrics.path.name}")
     if cfg.lora_r and cfg.merge_lora and is_main():
-        from lora import merge_and_save
+        from playbook.lora import merge_and_save
 
         merged = cfg.output_dir / "merged"
         merge_and_save(model, merged, tokenizer)
@@ -499,7 +499,7 @@ def _train(cfg) -> dict:
 
 
 def save(cfg, step, model, tokenizer, optimizer, schedule, result) -> None:
-    from checkpoint import save_checkpoint
+    from playbook.checkpoint import save_checkpoint
 
     extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
              "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1]}

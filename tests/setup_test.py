@@ -1,4 +1,4 @@
-"""Set-up cannot degrade silently: check_setup.py, the Makefile's use of it, the container files, selfcheck.py.
+"""Set-up cannot degrade silently: setup_check.py, the Makefile's use of it, the container files, selfcheck.py.
 
 A GPU is simulated by a fake `nvidia-smi` first on PATH, so these tests run on any machine. Tests that
 need torch itself to be a CPU-only build (the real "GPU present, CPU torch" case) are skipped where the
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-import check_setup
+from playbook import setup_check
 import selfcheck
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 CU130 = "https://download.pytorch.org/whl/cu130"
 MAKE = shutil.which("make") or "make"  # by full path: some tests leave only a fake nvidia-smi on PATH
 
@@ -96,7 +96,7 @@ def _run(cmd, env, cwd=HERE, timeout=120) -> subprocess.CompletedProcess:
 
 
 class StandInTorch(types.ModuleType):
-    """Just enough of torch for check_setup: a build's CUDA version, whether CUDA starts, its code list."""
+    """Just enough of torch for setup: a build's CUDA version, whether CUDA starts, its code list."""
 
     def __init__(self, cuda=None, available=False, capability=(10, 3), arches=(), init_error=None, run_error=None):
         super().__init__("torch")
@@ -134,46 +134,46 @@ def gpu_machine(tmp_path, monkeypatch):
 
 
 def test_fake_gb300_is_read_like_a_real_nvidia_smi(gpu_machine):
-    r = check_setup.nvidia_smi_report()
+    r = setup_check.nvidia_smi_report()
     assert r.found and r.error is None
     assert [(g.name, g.capability, g.memory_mib) for g in r.gpus] == [("NVIDIA GB300", (10, 3), 284208)]
     assert (r.driver, r.cuda) == ("580.95.05", (13, 0))
-    assert check_setup.gpu_present()
+    assert setup_check.gpu_present()
 
 
 def test_parsers_on_real_output_shapes():
-    assert check_setup.parse_header(HEADER.format(name="NVIDIA H200", cuda="12.8", mem=143771)) == \
+    assert setup_check.parse_header(HEADER.format(name="NVIDIA H200", cuda="12.8", mem=143771)) == \
         ("580.95.05", (12, 8))
-    assert check_setup.parse_header("no table here") == (None, None)
-    two = check_setup.parse_query("NVIDIA H100 80GB HBM3, 9.0, 81559\nNVIDIA H100 80GB HBM3, 9.0, 81559\n")
+    assert setup_check.parse_header("no table here") == (None, None)
+    two = setup_check.parse_query("NVIDIA H100 80GB HBM3, 9.0, 81559\nNVIDIA H100 80GB HBM3, 9.0, 81559\n")
     assert [(g.capability, g.memory_mib) for g in two] == [((9, 0), 81559)] * 2
     # drivers that cannot report compute_cap: name and memory only, the capability taken from the name
-    assert check_setup.parse_query("NVIDIA GB300, 284208")[0].capability == (10, 3)
-    assert check_setup.parse_query("") == []
+    assert setup_check.parse_query("NVIDIA GB300, 284208")[0].capability == (10, 3)
+    assert setup_check.parse_query("") == []
 
 
 def test_no_nvidia_smi_is_ok_and_says_cpu_demo_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no nvidia-smi anywhere
-    assert not check_setup.gpu_present()
-    assert check_setup.torch_gpu_problem() is None
-    monkeypatch.setattr(check_setup, "_cpu_note_printed", False)
-    check_setup.check_or_exit()
-    check_setup.check_or_exit()
+    assert not setup_check.gpu_present()
+    assert setup_check.torch_gpu_problem() is None
+    monkeypatch.setattr(setup_check, "_cpu_note_printed", False)
+    setup_check.check_or_exit()
+    setup_check.check_or_exit()
     out = capsys.readouterr().out
     assert out.count("this is the CPU demo") == 1, out
     assert "timings are not meaningful" in out
 
 
 def test_cli_without_nvidia_smi_exits_0(tmp_path):
-    p = _run([sys.executable, "check_setup.py"], _env(tmp_path, keep_path=False))
+    p = _run([sys.executable, "setup_check.py"], _env(tmp_path, keep_path=False))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith("check_setup: OK: no NVIDIA GPU found: this is the CPU demo"), p.stdout
+    assert p.stdout.startswith("setup: OK: no NVIDIA GPU found: this is the CPU demo"), p.stdout
 
 
 def test_broken_nvidia_smi_is_said_clearly(tmp_path):
-    p = _run([sys.executable, "check_setup.py"], _env(fake_smi(tmp_path, broken=True)))
+    p = _run([sys.executable, "setup_check.py"], _env(fake_smi(tmp_path, broken=True)))
     assert p.returncode == 1
-    assert f"check_setup: nvidia-smi failed (exit code 1): {BROKEN}" in p.stderr
+    assert f"setup: nvidia-smi failed (exit code 1): {BROKEN}" in p.stderr
     assert "cannot talk to the NVIDIA driver" in p.stderr and "Traceback" not in p.stderr
     assert "CPU_DEMO=1" in p.stderr
 
@@ -181,8 +181,8 @@ def test_broken_nvidia_smi_is_said_clearly(tmp_path):
 def test_cpu_demo_1_goes_on_and_says_why(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(fake_smi(tmp_path, broken=True)))
     monkeypatch.setenv("CPU_DEMO", "1")
-    monkeypatch.setattr(check_setup, "_cpu_note_printed", False)
-    check_setup.check_or_exit()  # no SystemExit
+    monkeypatch.setattr(setup_check, "_cpu_note_printed", False)
+    setup_check.check_or_exit()  # no SystemExit
     out = capsys.readouterr().out
     assert "CPU_DEMO=1 is set" in out and "nvidia-smi failed" in out and "CPU demo" in out
 
@@ -201,14 +201,14 @@ def test_cpu_demo_1_goes_on_and_says_why(tmp_path, monkeypatch, capsys):
     ((10, 3), None, "cu130"),      # driver CUDA unknown: the newest
 ])
 def test_wheel_index(cc, driver, index):
-    got = check_setup.wheel_index(cc, driver)
+    got = setup_check.wheel_index(cc, driver)
     assert got == (None if index is None else f"https://download.pytorch.org/whl/{index}")
 
 
 def test_index_url_option(tmp_path):
-    p = _run([sys.executable, "check_setup.py", "--index-url"], _env(fake_smi(tmp_path)))
+    p = _run([sys.executable, "setup_check.py", "--index-url"], _env(fake_smi(tmp_path)))
     assert (p.returncode, p.stdout.strip()) == (0, CU130)
-    p = _run([sys.executable, "check_setup.py", "--index-url"], _env(tmp_path / "none", keep_path=False))
+    p = _run([sys.executable, "setup_check.py", "--index-url"], _env(tmp_path / "none", keep_path=False))
     assert (p.returncode, p.stdout.strip()) == (0, "")
 
 
@@ -217,11 +217,11 @@ def test_index_url_option(tmp_path):
 
 @needs_cpu_torch
 def test_cli_gpu_with_cpu_torch_exits_1_with_the_index(tmp_path):
-    """The real case, with the real (CPU-only) torch: python check_setup.py on a 'GB300'."""
-    p = _run([sys.executable, "check_setup.py"], _env(fake_smi(tmp_path)))
+    """The real case, with the real (CPU-only) torch: python setup_check.py on a 'GB300'."""
+    p = _run([sys.executable, "setup_check.py"], _env(fake_smi(tmp_path)))
     assert p.returncode == 1, p.stdout + p.stderr
     first = p.stderr.splitlines()[0]
-    assert first.startswith("check_setup: NVIDIA GB300 (compute capability 10.3 = sm_103; driver 580.95.05, "
+    assert first.startswith("setup: NVIDIA GB300 (compute capability 10.3 = sm_103; driver 580.95.05, "
                             "CUDA 13.0) is present, but torch ") and "is a CPU-only build" in first, first
     assert f"pip install torch --index-url {CU130}" in p.stderr
     assert f"make clean && make setup USE_VENV=1 TORCH_INDEX={CU130}" in p.stderr
@@ -238,7 +238,7 @@ def test_cli_gpu_with_cpu_torch_exits_1_with_the_index(tmp_path):
 def test_cpu_torch_message_per_architecture(gpu_machine, monkeypatch, machine, says):
     gpu_machine(cuda=None)
     monkeypatch.setattr(platform, "machine", lambda: machine)
-    msg = check_setup.torch_gpu_problem()
+    msg = setup_check.torch_gpu_problem()
     assert msg is not None and "is a CPU-only build" in msg
     assert says in msg
     other = "aarch64" if machine == "x86_64" else "x86_64"
@@ -249,13 +249,13 @@ def test_cpu_torch_message_per_architecture(gpu_machine, monkeypatch, machine, s
 def test_check_or_exit_stops_with_the_message(gpu_machine):
     gpu_machine(cuda=None)
     with pytest.raises(SystemExit) as e:
-        check_setup.check_or_exit()
+        setup_check.check_or_exit()
     assert isinstance(e.value.code, str) and "CPU-only build" in e.value.code and CU130 in e.value.code
 
 
 def test_cuda_build_without_code_for_this_gpu(gpu_machine):
     gpu_machine(cuda="12.6", available=True, capability=(10, 3), arches=("sm_80", "sm_90"))
-    msg = check_setup.torch_gpu_problem()
+    msg = setup_check.torch_gpu_problem()
     assert msg is not None
     assert "has no code for compute capability 10.3 (it carries sm_80 sm_90)" in msg
     assert "needs wheels for CUDA 12.8 or newer; a GB300 is best served by cu130" in msg
@@ -264,15 +264,15 @@ def test_cuda_build_without_code_for_this_gpu(gpu_machine):
 
 def test_cuda_build_that_fits_is_ok(gpu_machine, capsys):
     gpu_machine(cuda="13.0", available=True, capability=(10, 3), arches=("sm_90", "sm_100", "sm_120"))
-    assert check_setup.torch_gpu_problem() is None  # sm_100 code runs on sm_103
-    check_setup.check_or_exit()
+    assert setup_check.torch_gpu_problem() is None  # sm_100 code runs on sm_103
+    setup_check.check_or_exit()
     assert capsys.readouterr().out == ""  # a usable GPU: nothing to say
 
 
 def test_cuda_build_newer_than_the_driver(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(fake_smi(tmp_path, cuda="12.8")))
     monkeypatch.setitem(sys.modules, "torch", StandInTorch(cuda="13.0", available=False))
-    msg = check_setup.torch_gpu_problem()
+    msg = setup_check.torch_gpu_problem()
     assert "is built for CUDA 13.0, newer than the driver supports (CUDA 12.8)" in msg
     assert "https://download.pytorch.org/whl/cu128" in msg
 
@@ -280,20 +280,20 @@ def test_cuda_build_newer_than_the_driver(tmp_path, monkeypatch):
 def test_driver_too_old_for_blackwell_says_update_the_driver(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(fake_smi(tmp_path, cuda="12.4")))
     monkeypatch.setitem(sys.modules, "torch", StandInTorch(cuda=None))
-    msg = check_setup.torch_gpu_problem()
+    msg = setup_check.torch_gpu_problem()
     assert "supports CUDA 12.4" in msg and "update the NVIDIA driver first" in msg
 
 
 def test_cuda_that_does_not_start_or_run_is_reported(gpu_machine):
     gpu_machine(cuda="13.0", available=False, init_error="Found no NVIDIA driver on your system.")
-    assert "CUDA does not start: Found no NVIDIA driver on your system." in check_setup.torch_gpu_problem()
+    assert "CUDA does not start: Found no NVIDIA driver on your system." in setup_check.torch_gpu_problem()
     gpu_machine(cuda="13.0", available=True, arches=("sm_100",),
                 run_error="CUDA error: no kernel image is available for execution on the device\nmore")
-    assert "fails to run on it: CUDA error: no kernel image" in check_setup.torch_gpu_problem()
+    assert "fails to run on it: CUDA error: no kernel image" in setup_check.torch_gpu_problem()
 
 
-def test_importing_check_setup_does_not_import_torch():
-    p = _run([sys.executable, "-c", "import sys, check_setup; print('torch' in sys.modules)"], _env(None))
+def test_importing_setup_check_does_not_import_torch():
+    p = _run([sys.executable, "-c", "import sys, selfcheck; from playbook import setup_check; print('torch' in sys.modules)"], _env(None))
     assert p.stdout.strip() == "False", p.stderr
 
 
@@ -302,12 +302,12 @@ def test_importing_check_setup_does_not_import_torch():
 
 @pytest.fixture
 def sandbox(tmp_path):
-    """A copy of the Makefile and check_setup.py whose walkthrough and test suite only leave a marker, with
+    """A copy of the Makefile and setup_check.py whose walkthrough and test suite only leave a marker, with
     set-up already done (nothing is installed), and a CPU-only stand-in for torch and triton on PYTHONPATH
     (importing them takes no time, whatever torch is installed)."""
     box = tmp_path / "box"
     box.mkdir()
-    for name in ("Makefile", "check_setup.py", "requirements.txt", "pytest.ini"):
+    for name in ("Makefile", "setup_check.py", "requirements.txt", "pytest.ini"):
         shutil.copy(HERE / name, box / name)
     (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")
     (box / "marker_test.py").write_text("def test_marker():\n    open('tests.ran', 'w').close()\n")
@@ -339,7 +339,7 @@ def test_make_run_stops_on_the_system_python_path(sandbox, tmp_path):
     p = _run([MAKE, "run", f"PYTHON={sys.executable}"], _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in),
              cwd=box)
     assert p.returncode != 0
-    assert f"{sys.executable} check_setup.py" in p.stdout  # make chose this python, not a .venv
+    assert f"{sys.executable} setup_check.py" in p.stdout  # make chose this python, not a .venv
     assert "torch 2.13.0+cpu" in p.stderr and "is a CPU-only build" in p.stderr and CU130 in p.stderr
     assert not (box / "walkthrough.ran").exists()
 
@@ -349,7 +349,7 @@ def test_make_test_stops_on_the_venv_path(sandbox, tmp_path):
     _venv(box)
     p = _run([MAKE, "test"], _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in), cwd=box)
     assert p.returncode != 0
-    assert ".venv/bin/python check_setup.py" in p.stdout
+    assert ".venv/bin/python setup_check.py" in p.stdout
     assert "is a CPU-only build" in p.stderr
     assert not (box / "tests.ran").exists()
 
@@ -361,7 +361,7 @@ def test_make_run_and_test_go_on_when_the_check_passes(sandbox, tmp_path):
     _venv(box)
     p = _run([MAKE, "run", "test"], _env(tmp_path / "empty", keep_path=False, PYTHONPATH=stand_in), cwd=box)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "check_setup: OK: no NVIDIA GPU found" in p.stdout
+    assert "setup: OK: no NVIDIA GPU found" in p.stdout
     assert (box / "walkthrough.ran").exists() and (box / "tests.ran").exists()
 
 
@@ -370,7 +370,7 @@ def test_make_goes_on_with_cpu_demo_1(sandbox, tmp_path):
     p = _run([MAKE, "run", f"PYTHON={sys.executable}"],
              _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in, CPU_DEMO="1"), cwd=box)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "check_setup: OK: CPU_DEMO=1 is set, so the GPU is left unused (NVIDIA GB300" in p.stdout
+    assert "setup: OK: CPU_DEMO=1 is set, so the GPU is left unused (NVIDIA GB300" in p.stdout
     assert (box / "walkthrough.ran").exists()
 
 
@@ -380,7 +380,7 @@ def test_makefile_picks_the_index_for_the_gpu(sandbox, tmp_path):
     p = _run(setup, _env(fake_smi(tmp_path / "bin"), keep_path=False), cwd=box)
     assert p.returncode == 0, p.stderr
     assert f"pip install -q torch --index-url {CU130}\n" in p.stdout
-    assert p.stdout.splitlines()[-1] == ".venv/bin/python check_setup.py"  # set-up ends with the check
+    assert p.stdout.splitlines()[-1] == ".venv/bin/python setup_check.py"  # set-up ends with the check
     p = _run(setup, _env(tmp_path / "empty", keep_path=False), cwd=box)  # no nvidia-smi: PyPI, as before
     assert p.returncode == 0, p.stderr
     assert "pip install -q torch \n" in p.stdout
@@ -410,8 +410,8 @@ def test_dockerfile_installs_requirements_and_runs_make():
     assert re.search(rf"^RUN pip install .*-r {re.escape(dest)}", text, re.M)
     assert re.search(r"^COPY \. /workspace$", text, re.M)
     assert re.search(r'^CMD \["make", "run"\]$', text, re.M)
-    assert check_setup.DOCKER_BUILD in text  # the commands check_setup prints name this image
-    assert "-v $(pwd)/results:/workspace/results" in check_setup.DOCKER_RUN and "WORKDIR /workspace" in text
+    assert setup_check.DOCKER_BUILD in text  # the commands setup_check prints name this image
+    assert "-v $(pwd)/results:/workspace/results" in setup_check.DOCKER_RUN and "WORKDIR /workspace" in text
 
 
 def test_dockerignore_keeps_local_state_out():
@@ -464,7 +464,7 @@ def test_selfcheck_plans_the_commands_the_readme_gives():
     cpu = selfcheck.plan(gpu=False)
     assert cpu[2].cmd[1:5] == ["finetune_optimized.py", "--model", "llama-tiny", "--steps"]
     assert "interpreter" in cpu[1].name
-    from run_config import make_parser  # the flags still exist and parse
+    from playbook.config import make_parser  # the flags still exist and parse
 
     for check in (gpu[2], cpu[2]):
         make_parser("x", kernels_default=("rmsnorm",)).parse_args(check.cmd[2:])

@@ -28,22 +28,13 @@ import inspect
 import pytest
 import torch
 
-import apply_kernels as ak
+from playbook import registry as ak
 import rmsnorm_kernel
-from kernel_utils import DEVICE
-from model_families import FAMILIES as TABLE
-from testkit import close_to_reference, exactly, record, run_as_script
+from playbook.kernel_utils import DEVICE
+from playbook.model_families import FAMILIES as TABLE
+from playbook.testkit import (CONFIGS, FAMILIES, N_TERMS, batch, close_to_reference, exactly, loss_and_grads, record,
+                              run_as_script, tiny_model)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
-CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-           "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "phi3": "Phi3Config"}
-FAMILY_OPTIONS = {  # what a family needs beyond the shared tiny shape (see the module docstring)
-    "gemma2": {"final_logit_softcapping": 0.5},
-    "phi3": {"partial_rotary_factor": 0.5},
-}
-VOCAB, HIDDEN, WIDTH, BATCH, SEQ = 256, 64, 96, 2, 12
-# The longest sums behind a loss or gradient value: over the tokens, times over the widest dimension.
-N_TERMS = BATCH * SEQ * max(VOCAB, HIDDEN, WIDTH)
 KERNEL_SETS = {  # the default set, and the one with the logits-level loss instead of the fused head
     "default": ak.DEFAULT_KERNELS,
     "cross_entropy": ("rmsnorm", "cross_entropy", "swiglu", "rope"),
@@ -51,41 +42,6 @@ KERNEL_SETS = {  # the default set, and the one with the logits-level loss inste
 # Every family with the default set; Gemma 2 also with cross_entropy, the loss kernel that sees its
 # capped logits whether or not the fused lm_head + loss takes the cap.
 CASES = [(kind, "default") for kind in FAMILIES] + [("gemma2", "cross_entropy")]
-
-
-def tiny_model(kind: str, seed: int = 0, **overrides):
-    """A 2-layer random model of the family, built by transformers from its own config class."""
-    import transformers
-
-    options = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=WIDTH, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN // 4, bos_token_id=None,
-                   eos_token_id=None, pad_token_id=None, **FAMILY_OPTIONS.get(kind, {}))
-    options.update(overrides)
-    config = getattr(transformers, CONFIGS[kind])(**options)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    offset = TABLE[kind].norm_offset
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # HF initialises (offset + weight) to ones: make the norms' weights random
-        for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=generator) + 0.5 - offset)
-    return model.to(DEVICE).eval()
-
-
-def batch(seed: int = 0):
-    """Random token ids and labels with about a quarter -100 (ignored), the same for every model."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.where(torch.rand(BATCH, SEQ, generator=g) < 0.25, -100, ids)
-    return ids.to(DEVICE), labels.to(DEVICE)
-
-
-def loss_and_grads(model, ids, labels):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def count_modules(model, suffix: str) -> int:
@@ -150,7 +106,7 @@ def _may_not_apply(kind: str) -> set:
 def test_every_family_is_available():
     """Every family of the table is in this transformers release (5.17 and 5.23 both have them all),
     with the classes and the function the kernels patch."""
-    from model_families import SUPPORTED_MODEL_TYPES, family_classes, family_module
+    from playbook.model_families import SUPPORTED_MODEL_TYPES, family_classes, family_module
 
     assert SUPPORTED_MODEL_TYPES == FAMILIES == tuple(TABLE)
     for kind in FAMILIES:

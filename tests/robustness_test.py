@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-import apply_kernels as ak
-import common
-from run_config import make_parser, parse_config
-from testkit import record, run_as_script
+from playbook import registry as ak
+from playbook import common
+from playbook.config import make_parser, parse_config
+from playbook.testkit import record, run_as_script
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 BAD_ARGUMENTS = [  # (command-line words, what the one-line error must mention)
     (["--batch-size", "0"], "--batch-size"),

@@ -20,10 +20,10 @@ from unittest import mock
 import pytest
 import torch
 
-import data
-from testkit import close_to_reference, exactly, expect_error, record, run_as_script
+from playbook import data
+from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 EXAMPLES = HERE / "examples"
 TOK = data.byte_tokenizer()
 SPECIAL = {t: TOK.convert_tokens_to_ids(t) for t in data.BYTE_SPECIAL_TOKENS}

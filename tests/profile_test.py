@@ -23,7 +23,7 @@ import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
 from profile_baseline import category, launch_gaps
-from testkit import record, run_as_script
+from playbook.testkit import record, run_as_script
 
 
 def _triton_kernels(module):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from apply_kernels import DEFAULT_KERNELS, KERNEL_NAMES, PEERS, parse_kernels
+from playbook.registry import DEFAULT_KERNELS, KERNEL_NAMES, PEERS, parse_kernels
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")  # a file name inside results/, nothing else

@@ -138,3 +138,60 @@ def run_as_script(module_name: str, title: str) -> int:
     c = plugin.counts
     print(f"\n{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {time.perf_counter() - start:.1f} s")
     return 0 if code in (0, 5) and not c["failed"] else 1
+
+
+# Tiny models of every family the kernels know (2 layers, hidden 64, vocabulary 256, fp32, random
+# RMSNorm weights), shared by tests/families_test.py and the kernel tests that patch whole models.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+           "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "phi3": "Phi3Config"}
+FAMILY_OPTIONS = {  # what a family needs beyond the shared tiny shape (see the module docstring)
+    "gemma2": {"final_logit_softcapping": 0.5},
+    "phi3": {"partial_rotary_factor": 0.5},
+}
+VOCAB, HIDDEN, WIDTH, BATCH, SEQ = 256, 64, 96, 2, 12
+# The longest sums behind a loss or gradient value: over the tokens, times over the widest dimension.
+N_TERMS = BATCH * SEQ * max(VOCAB, HIDDEN, WIDTH)
+
+
+def tiny_model(kind: str, seed: int = 0, **overrides):
+    """A 2-layer random model of the family, built by transformers from its own config class."""
+    import transformers
+
+    options = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=WIDTH, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN // 4, bos_token_id=None,
+                   eos_token_id=None, pad_token_id=None, **FAMILY_OPTIONS.get(kind, {}))
+    options.update(overrides)
+    config = getattr(transformers, CONFIGS[kind])(**options)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    from playbook.model_families import FAMILIES as TABLE
+
+    offset = TABLE[kind].norm_offset
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # HF initialises (offset + weight) to ones: make the norms' weights random
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=generator) + 0.5 - offset)
+    return model.to(_device()).eval()
+
+
+def batch(seed: int = 0):
+    """Random token ids and labels with about a quarter -100 (ignored), the same for every model."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.where(torch.rand(BATCH, SEQ, generator=g) < 0.25, -100, ids)
+    return ids.to(_device()), labels.to(_device())
+
+
+def loss_and_grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _device():
+    from playbook.kernel_utils import DEVICE
+
+    return DEVICE

@@ -292,7 +292,7 @@ def _as_tuples(value):
 
 
 def _is_peft(model) -> bool:
-    from lora import is_peft_model
+    from playbook.lora import is_peft_model
 
     return is_peft_model(model)
 

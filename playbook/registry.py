@@ -105,7 +105,7 @@ def not_applicable(name: str, model) -> str | None:
     only the loss and receives capped logits; the fused lm_head + loss never builds the logits, so
     it applies only in a version that takes the cap (a `softcap` argument).
     """
-    from model_families import final_logit_softcap
+    from playbook.model_families import final_logit_softcap
 
     cap = final_logit_softcap(model.config)
     if name == "linear_cross_entropy" and cap is not None:
@@ -125,13 +125,13 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False) -> Kern
     `not_applicable`, or a kernel's own NotImplementedError, raised before it patches anything) is
     left out with a one-line message and listed in `report.not_applied`.
     """
-    from common import log
+    from playbook.common import log
 
     names = parse_kernels(kernels)
     if names and names[0] in PEERS:
         report = KernelReport(replaced={}, peer=apply_peer(model, names[0]))
     else:
-        from model_families import model_type
+        from playbook.model_families import model_type
 
         # a clear error for an unsupported family, before anything is patched
         kind = model_type(model) if names else None

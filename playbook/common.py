@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 # Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
 BF16_PEAK_TFLOPS = {

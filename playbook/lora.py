@@ -42,7 +42,7 @@ TARGET_SETS = {"all": ALL_TARGETS, "attention": ATTENTION_TARGETS}
 def _peft():
     # peft imports triton; on a machine without a GPU the kernels need Triton's interpreter, which is
     # switched on only if kernel_utils is imported before triton is (Triton reads the switch once)
-    import kernel_utils  # noqa: F401
+    from playbook import kernel_utils  # noqa: F401
 
     try:
         import peft
@@ -52,7 +52,7 @@ def _peft():
 
 
 def _log(text: str) -> None:
-    from common import log  # prints on the main process only
+    from playbook.common import log  # prints on the main process only
 
     log(text)
 
@@ -141,7 +141,7 @@ def save_adapter(model: nn.Module, directory) -> Path:
     """Write the adapter (adapter_model.safetensors + adapter_config.json) into `directory`, atomically."""
     _require_peft_model(model, "save_adapter")
     _refuse_sharded(model, "save_adapter")
-    from checkpoint import atomic_directory
+    from playbook.checkpoint import atomic_directory
 
     with atomic_directory(directory) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -168,7 +168,7 @@ def merge_and_save(model: nn.Module, directory, tokenizer=None) -> Path:
     """
     _require_peft_model(model, "merge_and_save")
     _refuse_sharded(model, "merge_and_save")
-    from checkpoint import atomic_directory
+    from playbook.checkpoint import atomic_directory
 
     with torch.no_grad():
         merged = model.merge_and_unload()

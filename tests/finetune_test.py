@@ -24,15 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import apply_kernels as ak
-import common
-import models
-import training
+from playbook import registry as ak
+from playbook import common
+from playbook import models
+from playbook import training
 from rmsnorm_kernel import TritonRMSNorm
-from run_config import DEFAULT_MODEL, make_parser, parse_config
-from testkit import close_to_reference, record, run_as_script
+from playbook.config import DEFAULT_MODEL, make_parser, parse_config
+from playbook.testkit import close_to_reference, record, run_as_script
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 STEPS = 20
 CPU = torch.device("cpu")
 TEXT = HERE / "examples" / "chat.jsonl"  # real text the tiny model can learn, in a file no code change edits
@@ -356,7 +356,7 @@ def _offline():
 
 def test_default_model_unavailable_falls_back_to_the_preset():
     """No token / offline: one clear paragraph, then the 8B preset (here on the meta device)."""
-    import dataclasses
+    from playbook import dataclasses
 
     cfg = dataclasses.replace(config("--num-layers", "1"), model=DEFAULT_MODEL, model_explicit=False,
                               device=torch.device("meta"))

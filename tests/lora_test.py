@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
-from kernel_utils import DEVICE
-import lora
-import testkit
-from lora import ALL_TARGETS, apply_lora, load_adapter, merge_and_save, save_adapter, trainable_parameters
-from testkit import close_to_reference, exactly, expect_error, record, run_as_script
+from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
+from playbook.kernel_utils import DEVICE
+from playbook import lora
+from playbook import testkit
+from playbook.lora import ALL_TARGETS, apply_lora, load_adapter, merge_and_save, save_adapter, trainable_parameters
+from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 VOCAB = 512
 R = 8
@@ -225,10 +225,10 @@ def test_the_check_catches_a_bypassed_adapter():
 def test_project_kernels_then_lora():
     """apply_kernels (RMSNorm, SwiGLU, RoPE, fused lm_head + loss) then apply_lora: the plain LoRA
     model's loss, and every adapter gets a gradient."""
-    import apply_kernels
+    from playbook import registry
 
     patched = _same_loss_as_plain_lora("default kernels + LoRA",
-                                       lambda m: apply_kernels.apply_kernels(m, apply_kernels.DEFAULT_KERNELS))
+                                       lambda m: registry.apply_kernels(m, registry.DEFAULT_KERNELS))
     x = tokens(11).to(DEVICE)
     _loss(patched, x).backward()
     grads = [p.grad for n, p in patched.named_parameters() if "lora_" in n]
@@ -379,7 +379,7 @@ def test_project_kernels_then_fused_lora():
     """The optimized scripts' LoRA: apply_kernels, apply_lora, fuse_lora_layers. The plain LoRA
     model's loss; the MLPs take the SwiGLU + LoRA down-projection path, which keeps no h =
     silu(gate) * up for backward; every adapter gets a gradient."""
-    import apply_kernels
+    from playbook import registry
     import swiglu_kernel
 
     fused_mlps = []
@@ -390,7 +390,7 @@ def test_project_kernels_then_fused_lora():
                           if getattr(m.forward, "__func__", None) is lora.swiglu_lora_mlp_forward)
 
     patched = _same_loss_as_plain_lora("default kernels + fused LoRA",
-                                       lambda m: apply_kernels.apply_kernels(m, apply_kernels.DEFAULT_KERNELS), fuse)
+                                       lambda m: registry.apply_kernels(m, registry.DEFAULT_KERNELS), fuse)
     assert len(fused_mlps) == 2
     x = tokens(11).to(DEVICE)
     widths = []
@@ -500,7 +500,7 @@ def test_qlora_fused_matches_peft():
 def test_qlora_script(capsys):
     """`finetune_optimized.py --lora-r 8 --load-in-4bit` on the tiny preset: runs, says what it did."""
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (in requirements.txt)")
-    from finetune_test import _run
+    from finetune_test import _run  # tests/ is on the path under pytest
 
     summary = _run("--steps", "2", "--warmup-steps", "0", "--batch-size", "1", "--seq-len", "32", "--lora-r", "8",
                    "--load-in-4bit", tag="test_qlora")

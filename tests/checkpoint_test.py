@@ -29,10 +29,10 @@ import pytest
 import torch
 from torch import nn
 
-import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
-import checkpoint
-from checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from testkit import exactly, expect_error, record, run_as_script
+from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
+from playbook import checkpoint
+from playbook.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from playbook.testkit import exactly, expect_error, record, run_as_script
 
 VOCAB = 512
 
@@ -194,9 +194,9 @@ def _patch_by_hand(model):
 
 
 def _patch_with_kernels(model):
-    import apply_kernels
+    from playbook import registry
 
-    apply_kernels.apply_kernels(model, "rmsnorm,swiglu,linear_cross_entropy")
+    registry.apply_kernels(model, "rmsnorm,swiglu,linear_cross_entropy")
     assert not any(type(m).__name__ == "LlamaRMSNorm" for m in model.modules())
 
 
@@ -299,7 +299,7 @@ def test_keep_last(tmp_path):
 
 def test_tokenizer_and_extra_types(tmp_path):
     """The tokenizer is saved beside the weights; `extra` refuses what weights_only loading cannot return."""
-    import data
+    from playbook import data
     from transformers import AutoTokenizer
 
     model = tiny(seed=9)
@@ -371,8 +371,8 @@ def test_several_processes_need_a_process_group(tmp_path, monkeypatch):
 def test_torchrun_command_line(monkeypatch, capsys):
     """Under torchrun --output-dir, --save-every and --resume are accepted; --merge-lora is refused
     (exit code 2, one line): merging needs each whole weight in one process."""
-    import apply_kernels as ak
-    from run_config import make_parser, parse_config
+    from playbook import registry as ak
+    from playbook.config import make_parser, parse_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
@@ -386,7 +386,7 @@ def test_torchrun_command_line(monkeypatch, capsys):
 
 
 def _lora_run(seed_base, r=4):
-    from lora import apply_lora
+    from playbook.lora import apply_lora
 
     model = apply_lora(tiny(seed=seed_base), r=r)
     optimizer, scheduler = make_training(model)
@@ -420,7 +420,7 @@ def test_lora_checkpoint(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Two processes (torchrun, FSDP2, gloo on the CPU)
 # ------------------------------------------------------------------------------------------------
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 RUN = ["--steps", "4", "--warmup-steps", "1", "--seq-len", "32", "--kernels", "none", "--lr", "1e-3", "--lr-schedule",
        "cosine", "--lr-warmup-steps", "2", "--weight-decay", "0.1", "--log-every", "100", "--overwrite"]
 PHASES = {  # the worker's runs, in order: name -> command-line words after RUN (SCRATCH: the test's folder)
@@ -435,8 +435,8 @@ PROBE = tokens(99)  # the input whose logits are compared
 
 
 def _config(*argv):
-    import apply_kernels as ak
-    from run_config import make_parser, parse_config
+    from playbook import registry as ak
+    from playbook.config import make_parser, parse_config
 
     return parse_config(make_parser("test", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized", list(argv))
 
@@ -459,8 +459,8 @@ def _fsdp2_worker(scratch: Path) -> int:
     recording what the test compares (rank 0 writes it into `scratch`)."""
     import json
 
-    import models
-    import training
+    from playbook import models
+    from playbook import training
 
     rank = int(os.environ["RANK"])
     real_save, real_load = training.save, checkpoint.load_checkpoint
@@ -526,8 +526,8 @@ def _gathered_names(model, optimizer):
 
 def _one_process(cfg):
     """The model, optimizer and schedule the training loop builds for cfg (one process)."""
-    import models
-    import training
+    from playbook import models
+    from playbook import training
 
     model = models.prepare_model(cfg)[0]
     optimizer = training.make_optimizer(model, cfg)
@@ -535,7 +535,7 @@ def _one_process(cfg):
 
 
 def _cleanup_results(tags):
-    import common
+    from playbook import common
 
     for tag in tags:
         for suffix in (".json", ".png", ".metrics.jsonl"):
@@ -550,7 +550,7 @@ def test_fsdp2_save_and_resume(tmp_path):
     import json
     import subprocess
 
-    import training
+    from playbook import training
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -560,7 +560,7 @@ def test_fsdp2_save_and_resume(tmp_path):
         training.train(_config(*RUN, "--tag", "test_ckpt_one", "--output-dir", str(tmp_path / "one"),
                                "--save-every", "2"))
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                              str(HERE / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)],
+                              str(HERE / "tests" / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)],
                              cwd=HERE, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread each (see the logits below)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

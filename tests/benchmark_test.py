@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import benchmark_kernels as bk
-from apply_kernels import KERNEL_NAMES
-from testkit import record, run_as_script
+from playbook.registry import KERNEL_NAMES
+from playbook.testkit import record, run_as_script
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESULTS = HERE / "results"
 
 

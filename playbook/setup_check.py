@@ -1,7 +1,7 @@
 """Is the torch in use able to drive this machine's NVIDIA GPU? Say so, or say exactly how to fix it.
 
-    $ python check_setup.py              # "OK: ..." and exit code 0, or what is wrong and exit code 1
-    $ python check_setup.py --index-url  # the PyTorch wheel index for this GPU and driver (empty: no GPU)
+    $ python selfcheck.py --setup              # "OK: ..." and exit code 0, or what is wrong and exit code 1
+    $ python selfcheck.py --index-url  # the PyTorch wheel index for this GPU and driver (empty: no GPU)
 
 The failure this guards against is a quiet one: `pip install torch` on a GPU machine can give a
 CPU-only build (on aarch64, e.g. a DGX Station GB300, PyPI's torch wheels are CPU-only), or a CUDA
@@ -224,7 +224,7 @@ def _problem(report: SmiReport) -> str | None:
     if not report.found:
         return None
     if report.error is not None:
-        return (f"check_setup: {report.error}\n"
+        return (f"setup: {report.error}\n"
                 "nvidia-smi is installed but cannot talk to the NVIDIA driver, so no GPU can be used: the driver "
                 "is not loaded, or does not match the installed utilities (common after a driver or kernel "
                 "update; a reboot usually fixes it). Check with `nvidia-smi`; in a container, start it with "
@@ -237,17 +237,17 @@ def _problem(report: SmiReport) -> str | None:
     try:
         import torch
     except Exception as e:  # not installed, or installed but broken (a missing CUDA library)
-        return (f"check_setup: {where} is present, but torch cannot be imported by {sys.executable} ({e}).\n"
+        return (f"setup: {where} is present, but torch cannot be imported by {sys.executable} ({e}).\n"
                 + _fixes(report, gpu))
     build = f"torch {torch.__version__} ({sys.executable})"
     if getattr(torch.version, "cuda", None) is None:
         kind = "a ROCm build" if getattr(torch.version, "hip", None) else "a CPU-only build"
-        return (f"check_setup: {where} is present, but {build} is {kind}: every script would run the tiny CPU "
+        return (f"setup: {where} is present, but {build} is {kind}: every script would run the tiny CPU "
                 f"demo instead of using the GPU.\n" + _fixes(report, gpu))
     torch_cuda = tuple(int(x) for x in re.findall(r"\d+", torch.version.cuda)[:2])
     if not torch.cuda.is_available():
         if report.cuda is not None and torch_cuda > report.cuda:
-            return (f"check_setup: {where} is present, but {build} is built for CUDA {torch.version.cuda}, newer "
+            return (f"setup: {where} is present, but {build} is built for CUDA {torch.version.cuda}, newer "
                     f"than the driver supports (CUDA {version_text(report.cuda)}): torch cannot use the GPU.\n"
                     + _fixes(report, gpu))
         try:
@@ -258,18 +258,18 @@ def _problem(report: SmiReport) -> str | None:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         if hidden is not None:
             why += f" (CUDA_VISIBLE_DEVICES={hidden!r} chooses which GPUs torch sees)"
-        return (f"check_setup: {where} is present and {build} is built for CUDA {torch.version.cuda}, but "
+        return (f"setup: {where} is present and {build} is built for CUDA {torch.version.cuda}, but "
                 f"{why}.\n" + _fixes(report, gpu))
     major, minor = torch.cuda.get_device_capability(0)
     arch_list = list(torch.cuda.get_arch_list())
     if arch_list and not _arch_supported(arch_list, (major, minor)):
-        return (f"check_setup: {where} is present, but {build}, built with CUDA {torch.version.cuda}, has no code "
+        return (f"setup: {where} is present, but {build}, built with CUDA {torch.version.cuda}, has no code "
                 f"for compute capability {major}.{minor} (it carries {' '.join(arch_list)}): its CUDA version is "
                 f"too old for this GPU.{BLACKWELL_NOTE if major >= 10 else ''}\n" + _fixes(report, gpu))
     try:
         torch.ones(4, device="cuda").add_(1).sum().item()
     except RuntimeError as e:
-        return (f"check_setup: {where} is present, but {build} (CUDA {torch.version.cuda}) fails to run on it: "
+        return (f"setup: {where} is present, but {build} (CUDA {torch.version.cuda}) fails to run on it: "
                 f"{first_line(str(e))}\n" + _fixes(report, gpu))
     return None
 
@@ -303,7 +303,7 @@ def check_or_exit() -> None:
 def _reason(problem: str | None) -> str:
     if problem is None:
         return "no NVIDIA GPU found"
-    return "CPU_DEMO=1 is set, so the GPU is left unused (" + first_line(problem)[len("check_setup: "):] + ")"
+    return "CPU_DEMO=1 is set, so the GPU is left unused (" + first_line(problem)[len("setup: "):] + ")"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,25 +314,25 @@ def main(argv: list[str] | None = None) -> int:
             print(wheel_index(report.gpus[0].capability, report.cuda) or "")
         return 0
     if args:
-        print("usage: python check_setup.py [--index-url]", file=sys.stderr)
+        print("usage: python selfcheck.py --setup [--index-url]", file=sys.stderr)
         return 2
     report, problem = diagnose()
     if problem is not None:
         print(problem, file=sys.stderr, flush=True)
         if os.environ.get("CPU_DEMO") != "1":
             return 1
-        print(f"check_setup: OK: {cpu_demo_note(_reason(problem))}")
+        print(f"setup: OK: {cpu_demo_note(_reason(problem))}")
         return 0
     if report.gpus:
         import torch
 
         gpu = report.gpus[0]
         more = f" (and {len(report.gpus) - 1} more)" if len(report.gpus) > 1 else ""
-        print(f"check_setup: OK: {gpu.name}{more}, compute capability {capability_text(gpu.capability)}, driver "
+        print(f"setup: OK: {gpu.name}{more}, compute capability {capability_text(gpu.capability)}, driver "
               f"{report.driver or 'unknown'} (CUDA {version_text(report.cuda)}); torch {torch.__version__} "
               f"(CUDA {torch.version.cuda}) uses it.")
     else:
-        print(f"check_setup: OK: {cpu_demo_note()}")
+        print(f"setup: OK: {cpu_demo_note()}")
     return 0
 
 
