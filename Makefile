@@ -6,10 +6,15 @@
 # Which Python: the project's .venv once make has built it; otherwise `python3` when it can import
 # torch and triton (the NGC container, a prepared environment); otherwise make builds .venv with
 # torch, triton and requirements.txt. USE_VENV=1 builds .venv even where python3 has torch.
-# TORCH_SPEC / TORCH_INDEX choose the torch build for .venv. TORCH_INDEX defaults to the PyTorch index
-# for this machine's NVIDIA GPU and driver (`python3 selfcheck.py --index-url`: cu130 on a GB300 with
-# a CUDA 13 driver) and to PyPI on a machine without one; e.g.
-#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu    (small CPU-only wheels)
+# TORCH_SPEC / TORCH_INDEX choose the torch build for .venv. TORCH_INDEX defaults to what
+# `python3 selfcheck.py --index-url` prints: the PyTorch index for this machine's NVIDIA GPU and driver
+# (cu130 on a GB300 with a CUDA 13 driver); without a GPU, on Linux x86_64 and aarch64, the CPU index
+# https://download.pytorch.org/whl/cpu (a ~0.2 GB wheel, where PyPI's CUDA build and its nvidia-*
+# libraries make a ~6 GB .venv); elsewhere (macOS, Windows: PyPI's torch has no CUDA there) nothing: PyPI.
+# Set either one to override the default, e.g.
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cu128    (a given CUDA build)
+#   make test TORCH_INDEX=                                           (PyPI, and pip's own find-links)
+#   make test TORCH_SPEC=torch==2.13.0                               (a given version)
 # After set-up, `selfcheck.py --setup` stops run / test / setup with the fix when an NVIDIA GPU is present but
 # the torch in use cannot use it (a CPU-only build, or a CUDA build too old for the GPU).
 PYTHON ?= python3

@@ -8,7 +8,7 @@
     $ python benchmark_kernels.py --kernels adamw              # the optimizer step, run only when named
     $ python benchmark_kernels.py --kernels jsd,linear_jsd     # the distillation losses, run only when named
 
-`--kernels` takes the names of apply_kernels.KERNEL_NAMES, comma-separated, or `all` (the default).
+`--kernels` takes the registry's names (playbook/registry.py), comma-separated, or `all` (the default).
 Every kernel is one entry of the table `SPECS` below: its cases, how to build random inputs for
 one, its implementations, its correctness check, its forward and forward + backward calls, and
 its kernel module, whose `ideal_bytes(...)` (and, for the compute-bound fused linear
@@ -84,7 +84,7 @@ import projections_kernel  # noqa: E402
 import rmsnorm_kernel  # noqa: E402
 import rope_kernel  # noqa: E402
 import swiglu_kernel  # noqa: E402
-from playbook.registry import KERNEL_NAMES  # noqa: E402
+from playbook.registry import BY_NAME, KERNEL_NAMES  # noqa: E402
 from playbook.common import is_out_of_memory  # noqa: E402
 from cross_entropy_kernel import cross_entropy  # noqa: E402
 from playbook.kernel_utils import DEVICE  # noqa: E402
@@ -1087,12 +1087,24 @@ def kernel_list(spec: str) -> tuple:
     words = [w.strip().lower() for w in spec.split(",") if w.strip()]
     if words == ["all"]:
         return KERNEL_NAMES
+    # a registry name stands for its benchmark entries (distillation: jsd, linear_jsd)
+    expanded = []
+    for w in words:
+        entry = BY_NAME.get(w)
+        if entry is not None and w not in SPECS:
+            if not entry.benchmarks:
+                raise argparse.ArgumentTypeError(
+                    f"{w} has no kernel benchmark of its own: its benchmark is the training step "
+                    f"(finetune_optimized.py --kernels default,{w}; docs/optimizations.md)")
+            expanded += entry.benchmarks
+        else:
+            expanded.append(w)
     # SPECS: the model's kernels (KERNEL_NAMES, 'all'), then entries that run only when named
-    unknown = [w for w in words if w not in SPECS] or ([] if words else ["(none)"])
+    unknown = [w for w in expanded if w not in SPECS] or ([] if expanded else ["(none)"])
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown kernel {', '.join(unknown)}; choose from "
-                                         f"{', '.join(SPECS)}, comma-separated, or 'all'")
-    return tuple(n for n in SPECS if n in words)
+                                         f"{', '.join(SPECS)} (or a registry name), comma-separated, or 'all'")
+    return tuple(n for n in SPECS if n in expanded)
 
 
 def token_counts(spec: str) -> list:

@@ -103,8 +103,12 @@ A compiled graph may not rescale the saved gradient in place (see `scale_grad`),
 `torch.compile` the backward writes the rescaled gradient to a new buffer: one more pass over
 N x V than eager mode, the default, which pays nothing for `loss.backward()`.
 
-Layout of this file: kernels -> checked launchers -> custom ops -> autograd.Function and functional
-API -> Hugging Face drop-in (`patch_model`) -> reference.
+Layout of this file, one ladder: kernels -> checked launchers -> custom ops (fake implementations
+registered) -> one autograd.Function over them (the in-place gradient keeps autograd out of the
+ops; the comment above it says why) -> `cross_entropy` -> `TritonCrossEntropyLoss`, a drop-in for
+`torch.nn.CrossEntropyLoss` -> `patch_model` for Hugging Face models -> `cross_entropy_ref`.
+
+    $ python cross_entropy_test.py   # every check against PyTorch in float64, as a short report
 """
 
 import math
@@ -114,7 +118,7 @@ import torch
 from torch import nn
 
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import INTERPRET, as_rows, check_device, check_float, next_power_of_2
+from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2
 from playbook.model_families import model_type
 
 import triton
@@ -181,6 +185,13 @@ def _cross_entropy_fwd(
     ARGMAX: tl.constexpr,  # store each row's argmax (token accuracy, predicted tokens)
     BLOCK_V: tl.constexpr,  # columns per block of the sweep
 ):
+    """One program per row: its loss, and with COMPUTE_GRAD its gradient row.
+
+    Bytes per row of V logits of e bytes: sweep 1 reads V * e; sweep 2 reads V * e again (mostly
+    from L2, being backwards) and writes V * e of gradient; plus the target (8) and the loss (4).
+    Off the L2, the floor is 2 * V * e + 12: 513 KB a row at LLaMA's V = 128256 in bf16. Class
+    weights add V * 4 bytes a row that every row shares (they stay in L2).
+    """
     # The options are compile-time flags: with all of them off, every `if` on them below vanishes
     # and this is the plain kernel, instruction for instruction.
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride exceeds 2^31 past ~16.7k rows
@@ -363,119 +374,6 @@ def _cross_entropy_fwd(
                 g_target = (p_target - 1.0) * scale
             tl.store(grad_row + target, g_target.to(Grad.dtype.element_ty), mask=in_range)
 
-# Split rows: the plain loss and its gradient at the floor (read once, write once)
-# ------------------------------------------------------------------------------
-# The sweep kernel above reads a row twice (sweep 2 re-reads what sweep 1 streamed past, and only
-# part of it is still in L2), so it moves ~1.3x the floor's bytes. Here a row of 128256 is cut into
-# pieces of SPLIT_BLOCK_V columns, one program per piece: 16 programs of 8192 columns, each holding
-# its piece in registers (32 fp32 values per thread at 8 warps). Each program writes its piece's
-# (max, sum of exp) to a small workspace, signals, and waits until all pieces of its row have
-# signalled; then it combines the SPLIT partials into the row's log-sum-exp and writes its piece of
-# the gradient from the values still in its registers. Every logit is read once.
-#
-# Waiting for other programs is safe only when they are guaranteed to run. Programs take their piece
-# from a ticket counter (an atomic add) instead of their launch index, so tickets follow the order in
-# which programs actually start: when a program waits, all pieces with smaller tickets have started,
-# and those of its row with larger tickets are next in line. Only the last row handed out can be
-# incomplete, so as long as SPLIT programs fit on the GPU at once (16 on a GPU with 132 SMs), the
-# waits always end. (Single-pass scans such as CUB's decoupled look-back rely on the same argument.)
-# Triton's interpreter runs programs one after another, where a wait for a later program would never
-# end: there (and on request) the same kernel runs as two launches, PHASE 1 writing the partials
-# and PHASE 2 re-reading the row, which is the same arithmetic with one more read.
-SPLIT_BLOCK_V = 8192
-SPLIT_NUM_WARPS = 8
-# Rows shorter than this take the sweep kernel: a row of a few blocks stays in L1/L2 between its two
-# sweeps, so splitting it would add a launch and a workspace for nothing.
-SPLIT_MIN_V = 32768
-# Whether `cross_entropy_forward` picks the split kernel by itself (for rows of SPLIT_MIN_V or more).
-# Off, because on Hopper it loses. One H200, 16384 x 128256 bf16, loss + gradient, copy floor 1954 us
-# (results/runs/ce_split_H200.log): the sweep kernel 2664 us (1.36x); this kernel 4655 us in pieces of
-# 8192 (8 warps), 3931 us in pieces of 32768 (32 warps), 4076 us in pieces of 4096; with programs
-# taking their launch index instead of a ticket (no forward-progress argument) 3521 us at best, with
-# polling by volatile loads instead of atomics no better; as two launches 3308 us. A program holds
-# its piece while it waits, so the SM cannot stream the next piece meanwhile, and the ticket's single
-# counter serialises 262144 atomics. It stays, tested, for `split=True` and for GPUs with other balances.
-SPLIT_AUTO = False
-
-
-@triton.jit
-def _cross_entropy_split(
-    Logits,  # pointer to the logits, [N, V], unit stride along V
-    Grad,  # pointer to the gradient output, [N, V] (may be Logits itself: in place)
-    Targets,  # pointer to the targets, [N], any stride
-    Loss,  # pointer to the per-row losses, [N], fp32
-    NValid,  # pointer to the number of non-ignored rows (0-d int64; read when MEAN)
-    Partial,  # pointer to fp32 [2, N, SPLIT]: each piece's max, then its sum of exp(x - max)
-    Sync,  # pointer to int32 [1 + N], zeroed: the ticket counter, then one arrival count per row
-    stride_l,
-    stride_g,
-    stride_t,
-    V,
-    N,
-    ignore_index,
-    MEAN: tl.constexpr,
-    PHASE: tl.constexpr,  # 0: one launch (pieces wait for each other); 1: partials only; 2: gradient only
-    SPLIT: tl.constexpr,  # pieces per row: cdiv(V, BLOCK_V)
-    SPLIT_P2: tl.constexpr,  # SPLIT rounded up to a power of 2 (the combine's block)
-    BLOCK_V: tl.constexpr,  # columns per piece
-):
-    if PHASE == 0:
-        # the order programs start in, not the order they were launched in (see above)
-        ticket = tl.atomic_add(Sync, 1).to(tl.int64)
-    else:
-        ticket = tl.program_id(0).to(tl.int64)
-    row = ticket // SPLIT
-    piece = ticket % SPLIT
-    cols = piece * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < V
-    logits_row = Logits + row * stride_l
-    grad_row = Grad + row * stride_g
-    target = tl.load(Targets + row * stride_t).to(tl.int64)
-    if target == ignore_index:
-        # every piece of an ignored row sees the same target: none of them waits for the others
-        if PHASE != 1:
-            tl.store(grad_row + cols, tl.zeros([BLOCK_V], tl.float32).to(Grad.dtype.element_ty), mask=mask)
-            if piece == 0:
-                tl.store(Loss + row, 0.0)
-    else:
-        x = tl.load(logits_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        part_m = Partial + row * SPLIT
-        part_s = Partial + (N + row) * SPLIT
-        if PHASE != 2:
-            # MIN_START keeps an all -inf piece (or the masked tail) from computing -inf - (-inf)
-            m_piece = tl.maximum(tl.max(x, axis=0), MIN_START)
-            s_piece = tl.sum(tl.exp2((x - m_piece) * LOG2E), axis=0)
-            tl.store(part_m + piece, m_piece)
-            tl.store(part_s + piece, s_piece)
-        if PHASE == 0:
-            # Publish the partials, then wait for the row's other pieces. The barrier makes every
-            # thread's stores precede the release; the acquire makes the others' partials visible.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(Sync + 1 + row, 1, sem="release") + 1
-            while arrived < SPLIT:
-                arrived = tl.atomic_add(Sync + 1 + row, 0, sem="acquire")
-            tl.debug_barrier()
-        if PHASE != 1:
-            j = tl.arange(0, SPLIT_P2)
-            # ".cg": read from L2, where the other SMs' stores are, never from a stale L1 line
-            pm = tl.load(part_m + j, mask=j < SPLIT, other=MIN_START, cache_modifier=".cg")
-            ps = tl.load(part_s + j, mask=j < SPLIT, other=0.0, cache_modifier=".cg")
-            m = tl.max(pm, axis=0)
-            log2_s = tl.log2(tl.sum(ps * tl.exp2((pm - m) * LOG2E), axis=0))
-            in_range = (target >= 0) & (target < V)
-            scale = 1.0
-            if MEAN:
-                scale = 1.0 / tl.maximum(tl.load(NValid).to(tl.float32), 1.0)
-            scale = tl.where(in_range, scale, float("nan"))  # an out-of-range target: a NaN row
-            is_target = cols == target
-            p = tl.exp2((x - m) * LOG2E - log2_s)
-            g = tl.where(is_target, p - 1.0, p) * scale
-            tl.store(grad_row + cols, g.to(Grad.dtype.element_ty), mask=mask)
-            # the piece holding the target writes the row's loss (piece 0 for an out-of-range one)
-            if piece == tl.where(in_range, target // BLOCK_V, 0):
-                x_target = tl.where(in_range, tl.sum(tl.where(is_target, x, 0.0), axis=0), float("nan"))
-                tl.store(Loss + row, (m - x_target) + log2_s / LOG2E)
-
 
 @triton.jit
 def _scale_rows(
@@ -489,6 +387,8 @@ def _scale_rows(
     IN_PLACE: tl.constexpr,  # Out is Grad: rows whose factor is exactly 1 need no work at all
     BLOCK_V: tl.constexpr,  # columns per block
 ):
+    """One program per row: Out = Grad * GradOut[row]. Bytes per row of V elements of e bytes:
+    2 * V * e (read and write), or none in place when the row's factor is exactly 1."""
     row = tl.program_id(0).to(tl.int64)
     go = tl.load(GradOut + row * stride_go).to(tl.float32)
     # `loss.backward()` passes exactly 1.0: in place, there is then nothing to do, and the row is
@@ -547,36 +447,9 @@ def target_weight_sum(targets: torch.Tensor, ignore_index: int, weight: torch.Te
     return torch.where(counted, weight[targets.clamp(0, V - 1)], 0.0).sum()
 
 
-def _launch_split(logits2, grad, targets, loss_rows, n_valid, ignore_index, mean: bool,
-                  block_v: int | None = None, num_warps: int | None = None, one_launch: bool | None = None) -> None:
-    """The split-row kernel (plain loss, gradient wanted): one launch whose pieces wait for each
-    other on a GPU, two launches (partials, then gradient) in Triton's interpreter or on request."""
-    N, V = logits2.shape
-    block_v = block_v or min(SPLIT_BLOCK_V, next_power_of_2(V))
-    num_warps = num_warps or max(1, min(SPLIT_NUM_WARPS, block_v // 256))
-    split = triton.cdiv(V, block_v)
-    if one_launch is None:
-        one_launch = not INTERPRET
-    if one_launch and INTERPRET and split > 1:
-        raise ValueError("the one-launch split kernel cannot run in Triton's interpreter, which runs programs "
-                         "one at a time (a piece would wait forever for the next): use two launches")
-    if N * split >= 2**31:
-        raise ValueError(f"{N} rows x {split} pieces exceed the launch grid's 2^31 - 1 programs")
-    partial = torch.empty((2, N, split), dtype=torch.float32, device=logits2.device)
-    args = (logits2, grad, targets, loss_rows, n_valid if n_valid is not None else loss_rows, partial)
-    tail = (logits2.stride(0), grad.stride(0), targets.stride(0), V, N, ignore_index)
-    meta = dict(MEAN=mean, SPLIT=split, SPLIT_P2=next_power_of_2(split), BLOCK_V=block_v, num_warps=num_warps)
-    if one_launch:
-        sync = torch.zeros(1 + N, dtype=torch.int32, device=logits2.device)
-        _cross_entropy_split[(N * split,)](*args, sync, *tail, PHASE=0, **meta)
-    else:  # the workspace for the counters is never touched: pass any tensor
-        _cross_entropy_split[(N * split,)](*args, partial, *tail, PHASE=1, **meta)
-        _cross_entropy_split[(N * split,)](*args, partial, *tail, PHASE=2, **meta)
-
-
 def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad,
                           block_v=None, num_warps=None, n_valid=None, loss_rows=None, options=PLAIN,
-                          weight_sum=None, z_rows=None, pred_rows=None, split=None, split_one_launch=None):
+                          weight_sum=None, z_rows=None, pred_rows=None):
     """logits2: [N, V], unit stride along V; targets: [N], any stride. Returns (loss, gradient or None).
 
     A caller that splits one batch into several calls (the fused linear cross-entropy walks the
@@ -588,11 +461,6 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
     with class weights a chunking caller also passes the batch's `weight_sum`. The per-row z-loss
     goes to `z_rows` ([N] fp32, allocated when not given) and into the returned loss. With
     `pred_rows` ([N] int64) each row's argmax is stored there too (-1 on ignored rows).
-
-    `split` picks the split-row kernel (the plain loss with its gradient; see _cross_entropy_split):
-    None chooses it (when SPLIT_AUTO) for rows of SPLIT_MIN_V columns or more when nothing rules it out, True asks for
-    it (then `block_v` / `num_warps` are the pieces' width and warps), False never uses it;
-    `split_one_launch` (None: on a GPU) picks its one-launch form over the two-launch one.
     """
     N, V = logits2.shape
     if V > 1 and logits2.stride(1) != 1:
@@ -616,16 +484,7 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
     grad = None
     if compute_grad:
         grad = logits2 if inplace_grad else torch.empty((N, V), dtype=logits2.dtype, device=device)
-    plain = weight is None and label_smoothing == 0 and lse_square_scale == 0 and softcap is None
-    if split is None:
-        split = (SPLIT_AUTO and compute_grad and plain and pred_rows is None and block_v is None
-                 and num_warps is None and V >= SPLIT_MIN_V)
-    elif split and not (compute_grad and plain and pred_rows is None):
-        raise ValueError("the split-row kernel computes the plain loss with its gradient: no options, no argmax")
-    if N > 0 and split:
-        _launch_split(logits2, grad, targets, loss_rows, n_valid, ignore_index, reduction == "mean",
-                      block_v, num_warps, split_one_launch)
-    elif N > 0:
+    if N > 0:
         lane_state = label_smoothing > 0 or softcap is not None or pred_rows is not None
         block_v, num_warps = _launch_settings(V, block_v, num_warps, lane_state)
         _cross_entropy_fwd[(N,)](
@@ -850,10 +709,10 @@ def scale_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# autograd.Function and functional API
+# Autograd over the custom ops, and the functional API
 # ------------------------------------------------------------------------------------------------
 class CrossEntropyOutput(NamedTuple):
-    """What a loss returns when any `return_*` flag is set; None for what was not asked for.
+    """What a loss returns when any `return_*` flag is set; None for what is not asked for.
 
     loss: as without the flags (differentiable). z_loss: the z-loss term alone, reduced like the
     loss (already included in `loss`). token_accuracy: a 0-d fp32 fraction of the non-ignored
@@ -890,6 +749,14 @@ def check_first_order(what: str) -> None:
                            "(double backward, gradient penalties) is not supported")
 
 
+# Autograd is one torch.autograd.Function over the custom ops, not torch.library.register_autograd
+# on the forward op, because of the in-place gradient. That op writes the gradient into the logits,
+# so it declares the mutation (mutates_args=("logits2",)), and register_autograd refuses any op that
+# mutates an input ("Cannot register autograd formula for non-functional operator"). A functional
+# op cannot carry the trick either: a custom op may not return an alias of an input, so its gradient
+# would need a new [N, V] buffer (4.2 GB at 16384 tokens of LLaMA 3.1 8B, in bf16). The Function
+# only picks the op, keeps the gradient buffer it returns, and calls the scale op in backward;
+# torch.compile and opcheck see the custom ops alone, and no host sync is added.
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, reduction, inplace_grad, grad_enabled, weight=None,
@@ -984,6 +851,98 @@ def ideal_bytes(n_rows: int, vocab: int, dtype: torch.dtype, backward: bool = Fa
     elt, t_elt = torch.empty((), dtype=dtype).element_size(), torch.empty((), dtype=target_dtype).element_size()
     logits = n_rows * vocab * elt
     return logits * (2 if backward else 1) + n_rows * (t_elt + 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Drop-in module: torch.nn.CrossEntropyLoss
+# ------------------------------------------------------------------------------------------------
+class TritonCrossEntropyLoss(nn.Module):
+    """A drop-in for `torch.nn.CrossEntropyLoss`: the same arguments and results, loss and gradient
+    from one pass of the fused kernel.
+
+        loss_fn = TritonCrossEntropyLoss(ignore_index=-100, label_smoothing=0.1)
+        loss = loss_fn(logits, labels)  # logits [N, V] or [B, T, V]; labels [N] or [B, T]
+
+    PyTorch's arguments, with PyTorch's meaning:
+    weight: class weights [V] (a buffer, so `.to(device)` moves it); "mean" divides by the sum of
+        weight[target] over the non-ignored rows.
+    ignore_index: rows with this target give loss 0 and a gradient row of 0 (any integer, also a
+        class inside [0, V), which then still takes part in the other rows' softmax).
+    reduction: "mean", "sum" or "none" (one loss per row in the target's shape, 0 on ignored rows).
+    label_smoothing: eps in [0, 1]; with class weights exactly as PyTorch defines it.
+    Beyond PyTorch's:
+    z_loss: adds z_loss * logsumexp(logits)^2 per non-ignored row (the z-loss of PaLM); "mean"
+        averages it over the non-ignored rows, unweighted (the kernel's `lse_square_scale`).
+    softcap: logits -> softcap * tanh(logits / softcap) before the softmax (Gemma 2's final cap).
+    inplace_grad: write the gradient into the input's memory during the forward pass; the input
+        then holds gradients, not logits (see the module docstring). Off by default.
+
+    Layouts accepted, classes in the last dimension: input [V] with target [] (one sample),
+    [N, V] with [N], and [B, T, V] with [B, T] (Hugging Face's logits and labels). Any strides
+    (a transposed or sliced input is read as it is when its classes are contiguous, else copied
+    once). PyTorch's K-dimensional layout with classes in dimension 1 ([B, V, T] with [B, T]) is
+    refused with a ValueError that names the transpose to use; when T == V the two layouts cannot
+    be told apart, and the input is read as [B, T, V]. Other ranks raise a ValueError.
+    Input dtypes: fp32, bf16, fp16; targets: int64 or int32 class indices.
+
+    Where the results differ from PyTorch's, by design: the loss is fp32 whatever the input's
+    dtype (PyTorch returns the input's dtype); "mean" over a batch whose rows are all ignored is
+    0.0 with a zero gradient (PyTorch gives NaN), and so is a weighted mean whose target weights
+    sum to 0; a target outside [0, V) that is not ignore_index gives NaN (PyTorch raises);
+    class-probability (float) targets are refused with a TypeError; second-order gradients raise.
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                 inplace_grad: bool = False):
+        super().__init__()
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if weight is not None and not (isinstance(weight, torch.Tensor) and weight.dim() == 1):
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"weight (class weights) must be a 1-D tensor [V], got {got}")
+        # the vocabulary is known only in forward, which checks the weight's length against it
+        check_options(0 if weight is None else weight.shape[0], None if weight is None else weight.device,
+                      weight, label_smoothing, z_loss, softcap)
+        self.register_buffer("weight", weight)
+        self.ignore_index = int(ignore_index)
+        self.reduction = reduction
+        self.label_smoothing = float(label_smoothing)
+        self.z_loss = float(z_loss)
+        self.softcap = None if softcap is None else float(softcap)
+        self.inplace_grad = bool(inplace_grad)
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits, targets = _class_last(input, target)
+        loss = cross_entropy(logits, targets, self.ignore_index, self.reduction, self.inplace_grad,
+                             weight=self.weight, label_smoothing=self.label_smoothing,
+                             lse_square_scale=self.z_loss, softcap=self.softcap)
+        return loss.view(target.shape) if self.reduction == "none" else loss
+
+    def extra_repr(self) -> str:
+        options = [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"]
+        options += [f"{name}={getattr(self, name)}" for name in ("label_smoothing", "z_loss", "softcap", "inplace_grad")
+                    if getattr(self, name) not in (0.0, None, False)]
+        return ", ".join(options)
+
+
+def _class_last(input, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [N, V] or [B, T, V], targets [N] or [B, T]) from the layouts TritonCrossEntropyLoss
+    accepts; a clear error for the others."""
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"input and target must be tensors, got {type(input).__name__} and {type(target).__name__}")
+    if target.is_floating_point():
+        raise TypeError("class-probability (float) targets are not supported: pass class indices (int64)")
+    if input.dim() == 1 and target.dim() == 0:
+        return input.unsqueeze(0), target.reshape(1)  # one sample
+    if input.dim() in (2, 3) and tuple(target.shape) == tuple(input.shape[:-1]):
+        return input, target
+    if input.dim() == 3 and tuple(target.shape) == (input.shape[0], input.shape[2]):
+        raise ValueError(f"input {tuple(input.shape)} with target {tuple(target.shape)} has its classes in "
+                         f"dimension 1 (PyTorch's [B, C, T] layout); this loss takes them last: pass "
+                         f"input.transpose(1, 2)")
+    raise ValueError(f"expected input [V] with target [], [N, V] with [N], or [B, T, V] with [B, T] "
+                     f"(classes last); got input {tuple(input.shape)} and target {tuple(target.shape)}")
 
 
 # ------------------------------------------------------------------------------------------------

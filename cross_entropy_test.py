@@ -74,40 +74,6 @@ def _check(tag, logits, targets, reduction="mean", ignore_index=-100, inplace=Fa
     close_to_reference(f"{tag} grad", ours[1], same[1], ref[1], dtype, n=V)
 
 
-# Two kernels compute the plain loss with its gradient: the sweep kernel, and the split-row kernel
-# that LLaMA-sized rows (SPLIT_MIN_V columns or more) take, one program per piece of a row. The
-# `kernel` fixture runs a test with each. For "split" it makes every row take the split kernel in
-# pieces of 128 columns (so V = 1000 has 8 pieces, the last one partial: the combine of the pieces'
-# partials, the piece that owns the target and the tail mask all run) and checks afterwards that
-# the split kernel did run. On a GPU the pieces wait for each other in one launch; in Triton's
-# interpreter, which runs programs one at a time, the same kernel runs as its two-launch form.
-def _every_row_split(monkeypatch) -> list:
-    """Send every plain loss with a gradient to the split kernel, in pieces of 128; returns the list
-    each launch of it appends to."""
-    calls = []
-    launch = cross_entropy_kernel._launch_split
-    monkeypatch.setattr(cross_entropy_kernel, "SPLIT_AUTO", True)
-    monkeypatch.setattr(cross_entropy_kernel, "SPLIT_MIN_V", 1)
-    monkeypatch.setattr(cross_entropy_kernel, "SPLIT_BLOCK_V", 128)
-    monkeypatch.setattr(cross_entropy_kernel, "_launch_split", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    return calls
-
-
-@pytest.fixture(params=["sweep", "split"])
-def kernel(request, monkeypatch):
-    calls = _every_row_split(monkeypatch) if request.param == "split" else None
-    yield request.param
-    if request.param == "split":
-        assert calls, "the split-row kernel never ran"
-
-
-@pytest.fixture
-def split_rows(monkeypatch):
-    calls = _every_row_split(monkeypatch)
-    yield
-    assert calls, "the split-row kernel never ran"
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 1000, 32001])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -118,7 +84,7 @@ def test_matches_reference(vocab, reduction, dtype):
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gradient_in_place(reduction, dtype, kernel):
+def test_gradient_in_place(reduction, dtype):
     logits, targets = _logits(11, 777, dtype, seed=3), _targets(11, 777, seed=3, ignore=(0,))
     _check(f"in place {reduction}", logits, targets, reduction, inplace=True)
     # and bit-identical to the out-of-place gradient
@@ -127,7 +93,7 @@ def test_gradient_in_place(reduction, dtype, kernel):
     exactly("in-place grad == out-of-place grad", a[1], b[1])
 
 
-def test_in_place_writes_into_the_logits_buffer(kernel):
+def test_in_place_writes_into_the_logits_buffer():
     logits, targets = _logits(6, 300, torch.bfloat16), _targets(6, 300)
     x = logits.clone().requires_grad_()
     inp = x * 1
@@ -161,7 +127,7 @@ def test_in_place_refuses_a_leaf_that_requires_grad():
     assert "leaf" in message
 
 
-def test_ignore_index_rows_are_exactly_zero(kernel):
+def test_ignore_index_rows_are_exactly_zero():
     logits = _logits(8, 129, torch.bfloat16)
     for ignore_index in (-100, 7):
         targets = _targets(8, 129, seed=4)
@@ -174,7 +140,7 @@ def test_ignore_index_rows_are_exactly_zero(kernel):
         _check(f"ignore_index={ignore_index}", logits, targets, "mean", ignore_index)
 
 
-def test_all_rows_ignored(kernel):
+def test_all_rows_ignored():
     """Documented choice: mean over zero rows is 0.0 (PyTorch: NaN), gradient 0, still in the graph."""
     logits = _logits(5, 64, torch.bfloat16)
     targets = torch.full((5,), -100, device=DEVICE)
@@ -187,13 +153,13 @@ def test_all_rows_ignored(kernel):
     assert torch.isnan(F.cross_entropy(logits.float(), targets)), "PyTorch's NaN is what we deviate from"
 
 
-def test_targets_at_the_vocabulary_edges(kernel):
+def test_targets_at_the_vocabulary_edges():
     logits = _logits(6, 1001, torch.bfloat16, seed=5)
     targets = torch.tensor([0, 1000, 0, 1000, 500, 999], device=DEVICE)
     _check("targets 0 and V-1", logits, targets, "none")
 
 
-def test_out_of_range_targets_give_nan_rows(kernel):
+def test_out_of_range_targets_give_nan_rows():
     logits = _logits(5, 100, torch.float32, seed=6)
     targets = torch.tensor([3, 100, -1, 7, 10**9], device=DEVICE)  # rows 1, 2, 4 are invalid
     x = logits.clone().requires_grad_()
@@ -216,7 +182,7 @@ def test_empty_batch():
     assert x.grad.shape == (0, 50)
 
 
-def test_non_contiguous_logits(kernel):
+def test_non_contiguous_logits():
     big = _logits(10, 2 * 300, torch.float32, seed=7)
     targets = _targets(5, 300, seed=7, ignore=(1,))
     _check("row-strided view", big[::2, :300], targets, "sum")  # row stride 1200, no copy
@@ -224,7 +190,7 @@ def test_non_contiguous_logits(kernel):
     _check("transposed (copied)", _logits(300, 5, torch.bfloat16).t(), targets, "none")
 
 
-def test_nan_and_inf_logits_stay_in_their_row(kernel):
+def test_nan_and_inf_logits_stay_in_their_row():
     logits = _logits(4, 64, torch.float32, seed=8)
     logits[1, 10] = float("nan")
     logits[2, :32] = float("-inf")  # masked classes are harmless
@@ -237,7 +203,7 @@ def test_nan_and_inf_logits_stay_in_their_row(kernel):
     close_to_reference("-inf classes: loss", loss[[0, 2, 3]], ref, ref, torch.float32, n=64, factor=0)
 
 
-def test_extreme_and_confident_logits(kernel):
+def test_extreme_and_confident_logits():
     """Shifted logits (+-1000) and confident rows, where the true-class gradient p - 1 cancels."""
     base = _logits(6, 500, torch.float32, seed=9)
     targets = _targets(6, 500, seed=9)
@@ -250,7 +216,7 @@ def test_extreme_and_confident_logits(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_batch_and_sequence_dims(dtype, kernel):
+def test_batch_and_sequence_dims(dtype):
     """Logits [B, T, V] with targets [B, T]; reduction="none" returns [B, T]."""
     B, T, V = 2, 5, 257
     logits = _logits(B * T, V, dtype, seed=10).view(B, T, V)
@@ -286,7 +252,7 @@ def _strided_targets(kind, n, v, seed=20):
 
 
 @pytest.mark.parametrize("kind", ["column of [N, 2]", "expanded constant", "row of a transposed [T, B]"])
-def test_strided_targets(kind, kernel):
+def test_strided_targets(kind):
     """The kernel reads target i at Targets + i * stride: a stride of 2, 0 or B must not matter."""
     n, v = 12, 300
     targets = _strided_targets(kind, n, v)
@@ -339,74 +305,6 @@ def test_gradient_accumulation_matches_full_batch():
     ref = cross_entropy_ref(logits.double(), targets)
     close_to_reference("micro-batch sum / n_items vs full mean", parts / n_items, full, ref, torch.float32, n=90)
 
-
-
-# ------------------------------------------------------------------ the split-row kernel's choices
-# "sum" runs the kernel as "none" does (no 1/count) and fp16 loads and stores as bf16 does
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab,block", [(1000, 128), (1000, 64), (4099, 512), (5, 8)])
-def test_split_rows_match_reference(vocab, block, dtype, reduction, split_rows, monkeypatch):
-    """The split kernel against float64 over piece widths: 8 and 16 pieces with a partial last one,
-    9 pieces of which the last holds 3 columns, and one piece wider than the row."""
-    monkeypatch.setattr(cross_entropy_kernel, "SPLIT_BLOCK_V", block)
-    n = 9
-    _check(f"split V={vocab} pieces of {block} {reduction}", _logits(n, vocab, dtype, seed=40),
-           _targets(n, vocab, seed=40, ignore=(2, 5)), reduction)
-
-
-def test_split_one_launch_runs_its_wait_in_the_interpreter():
-    """The one-launch form (tickets, arrival counter, acquire loop) with one piece per row, the only
-    one-launch form Triton's interpreter can run: bit-identical to the two-launch form, which
-    computes the same partials and combines them the same way."""
-    logits, targets = _logits(6, 1000, torch.float32, seed=41), _targets(6, 1000, seed=41, ignore=(3,))
-    one = cross_entropy_forward(logits.clone(), targets, -100, "mean", True, False, block_v=1024,
-                                split=True, split_one_launch=True)
-    two = cross_entropy_forward(logits.clone(), targets, -100, "mean", True, False, block_v=1024,
-                                split=True, split_one_launch=False)
-    exactly("one launch == two launches: loss", one[0], two[0])
-    exactly("one launch == two launches: gradient", one[1], two[1])
-
-
-@pytest.mark.skipif(ON_GPU, reason="the interpreter's limit")
-def test_split_one_launch_with_pieces_is_refused_in_the_interpreter():
-    logits, targets = _logits(2, 300, torch.float32), _targets(2, 300)
-    message = expect_error(ValueError, lambda: cross_entropy_forward(
-        logits, targets, -100, "mean", True, False, block_v=128, split=True, split_one_launch=True))
-    assert "interpreter" in message
-
-
-def test_which_kernel_runs(monkeypatch):
-    """With SPLIT_AUTO, LLaMA-sized rows with a plain loss and a gradient take the split kernel; an
-    option, the argmax, no gradient or a short row keep the sweep kernel; asking for a split with an
-    option is refused. Without SPLIT_AUTO (the default: see its comment) the sweep kernel runs."""
-    calls = []
-    launch = cross_entropy_kernel._launch_split
-    monkeypatch.setattr(cross_entropy_kernel, "_launch_split", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    V = cross_entropy_kernel.SPLIT_MIN_V
-    logits, targets = _logits(2, V, torch.bfloat16, seed=42), _targets(2, V, seed=42)
-    auto = cross_entropy_kernel.SPLIT_AUTO
-    cross_entropy_forward(logits.clone(), targets, -100, "mean", True, True)
-    assert bool(calls) == auto, f"SPLIT_AUTO = {auto}"
-    calls.clear()
-    monkeypatch.setattr(cross_entropy_kernel, "SPLIT_AUTO", True)
-    cases = [("plain, gradient, V = SPLIT_MIN_V", dict(compute_grad=True), True),
-             ("no gradient", dict(compute_grad=False), False),
-             ("label smoothing", dict(compute_grad=True, options=cross_entropy_kernel.LossOptions(label_smoothing=0.1)), False),
-             ("argmax", dict(compute_grad=True, pred_rows=torch.empty(2, dtype=torch.int64, device=DEVICE)), False)]
-    for label, kwargs, expected in cases:
-        calls.clear()
-        cross_entropy_forward(logits.clone(), targets, -100, "mean", inplace_grad=True, **kwargs)
-        assert bool(calls) == expected, label
-        record(f"split kernel used: {label}", float(bool(calls)), float(expected), True)
-    calls.clear()
-    short = _logits(2, V - 1, torch.bfloat16, seed=42)
-    cross_entropy_forward(short, targets.clamp(max=V - 2), -100, "mean", True, True)
-    assert not calls, "rows shorter than SPLIT_MIN_V keep the sweep kernel"
-    message = expect_error(ValueError, lambda: cross_entropy_forward(
-        logits.clone(), targets, -100, "mean", True, True, split=True,
-        options=cross_entropy_kernel.LossOptions(softcap=30.0)))
-    assert "plain" in message
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -923,27 +821,8 @@ def test_llama_vocabulary_with_every_option():
             torch.where(targets == -100, -1, logits.argmax(-1)))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the one-launch split kernel's waits need a GPU")
-def test_split_one_launch_at_llama_size_is_exact_and_repeatable():
-    """16384 rows x 16 pieces, in place, several launches: the one-launch form, whose pieces wait
-    for each other across the whole GPU, must give the two-launch form's bits every time (a race in
-    the partials or a missed wait would show as a different or NaN row)."""
-    n, V = 16384, 128256
-    logits, targets = _logits(n, V, torch.bfloat16, seed=43), _targets(n, V, seed=43, ignore=range(0, n, 11))
-    buf = logits.clone()
-    two = cross_entropy_forward(buf, targets, -100, "mean", True, True, split=True, split_one_launch=False)
-    two = (two[0].clone(), buf.clone())
-    for attempt in range(3):
-        buf.copy_(logits)
-        one = cross_entropy_forward(buf, targets, -100, "mean", True, True, split=True, split_one_launch=True)
-        exactly(f"one launch == two launches, attempt {attempt}: loss", one[0], two[0])
-        assert torch.equal(buf, two[1]), f"one launch == two launches, attempt {attempt}: gradient"
-    record("16384 x 128256, 3 one-launch runs: gradient bits equal", 0.0, 0.0, True)
-
-
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~12 GB free")
-@pytest.mark.parametrize("split", [True, False])
-def test_offsets_past_int32(split):
+def test_offsets_past_int32():
     """N x V > 2^31: row offsets must be int64. Check the rows that live past the 2^31 mark."""
     V = 128256
     n = 2**31 // V + 64  # 16807 rows: the last 64 start beyond element 2^31
@@ -954,16 +833,15 @@ def test_offsets_past_int32(split):
     ref = F.cross_entropy(ref_logits, targets[tail], reduction="none")
     ref.sum().backward()
     same = F.cross_entropy(logits[tail].float(), targets[tail], reduction="none")  # PyTorch, fp32
-    loss, grad = cross_entropy_forward(logits, targets, -100, "none", True, inplace_grad=True, split=split)
+    loss, grad = cross_entropy_forward(logits, targets, -100, "none", True, inplace_grad=True)
     close_to_reference("rows past 2^31 elements: loss", loss[tail], same, ref, torch.float32, n=V)
     same_grad = ref_logits.grad.to(torch.bfloat16)  # the true gradient rounded once to bf16
     close_to_reference("rows past 2^31 elements: grad", grad[tail], same_grad, ref_logits.grad, torch.bfloat16, n=V)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="host syncs and CUDA graphs exist only on a GPU")
-@pytest.mark.parametrize("V", [32000, 65536])  # the sweep kernel; the split kernel (its counters are zeroed in the graph)
-def test_no_host_sync_and_cuda_graph_capture(V, monkeypatch):
-    monkeypatch.setattr(cross_entropy_kernel, "SPLIT_AUTO", True)  # rows of SPLIT_MIN_V or more split
+@pytest.mark.parametrize("V", [32000, 65536])
+def test_no_host_sync_and_cuda_graph_capture(V):
     logits, targets = _logits(256, V, torch.bfloat16), _targets(256, V, ignore=(3,))
     x = logits.clone().requires_grad_()
     torch.cuda.synchronize()

@@ -39,12 +39,12 @@ of the teacher's forward pass (2 x 7.5 G) and the student's training step (6 x 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
 import time
-from pathlib import Path
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,8 +54,9 @@ from playbook.common import describe_gpu, is_out_of_memory, log, result_path, sy
 from cross_entropy_kernel import causal_targets
 from distillation_kernel import jsd_ref, linear_jsd
 from linear_cross_entropy_kernel import linear_cross_entropy
-from playbook.models import PRESETS, build_preset, count_params, load_model
-from playbook.config import TAG_PATTERN, nonnegative_int, positive_float, positive_int, usage_error
+from playbook import config
+from playbook.models import PRESETS, count_params, load_model, prepare_model
+from playbook.config import positive_float, positive_int, usage_error
 
 MODES = ("baseline", "fused")
 
@@ -78,7 +79,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------
-# Command line
+# Command line: the shared options (playbook.config) and a distillation section
 # ------------------------------------------------------------------------------------------------
 def _unit(text: str) -> float:
     try:
@@ -90,101 +91,134 @@ def _unit(text: str) -> float:
     return v
 
 
-def _tag(text: str) -> str:
-    if not TAG_PATTERN.match(text) or ".." in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: a tag names a file inside results/: letters, digits and "
-                                         ". _ + = - only")
-    return text
+# Shared options this script has no use for: refused when given, rather than silently ignored.
+UNUSED = {
+    "model": "name the models with --teacher and --student", "num_layers": "use --teacher-layers / --student-layers",
+    "compile": "the loss calls the student's decoder and head apart, which a compiled forward would skip",
+    "dataset": "distillation reads --data (raw text) or synthetic tokens", "packing": None, "train_on_prompt": None,
+    "eval_fraction": None, "eval_every": None, "epochs": None, "grad_accum": None, "lr_schedule": None,
+    "lr_warmup_steps": None, "warmup_ratio": None, "optimizer_in_backward": None, "max_grad_norm": None,
+    "output_dir": None, "save_every": None, "resume": None, "merge_lora": None, "log_every": "every step is logged",
+    "report_to": None,
+}
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only where it is a value (the defaults that depend on the machine say so)."""
+@dataclass(frozen=True)
+class DistillConfig:
+    """distill.py's own section of the RunConfig (`cfg.extra`): the two models and the loss."""
 
-    def _get_help_string(self, action):
-        return action.help if action.default in (None, False) else super()._get_help_string(action)
+    mode: str  # "baseline", "fused" or "both"
+    teacher: str
+    student: str
+    teacher_layers: int | None
+    student_layers: int | None
+    dtype: str  # both models' dtype, a key of DTYPES
+    alpha: float
+    beta: float
+    temperature: float
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        gpu = torch.cuda.is_available()
+        # this script's own defaults for shared options: short CPU runs, a student's learning rate
+        _default(parser, "steps", 12 if gpu else 3, "optimizer steps per mode; default 12 on a GPU, 3 on a CPU")
+        _default(parser, "warmup_steps", None,
+                 "first steps left out of the timing (Triton compiles); default 2 on a GPU, 1 on a CPU")
+        _default(parser, "lr", 1e-4, "AdamW learning rate of the student")
+        _default(parser, "seed", 0, "the student's initial weights and the data")
+        g = parser.add_argument_group("distillation")
+        g.add_argument("--mode", choices=(*MODES, "both"), default="both", help="which loss computation to run")
+        g.add_argument("--teacher", default=None, help="a preset (llama-3.1-8b, llama-tiny), Hugging Face id or local "
+                                                      "directory; default llama-3.1-8b on a GPU, llama-tiny on a CPU")
+        g.add_argument("--student", default=None, help=f"a student preset ({', '.join(STUDENTS)}), Hugging Face id or "
+                                                      "local directory; default llama-3.2-1b on a GPU, "
+                                                      "llama-tiny-student on a CPU")
+        g.add_argument("--teacher-layers", type=positive_int, default=None, help="keep the teacher's first N layers")
+        g.add_argument("--student-layers", type=positive_int, default=None, help="keep the student's first N layers")
+        g.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                       help="both models' dtype (float32: exact comparisons of the two modes on a CPU)")
+        g.add_argument("--alpha", type=_unit, default=0.5, help="weight of the cross-entropy; 1 - alpha weighs the JSD")
+        g.add_argument("--beta", type=_unit, default=0.5, help="JSD beta: 0 forward KL, 1 reverse KL, 0.5 symmetric")
+        g.add_argument("--temperature", type=positive_float, default=1.0,
+                       help="divides both models' logits for the JSD")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace, parser: argparse.ArgumentParser) -> "DistillConfig":
+        given = [(dest, why) for dest, why in UNUSED.items() if getattr(a, dest) != parser.get_default(dest)]
+        if given:
+            flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
+            whys = "; ".join(why for _, why in given if why)
+            raise usage_error(f"distill.py does not use {flags}" + (f" ({whys})" if whys else ""))
+        gpu = torch.cuda.is_available()
+        return cls(mode=a.mode, teacher=a.teacher or ("llama-3.1-8b" if gpu else "llama-tiny"),
+                   student=a.student or ("llama-3.2-1b" if gpu else "llama-tiny-student"),
+                   teacher_layers=a.teacher_layers, student_layers=a.student_layers, dtype=a.dtype,
+                   alpha=a.alpha, beta=a.beta, temperature=a.temperature)
+
+
+def _default(parser: argparse.ArgumentParser, dest: str, default, help: str) -> None:
+    """This script's default for a shared option, and the help line that says so."""
+    action = next(action for action in parser._actions if action.dest == dest)
+    action.default, action.help = default, help
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both", help="which loss computation to run")
-    p.add_argument("--teacher", default=None, help="a preset (llama-3.1-8b, llama-tiny), Hugging Face id or local "
-                                                  "directory; default llama-3.1-8b on a GPU, llama-tiny on a CPU")
-    p.add_argument("--student", default=None, help=f"a student preset ({', '.join(STUDENTS)}), Hugging Face id or "
-                                                  "local directory; default llama-3.2-1b on a GPU, "
-                                                  "llama-tiny-student on a CPU")
-    p.add_argument("--teacher-layers", type=positive_int, default=None, help="keep the teacher's first N layers")
-    p.add_argument("--student-layers", type=positive_int, default=None, help="keep the student's first N layers")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                   help="both models' dtype (float32: exact comparisons of the two modes on a CPU)")
-    p.add_argument("--alpha", type=_unit, default=0.5, help="weight of the cross-entropy; 1 - alpha weighs the JSD")
-    p.add_argument("--beta", type=_unit, default=0.5, help="JSD beta: 0 forward KL, 1 reverse KL, 0.5 symmetric")
-    p.add_argument("--temperature", type=positive_float, default=1.0, help="divides both models' logits for the JSD")
-    p.add_argument("--data", type=Path, default=None, help="a raw text file, cut into windows (default: synthetic "
-                                                          "tokens)")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step; default 4 on a GPU, "
-                                                                        "2 on a CPU")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence; default 2048 on a GPU, "
-                                                                     "64 on a CPU")
-    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per mode; default 12 on a "
-                                                                   "GPU, 3 on a CPU")
-    p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
-                   help="first steps left out of the timing (Triton compiles); default 2 on a GPU, 1 on a CPU")
-    p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate of the student")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="the student's initial weights and the data")
-    p.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
-    p.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
-    return p
+    """The shared parser (playbook.config.make_parser) with the distillation section."""
+    return config.make_parser(__doc__.splitlines()[0], kernels_default=(), extra=DistillConfig)
 
 
-def parse_args(argv=None):
-    a = make_parser().parse_args(argv)
-    gpu = torch.cuda.is_available()
-    a.device = torch.device("cuda") if gpu else torch.device("cpu")
-    a.teacher = a.teacher or ("llama-3.1-8b" if gpu else "llama-tiny")
-    a.student = a.student or ("llama-3.2-1b" if gpu else "llama-tiny-student")
-    a.batch_size = a.batch_size or (4 if gpu else 2)
-    a.seq_len = a.seq_len or (2048 if gpu else 64)
-    a.steps = a.steps or (12 if gpu else 3)
-    if a.warmup_steps is None:  # the default leaves at least one timed step
-        a.warmup_steps = min(2 if gpu else 1, a.steps - 1)
-    if a.warmup_steps >= a.steps:
-        raise usage_error(f"--steps {a.steps} leaves no timed step after --warmup-steps {a.warmup_steps}")
-    if a.data is not None and not a.data.is_file():
-        raise usage_error(f"--data {a.data}: no such file")
-    return a
+def parse_args(argv=None) -> config.RunConfig:
+    """The run's RunConfig; its distillation section is `cfg.extra`. A bad value exits with code 2."""
+    return config.parse_config(make_parser(), "distill", argv)
 
 
 # ------------------------------------------------------------------------------------------------
 # Models and data
 # ------------------------------------------------------------------------------------------------
-def build_model(name: str, num_layers: int | None, device: torch.device, dtype: torch.dtype, seed: int):
-    """A teacher preset (models.PRESETS), a student preset (STUDENTS), or a Hugging Face model."""
-    if name in PRESETS:
-        return build_preset(name, num_layers, device, dtype)
+def build_model(cfg, name: str, num_layers: int | None, trains: bool):
+    """A teacher (models.PRESETS or a Hugging Face model) or a student (STUDENTS too), in --dtype,
+    prepared by models.prepare_model as every script prepares its model: the kernels on both; FP8,
+    gradient checkpointing and LoRA on the student alone, which `trains`."""
+    d = cfg.extra
+    dtype = DTYPES[d.dtype]
+    role = dataclasses.replace(cfg, model=name, num_layers=num_layers, model_explicit=True)
+    if not trains:  # the frozen teacher: its forward pass with the kernels, nothing that serves training
+        role = dataclasses.replace(role, fp8=False, gradient_checkpointing=False, lora_r=0, load_in_4bit=False)
     if name in STUDENTS:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(**{**STUDENTS[name], **({"num_hidden_layers": num_layers} if num_layers else {})})
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(seed)  # the same initial student in every mode
+        arch = LlamaConfig(**{**STUDENTS[name], **({"num_hidden_layers": num_layers} if num_layers else {})})
+        arch._attn_implementation = "sdpa"
+        torch.manual_seed(cfg.seed)  # the same initial student in every mode
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
-                return LlamaForCausalLM(config)
+            with torch.device(cfg.device):
+                model = LlamaForCausalLM(arch)
         finally:
             torch.set_default_dtype(old)
-    model, _, _ = load_model(SimpleNamespace(model=name, num_layers=num_layers, device=device, model_explicit=True))
-    return model.to(dtype)
+    else:
+        model, _, _ = load_model(role, dtype)
+    model, _, _, _ = prepare_model(role, model=model, shard=False)
+    if not trains:
+        model.requires_grad_(False)  # frozen: the distillation losses refuse a teacher that wants gradients
+        model.eval()
+    return model
 
 
-def make_batches(args, vocab_size: int):
+def base_model(model):
+    """The Hugging Face model under peft's wrapper (LoRA adapts its layers in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def make_batches(cfg, vocab_size: int):
     from playbook.data import make_data, make_tokenizer
 
-    tokenizer = make_tokenizer(args.teacher, preset=args.teacher in PRESETS) if args.data else None
+    teacher = cfg.extra.teacher
+    tokenizer = make_tokenizer(teacher, preset=teacher in PRESETS) if cfg.data else None
     try:
-        return make_data(str(args.data) if args.data else None, "text" if args.data else "synthetic", tokenizer,
-                         vocab_size, args.batch_size, args.seq_len, args.seed)
+        return make_data(str(cfg.data) if cfg.data else None, "text" if cfg.data else "synthetic", tokenizer,
+                         vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed)
     except (ValueError, OSError) as err:
         raise SystemExit(f"error: {err}") from None
 
@@ -204,6 +238,7 @@ def distillation_loss(mode: str, teacher, student, batch: dict, alpha: float, be
     """(alpha * CE + (1 - alpha) * JSD, CE, JSD) of one batch; differentiable for the student."""
     ids = batch["input_ids"]
     targets = causal_targets(batch["labels"])  # labels[t + 1] for position t, the last one ignored
+    teacher, student = base_model(teacher), base_model(student)
     with torch.no_grad():
         teacher_hidden = teacher.model(input_ids=ids).last_hidden_state
     hidden = student.model(input_ids=ids).last_hidden_state
@@ -221,57 +256,56 @@ def distillation_loss(mode: str, teacher, student, batch: dict, alpha: float, be
     return alpha * ce + (1 - alpha) * kd, ce, kd
 
 
-def run_mode(mode: str, args, teacher, data) -> dict:
-    """Train a fresh student for args.steps steps with one loss computation; its losses and timings."""
-    dtype = DTYPES[args.dtype]
-    student = build_model(args.student, args.student_layers, args.device, dtype, args.seed)
+def run_mode(mode: str, cfg, teacher, data) -> dict:
+    """Train a fresh student for cfg.steps steps with one loss computation; its losses and timings."""
+    from playbook.training import make_optimizer
+
+    d = cfg.extra
+    student = build_model(cfg, d.student, d.student_layers, trains=True)
     if student.config.vocab_size != teacher.config.vocab_size:
-        raise usage_error(f"the student ({args.student}) has a vocabulary of {student.config.vocab_size}, the "
-                          f"teacher ({args.teacher}) {teacher.config.vocab_size}: distillation needs one vocabulary")
-    student.config.use_cache = False
-    student.train()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr,
-                                  **({"fused": True} if args.device.type == "cuda" else {"foreach": True}))
+        raise usage_error(f"the student ({d.student}) has a vocabulary of {student.config.vocab_size}, the "
+                          f"teacher ({d.teacher}) {teacher.config.vocab_size}: distillation needs one vocabulary")
+    optimizer = make_optimizer(student, cfg)  # --optimizer, --weight-decay as in the fine-tuning scripts
     out = dict(losses=[], ce=[], jsd=[], step_times_s=[], tokens_per_s=None, peak_memory_gb=None, error=None)
-    tokens = args.batch_size * args.seq_len
+    tokens = cfg.batch_size * cfg.seq_len
     try:
-        for step in range(args.steps):
-            if step == args.warmup_steps and args.device.type == "cuda":
-                synchronize(args.device)
-                torch.cuda.reset_peak_memory_stats(args.device)  # peak counted after warm-up
-            batch = data.batch(step, args.device)
-            synchronize(args.device)
+        for step in range(cfg.steps):
+            if step == cfg.warmup_steps and cfg.device.type == "cuda":
+                synchronize(cfg.device)
+                torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
+            batch = data.batch(step, cfg.device)
+            synchronize(cfg.device)
             t0 = time.perf_counter()
-            loss, ce, kd = distillation_loss(mode, teacher, student, batch, args.alpha, args.beta, args.temperature)
+            loss, ce, kd = distillation_loss(mode, teacher, student, batch, d.alpha, d.beta, d.temperature)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            synchronize(args.device)
+            synchronize(cfg.device)
             dt = time.perf_counter() - t0
             values = [v.item() for v in (loss, ce, kd)]  # sync points (already synchronised above)
             for key, v in zip(("losses", "ce", "jsd"), values):
                 out[key].append(v)
-            if step >= args.warmup_steps:
+            if step >= cfg.warmup_steps:
                 out["step_times_s"].append(dt)
-            log(f"{mode:8} step {step + 1:3d}/{args.steps}  loss {values[0]:.6f}  (CE {values[1]:.6f}, JSD "
+            log(f"{mode:8} step {step + 1:3d}/{cfg.steps}  loss {values[0]:.6f}  (CE {values[1]:.6f}, JSD "
                 f"{values[2]:.6f})  {dt * 1e3:8.1f} ms  {tokens / dt:,.0f} tokens/s")
             if not math.isfinite(values[0]):
                 raise SystemExit(f"error: the {mode} loss is {values[0]} at step {step + 1}; try a lower --lr")
     except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
-        peak = torch.cuda.max_memory_allocated(args.device) / 1e9 if args.device.type == "cuda" else float("nan")
-        out["error"] = (f"out of GPU memory at batch {args.batch_size} x {args.seq_len} tokens (peak allocated "
+        peak = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.device.type == "cuda" else float("nan")
+        out["error"] = (f"out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens (peak allocated "
                         f"{peak:.1f} GB): {str(err).splitlines()[0][:200]}")
         log(f"{mode}: {out['error']}; the next mode still runs. Try a smaller --batch-size or --seq-len, "
             "--student-layers / --teacher-layers, or --mode fused alone.")
     if out["step_times_s"]:
         out["tokens_per_s"] = tokens / statistics.median(out["step_times_s"])
-    if args.device.type == "cuda":
-        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(args.device) / 1e9
+    if cfg.device.type == "cuda":
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(cfg.device) / 1e9
     out["params"] = count_params(student)
     del student, optimizer
-    if args.device.type == "cuda":
+    if cfg.device.type == "cuda":
         torch.cuda.empty_cache()  # the next mode starts from the teacher alone
     return out
 
@@ -309,27 +343,23 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    dtype = DTYPES[args.dtype]
-    teacher = build_model(args.teacher, args.teacher_layers, args.device, dtype, args.seed)
-    teacher.requires_grad_(False)  # frozen: the distillation losses refuse a teacher that wants gradients
-    teacher.eval()
-    teacher.config.use_cache = False
-    data = make_batches(args, teacher.config.vocab_size)
-    modes = MODES if args.mode == "both" else (args.mode,)
-    log(f"Teacher: {args.teacher} ({count_params(teacher) / 1e6:,.1f} M parameters, frozen); student: "
-        f"{args.student}; {args.dtype} on {describe_gpu(args.device)}")
-    log(f"Data: {data.describe()}; loss = {args.alpha:g} * CE + {1 - args.alpha:g} * JSD(beta {args.beta:g}, "
-        f"temperature {args.temperature:g}); {args.steps} steps per mode ({args.warmup_steps} untimed), "
-        f"AdamW lr {args.lr:g}")
-    results = {mode: run_mode(mode, args, teacher, data) for mode in modes}
-    print(summary_table(results, args.device.type == "cuda"))
-    tag = args.tag or (f"distill_{args.teacher}_to_{args.student}_b{args.batch_size}_s{args.seq_len}"
-                       .replace("/", "_"))
-    path = result_path(tag, ".json", args.overwrite)
-    payload = dict(script="distill", teacher=args.teacher, student=args.student, gpu=describe_gpu(args.device),
-                   config={k: str(v) if isinstance(v, (Path, torch.device)) else v for k, v in vars(args).items()},
-                   teacher_params=count_params(teacher), modes=results, versions=versions())
+    cfg = parse_args(argv)
+    d = cfg.extra
+    teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
+    data = make_batches(cfg, teacher.config.vocab_size)
+    modes = MODES if d.mode == "both" else (d.mode,)
+    log(f"Teacher: {d.teacher} ({count_params(teacher) / 1e6:,.1f} M parameters, frozen); student: "
+        f"{d.student}; {d.dtype} on {describe_gpu(cfg.device)}")
+    log(f"Data: {data.describe()}; loss = {d.alpha:g} * CE + {1 - d.alpha:g} * JSD(beta {d.beta:g}, "
+        f"temperature {d.temperature:g}); {cfg.steps} steps per mode ({cfg.warmup_steps} untimed), "
+        f"AdamW lr {cfg.lr:g}")
+    results = {mode: run_mode(mode, cfg, teacher, data) for mode in modes}
+    print(summary_table(results, cfg.on_gpu))
+    tag = cfg.tag or (f"distill_{d.teacher}_to_{d.student}_b{cfg.batch_size}_s{cfg.seq_len}"
+                      .replace("/", "_"))
+    path = result_path(tag, ".json", cfg.overwrite)
+    payload = dict(script="distill", teacher=d.teacher, student=d.student, gpu=describe_gpu(cfg.device),
+                   config=cfg.as_dict(), teacher_params=count_params(teacher), modes=results, versions=versions())
     write_atomic(path, json.dumps(payload, indent=2))
     print(f"Saved {path}")
     payload["path"] = str(path)

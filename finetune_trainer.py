@@ -4,9 +4,10 @@
     $ python finetune_trainer.py --dataset examples/chat.jsonl --steps 30 --lr 1e-3     # CPU: llama-tiny
     $ python finetune_trainer.py --kernels none ...                                    # the Trainer alone
 
-The whole integration is one call before the Trainer is built:
+The whole integration is one call before the Trainer is built, the same preparation every script
+of the playbook makes (kernels, FP8, gradient checkpointing, LoRA, compile; see models.prepare_model):
 
-    apply_kernels(model)        # RMSNorm, SwiGLU, RoPE, and lm_head fused with the loss
+    model, name, desc, report = prepare_model(cfg, shard=False)   # the Trainer runs the processes
 
 The Trainer passes `labels` (and, under gradient accumulation, `num_items_in_batch`) to the model,
 so its loss goes through the fused linear cross-entropy: the [tokens, vocab] logits are never built.
@@ -20,7 +21,7 @@ import torch
 
 from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
 
-from playbook.registry import DEFAULT_KERNELS, apply_kernels
+from playbook.registry import DEFAULT_KERNELS
 from playbook.common import log
 from playbook.config import make_parser, parse_config
 
@@ -60,25 +61,14 @@ def build_datasets(cfg, tokenizer):
 def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
-    from playbook.models import load_model, prefer_fast_attention
+    from playbook.models import prepare_model
     from playbook.training import run_tokenizer
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_trainer", argv)
     if cfg.dataset is None:
         raise SystemExit("error: finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
-    model, name, desc = load_model(cfg)
-    model.config.use_cache = False
-    log(prefer_fast_attention(cfg.device))
-    report = apply_kernels(model, cfg.kernels, verbose=True)
-    if cfg.fp8:
-        from playbook.models import apply_fp8
-
-        apply_fp8(model, cfg.fp8_backend, cfg.compile)
-    if cfg.lora_r:
-        from playbook.lora import lora_from_config
-
-        model = lora_from_config(model, cfg, fuse=bool(report.replaced))
+    model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
     train_set, eval_set = build_datasets(cfg, tokenizer)
     out = cfg.output_dir or "out/trainer"  # the Trainer needs a folder; out/ is not committed
@@ -96,8 +86,6 @@ def main(argv=None):
         ddp_find_unused_parameters=False,
         seed=cfg.seed, disable_tqdm=True, optim="adamw_torch_fused" if cfg.optimizer == "adamw-fused" else "adamw_torch",
     )
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.warmup_ratio:
         args.warmup_steps = int(cfg.warmup_ratio * (cfg.steps or 0))
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set)

@@ -605,7 +605,8 @@ def test_down_proj_runs_in_fp8_under_the_fused_swiglu(monkeypatch):
 def test_lora_on_fp8_projections(monkeypatch):
     """peft wraps a Float8Linear as it wraps nn.Linear (it is one); the frozen base weight runs in FP8
     and saves nothing of its input, and the adapters train."""
-    from playbook.lora import apply_lora, fuse_lora_layers
+    from playbook.lora import apply_lora
+    from lora_kernel import fuse_lora_layers
 
     model = _tiny(layers=1)
     patch_model(model)

@@ -2,8 +2,8 @@
 
     loss = cross_entropy(x @ W.T, targets)      x: [N, H] hidden states, W: [V, H] lm_head weight
 
-What you build here: the last layer of the model and its loss in one autograd.Function that walks
-the tokens in chunks. For each chunk it multiplies (cuBLAS, tensor cores), runs the fused
+What you build here: the last layer of the model and its loss in one custom op that walks the
+tokens in chunks. For each chunk it multiplies (cuBLAS, tensor cores), runs the fused
 cross-entropy kernel of step 3 on the chunk's logits, which turns them into their gradient in place,
 and spends that gradient right away on both input gradients. The [N, V] logits never exist; one
 [chunk, V] buffer is reused for every chunk.
@@ -68,12 +68,19 @@ lm_head's; label_smoothing, lse_square_scale, softcap and the return_* extras) g
 kernel, with the whole batch's divisors counted once on the GPU. The Hugging Face drop-in passes
 the lm_head's bias and Gemma 2's `final_logit_softcapping` as `softcap`.
 
-The chunked pass is two custom ops (`torch.ops.playbook.linear_cross_entropy_fwd` / `_bwd`), so
-`torch.compile` and FSDP see one opaque op and never trace the loop, its Triton launches or its
-mixed-dtype cuBLAS calls.
+The chunked pass is a custom op, `torch.ops.playbook.linear_cross_entropy_fwd`, with its fake
+implementation and its autograd registered (torch.library.register_autograd: the backward scales
+the gradients the op returned, or, for reduction="none", calls `linear_cross_entropy_bwd`). So
+`torch.compile`, `torch.library.opcheck` and FSDP see one opaque op and never trace the loop, its
+Triton launches or its mixed-dtype cuBLAS calls. The in-place gradient happens inside the op, in
+its own chunk buffer, so the op mutates none of its inputs.
 
-Layout of this file: chunked pass (launcher) -> custom ops -> autograd.Function and functional
-API -> Hugging Face drop-in (`patch_model`) -> reference.
+Layout of this file, one ladder: the Triton kernel is the cross-entropy's (cross_entropy_kernel.py)
+-> chunked pass (the launcher) -> custom ops (fake and autograd registered) ->
+`linear_cross_entropy` -> `TritonLinearCrossEntropyLoss`, the drop-in module -> `patch_model` for
+Hugging Face models -> `linear_cross_entropy_ref`.
+
+    $ python linear_cross_entropy_test.py   # every check against PyTorch in float64, as a report
 """
 
 import types
@@ -255,12 +262,18 @@ def _fwd_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore
             label_smoothing: float = 0.0, lse_square_scale: float = 0.0, softcap: Optional[float] = None,
             want_z: bool = False, want_pred: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                     torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dx, dW, dbias, z-loss, argmax rows) for an upstream gradient of 1; empty when not wanted."""
+    """(loss, dx, dW, dbias, z-loss, argmax rows), the gradients for an upstream gradient of 1.
+
+    want_dx / want_dw / want_db say which gradients the backward will need. They are computed here,
+    in the same pass as the loss, except for reduction="none": one upstream value per token is known
+    only in backward, so then this pass computes the losses alone and the backward op the gradients
+    (see the module docstring). What is not computed comes back as an empty placeholder."""
     options = LossOptions(ce_weight, label_smoothing, lse_square_scale, softcap)
-    loss, dx, dw, db, z, pred = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction, want_dx,
-                                                          want_dw, accumulate_fp32, chunk, bias=bias,
-                                                          want_db=want_db, options=options, want_z=want_z,
-                                                          want_pred=want_pred)
+    now = reduction != "none"
+    loss, dx, dw, db, z, pred = linear_cross_entropy_pass(x, weight, targets, ignore_index, reduction,
+                                                          want_dx and now, want_dw and now, accumulate_fp32,
+                                                          chunk, bias=bias, want_db=want_db and now,
+                                                          options=options, want_z=want_z, want_pred=want_pred)
     return (loss, _or_empty(dx, x), _or_empty(dw, weight), _or_empty(db, weight),
             _or_empty(z, loss, torch.float32), _or_empty(pred, loss, torch.int64))
 
@@ -283,11 +296,12 @@ def _bwd_op(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_r
 def _(x, weight, targets, ignore_index, reduction, want_dx, want_dw, accumulate_fp32, chunk, bias=None,
       want_db=False, ce_weight=None, label_smoothing=0.0, lse_square_scale=0.0, softcap=None, want_z=False,
       want_pred=False):
+    now = reduction != "none"
     loss_shape = (x.shape[0],) if reduction == "none" else ()
     loss = x.new_empty(loss_shape, dtype=torch.float32)
-    dx = x.new_empty(x.shape if want_dx else (0,))
-    dw = weight.new_empty(weight.shape if want_dw else (0,))
-    db = weight.new_empty((weight.shape[0],) if want_db else (0,))
+    dx = x.new_empty(x.shape if want_dx and now else (0,))
+    dw = weight.new_empty(weight.shape if want_dw and now else (0,))
+    db = weight.new_empty((weight.shape[0],) if want_db and now else (0,))
     z = x.new_empty(loss_shape if want_z else (0,), dtype=torch.float32)
     pred = x.new_empty((x.shape[0],) if want_pred else (0,), dtype=torch.int64)
     return loss, dx, dw, db, z, pred
@@ -300,71 +314,54 @@ def _(x, weight, targets, grad_rows, ignore_index, want_dx, want_dw, accumulate_
             weight.new_empty((weight.shape[0],) if want_db else (0,)))
 
 
+# Autograd of the forward op (torch.library.register_autograd): the gradients it returned are saved
+# and, in backward, scaled by the upstream gradient; for reduction="none" the inputs are saved and
+# the backward op computes the gradients. The op's other outputs are not differentiable.
+def _setup_context(ctx, inputs, output):
+    (x, weight, targets, ignore_index, reduction, want_dx, want_dw, accumulate_fp32, chunk, bias, want_db,
+     ce_weight, label_smoothing, lse_square_scale, softcap, _, _) = inputs
+    _, dx, dw, db, z, pred = output
+    ctx.mark_non_differentiable(dx, dw, db, z, pred)
+    ctx.args = (ignore_index, accumulate_fp32, chunk, label_smoothing, lse_square_scale, softcap)
+    ctx.want = (want_dx, want_dw, want_db)
+    ctx.consumed = False
+    ctx.deferred = reduction == "none"
+    if ctx.deferred:
+        ctx.save_for_backward(x, weight, targets, bias, ce_weight)
+    else:
+        ctx.save_for_backward(dx, dw, db)
+
+
+def _backward(ctx, grad_loss, *unused_grads):
+    check_first_order("fused linear cross-entropy")
+    if ctx.consumed:
+        raise RuntimeError("the fused linear cross-entropy's gradients were already used by a previous "
+                           "backward; run backward once per forward (retain_graph is not supported)")
+    ctx.consumed = True
+    ignore_index, accumulate_fp32, chunk, label_smoothing, lse_square_scale, softcap = ctx.args
+    want_dx, want_dw, want_db = ctx.want
+    if ctx.deferred:
+        x, weight, targets, bias, ce_weight = ctx.saved_tensors
+        dx, dw, db = torch.ops.playbook.linear_cross_entropy_bwd(
+            x, weight, targets, grad_loss.float().contiguous(), ignore_index, want_dx, want_dw, accumulate_fp32,
+            chunk, bias, want_db, ce_weight, label_smoothing, lse_square_scale, softcap)
+    else:
+        dx, dw, db = ctx.saved_tensors
+        # Usually grad_loss is exactly 1.0 and (in eager mode) these launches skip every row.
+        dx = scale_grad(dx, grad_loss) if want_dx else dx
+        dw = scale_grad(dw, grad_loss) if want_dw else dw
+        db = scale_grad(db.view(1, -1), grad_loss).view(-1) if want_db else db
+    # one gradient per input of the op: x, weight, then bias (index 9); a placeholder becomes None
+    return (dx if want_dx else None, dw if want_dw else None) + (None,) * 7 + \
+        (db if want_db else None,) + (None,) * 7
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 # ------------------------------------------------------------------------------------------------
-# autograd.Function and functional API
+# Functional API
 # ------------------------------------------------------------------------------------------------
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, reduction, accumulate_fp32, chunk, grad_enabled, bias=None,
-                ce_weight=None, label_smoothing=0.0, lse_square_scale=0.0, softcap=None, want_z=False,
-                want_pred=False):
-        x, weight = x.contiguous(), weight.contiguous()
-        bias = bias.contiguous() if bias is not None else None
-        # needs_input_grad is True under torch.no_grad() too; grad_enabled is the caller's grad mode
-        want_dx, want_dw = ctx.needs_input_grad[0] and grad_enabled, ctx.needs_input_grad[1] and grad_enabled
-        want_db = bias is not None and ctx.needs_input_grad[8] and grad_enabled
-        extras = want_z or want_pred
-        # The plain loss calls the ops with their plain arguments; bias, options and extras follow.
-        plain = (bias is None and ce_weight is None and label_smoothing == 0 and lse_square_scale == 0
-                 and softcap is None)
-        options = (ce_weight, label_smoothing, lse_square_scale, softcap)
-        ctx.args = (ignore_index, accumulate_fp32, chunk, plain, label_smoothing, lse_square_scale, softcap)
-        ctx.want = (want_dx, want_dw, want_db)
-        ctx.consumed = False
-        # One upstream value per token (reduction="none") is known only in backward: compute the
-        # losses now, and the gradients in backward (see the module docstring).
-        ctx.deferred = reduction == "none" and (want_dx or want_dw or want_db)
-        fwd = torch.ops.playbook.linear_cross_entropy_fwd
-        args = (x, weight, targets, ignore_index, reduction)
-        if ctx.deferred:
-            tail = () if plain and not extras else (bias, False, *options, want_z, want_pred)
-            loss, _, _, _, z, pred = fwd(*args, False, False, accumulate_fp32, chunk, *tail)
-            ctx.save_for_backward(x, weight, targets, bias, ce_weight)
-        else:
-            tail = () if plain and not extras else (bias, want_db, *options, want_z, want_pred)
-            loss, dx, dw, db, z, pred = fwd(*args, want_dx, want_dw, accumulate_fp32, chunk, *tail)
-            ctx.save_for_backward(dx, dw, db)
-        if not extras:
-            return loss
-        ctx.mark_non_differentiable(z, pred)
-        return loss, z, pred
-
-    @staticmethod
-    def backward(ctx, grad_output, *extras_grads):
-        check_first_order("fused linear cross-entropy")
-        if ctx.consumed:
-            raise RuntimeError("the fused linear cross-entropy's gradients were already used by a previous "
-                               "backward; run backward once per forward (retain_graph is not supported)")
-        ctx.consumed = True
-        ignore_index, accumulate_fp32, chunk, plain, label_smoothing, lse_square_scale, softcap = ctx.args
-        want_dx, want_dw, want_db = ctx.want
-        if ctx.deferred:
-            x, weight, targets, bias, ce_weight = ctx.saved_tensors
-            tail = () if plain else (bias, want_db, ce_weight, label_smoothing, lse_square_scale, softcap)
-            dx, dw, db = torch.ops.playbook.linear_cross_entropy_bwd(
-                x, weight, targets, grad_output.float().contiguous(), ignore_index, want_dx, want_dw,
-                accumulate_fp32, chunk, *tail)
-        else:
-            dx, dw, db = ctx.saved_tensors
-            # Usually grad_output is exactly 1.0 and (in eager mode) these launches skip every row.
-            dx = scale_grad(dx, grad_output) if want_dx else dx
-            dw = scale_grad(dw, grad_output) if want_dw else dw
-            db = scale_grad(db.view(1, -1), grad_output).view(-1) if want_db else db
-        # a gradient that is not wanted is an empty placeholder: autograd gets None for it
-        return (dx if want_dx else None, dw if want_dw else None) + (None,) * 6 + \
-            (db if want_db else None,) + (None,) * 6
-
-
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "mean", accumulate_fp32: bool = True, chunk: int | None = None, *,
                          bias: torch.Tensor | None = None, ce_weight: torch.Tensor | None = None,
@@ -409,14 +406,75 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                  weight_name="ce_weight")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
-    args = (x, weight, targets, int(ignore_index), reduction, bool(accumulate_fp32), chunk, torch.is_grad_enabled(),
-            bias, *loss_options)
+    # Which gradients a backward can ask for: an input that requires grad, in grad mode (under
+    # torch.no_grad() the op computes the loss alone, whatever the inputs require).
+    grad_mode = torch.is_grad_enabled()
+    want_dx, want_dw = grad_mode and x.requires_grad, grad_mode and weight.requires_grad
+    want_db = grad_mode and bias is not None and bias.requires_grad
     want_pred = bool(return_token_accuracy or return_predicted_tokens)
+    loss, _, _, _, z, pred = torch.ops.playbook.linear_cross_entropy_fwd(
+        x.contiguous(), weight.contiguous(), targets, int(ignore_index), reduction, want_dx, want_dw,
+        bool(accumulate_fp32), chunk, None if bias is None else bias.contiguous(), want_db, *loss_options,
+        bool(return_z_loss), want_pred)
     if not (return_z_loss or want_pred):
-        return LinearCrossEntropyFunction.apply(*args)
-    loss, z, pred = LinearCrossEntropyFunction.apply(*args, bool(return_z_loss), want_pred)
+        return loss
     return loss_output(loss, z, pred, targets, int(ignore_index), return_z_loss, return_token_accuracy,
                        return_predicted_tokens, targets.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Drop-in module
+# ------------------------------------------------------------------------------------------------
+class TritonLinearCrossEntropyLoss(nn.Module):
+    """The language-model head and its cross-entropy as one module: the logits are never built.
+
+        loss_fn = TritonLinearCrossEntropyLoss(ignore_index=-100)
+        loss = loss_fn(hidden, model.lm_head.weight, labels)  # hidden [B, T, H], labels [B, T]
+
+    forward(hidden [..., H], lm_weight [V, H], target [...], bias=None) returns what
+    `nn.CrossEntropyLoss(...)(nn.functional.linear(hidden, lm_weight, bias), target)` returns
+    (flattened to [N, V] and [N]; reduction="none" gives the target's shape), with the
+    conventions of `linear_cross_entropy`: fp32 loss, 0.0 when every row is ignored, NaN for a
+    target outside [0, V). hidden, lm_weight and bias share one dtype (fp32, bf16 or fp16).
+
+    Arguments: ignore_index, reduction ("mean", "sum", "none"), ce_weight (class weights [V], a
+    buffer; named apart from the lm_head's weight), label_smoothing (as PyTorch's), z_loss (adds
+    z_loss * logsumexp^2 per non-ignored token), softcap (Gemma 2's tanh cap of the logits),
+    accumulate_fp32 and chunk (see `linear_cross_entropy`).
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", ce_weight: torch.Tensor | None = None,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                 accumulate_fp32: bool = True, chunk: int | None = None):
+        super().__init__()
+        check_targets_and_reduction(torch.empty(0, dtype=torch.int64), reduction)
+        if ce_weight is not None and not (isinstance(ce_weight, torch.Tensor) and ce_weight.dim() == 1):
+            got = tuple(ce_weight.shape) if isinstance(ce_weight, torch.Tensor) else type(ce_weight).__name__
+            raise ValueError(f"ce_weight (class weights) must be a 1-D tensor [V], got {got}")
+        # the vocabulary is known only in forward, which checks the class weights' length against it
+        check_options(0 if ce_weight is None else ce_weight.shape[0], None if ce_weight is None else ce_weight.device,
+                      ce_weight, label_smoothing, z_loss, softcap, weight_name="ce_weight")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+        self.register_buffer("ce_weight", ce_weight)
+        self.ignore_index, self.reduction = int(ignore_index), reduction
+        self.label_smoothing, self.z_loss = float(label_smoothing), float(z_loss)
+        self.softcap = None if softcap is None else float(softcap)
+        self.accumulate_fp32, self.chunk = bool(accumulate_fp32), chunk
+
+    def forward(self, hidden: torch.Tensor, lm_weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        loss = linear_cross_entropy(hidden, lm_weight, target, self.ignore_index, self.reduction, self.accumulate_fp32,
+                                    self.chunk, bias=bias, ce_weight=self.ce_weight,
+                                    label_smoothing=self.label_smoothing, lse_square_scale=self.z_loss,
+                                    softcap=self.softcap)
+        return loss.view(target.shape) if self.reduction == "none" else loss
+
+    def extra_repr(self) -> str:
+        options = [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"]
+        options += [f"{name}={getattr(self, name)}" for name in ("label_smoothing", "z_loss", "softcap", "chunk")
+                    if getattr(self, name) not in (0.0, None)]
+        return ", ".join(options + ([] if self.accumulate_fp32 else ["accumulate_fp32=False"]))
 
 
 def flops(n_tokens: int, hidden: int, vocab: int, backward: bool = True) -> int:

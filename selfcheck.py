@@ -2,7 +2,8 @@
 
     $ python selfcheck.py
     $ python selfcheck.py --setup       # only the set-up check: "OK: ..." and exit 0, or the fix and exit 1
-    $ python selfcheck.py --index-url   # the PyTorch wheel index for this GPU and driver (`make` uses it)
+    $ python selfcheck.py --index-url   # the PyTorch wheel index for this machine (`make` uses it): the one for
+                                        # its GPU and driver, the CPU index on Linux without a GPU, else empty (PyPI)
 
 Prints the GPU (name, compute capability, memory), the driver and its CUDA version, the versions of
 torch (and its CUDA), Triton and transformers, bf16 support, and whether results/ already holds

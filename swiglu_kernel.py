@@ -16,8 +16,8 @@ The same kernels serve Gemma's MLP, whose activation is GELU's tanh approximatio
     d/dg gelu_tanh(g) = s + g * s * (1 - s) * 2 sqrt(2/pi) * (1 + 3 * 0.044715 g^2),  s = sigmoid(2z)
                       (with 1 - s = sigmoid(-2z), which keeps its precision where s is near 1)
 
-The activation is a `tl.constexpr`: each one compiles to its own binary, and SwiGLU's is the code
-it was before GeGLU existed. The byte counts below are the same for both.
+The activation is a `tl.constexpr`: each one compiles to its own binary, so SwiGLU's binary holds no
+GeGLU code. The byte counts below are the same for both.
 
 Count the bytes before timing anything
 --------------------------------------
@@ -41,9 +41,10 @@ g, u; write dg, du), and keep nothing but g and u, which the matmuls need anyway
 The MLP path (`swiglu_down`, below) moves 6 bytes per element more in backward: it recomputes h
 there instead of keeping it alive from the forward pass.
 
-Under --fp8 the backward also takes the row and column maxima of the gradient it writes, so that the
-FP8 gate/up projection quantizes it in one read instead of two (the FP8 section below; measured
-1.28x on the pair of kernels at 8192 tokens on an H200).
+Under --fp8 the MLP's backward runs a variant of `_swiglu_bwd` that also takes the row and column
+maxima of the gradient it writes, so that the FP8 gate/up projection quantizes it in one read instead
+of two. That variant is FP8 code and lives in fp8_linear_kernel.py (`swiglu_joined_fp8`); this file
+reaches it through one marked hook in `swiglu_mlp_forward`.
 
 Layout of this file: kernels -> launchers -> custom ops (PyTorch operators, with their autograd)
 -> functional API -> the MLP drop-in and `patch_model` -> reference.
@@ -55,7 +56,6 @@ import torch
 from torch import nn
 
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-import fp8_linear_kernel
 from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
 from playbook.model_families import family_classes, mlp_activation, model_type
 
@@ -201,182 +201,6 @@ def halves(gu2: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8: the activation, and the maxima the next matmul's quantization needs, in one pass
-# ------------------------------------------------------------------------------------------------
-# Under --fp8 the down projection quantizes h twice before its matmuls (fp8_linear_kernel.py): per
-# row for the forward, per column (transposed) for the weight gradient. A scale is the largest |value|
-# of its row or column, so the quantizer reads h once for the maxima (writing the row copy on the way)
-# and once more for the column copy. Backward, the joined gate/up projection does the same with the
-# gradient written here, d gate_up [N, 2I]: 470 MB per read at 8192 tokens of LLaMA 3.1 8B. The
-# kernels below write what `_swiglu_fwd` / `_swiglu_bwd` write and also take both maxima of the
-# values they have just rounded to bf16 (so they are the maxima of the written tensor, exactly):
-# each program covers a stripe of STRIPE_ROWS rows x BLOCK columns, in blocks of SUB_ROWS rows, and
-# writes its partial maxima (per row of its columns; per column of its rows), which two small
-# reductions finish. The FP8 layer then makes both copies in one read (`fp8_linear_kernel.quantize_both`).
-# The whole-row alternative (the row's scale known in registers, quantize at once) was slower than
-# the two passes it replaced: results/runs/swiglu_fp8_wholerow_H200.log.
-@triton.jit
-def _stripe_maxima(v, rows, cols, row_ok, col_ok, col_max, RowMax, n_col_blocks, COL_BLOCK):
-    """Fold a block's column maxima into `col_max`; store its row maxima as column block COL_BLOCK's."""
-    a = tl.abs(v.to(tl.float32))
-    tl.store(RowMax + rows * n_col_blocks + COL_BLOCK, tl.max(a, axis=1), mask=row_ok)
-    return tl.maximum(col_max, tl.max(a, axis=0))
-
-
-@triton.jit
-def _block_of(P, rows, cols, stride, ok):
-    """The [SUB_ROWS, BLOCK] block of P at these rows and columns, in fp32 (0 where not `ok`)."""
-    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _swiglu_fwd_maxima(
-    G, U,  # pointers to gate and up, [n_rows, I], unit stride along I
-    H,  # pointer to h, [n_rows, I], contiguous
-    RowMax,  # partial row maxima of |h|, [n_rows, n_col_blocks] fp32
-    ColMax,  # partial column maxima of |h|, [n_stripes, I] fp32
-    stride_g, stride_u, n_rows, I,
-    STRIPE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ACT: tl.constexpr,
-):
-    stripe = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < I
-    col_max = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in range(0, STRIPE_ROWS, SUB_ROWS):
-        rows = stripe * STRIPE_ROWS + r + tl.arange(0, SUB_ROWS)
-        row_ok = rows < n_rows
-        mask = row_ok[:, None] & col_ok[None, :]
-        h = _act_out(_block_of(G, rows, cols, stride_g, mask), _block_of(U, rows, cols, stride_u, mask),
-                     ACT).to(H.dtype.element_ty)
-        tl.store(H + rows[:, None] * I + cols[None, :], h, mask=mask)
-        col_max = _stripe_maxima(h, rows, cols, row_ok, col_ok, col_max, RowMax, tl.num_programs(1), tl.program_id(1))
-    tl.store(ColMax + stripe * I + cols, col_max, mask=col_ok)
-
-
-@triton.jit
-def _bwd_maxima_block(dh, g, u, DGU, RowMax, rows, cols, row_ok, col_ok, g_max, u_max, I, block, n_blocks,
-                      ACT: tl.constexpr):
-    """d gate and d up of one block of rows: store them, their row maxima; fold in their column maxima."""
-    dg, du = _act_grads(dh, g, u, ACT)
-    dg = dg.to(DGU.dtype.element_ty)
-    du = du.to(DGU.dtype.element_ty)
-    mask = row_ok[:, None] & col_ok[None, :]
-    out = rows[:, None] * (2 * I) + cols[None, :]
-    tl.store(DGU + out, dg, mask=mask)
-    tl.store(DGU + out + I, du, mask=mask)
-    g_max = _stripe_maxima(dg, rows, cols, row_ok, col_ok, g_max, RowMax, 2 * n_blocks, block)
-    u_max = _stripe_maxima(du, rows, cols, row_ok, col_ok, u_max, RowMax, 2 * n_blocks, n_blocks + block)
-    return g_max, u_max
-
-
-@triton.jit
-def _swiglu_joined_bwd_maxima(
-    DH,  # pointer to the upstream gradient, [n_rows, I], unit stride along I
-    G, U,  # pointers to the saved gate and up (the halves of gate_up)
-    DGU,  # pointer to d gate_up, [n_rows, 2I], contiguous: d gate, then d up
-    RowMax,  # partial row maxima of |d gate_up|, [n_rows, 2 n_col_blocks] fp32
-    ColMax,  # partial column maxima of |d gate_up|, [n_stripes, 2I] fp32
-    stride_dh, stride_g, stride_u, n_rows, I,
-    STRIPE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    ACT: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load the next block of rows before working on this one
-):
-    stripe = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    n_blocks = tl.num_programs(1)
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < I
-    g_max = tl.zeros([BLOCK], dtype=tl.float32)
-    u_max = tl.zeros([BLOCK], dtype=tl.float32)
-    rows = stripe * STRIPE_ROWS + tl.arange(0, SUB_ROWS)
-    if PREFETCH:
-        # Register double buffering: the next block's loads are in flight while this one is computed,
-        # stored and reduced. The load past the stripe's last block is masked off.
-        ok = (rows < n_rows)[:, None] & col_ok[None, :]
-        dh, g, u = _block_of(DH, rows, cols, stride_dh, ok), _block_of(G, rows, cols, stride_g, ok), \
-            _block_of(U, rows, cols, stride_u, ok)
-        for r in range(0, STRIPE_ROWS, SUB_ROWS):
-            this_rows, this_dh, this_g, this_u = rows, dh, g, u
-            rows = this_rows + SUB_ROWS
-            ok = ((rows < n_rows) & (r + SUB_ROWS < STRIPE_ROWS))[:, None] & col_ok[None, :]
-            dh, g, u = _block_of(DH, rows, cols, stride_dh, ok), _block_of(G, rows, cols, stride_g, ok), \
-                _block_of(U, rows, cols, stride_u, ok)
-            g_max, u_max = _bwd_maxima_block(this_dh, this_g, this_u, DGU, RowMax, this_rows, cols,
-                                             this_rows < n_rows, col_ok, g_max, u_max, I, block, n_blocks, ACT)
-    else:
-        for r in range(0, STRIPE_ROWS, SUB_ROWS):
-            row_ok = rows < n_rows
-            ok = row_ok[:, None] & col_ok[None, :]
-            g_max, u_max = _bwd_maxima_block(_block_of(DH, rows, cols, stride_dh, ok),
-                                             _block_of(G, rows, cols, stride_g, ok),
-                                             _block_of(U, rows, cols, stride_u, ok), DGU, RowMax, rows, cols,
-                                             row_ok, col_ok, g_max, u_max, I, block, n_blocks, ACT)
-            rows += SUB_ROWS
-    tl.store(ColMax + stripe * (2 * I) + cols, g_max, mask=col_ok)
-    tl.store(ColMax + stripe * (2 * I) + I + cols, u_max, mask=col_ok)
-
-
-# Launch of the maxima kernels: stripes of STRIPE_ROWS rows (the partial column maxima are
-# n_rows / STRIPE_ROWS rows of fp32: 7.3 MB for d gate_up at 8192 tokens), one row of BLOCK values per
-# loop step. From the sweep at [8192, 14336] on an H200 (results/runs/swiglu_fp8_H200.log, each setting
-# bit-equal first): backward, maxima kernel + quantize_both 625.2 us against 802.5 us for the SwiGLU
-# kernel + the two separate passes; taller stripes leave too few programs (256 rows of 4 x 512: 2480 us,
-# results/runs/swiglu_fp8_tallstripes_H200.log).
-FP8_LAUNCH = {"forward": (32, 1, 1024, 4), "backward": (128, 1, 1024, 4)}  # stripe rows, sub rows, block, warps
-FP8_PREFETCH = True  # the backward kernel double-buffers its loads
-# Forward, the maxima kernel costs more than the quantizer's read it saves (results/runs/swiglu_fp8_H200.log:
-# h at [8192, 14336], 401.4 us against 370.8 us for the SwiGLU kernel and the two separate passes), so
-# the MLP's forward runs the plain kernel; backward, where the saved read is twice as large, pays.
-FP8_FORWARD_MAXIMA = False
-
-
-def _maxima_launch(n_rows: int, width: int, direction: str):
-    """(grid, stripe rows, sub rows, block, warps) of the maxima kernels."""
-    stripe, sub, block, warps = FP8_LAUNCH[direction]
-    if kernel_utils.INTERPRET:  # few, large programs: the interpreter pays per program and loop step
-        block = min(1024, next_power_of_2(width))
-        sub = max(1, min(64, 4096 // block))
-        stripe, warps = 2 * sub, 4
-    return (triton.cdiv(n_rows, stripe), triton.cdiv(width, block)), stripe, sub, block, warps
-
-
-def _partials(n_rows: int, col_blocks: int, stripes: int, width: int, device: torch.device):
-    """The maxima kernels' partial row maxima [n_rows, col_blocks] and column maxima [stripes, width],
-    fp32; the kernel writes every one (zeros when there is nothing to launch)."""
-    alloc = torch.empty if n_rows * width else torch.zeros
-    return (alloc((n_rows, col_blocks), dtype=torch.float32, device=device),
-            alloc((max(1, stripes), width), dtype=torch.float32, device=device))
-
-
-def swiglu_forward_maxima(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
-    """(h, row maxima [n_rows], column maxima [I]): h = act(g) * u as `swiglu_forward` writes it, and the
-    largest |h| of each row and of each column (what h's two FP8 quantizations need)."""
-    n_rows, width = g2.shape
-    h = torch.empty((n_rows, width), dtype=g2.dtype, device=g2.device)
-    grid, stripe, sub, block, warps = _maxima_launch(n_rows, width, "forward")
-    row_part, col_part = _partials(n_rows, grid[1], grid[0], width, g2.device)
-    if h.numel():
-        _swiglu_fwd_maxima[grid](g2, u2, h, row_part, col_part, g2.stride(0), u2.stride(0), n_rows, width,
-                                 STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block, ACT=activation, num_warps=warps)
-    return h, row_part.amax(dim=1), col_part.amax(dim=0)
-
-
-def swiglu_joined_backward_maxima(dh2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
-    """(d gate_up [n_rows, 2I] as `swiglu_backward(..., packed=True)` writes it, its row maxima [n_rows],
-    its column maxima [2I])."""
-    n_rows, width = g2.shape
-    dgu = torch.empty((n_rows, 2 * width), dtype=g2.dtype, device=g2.device)
-    grid, stripe, sub, block, warps = _maxima_launch(n_rows, width, "backward")
-    row_part, col_part = _partials(n_rows, 2 * grid[1], grid[0], 2 * width, g2.device)
-    if dgu.numel():
-        _swiglu_joined_bwd_maxima[grid](dh2, g2, u2, dgu, row_part, col_part, dh2.stride(0), g2.stride(0),
-                                        u2.stride(0), n_rows, width, STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block,
-                                        ACT=activation, PREFETCH=FP8_PREFETCH, num_warps=warps)
-    return dgu, row_part.amax(dim=1), col_part.amax(dim=0)
-
-
-# ------------------------------------------------------------------------------------------------
 # Custom ops: what torch.compile, opcheck and FSDP see
 # ------------------------------------------------------------------------------------------------
 # Each launcher becomes a PyTorch operator (`torch.ops.playbook.swiglu_fwd`, ...): one opaque node
@@ -514,62 +338,6 @@ swiglu_joined_fwd_op.register_autograd(_swiglu_joined_backward, setup_context=_s
 refuse_double_backward(swiglu_joined_bwd_op, "swiglu_joined")
 
 
-# Under --fp8: the joined forward that also takes h's maxima for the FP8 down projection, and (with
-# `quantize_grad`) a backward that also takes d gate_up's maxima for the FP8 gate/up projection. The
-# maxima reach those layers through fp8_linear_kernel's hand-off (`offer_input`, `offer_grad`): kept
-# for the very next FP8 layer that reads the same, unchanged tensor.
-@torch.library.custom_op("playbook::swiglu_joined_fp8_fwd", mutates_args=())
-def swiglu_joined_fp8_fwd_op(gate_up: torch.Tensor, activation: str, maxima: bool,
-                             quantize_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate_up [rows, 2I] -> (h [rows, I], the row maxima of |h| [rows], its column maxima [I]); without
-    `maxima`, h alone (the plain kernel) and two empty tensors."""
-    if not maxima:
-        return swiglu_forward(*halves(gate_up), activation), gate_up.new_empty(0, dtype=torch.float32), \
-            gate_up.new_empty(0, dtype=torch.float32)
-    return swiglu_forward_maxima(*halves(gate_up), activation)
-
-
-@swiglu_joined_fp8_fwd_op.register_fake
-def _(gate_up, activation, maxima, quantize_grad):
-    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-    f32 = torch.float32
-    return (gate_up.new_empty((rows, width)), gate_up.new_empty(rows if maxima else 0, dtype=f32),
-            gate_up.new_empty(width if maxima else 0, dtype=f32))
-
-
-@torch.library.custom_op("playbook::swiglu_joined_fp8_bwd", mutates_args=())
-def swiglu_joined_fp8_bwd_op(dh: torch.Tensor, gate_up: torch.Tensor,
-                             activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d gate_up [rows, 2I], its row maxima [rows], its column maxima [2I]) of |d gate_up|."""
-    return swiglu_joined_backward_maxima(as_rows(dh), *halves(gate_up), activation)
-
-
-@swiglu_joined_fp8_bwd_op.register_fake
-def _(dh, gate_up, activation):
-    f32 = torch.float32
-    return (gate_up.new_empty(gate_up.shape), gate_up.new_empty(gate_up.shape[0], dtype=f32),
-            gate_up.new_empty(gate_up.shape[1], dtype=f32))
-
-
-def _save_joined_fp8(ctx, inputs, output):
-    gate_up, ctx.activation, _, ctx.quantize_grad = inputs
-    ctx.save_for_backward(gate_up)
-    ctx.mark_non_differentiable(*output[1:])
-
-
-def _swiglu_joined_fp8_backward(ctx, dh, *_):
-    (gate_up,) = ctx.saved_tensors
-    if not ctx.quantize_grad:
-        return swiglu_joined_bwd_op(dh, gate_up, ctx.activation), None, None, None
-    dgu, row_max, col_max = swiglu_joined_fp8_bwd_op(dh, gate_up, ctx.activation)
-    fp8_linear_kernel.offer_grad(dgu, (row_max, col_max))
-    return dgu, None, None, None
-
-
-swiglu_joined_fp8_fwd_op.register_autograd(_swiglu_joined_fp8_backward, setup_context=_save_joined_fp8)
-refuse_double_backward(swiglu_joined_fp8_bwd_op, "swiglu_joined_fp8")
-
-
 @torch.library.custom_op("playbook::swiglu_down_joined_fwd", mutates_args=())
 def swiglu_down_joined_fwd_op(gate_up: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """gate_up [rows, 2I], weight [out, I] -> (act(gate) * up) @ weight.T; h is recomputed in backward."""
@@ -671,20 +439,6 @@ def swiglu_joined(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tens
     return swiglu_joined_fwd_op(as_rows(gate_up), activation).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", quantize_grad: bool = True,
-                      maxima: bool | None = None) -> torch.Tensor:
-    """`swiglu_joined` before an FP8 down projection. With `maxima` (default: FP8_FORWARD_MAXIMA) h's
-    row and column maxima are taken in the same pass and handed to the next FP8 layer that reads h
-    (`fp8_linear_kernel.offer_input`). With `quantize_grad` (the gate/up projection is FP8 too)
-    backward hands over d gate_up's maxima the same way (`offer_grad`)."""
-    _check_joined(gate_up, activation)
-    maxima = FP8_FORWARD_MAXIMA if maxima is None else maxima
-    h, row_max, col_max = swiglu_joined_fp8_fwd_op(as_rows(gate_up), activation, maxima, quantize_grad)
-    if maxima:
-        fp8_linear_kernel.offer_input(h, (row_max, col_max))
-    return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-
-
 def swiglu_down_joined(gate_up: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """`swiglu_down` on the two halves of gate_up [..., 2I]; its gradient comes back as one [..., 2I] tensor."""
     _check_joined(gate_up, activation)
@@ -706,9 +460,13 @@ def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     `mlp.fused_activation` ("silu" unless patch_model set it).
 
     A plain bias-free nn.Linear down_proj is folded into `swiglu_down` (h not stored); any other
-    down_proj (a bias, an adapter wrapper) is called as a module on the fused activation. Under
-    torch.autocast the projections return the autocast dtype while the weights keep theirs: the
-    down-projection weight is then cast as autocast would cast it for nn.Linear.
+    down_proj (a bias, an adapter wrapper, an FP8 layer) is called as a module on the fused
+    activation. Under torch.autocast the projections return the autocast dtype while the weights
+    keep theirs: the down-projection weight is then cast as autocast would cast it for nn.Linear.
+
+    The one FP8 hook: a joined gate/up projection that is an FP8 layer of a patched model (it holds
+    the model's `fp8_handoff`) gets the activation from `fp8_linear_kernel.swiglu_joined_fp8`, whose
+    backward also hands that layer the maxima of d gate_up (fp8_linear_kernel.py says why).
     """
     import projections_kernel
 
@@ -726,12 +484,12 @@ def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if weight.dtype != dtype and torch.is_autocast_enabled(x.device.type):
             weight = weight.to(dtype)
         return swiglu_down(g, u, weight, activation) if gu is None else swiglu_down_joined(gu, weight, activation)
-    if gu is not None and fp8_linear_kernel.fusing_casts():
-        gate_up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj
-        fp8_down, fp8_gate_up = (isinstance(m, fp8_linear_kernel.Float8Linear) for m in (down, gate_up))
-        if fp8_down or fp8_gate_up:  # hand the maxima of h / d gate_up to the FP8 projection that reads it
-            return down(swiglu_joined_fp8(gu, activation, quantize_grad=fp8_gate_up,
-                                          maxima=FP8_FORWARD_MAXIMA and fp8_down))
+    if gu is not None:  # --- the FP8 hook (--fp8; fp8_linear_kernel.py) ---
+        handoff = getattr(mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj, "fp8_handoff", None)
+        if handoff is not None:
+            import fp8_linear_kernel
+
+            return down(fp8_linear_kernel.swiglu_joined_fp8(gu, activation, handoff))
     return down(swiglu(g, u, activation) if gu is None else swiglu_joined(gu, activation))
 
 

@@ -1,4 +1,4 @@
-"""Command-line arguments of the fine-tuning and profiling scripts, checked once into a frozen `RunConfig`.
+"""Command-line arguments of the fine-tuning, profiling and distillation scripts, checked once into a frozen `RunConfig`.
 
 Every script builds its parser with `make_parser()`, so `--model`, `--batch-size`, `--kernels` and the
 rest mean the same thing everywhere. `parse_config()` checks every value before any model is built
@@ -13,12 +13,12 @@ import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
 
-from playbook.registry import DEFAULT_KERNELS, KERNEL_NAMES, PEERS, parse_kernels
+from playbook.registry import DEFAULT_KERNELS, NAMES, PEERS, parse_kernels
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")  # a file name inside results/, nothing else
@@ -26,15 +26,46 @@ TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")  # a file name
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One run, fully described: what the scripts, the loop and the summary read (never mutated)."""
+    """One run, fully described: what the scripts, the loop and the summary read (never mutated).
 
+    The fields come in sections, in the order of the command line's argument groups; `extra` holds a
+    script's own section (distill.py's `DistillConfig`), None for the scripts without one.
+    """
+
+    # run: which script, on what
     script: str
     device: torch.device
+    seed: int
+
+    # model: what is loaded and what `models.prepare_model` applies to it, one field per step
     model: str
     model_explicit: bool  # False: the default model, which may fall back to the 8B preset
     num_layers: int | None
+    gradient_checkpointing: bool
+    kernels: tuple
+    fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
+    fp8_backend: str  # whose FP8 layers: "playbook" (fp8_linear_kernel.py) or "torchao" (a peer, for comparison)
+    compile: bool
+
+    # LoRA (lora_r = 0: a full fine-tune, and the other LoRA fields are unused)
+    lora_r: int
+    lora_alpha: float | None
+    lora_dropout: float
+    lora_targets: str
+    merge_lora: bool
+    load_in_4bit: bool
+
+    # data
     batch_size: int
     seq_len: int
+    data: Path | None
+    dataset: str | None
+    packing: bool
+    train_on_prompt: bool
+    eval_fraction: float
+    eval_every: int
+
+    # training: steps, optimizer, learning-rate schedule
     grad_accum: int
     steps: int  # optimizer steps in all; the first `warmup_steps` are not timed
     epochs: float | None
@@ -47,39 +78,31 @@ class RunConfig:
     optimizer: str
     optimizer_in_backward: bool
     max_grad_norm: float | None
-    gradient_checkpointing: bool
-    compile: bool
-    fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
-    fp8_backend: str  # whose FP8 layers: "playbook" (fp8_linear_kernel.py) or "torchao" (a peer, for comparison)
-    kernels: tuple
-    data: Path | None
-    dataset: str | None
-    packing: bool
-    train_on_prompt: bool
-    eval_fraction: float
-    eval_every: int
+
+    # output: checkpoints, logs, the summary
     output_dir: Path | None
     save_every: int
     resume: Path | None
-    lora_r: int
-    lora_alpha: float | None
-    lora_dropout: float
-    lora_targets: str
-    merge_lora: bool
-    load_in_4bit: bool
-    seed: int
     log_every: int
     tag: str | None
     overwrite: bool
     report_to: str
+
+    # a script's own section (a frozen dataclass), from the `extra` of make_parser
+    extra: object = None
 
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
     def as_dict(self) -> dict:
-        return {f.name: (str(v) if isinstance(v, (Path, torch.device)) else v)
-                for f in fields(self) for v in [getattr(self, f.name)]}
+        """Every field as JSON can hold it (paths and devices as text, `extra` as a nested dict)."""
+        return _as_dict(self)
+
+
+def _as_dict(section) -> dict:
+    return {f.name: (_as_dict(v) if is_dataclass(v) else str(v) if isinstance(v, (Path, torch.device)) else v)
+            for f in fields(section) for v in [getattr(section, f.name)]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,9 +160,16 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def make_parser(description: str, kernels_default: tuple | None = None) -> argparse.ArgumentParser:
-    """The parser every script shares. `kernels_default`: None for scripts without --kernels."""
+def make_parser(description: str, kernels_default: tuple | None = None, extra=None) -> argparse.ArgumentParser:
+    """The parser every script shares. `kernels_default`: None for scripts without --kernels.
+
+    `extra`: a script's own section of options, a class with two methods: `add_arguments(parser)` adds
+    its argument group, and `from_args(args, parser)` checks those values (usage_error for a wrong one,
+    or for a shared option the script does not use) and returns them as a frozen dataclass, which
+    `parse_config` keeps as `RunConfig.extra`. distill.py's `DistillConfig` is one.
+    """
     p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
+    p.set_defaults(extra_section=extra)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help=f"Hugging Face id, local directory, or a random-weight preset (llama-3.1-8b, llama-tiny); "
@@ -147,8 +177,9 @@ def make_parser(description: str, kernels_default: tuple | None = None) -> argpa
     m.add_argument("--num-layers", type=positive_int, default=None, help="keep only the first N decoder layers")
     if kernels_default is not None:
         m.add_argument("--kernels", type=_kernels, default=tuple(kernels_default),
-                       help=f"comma-separated: {', '.join(KERNEL_NAMES)}; 'default' "
-                            f"({','.join(DEFAULT_KERNELS)}), 'none', or a peer library ({', '.join(PEERS)})")
+                       help=f"comma-separated names of the registry (docs/optimizations.md): {', '.join(NAMES)}; "
+                            f"'default' ({','.join(DEFAULT_KERNELS)}), e.g. 'default,fp8,adamw' for more, 'none', "
+                            f"or a peer library ({', '.join(PEERS)})")
     m.add_argument("--compile", action="store_true", help="torch.compile the model (after the kernels)")
     m.add_argument("--fp8", action="store_true",
                    help="q/k/v/o and gate/up/down projections as FP8 matmuls (row-wise scales; GPUs of compute "
@@ -217,6 +248,8 @@ def make_parser(description: str, kernels_default: tuple | None = None) -> argpa
     o.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
     o.add_argument("--report-to", choices=["none", "tensorboard"], default="none",
                    help="also log to TensorBoard (under --output-dir or results/tensorboard)")
+    if extra is not None:
+        extra.add_arguments(p)
     return p
 
 
@@ -232,6 +265,15 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     kernels = getattr(a, "kernels", ())
+    # fp8 and adamw are registry entries too: named in --kernels, they switch on what --fp8 and
+    # --optimizer adamw-triton do; the distillation losses belong to distill.py
+    if "distillation" in kernels and script != "distill":
+        raise usage_error("--kernels distillation: the distillation losses run in distill.py (--mode fused)")
+    if "adamw" in kernels:
+        if a.optimizer not in (None, "adamw-triton"):
+            raise usage_error(f"--kernels adamw is the Triton AdamW, which --optimizer {a.optimizer} contradicts")
+        a.optimizer = "adamw-triton"
+    a.fp8 = a.fp8 or "fp8" in kernels
     if a.fp8_backend != "playbook" and not a.fp8:
         raise usage_error("--fp8-backend chooses whose FP8 layers --fp8 uses: add --fp8")
     if a.data is not None and a.dataset is not None:
@@ -243,8 +285,11 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if a.steps is not None and a.epochs is not None:
         raise usage_error("choose one of --steps and --epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
-    if steps is not None and a.warmup_steps >= steps and script != "profile_baseline":
-        raise usage_error(f"--steps {steps} leaves no timed step after --warmup-steps {a.warmup_steps}; "
+    warmup_steps = a.warmup_steps
+    if warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
+        warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
+    if steps is not None and warmup_steps >= steps and script != "profile_baseline":
+        raise usage_error(f"--steps {steps} leaves no timed step after --warmup-steps {warmup_steps}; "
                           "give more steps or fewer warm-up steps")
     optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
     if optimizer == "adamw-fused" and not gpu:
@@ -282,12 +327,13 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         except ImportError:
             raise usage_error("--report-to tensorboard needs the tensorboard package (pip install tensorboard)") from None
     dataset = a.dataset is not None
+    extra = a.extra_section.from_args(a, parser) if a.extra_section is not None else None
     return RunConfig(
         script=script, device=device, model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"),
         model_explicit=a.model is not None, num_layers=a.num_layers,
         batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
         seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
-        grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=a.warmup_steps, lr=a.lr,
+        grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=warmup_steps, lr=a.lr,
         lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio, fp8=a.fp8,
         fp8_backend=a.fp8_backend,
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
@@ -297,4 +343,4 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         eval_every=a.eval_every, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
         merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
-        report_to=a.report_to)
+        report_to=a.report_to, extra=extra)

@@ -5,8 +5,9 @@ weights (timing and memory do not depend on the weight values):
     llama-3.1-8b   the exact LLaMA 3.1 8B architecture, built directly on the GPU in bf16
     llama-tiny     a few small layers, for CPUs (kernels then run in Triton's interpreter)
 
-`prepare_model(cfg)` is the one recipe every script follows: load, apply the kernels, add LoRA,
-turn on gradient checkpointing, compile, and shard under torchrun, in that order.
+`prepare_model(cfg)` is the one recipe every script follows (the fine-tuning loop, the profiler, the
+Trainer, both models of distill.py): load, then the kernels, FP8, gradient checkpointing, LoRA,
+compile and FSDP2, in that order, each a small function switched by one field of the RunConfig.
 """
 
 from __future__ import annotations
@@ -109,10 +110,9 @@ def build_preset(name: str, num_layers: int | None, device: torch.device, dtype:
     return model
 
 
-def load_model(cfg) -> tuple[nn.Module, str, str]:
+def load_model(cfg, dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, str, str]:
     """Returns (model, model name actually used, description). The default model falls back to the 8B
     preset with a loud warning when it cannot be loaded; a model named on the command line does not."""
-    dtype = torch.bfloat16
     if cfg.model in PRESETS:
         return build_preset(cfg.model, cfg.num_layers, cfg.device, dtype), cfg.model, f"preset {cfg.model} (random weights)"
     if looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
@@ -184,9 +184,13 @@ _attention_order = []  # the sdpa_kernel context kept open for the whole process
 def prefer_fast_attention(device) -> str:
     """Put cuDNN attention first in SDPA's order on Hopper (compute capability 9.x), where it was
     measured fastest, whatever default a PyTorch build picks; elsewhere keep PyTorch's own order
-    (on Blackwell, sm_100/sm_103, nothing has been measured yet). Returns a line for the log."""
+    (on Blackwell, sm_100/sm_103, nothing has been measured yet). Returns a line for the log.
+
+    On a CPU, SDPA runs its CPU flash-attention kernel (aten::_scaled_dot_product_flash_attention_for_cpu,
+    what the profiler shows) for every input it accepts: 4-D, float32/bf16/fp16, with or without a mask."""
     if device.type != "cuda":
-        return "attention: PyTorch SDPA (no GPU: the math backend)"
+        return ("attention: PyTorch SDPA (no GPU: its CPU flash-attention kernel, the math backend only for "
+                "inputs that kernel does not take)")
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"attention: PyTorch SDPA with its default backend order (compute capability {major}.{minor})"
@@ -238,12 +242,75 @@ def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = Fals
     return converted
 
 
-def prepare_model(cfg):
-    """Load the model and get it ready to train. Returns (model, model name used, description, kernel report)."""
+# ------------------------------------------------------------------------------------------------
+# prepare_model: one step per function, each switched by one field of the RunConfig
+# ------------------------------------------------------------------------------------------------
+def apply_gradient_checkpointing(model: nn.Module, lora: bool) -> None:
+    """--gradient-checkpointing: Hugging Face's activation checkpointing, each decoder layer recomputed in backward.
+
+    Called on the Hugging Face model itself, before peft wraps it. With LoRA the embeddings are frozen,
+    so the hidden states entering the first checkpointed layer need no gradient; a reentrant checkpoint
+    would then skip those layers' backward and the adapters would get no gradient. The non-reentrant
+    checkpoint used here has no such gap, and `enable_input_require_grads` (the embeddings' output made
+    to require a gradient, as peft's `prepare_model_for_kbit_training` does) closes it for a reentrant
+    one too, such as the Trainer's own `gradient_checkpointing=True` in Transformers 4.x.
+    """
+    # activation_checkpointing_enable since Transformers 5 (it also adds the input hook for models of
+    # token ids); gradient_checkpointing_enable before, now its deprecated alias
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+    if lora and getattr(model, "_require_grads_hook", None) is None:
+        model.enable_input_require_grads()
+    log("Gradient checkpointing: each decoder layer is recomputed in backward")
+
+
+def apply_lora(model: nn.Module, cfg, fused: bool) -> nn.Module:
+    """--lora-r: peft's adapters (QLoRA with --load-in-4bit), on the fused path (lora_kernel.py) when `lora` is selected."""
+    from playbook.lora import lora_from_config
+
+    return lora_from_config(model, cfg, fuse=fused)
+
+
+def apply_compile(model: nn.Module, cfg) -> None:
+    """--compile: torch.compile of the model's forward, on its first call (the warm-up steps)."""
+    model.compile()
+    log("torch.compile: the model's forward is compiled on the first (warm-up) step")
+    if cfg.fp8 and cfg.fp8_backend == "playbook":
+        import fp8_linear_kernel
+
+        if not fp8_linear_kernel.compiled_graph_trusted(torch.device(cfg.device)):
+            log("torch.compile with --fp8: each FP8 projection runs outside the compiled graph (its compiled "
+                "gradient is not trusted on this device; fp8_linear_kernel.compiled_graph_trusted says why)")
+
+
+def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
+    """Load the model and get it ready to train. Returns (model, model name used, description, kernel report).
+
+    model: an already built model to prepare instead of loading cfg.model (distill.py builds its
+           student presets and picks the dtype); its name and description are then cfg.model.
+    shard: under torchrun, set up the process group and shard with FSDP2; False where something else
+           runs the processes (the Hugging Face Trainer wraps the model itself).
+
+    The steps, in this order, and why:
+      1. kernels (cfg.kernels)                 they replace Hugging Face's modules and functions in place;
+                                               every later step then wraps the patched model
+      2. FP8 (cfg.fp8)                         converts the nn.Linear projections the kernels left, so
+                                               LoRA's adapters wrap FP8 bases, not the other way round
+      3. gradient checkpointing                a method of the Hugging Face model: before peft wraps it,
+         (cfg.gradient_checkpointing)          and with LoRA the frozen embeddings' output made to
+                                               require a gradient (apply_gradient_checkpointing)
+      4. LoRA (cfg.lora_r)                     peft wraps the finished layers (fused with the registry's lora)
+      5. compile (cfg.compile)                 traces the model as it will run, adapters included
+      6. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
+    """
     from playbook.registry import apply_kernels
 
-    init_distributed(cfg.device)
-    model, name, desc = load_model(cfg)
+    if shard:
+        init_distributed(cfg.device)
+    if model is None:
+        model, name, desc = load_model(cfg)
+    else:
+        name = desc = cfg.model
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and cfg.seq_len > max_pos:
         raise usage_error(f"--seq-len {cfg.seq_len} is above this model's {max_pos} positions")
@@ -254,21 +321,11 @@ def prepare_model(cfg):
     if cfg.fp8:
         apply_fp8(model, cfg.fp8_backend, cfg.compile)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        log("Gradient checkpointing: each decoder layer is recomputed in backward")
+        apply_gradient_checkpointing(model, lora=bool(cfg.lora_r))
     if cfg.lora_r:
-        from playbook.lora import lora_from_config
-
-        model = lora_from_config(model, cfg, fuse=bool(report.replaced))  # fused when the kernels are on
+        model = apply_lora(model, cfg, fused="lora" in cfg.kernels)  # the registry's lora entry
     if cfg.compile:
-        model.compile()  # compiles the forward on its first call (the warm-up steps)
-        log("torch.compile: the model's forward is compiled on the first (warm-up) step")
-        if cfg.fp8 and cfg.fp8_backend == "playbook":
-            import fp8_linear_kernel
-
-            if not fp8_linear_kernel.compiled_graph_trusted(torch.device(cfg.device)):
-                log("torch.compile with --fp8: each FP8 projection runs outside the compiled graph (its compiled "
-                    "gradient is not trusted on this device; fp8_linear_kernel.compiled_graph_trusted says why)")
-    if world()[1] > 1:
+        apply_compile(model, cfg)
+    if shard and world()[1] > 1:
         shard_model(model)
     return model, name, desc, report

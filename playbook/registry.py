@@ -1,41 +1,161 @@
-"""The one place that knows the kernels: their names, the default set, and how they patch a model.
+"""The registry: every optimization a user can switch on, in one table, by the name every script takes.
 
-    >>> import apply_kernels as ak
-    >>> ak.KERNEL_NAMES
-    ('rmsnorm', 'cross_entropy', 'linear_cross_entropy', 'swiglu', 'rope', 'projections')
-    >>> report = ak.apply_kernels(model)                    # DEFAULT_KERNELS
-    >>> report = ak.apply_kernels(model, "rmsnorm,cross_entropy")
+    >>> from playbook import registry
+    >>> [o.name for o in registry.OPTIMIZATIONS]
+    ['rmsnorm', 'cross_entropy', 'linear_cross_entropy', 'swiglu', 'rope', 'projections', 'fp8', 'adamw',
+     'lora', 'distillation']
+    >>> report = registry.apply_kernels(model)                   # DEFAULT_KERNELS
+    >>> report = registry.apply_kernels(model, "rmsnorm,cross_entropy")
 
-A kernel's name is the stem of its files: `<name>_kernel.py` holds the kernel, its launcher, its
-`autograd.Function`, its Hugging Face drop-in and `patch_model(model) -> int` (how many modules or
-functions it replaced) with `expected_patches(config) -> int`; `<name>_test.py` tests it. Adding a
-kernel is those two files and one line in `KERNELS` below. The same names are what
-`--kernels` takes in `profile_baseline.py`, `finetune_optimized.py` and `benchmark_kernels.py`.
+The same names go to `--kernels` in `finetune_optimized.py`, `profile_baseline.py`,
+`finetune_trainer.py`, `distill.py` and `benchmark_kernels.py`: `--kernels default,fp8,adamw` is the
+default set plus the FP8 projections and the Triton AdamW (`--fp8` and `--optimizer adamw-triton`
+are the same switches under their own flags). `--kernels none` is plain PyTorch, `--kernels liger`
+Liger-Kernel's own set, a peer to compare with.
 
-Families (model_families.py): llama, mistral, qwen2, qwen3, gemma, gemma2, phi3. A kernel that does
-not apply to a model (an MLP activation the fused MLP does not compute; Gemma 2's final-logit
-softcap, which the fused lm_head + loss must then apply itself) is left out, and said so in one
-line, `apply_kernels: swiglu not applied to this gemma model: ...`, and in `report.not_applied`;
+Each entry says what it replaces, when it applies, how many replacements to expect, its lesson
+(`kernel`, `test`) and its benchmark (`benchmark_kernels.py --kernels <name>`). Adding a kernel is
+its `<name>_kernel.py` (with `patch_model(model) -> int` and `expected_patches(config) -> int` when
+it patches a model), its `<name>_test.py`, one line in `OPTIMIZATIONS` and one row in
+docs/optimizations.md; tests/registry_test.py checks all four.
+
+Where an entry acts (`scope`):
+    model         apply_kernels patches the Hugging Face model (modules or functions), counts checked
+    fp8           the decoder's seven projections as FP8 matmuls (models.prepare_model, after the model kernels)
+    optimizer     the optimizer the training loop builds (training.make_optimizer)
+    lora          the LoRA adapters' forward and backward (lora.lora_from_config, with --lora-r)
+    distillation  the distillation losses (distill.py)
+
+Families (model_families.py): llama, mistral, qwen2, qwen3, gemma, gemma2, phi3. A model kernel that
+does not apply to a model (an MLP activation the fused MLP does not compute; Gemma 2's final-logit
+softcap, which the fused lm_head + loss must then apply itself) is left out with one line,
+`apply_kernels: swiglu not applied to this gemma model: ...`, and listed in `report.not_applied`;
 the other kernels still apply. A family no kernel knows is refused as a whole.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, field
+from typing import Callable
 
-# name -> what it replaces in a Hugging Face causal LM (printed in reports and the README's table)
-KERNELS = {
-    "rmsnorm": "every RMSNorm module -> TritonRMSNorm (fused forward, one-pass backward)",
-    "cross_entropy": "the loss on the logits -> fused cross-entropy (gradient written into the logits)",
-    "linear_cross_entropy": "lm_head + loss -> fused linear cross-entropy (the logits are never built)",
-    "swiglu": "every MLP -> act(gate) * up fused (SwiGLU, or GeGLU for Gemma), recomputed in backward",
-    "rope": "the family's apply_rotary_pos_emb -> fused RoPE (forward and backward in one kernel)",
-    "projections": "q/k/v and gate/up -> one matmul each (weights placed side by side; same Parameters)",
-}
-KERNEL_NAMES = tuple(KERNELS)
-DEFAULT_KERNELS = ("rmsnorm", "linear_cross_entropy", "swiglu", "rope", "projections")  # the fastest measured set
+
+# Each lesson is imported only when its entry is used (importing a kernel file imports Triton).
+def _rmsnorm():
+    import rmsnorm_kernel
+
+    return rmsnorm_kernel
+
+
+def _cross_entropy():
+    import cross_entropy_kernel
+
+    return cross_entropy_kernel
+
+
+def _linear_cross_entropy():
+    import linear_cross_entropy_kernel
+
+    return linear_cross_entropy_kernel
+
+
+def _swiglu():
+    import swiglu_kernel
+
+    return swiglu_kernel
+
+
+def _rope():
+    import rope_kernel
+
+    return rope_kernel
+
+
+def _projections():
+    import projections_kernel
+
+    return projections_kernel
+
+
+def _fp8():
+    import fp8_linear_kernel
+
+    return fp8_linear_kernel
+
+
+def _adamw():
+    import adamw_kernel
+
+    return adamw_kernel
+
+
+def _lora():
+    import lora_kernel
+
+    return lora_kernel
+
+
+def _distillation():
+    import distillation_kernel
+
+    return distillation_kernel
+
+
+@dataclass(frozen=True)
+class Optimization:
+    name: str  # what --kernels takes
+    scope: str  # where it acts: model, fp8, optimizer, lora, distillation (module docstring)
+    replaces: str  # what it replaces, printed in reports
+    applies: str  # when it applies
+    expect: str  # how many replacements to expect (the model kernels check it: expected_patches)
+    kernel: str  # its lesson: the kernel file ...
+    test: str  # ... and its test file
+    benchmarks: tuple  # benchmark_kernels.py entries that time it; () if the training step is its benchmark
+    load: Callable = field(repr=False, compare=False, default=None)  # imports the kernel file
+
+    @property
+    def module(self):
+        return self.load()
+
+
+OPTIMIZATIONS = (
+    Optimization("rmsnorm", "model", "every RMSNorm module -> TritonRMSNorm (fused forward, one-pass backward)",
+                 "every family", "2 per decoder layer + the final norm (Gemma 2: 4 per layer + 1)",
+                 "rmsnorm_kernel.py", "rmsnorm_test.py", ("rmsnorm",), _rmsnorm),
+    Optimization("cross_entropy", "model", "the loss on the logits -> fused cross-entropy (gradient written into the logits)",
+                 "every family; instead of linear_cross_entropy", "1 (the causal LM's loss)",
+                 "cross_entropy_kernel.py", "cross_entropy_test.py", ("cross_entropy",), _cross_entropy),
+    Optimization("linear_cross_entropy", "model", "lm_head + loss -> fused linear cross-entropy (the logits are never built)",
+                 "every family (Gemma 2 with its final-logit softcap)", "1 (the causal LM's forward)",
+                 "linear_cross_entropy_kernel.py", "linear_cross_entropy_test.py", ("linear_cross_entropy",),
+                 _linear_cross_entropy),
+    Optimization("swiglu", "model", "every MLP -> act(gate) * up fused (SwiGLU, or GeGLU for Gemma), recomputed in backward",
+                 "families with a gated MLP", "1 per decoder layer",
+                 "swiglu_kernel.py", "swiglu_test.py", ("swiglu",), _swiglu),
+    Optimization("rope", "model", "the family's apply_rotary_pos_emb -> fused RoPE (forward and backward in one kernel)",
+                 "every family (partial rotary too)", "1 (the family module's function)",
+                 "rope_kernel.py", "rope_test.py", ("rope",), _rope),
+    Optimization("projections", "model", "q/k/v and gate/up -> one matmul each (weights placed side by side; same Parameters)",
+                 "one process (not under FSDP2)", "2 per decoder layer",
+                 "projections_kernel.py", "projections_test.py", ("projections",), _projections),
+    Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls with row-wise scales (also --fp8)",
+                 "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
+                 "fp8_linear_kernel.py", "fp8_linear_test.py", (), _fp8),
+    Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group (also --optimizer adamw-triton)",
+                 "the scripts' own loop on one process", "1 optimizer",
+                 "adamw_kernel.py", "adamw_test.py", ("adamw",), _adamw),
+    Optimization("lora", "lora", "peft's LoRA forward -> base and adapter in one autograd node, bf16 saved inputs",
+                 "with --lora-r (peft adapters on the projections)", "1 per adapted projection",
+                 "lora_kernel.py", "lora_test.py", (), _lora),
+    Optimization("distillation", "distillation", "teacher/student logits + JSD -> fused linear JSD (no logits built)",
+                 "distill.py --mode fused", "the distillation loss",
+                 "distillation_kernel.py", "distillation_test.py", ("jsd", "linear_jsd"), _distillation),
+)
+BY_NAME = {o.name: o for o in OPTIMIZATIONS}
+NAMES = tuple(BY_NAME)
+KERNEL_NAMES = tuple(o.name for o in OPTIMIZATIONS if o.scope == "model")  # what apply_kernels patches
+KERNELS = {o.name: o.replaces for o in OPTIMIZATIONS}
+DEFAULT_KERNELS = ("rmsnorm", "linear_cross_entropy", "swiglu", "rope", "projections", "lora")  # the fastest measured set
 PEERS = ("liger",)  # other kernel libraries, applied to the same model for side-by-side runs
 EXCLUSIVE = (("cross_entropy", "linear_cross_entropy"),)  # two losses cannot both own the loss
 
@@ -44,13 +164,17 @@ EXCLUSIVE = (("cross_entropy", "linear_cross_entropy"),)  # two losses cannot bo
 class KernelReport:
     """What `apply_kernels` did: for each kernel, how many modules or functions it replaced."""
 
-    replaced: dict  # name -> count
+    replaced: dict  # name -> count (the model kernels)
     peer: str | None = None
     not_applied: dict = field(default_factory=dict)  # name -> why the kernel does not apply to this model
+    selected: tuple = ()  # every name asked for, in registry order (fp8, adamw, lora act outside apply_kernels)
 
     @property
     def names(self) -> tuple:
-        return (self.peer,) if self.peer else tuple(self.replaced)
+        """What is on: the peer, or the model kernels that applied plus the entries that act elsewhere."""
+        if self.peer:
+            return (self.peer,)
+        return tuple(n for n in self.selected if n in self.replaced or BY_NAME[n].scope != "model")
 
     def describe(self) -> str:
         if self.peer:
@@ -74,11 +198,13 @@ def parse_kernels(spec) -> tuple:
         words = [str(w).strip().lower() for w in spec]
     if words in ([], ["none"]):
         return ()
-    if words in (["all"], ["default"]):
-        return DEFAULT_KERNELS
-    unknown = [w for w in words if w not in KERNELS and w not in PEERS]
+    words = ["default" if w == "all" else w for w in words]  # 'all': an older spelling of 'default'
+    if "default" in words:  # 'default' plus more names: the default set and those
+        at = words.index("default")
+        words = words[:at] + [w for w in DEFAULT_KERNELS if w not in words] + words[at + 1:]
+    unknown = [w for w in words if w not in BY_NAME and w not in PEERS]
     if unknown:
-        raise ValueError(f"unknown kernel name(s) {', '.join(unknown)}; choose from {', '.join(KERNEL_NAMES)}, "
+        raise ValueError(f"unknown kernel name(s) {', '.join(unknown)}; choose from {', '.join(NAMES)}, "
                          f"a peer ({', '.join(PEERS)}), 'default' or 'none'")
     if len(set(words)) != len(words):
         raise ValueError(f"a kernel is named twice in {spec!r}")
@@ -87,14 +213,14 @@ def parse_kernels(spec) -> tuple:
     for group in EXCLUSIVE:
         if all(name in words for name in group):
             raise ValueError(f"choose one of {' / '.join(group)}: both replace the loss")
-    return tuple(sorted(words, key=lambda w: KERNEL_NAMES.index(w) if w in KERNELS else -1))
+    return tuple(sorted(words, key=lambda w: NAMES.index(w) if w in BY_NAME else -1))
 
 
 def kernel_module(name: str):
-    """The module `<name>_kernel` (imported on first use)."""
-    if name not in KERNELS:
-        raise ValueError(f"unknown kernel {name!r}; choose from {', '.join(KERNEL_NAMES)}")
-    return importlib.import_module(f"{name}_kernel")
+    """The kernel file of entry `name` (imported on first use)."""
+    if name not in BY_NAME:
+        raise ValueError(f"unknown kernel {name!r}; choose from {', '.join(NAMES)}")
+    return BY_NAME[name].module
 
 
 def not_applicable(name: str, model) -> str | None:
@@ -136,7 +262,7 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False) -> Kern
         # a clear error for an unsupported family, before anything is patched
         kind = model_type(model) if names else None
         replaced, not_applied = {}, {}
-        for name in names:
+        for name in (n for n in names if BY_NAME[n].scope == "model"):  # the others act elsewhere (docstring)
             module = kernel_module(name)
             why = not_applicable(name, model)
             if why is None:
@@ -153,11 +279,13 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False) -> Kern
                 raise RuntimeError(f"{name}: replaced {count}, expected {expected} for this "
                                    f"{model.config.model_type} model of {model.config.num_hidden_layers} layers")
             replaced[name] = count
-        report = KernelReport(replaced=replaced, not_applied=not_applied)
+        report = KernelReport(replaced=replaced, not_applied=not_applied, selected=names)
     if verbose:
         log(f"apply_kernels: {report.describe()}")
         for name in report.replaced:
             log(f"  {name:<21} {KERNELS[name]}")
+        for name in (n for n in names if n in BY_NAME and BY_NAME[n].scope != "model"):
+            log(f"  {name:<21} {KERNELS[name]} (applies: {BY_NAME[name].applies})")
     return report
 
 
@@ -174,10 +302,3 @@ def apply_peer(model, peer: str) -> str:
         raise RuntimeError(f"Liger-Kernel has no kernels for model type {model.config.model_type!r}")
     fn(model=model)
     return f"liger {getattr(liger, '__version__', '')}".strip()
-
-
-if __name__ == "__main__":
-    print("kernels:", ", ".join(KERNEL_NAMES))
-    print("default:", ",".join(DEFAULT_KERNELS))
-    for n, what in KERNELS.items():
-        print(f"  {n:<21} {what}")

@@ -1,7 +1,7 @@
 """Is the torch in use able to drive this machine's NVIDIA GPU? Say so, or say exactly how to fix it.
 
     $ python selfcheck.py --setup              # "OK: ..." and exit code 0, or what is wrong and exit code 1
-    $ python selfcheck.py --index-url  # the PyTorch wheel index for this GPU and driver (empty: no GPU)
+    $ python selfcheck.py --index-url  # the PyTorch wheel index for this machine (empty: PyPI's default)
 
 The failure this guards against is a quiet one: `pip install torch` on a GPU machine can give a
 CPU-only build (on aarch64, e.g. a DGX Station GB300, PyPI's torch wheels are CPU-only), or a CUDA
@@ -35,6 +35,11 @@ DOCKER_RUN = (f"docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit st
 # A wheel runs where the driver supports at least its CUDA version.
 WHEEL_INDEXES = (("cu126", (12, 6)), ("cu128", (12, 8)), ("cu129", (12, 9)), ("cu130", (13, 0)))
 INDEX_ROOT = "https://download.pytorch.org/whl"
+# Without an NVIDIA GPU: PyTorch's CPU index where PyPI's torch is a CUDA build, on Linux x86_64 and
+# aarch64 (torch 2.13 from PyPI pulls in the nvidia-* libraries: a .venv of ~6 GB on x86_64, against a
+# 0.2 GB CPU wheel). On macOS and Windows PyPI's torch is already CPU-only (MPS on Apple silicon): PyPI.
+CPU_INDEX = f"{INDEX_ROOT}/cpu"
+CPU_INDEX_PLATFORMS = (("Linux", "x86_64"), ("Linux", "aarch64"))
 BLACKWELL_NOTE = " Blackwell (sm_100, sm_103) needs wheels for CUDA 12.8 or newer; a GB300 is best served by cu130."
 # Compute capabilities when `nvidia-smi` cannot report them (drivers before compute_cap was a field).
 KNOWN_CAPABILITIES = (("GB300", (10, 3)), ("B300", (10, 3)), ("GB200", (10, 0)), ("B200", (10, 0)),
@@ -143,6 +148,28 @@ def wheel_index(capability: tuple[int, int] | None, driver_cuda: tuple[int, int]
     fits = [tag for tag, cuda in WHEEL_INDEXES
             if cuda >= needed_cuda(capability) and (driver_cuda is None or cuda <= driver_cuda)]
     return f"{INDEX_ROOT}/{fits[-1]}" if fits else None
+
+
+def cpu_wheel_index(system: str | None = None, machine: str | None = None) -> str | None:
+    """The index for a machine without an NVIDIA GPU: PyTorch's CPU index on Linux x86_64 and aarch64,
+    None (PyPI) elsewhere. Defaults to this machine's platform.system() and platform.machine()."""
+    system = platform.system() if system is None else system
+    machine = platform.machine() if machine is None else machine
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine.lower(), machine.lower())
+    return CPU_INDEX if (system, machine) in CPU_INDEX_PLATFORMS else None
+
+
+def index_url(report: SmiReport) -> str | None:
+    """What `selfcheck.py --index-url` prints (None: print nothing, pip uses PyPI):
+    - a GPU listed: wheel_index for it (None when the driver is too old for any wheel: the set-up check
+      then says to update the driver);
+    - nvidia-smi present but failing: None, the default build, since a GPU is probably there;
+    - no nvidia-smi, or one that lists no GPU: cpu_wheel_index()."""
+    if report.error is None and report.gpus:
+        return wheel_index(report.gpus[0].capability, report.cuda)
+    if report.error is not None:
+        return None
+    return cpu_wheel_index()
 
 
 def capability_text(capability: tuple[int, int] | None) -> str:
@@ -309,9 +336,7 @@ def _reason(problem: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args == ["--index-url"]:
-        report = nvidia_smi_report()
-        if report.error is None and report.gpus:
-            print(wheel_index(report.gpus[0].capability, report.cuda) or "")
+        print(index_url(nvidia_smi_report()) or "")
         return 0
     if args:
         print("usage: python selfcheck.py --setup [--index-url]", file=sys.stderr)

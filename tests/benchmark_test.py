@@ -1,8 +1,8 @@
 """The benchmark harness: `--smoke` runs every kernel end to end (tiny sizes, CPU-friendly) and writes
 its files; every byte count in them is the kernel module's own; bad command lines exit with code 2.
 
-    $ python benchmark_test.py  # a readable report
-    $ pytest benchmark_test.py  # the same tests under pytest
+    $ PYTHONPATH=. python tests/benchmark_test.py  # a readable report
+    $ pytest tests/benchmark_test.py  # the same tests under pytest
 
 One `--smoke` run (a subprocess, ~20 s on two CPU cores) serves all the checks of its output.
 """

@@ -1,7 +1,7 @@
 """Tests of checkpoint.py: an exact round trip, Hugging Face loading with no project code, atomic saves.
 
-    $ python checkpoint_test.py     # a readable report
-    $ pytest checkpoint_test.py
+    $ PYTHONPATH=. python tests/checkpoint_test.py     # a readable report
+    $ pytest tests/checkpoint_test.py
 
 On a tiny LLaMA (fp32, sdpa) trained a few AdamW steps on random tokens: after load_checkpoint the
 weights, the optimizer state, the scheduler state and the random number generators are bitwise what
@@ -562,7 +562,7 @@ def test_fsdp2_save_and_resume(tmp_path):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                               str(HERE / "tests" / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)],
                              cwd=HERE, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread each (see the logits below)
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)})  # one thread each (see the logits below); the repository root on the path
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         ranks = [json.loads((tmp_path / f"worker-rank{r}.json").read_text()) for r in range(2)]
         losses = ranks[0]["losses"]

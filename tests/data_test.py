@@ -1,7 +1,7 @@
 """Tests of the data pipeline: prompt masking, packing without cross-example attention, bad rows, shards.
 
-    $ python data_test.py  # a readable report
-    $ pytest data_test.py
+    $ PYTHONPATH=. python tests/data_test.py  # a readable report
+    $ pytest tests/data_test.py
 
 The expected token ids are written out by hand from the byte tokenizer's definition (id = byte value,
 special tokens by name), not by calling data.py, so a masking or template mistake shows up as a

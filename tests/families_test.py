@@ -1,7 +1,7 @@
 """Every model family the kernels know, patched and unpatched: the same loss and the same gradients.
 
-    $ python families_test.py       # a readable report
-    $ pytest families_test.py
+    $ PYTHONPATH=. python tests/families_test.py       # a readable report
+    $ pytest tests/families_test.py
 
 For each family (llama, mistral, qwen2, qwen3, gemma, gemma2, phi3) a tiny random model (2 layers,
 hidden 64, vocabulary 256, fp32) is built from transformers' own config class, twice from one seed.

@@ -1,8 +1,8 @@
 """Tests of the fine-tuning workflow: kernels patched in correctly, the same training curve, and the
 parts of a real fine-tuning run (accumulation, schedules, checkpoints and resume, compile).
 
-    $ python finetune_test.py       # a readable report
-    $ pytest finetune_test.py
+    $ PYTHONPATH=. python tests/finetune_test.py       # a readable report
+    $ pytest tests/finetune_test.py
 
 Loss parity, the test that matters most: the baseline and the optimized model start from the same
 seed and see the same batches (real text from a file of this repository, so the loss actually

@@ -1,8 +1,8 @@
 """The profile's categories: every GPU kernel a training step launches must land in the category a
 reader expects, so that the breakdown in README Step 1 / Step 5 adds up to the step.
 
-    $ python profile_test.py  # a readable report
-    $ pytest profile_test.py  # the same tests under pytest
+    $ PYTHONPATH=. python tests/profile_test.py  # a readable report
+    $ pytest tests/profile_test.py  # the same tests under pytest
 
 The library names below are copied from the H200 profile in results/runs/profile_H200_optimized.log
 (cuBLAS's nvjet GEMMs, cuDNN's attention), except the FP8 GEMM's, which is illustrative (no FP8 step

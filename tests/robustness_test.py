@@ -1,8 +1,8 @@
 """Bad or unusual input to the scripts: a clear one-line error (exit code 2 for a bad argument, 1 for a
 failure at run time) or a correct result, never a traceback and never a silently wrong run.
 
-    $ python robustness_test.py     # the table below as a report
-    $ pytest robustness_test.py
+    $ PYTHONPATH=. python tests/robustness_test.py     # the table below as a report
+    $ pytest tests/robustness_test.py
 
 The kernels' own bad-input tests (strided targets, expanded logits, second-order gradients, wrong
 devices and dtypes) live in their `<kernel>_test.py` files.

@@ -1,0 +1,121 @@
+"""The registry of optimizations (playbook/registry.py): every entry complete, the same names everywhere.
+
+    $ pytest tests/registry_test.py
+
+Adding a kernel is a kernel file, its test file, one registry line and one row of
+docs/optimizations.md: each test below fails when one of them is missing, and when a script stops
+taking a registry name.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from playbook import registry
+from playbook.testkit import expect_error, record, run_as_script
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ("finetune_optimized.py", "profile_baseline.py", "finetune_trainer.py", "distill.py")
+
+
+@pytest.mark.parametrize("entry", registry.OPTIMIZATIONS, ids=lambda o: o.name)
+def test_entry_has_its_lesson_benchmark_and_docs_row(entry):
+    import benchmark_kernels
+
+    assert (ROOT / entry.kernel).is_file(), f"{entry.name}: no {entry.kernel}"
+    assert (ROOT / entry.test).is_file(), f"{entry.name}: no {entry.test}"
+    assert entry.module.__file__ == str(ROOT / entry.kernel), (entry.name, entry.module.__file__)
+    if entry.scope in ("model", "lora"):  # what patches a model says how many replacements to expect
+        assert callable(entry.module.patch_model) and callable(entry.module.expected_patches), entry.name
+    for name in entry.benchmarks:
+        assert name in benchmark_kernels.SPECS, f"{entry.name}: benchmark {name!r} is not in benchmark_kernels.SPECS"
+    docs = (ROOT / "docs" / "optimizations.md").read_text()
+    row = re.search(rf"^\| `{entry.name}` \|(.+)\|$", docs, re.M)
+    assert row, f"{entry.name}: no row in docs/optimizations.md"
+    assert entry.kernel in row.group(1) and entry.test in row.group(1), (entry.name, row.group(1))
+    record(f"{entry.name}: {entry.kernel}, {entry.test}, {len(entry.benchmarks)} benchmark(s), docs row", 0.0, 0.0, True)
+
+
+def test_no_kernel_file_outside_the_registry():
+    """A `<name>_kernel.py` that no entry names would be a lesson no script can switch on."""
+    files = {p.name for p in ROOT.glob("*_kernel.py")}
+    named = {o.kernel for o in registry.OPTIMIZATIONS}
+    assert files == named, (sorted(files - named), sorted(named - files))
+    tests = {p.name for p in ROOT.glob("*_test.py")}
+    assert {o.test for o in registry.OPTIMIZATIONS} == tests, sorted(tests ^ {o.test for o in registry.OPTIMIZATIONS})
+    record(f"{len(files)} kernel files, {len(tests)} lesson tests, all in the registry", 0.0, 0.0, True)
+
+
+def test_names_and_sets():
+    assert len(registry.NAMES) == len(set(registry.NAMES)) == len(registry.OPTIMIZATIONS)
+    assert set(registry.DEFAULT_KERNELS) <= set(registry.NAMES)
+    assert registry.parse_kernels("default") == registry.DEFAULT_KERNELS
+    more = registry.parse_kernels("default,fp8,adamw")
+    assert set(more) == set(registry.DEFAULT_KERNELS) | {"fp8", "adamw"}
+    assert list(more) == sorted(more, key=registry.NAMES.index), "registry order"
+    assert registry.parse_kernels("none") == ()
+    assert "choose from" in expect_error(ValueError, registry.parse_kernels, "rmsnorm,bogus")
+    assert "both replace the loss" in expect_error(ValueError, registry.parse_kernels, "cross_entropy,linear_cross_entropy")
+    assert "cannot be mixed" in expect_error(ValueError, registry.parse_kernels, "liger,rmsnorm")
+    record(f"{len(registry.NAMES)} names; default {','.join(registry.DEFAULT_KERNELS)}", 0.0, 0.0, True)
+
+
+def test_fp8_and_adamw_names_switch_what_their_flags_do():
+    from playbook.config import make_parser, parse_config
+
+    parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
+    cfg = parse_config(parser, "finetune_optimized", ["--kernels", "default,fp8,adamw"])
+    assert cfg.fp8 and cfg.optimizer == "adamw-triton" and "lora" in cfg.kernels
+    cfg = parse_config(parser, "finetune_optimized", ["--kernels", "rmsnorm"])
+    assert not cfg.fp8 and cfg.optimizer != "adamw-triton" and "lora" not in cfg.kernels
+    with pytest.raises(SystemExit) as err:
+        parse_config(parser, "finetune_optimized", ["--kernels", "adamw", "--optimizer", "adamw-foreach"])
+    assert err.value.code == 2
+    with pytest.raises(SystemExit) as err:
+        parse_config(parser, "finetune_optimized", ["--kernels", "distillation"])
+    assert err.value.code == 2
+    record("--kernels fp8 / adamw = --fp8 / --optimizer adamw-triton; distillation only in distill.py", 0.0, 0.0, True)
+
+
+def test_the_lora_fusion_follows_its_registry_name(monkeypatch):
+    """prepare_model fuses the LoRA layers exactly when `lora` is among the selected names."""
+    from playbook import lora, models
+    from playbook.config import make_parser, parse_config
+
+    seen = []
+    monkeypatch.setattr(lora, "lora_from_config", lambda model, cfg, fuse: seen.append(fuse) or model)
+    parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
+    for words, fused in ((["--kernels", "default"], True), (["--kernels", "rmsnorm"], False)):
+        cfg = parse_config(parser, "finetune_optimized", ["--lora-r", "4", "--num-layers", "1", *words])
+        models.prepare_model(cfg)
+        assert seen[-1] is fused, (words, seen)
+    record("LoRA fused with 'lora' selected, peft's own forward without", 0.0, 0.0, True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_takes_the_registry_names(script):
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flat = " ".join(out.stdout.split())
+    assert "--kernels" in flat, f"{script} has no --kernels"
+    missing = [n for n in registry.NAMES if n not in flat]
+    assert not missing, f"{script} --help does not name {missing}"
+    record(f"{script} --kernels lists all {len(registry.NAMES)} names", 0.0, 0.0, True)
+
+
+def test_benchmark_takes_the_registry_names():
+    import benchmark_kernels as bk
+
+    for entry in registry.OPTIMIZATIONS:
+        if entry.benchmarks:
+            assert bk.kernel_list(entry.name) == tuple(n for n in bk.SPECS if n in entry.benchmarks), entry.name
+        else:
+            assert "training step" in expect_error(Exception, bk.kernel_list, entry.name)
+    record("benchmark_kernels.py --kernels takes every registry name", 0.0, 0.0, True)
+
+
+if __name__ == "__main__":
+    run_as_script(sys.modules[__name__])
