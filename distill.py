@@ -27,6 +27,13 @@ Triton's interpreter and the timings mean nothing, the losses (the two modes' fi
 agree to rounding). Everything else (models, data, optimizer) is identical, so the difference is the
 loss. The summary goes to results/<tag>.json.
 
+The command line is the fine-tuning scripts' (playbook.config) plus a distillation section (--mode,
+--teacher, --student, --alpha, --beta, --temperature, ...): --batch-size, --seq-len, --steps, --lr,
+--optimizer, --seed, --tag and the rest mean what they mean there, and both models are prepared by
+models.prepare_model, as every script's model is: --kernels on both, --fp8, --gradient-checkpointing
+and --lora-r on the student (the teacher is frozen). Shared options with no meaning here
+(--dataset, --grad-accum, --output-dir, ...) are refused, not ignored.
+
 What each mode holds and computes, at the GPU default (8B teacher, 1.24B student, 4 x 2048 tokens):
 the baseline's loss keeps 56 bytes per token and vocabulary entry alive at its peak (both models'
 fp32 logits, the log-softmaxes, the JSD's intermediates saved for backward; counted op by op on a
@@ -121,7 +128,7 @@ class DistillConfig:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         gpu = torch.cuda.is_available()
         # this script's own defaults for shared options: short CPU runs, a student's learning rate
-        _default(parser, "steps", 12 if gpu else 3, "optimizer steps per mode; default 12 on a GPU, 3 on a CPU")
+        _default(parser, "steps", 12 if gpu else 3, "optimizer steps per mode")
         _default(parser, "warmup_steps", None,
                  "first steps left out of the timing (Triton compiles); default 2 on a GPU, 1 on a CPU")
         _default(parser, "lr", 1e-4, "AdamW learning rate of the student")

@@ -31,7 +31,18 @@ import types
 import torch
 from torch import nn
 
-from playbook.lora import _peft, _require_peft_model
+from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: the interpreter switch)
+from playbook.common import is_peft_model
+
+
+def _peft_lora_layers(model: nn.Module) -> tuple:
+    """The peft LoRA linear layer classes this file fuses (the 4-bit one when bitsandbytes is loaded)."""
+    import peft  # a LoRA model exists, so peft is installed
+
+    kinds = (peft.tuners.lora.layer.Linear,)
+    if "bitsandbytes" in sys.modules:
+        kinds += (peft.tuners.lora.bnb.Linear4bit,)
+    return kinds
 
 # peft keeps the adapter weights A [r, in] and B [out, r] in fp32 (good for the optimizer) and, to
 # match them, casts each adapter's *input* to fp32 before `B(A(dropout(x))) * scaling`. For LLaMA
@@ -150,12 +161,9 @@ def patch_model(model: nn.Module) -> int:
     The modules, parameters and state dict stay peft's own (saving, loading and merging adapters
     are unchanged); only the forward computation is replaced. Call it after `apply_lora`.
     """
-    _require_peft_model(model, "fuse_lora_layers")
-    peft = _peft()
-    linear = peft.tuners.lora.layer.Linear
-    kinds = (linear,)
-    if "bitsandbytes" in sys.modules:
-        kinds += (peft.tuners.lora.bnb.Linear4bit,)
+    if not is_peft_model(model):
+        raise ValueError(f"fuse_lora_layers needs a LoRA model (the result of apply_lora), got {type(model).__name__}")
+    kinds = _peft_lora_layers(model)
     layers = [m for m in model.modules() if type(m) in kinds]
     for m in layers:
         m.forward = types.MethodType(fused_lora_forward, m)
@@ -237,8 +245,7 @@ fuse_lora_layers = patch_model  # the name the LoRA glue has used for it
 
 def expected_patches(model: nn.Module) -> int:
     """How many projections `patch_model` routes: every peft LoRA linear layer of the model."""
-    peft = _peft()
-    kinds = (peft.tuners.lora.layer.Linear,)
-    if "bitsandbytes" in sys.modules:
-        kinds += (peft.tuners.lora.bnb.Linear4bit,)
+    if not is_peft_model(model):
+        return 0
+    kinds = _peft_lora_layers(model)
     return sum(type(m) in kinds for m in model.modules())

@@ -1,6 +1,6 @@
 """Training checkpoints: written atomically, loadable by Hugging Face alone, and enough to resume exactly.
 
-    >>> from checkpoint import save_checkpoint, load_checkpoint
+    >>> from playbook.checkpoint import save_checkpoint, load_checkpoint
     >>> save_checkpoint("out", 100, model, tokenizer, optimizer, scheduler, {"micro_batch": 400}, keep_last=3)
     PosixPath('out/checkpoint-100')
     >>> load_checkpoint("out", model, optimizer, scheduler)     # follows out/latest
@@ -292,7 +292,7 @@ def _as_tuples(value):
 
 
 def _is_peft(model) -> bool:
-    from playbook.lora import is_peft_model
+    from playbook.common import is_peft_model  # the library's imports run one way: lora -> checkpoint
 
     return is_peft_model(model)
 

@@ -131,3 +131,9 @@ def result_path(tag: str, suffix: str = ".json", overwrite: bool = False, folder
         path = folder / f"{tag}-{n}{suffix}"
         n += 1
     return path
+
+
+def is_peft_model(model) -> bool:
+    """Whether `model` is a peft model (peft is not imported to find out: no peft loaded, no peft model)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)

@@ -79,10 +79,7 @@ def parse_targets(targets) -> tuple:
     return tuple(names)
 
 
-def is_peft_model(model) -> bool:
-    """Whether `model` is a peft model (peft is not imported to find out: no peft loaded, no peft model)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
+from playbook.common import is_peft_model  # noqa: E402  (re-exported: the LoRA glue's own question)
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:

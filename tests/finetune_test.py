@@ -489,6 +489,151 @@ def test_trainer_under_torchrun_two_processes(tmp_path):
     record("Trainer under torchrun: 2 processes, epoch 0.4 after 2 steps, model saved", 0.0, 0.0, True)
 
 
+# ---------------------------------------------------------------------------- models.prepare_model
+PREPARATION_ORDER = ["kernels", "fp8", "gradient_checkpointing", "lora", "compile"]
+
+
+def test_prepare_model_applies_its_steps_in_order(monkeypatch):
+    """Every switch on: prepare_model runs each step once, in the documented order (gradient
+    checkpointing on the Hugging Face model, before peft wraps it in LoRA). FP8 and compile are
+    recorded, not run (FP8 needs a capable GPU or the slow CPU path; compile would only trace)."""
+    calls = []
+
+    def spy(name, run=None):
+        def step(model, *args, **kwargs):
+            calls.append((name, type(model).__name__))
+            return run(model, *args, **kwargs) if run else None
+        return step
+
+    monkeypatch.setattr(ak, "apply_kernels", spy("kernels", ak.apply_kernels))
+    monkeypatch.setattr(models, "apply_fp8", spy("fp8"))
+    monkeypatch.setattr(models, "apply_gradient_checkpointing", spy("gradient_checkpointing",
+                                                                    models.apply_gradient_checkpointing))
+    monkeypatch.setattr(models, "apply_lora", spy("lora", models.apply_lora))
+    monkeypatch.setattr(models, "apply_compile", spy("compile"))
+    cfg = config("--kernels", "rmsnorm", "--fp8", "--gradient-checkpointing", "--lora-r", "4", "--compile",
+                 "--seq-len", "32")
+    model = models.prepare_model(cfg)[0]
+    assert [name for name, _ in calls] == PREPARATION_ORDER, calls
+    assert dict(calls)["gradient_checkpointing"] == "LlamaForCausalLM", "checkpointing must be set before peft wraps"
+    assert dict(calls)["compile"].startswith("Peft"), "compile must see the adapters"
+    assert models.decoder_layers(model)[0].gradient_checkpointing
+    record(f"prepare_model: {' -> '.join(PREPARATION_ORDER)}", 0.0, 0.0, True)
+
+
+def test_lora_with_gradient_checkpointing_trains():
+    """--lora-r 4 --gradient-checkpointing on the tiny model, the kernels on: each decoder layer is
+    recomputed in backward, two AdamW steps give finite losses, and every adapter gets a gradient
+    (frozen embeddings must not cut the adapters of the checkpointed layers off from the loss)."""
+    cfg = config("--lora-r", "4", "--gradient-checkpointing", "--steps", "2", "--warmup-steps", "0",
+                 "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2")
+    model = models.prepare_model(cfg)[0]
+    opt = training.make_optimizer(model, cfg)
+    data = training.make_run_data(cfg, model)
+    losses = [training.training_step(model, opt, [data.batch(i, CPU)])[0].item() for i in range(2)]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    forwards = []  # a module inside the checkpointed layer's forward runs again when backward recomputes it
+    models.decoder_layers(model)[0].post_attention_layernorm.register_forward_hook(lambda *_: forwards.append(1))
+    batch = data.batch(2, CPU)
+    model(**batch).loss.backward()
+    assert len(forwards) == 2, f"layer 0's norm ran {len(forwards)} times in forward + backward: not recomputed"
+    adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert adapters and all(p.requires_grad for p in adapters.values())
+    no_grad = [n for n, p in adapters.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not no_grad, f"adapters without a gradient: {no_grad[:4]}"
+    frozen = [n for n, p in model.named_parameters() if "lora_" not in n and p.grad is not None]
+    assert not frozen, frozen[:4]
+    record(f"LoRA + gradient checkpointing: losses {losses[0]:.3f}, {losses[1]:.3f}; {len(adapters)} adapter "
+           "tensors with gradients", 0.0, 0.0, True)
+
+
+def test_trainer_builds_its_model_through_prepare_model(tmp_path, monkeypatch):
+    """finetune_trainer.py prepares its model with the shared prepare_model, leaving the processes to the
+    Trainer (shard=False); with LoRA and gradient checkpointing, training lowers the loss."""
+    import finetune_trainer
+
+    calls = []
+    prepare = models.prepare_model
+    monkeypatch.setattr(models, "prepare_model", lambda cfg, **kw: calls.append(kw) or prepare(cfg, **kw))
+    trainer, _ = finetune_trainer.main(["--dataset", str(_trainer_rows(tmp_path)), "--steps", "4", "--lr", "1e-2",
+                                        "--seq-len", "64", "--batch-size", "4", "--log-every", "1",
+                                        "--eval-fraction", "0", "--lora-r", "4", "--gradient-checkpointing",
+                                        "--output-dir", str(tmp_path / "o")])
+    assert calls == [{"shard": False}], calls
+    assert models.decoder_layers(trainer.model)[0].gradient_checkpointing
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+    record(f"Trainer through prepare_model (LoRA + checkpointing): loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+           0.0, 0.0, True)
+
+
+def test_distill_builds_both_models_through_prepare_model(monkeypatch):
+    """distill.py prepares the teacher and the student with the shared prepare_model: the kernels on
+    both; LoRA and gradient checkpointing on the student only; the teacher stays frozen."""
+    import distill
+
+    roles = []
+    prepare = models.prepare_model
+
+    def spy(cfg, **kw):
+        model, *rest = prepare(cfg, **kw)
+        roles.append((cfg, kw))
+        return (model, *rest)
+
+    monkeypatch.setattr(distill, "prepare_model", spy)
+    tag = "test_distill_prepare"
+    try:
+        payload = distill.main(["--teacher", "llama-tiny", "--student", "llama-tiny-student", "--mode", "baseline",
+                                "--steps", "2", "--warmup-steps", "1", "--batch-size", "1", "--seq-len", "16",
+                                "--kernels", "rmsnorm", "--lora-r", "4", "--gradient-checkpointing",
+                                "--tag", tag, "--overwrite"])
+    finally:
+        (common.RESULTS_DIR / f"{tag}.json").unlink(missing_ok=True)
+    (teacher, t_kw), (student, s_kw) = roles
+    assert t_kw["shard"] is False and s_kw["shard"] is False  # one process: distill.py runs no torchrun
+    assert (teacher.model, student.model) == ("llama-tiny", "llama-tiny-student")
+    assert teacher.kernels == student.kernels == ("rmsnorm",)
+    assert (teacher.lora_r, teacher.gradient_checkpointing) == (0, False)
+    assert (student.lora_r, student.gradient_checkpointing) == (4, True)
+    losses = payload["modes"]["baseline"]["losses"]
+    assert len(losses) == 2 and all(loss == loss for loss in losses), losses
+    assert payload["config"]["extra"]["teacher"] == "llama-tiny" and payload["config"]["lr"] == 1e-4
+    record("distill.py: teacher and student through prepare_model (LoRA + checkpointing on the student)",
+           0.0, 0.0, True)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--batch-size", "0"], "--batch-size: 0 must be >= 1"),
+    (["--steps", "2", "--warmup-steps", "2"], "leaves no timed step"),
+    (["--kernels", "no_such_kernel"], "--kernels"),
+    (["--alpha", "1.5"], "--alpha: 1.5 must be in [0, 1]"),
+    (["--grad-accum", "2"], "distill.py does not use --grad-accum"),
+    (["--model", "llama-tiny"], "--teacher and --student"),
+], ids=["batch-size", "warmup", "kernels", "alpha", "unused", "model"])
+def test_distill_refuses_bad_arguments(argv, says, capsys):
+    """distill.py's command line is the shared one: a bad value exits with code 2 and says why, as in
+    the other scripts; a shared option distill.py has no use for is refused rather than ignored."""
+    import distill
+
+    with pytest.raises(SystemExit) as exc:
+        distill.parse_args(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_distill_defaults():
+    """distill.py's own defaults on the shared command line: 3 steps (1 untimed) and lr 1e-4 on a CPU,
+    and at least one timed step whatever --steps is."""
+    import distill
+
+    cfg = distill.parse_args([])
+    if not cfg.on_gpu:
+        assert (cfg.steps, cfg.warmup_steps, cfg.lr, cfg.batch_size, cfg.seq_len) == (3, 1, 1e-4, 2, 64)
+        assert (cfg.extra.teacher, cfg.extra.student) == ("llama-tiny", "llama-tiny-student")
+    assert distill.parse_args(["--steps", "1"]).warmup_steps == 0
+    assert cfg.kernels == () and cfg.extra.mode == "both" and cfg.extra.alpha == 0.5
+
+
 def test_fsdp2_two_processes():
     """torchrun with 2 processes shards the model with FSDP2 (gloo on CPU: same code path as GPUs)."""
     import subprocess
