@@ -5,7 +5,8 @@
 
 What you build here: a kernel that reads each row of logits, computes its loss, and writes the
 gradient of that loss right away, so that forward + backward together read the logits once and
-write the gradient once (optionally into the logits' own memory).
+write the gradient once (optionally into the logits' own memory), and the same kernel behind
+`TritonCrossEntropyLoss`, a drop-in for `torch.nn.CrossEntropyLoss`.
 What you learn: the online softmax (Milakov & Gimelshein, 2018), looping over a row that does not
 fit in one block, int64 row offsets, masking a vocabulary tail, reading a GPU scalar through a
 pointer instead of `.item()`, and why the second sweep over a row should run backwards.
@@ -702,7 +703,11 @@ def scale_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     to a buffer that the forward also returns (the logits, with `inplace_grad`) would reach back
     into the forward's outputs; there the functional op writes a new buffer in one pass.
     """
-    if torch.compiler.is_compiling():
+    # A graph is traced under torch.compile (Dynamo: is_compiling), or by AOTAutograd called
+    # directly (aot_function, torch.library.opcheck), which functionalizes what it traces. Dynamo
+    # folds is_compiling() to True and never reaches the dispatch-mode query, which it cannot trace.
+    if torch.compiler.is_compiling() or \
+            torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None:
         return torch.ops.playbook.cross_entropy_scale_grad(grad, grad_output)
     torch.ops.playbook.cross_entropy_scale_grad_inplace(grad, grad_output)
     return grad

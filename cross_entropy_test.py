@@ -9,18 +9,22 @@ limit, inside a CUDA graph and with host syncs turned into errors. Tolerances fo
 testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
 The options (class weights, label smoothing, z-loss, softcap) are checked the same way against
 PyTorch's own `weight` and `label_smoothing` and a spelled-out cap and z-loss; the extras (z-loss,
-token accuracy, predicted tokens) against PyTorch exactly where they can be exact.
+token accuracy, predicted tokens) against PyTorch exactly where they can be exact. The drop-in
+module, TritonCrossEntropyLoss, against torch.nn.CrossEntropyLoss built with the same arguments:
+every reduction, ignore_index, label smoothing, class weights, [B, T, V] and non-contiguous input.
 """
 
+import math
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import cross_entropy_kernel
-from cross_entropy_kernel import (cross_entropy, cross_entropy_forward, cross_entropy_ref, ideal_bytes, scale_gradient_,
-                                  z_loss_ref)
+from cross_entropy_kernel import (TritonCrossEntropyLoss, cross_entropy, cross_entropy_forward, cross_entropy_ref,
+                                  ideal_bytes, scale_gradient_, z_loss_ref)
 from playbook.kernel_utils import DEVICE
 from playbook.testkit import close_to_reference, expect_error, exactly, record, run_as_script
 
@@ -569,6 +573,197 @@ def test_bad_options_give_clear_errors(options, words):
                for k, v in options.items()}
     message = expect_error(ValueError, lambda: cross_entropy(_logits(4, 30, torch.float32), _targets(4, 30), **options))
     assert words in message
+
+
+# ---------------------------------------------------------------------------- drop-in module
+# TritonCrossEntropyLoss against torch.nn.CrossEntropyLoss built with the same arguments, on the
+# same inputs: PyTorch's module in the input's dtype ("same") and in float64 ("ref"), loss and
+# gradient (under a random upstream gradient), with the testkit rule. The loss is fp32 from
+# low-precision inputs while PyTorch's bf16 loss is rounded to bf16, so the loss is compared at
+# fp32 precision (a sum over V terms: n = V), the gradient at the input's. PyTorch's bf16 module
+# needs bf16 class weights: the weights are rounded to bf16 first, so that all three computations
+# use the very same values (the kernel reads them as fp32, which holds bf16 values exactly).
+MODULE_OPTIONS = ["plain", "ignore_index=3", "label_smoothing", "weight", "weight + label_smoothing"]
+
+
+def _module_options(name, v):
+    weight = (_class_weights(v, seed=50) * 3).bfloat16().float()  # random positive, about 0.3 to 5
+    return {"plain": {}, "ignore_index=3": dict(ignore_index=3), "label_smoothing": dict(label_smoothing=0.1),
+            "weight": dict(weight=weight), "weight + label_smoothing": dict(weight=weight, label_smoothing=0.1)}[name]
+
+
+def _module_targets(shape, v, ignore_index=-100, seed=51):
+    """Random targets of `shape` with rows 2 and 5 (of the flattened targets) set to ignore_index."""
+    t = _targets(math.prod(shape), v, seed=seed)
+    t[[2, 5]] = ignore_index
+    return t.view(shape)
+
+
+def _module_run(loss_fn, base, targets, view, torch_layout):
+    """Loss and d loss / d base of loss_fn(view(base), targets); `torch_layout` flattens [B, T, V] to
+    [N, V] (PyTorch's module reads classes in dimension 1 of a 3-D input)."""
+    x = base.detach().clone().requires_grad_()
+    inp, t = view(x), targets
+    if torch_layout and inp.dim() == 3:
+        inp, t = inp.reshape(-1, inp.shape[-1]), t.reshape(-1)
+    loss = loss_fn(inp, t)
+    if torch_layout and loss.dim():
+        loss = loss.view(targets.shape)
+    (loss.float() * _upstream(loss)).sum().backward()
+    return loss.detach(), x.grad
+
+
+def _torch_module(dtype, weight=None, **kwargs):
+    return nn.CrossEntropyLoss(weight=None if weight is None else weight.to(dtype), **kwargs)
+
+
+def _module_check(tag, base, targets, view=lambda x: x, **kwargs):
+    """ours vs PyTorch's nn.CrossEntropyLoss(**kwargs) in base's dtype and in float64."""
+    dtype, V = base.dtype, base.shape[-1]
+    ours = _module_run(TritonCrossEntropyLoss(**kwargs), base, targets, view, False)
+    same = _module_run(_torch_module(dtype, **kwargs), base, targets, view, True)
+    ref = _module_run(_torch_module(torch.float64, **kwargs), base.double(), targets, view, True)
+    assert ours[0].shape == ref[0].shape, f"{tag}: loss shape {tuple(ours[0].shape)} != {tuple(ref[0].shape)}"
+    # the rule of this file: loss at fp32 precision over V terms, gradient at the input's precision
+    close_to_reference(f"{tag}: loss", ours[0], same[0], ref[0], torch.float32, n=V)
+    close_to_reference(f"{tag}: grad", ours[1], same[1], ref[1], dtype, n=V)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", MODULE_OPTIONS)
+def test_module_matches_torch_cross_entropy_loss(option, dtype, reduction):
+    """[N, V] = [12, 257] (one block, its tail masked), two ignored rows, every argument set."""
+    n, v = 12, 257
+    kwargs = {**_module_options(option, v), "reduction": reduction}
+    targets = _module_targets((n,), v, kwargs.get("ignore_index", -100))
+    _module_check(f"module {option}, {reduction}, {dtype}", _logits(n, v, dtype, seed=52), targets, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_batch_and_sequence_layout(dtype, reduction):
+    """[B, T, V] logits with [B, T] targets (Hugging Face's layout), weights and smoothing on; the
+    "none" losses come back as [B, T]."""
+    B, T, v = 2, 5, 257
+    kwargs = {**_module_options("weight + label_smoothing", v), "reduction": reduction}
+    _module_check(f"module [B, T, V], {reduction}, {dtype}", _logits(B * T, v, dtype, seed=53).view(B, T, v),
+                  _module_targets((B, T), v), **kwargs)
+
+
+NON_CONTIGUOUS = {
+    # [N, V] read from a [V, N] tensor: the classes are strided, so the rows are copied once
+    "transposed [V, N]": (lambda n, v: (v, n), lambda x: x.t()),
+    # every other row of a wider tensor, its first V columns: unit class stride, read in place
+    "rows and columns sliced": (lambda n, v: (2 * n, v + 7), lambda x: x[::2, :-7]),
+    # [B, T, V] as a transposed view of a [T, B, V] tensor (time-major activations)
+    "[T, B, V] transposed to [B, T, V]": (lambda n, v: (n // 2, 2, v), lambda x: x.transpose(0, 1)),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(NON_CONTIGUOUS))
+def test_module_non_contiguous_input(layout, dtype, reduction):
+    """Views the module reads without the caller calling .contiguous(); the gradient reaches the
+    base tensor through the view, as PyTorch's does."""
+    n, v = 12, 257
+    base_shape, view = NON_CONTIGUOUS[layout]
+    base = _logits(1, math.prod(base_shape(n, v)), dtype, seed=54).reshape(base_shape(n, v))
+    targets = _module_targets(view(base).shape[:-1], v)
+    kwargs = {**_module_options("weight + label_smoothing", v), "reduction": reduction}
+    _module_check(f"module, {layout}, {reduction}, {dtype}", base, targets, view, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_module_all_rows_ignored(reduction):
+    """Every row ignored (a custom ignore_index, weights and smoothing on): "sum" and "none" equal
+    PyTorch's exactly (zeros); "mean" is 0.0 where PyTorch gives NaN (0 / 0), a documented
+    difference, and the gradient is exactly 0 with the loss still attached to the graph."""
+    n, v = 6, 257
+    kwargs = {**_module_options("weight + label_smoothing", v), "ignore_index": 11, "reduction": reduction}
+    targets = torch.full((n,), 11, device=DEVICE)
+    x = _logits(n, v, torch.float32, seed=55).requires_grad_()
+    loss = TritonCrossEntropyLoss(**kwargs)(x, targets)
+    assert loss.grad_fn is not None, "must stay attached (FSDP/DDP would hang)"
+    (loss * _upstream(loss)).sum().backward()
+    expected = _torch_module(torch.float64, **kwargs)(x.detach().double(), targets)
+    if reduction == "mean":
+        assert torch.isnan(expected), "PyTorch's mean over no rows is NaN"
+        expected = torch.zeros(())
+    exactly(f"module, all rows ignored, {reduction}: loss", loss, expected.float())
+    exactly(f"module, all rows ignored, {reduction}: grad", x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_z_loss_and_softcap(dtype, reduction):
+    """The options PyTorch's module lacks, against cross_entropy_ref (PyTorch's loss on capped
+    logits plus the z-loss spelled out) in the input's dtype and in float64."""
+    n, v = 12, 257
+    options = dict(weight=_module_options("weight", v)["weight"], label_smoothing=0.1)
+    targets = _module_targets((n,), v)
+    loss_fn = TritonCrossEntropyLoss(reduction=reduction, z_loss=1e-2, softcap=5.0, **options)
+    ref_options = dict(reduction=reduction, lse_square_scale=1e-2, softcap=5.0, **options)
+    runs = [_module_run(loss_fn, _logits(n, v, dtype, seed=56), targets, lambda x: x, False)]
+    for ref_dtype in (dtype, torch.float64):
+        runs.append(_module_run(lambda x, t: cross_entropy_ref(x, t, dtype=ref_dtype, **ref_options),
+                                _logits(n, v, dtype, seed=56).to(ref_dtype), targets, lambda x: x, False))
+    (ours, same, ref) = runs
+    # the loss at fp32 precision (cross_entropy_ref in bf16 rounds to bf16), the gradient at the input's
+    close_to_reference(f"module z_loss + softcap, {reduction}, {dtype}: loss", ours[0], same[0], ref[0],
+                       torch.float32, n=v)
+    close_to_reference(f"module z_loss + softcap, {reduction}, {dtype}: grad", ours[1], same[1], ref[1], dtype, n=v)
+
+
+def test_module_single_sample_and_state():
+    """Input [V] with a 0-d target, as PyTorch's module takes one sample; the class weights are a
+    buffer, in the state dict under PyTorch's name, and the repr lists the arguments set."""
+    v = 257
+    kwargs = dict(weight=_module_options("weight", v)["weight"], label_smoothing=0.1, reduction="none")
+    _module_check("module, one sample [V]", _logits(1, v, torch.float32, seed=57)[0], torch.tensor(9, device=DEVICE),
+                  **kwargs)
+    ours, theirs = TritonCrossEntropyLoss(**kwargs), nn.CrossEntropyLoss(**kwargs)
+    assert ours.state_dict().keys() == theirs.state_dict().keys() == {"weight"}
+    assert "label_smoothing=0.1" in repr(ours)
+    record("module: weight buffer as in torch's state dict", 0.0, 0.0, True)
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        pytest.param(lambda: (torch.randn(2, 30, 4), torch.zeros(2, 4, dtype=torch.long)), ValueError, "transpose",
+                     id="classes in dimension 1 [B, V, T]"),
+        pytest.param(lambda: (torch.randn(2, 2, 3, 30), torch.zeros(2, 2, 3, dtype=torch.long)), ValueError,
+                     "classes last", id="4-D input"),
+        pytest.param(lambda: (torch.randn(4, 30), torch.zeros(5, dtype=torch.long)), ValueError, "classes last",
+                     id="N mismatch"),
+        pytest.param(lambda: (torch.randn(4, 30), torch.rand(4, 30)), TypeError, "probabilit",
+                     id="class-probability targets"),
+        pytest.param(lambda: (torch.randn(4, 31), torch.zeros(4, dtype=torch.long)), ValueError, "shape",
+                     id="weight of the wrong length"),
+    ],
+)
+def test_module_bad_input_gives_clear_errors(make, error, words):
+    logits, targets = make()
+    loss_fn = TritonCrossEntropyLoss(weight=torch.ones(30, device=DEVICE))
+    message = expect_error(error, loss_fn, logits.to(DEVICE), targets.to(DEVICE))
+    assert words in message, message
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        pytest.param(dict(reduction="avg"), "reduction", id="bad reduction"),
+        pytest.param(dict(label_smoothing=1.5), "label_smoothing", id="label_smoothing > 1"),
+        pytest.param(dict(weight=torch.ones(2, 3)), "1-D", id="2-D weight"),
+        pytest.param(dict(z_loss=-1.0), "lse_square_scale", id="negative z_loss"),
+        pytest.param(dict(softcap=0.0), "softcap", id="softcap 0"),
+    ],
+)
+def test_module_bad_arguments_are_refused_at_construction(kwargs, words):
+    message = expect_error(ValueError, lambda: TritonCrossEntropyLoss(**kwargs))
+    assert words in message, message
 
 
 # ---------------------------------------------------------------------------- custom ops, compile

@@ -8,7 +8,9 @@ Face's way in the same dtype (full logits, upcast to fp32), and float64. Toleran
 in testkit.py (at most 2x PyTorch's own error, plus one ulp of the output scale) unless a test
 explains otherwise. Small chunks force the multi-chunk path at sizes the interpreter can run.
 The lm_head's bias (and its gradient) and the cross-entropy's options are checked the same way;
-their own arithmetic is tested in cross_entropy_test.py, here that they reach every chunk.
+their own arithmetic is tested in cross_entropy_test.py, here that they reach every chunk. The
+drop-in module, TritonLinearCrossEntropyLoss, is checked against torch.nn.CrossEntropyLoss with
+the same arguments on the full logits.
 """
 
 import re
@@ -17,13 +19,14 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import linear_cross_entropy_kernel
 from cross_entropy_kernel import z_loss_ref
 from cross_entropy_test import model_close, model_error, model_step, tiny_gemma2, tiny_llama
 from playbook.kernel_utils import DEVICE
-from linear_cross_entropy_kernel import (causal_lm_forward, chunk_tokens, flops, ideal_bytes, linear_cross_entropy,
-                                         linear_cross_entropy_ref)
+from linear_cross_entropy_kernel import (TritonLinearCrossEntropyLoss, causal_lm_forward, chunk_tokens, flops,
+                                         ideal_bytes, linear_cross_entropy, linear_cross_entropy_ref)
 from playbook.testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
@@ -487,10 +490,75 @@ def test_bad_bias_and_options_give_clear_errors(make, error, words):
     assert words in message
 
 
+# ---------------------------------------------------------------------------- drop-in module
+# TritonLinearCrossEntropyLoss(hidden, W, targets, bias) against torch.nn.CrossEntropyLoss with the
+# same arguments on F.linear(hidden, W, bias): the logits in the input's dtype upcast to fp32
+# (Hugging Face's way, "same") and everything in float64 ("ref"). Loss, dx, dW and dbias, under a
+# random upstream gradient, with the testkit rule as in _check_with_bias.
+def _module_run(loss_fn, x, w, b, t):
+    x, w, b = (a.detach().clone().requires_grad_() for a in (x, w, b))
+    loss = loss_fn(x, w, t, b)
+    (loss.float() * _upstream(loss)).sum().backward()
+    return loss.detach(), x.grad, w.grad, b.grad
+
+
+def _torch_head_loss(dtype, ce_weight=None, z_loss=None, chunk=None, **kwargs):
+    """PyTorch's module on the full logits in `dtype` (fp32 for low-precision inputs, as HF upcasts)."""
+    module = nn.CrossEntropyLoss(weight=None if ce_weight is None else ce_weight.to(dtype), **kwargs)
+
+    def loss_fn(x, w, t, b):
+        logits = F.linear(x, w, b).to(dtype)
+        loss = module(logits.reshape(-1, logits.shape[-1]), t.reshape(-1))
+        return loss.view(t.shape) if loss.dim() else loss
+    return loss_fn
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", ["plain", "ignore_index=3, weight + label_smoothing"])
+def test_module_matches_torch_cross_entropy_loss(option, dtype, reduction):
+    """hidden [B, T, H] = [2, 12, 16] with targets [2, 12], a biased head of V = 257, chunks of 10
+    tokens (the last one short); two ignored tokens."""
+    B, T, v = 2, 12, 257
+    kwargs = dict(reduction=reduction, chunk=10)
+    if option != "plain":
+        kwargs.update(ignore_index=3, ce_weight=_ce_weight(v), label_smoothing=0.1)
+    x, w, t = _inputs(B * T, 16, v, dtype, seed=60)
+    t[[2, 17]] = kwargs.get("ignore_index", -100)
+    x, t, b = x.view(B, T, 16), t.view(B, T), _bias(v, dtype)
+    ours = _module_run(TritonLinearCrossEntropyLoss(**kwargs), x, w, b, t)
+    same = _module_run(_torch_head_loss(torch.float32, **kwargs), x, w, b, t)
+    ref = _module_run(_torch_head_loss(torch.float64, **kwargs), x.double(), w.double(), b.double(), t)
+    assert ours[0].shape == ref[0].shape, "reduction='none' gives the targets' shape [B, T]"
+    tag = f"module {option}, {reduction}, {dtype}"
+    close_to_reference(f"{tag}: loss", ours[0], same[0], ref[0], torch.float32, n=v)  # fp32 loss, a sum over V
+    close_to_reference(f"{tag}: dx", ours[1], same[1], ref[1], dtype, n=v)  # sums over V classes
+    close_to_reference(f"{tag}: dW", ours[2], same[2], ref[2], dtype, n=B * T)  # sums over the tokens
+    close_to_reference(f"{tag}: dbias", ours[3], same[3], ref[3], dtype, n=B * T)
+
+
+def test_module_z_loss_softcap_and_arguments():
+    """The options PyTorch's module lacks (z_loss, softcap) against linear_cross_entropy_ref in
+    float64 (loss only: their gradients are the function's, tested above); the class weights are
+    a buffer; bad arguments are refused at construction."""
+    v = 100
+    x, w, t = _inputs(20, 16, v, torch.float32, seed=61, ignore=(4,))
+    loss_fn = TritonLinearCrossEntropyLoss(ce_weight=_ce_weight(v), z_loss=1e-2, softcap=4.0, chunk=8)
+    options = dict(ce_weight=_ce_weight(v), lse_square_scale=1e-2, softcap=4.0)
+    ref = linear_cross_entropy_ref(x.double(), w.double(), t, **options)
+    same = linear_cross_entropy_ref(x, w, t, **options)
+    close_to_reference("module z_loss + softcap: loss", loss_fn(x, w, t), same, ref, torch.float32, n=v)
+    assert list(loss_fn.state_dict()) == ["ce_weight"], "the class weights are a buffer"
+    for bad, words in ((dict(reduction="avg"), "reduction"), (dict(chunk=0), "chunk"),
+                       (dict(label_smoothing=2.0), "label_smoothing"), (dict(ce_weight=torch.ones(2, 2)), "1-D")):
+        assert words in expect_error(ValueError, lambda: TritonLinearCrossEntropyLoss(**bad))
+
+
 # ---------------------------------------------------------------------------- custom ops, compile
 def test_opcheck_every_op():
     """torch.library.opcheck on both ops: schema, fake tensors (placeholders included), AOT
-    dispatch, autograd registration (none: autograd lives in the Function; inputs need no grad)."""
+    dispatch (forward and, where inputs require grad, the registered backward), autograd
+    registration. The backward op is called from backward only: its inputs need no grad."""
     x, w, t = _inputs(12, 8, 30, torch.float32, seed=14, ignore=(3,))
     row_grads = _upstream(torch.empty(12, device=DEVICE))
     ops = torch.ops.playbook
@@ -499,6 +567,10 @@ def test_opcheck_every_op():
          (x, w, t, -100, "mean", True, True, True, 5)),
         ("fwd, none, loss only, bf16", ops.linear_cross_entropy_fwd.default,
          (x.bfloat16(), w.bfloat16(), t, -100, "none", False, False, True, None)),
+        ("fwd, mean, x and W require grad, 3 chunks", ops.linear_cross_entropy_fwd.default,
+         (x.clone().requires_grad_(), w.clone().requires_grad_(), t, -100, "mean", True, True, True, 5)),
+        ("fwd, none, x requires grad (gradient in backward)", ops.linear_cross_entropy_fwd.default,
+         (x.clone().requires_grad_(), w, t, -100, "none", True, False, True, 5)),
         ("bwd, dW only", ops.linear_cross_entropy_bwd.default, (x, w, t, row_grads, -100, False, True, True, 5)),
     ]
     for name, op, args in cases:
@@ -536,6 +608,9 @@ def test_opcheck_with_bias_and_options():
     cases = [
         ("fwd, mean, dx, dW and dbias, all options and extras, 2 chunks", ops.linear_cross_entropy_fwd.default,
          (x, w, t, -100, "mean", True, True, True, 5, b, True, cw, 0.1, 1e-2, 4.0, True, True)),
+        ("fwd, sum, x, W and bias require grad, all options and extras", ops.linear_cross_entropy_fwd.default,
+         (*(a.clone().requires_grad_() for a in (x, w)), t, -100, "sum", True, True, True, 5,
+          b.clone().requires_grad_(), True, cw, 0.1, 1e-2, 4.0, True, True)),
         ("bwd, dbias only, all options", ops.linear_cross_entropy_bwd.default,
          (x, w, t, row_grads, -100, False, False, True, 5, b, True, cw, 0.1, 1e-2, 4.0)),
     ]

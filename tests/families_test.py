@@ -68,7 +68,7 @@ def test_family_matches_hugging_face(kind, kernels):
     for name, count in report.replaced.items():
         assert count == ak.kernel_module(name).expected_patches(ours.config) == expected[name], (name, count)
     record(f"{kind}: {report.describe()}", 0.0, 0.0, True)
-    assert set(report.replaced) | set(report.not_applied) == set(names)
+    assert set(report.replaced) | set(report.not_applied) == set(names) & set(ak.KERNEL_NAMES)  # lora acts later
     assert set(report.not_applied) <= _may_not_apply(kind), f"{kind}: {report.not_applied}"
     loss, grads = loss_and_grads(ours, ids, labels)
     close_to_reference(f"{kind}: loss", loss, base_loss, ref_loss, torch.float32, n=N_TERMS)
