@@ -2,11 +2,13 @@
 
     $ python walkthrough.py                       # picks a workload that shows the lesson on this machine
     $ python walkthrough.py --model meta-llama/Llama-3.1-8B --batch-size 2 --seq-len 2048
+    $ python walkthrough.py --kernel-tests rmsnorm,rope  # step 2 with these kernel test files only
 
 Each step is a script of this repository that you can also run by itself; before it runs, the
 walkthrough says what it shows and what to look at, and after it, the one number that matters.
   1. profile_baseline.py                   where the time of a training step goes
-  2. <kernel>_test.py for every kernel     the fused kernels are correct (a report per kernel)
+  2. <kernel>_test.py for every kernel     the fused kernels are correct (a short report per kernel; the
+                                           full one in results/walkthrough_tests_<kernel>.txt)
   3. finetune_baseline.py                  plain Hugging Face training on real text: tokens/s, memory, loss
   4. finetune_optimized.py                 the same loop with the Triton kernels
   5. profile_baseline.py --kernels default what changed in the step
@@ -21,6 +23,7 @@ card the same 4 x 2048, where the baseline runs out of memory and the optimized 
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +37,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 EXAMPLE_DATA = HERE / "examples" / "chat.jsonl"
 KNOWN_GPUS = ("H100", "H200")  # GPUs with measured results in results/
+# The profile categories of the work the default kernels replace (step 5 compares them with step 1).
+KERNEL_CATEGORIES = ("RMSNorm", "loss", "SwiGLU", "RoPE", "element-wise")
 
 
 def default_workload():
@@ -62,16 +67,17 @@ def default_workload():
             "a slice of the model, to fit this GPU: the ratios carry over, the absolute figures do not")
 
 
-def banner(title: str, explain: str, cmd: list[str]) -> None:
-    print(f"\n{'=' * 100}\n{title}\n{'=' * 100}\n{explain}\n$ {' '.join(['python'] + cmd[1:])}\n", flush=True)
+def banner(title: str, explain: str, cmd: list[str], env: dict | None = None) -> None:
+    shown = [f"{k}={v}" for k, v in (env or {}).items()] + ["python"] + cmd[1:]
+    print(f"\n{'=' * 100}\n{title}\n{'=' * 100}\n{explain}\n$ {' '.join(shown)}\n", flush=True)
 
 
-def step(title: str, explain: str, cmd: list[str], may_fail_with: str | None = None) -> bool:
-    """Run one script; True when it succeeded. A failure stops the walkthrough unless its output holds
-    `may_fail_with` (the lesson of that step, e.g. running out of memory)."""
-    banner(title, explain, cmd)
+def step(title: str, explain: str, cmd: list[str], may_fail_with: str | None = None, env: dict | None = None) -> bool:
+    """Run one script (with `env` added to the environment); True when it succeeded. A failure stops the
+    walkthrough unless its output holds `may_fail_with` (the lesson of that step, e.g. running out of memory)."""
+    banner(title, explain, cmd, env)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=HERE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, cwd=HERE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     sys.stderr.write(proc.stderr)
     print(f"[{title.split(':')[0]} took {time.perf_counter() - t0:.0f} s]")
     if proc.returncode == 0:
@@ -94,6 +100,36 @@ def profile_line(tag: str) -> str:
     cats = sorted(p["categories_ms_per_step"].items(), key=lambda kv: -kv[1])
     top = ", ".join(f"{c} {ms:.1f} ms" for c, ms in cats[:3])
     return f"{p['ms_per_step']:.1f} ms of {p['unit']} time per step ({top})"
+
+
+def kernel_test(name: str, py: str) -> None:
+    """Step 2 for one kernel: its test file as a script. The full report (every check) goes to
+    results/walkthrough_tests_<name>.txt; the screen gets testkit's short one (TESTKIT_REPORT)."""
+    report = (RESULTS / f"walkthrough_tests_{name}.txt").relative_to(HERE)
+    step(f"Step 2 ({name}): test the fused {name} kernel",
+         f"{registry.KERNELS[name]}.\nEach check compares the kernel with PyTorch and a float64 reference on the "
+         "same inputs: 'max err'\nmust stay under 'tol' (at most 2x PyTorch's own error). Shown here: the counts, "
+         "any failure with its\nfirst error line, and the check closest to its tolerance.\nEvery check is in "
+         f"{report}.",
+         [py, f"{name}_test.py"], env={"TESTKIT_REPORT": str(report)})
+
+
+def category_changes(before_tag: str, after_tag: str) -> str:
+    """The two profiles' categories side by side (ms per step), and what the kernels' rows did in total."""
+    before, after = load(before_tag), load(after_tag)
+    if before is None or after is None:
+        return "no profile to compare"
+    b, a = before["categories_ms_per_step"], after["categories_ms_per_step"]
+    cats = sorted(set(b) | set(a), key=lambda c: -max(b.get(c, 0.0), a.get(c, 0.0)))
+    lines = [f"   {'category':<16} {'step 1 (ms)':>12} {'step 5 (ms)':>12}"]
+    lines += [f"   {c:<16} {b.get(c, 0.0):>12.1f} {a.get(c, 0.0):>12.1f}" for c in cats]
+    kb = sum(b.get(c, 0.0) for c in KERNEL_CATEGORIES)
+    ka = sum(a.get(c, 0.0) for c in KERNEL_CATEGORIES)
+    verdict = "shrank" if ka < kb else "grew"
+    lines.append(f"   the rows the kernels replace ({', '.join(KERNEL_CATEGORIES)}) {verdict}: {kb:.1f} -> {ka:.1f} ms "
+                 f"per step" + ("" if ka < kb or torch.cuda.is_available() else
+                                "\n   (on a CPU the kernels run in Triton's interpreter, far slower than PyTorch's CPU code)"))
+    return "\n".join(lines)
 
 
 def side_by_side(base: dict | None, opt: dict) -> None:
@@ -125,7 +161,13 @@ def main():
     p.add_argument("--num-layers", default=None)
     p.add_argument("--skip-kernel-tests", action="store_true",
                    help="leave out step 2 (the kernel test files), e.g. right after `make test` ran them")
+    p.add_argument("--kernel-tests", default=",".join(registry.KERNEL_NAMES), metavar="NAMES",
+                   help="the kernels whose test files step 2 runs, comma-separated (default: all: %(default)s)")
     args = p.parse_args()
+    kernel_tests = [k for k in args.kernel_tests.split(",") if k]
+    unknown = [k for k in kernel_tests if k not in registry.KERNEL_NAMES]
+    if unknown:
+        p.error(f"--kernel-tests: unknown {', '.join(unknown)} (known: {', '.join(registry.KERNEL_NAMES)})")
     workload, desc, lesson = default_workload()
     for flag in ("model", "batch_size", "seq_len", "num_layers"):  # the user's choices win
         value = getattr(args, flag)
@@ -142,29 +184,34 @@ def main():
         if not any(k in name for k in KNOWN_GPUS):
             print(f"Note: results/ holds no figures from a {name} yet: what you see here will be the first.")
     py = sys.executable
+    gpu = torch.cuda.is_available()
     overwrite = ["--overwrite"]
     prof = [py, "profile_baseline.py", *[w for i, w in enumerate(workload) if w != "--steps" and
                                          (i == 0 or workload[i - 1] != "--steps")], *overwrite]
 
     step("Step 1: profile the baseline",
-         "One training step of plain Hugging Face under torch.profiler, GPU time by category. Look at the\n"
-         "category table: matrix multiplies lead (they are the model's real work), then attention and the\n"
-         "optimizer; RMSNorm, the loss and the element-wise rows are the memory-bound glue that fused kernels\n"
-         "can shrink. On a CPU the times are the interpreter's, but the categories read the same way.",
+         ("One training step of plain Hugging Face under torch.profiler, GPU time by category. Look at the\n"
+          "category table: matrix multiplies lead (they are the model's real work), then attention and the\n"
+          "optimizer; RMSNorm, the loss and the element-wise rows are the memory-bound glue that fused kernels\n"
+          "can shrink." if gpu else
+          "One training step of plain Hugging Face under torch.profiler, CPU time by category (no GPU here).\n"
+          "Look at the category table: matrix multiplies, attention, the optimizer, and the RMSNorm, loss and\n"
+          "element-wise rows that fused kernels replace. The baseline runs no Triton kernel: these are PyTorch's\n"
+          "CPU operators, so the categories are those of a GPU profile but their shares are the CPU's."),
          prof + ["--tag", "walkthrough_profile_baseline"])
     print(f"-> the number: {profile_line('walkthrough_profile_baseline')}")
 
     if args.skip_kernel_tests:
         print(f"\n{'=' * 100}\nStep 2: the kernel tests: skipped (--skip-kernel-tests); `make test` runs them\n{'=' * 100}")
-    for name in () if args.skip_kernel_tests else registry.KERNEL_NAMES:
-        step(f"Step 2 ({name}): test the fused {name} kernel",
-             f"{registry.KERNELS[name]}.\nEach line compares the kernel with PyTorch and a float64 reference on the "
-             "same inputs: 'max err' must stay under 'tol' (at most 2x PyTorch's own error).",
-             [py, f"{name}_test.py"])
+    RESULTS.mkdir(exist_ok=True)
+    for name in () if args.skip_kernel_tests else kernel_tests:
+        kernel_test(name, py)
 
     base_ok = step("Step 3: fine-tune, baseline",
                    "Plain Hugging Face + PyTorch on real text (examples/chat.jsonl, prompts masked from the loss).\n"
-                   "Look at the loss falling from line to line, then at tokens/s and peak memory in the summary.",
+                   + ("Look at the loss falling from line to line, then at tokens/s and peak memory in the summary."
+                      if gpu else "Look at the loss falling from line to line (tokens/s are the CPU's; there is "
+                      "no GPU memory to measure)."),
                    [py, "finetune_baseline.py", *workload, "--tag", "walkthrough_baseline", *overwrite],
                    may_fail_with="out of GPU memory")
     base = load("walkthrough_baseline") if base_ok else None
@@ -174,12 +221,14 @@ def main():
               + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s["peak GPU memory (GB)"] else ""))
 
     step("Step 4: fine-tune, optimized",
-         f"The same loop, seed and data with the kernels ({','.join(registry.DEFAULT_KERNELS)}). Look at\n"
-         "the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down.",
+         f"The same loop, seed and data with the default kernels ({','.join(registry.DEFAULT_KERNELS)}).\n"
+         + ("Look at the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down."
+            if gpu else "The loss must follow the baseline's. The kernels run in Triton's interpreter here, so tokens/s\n"
+            "fall far below the baseline's: on a CPU the loss is the result, not the speed."),
          [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized", *overwrite])
     opt = load("walkthrough_optimized")
     s = opt["summary"]
-    if not torch.cuda.is_available():  # interpreter speed says nothing: the loss is the number here
+    if not gpu:  # interpreter speed says nothing: the loss is the number here
         print(f"-> the number: loss {s['first loss']:.3f} -> {s['final loss']:.3f}"
               + (f" (baseline: -> {base['summary']['final loss']:.3f})" if base else "")
               + "; tokens/s on a CPU are the Triton interpreter's, not a speed")
@@ -190,12 +239,14 @@ def main():
               + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s["peak GPU memory (GB)"] else ""))
 
     step("Step 5: profile again with the kernels",
-         "The same profile with every kernel. Compare with step 1: the RMSNorm, loss, SwiGLU and element-wise\n"
-         "rows shrink (the logits are never built); what is left is mostly matrix multiplies, attention and\n"
-         "the optimizer, which is where the next gains must come from.",
+         "The same profile with every kernel; the table after it sets each category beside step 1's. On a GPU\n"
+         "the RMSNorm, loss, SwiGLU and element-wise rows shrink (the logits are never built), leaving mostly\n"
+         "matrix multiplies, attention and the optimizer, where the next gains must come from."
+         + ("" if gpu else "\nOn a CPU the kernels run in Triton's interpreter, so expect those rows to grow."),
          prof + ["--kernels", "default", "--tag", "walkthrough_profile_optimized"])
     print(f"-> the number: {profile_line('walkthrough_profile_optimized')}\n   (step 1: "
           f"{profile_line('walkthrough_profile_baseline')})")
+    print(category_changes("walkthrough_profile_baseline", "walkthrough_profile_optimized"))
 
     banner("Step 6: summary", "Steps 3 and 4 side by side, and where their loss curves are.", [py, "walkthrough.py"])
     side_by_side(base, opt)

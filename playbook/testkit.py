@@ -25,9 +25,15 @@ and passes when
   when that is larger than the result (a gradient that cancels to ~0, for example).
 
 Running `python rmsnorm_test.py` calls every test (expanding `pytest.mark.parametrize`) and prints
-each check as a line of a report; `pytest` runs the same functions.
+each check as a line of a report; `pytest` runs the same functions. With TESTKIT_REPORT set to a file
+path, that full report goes to the file and the screen gets a short one: the counts, the failures with
+their first error line, the skip reasons, and the check closest to its tolerance (walkthrough.py's step 2):
+
+    $ TESTKIT_REPORT=results/rmsnorm_report.txt python rmsnorm_test.py
 """
 
+import contextlib
+import os
 import sys
 import time
 
@@ -38,6 +44,7 @@ FACTOR = 2.0
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 2.0**-52}
 
 _records: list[dict] = []
+REPORT_FILE_ENV = "TESTKIT_REPORT"  # run_as_script: the full report goes to this file, a short one to the screen
 
 
 def _max_abs(t: torch.Tensor) -> float:
@@ -101,6 +108,8 @@ class _Report:
     def __init__(self):
         self.counts = {"passed": 0, "failed": 0, "skipped": 0}
         self.first = 0
+        self.failures: list[str] = []      # for the short report: each failure and its BAD checks
+        self.skips: dict[str, int] = {}    # skip reason -> how many tests
 
     def pytest_runtest_setup(self, item):
         self.first = len(_records)
@@ -120,7 +129,36 @@ class _Report:
         for r in _records[self.first:]:
             mark = "ok " if r["passed"] else "BAD"
             print(f"           {mark} {r['name']:<44} max err {r['err']:.2e}  tol {r['tol']:.2e} {r['note']}")
+        if report.failed:
+            self.failures.append(f"FAILED   {name}  -- {why[:160]}")
+            self.failures += [f"           BAD {r['name']}: max err {r['err']:.2e} > tol {r['tol']:.2e} {r['note']}"
+                              .rstrip() for r in _records[self.first:] if not r["passed"]]
+        elif report.skipped:
+            why = why.removeprefix("Skipped: ")
+            self.skips[why] = self.skips.get(why, 0) + 1
         self.first = len(_records)
+
+    def pytest_collectreport(self, report):
+        if report.failed:  # the file does not import: no test runs, and the reason would go unseen
+            why = report.longreprtext.strip().splitlines()[-1] if report.longreprtext.strip() else "collection failed"
+            self.counts["failed"] += 1
+            self.failures.append(f"ERROR    collecting {report.nodeid or 'the file'}  -- {why[:160]}")
+            print(self.failures[-1], flush=True)
+
+    def short(self, title: str, seconds: float, full_report: str) -> str:
+        """The report in a few lines: counts, failures, skip reasons, the check closest to its tolerance."""
+        c = self.counts
+        lines = [f"{title}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {seconds:.1f} s; "
+                 f"{len(_records)} checks (full report: {full_report})"]
+        lines += [f"  {f}" for f in self.failures]
+        lines += [f"  skipped {n}: {why}" for why, n in self.skips.items()]
+        # checks that passed by staying within tol (some pass by differing: err > tol on purpose)
+        margins = [r for r in _records if r["passed"] and 0 < r["tol"] and r["err"] <= r["tol"]]
+        if margins:
+            r = max(margins, key=lambda r: r["err"] / r["tol"])
+            lines.append(f"  closest to its tolerance: {r['name']}: max err {r['err']:.2e}, tol {r['tol']:.2e} "
+                         f"({r['err'] / r['tol']:.0%} of it)")
+        return "\n".join(lines)
 
 
 def run_as_script(module_name: str, title: str) -> int:
@@ -129,14 +167,21 @@ def run_as_script(module_name: str, title: str) -> int:
     Returns the process exit code: 0 when every test passed or was skipped.
     """
     module = sys.modules[module_name]
-    print(f"{title}\n{'=' * len(title)}")
-    doc = (module.__doc__ or "").strip().splitlines()
-    print(doc[0] if doc else "", "\n", flush=True)
+    full_report = os.environ.get(REPORT_FILE_ENV)
     plugin = _Report()
-    start = time.perf_counter()
-    code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"], plugins=[plugin])
-    c = plugin.counts
-    print(f"\n{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {time.perf_counter() - start:.1f} s")
+    with contextlib.ExitStack() as stack:
+        if full_report:  # everything below goes to the file; the short report follows on the screen
+            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(full_report, "w"))))
+        print(f"{title}\n{'=' * len(title)}")
+        doc = (module.__doc__ or "").strip().splitlines()
+        print(doc[0] if doc else "", "\n", flush=True)
+        start = time.perf_counter()
+        code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"], plugins=[plugin])
+        seconds = time.perf_counter() - start
+        c = plugin.counts
+        print(f"\n{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {seconds:.1f} s")
+    if full_report:
+        print(plugin.short(title, seconds, full_report), flush=True)
     return 0 if code in (0, 5) and not c["failed"] else 1
 
 

@@ -1,4 +1,5 @@
-"""Set-up cannot degrade silently: setup_check.py, the Makefile's use of it, the container files, selfcheck.py.
+"""Set-up cannot degrade silently: playbook/setup_check.py (`selfcheck.py --setup`, `selfcheck.py --index-url`),
+the Makefile's use of it, .ci/run, the container files, selfcheck.py.
 
 A GPU is simulated by a fake `nvidia-smi` first on PATH, so these tests run on any machine. Tests that
 need torch itself to be a CPU-only build (the real "GPU present, CPU torch" case) are skipped where the
@@ -24,6 +25,9 @@ import selfcheck
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 CU130 = "https://download.pytorch.org/whl/cu130"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+SETUP = [sys.executable, "selfcheck.py", "--setup"]  # the quick set-up check
+INDEX_URL = [sys.executable, "selfcheck.py", "--index-url"]
 MAKE = shutil.which("make") or "make"  # by full path: some tests leave only a fake nvidia-smi on PATH
 
 HEADER = """\
@@ -165,13 +169,13 @@ def test_no_nvidia_smi_is_ok_and_says_cpu_demo_once(tmp_path, monkeypatch, capsy
 
 
 def test_cli_without_nvidia_smi_exits_0(tmp_path):
-    p = _run([sys.executable, "setup_check.py"], _env(tmp_path, keep_path=False))
+    p = _run(SETUP, _env(tmp_path, keep_path=False))
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("setup: OK: no NVIDIA GPU found: this is the CPU demo"), p.stdout
 
 
 def test_broken_nvidia_smi_is_said_clearly(tmp_path):
-    p = _run([sys.executable, "setup_check.py"], _env(fake_smi(tmp_path, broken=True)))
+    p = _run(SETUP, _env(fake_smi(tmp_path, broken=True)))
     assert p.returncode == 1
     assert f"setup: nvidia-smi failed (exit code 1): {BROKEN}" in p.stderr
     assert "cannot talk to the NVIDIA driver" in p.stderr and "Traceback" not in p.stderr
@@ -205,11 +209,41 @@ def test_wheel_index(cc, driver, index):
     assert got == (None if index is None else f"https://download.pytorch.org/whl/{index}")
 
 
+@pytest.mark.parametrize("system, machine, index", [
+    ("Linux", "x86_64", CPU_INDEX),    # PyPI's torch is a CUDA build that pulls in the nvidia-* libraries
+    ("Linux", "aarch64", CPU_INDEX),   # the same on ARM servers (torch 2.13: a cu13 build)
+    ("Linux", "arm64", CPU_INDEX),     # the same machine, as some systems spell it
+    ("Darwin", "arm64", None),         # PyPI's macOS torch has no CUDA (MPS on Apple silicon)
+    ("Darwin", "x86_64", None),
+    ("Windows", "AMD64", None),        # PyPI's Windows torch is CPU-only
+    ("Linux", "ppc64le", None),        # no wheels on the CPU index: PyPI decides
+])
+def test_cpu_wheel_index(system, machine, index):
+    assert setup_check.cpu_wheel_index(system, machine) == index
+
+
+def test_index_url_for_each_kind_of_machine(monkeypatch):
+    report = setup_check.SmiReport
+    gb300 = [setup_check.Gpu("NVIDIA GB300", (10, 3), 284208)]
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert setup_check.index_url(report(found=True, gpus=gb300, cuda=(13, 0))) == CU130
+    assert setup_check.index_url(report(found=True, gpus=gb300, cuda=(12, 4))) is None  # driver too old: it says so
+    assert setup_check.index_url(report(found=False)) == CPU_INDEX
+    assert setup_check.index_url(report(found=True)) == CPU_INDEX  # nvidia-smi there, no GPU listed
+    assert setup_check.index_url(report(found=True, error="nvidia-smi failed")) is None  # a GPU, probably
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    assert setup_check.index_url(report(found=False)) is None
+
+
 def test_index_url_option(tmp_path):
-    p = _run([sys.executable, "setup_check.py", "--index-url"], _env(fake_smi(tmp_path)))
+    p = _run(INDEX_URL, _env(fake_smi(tmp_path)))
     assert (p.returncode, p.stdout.strip()) == (0, CU130)
-    p = _run([sys.executable, "setup_check.py", "--index-url"], _env(tmp_path / "none", keep_path=False))
-    assert (p.returncode, p.stdout.strip()) == (0, "")
+    p = _run(INDEX_URL, _env(tmp_path / "none", keep_path=False))  # no nvidia-smi
+    assert (p.returncode, p.stdout.strip()) == (0, setup_check.cpu_wheel_index() or ""), p.stderr
+    p = _run(INDEX_URL, _env(fake_smi(tmp_path / "broken", broken=True)))
+    assert (p.returncode, p.stdout.strip()) == (0, ""), p.stderr
 
 
 # ---------------------------------------------------------------- GPU present, torch cannot use it
@@ -217,8 +251,8 @@ def test_index_url_option(tmp_path):
 
 @needs_cpu_torch
 def test_cli_gpu_with_cpu_torch_exits_1_with_the_index(tmp_path):
-    """The real case, with the real (CPU-only) torch: python setup_check.py on a 'GB300'."""
-    p = _run([sys.executable, "setup_check.py"], _env(fake_smi(tmp_path)))
+    """The real case, with the real (CPU-only) torch: python selfcheck.py --setup on a 'GB300'."""
+    p = _run(SETUP, _env(fake_smi(tmp_path)))
     assert p.returncode == 1, p.stdout + p.stderr
     first = p.stderr.splitlines()[0]
     assert first.startswith("setup: NVIDIA GB300 (compute capability 10.3 = sm_103; driver 580.95.05, "
@@ -302,12 +336,14 @@ def test_importing_setup_check_does_not_import_torch():
 
 @pytest.fixture
 def sandbox(tmp_path):
-    """A copy of the Makefile and setup_check.py whose walkthrough and test suite only leave a marker, with
-    set-up already done (nothing is installed), and a CPU-only stand-in for torch and triton on PYTHONPATH
-    (importing them takes no time, whatever torch is installed)."""
+    """A copy of the Makefile, selfcheck.py and playbook/setup_check.py whose walkthrough and test suite only
+    leave a marker, with set-up already done (nothing is installed), and a CPU-only stand-in for torch and
+    triton on PYTHONPATH (importing them takes no time, whatever torch is installed)."""
     box = tmp_path / "box"
     box.mkdir()
-    for name in ("Makefile", "setup_check.py", "requirements.txt", "pytest.ini"):
+    (box / "playbook").mkdir()
+    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "requirements.txt",
+                 "pytest.ini"):
         shutil.copy(HERE / name, box / name)
     (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")
     (box / "marker_test.py").write_text("def test_marker():\n    open('tests.ran', 'w').close()\n")
@@ -339,7 +375,7 @@ def test_make_run_stops_on_the_system_python_path(sandbox, tmp_path):
     p = _run([MAKE, "run", f"PYTHON={sys.executable}"], _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in),
              cwd=box)
     assert p.returncode != 0
-    assert f"{sys.executable} setup_check.py" in p.stdout  # make chose this python, not a .venv
+    assert f"{sys.executable} selfcheck.py --setup" in p.stdout  # make chose this python, not a .venv
     assert "torch 2.13.0+cpu" in p.stderr and "is a CPU-only build" in p.stderr and CU130 in p.stderr
     assert not (box / "walkthrough.ran").exists()
 
@@ -349,7 +385,7 @@ def test_make_test_stops_on_the_venv_path(sandbox, tmp_path):
     _venv(box)
     p = _run([MAKE, "test"], _env(fake_smi(tmp_path / "bin"), PYTHONPATH=stand_in), cwd=box)
     assert p.returncode != 0
-    assert ".venv/bin/python setup_check.py" in p.stdout
+    assert ".venv/bin/python selfcheck.py --setup" in p.stdout
     assert "is a CPU-only build" in p.stderr
     assert not (box / "tests.ran").exists()
 
@@ -380,10 +416,37 @@ def test_makefile_picks_the_index_for_the_gpu(sandbox, tmp_path):
     p = _run(setup, _env(fake_smi(tmp_path / "bin"), keep_path=False), cwd=box)
     assert p.returncode == 0, p.stderr
     assert f"pip install -q torch --index-url {CU130}\n" in p.stdout
-    assert p.stdout.splitlines()[-1] == ".venv/bin/python setup_check.py"  # set-up ends with the check
-    p = _run(setup, _env(tmp_path / "empty", keep_path=False), cwd=box)  # no nvidia-smi: PyPI, as before
+    assert p.stdout.splitlines()[-1] == ".venv/bin/python selfcheck.py --setup"  # set-up ends with the check
+    p = _run(setup, _env(tmp_path / "empty", keep_path=False), cwd=box)  # no nvidia-smi
     assert p.returncode == 0, p.stderr
-    assert "pip install -q torch \n" in p.stdout
+    cpu = setup_check.cpu_wheel_index()  # the CPU index on Linux x86_64 / aarch64, else PyPI
+    assert ("pip install -q torch " + (f"--index-url {cpu}" if cpu else "") + "\n") in p.stdout, p.stdout
+
+
+def test_makefile_keeps_an_explicit_torch_spec_and_index(sandbox, tmp_path):
+    """TORCH_SPEC and TORCH_INDEX given on the command line or in the environment win over the machine's
+    default, an empty TORCH_INDEX included (PyPI and pip's own find-links: what .ci/run relies on)."""
+    box, _ = sandbox
+    setup = [MAKE, "-n", "-W", "requirements.txt", "setup", "USE_VENV=1", f"PYTHON={sys.executable}"]
+    gpu = _env(fake_smi(tmp_path / "bin"), keep_path=False)
+    p = _run(setup + ["TORCH_SPEC=torch==2.13.0", "TORCH_INDEX="], gpu, cwd=box)
+    assert "pip install -q torch==2.13.0 \n" in p.stdout, p.stdout + p.stderr
+    p = _run(setup, {**gpu, "TORCH_SPEC": "torch==2.13.0", "TORCH_INDEX": "https://pypi.org/simple"}, cwd=box)
+    assert "pip install -q torch==2.13.0 --index-url https://pypi.org/simple\n" in p.stdout, p.stdout + p.stderr
+    no_gpu = _env(tmp_path / "empty", keep_path=False)
+    p = _run(setup + ["TORCH_INDEX=https://download.pytorch.org/whl/cu128"], no_gpu, cwd=box)
+    assert "pip install -q torch --index-url https://download.pytorch.org/whl/cu128\n" in p.stdout, p.stdout
+
+
+def test_ci_installs_torch_without_the_cpu_index():
+    """CI reaches PyPI only: .ci/run must not leave TORCH_INDEX to the machine's default (PyTorch's CPU index
+    on a Linux machine without a GPU); PyPI plus find-links gives it the local CPU wheel of TORCH_SPEC."""
+    ci = (HERE / ".ci" / "run").read_text()
+    spec = re.search(r'^export TORCH_SPEC="\$\{TORCH_SPEC:-(.+)\}"$', ci, re.M)
+    index = re.search(r'^export TORCH_INDEX="\$\{TORCH_INDEX-(.*)\}"$', ci, re.M)
+    assert spec and spec.group(1) == "torch==2.13.0"
+    assert index and index.group(1) == "https://pypi.org/simple", "TORCH_INDEX must be set before make runs"
+    assert ci.index("export TORCH_INDEX") < ci.index("make test")
 
 
 # ---------------------------------------------------------------- container files
