@@ -277,6 +277,16 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] in (["--setup"], ["--index-url"]):  # the quick set-up check `make` runs before each command
-        sys.exit(setup_check.main([a for a in sys.argv[1:] if a != "--setup"]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--setup", action="store_true",
+                       help="only the set-up check `make` runs before each command: OK and exit 0, or the fix and exit 1")
+    which.add_argument("--index-url", action="store_true",
+                       help="print the PyTorch wheel index for this machine's GPU and driver (empty: PyPI)")
+    args = parser.parse_args()
+    if args.setup or args.index_url:
+        sys.exit(setup_check.main(["--index-url"] if args.index_url else []))
     sys.exit(main())

@@ -360,6 +360,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setup: OK: {cpu_demo_note()}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
