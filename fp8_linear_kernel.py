@@ -93,22 +93,38 @@ and layer more than bf16 with the fused SwiGLU: 3.8 GB at 8192 tokens x 32 layer
 runs the plain SwiGLU forward op, which is as fast; what is lost is only the recomputation trick.)
 
 q, k and v read one tensor, and so do gate and up: the layers that keep their bf16 input quantize it
-once for all of them, per row in the forward and per column in backward (`_LastQuantized`), which
-saves 6 of the 10 activation quantizations of those inputs per decoder layer and step. With the
-joined projections (projections_kernel.py, in the default kernel set) q/k/v and gate/up each run as
-one FP8 layer on one joined weight: that layer is its input's only reader, so it keeps only the FP8
-copy (1 byte per element), and the table above then reads 4,096 B for q/k/v and for gate/up.
+once for all of them, per row in the forward and per column in backward (through the model's
+`Fp8Handoff`, which `patch_model` gives each of its FP8 layers), which saves 6 of the 10 activation
+quantizations of those inputs per decoder layer and step. With the joined projections
+(projections_kernel.py, in the default kernel set) q/k/v and gate/up each run as one FP8 layer on one
+joined weight: that layer is its input's only reader, so it keeps only the FP8 copy (1 byte per
+element), and the table above then reads 4,096 B for q/k/v and for gate/up.
 
 One read for both copies, when the kernel that wrote the tensor took its maxima
 -------------------------------------------------------------------------------
-The row pass exists to find the maxima. A kernel that writes a tensor and also takes both maxima of
-what it wrote (the SwiGLU backward, for the [tokens, 2 x 14336] output gradient of gate/up:
-swiglu_kernel.py) hands them over (`offer_input`, `offer_grad`), and the next FP8 layer that reads
-that very tensor makes both copies in one read (`quantize_both`: the column kernel, also writing the
-row copy): 3 bytes per element fewer, bit for bit the same copies.
+The row pass exists to find the maxima. The SwiGLU backward of a joined gate/up projection writes
+that projection's output gradient, d gate_up [tokens, 2 x 14336]; its variant in this file
+(`_swiglu_joined_bwd_maxima`, reached from swiglu_kernel.py's MLP through `swiglu_joined_fp8`) also
+takes both maxima of what it writes and hands them to the gate/up layer (`Fp8Handoff.offer_grad`),
+whose backward then makes both FP8 copies in one read (`quantize_both`: the column kernel, also
+writing the row copy), bit for bit the copies of the two separate passes. That is one read of d
+gate_up fewer, 2 bytes per element: 469,762,048 B at 8192 tokens of LLaMA 3.1 8B (110 us at copy
+bandwidth). The pair moves 10 bytes per element of the SwiGLU width (the SwiGLU backward) and 4 per
+element of d gate_up (read, two FP8 copies): 2,113,929,216 B at 8192 tokens, a floor of 495 us on an
+H200; measured 625.2 us against 802.5 us for the SwiGLU kernel and the two separate passes
+(results/runs/swiglu_fp8_H200.log). The same for the forward (the maxima of h for the down
+projection) measured slower than the separate passes, 401.4 against 370.8 us, and is not done.
 
-Layout of this file: kernels -> launchers -> custom ops -> the autograd.Function -> functional API ->
-module and `patch_model` -> references.
+Why eager mode goes around the custom operators
+-----------------------------------------------
+Each launcher is also a custom operator, which torch.compile needs (an opaque node in its graph).
+Calling an operator costs the host ~15 us of Python and dispatcher work, and one FP8 step of LLaMA
+3.1 8B makes ~1,100 such calls; where the host falls behind the GPU that is step time. So the layer
+is a plain `torch.autograd.Function` whose forward and backward call the launchers directly in eager
+mode, and the operators only while torch.compile traces: the same kernels and the same bits.
+
+Layout of this file: kernels -> launchers -> custom ops -> the hand-off and the autograd.Functions ->
+functional API -> module and `patch_model` -> references.
 """
 
 from __future__ import annotations
@@ -117,8 +133,10 @@ import torch
 from torch import nn
 
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
+from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
 from playbook.model_families import family_classes, model_type
+import swiglu_kernel
+from swiglu_kernel import _act_grads, halves  # the activation's chain rule, in the kernel below too
 
 import triton
 import triton.language as tl
@@ -132,10 +150,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 AMAX_FLOOR = 2.0**-40
 ALIGN = 16  # torch._scaled_mm: reduced dimensions and b's columns must be multiples of 16
 MAX_COLS = 65536  # one row must fit in one program's registers (the row kernel holds a whole row)
-# Hopper's FP8 tensor cores accumulate with fewer than 32 bits unless the matmul promotes partial sums
-# to fp32 now and then; "fast accumulation" skips that. Like torchao's float8 recipes, the forward
-# uses it and the two gradient matmuls (longer, more cancelling sums) do not. (The CPU ignores it.)
-FAST_ACCUM_FORWARD = True
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -299,14 +313,89 @@ def _quantize_cols_transposed(
         tl.store(Scale + cols, scale, mask=col_ok)
 
 
+
+# The SwiGLU backward of a joined gate/up projection (`swiglu_kernel._swiglu_bwd`, packed), which also
+# takes both maxima of the gradient it writes, d gate_up [N, 2I], for that projection's FP8 backward.
+# A scale is the largest |value| of its row or column, so quantizing a tensor someone else wrote takes
+# two reads (maxima and rows, then columns); with the maxima from the kernel that wrote it, one read
+# makes both copies (`quantize_both`). The maxima are those of the values after rounding to bf16, so
+# they are exactly the written tensor's. Each program covers a stripe of STRIPE_ROWS rows x BLOCK
+# columns, in blocks of SUB_ROWS rows, and writes its partial maxima (per row of its columns; per
+# column of its rows), which two small reductions finish.
+@triton.jit
+def _stripe_maxima(v, rows, cols, row_ok, col_ok, col_max, RowMax, n_col_blocks, COL_BLOCK):
+    """Fold a block's column maxima into `col_max`; store its row maxima as column block COL_BLOCK's."""
+    a = tl.abs(v.to(tl.float32))
+    tl.store(RowMax + rows * n_col_blocks + COL_BLOCK, tl.max(a, axis=1), mask=row_ok)
+    return tl.maximum(col_max, tl.max(a, axis=0))
+
+
+@triton.jit
+def _block_of(P, rows, cols, stride, ok):
+    """The [SUB_ROWS, BLOCK] block of P at these rows and columns, in fp32 (0 where not `ok`)."""
+    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _bwd_maxima_block(dh, g, u, DGU, RowMax, rows, cols, row_ok, col_ok, g_max, u_max, I, block, n_blocks,
+                      ACT: tl.constexpr):
+    """d gate and d up of one block of rows: store them, their row maxima; fold in their column maxima."""
+    dg, du = _act_grads(dh, g, u, ACT)
+    dg = dg.to(DGU.dtype.element_ty)
+    du = du.to(DGU.dtype.element_ty)
+    mask = row_ok[:, None] & col_ok[None, :]
+    out = rows[:, None] * (2 * I) + cols[None, :]
+    tl.store(DGU + out, dg, mask=mask)
+    tl.store(DGU + out + I, du, mask=mask)
+    g_max = _stripe_maxima(dg, rows, cols, row_ok, col_ok, g_max, RowMax, 2 * n_blocks, block)
+    u_max = _stripe_maxima(du, rows, cols, row_ok, col_ok, u_max, RowMax, 2 * n_blocks, n_blocks + block)
+    return g_max, u_max
+
+
+@triton.jit
+def _swiglu_joined_bwd_maxima(
+    DH,  # pointer to the upstream gradient, [n_rows, I], unit stride along I
+    G, U,  # pointers to the saved gate and up (the halves of gate_up)
+    DGU,  # pointer to d gate_up, [n_rows, 2I], contiguous: d gate, then d up
+    RowMax,  # partial row maxima of |d gate_up|, [n_rows, 2 n_col_blocks] fp32
+    ColMax,  # partial column maxima of |d gate_up|, [n_stripes, 2I] fp32
+    stride_dh, stride_g, stride_u, n_rows, I,
+    STRIPE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ACT: tl.constexpr,  # "silu" or "gelu_tanh", as in the forward pass
+):
+    stripe = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    n_blocks = tl.num_programs(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < I
+    g_max = tl.zeros([BLOCK], dtype=tl.float32)
+    u_max = tl.zeros([BLOCK], dtype=tl.float32)
+    # Register double buffering: the next block's loads are in flight while this one is computed,
+    # stored and reduced. The load past the stripe's last block is masked off.
+    rows = stripe * STRIPE_ROWS + tl.arange(0, SUB_ROWS)
+    ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    dh, g, u = _block_of(DH, rows, cols, stride_dh, ok), _block_of(G, rows, cols, stride_g, ok), \
+        _block_of(U, rows, cols, stride_u, ok)
+    for r in range(0, STRIPE_ROWS, SUB_ROWS):
+        this_rows, this_dh, this_g, this_u = rows, dh, g, u
+        rows = this_rows + SUB_ROWS
+        ok = ((rows < n_rows) & (r + SUB_ROWS < STRIPE_ROWS))[:, None] & col_ok[None, :]
+        dh, g, u = _block_of(DH, rows, cols, stride_dh, ok), _block_of(G, rows, cols, stride_g, ok), \
+            _block_of(U, rows, cols, stride_u, ok)
+        g_max, u_max = _bwd_maxima_block(this_dh, this_g, this_u, DGU, RowMax, this_rows, cols,
+                                         this_rows < n_rows, col_ok, g_max, u_max, I, block, n_blocks, ACT)
+    tl.store(ColMax + stripe * (2 * I) + cols, g_max, mask=col_ok)
+    tl.store(ColMax + stripe * (2 * I) + I + cols, u_max, mask=col_ok)
+
+
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
 # Launch settings, from a sweep on an H200 at every shape one LLaMA 3.1 8B step quantizes (8192 tokens;
 # results/runs/fp8_tune_H200.log, each variant checked bit for bit before it was timed):
 # - The row kernel is latency-bound unless each program has enough bytes in flight: 16384 values per
-#   loop iteration (4 rows of 4096, 16 of 1024) on 4 warps, two programs per SM. Against the earlier
-#   setting (4096 values per iteration, 2 programs per SM): [8192, 4096] 75.7 -> 46.0 us, [8192, 14336]
+#   loop iteration (4 rows of 4096, 16 of 1024) on 4 warps, two programs per SM. Against 4096 values
+#   per iteration, 2 programs per SM: [8192, 4096] 75.7 -> 46.0 us, [8192, 14336]
 #   161.4 -> 134.1 us (then two rows on 16 warps), [8192, 1024] 90.8 -> 31.6 us, [14336, 4096] 90.0 ->
 #   66.4 us. Rows wider than 16384: one row per iteration on block/4096 warps (the output gradient of
 #   the joined gate/up projections, [8192, 28672]: 658.0 us with two rows on 32 warps, 344.6 us with one
@@ -423,12 +512,60 @@ def quantize(x2: torch.Tensor, rows: bool = True, cols: bool = False):
     return (q, s_rows, *quantize_cols(x2, col_max))
 
 
+def _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum: bool) -> torch.Tensor:
+    """a [R, S] fp8 (row scales [R]) @ b, where bt [C, S] is b transposed, row-major (scales [C]): bf16 [R, C].
+
+    `bt.t()` is the column-major [S, C] operand torch._scaled_mm wants, without a copy; the row-wise
+    scaled matmul writes bf16 only."""
+    return torch._scaled_mm(a, bt.t(), a_scale[:, None], bt_scale[None, :], out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
+# The SwiGLU backward with maxima: stripes of STRIPE_ROWS rows (the partial column maxima are
+# n_rows / STRIPE_ROWS rows of fp32: 7.3 MB for d gate_up at 8192 tokens), one row of BLOCK values per
+# loop step, the double-buffered loop. From the sweep at [8192, 14336] on an H200
+# (results/runs/swiglu_fp8_H200.log, each setting bit-equal first): this kernel + quantize_both
+# 625.2 us against 802.5 us for the SwiGLU kernel + the two separate passes (639.8 us with a
+# single-buffered loop); taller stripes leave too few programs (256 rows of 4 x 512: 2480 us,
+# results/runs/swiglu_fp8_tallstripes_H200.log).
+MAXIMA_LAUNCH = (128, 1, 1024, 4)  # stripe rows, sub rows, block, warps
+
+
+def _maxima_launch(n_rows: int, width: int):
+    """(grid, stripe rows, sub rows, block, warps) of `_swiglu_joined_bwd_maxima`."""
+    stripe, sub, block, warps = MAXIMA_LAUNCH
+    if kernel_utils.INTERPRET:  # few, large programs: the interpreter pays per program and loop step
+        block = min(1024, next_power_of_2(width))
+        sub = max(1, min(64, 4096 // block))
+        stripe, warps = 2 * sub, 4
+    return (triton.cdiv(n_rows, stripe), triton.cdiv(width, block)), stripe, sub, block, warps
+
+
+def swiglu_joined_backward_maxima(dh2: torch.Tensor, g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu"):
+    """(d gate_up [n_rows, 2I] as `swiglu_kernel.swiglu_backward(..., packed=True)` writes it, its row
+    maxima [n_rows], its column maxima [2I]): what `quantize_both` needs to quantize it in one read."""
+    n_rows, width = g2.shape
+    dgu = torch.empty((n_rows, 2 * width), dtype=g2.dtype, device=g2.device)
+    grid, stripe, sub, block, warps = _maxima_launch(n_rows, width)
+    # The partial maxima, fp32: per row of each column block, and per column of each stripe. The kernel
+    # writes every one; with nothing to launch they are zeros.
+    alloc = torch.empty if dgu.numel() else torch.zeros
+    row_part = alloc((n_rows, 2 * grid[1]), dtype=torch.float32, device=g2.device)
+    col_part = alloc((max(1, grid[0]), 2 * width), dtype=torch.float32, device=g2.device)
+    if dgu.numel():
+        _swiglu_joined_bwd_maxima[grid](dh2, g2, u2, dgu, row_part, col_part, dh2.stride(0), g2.stride(0),
+                                        u2.stride(0), n_rows, width, STRIPE_ROWS=stripe, SUB_ROWS=sub, BLOCK=block,
+                                        ACT=activation, num_warps=warps)
+    return dgu, row_part.amax(dim=1), col_part.amax(dim=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Custom ops: what torch.compile and opcheck see
 # ------------------------------------------------------------------------------------------------
 # Each launcher is one opaque node for torch.compile (Dynamo never traces the Triton launch code);
 # `register_fake` gives its outputs' shapes and dtypes. Quantization has no gradient: the
-# autograd.Function below calls these ops only inside its forward and backward, where autograd is off.
+# autograd.Functions below call these ops only inside their forward and backward, where autograd is
+# off, and only while torch.compile traces (eager mode calls the launchers: see the Functions).
 @torch.library.custom_op("playbook::fp8_quantize_rows", mutates_args=())
 def fp8_rows_op(x: torch.Tensor, write_rows: bool, col_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] fp8, scale [M], column maxima [K]); what is not asked for is empty."""
@@ -471,26 +608,17 @@ def _(x, row_max, col_max):
             x.new_empty((K, (M + ALIGN - 1) // ALIGN * ALIGN), dtype=FP8_DTYPE), x.new_empty(K, dtype=f32))
 
 
-# ------------------------------------------------------------------------------------------------
-# The linear layer: forward and backward as three scaled FP8 matmuls
-# ------------------------------------------------------------------------------------------------
+
 @torch.library.custom_op("playbook::fp8_scaled_mm", mutates_args=())
 def fp8_scaled_mm_op(a: torch.Tensor, a_scale: torch.Tensor, bt: torch.Tensor, bt_scale: torch.Tensor,
                      fast_accum: bool) -> torch.Tensor:
-    """a [R, S] fp8 (row scales [R]) @ b, where bt [C, S] is b transposed, row-major (scales [C]).
+    """a [R, S] fp8 (row scales [R]) @ b, where bt [C, S] is b transposed (`_scaled_mm_launch`).
 
-    `bt.t()` is the column-major [S, C] operand torch._scaled_mm wants, without a copy. Returns bf16:
-    the row-wise scaled matmul writes bf16 only. A custom operator of its own, so that torch.compile
-    calls this exact cuBLAS matmul instead of lowering aten._scaled_mm to Inductor's own scaled-matmul
-    templates. (It did not cure the compiled dx that differs from eager on GPUs: see
-    `compiled_graph_trusted`.)
+    An operator of its own, so that torch.compile calls this exact cuBLAS matmul instead of lowering
+    aten._scaled_mm to Inductor's own scaled-matmul templates. (That does not cure the compiled dx
+    that differs from eager on GPUs: see `compiled_graph_trusted`.)
     """
     return _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
-
-
-def _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum: bool) -> torch.Tensor:
-    return torch._scaled_mm(a, bt.t(), a_scale[:, None], bt_scale[None, :], out_dtype=torch.bfloat16,
-                            use_fast_accum=fast_accum)
 
 
 @fp8_scaled_mm_op.register_fake
@@ -498,61 +626,45 @@ def _(a, a_scale, bt, bt_scale, fast_accum):
     return a.new_empty((a.shape[0], bt.shape[0]), dtype=torch.bfloat16)
 
 
-# Host time. Calling a custom operator costs the host ~15 us of Python and dispatcher work before the
-# kernel is launched (a do-nothing operator against a plain function, CPU, torch 2.13), and one FP8
-# training step of LLaMA 3.1 8B makes ~1,100 such calls in its FP8 layers: where the host falls behind
-# the GPU (the late launches that profile_baseline.py reports) that is step time. torch.compile needs
-# the operators (each one opaque node in its graph); in eager mode the autograd.Function below calls
-# the same launchers directly. Same kernels, same results.
-DIRECT_LAUNCH = True
+@torch.library.custom_op("playbook::swiglu_joined_fp8_bwd", mutates_args=())
+def swiglu_joined_fp8_bwd_op(dh: torch.Tensor, gate_up: torch.Tensor,
+                             activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d gate_up [rows, 2I], its row maxima [rows], its column maxima [2I]) of |d gate_up|."""
+    return swiglu_joined_backward_maxima(as_rows(dh), *halves(gate_up), activation)
 
 
-def _direct() -> bool:
-    return DIRECT_LAUNCH and not torch.compiler.is_compiling()
+@swiglu_joined_fp8_bwd_op.register_fake
+def _(dh, gate_up, activation):
+    f32 = torch.float32
+    return (gate_up.new_empty(gate_up.shape), gate_up.new_empty(gate_up.shape[0], dtype=f32),
+            gate_up.new_empty(gate_up.shape[1], dtype=f32))
 
 
-def _quant_rows(x2, write_rows: bool, col_max: bool):
-    """`fp8_rows_op`, or its launcher in eager mode (the column maxima are then None when not asked for)."""
-    return quantize_rows(as_rows(x2), write_rows, col_max) if _direct() else fp8_rows_op(x2, write_rows, col_max)
+refuse_double_backward(swiglu_joined_fp8_bwd_op, "swiglu_joined_fp8")
 
 
-def _quant_cols(x2, col_max):
-    return quantize_cols(as_rows(x2), col_max) if _direct() else fp8_cols_op(x2, col_max)
+# ------------------------------------------------------------------------------------------------
+# The hand-off: what the FP8 layers of one model pass to each other within a pass
+# ------------------------------------------------------------------------------------------------
+class HandoffSlot:
+    """One value made from one tensor (its FP8 copies, or its maxima), for the next reader of that very
+    tensor, unchanged.
 
-
-def _quant_both(x2, row_max, col_max):
-    return quantize_both(as_rows(x2), row_max, col_max) if _direct() else fp8_both_op(x2, row_max, col_max)
-
-
-def _scaled_mm(a, a_scale, bt, bt_scale, fast_accum: bool):
-    if _direct():
-        return _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
-    return fp8_scaled_mm_op(a, a_scale, bt, bt_scale, fast_accum)
-
-
-class _LastQuantized:
-    """The FP8 copies of the last input quantized, for the next layer that reads the very same tensor.
-
-    q, k and v read one tensor, and so do gate and up: without this, each of them quantizes it
-    again, in the forward (per row) and in backward (per column): per decoder layer three extra
-    reads and writes of the [tokens, 4096] input each way, and six more launches. One entry is kept
-    for the forward (rows, scales, column maxima) and one for backward (the column-quantized copy).
-    The entry holds the input tensor itself, so its memory cannot be freed and reused by another
-    tensor while the entry lives: equal address, shape, strides, dtype and version counter then mean
-    the same tensor, unchanged (an in-place write bumps the version). Only layers that keep their
-    bf16 input (shared ones, `keep_fp8_input=False`) use it, and a forward call empties backward's entry
-    and vice versa, so nothing is held across passes. Off while torch.compile traces.
+    The slot holds the tensor itself, so its memory cannot be freed and reused by another tensor while
+    the slot is filled: equal address, shape, strides, dtype, device and version counter then mean the
+    same tensor, unchanged (an in-place write bumps the version).
     """
 
     def __init__(self):
         self.key = self.tensor = self.value = None
-        self.taken = 0  # entries handed over by `take` (the tests check that a fused path ran)
+        self.taken = 0  # values handed over by `take` (the tests check that a fused path ran)
 
     @staticmethod
     def _key(x: torch.Tensor):
         return (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
 
     def get(self, x: torch.Tensor):
+        """The value put for x, if x is that very tensor, unchanged; else None."""
         return self.value if self.tensor is not None and self.key == self._key(x) else None
 
     def put(self, x: torch.Tensor, value) -> None:
@@ -562,7 +674,7 @@ class _LastQuantized:
         self.key = self.tensor = self.value = None
 
     def take(self, x: torch.Tensor):
-        """`get`, and empty the entry when it matched (its tensors are then the caller's alone)."""
+        """`get`, and empty the slot when it matched (the value is then the caller's alone): once only."""
         value = self.get(x)
         if value is not None:
             self.clear()
@@ -570,33 +682,74 @@ class _LastQuantized:
         return value
 
 
-SHARE_QUANTIZED_INPUTS = True  # quantize an input that several layers read once (see _LastQuantized)
-_forward_cache, _backward_cache = _LastQuantized(), _LastQuantized()
-# The row and column maxima of a tensor, taken by the kernel that wrote it (swiglu_kernel's FP8
-# variants): the next FP8 layer that reads that very tensor makes both of its FP8 copies in one read
-# instead of two (a pass for the maxima and the rows, then one for the columns).
-FUSE_CASTS = True
-_produced_input, _produced_grad = _LastQuantized(), _LastQuantized()
+class Fp8Handoff:
+    """What the FP8 layers of one model hand to each other; `patch_model` gives every Float8Linear of a
+    model the same one (its `fp8_handoff`). A layer without one (None) hands nothing over.
+
+    shared_rows   q, k and v read one tensor, and so do gate and up: the first of them to quantize it
+                  per row leaves (rows, scales, column maxima) here for the others' forward. Without
+                  it each layer quantizes the tensor again, forward and backward: per decoder layer
+                  three extra reads and writes of the [tokens, 4096] input each way, and six more
+                  launches. Only layers that keep their bf16 input (`keep_fp8_input=False`) use it.
+    shared_cols   the same in backward: the column-quantized, transposed copy of that input.
+    grad_maxima   the row and column maxima of an output gradient, from the kernel that wrote it (the
+                  SwiGLU backward of `swiglu_joined_fp8`): the layer whose backward receives that very
+                  gradient makes both of its FP8 copies in one read (`quantize_both`).
+
+    A forward empties backward's slots and a backward the forward's, so no value (nor the tensor it
+    came from) outlives the pass that made it. A copy or pickle of a model gets an empty hand-off.
+    """
+
+    def __init__(self):
+        self.shared_rows, self.shared_cols, self.grad_maxima = HandoffSlot(), HandoffSlot(), HandoffSlot()
+
+    def offer_grad(self, dy: torch.Tensor, maxima: tuple) -> None:
+        """Hand (row maxima [M], column maxima [N]) of |dy| for dy [M, N] to the next FP8 layer whose
+        backward receives dy, unchanged."""
+        self.grad_maxima.put(as_rows(dy), maxima)
+
+    def start_forward(self) -> None:
+        self.shared_cols.clear()
+        self.grad_maxima.clear()
+
+    def start_backward(self) -> None:
+        self.shared_rows.clear()
+
+    def is_empty(self) -> bool:
+        return all(s.tensor is None for s in (self.shared_rows, self.shared_cols, self.grad_maxima))
+
+    def swiglu_joined(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """The fused SwiGLU MLP's FP8 hook (swiglu_kernel.swiglu_mlp_forward): `swiglu_joined_fp8` with
+        this hand-off, so the SwiGLU file need not import this one."""
+        return swiglu_joined_fp8(gate_up, activation, self)
+
+    def __reduce__(self):  # copy.deepcopy and pickle: a fresh, empty hand-off
+        return (Fp8Handoff, ())
 
 
-def _sharing() -> bool:
-    return SHARE_QUANTIZED_INPUTS and not torch.compiler.is_compiling()
+# ------------------------------------------------------------------------------------------------
+# The autograd.Functions: eager mode calls the launchers, torch.compile the operators
+# ------------------------------------------------------------------------------------------------
+# Eager mode calls the launchers directly (`ops=False`), torch.compile the operators (`ops=True`): the
+# module docstring says why (~15 us of host time per operator call, ~1,100 calls per step), and
+# results/runs/profile_H200_fp8_launch_operators.log and finetune_H200_fp8_launch_*.log measure it.
+def _quant_rows(x2, write_rows: bool, col_max: bool, ops: bool):
+    """`fp8_rows_op`, or its launcher (the column maxima are then None when not asked for)."""
+    return fp8_rows_op(x2, write_rows, col_max) if ops else quantize_rows(as_rows(x2), write_rows, col_max)
 
 
-def fusing_casts() -> bool:
-    """Whether kernels that write an FP8 layer's input (or output gradient) also take its row and column maxima."""
-    return FUSE_CASTS and not torch.compiler.is_compiling()
+def _quant_cols(x2, col_max, ops: bool):
+    return fp8_cols_op(x2, col_max) if ops else quantize_cols(as_rows(x2), col_max)
 
 
-def offer_input(x: torch.Tensor, maxima: tuple) -> None:
-    """Hand (row maxima [M], column maxima [K]) of |x| for x [M, K] to the next FP8 layer whose forward
-    reads x, unchanged: it then makes both FP8 copies of x in one read (`quantize_both`)."""
-    _produced_input.put(as_rows(x), maxima)
+def _quant_both(x2, row_max, col_max, ops: bool):
+    return fp8_both_op(x2, row_max, col_max) if ops else quantize_both(as_rows(x2), row_max, col_max)
 
 
-def offer_grad(dy: torch.Tensor, maxima: tuple) -> None:
-    """The same for the output gradient dy that the next FP8 layer's backward receives."""
-    _produced_grad.put(as_rows(dy), maxima)
+def _scaled_mm(a, a_scale, bt, bt_scale, fast_accum: bool, ops: bool):
+    if ops:
+        return fp8_scaled_mm_op(a, a_scale, bt, bt_scale, fast_accum)
+    return _scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
 
 
 class Float8LinearFunction(torch.autograd.Function):
@@ -608,41 +761,37 @@ class Float8LinearFunction(torch.autograd.Function):
     transposed ([K, padded(M)], 1 byte per element), and its K fp32 scales. Nothing of x is saved
     when the weight is frozen (LoRA): dx does not need x. The column maxima come free with the
     forward's row quantization (the tensor is in registers anyway), so backward reads W and x once
-    each to quantize them per column.
+    each to quantize them per column. `handoff`: the model's `Fp8Handoff`, or None; `ops`: launch
+    through the custom operators (torch.compile) instead of the launchers (eager).
     """
 
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, keep_fp8_input: bool, need_input_grad: bool,
-                need_weight_grad: bool):
+                need_weight_grad: bool, handoff: Fp8Handoff | None, ops: bool):
         keep_fp8 = keep_fp8_input and need_weight_grad
-        sharing = _sharing()
-        if sharing:
-            _backward_cache.clear()
-        _produced_grad.clear()
-        share = sharing and not keep_fp8_input
-        # The maxima of x from the kernel that wrote it (the SwiGLU forward): both layouts in one read.
-        made = _produced_input.take(x2) if fusing_casts() else None
-        both = made is not None and keep_fp8
-        hit = _forward_cache.get(x2) if share else None
-        if both:
-            xq, sx, *saved_x = _quant_both(x2, *made)
-        elif hit is not None and (hit[2] is not None or not need_weight_grad):
+        share = handoff is not None and not keep_fp8_input
+        if handoff is not None:
+            handoff.start_forward()
+        hit = handoff.shared_rows.get(x2) if share else None
+        if hit is not None and (hit[2] is not None or not need_weight_grad):
             xq, sx, xmax = hit
         else:
-            xq, sx, xmax = _quant_rows(x2, True, need_weight_grad)
+            xq, sx, xmax = _quant_rows(x2, True, need_weight_grad, ops)
             if share:
-                _forward_cache.put(x2, (xq, sx, xmax if need_weight_grad else None))
-        wq, sw, wmax = _quant_rows(weight, True, need_input_grad)
-        y = _scaled_mm(xq, sx, wq, sw, FAST_ACCUM_FORWARD)  # wq [N, K] is W: b = W^T, column-major
-        ctx.keep_fp8 = keep_fp8
-        if both:
-            pass  # saved_x: xT and its scales, made above
-        elif keep_fp8:
-            saved_x = _quant_cols(x2, xmax)  # xT and its scales; x itself is not kept
+                handoff.shared_rows.put(x2, (xq, sx, xmax if need_weight_grad else None))
+        wq, sw, wmax = _quant_rows(weight, True, need_input_grad, ops)
+        # wq [N, K] is W: b = W^T, column-major. Fast accumulation: Hopper's FP8 tensor cores accumulate
+        # with fewer than 32 bits unless the matmul promotes partial sums to fp32 now and then, which
+        # "fast accumulation" skips. Like torchao's float8 recipes, the forward uses it and the two
+        # gradient matmuls (longer, more cancelling sums) do not. (The CPU ignores it.)
+        y = _scaled_mm(xq, sx, wq, sw, True, ops)
+        if keep_fp8:
+            saved_x = _quant_cols(x2, xmax, ops)  # xT and its scales; x itself is not kept
         elif need_weight_grad:
             saved_x = (x2, xmax)
         else:
             saved_x = ()
+        ctx.keep_fp8, ctx.handoff, ctx.ops = keep_fp8, handoff, ops
         ctx.save_for_backward(weight, wmax, *saved_x)
         return y.to(x2.dtype)
 
@@ -653,36 +802,58 @@ class Float8LinearFunction(torch.autograd.Function):
                                "matmuls; use nn.Linear for double backward")
         weight, wmax, *saved = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
+        handoff, ops = ctx.handoff, ctx.ops
         dy2 = as_rows(dy)
-        _produced_input.clear()
-        made = _produced_grad.take(dy2) if fusing_casts() else None  # dy's maxima, from the kernel that wrote it
+        if handoff is not None:
+            handoff.start_backward()
+        made = handoff.grad_maxima.take(dy2) if handoff is not None else None  # dy's maxima, from its writer
         dyqt = None
         if made is not None and need_dx and need_dw:
-            dyq, sdy, dyqt, sdyt = _quant_both(dy2, *made)  # both layouts in one read
+            dyq, sdy, dyqt, sdyt = _quant_both(dy2, *made, ops)  # both layouts in one read
         else:
-            dyq, sdy, dymax = _quant_rows(dy2, need_dx, need_dw)  # rows, and the maxima for the columns
+            dyq, sdy, dymax = _quant_rows(dy2, need_dx, need_dw, ops)  # rows, and the maxima for the columns
         dx = dw = None
         if need_dx:
             # dx = dy W: b = W [N, K] column-major is W^T [K, N] row-major, scaled along N per column of W.
-            wqt, swt = _quant_cols(weight, wmax)
-            dx = _scaled_mm(dyq, sdy, wqt, swt, False).to(dy.dtype)
-        sharing = _sharing()
-        if sharing:
-            _forward_cache.clear()
+            wqt, swt = _quant_cols(weight, wmax, ops)
+            dx = _scaled_mm(dyq, sdy, wqt, swt, False, ops).to(dy.dtype)
         if need_dw:
             if ctx.keep_fp8:
                 xqt, sxt = saved
             else:  # a bf16 input that q/k/v (or gate/up) share: quantize it per column once
-                hit = _backward_cache.get(saved[0]) if sharing else None
-                xqt, sxt = hit if hit is not None else _quant_cols(*saved)
-                if hit is None and sharing:
-                    _backward_cache.put(saved[0], (xqt, sxt))
+                hit = handoff.shared_cols.get(saved[0]) if handoff is not None else None
+                xqt, sxt = hit if hit is not None else _quant_cols(*saved, ops)
+                if hit is None and handoff is not None:
+                    handoff.shared_cols.put(saved[0], (xqt, sxt))
             if dyqt is None:
-                dyqt, sdyt = _quant_cols(dy2, dymax)
+                dyqt, sdyt = _quant_cols(dy2, dymax, ops)
             # dW = dy^T x: a = dyT [N, padded(M)], b = x [padded(M), K] column-major (from xT); the
             # zero padding of both along the tokens adds nothing.
-            dw = _scaled_mm(dyqt, sdyt, xqt, sxt, False).to(weight.dtype)
-        return dx, dw, None, None, None
+            dw = _scaled_mm(dyqt, sdyt, xqt, sxt, False, ops).to(weight.dtype)
+        return dx, dw, None, None, None, None, None
+
+
+class SwigluJoinedFp8Function(torch.autograd.Function):
+    """act(gate) * up of a joined gate_up [rows, 2I] (`swiglu_kernel.swiglu_joined`, same kernels),
+    whose backward writes d gate_up with `_swiglu_joined_bwd_maxima` and hands its maxima to the FP8
+    gate/up projection that receives it (`handoff.offer_grad`). Eager mode only: a compiled graph
+    cannot carry the hand-off (`swiglu_joined_fp8` runs the plain operator there)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, activation: str, handoff: Fp8Handoff):
+        ctx.save_for_backward(gate_up)  # the matmul that made gate_up keeps it alive anyway
+        ctx.activation, ctx.handoff = activation, handoff
+        return swiglu_kernel.swiglu_forward(*halves(gate_up), activation)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError("swiglu_joined_fp8: second-order gradients (create_graph=True) are not supported by "
+                               "the fused kernel; use the plain PyTorch reference for double backward")
+        (gate_up,) = ctx.saved_tensors
+        dgu, row_max, col_max = swiglu_joined_backward_maxima(as_rows(dh), *halves(gate_up), ctx.activation)
+        ctx.handoff.offer_grad(dgu, (row_max, col_max))
+        return dgu, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -717,7 +888,7 @@ def check_fp8_device(device: torch.device) -> None:
         a = torch.ones((ALIGN, ALIGN), device=device).to(FP8_DTYPE)
         ones = torch.ones(ALIGN, device=device)
         try:
-            _scaled_mm(a, ones, a, ones, False)
+            _scaled_mm_launch(a, ones, a, ones, False)
             _probed[key] = None
         except RuntimeError as err:
             _probed[key] = (f"this PyTorch ({torch.__version__}) has no row-wise scaled FP8 matmul for "
@@ -766,22 +937,25 @@ def compiled_graph_trusted(device: torch.device) -> bool:
 
 
 @torch.compiler.disable
-def _fp8_linear_eager(x, weight, bias, keep_fp8_input):
-    return fp8_linear(x, weight, bias, keep_fp8_input)
+def _fp8_linear_eager(x, weight, bias, keep_fp8_input, handoff):
+    return fp8_linear(x, weight, bias, keep_fp8_input, handoff)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               keep_fp8_input: bool = True) -> torch.Tensor:
+               keep_fp8_input: bool = True, handoff: Fp8Handoff | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with FP8 matmuls forward and backward; any leading shape of x.
 
     The output has x's dtype (the autocast dtype under torch.autocast) and passes through bf16 (the
     row-wise scaled matmul writes bf16). `keep_fp8_input`: what backward keeps of x (module docstring).
-    Under torch.compile on a GPU the layer runs outside the graph (`compiled_graph_trusted`).
+    `handoff`: an `Fp8Handoff` shared with the model's other FP8 layers (`patch_model` gives each layer
+    the model's), or None to hand nothing over. Under torch.compile on a GPU the layer runs outside the
+    graph (`compiled_graph_trusted`); a traced layer hands nothing over and launches through the operators.
     """
-    if torch.compiler.is_compiling() and not compiled_graph_trusted(x.device):
-        return _fp8_linear_eager(x, weight, bias, keep_fp8_input)
+    compiling = torch.compiler.is_compiling()
+    if compiling and not compiled_graph_trusted(x.device):
+        return _fp8_linear_eager(x, weight, bias, keep_fp8_input, handoff)
     _check_inputs(x, weight, bias)
-    if not torch.compiler.is_compiling():
+    if not compiling:
         check_fp8_device(x.device)  # cached after the first call; nothing a compiled graph needs to see
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     x2 = as_rows(x.to(out_dtype))
@@ -790,9 +964,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     else:
         grad = torch.is_grad_enabled()
         y = Float8LinearFunction.apply(x2, weight, keep_fp8_input, grad and x2.requires_grad,
-                                       grad and weight.requires_grad)
+                                       grad and weight.requires_grad, None if compiling else handoff, compiling)
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(out_dtype)
+
+
+def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", handoff: Fp8Handoff | None = None):
+    """`swiglu_kernel.swiglu_joined` (act(gate) * up from gate_up [..., 2I]) for an MLP whose gate/up
+    projection is an FP8 layer holding `handoff`: backward also takes d gate_up's row and column
+    maxima and hands them to that layer, which then quantizes d gate_up in one read instead of two.
+    Without a hand-off, and while torch.compile traces, it is `swiglu_joined` itself."""
+    if handoff is None or torch.compiler.is_compiling():
+        return swiglu_kernel.swiglu_joined(gate_up, activation)
+    swiglu_kernel._check_joined(gate_up, activation)
+    h = SwigluJoinedFp8Function.apply(as_rows(gate_up), activation, handoff)
+    return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -803,13 +989,16 @@ class Float8Linear(nn.Linear):
 
     A subclass, so that code asking `isinstance(m, nn.Linear)` (peft's LoRA, optimizers' weight-decay
     rules) still sees a linear layer, while code asking `type(m) is nn.Linear` (the fused SwiGLU's
-    down-projection shortcut) calls this module instead of reading its weight.
+    down-projection shortcut) calls this module instead of reading its weight. `fp8_handoff`: the
+    `Fp8Handoff` this layer shares with the model's other FP8 layers (`patch_model` sets it), or None.
     """
 
     keep_fp8_input: bool = True
+    fp8_handoff: Fp8Handoff | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, keep_fp8_input: bool = True) -> "Float8Linear":
+    def from_linear(cls, linear: nn.Linear, keep_fp8_input: bool = True,
+                    handoff: Fp8Handoff | None = None) -> "Float8Linear":
         """Wrap an existing nn.Linear, *sharing* its weight and bias Parameters (no copy)."""
         reason = unsupported_reason(linear.in_features, linear.out_features)
         if reason:
@@ -820,10 +1009,18 @@ class Float8Linear(nn.Linear):
         new.weight = linear.weight  # the same Parameter objects: optimizers and FSDP keep working
         new.bias = linear.bias
         new.keep_fp8_input = keep_fp8_input
+        new.fp8_handoff = handoff
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.keep_fp8_input)
+        return fp8_linear(x, self.weight, self.bias, self.keep_fp8_input, self.fp8_handoff)
+
+    @staticmethod
+    def joined_linear(x: torch.Tensor, weight: torch.Tensor, bias, members) -> torch.Tensor:
+        """A group of FP8 layers joined by projections_kernel.py (q/k/v, gate/up) as one FP8 layer that
+        keeps only the FP8 copy of x for backward (the group is x's one consumer), sharing the layers'
+        hand-off."""
+        return fp8_linear(x, weight, bias, keep_fp8_input=True, handoff=members[0].fp8_handoff)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8, keep_fp8_input={self.keep_fp8_input}"
@@ -855,12 +1052,19 @@ def patch_model(model: nn.Module) -> int:
     torch._scaled_mm cannot take, or that is not a plain nn.Linear (an adapter, a 4-bit layer), stays
     as it is and is named in one log line. Refuses (RuntimeError) a GPU without FP8 matmuls. Returns
     how many projections now run in FP8; patching twice changes nothing.
+
+    The model holds one `Fp8Handoff` (`model.fp8_handoff`), and every layer converted here shares it:
+    q/k/v and gate/up quantize their common input once, and the fused SwiGLU hands d gate_up's maxima
+    to the gate/up projection (`swiglu_joined_fp8`).
     """
     from playbook.common import log
 
     model_type(model)
     for device in {p.device for p in model.parameters()}:
         check_fp8_device(device)
+    handoff = getattr(model, "fp8_handoff", None)
+    if not isinstance(handoff, Fp8Handoff):
+        handoff = model.fp8_handoff = Fp8Handoff()
     skipped = []
     for owner, name in list(_projections(model)):
         linear = getattr(owner, name)
@@ -871,7 +1075,7 @@ def patch_model(model: nn.Module) -> int:
         if reason:
             skipped.append(f"{name} [{linear.out_features}, {linear.in_features}]: {reason}")
             continue
-        setattr(owner, name, Float8Linear.from_linear(linear, keep_fp8_input=name in KEEP_FP8_INPUT))
+        setattr(owner, name, Float8Linear.from_linear(linear, keep_fp8_input=name in KEEP_FP8_INPUT, handoff=handoff))
     if skipped:
         log(f"FP8: {len(skipped)} projection(s) stay as they are: {'; '.join(sorted(set(skipped)))}")
     return sum(isinstance(getattr(owner, name), Float8Linear) for owner, name in _projections(model))

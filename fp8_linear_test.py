@@ -38,8 +38,9 @@ from playbook import common
 import fp8_linear_kernel
 from playbook import models
 from playbook import training
-from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, check_fp8_device, compiled_graph_trusted, expected_patches,
-                               fp8_cols_op, fp8_linear, fp8_rows_op, fp8_scaled_mm_op, ideal_bytes, padded, patch_model, quantize,
+from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, Float8LinearFunction, Fp8Handoff,
+                               check_fp8_device, compiled_graph_trusted, expected_patches, fp8_cols_op, fp8_linear,
+                               fp8_rows_op, fp8_scaled_mm_op, ideal_bytes, padded, patch_model, quantize,
                                quantize_cols_ref, quantize_rows_ref)
 from playbook.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
@@ -305,12 +306,16 @@ def _count_quantizations(monkeypatch, activation=lambda x: x.shape[0] == 40):
     return calls
 
 
-def _qkv(x, weights, dys):
-    """Three layers reading one input, as q, k and v do; returns (outputs, dx, dWs)."""
+def _qkv(x, weights, dys, handoff=None, ops=False):
+    """Three layers reading one input, as q, k and v do, sharing `handoff`; returns (outputs, dx, dWs).
+    `ops`: the layer launches through the custom operators, as under torch.compile."""
     xi = x.detach().clone().requires_grad_()
     h = xi * 1  # a non-leaf, like the RMSNorm output that q/k/v share
     ws = [nn.Parameter(w.clone()) for w in weights]
-    ys = [fp8_linear(h, w, keep_fp8_input=False) for w in ws]
+    if ops:  # what fp8_linear runs for a 2-D bf16 input, with the operators
+        ys = [Float8LinearFunction.apply(h, w, False, True, True, handoff, True) for w in ws]
+    else:
+        ys = [fp8_linear(h, w, keep_fp8_input=False, handoff=handoff) for w in ws]
     torch.autograd.backward(ys, dys)
     return [y.detach() for y in ys], xi.grad, [w.grad for w in ws]
 
@@ -323,14 +328,13 @@ def _qkv_inputs():
 
 
 def test_shared_input_is_quantized_once(monkeypatch):
-    """q/k/v-like layers on one tensor: its row quantization (forward) and its column quantization
-    (backward) run once, not three times, with the bits of quantizing it for each layer."""
+    """q/k/v-like layers on one tensor, sharing a hand-off: its row quantization (forward) and its
+    column quantization (backward) run once, not three times, with the bits of quantizing it for each
+    layer (no hand-off)."""
     x, weights, dys = _qkv_inputs()
-    monkeypatch.setattr(fp8_linear_kernel, "SHARE_QUANTIZED_INPUTS", False)
-    separate = _qkv(x, weights, dys)
-    monkeypatch.setattr(fp8_linear_kernel, "SHARE_QUANTIZED_INPUTS", True)
+    separate = _qkv(x, weights, dys, handoff=None)
     calls = _count_quantizations(monkeypatch)
-    shared = _qkv(x, weights, dys)
+    shared = _qkv(x, weights, dys, handoff=Fp8Handoff())
     # x once each way, and each layer's dy per row and per column
     exactly("activation row quantizations: x once + 3 dy", torch.tensor(calls["rows"]), torch.tensor(1 + 3))
     exactly("activation column quantizations: x once + 3 dy", torch.tensor(calls["cols"]), torch.tensor(1 + 3))
@@ -342,8 +346,8 @@ def test_shared_input_is_quantized_once(monkeypatch):
 
 def test_eager_layers_launch_their_kernels_without_the_operators(monkeypatch):
     """In eager mode the FP8 layer calls the launchers directly (a custom-operator call costs the host
-    ~15 us: `DIRECT_LAUNCH`), with the bits it gets through the operators. (Under torch.compile the
-    operators are what the graph holds: the compile tests below.)"""
+    ~15 us), with the bits it gets through the operators (`ops=True`, what torch.compile traces; the
+    compile tests below run the graph itself)."""
     x, weights, dys = _qkv_inputs()
     calls = {"ops": 0}
     for name in ("fp8_rows_op", "fp8_cols_op", "fp8_both_op", "fp8_scaled_mm_op"):
@@ -352,10 +356,9 @@ def test_eager_layers_launch_their_kernels_without_the_operators(monkeypatch):
             return _op(*a, **k)
 
         monkeypatch.setattr(fp8_linear_kernel, name, counting)
-    direct = _qkv(x, weights, dys)
+    direct = _qkv(x, weights, dys, Fp8Handoff())
     assert calls["ops"] == 0, calls
-    monkeypatch.setattr(fp8_linear_kernel, "DIRECT_LAUNCH", False)
-    through_ops = _qkv(x, weights, dys)
+    through_ops = _qkv(x, weights, dys, Fp8Handoff(), ops=True)
     assert calls["ops"] > 0, calls
     for i in range(3):
         exactly(f"layer {i}: output, direct launch vs operators", direct[0][i], through_ops[0][i])
@@ -369,11 +372,12 @@ def test_an_input_changed_in_place_is_quantized_again(monkeypatch):
     x, weights, _ = _qkv_inputs()
     weights = [nn.Parameter(w, requires_grad=False) for w in weights]  # counted apart from activations
     calls = _count_quantizations(monkeypatch)
+    handoff = Fp8Handoff()
     with torch.no_grad():
         h = x.clone()
-        ys = [fp8_linear(h, w, keep_fp8_input=False) for w in weights[:2]]
+        ys = [fp8_linear(h, w, keep_fp8_input=False, handoff=handoff) for w in weights[:2]]
         h.mul_(0.5)
-        ys.append(fp8_linear(h, weights[2], keep_fp8_input=False))
+        ys.append(fp8_linear(h, weights[2], keep_fp8_input=False, handoff=handoff))
         fresh = fp8_linear(x.clone() * 0.5, weights[2], keep_fp8_input=False)
     # the shared tensor before and after the change, and the reference's own input
     exactly("row quantizations: before and after the change", torch.tensor(calls["rows"]), torch.tensor(2 + 1))
@@ -381,17 +385,19 @@ def test_an_input_changed_in_place_is_quantized_again(monkeypatch):
 
 
 def test_shared_quantization_holds_nothing_across_passes():
-    """A forward empties backward's entry and a backward the forward's, so no FP8 copy (nor the
-    tensor it came from) outlives the pass that made it."""
+    """A forward empties backward's slots (the shared column copy, an offered gradient's maxima) and a
+    backward the forward's, so no value (nor the tensor it came from) outlives the pass that made it."""
     x = _spread((40, 64), torch.bfloat16, seed=32).requires_grad_()
     w = nn.Parameter(_spread((32, 64), torch.bfloat16, seed=33))
-    y = fp8_linear(x * 1, w, keep_fp8_input=False)
-    assert fp8_linear_kernel._forward_cache.tensor is not None
+    handoff = Fp8Handoff()
+    y = fp8_linear(x * 1, w, keep_fp8_input=False, handoff=handoff)
+    assert handoff.shared_rows.tensor is not None
     y.sum().backward()
-    assert fp8_linear_kernel._forward_cache.tensor is None and fp8_linear_kernel._backward_cache.tensor is not None
-    fp8_linear(x * 1, w, keep_fp8_input=False)
-    assert fp8_linear_kernel._backward_cache.tensor is None
-    record("caches emptied by the other pass", 0.0, 0.0, True)
+    assert handoff.shared_rows.tensor is None and handoff.shared_cols.tensor is not None
+    handoff.offer_grad(y.detach(), (y.new_zeros(40), y.new_zeros(32)))
+    fp8_linear(x * 1, w, keep_fp8_input=False, handoff=handoff)
+    assert handoff.shared_cols.tensor is None and handoff.grad_maxima.tensor is None
+    record("hand-off slots emptied by the other pass", 0.0, 0.0, True)
 
 
 def test_frozen_weight_and_frozen_input():
@@ -652,16 +658,42 @@ def test_tiny_llama_loss_and_gradients_close_to_bf16():
     record(f"gradients, worst of {len(gr)}: {worst[0]}", worst[1], worst[2], True)
 
 
+def _set_handoff(model, handoff):
+    """Give every FP8 layer of the model `handoff` (None: each layer quantizes what it reads itself)."""
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            m.fp8_handoff = handoff
+
+
+def test_patch_model_gives_the_model_one_handoff():
+    """Every layer `patch_model` converts shares the model's hand-off, and so do the layers of a copy of
+    the model, with a hand-off of their own that starts empty."""
+    model = _tiny(layers=2)
+    patch_model(model)
+    handoff = model.fp8_handoff
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    assert len(layers) == 14 and all(m.fp8_handoff is handoff for m in layers)
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    model(ids).logits.sum().backward()
+    assert not handoff.is_empty()  # o_proj's input, quantized per column in backward
+    copied = copy.deepcopy(model)
+    others = {id(m.fp8_handoff) for m in copied.modules() if isinstance(m, Float8Linear)}
+    assert others == {id(copied.fp8_handoff)} and copied.fp8_handoff is not handoff and copied.fp8_handoff.is_empty()
+    assert patch_model(model) == 14 and model.fp8_handoff is handoff
+    record("patch_model: one hand-off per model, shared by its 14 FP8 layers; a copy gets its own", 0.0, 0.0, True)
+
+
 def test_tiny_llama_shared_quantization_changes_no_bit(monkeypatch):
-    """The whole model (q/k/v and gate/up share their inputs) with and without sharing the FP8 copies:
-    the same loss and the same gradient bits, with fewer activation quantizations."""
+    """The whole model (q/k/v and gate/up share their inputs) with and without the hand-off of the FP8
+    copies: the same loss and the same gradient bits, with fewer activation quantizations."""
     base = _tiny(layers=2)
     patch_model(base)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     runs = []
     for share in (False, True):
-        monkeypatch.setattr(fp8_linear_kernel, "SHARE_QUANTIZED_INPUTS", share)
         model = copy.deepcopy(base)
+        if not share:
+            _set_handoff(model, None)
         weights = {p.data_ptr() for p in model.parameters()}
         with monkeypatch.context() as m:
             calls = _count_quantizations(m, lambda x: x.data_ptr() not in weights)
@@ -755,6 +787,102 @@ def test_finetune_optimized_with_fp8_runs():
     assert len(result["losses"]) == 2 and all(math.isfinite(v) for v in result["losses"])
     record(f"finetune_optimized --fp8: 7 projections, losses {[round(v, 3) for v in result['losses']]}", 0.0, 0.0,
            True)
+
+
+# ------------------------------------------------------------------------------ the SwiGLU backward with maxima
+def _same_bits(name, ours, expected):
+    """`exactly`, also for float8 tensors (compared as their bytes)."""
+    if ours.dtype == FP8_DTYPE:
+        ours, expected = _bits(ours), _bits(expected)
+    exactly(name, ours, expected)
+
+
+def _both_copies(x):
+    """What the FP8 layer makes of x without the maxima: rows (and column maxima), then columns."""
+    q, scale, col_max = fp8_linear_kernel.quantize_rows(x, True, True)
+    return (q, scale, *fp8_linear_kernel.quantize_cols(x, col_max))
+
+
+def _gate_up(rows, width, seed):
+    """gate_up [rows, 2 width] bf16 with a row stride of 4 width (a view), gate values over +-9 (both
+    tails of sigmoid), and one NaN."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.cat([torch.randn(rows, 2 * width, generator=g) * 3, torch.randn(rows, 2 * width, generator=g)], dim=1)
+    gate_up = wide.to(DEVICE, torch.bfloat16)[:, : 2 * width]
+    gate_up[rows // 2, 3] = float("nan")
+    return gate_up
+
+
+SWIGLU_SHAPES = [(7, 96), (33, 200), (1, 16), (19, 1100)] + ([(300, 14336)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows, width", SWIGLU_SHAPES)
+def test_swiglu_maxima_kernel_gives_the_same_fp8_copies(rows, width, activation):
+    """The SwiGLU backward with maxima writes what the SwiGLU backward writes, bit for bit, and the FP8
+    copies made in one read from its maxima (`quantize_both`) equal those of the two separate
+    quantizing passes: both layouts and all four scales. A NaN stays in its own element. (LLaMA 3.1
+    8B's width, 14336, on a GPU.)"""
+    import swiglu_kernel
+
+    gate, up = swiglu_kernel.halves(_gate_up(rows, width, seed=rows))
+    dh = random_like_grad(gate.new_empty(gate.shape), seed=3)
+    tag = f"fp8 SwiGLU backward {activation} [{rows}, {width}]"
+    dgu, row_max, col_max = fp8_linear_kernel.swiglu_joined_backward_maxima(dh, gate, up, activation)
+    plain = swiglu_kernel.swiglu_backward(dh, gate, up, activation, packed=True)
+    _same_bits(f"{tag}: d gate_up", dgu, plain)
+    ours = fp8_linear_kernel.quantize_both(dgu, row_max, col_max)
+    for what, o, e in zip(("q", "row scales", "qT", "column scales"), ours, _both_copies(plain)):
+        _same_bits(f"{tag}: {what}", o, e)
+
+
+def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections():
+    """A tiny LLaMA with joined projections and FP8 layers: with the model's hand-off each gate/up
+    projection takes d gate_up's maxima from the SwiGLU backward (counted), and the loss and every
+    gradient equal those of the model without a hand-off (separate quantizing passes) bit for bit."""
+    from playbook import registry
+    from playbook.testkit import batch, loss_and_grads, tiny_model
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
+    patch_model(model)
+    handoff = model.fp8_handoff
+    ids, labels = batch()
+    results = {}
+    for on in (False, True):
+        _set_handoff(model, handoff if on else None)
+        taken = handoff.grad_maxima.taken
+        results[on] = loss_and_grads(model, ids, labels)
+        count = handoff.grad_maxima.taken - taken
+        assert count == (model.config.num_hidden_layers if on else 0), (on, count)
+    (loss, grads), (loss_fused, grads_fused) = results[False], results[True]
+    exactly("fp8 MLP: loss, hand-off against separate passes", loss_fused, loss)
+    for name, g in grads.items():
+        exactly(f"fp8 MLP: {name}.grad", grads_fused[name], g)
+    assert handoff.grad_maxima.tensor is None
+
+
+def test_hand_off_goes_only_to_the_same_unchanged_tensor():
+    """An offered gradient's maxima go to the layer that receives that very tensor, once, and to nobody
+    after that tensor changed in place."""
+    handoff = Fp8Handoff()
+    dy = torch.randn(8, 32, device=DEVICE, dtype=torch.bfloat16)
+    maxima = (dy.float().abs().amax(dim=1), dy.float().abs().amax(dim=0))
+    handoff.offer_grad(dy, maxima)
+    assert handoff.grad_maxima.take(dy.clone()) is None  # equal values, another tensor
+    assert handoff.grad_maxima.take(dy) is maxima
+    assert handoff.grad_maxima.take(dy) is None  # taken once
+    handoff.offer_grad(dy, maxima)
+    dy.mul_(2)
+    assert handoff.grad_maxima.take(dy) is None  # changed in place after the offer
+    record("FP8 hand-off: only to the same, unchanged tensor, once", 0.0, 0.0, True)
+
+
+def test_swiglu_maxima_op_passes_opcheck():
+    gate_up = _gate_up(6, 64, seed=0).nan_to_num()
+    dh = random_like_grad(gate_up[:, :64])
+    torch.library.opcheck(fp8_linear_kernel.swiglu_joined_fp8_bwd_op, (dh, gate_up, "silu"))
+    record("swiglu_joined_fp8_bwd passes torch.library.opcheck", 0.0, 0.0, True)
 
 
 if __name__ == "__main__":

@@ -130,10 +130,11 @@ class _JoinedWeight(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 # The joined linear layer
 # ------------------------------------------------------------------------------------------------
-def _linear_types() -> tuple:
-    from fp8_linear_kernel import Float8Linear
-
-    return nn.Linear, Float8Linear
+def _joinable(kind: type) -> bool:
+    """A plain nn.Linear, or a linear layer type that says how a group of its layers runs as one
+    (`kind.joined_linear(x, weight, bias, members)`: fp8_linear_kernel.Float8Linear). This file does
+    not import the layer types it joins."""
+    return kind is nn.Linear or callable(getattr(kind, "joined_linear", None))
 
 
 def why_not_joined(modules) -> str | None:
@@ -141,7 +142,7 @@ def why_not_joined(modules) -> str | None:
     if torch.compiler.is_compiling():
         return "torch.compile is tracing (the compiled graph runs the projections as written)"
     kinds = {type(m) for m in modules}
-    if len(kinds) != 1 or kinds.pop() not in _linear_types():
+    if len(kinds) != 1 or not _joinable(kinds.pop()):
         return "the projections are not all plain nn.Linear (or all Float8Linear) layers"
     if len({m.bias is None for m in modules}) != 1:
         return "some projections have a bias and some do not"
@@ -154,14 +155,12 @@ def why_not_joined(modules) -> str | None:
 def joined_linear(x: torch.Tensor, modules) -> torch.Tensor:
     """[m(x) for m in modules] as one [..., sum of out_features] tensor, computed by one matmul (the
     caller has checked `why_not_joined`). FP8 layers run as one FP8 layer that keeps only the FP8 copy
-    of x for backward: the group is x's one consumer."""
+    of x for backward: the group is x's one consumer; it shares the layers' FP8 hand-off."""
     weight = _JoinedWeight.apply(*[m.weight for m in modules])
     bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
     if type(modules[0]) is nn.Linear:
         return F.linear(x, weight, bias)
-    from fp8_linear_kernel import fp8_linear
-
-    return fp8_linear(x, weight, bias, keep_fp8_input=True)
+    return type(modules[0]).joined_linear(x, weight, bias, modules)
 
 
 def joined_matmul(x: torch.Tensor, weights, bias: torch.Tensor | None = None) -> tuple:
@@ -247,7 +246,7 @@ def _member_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _install(attention: nn.Module, members: tuple) -> None:
-    if len({type(m) for m in members}) == 1 and type(members[0]) in _linear_types():
+    if len({type(m) for m in members}) == 1 and _joinable(type(members[0])):
         group = _Group(members)
         for m in members:
             m.joined_group = group
@@ -289,7 +288,7 @@ def patch_model(model: nn.Module) -> int:
                                   "joined, as Phi-3's qkv_proj and gate_up_proj are)")
     for owner, names in groups:
         kinds = {type(getattr(owner, n)) for n in names}
-        if not kinds <= set(_linear_types()):
+        if not all(_joinable(k) for k in kinds):
             raise NotImplementedError(f"{'/'.join(names)} are {', '.join(sorted(k.__name__ for k in kinds))}, "
                                       "not nn.Linear layers")
     for owner, names in groups:

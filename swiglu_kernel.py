@@ -465,8 +465,8 @@ def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     keep theirs: the down-projection weight is then cast as autocast would cast it for nn.Linear.
 
     The one FP8 hook: a joined gate/up projection that is an FP8 layer of a patched model (it holds
-    the model's `fp8_handoff`) gets the activation from `fp8_linear_kernel.swiglu_joined_fp8`, whose
-    backward also hands that layer the maxima of d gate_up (fp8_linear_kernel.py says why).
+    the model's `fp8_handoff`) gets the activation from the hand-off (`Fp8Handoff.swiglu_joined`, in
+    fp8_linear_kernel.py), whose backward also hands that layer the maxima of d gate_up.
     """
     import projections_kernel
 
@@ -487,9 +487,7 @@ def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if gu is not None:  # --- the FP8 hook (--fp8; fp8_linear_kernel.py) ---
         handoff = getattr(mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj, "fp8_handoff", None)
         if handoff is not None:
-            import fp8_linear_kernel
-
-            return down(fp8_linear_kernel.swiglu_joined_fp8(gu, activation, handoff))
+            return down(handoff.swiglu_joined(gu, activation))  # fp8_linear_kernel.Fp8Handoff
     return down(swiglu(g, u, activation) if gu is None else swiglu_joined(gu, activation))
 
 

@@ -17,7 +17,6 @@ import copy
 import pytest
 import torch
 
-import fp8_linear_kernel
 import swiglu_kernel
 from playbook.kernel_utils import DEVICE
 from swiglu_kernel import (expected_patches, geglu, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
@@ -319,108 +318,6 @@ def test_ideal_bytes_is_the_docstring_count():
 def test_bad_input_gives_clear_error(make, error):
     gate, up, *activation = make()
     expect_error(error, swiglu, gate.to(DEVICE), up.to(DEVICE), *activation)
-
-
-# ------------------------------------------------------------------------------------------------
-# Under --fp8: the activation and the next matmul's row quantization in one pass
-# ------------------------------------------------------------------------------------------------
-def _same_bits(name, ours, expected):
-    """`exactly`, also for float8 tensors (compared as their bytes)."""
-    if ours.dtype == fp8_linear_kernel.FP8_DTYPE:
-        ours, expected = ours.view(torch.uint8), expected.view(torch.uint8)
-    exactly(name, ours, expected)
-
-
-def _both_copies(x):
-    """What the FP8 layer makes of x without the maxima: rows (and column maxima), then columns."""
-    q, scale, col_max = fp8_linear_kernel.quantize_rows(x, True, True)
-    return (q, scale, *fp8_linear_kernel.quantize_cols(x, col_max))
-
-
-FP8_SHAPES = [(7, 96), (33, 200), (1, 16), (19, 1100)] + ([(300, 14336)] if ON_GPU else [])  # LLaMA 3.1 8B's width on a GPU
-
-
-@pytest.mark.parametrize("prefetch", [True, False])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("rows, width", FP8_SHAPES)
-def test_fp8_maxima_kernels_give_the_same_fp8_copies(rows, width, activation, prefetch, monkeypatch):
-    """The maxima kernels write what the SwiGLU kernels write, bit for bit, and the FP8 copies made in
-    one read from their maxima (`quantize_both`) equal those of the two separate quantizing passes:
-    both layouts and all four scales. A NaN stays in its own element. (`prefetch`: the backward
-    kernel's double-buffered loop and its plain loop.)"""
-    monkeypatch.setattr(swiglu_kernel, "FP8_PREFETCH", prefetch)
-    gate_up = torch.cat(_inputs((rows, 2 * width), torch.bfloat16, seed=rows), dim=1)[:, : 2 * width]
-    gate_up[rows // 2, 3] = float("nan")
-    gate, up = swiglu_kernel.halves(gate_up)
-    dh = random_like_grad(gate.new_empty(gate.shape), seed=3)
-    for direction, made, plain in (
-        ("forward", swiglu_kernel.swiglu_forward_maxima(gate, up, activation),
-         swiglu_kernel.swiglu_forward(gate, up, activation)),
-        ("backward", swiglu_kernel.swiglu_joined_backward_maxima(dh, gate, up, activation),
-         swiglu_kernel.swiglu_backward(dh, gate, up, activation, packed=True)),
-    ):
-        tag = f"fp8 {direction} {activation} [{rows}, {width}]"
-        out, row_max, col_max = made
-        _same_bits(f"{tag}: the bf16 output", out, plain)
-        ours = fp8_linear_kernel.quantize_both(out, row_max, col_max)
-        for what, o, e in zip(("q", "row scales", "qT", "column scales"), ours, _both_copies(plain)):
-            _same_bits(f"{tag}: {what}", o, e)
-
-
-@pytest.mark.parametrize("forward_maxima", [False, True])
-def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections(forward_maxima, monkeypatch):
-    """A tiny LLaMA with joined projections and FP8 layers: each gate/up projection takes d gate_up's
-    maxima from the SwiGLU backward, and with `forward_maxima` each down projection takes h's from its
-    forward (counted), and the loss and every gradient equal those of the separate quantizing passes
-    bit for bit."""
-    monkeypatch.setattr(swiglu_kernel, "FP8_FORWARD_MAXIMA", forward_maxima)
-    from playbook import registry
-    from playbook.testkit import batch, loss_and_grads, tiny_model
-
-    model = tiny_model("llama").to(torch.bfloat16)
-    registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
-    fp8_linear_kernel.patch_model(model)
-    ids, labels = batch()
-    results = {}
-    for fused in (False, True):
-        fp8_linear_kernel.FUSE_CASTS = fused
-        taken = fp8_linear_kernel._produced_input.taken, fp8_linear_kernel._produced_grad.taken
-        try:
-            results[fused] = loss_and_grads(model, ids, labels)
-        finally:
-            fp8_linear_kernel.FUSE_CASTS = True
-        counts = (fp8_linear_kernel._produced_input.taken - taken[0], fp8_linear_kernel._produced_grad.taken - taken[1])
-        layers = model.config.num_hidden_layers
-        assert counts == ((layers * forward_maxima, layers) if fused else (0, 0)), (fused, counts)
-    (loss, grads), (loss_fused, grads_fused) = results[False], results[True]
-    exactly("fp8 MLP: loss, fused casts against separate passes", loss_fused, loss)
-    for name, g in grads.items():
-        exactly(f"fp8 MLP: {name}.grad", grads_fused[name], g)
-    assert fp8_linear_kernel._produced_input.tensor is None and fp8_linear_kernel._produced_grad.tensor is None
-
-
-def test_fp8_hand_off_goes_only_to_the_same_unchanged_tensor():
-    """An FP8 copy is handed to the layer that reads the very tensor it was made from, once, and to
-    nobody after that tensor changed in place."""
-    x = torch.randn(8, 32, device=DEVICE, dtype=torch.bfloat16)
-    quantized = (x.float().abs().amax(dim=1), x.float().abs().amax(dim=0))
-    fp8_linear_kernel.offer_input(x, quantized)
-    assert fp8_linear_kernel._produced_input.take(x.clone()) is None  # equal values, another tensor
-    assert fp8_linear_kernel._produced_input.take(x) is quantized
-    assert fp8_linear_kernel._produced_input.take(x) is None  # taken once
-    fp8_linear_kernel.offer_input(x, quantized)
-    x.mul_(2)
-    assert fp8_linear_kernel._produced_input.take(x) is None  # changed in place after the offer
-    record("FP8 hand-off: only to the same, unchanged tensor, once", 0.0, 0.0, True)
-
-
-def test_fp8_fused_ops_pass_opcheck():
-    gate_up = torch.cat(_inputs((6, 64), torch.bfloat16), dim=1)
-    dh = random_like_grad(gate_up[:, :64])
-    for maxima in (False, True):
-        torch.library.opcheck(swiglu_kernel.swiglu_joined_fp8_fwd_op, (gate_up, "silu", maxima, True))
-    torch.library.opcheck(swiglu_kernel.swiglu_joined_fp8_bwd_op, (dh, gate_up, "silu"))
-    record("swiglu_joined_fp8 forward and backward pass torch.library.opcheck", 0.0, 0.0, True)
 
 
 if __name__ == "__main__":

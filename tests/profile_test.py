@@ -35,6 +35,11 @@ def _triton_kernels(module):
                   and re.search(rf"\b{re.escape(name)}\[", source))
 
 
+# A kernel filed apart from the rest of its module: the SwiGLU backward that also takes the maxima the
+# FP8 casts need lives in fp8_linear_kernel.py and is SwiGLU work in a profile.
+OWN_CATEGORY = {"_swiglu_joined_bwd_maxima": "SwiGLU"}
+
+
 @pytest.mark.parametrize("module, expected", [
     (rmsnorm_kernel, "RMSNorm"),
     (cross_entropy_kernel, "loss"),
@@ -47,7 +52,7 @@ def _triton_kernels(module):
 def test_our_triton_kernels_have_their_category(module, expected):
     names = _triton_kernels(module)
     assert names, f"no launchable Triton kernel found in {module.__name__}"
-    wrong = {n: category(n) for n in names if category(n) != expected}
+    wrong = {n: category(n) for n in names if category(n) != OWN_CATEGORY.get(n, expected)}
     assert not wrong, f"{module.__name__}: {wrong} (expected {expected!r})"
     record(f"{module.__name__}: {', '.join(names)} -> {expected}", 0.0, 0.0, True)
 
