@@ -240,7 +240,7 @@ def _read_parquet(path: Path) -> list:
 
 def _load_hub_dataset(hub_id: str) -> list:
     try:
-        from playbook import datasets
+        import datasets
     except ImportError:
         raise RuntimeError(f"'{hub_id}' is not a local file; loading it as a Hugging Face dataset id needs the "
                            "`datasets` package (pip install datasets)") from None

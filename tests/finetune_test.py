@@ -101,7 +101,8 @@ def start_kernel_runs(items, tmp: Path) -> dict:
         out, log = tmp / f"run{i}.pt", tmp / f"run{i}.log"
         with open(log, "w") as log_file:  # a file, not a pipe: a full pipe would stall the child
             proc = subprocess.Popen([sys.executable, "-c", _TRAIN_IN_CHILD, kernels, "1" if in_backward else "0",
-                                     str(out)], cwd=HERE, stdout=log_file, stderr=subprocess.STDOUT)
+                                     str(out)], cwd=HERE, stdout=log_file, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE / "tests")])})
         _set_nice(proc, 10)  # a lower priority: the run takes only the CPU time the tests leave idle
         children[kernels, torch.bfloat16, in_backward] = (proc, out, log)
     return children
@@ -356,7 +357,7 @@ def _offline():
 
 def test_default_model_unavailable_falls_back_to_the_preset():
     """No token / offline: one clear paragraph, then the 8B preset (here on the meta device)."""
-    from playbook import dataclasses
+    import dataclasses
 
     cfg = dataclasses.replace(config("--num-layers", "1"), model=DEFAULT_MODEL, model_explicit=False,
                               device=torch.device("meta"))
