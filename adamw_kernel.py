@@ -66,7 +66,10 @@ The step count `t` stays a float32 CPU tensor per parameter, as in PyTorch's def
 bias corrections are computed on the host without ever waiting for the GPU. Parameters of one group
 whose counts differ (one skipped a step with no gradient) go to separate launches, one per count.
 
-Layout of this file: kernels -> tables and launcher -> the optimizer -> `ideal_bytes` -> reference.
+Layout of this file: kernels -> tables and launcher -> the optimizer (the drop-in) -> `ideal_bytes` ->
+reference. There is no custom operator rung: an optimizer step mutates hundreds of tensors in place
+and runs outside the model's autograd graph and outside torch.compile's (training.py compiles the
+model, not the step), so there is nothing for a registered operator to describe.
 """
 
 from __future__ import annotations

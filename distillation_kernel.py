@@ -839,6 +839,46 @@ def linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, teache
 # ------------------------------------------------------------------------------------------------
 # What the kernels must move and compute (the floors `benchmark_kernels.py` holds them against)
 # ------------------------------------------------------------------------------------------------
+# Drop-in modules
+# ------------------------------------------------------------------------------------------------
+class TritonKLDivLoss(torch.nn.Module):
+    """A drop-in for torch.nn.KLDivLoss(reduction, log_target): forward(input, target) with `input`
+    log-probabilities and `target` probabilities (log-probabilities with log_target=True), any shape
+    whose last dimension is the distribution's. Reduced losses are fp32 (torch returns the inputs'
+    dtype); 'batchmean' divides by input.shape[0], as torch does."""
+
+    def __init__(self, size_average=None, reduce=None, reduction: str = "mean", log_target: bool = False):
+        super().__init__()
+        if size_average is not None or reduce is not None:
+            raise ValueError("size_average and reduce are deprecated in torch.nn.KLDivLoss; use reduction")
+        if reduction not in ("none", "sum", "mean", "batchmean"):
+            raise ValueError(f"reduction must be 'none', 'sum', 'mean' or 'batchmean', got {reduction!r}")
+        self.reduction, self.log_target = reduction, bool(log_target)
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return kl_div(input, target, self.reduction, self.log_target)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, log_target={self.log_target}"
+
+
+class TritonJSDLoss(torch.nn.Module):
+    """The generalised JSD as a module (no torch counterpart): forward(student_logp, teacher_logp,
+    shift_labels=None) -> the fp32 mean over the counted tokens (see `jsd`)."""
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100):
+        super().__init__()
+        self.beta, self.ignore_index = _check_beta(beta), int(ignore_index)
+
+    def forward(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+        return jsd(student_logp, teacher_logp, self.beta, self.ignore_index, shift_labels)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, ignore_index={self.ignore_index}"
+
+
+# ------------------------------------------------------------------------------------------------
 def jsd_ideal_bytes(n_rows: int, vocab: int, dtype: torch.dtype, backward: bool = False,
                     label_dtype: torch.dtype = torch.int64) -> int:
     """Read both log-probability rows and the labels, write fp32 per-row losses; with `backward`,

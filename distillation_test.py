@@ -108,6 +108,47 @@ def test_kl_div_matches_pytorch(reduction, log_target, dtype):
     close_to_reference(f"{tag}: d target", ours[2], same[2], ref[2], dtype)
 
 
+@pytest.mark.parametrize("log_target", [False, True])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "mean", "none"])
+def test_kl_div_module_is_a_drop_in_for_torch(reduction, log_target):
+    """TritonKLDivLoss(reduction, log_target) against torch.nn.KLDivLoss built with the same
+    arguments, on a non-contiguous [5, 3, 131] view: loss and the gradient of both inputs."""
+    from distillation_kernel import TritonKLDivLoss
+
+    x, _ = _pair(15, 131, torch.float32, seed=7)
+    t_logp = _pair(15, 131, torch.float64, seed=8)[1]
+    x = x.view(3, 5, 131).transpose(0, 1)  # non-contiguous
+    t = (t_logp if log_target else t_logp.exp()).float().view(3, 5, 131).transpose(0, 1)
+
+    def run(module, a, b):
+        a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = module(a, b)
+        up = random_like_grad(out, seed=9).to(out.dtype) if reduction == "none" else torch.tensor(3.0, device=DEVICE)
+        (out * up).sum().backward()
+        return out.detach(), a.grad, b.grad
+
+    ours = run(TritonKLDivLoss(reduction=reduction, log_target=log_target), x, t)
+    same = run(torch.nn.KLDivLoss(reduction=reduction, log_target=log_target), x, t)
+    ref = run(torch.nn.KLDivLoss(reduction=reduction, log_target=log_target), x.double(), t.double())
+    tag = f"TritonKLDivLoss({reduction!r}, log_target={log_target})"
+    # fp32 inputs: the rule's fp32 terms (twice torch's own error, one ulp, sqrt(n) rounding of the sums)
+    close_to_reference(f"{tag}: loss", ours[0], same[0], ref[0], torch.float32, n=1 if reduction == "none" else x.numel())
+    close_to_reference(f"{tag}: d input", ours[1], same[1], ref[1], torch.float32)
+    close_to_reference(f"{tag}: d target", ours[2], same[2], ref[2], torch.float32)
+    assert "size_average" in expect_error(ValueError, TritonKLDivLoss, True)
+    assert "reduction" in expect_error(ValueError, lambda: TritonKLDivLoss(reduction="avg"))
+
+
+def test_jsd_module_matches_the_function():
+    from distillation_kernel import TritonJSDLoss
+
+    x, y = _pair(12, 97, torch.float32, seed=10)
+    labels = torch.tensor([1, -100, 3, 4, -100, 6, 7, 8, 9, 10, 11, 12], device=DEVICE)
+    module = TritonJSDLoss(beta=0.3)
+    exactly("TritonJSDLoss == jsd", module(x, y, labels), jsd(x, y, beta=0.3, shift_labels=labels))
+    assert "beta=0.3" in repr(module)
+
+
 def test_kl_div_nan_exactly_where_pytorch_has_it():
     """F.kl_div's own conventions at the edges: a zero target gives 0, except against an input of
     -inf (0 * -inf is NaN); a log-target of -inf gives NaN; the target's gradient at 0 is NaN. Ours is

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: the interpreter switch)
+import swiglu_kernel  # its operators (torch.ops.playbook.swiglu_fwd / swiglu_bwd) and the fused MLP forward
 from playbook.common import is_peft_model
 
 
@@ -168,8 +169,6 @@ def patch_model(model: nn.Module) -> int:
     for m in layers:
         m.forward = types.MethodType(fused_lora_forward, m)
     # MLPs already on the fused SwiGLU forward, with an adapter on down_proj: h recomputed, not saved
-    import swiglu_kernel
-
     for m in model.modules():
         if getattr(m.forward, "__func__", None) is swiglu_kernel.swiglu_mlp_forward and type(
                 getattr(m, "down_proj", None)) in kinds:
@@ -227,8 +226,6 @@ class SwiGLUDownLoRAFunction(torch.autograd.Function):
 def swiglu_lora_mlp_forward(mlp, x):
     """The fused SwiGLU MLP whose down_proj carries a LoRA adapter: h is not kept for backward.
     Anything `fused_lora_forward` would not fuse (dropout, a bias, ...) goes the general way."""
-    import swiglu_kernel
-
     down = mlp.down_proj
     g, u = mlp.gate_proj(x), mlp.up_proj(x)
     name = _fusable(down, g, (), {})
@@ -249,3 +246,18 @@ def expected_patches(model: nn.Module) -> int:
         return 0
     kinds = _peft_lora_layers(model)
     return sum(type(m) in kinds for m in model.modules())
+
+
+# ------------------------------------------------------------------------------------------------
+# References: the formulas as plain autograd composes them
+# ------------------------------------------------------------------------------------------------
+def lora_linear_ref(x, x_lora, weight, bias, lora_a, lora_b, scaling):
+    """y = x W^T + s (x_lora A^T) B^T (+ b), what `LoRALinearFunction` computes (x_lora: x after dropout)."""
+    y = x @ weight.t() + (x_lora @ lora_a.t()) @ lora_b.t() * scaling
+    return y if bias is None else y + bias
+
+
+def swiglu_down_lora_ref(gate, up, weight, lora_a, lora_b, scaling):
+    """h = silu(gate) * up; y = h W^T + s (h A^T) B^T, what `SwiGLUDownLoRAFunction` computes."""
+    h = nn.functional.silu(gate) * up
+    return h @ weight.t() + (h @ lora_a.t()) @ lora_b.t() * scaling

@@ -237,11 +237,6 @@ def test_project_kernels_then_lora():
     record(f"{len(grads)} adapter tensors got non-zero gradients", 0.0, 0.0, True)
 
 
-def _reference_lora(x, x_lora, weight, bias, a, b, s):
-    y = x @ weight.t() + (x_lora @ a.t()) @ b.t() * s
-    return y if bias is None else y + bias
-
-
 @pytest.mark.parametrize("dropout,bias,train_base", [(False, False, False), (True, True, False), (False, True, True)])
 def test_fused_lora_function(dropout, bias, train_base):
     """LoRALinearFunction against plain autograd on the same formula, in float64: output and the
@@ -259,7 +254,7 @@ def test_fused_lora_function(dropout, bias, train_base):
     xo = ours_in[0]
     y = lora_kernel.LoRALinearFunction.apply(xo, xo * mask if dropout else xo, ours_in[1], ours_bias, ours_in[2],
                                       ours_in[3], 0.5)
-    ref = _reference_lora(x, x * mask if dropout else x, weight, b_vec, a, b, 0.5)
+    ref = lora_kernel.lora_linear_ref(x, x * mask if dropout else x, weight, b_vec, a, b, 0.5)
     dy = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     y.backward(dy)
     ref.backward(dy)
@@ -430,13 +425,11 @@ def test_swiglu_down_lora_function():
     y.backward(dy.to(DEVICE))
     ref_in = [t.double().requires_grad_(True) for t in (gate, up)] + [weight.double()] + [
         t.double().requires_grad_(True) for t in (a, b)]
-    h = nn.functional.silu(ref_in[0]) * ref_in[1]
-    ref = h @ ref_in[2].t() + (h @ ref_in[3].t()) @ ref_in[4].t() * 0.5
+    ref = lora_kernel.swiglu_down_lora_ref(*ref_in, 0.5)
     ref.backward(dy.double())
     # torch's fp32 composition, the "PyTorch" side of testkit's rule
     t_in = [t.clone().requires_grad_(True) for t in (gate, up)] + [weight] + [t.clone().requires_grad_(True) for t in (a, b)]
-    th = nn.functional.silu(t_in[0]) * t_in[1]
-    tref = th @ t_in[2].t() + (th @ t_in[3].t()) @ t_in[4].t() * 0.5
+    tref = lora_kernel.swiglu_down_lora_ref(*t_in, 0.5)
     tref.backward(dy)
     close_to_reference("swiglu-down-LoRA y", y, tref, ref, torch.float32, n=176)
     for i, name in ((0, "d gate"), (1, "d up"), (3, "dA"), (4, "dB")):

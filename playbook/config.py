@@ -155,7 +155,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
             default = action.default
             if isinstance(default, tuple):
-                default = ",".join(default) or "none"
+                default = ", ".join(default) or "none"  # spaces: a long list wraps between names
             text += f" (default: {default})"
         return text
 

@@ -1,10 +1,11 @@
 """Is the torch in use able to drive this machine's NVIDIA GPU? Say so, or say exactly how to fix it.
 
-    $ python selfcheck.py --setup              # "OK: ..." and exit code 0, or what is wrong and exit code 1
-    $ python selfcheck.py --index-url  # the PyTorch wheel index for this machine (empty: PyPI's default)
+    $ python selfcheck.py --setup       # "OK: ..." and exit code 0, or what is wrong and exit code 1
+    $ python selfcheck.py --index-url   # the PyTorch wheel index for this machine (empty: PyPI's default)
 
 The failure this guards against is a quiet one: `pip install torch` on a GPU machine can give a
-CPU-only build (on aarch64, e.g. a DGX Station GB300, PyPI's torch wheels are CPU-only), or a CUDA
+CPU-only build (a wheel from the wrong index, or an older release on aarch64 such as a DGX Station
+GB300, where PyPI's torch wheels were CPU-only), or a CUDA
 build too old for the GPU. Every script of this playbook would then run its CPU demo (the tiny model,
 Triton's interpreter) and print timings that mean nothing. The scripts call `check_or_exit()` first.
 
@@ -202,7 +203,8 @@ def _fixes(report: SmiReport, gpu: Gpu) -> str:
         index = f"{INDEX_ROOT}/{WHEEL_INDEXES[-1][0]}"
     cu = index.rsplit("/", 1)[1]
     if machine == "aarch64":
-        lines.append("On aarch64 the torch wheels on PyPI are CPU-only; the CUDA builds come from PyTorch's own "
+        lines.append("On aarch64 the torch wheel PyPI serves may be a CPU-only build; the CUDA builds come from "
+                     "PyTorch's own "
                      f"index ({cu}: CUDA {cu[2:-1]}.{cu[-1]}).")
     else:
         lines.append(f"On {machine}, take the CUDA build from PyTorch's index ({cu}: CUDA {cu[2:-1]}.{cu[-1]}).")

@@ -74,7 +74,7 @@ def test_bad_argument_exits_2_with_one_line(argv, mentions, capsys):
 def test_help_shows_real_defaults():
     text = " ".join(make_parser("t", kernels_default=ak.DEFAULT_KERNELS).format_help().split())  # unwrap lines
     assert "(default: None)" not in text
-    assert "default 4 on a GPU, 2 on a CPU" in text and ",".join(ak.DEFAULT_KERNELS) in text
+    assert "default 4 on a GPU, 2 on a CPU" in text and ", ".join(ak.DEFAULT_KERNELS) in text
 
 
 def _script(*argv, timeout=300):

@@ -266,7 +266,7 @@ def test_cli_gpu_with_cpu_torch_exits_1_with_the_index(tmp_path):
 
 @pytest.mark.parametrize("machine, says", [
     ("x86_64", "On x86_64, take the CUDA build from PyTorch's index (cu130: CUDA 13.0)"),
-    ("aarch64", ("On aarch64 the torch wheels on PyPI are CPU-only; the CUDA builds come from PyTorch's own "
+    ("aarch64", ("On aarch64 the torch wheel PyPI serves may be a CPU-only build; the CUDA builds come from PyTorch's own "
                  "index (cu130: CUDA 13.0)")),
 ])
 def test_cpu_torch_message_per_architecture(gpu_machine, monkeypatch, machine, says):
