@@ -68,7 +68,7 @@ whose counts differ (one skipped a step with no gradient) go to separate launche
 
 Layout of this file: kernels -> tables and launcher -> the optimizer (the drop-in) -> `ideal_bytes` ->
 reference. There is no custom operator rung: an optimizer step mutates hundreds of tensors in place
-and runs outside the model's autograd graph and outside torch.compile's (training.py compiles the
+and runs outside the model's autograd graph and outside torch.compile's (playbook/training.py compiles the
 model, not the step), so there is nothing for a registered operator to describe.
 """
 

@@ -4,7 +4,7 @@ dicts and checkpoints, refusals, and the training scripts' `--optimizer adamw-tr
     $ python adamw_test.py       # a readable report
     $ pytest adamw_test.py
 
-Tolerances follow testkit.py's rule, after the same steps on the same gradients: every parameter and
+Tolerances follow playbook/testkit.py's rule, after the same steps on the same gradients: every parameter and
 state may be at most 2x as far from PyTorch's single-tensor AdamW (foreach=False) run in float64, the
 truth, as PyTorch's fused AdamW run in the tested dtype is, plus one ulp of the tensor's scale. The
 fused one is the yardstick because it computes as the kernel does (fp32 arithmetic, one rounding per
@@ -212,7 +212,7 @@ def test_one_launch_per_group_and_tables_built_once(monkeypatch):
 # State dicts and checkpoints
 # ------------------------------------------------------------------------------------------------
 def _through_a_file(state_dict):
-    """torch.save and torch.load(weights_only=True), as checkpoint.py stores the optimizer."""
+    """torch.save and torch.load(weights_only=True), as playbook/checkpoint.py stores the optimizer."""
     buffer = io.BytesIO()
     torch.save(state_dict, buffer)
     buffer.seek(0)
@@ -266,7 +266,7 @@ def test_state_dict_has_torch_adamw_structure_and_loads_both_ways():
 
 
 def test_training_script_saves_and_resumes(tmp_path):
-    """finetune_optimized --optimizer adamw-triton: trains, checkpoints (checkpoint.py), resumes bit for bit."""
+    """finetune_optimized --optimizer adamw-triton: trains, checkpoints (playbook/checkpoint.py), resumes bit for bit."""
     out = tmp_path / "ckpt"
     args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer", "adamw-triton", "--data", str(TEXT),
             "--steps", "4", "--warmup-steps", "1", "--lr", "3e-3", "--weight-decay", "0.1", "--lr-schedule", "cosine",

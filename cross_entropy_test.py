@@ -6,7 +6,7 @@
 Without a GPU the kernels run in Triton's interpreter at small sizes; with one, the same tests also
 run LLaMA 3.1 8B's vocabulary (128256) over thousands of tokens compiled, past the int32 offset
 limit, inside a CUDA graph and with host syncs turned into errors. Tolerances follow the rule in
-testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+playbook/testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
 The options (class weights, label smoothing, z-loss, softcap) are checked the same way against
 PyTorch's own `weight` and `label_smoothing` and a spelled-out cap and z-loss; the extras (z-loss,
 token accuracy, predicted tokens) against PyTorch exactly where they can be exact. The drop-in

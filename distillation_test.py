@@ -7,7 +7,7 @@ KL ends of the generalised JSD, ignored tokens, and distill.py's two modes agree
 Every numeric check compares three computations on the same inputs: ours, plain PyTorch in the same
 dtype (F.kl_div; `jsd_ref` / `linear_jsd_ref`, the way distillation code writes the JSD), and a
 float64 truth. For the JSD the truth is written here from the definition (M = beta P + (1 - beta) Q,
-0 log 0 = 0), independently of the kernel file's reference. Tolerances follow testkit.py's rule (at
+0 log 0 = 0), independently of the kernel file's reference. Tolerances follow playbook/testkit.py's rule (at
 most 2x PyTorch's own error, plus one ulp of the output scale) unless a test explains otherwise.
 Vocabularies are odd (131, 257) so the block tails are masked; the student's logits are the
 teacher's plus noise, so the divergences are small, as in distillation, where cancellation bites.

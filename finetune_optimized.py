@@ -11,7 +11,7 @@
 The same loop as finetune_baseline.py (training.train) from the same seed and data, after
 `apply_kernels(model)` swaps every RMSNorm module for TritonRMSNorm, fuses lm_head with the loss
 (the [tokens, vocab] logits are never built), and replaces the MLPs' silu(gate) * up and the
-attention's rotary embedding with fused kernels. `python apply_kernels.py` lists the kernels.
+attention's rotary embedding with fused kernels. docs/optimizations.md lists every optimization (playbook/registry.py).
 """
 
 from playbook.registry import DEFAULT_KERNELS

@@ -5,7 +5,7 @@
 
 Every numeric check compares three computations of cross_entropy(x @ W.T, targets): ours, Hugging
 Face's way in the same dtype (full logits, upcast to fp32), and float64. Tolerances follow the rule
-in testkit.py (at most 2x PyTorch's own error, plus one ulp of the output scale) unless a test
+in playbook/testkit.py (at most 2x PyTorch's own error, plus one ulp of the output scale) unless a test
 explains otherwise. Small chunks force the multi-chunk path at sizes the interpreter can run.
 The lm_head's bias (and its gradient) and the cross-entropy's options are checked the same way;
 their own arithmetic is tested in cross_entropy_test.py, here that they reach every chunk. The

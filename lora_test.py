@@ -1,4 +1,5 @@
-"""Tests of lora.py: LoRA through peft on a tiny LLaMA, alone and on top of this project's kernels.
+"""Tests of the LoRA lesson (lora_kernel.py) and its glue (playbook/lora.py): LoRA through peft on a
+tiny LLaMA, alone and on top of this project's kernels.
 
     $ python lora_test.py       # a readable report
     $ pytest lora_test.py
@@ -204,7 +205,7 @@ def _same_loss_as_plain_lora(tag, patch, after=None):
         with patched.disable_adapter():
             without = _loss(patched, x)
     assert (got - without).abs() > 1e-3, f"{tag}: the adapters do not change the loss ({got} vs {without})"
-    # one scalar: a mean over 48 targets of a 512-way log-softmax; the rule of testkit.py
+    # one scalar: a mean over 48 targets of a 512-way log-softmax; the rule of playbook/testkit.py
     close_to_reference(f"{tag}: loss vs plain LoRA", got, torch_loss, ref_loss, torch.float32, n=VOCAB)
     return patched
 

@@ -497,7 +497,7 @@ def patch_model(model: nn.Module, in_place: bool = False) -> int:
     """Replace every RMSNorm module of a Hugging Face causal LM with a TritonRMSNorm sharing its weight.
 
     Modules are found by class (LlamaRMSNorm, GemmaRMSNorm, ...), never by name; the family table
-    (model_families.py) says how the family's norm computes (Gemma: offset 1, "gemma" casting).
+    (playbook/model_families.py) says how the family's norm computes (Gemma: offset 1, "gemma" casting).
     `in_place=True` runs the backward in place in every norm except those whose output is added
     to the residual stream (Gemma 2's post-attention and post-feed-forward norms), where it is not
     allowed (see `rmsnorm`). Returns how many norms now run the kernel; patching twice replaces

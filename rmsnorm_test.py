@@ -5,7 +5,7 @@
 
 Without a GPU the kernels run in Triton's interpreter at small sizes; with one, the same tests also
 run the LLaMA 3.1 8B shape (4096 tokens x hidden 4096) compiled. Tolerances follow the rule in
-testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+playbook/testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
 The options (Gemma's weight offset, the "llama", "gemma" and "none" casting modes, the in-place
 backward) are checked the same way, and against transformers' LlamaRMSNorm and GemmaRMSNorm.
 Then the kernel as a PyTorch operator (opcheck, torch.compile, no double backward), its patch of

@@ -6,7 +6,7 @@
 Inputs are laid out the way the attention layers hand them over: [batch, heads, seq, head_dim]
 views of [batch, seq, heads, head_dim] projections. The angles come from transformers' own rotary
 embedding module with LLaMA 3.1's rope scaling, at positions past its original 8192-token context.
-Tolerances follow the rule in testkit.py (each output value combines 2 products: n = 2). Then the
+Tolerances follow the rule in playbook/testkit.py (each output value combines 2 products: n = 2). Then the
 kernel as a PyTorch operator (opcheck, torch.compile, no double backward), the process-global patch
 of Hugging Face's function (restored after every test that applies it), a tiny LLaMA patched with
 all three of rmsnorm, swiglu and rope under torch.compile, and the byte count.

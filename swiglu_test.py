@@ -4,7 +4,7 @@ both gradients against float64.
     $ python swiglu_test.py         # a readable report
     $ pytest swiglu_test.py
 
-Tolerances follow testkit.py's rule (at most 2x PyTorch's own error against float64, plus one ulp
+Tolerances follow playbook/testkit.py's rule (at most 2x PyTorch's own error against float64, plus one ulp
 of the output scale). PyTorch rounds silu(gate) to the input dtype before the multiply; the kernel
 keeps it in fp32 and rounds once, so it is usually the closer of the two. Then the MLP path (the
 down projection fused in, its checks, autocast) against Hugging Face's LLaMA, Gemma and Phi-3

@@ -7,7 +7,7 @@ parts of a real fine-tuning run (accumulation, schedules, checkpoints and resume
 Loss parity, the test that matters most: the baseline and the optimized model start from the same
 seed and see the same batches (real text from a file of this repository, so the loss actually
 falls) for 20 AdamW steps. bf16 training is not bit-reproducible across implementations, so the
-test asks what testkit.py asks of every kernel: the optimized bf16 run may be at most twice as far
+test asks what playbook/testkit.py asks of every kernel: the optimized bf16 run may be at most twice as far
 from an fp32 baseline run as the plain PyTorch bf16 run is, plus one bf16 ulp; for the loss at
 every step and for every final parameter tensor.
 """
