@@ -269,7 +269,7 @@ def test_training_script_saves_and_resumes(tmp_path):
     """finetune_optimized --optimizer adamw-triton: trains, checkpoints (playbook/checkpoint.py), resumes bit for bit."""
     out = tmp_path / "ckpt"
     args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer", "adamw-triton", "--data", str(TEXT),
-            "--steps", "4", "--warmup-steps", "1", "--lr", "3e-3", "--weight-decay", "0.1", "--lr-schedule", "cosine",
+            "--steps", "4", "--timing-warmup-steps", "1", "--lr", "3e-3", "--weight-decay", "0.1", "--lr-schedule", "cosine",
             "--kernels", "none", "--batch-size", "2", "--seq-len", "32", "--output-dir", str(out)]
     whole = _run(*args, "--save-every", "2", tag="test_adamw_whole")
     resumed = _run(*args, "--resume", str(out / "checkpoint-2"), tag="test_adamw_resumed")

@@ -60,6 +60,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -67,6 +68,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
+
+
+def _interrupted_at_start(*_):
+    print("\ninterrupted (Ctrl-C) while starting: nothing was measured", file=sys.stderr)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
+    signal.signal(signal.SIGINT, _interrupted_at_start)
 
 # Graph pools and 8-25 GB peers fragment the caching allocator; expandable segments let freed
 # memory be reused by the next size (set before torch touches the GPU).
@@ -1162,6 +1172,17 @@ def main():
     p.add_argument("--tune", action="store_true", help="sweep our kernels' launch settings at LLaMA shapes")
     args = p.parse_args()
     dtype = DTYPES[args.dtype]
+    # every flag given must act: --smoke has its own tiny cases, --tune its own RMSNorm sweep
+    if args.smoke and args.sizes:
+        print("error: --smoke runs each kernel's own tiny cases, which --sizes would replace: drop one of them "
+              "(--sizes needs a GPU)", file=sys.stderr)
+        return 2
+    unused = [flag for flag, on in (("--smoke", args.smoke), ("--sizes", args.sizes),
+                                    ("--kernels", args.kernels != KERNEL_NAMES)) if on]
+    if args.tune and unused:
+        print(f"error: --tune sweeps RMSNorm's launch settings at LLaMA 3.1 8B's shape, which {', '.join(unused)} "
+              "would not change: drop them", file=sys.stderr)
+        return 2
     if not ON_GPU and (args.tune or not args.smoke):
         print(f"{'--tune' if args.tune else 'Timings'} need{'s' if args.tune else ''} a CUDA GPU, and none was "
               "found; `--smoke` checks the harness on a CPU (tiny sizes, Triton's interpreter).", file=sys.stderr)
@@ -1217,4 +1238,10 @@ def _liger_version():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C stops main() below
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): the kernels measured before it are in results/benchmark_*; the one "
+              "running was not saved", file=sys.stderr)
+        sys.exit(130)

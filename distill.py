@@ -49,21 +49,33 @@ import argparse
 import dataclasses
 import json
 import math
+import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 
-from playbook import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
-from playbook.common import describe_gpu, is_out_of_memory, log, result_path, synchronize, versions, write_atomic
-from cross_entropy_kernel import causal_targets
-from distillation_kernel import jsd_ref, linear_jsd
-from linear_cross_entropy_kernel import linear_cross_entropy
-from playbook import config
-from playbook.models import PRESETS, count_params, load_model, prepare_model
-from playbook.config import positive_float, positive_int, usage_error
+def _interrupted_at_start(*_):
+    print("\ninterrupted (Ctrl-C) while starting: nothing was run", file=sys.stderr)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
+    signal.signal(signal.SIGINT, _interrupted_at_start)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from playbook import kernel_utils  # noqa: F401,E402  (selects Triton's interpreter on machines without a GPU)
+from playbook.common import (describe_gpu, is_out_of_memory, log, result_path, synchronize, versions,  # noqa: E402
+                             write_atomic)
+from cross_entropy_kernel import causal_targets  # noqa: E402
+from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
+from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
+from playbook import config  # noqa: E402
+from playbook.models import PRESETS, count_params, load_model, prepare_model  # noqa: E402
+from playbook.config import positive_float, positive_int, usage_error  # noqa: E402
 
 MODES = ("baseline", "fused")
 
@@ -103,6 +115,7 @@ UNUSED = {
     "model": "name the models with --teacher and --student", "num_layers": "use --teacher-layers / --student-layers",
     "compile": "the loss calls the student's decoder and head apart, which a compiled forward would skip",
     "dataset": "distillation reads --data (raw text) or synthetic tokens", "packing": None, "train_on_prompt": None,
+    "drop_long": None, "eval_dataset": None,
     "eval_fraction": None, "eval_every": None, "epochs": None, "grad_accum": None, "lr_schedule": None,
     "lr_warmup_steps": None, "warmup_ratio": None, "optimizer_in_backward": None, "max_grad_norm": None,
     "output_dir": None, "save_every": None, "resume": None, "merge_lora": None, "log_every": "every step is logged",
@@ -219,15 +232,15 @@ def base_model(model):
 
 
 def make_batches(cfg, vocab_size: int):
-    from playbook.data import make_data, make_tokenizer
+    from playbook.data import bad_data_exit, make_data, make_tokenizer
 
     teacher = cfg.extra.teacher
     tokenizer = make_tokenizer(teacher, preset=teacher in PRESETS) if cfg.data else None
-    try:
+    try:  # --data is read as strict UTF-8, as --dataset is: a byte that is not UTF-8 is an error
         return make_data(str(cfg.data) if cfg.data else None, "text" if cfg.data else "synthetic", tokenizer,
                          vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed)
-    except (ValueError, OSError) as err:
-        raise SystemExit(f"error: {err}") from None
+    except (ValueError, OSError, ImportError) as err:  # bad input: one line, exit code 2
+        raise bad_data_exit(err) from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -377,4 +390,9 @@ if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    main()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C stops main() below
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): the run stopped before its summary; nothing was written", file=sys.stderr)
+        sys.exit(130)

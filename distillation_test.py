@@ -603,7 +603,7 @@ def test_distill_modes_agree_on_the_first_step():
     try:
         # the tiny presets named: on a GPU the defaults would be the 8B teacher and the 1B student
         payload = distill.main(["--teacher", "llama-tiny", "--student", "llama-tiny-student",
-                                "--steps", "2", "--warmup-steps", "1", "--batch-size", "1", "--seq-len", "16",
+                                "--steps", "2", "--timing-warmup-steps", "1", "--batch-size", "1", "--seq-len", "16",
                                 "--dtype", "float32", "--beta", "0.3", "--temperature", "2", "--alpha", "0.4",
                                 "--tag", tag, "--overwrite"])
         assert (common.RESULTS_DIR / f"{tag}.json").is_file()

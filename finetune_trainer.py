@@ -23,7 +23,7 @@ from playbook import kernel_utils  # noqa: F401  (before anything imports triton
 
 from playbook.registry import DEFAULT_KERNELS
 from playbook.common import log
-from playbook.config import make_parser, parse_config
+from playbook.config import make_parser, parse_config, usage_error
 
 
 class RowsDataset(torch.utils.data.Dataset):
@@ -39,23 +39,21 @@ class RowsDataset(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.rows.items()}
 
 
-def build_datasets(cfg, tokenizer):
-    from playbook.data import encode_rows, load_rows, pad_examples
+def build_datasets(cfg, tokenizer, vocab_size: int):
+    """(training set, eval set or None) from --dataset, with --eval-dataset or --eval-fraction for the eval
+    set; the same encoding, truncation, id checks and counts line as the scripts' own loop (data.py)."""
+    from playbook.data import bad_data_exit, encode_dataset, pad_examples
 
-    rows = load_rows(cfg.dataset)
-    examples, report = encode_rows(rows, tokenizer, cfg.seq_len, cfg.train_on_prompt, source=cfg.dataset)
-    if len(examples) < 2:
-        log(f"Data: {report}")
-        raise SystemExit(f"error: {cfg.dataset}: {len(examples)} usable example(s); the Trainer needs at least 2")
-    g = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(examples), generator=g).tolist()
-    n_eval = max(1, int(cfg.eval_fraction * len(examples))) if cfg.eval_fraction else 0
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    pick = lambda idx: RowsDataset(pad_examples([examples[i] for i in idx], cfg.seq_len, pad))  # noqa: E731
-    report.train_examples, report.eval_examples = len(order) - n_eval, n_eval
-    log(f"Data: {report}")  # rows kept and dropped, by reason, and the split
-    log(f"Split: {len(order) - n_eval} training and {n_eval} held-out examples, one per row of {cfg.seq_len} tokens")
-    return pick(order[n_eval:]), (pick(order[:n_eval]) if n_eval else None)
+    try:
+        train, held, pad, report = encode_dataset(
+            cfg.dataset, tokenizer, cfg.seq_len, vocab_size, cfg.seed, cfg.train_on_prompt, cfg.eval_fraction,
+            cfg.drop_long, cfg.eval_dataset, min_train=2)  # the Trainer needs at least 2 training rows
+    except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
+        raise bad_data_exit(err) from None
+    log(f"Data: dataset {report}")  # rows kept whole, truncated and dropped, by reason, and the split
+    log(f"Split: {len(train)} training and {len(held)} eval examples, one per row of {cfg.seq_len} tokens")
+    return (RowsDataset(pad_examples(train, cfg.seq_len, pad)),
+            RowsDataset(pad_examples(held, cfg.seq_len, pad)) if held else None)
 
 
 def main(argv=None):
@@ -67,10 +65,13 @@ def main(argv=None):
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_trainer", argv)
     if cfg.dataset is None:
-        raise SystemExit("error: finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
+        raise usage_error("finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
+    if cfg.overwrite_output_dir:
+        raise usage_error("--overwrite-output-dir belongs to the scripts' own loop: the Trainer keeps its "
+                          "checkpoints in --output-dir itself; give a new --output-dir, or --resume its checkpoint")
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
-    train_set, eval_set = build_datasets(cfg, tokenizer)
+    train_set, eval_set = build_datasets(cfg, tokenizer, model.config.vocab_size)
     out = cfg.output_dir or "out/trainer"  # the Trainer needs a folder; out/ is not committed
     args = TrainingArguments(
         output_dir=str(out), max_steps=cfg.steps or -1, num_train_epochs=cfg.epochs or 1,
@@ -79,6 +80,7 @@ def main(argv=None):
         lr_scheduler_type=cfg.lr_schedule if cfg.lr_schedule != "constant" else "constant_with_warmup",
         warmup_steps=cfg.lr_warmup_steps, max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=cfg.log_every,
         save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
+        save_total_limit=cfg.save_total_limit,
         eval_strategy="steps" if eval_set is not None and cfg.eval_every else "no", eval_steps=cfg.eval_every or None,
         bf16=cfg.on_gpu, use_cpu=not cfg.on_gpu, report_to=[] if cfg.report_to == "none" else [cfg.report_to],
         # every trainable parameter gets a gradient in every step (frozen LoRA bases need none), so

@@ -774,7 +774,7 @@ def test_finetune_optimized_with_fp8_runs():
     """What `python finetune_optimized.py --fp8 --num-layers 1 --steps 2 ...` runs, in this process: the
     script's default kernels, then the FP8 patch (logged with its count), two steps with finite losses."""
     tag = "test_fp8_cpu"
-    cfg = _config("--fp8", "--model", "llama-tiny", "--num-layers", "1", "--steps", "2", "--warmup-steps", "1",
+    cfg = _config("--fp8", "--model", "llama-tiny", "--num-layers", "1", "--steps", "2", "--timing-warmup-steps", "1",
                   "--batch-size", "1", "--seq-len", "16", "--tag", tag, "--overwrite")
     out = io.StringIO()
     try:

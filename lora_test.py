@@ -498,7 +498,7 @@ def test_qlora_script(capsys):
     from playbook import common, registry, training
     from playbook.config import make_parser, parse_config
 
-    argv = ["--steps", "2", "--warmup-steps", "0", "--batch-size", "1", "--seq-len", "32", "--lora-r", "8",
+    argv = ["--steps", "2", "--timing-warmup-steps", "0", "--batch-size", "1", "--seq-len", "32", "--lora-r", "8",
             "--load-in-4bit", "--tag", "test_qlora", "--overwrite"]
     try:
         summary = training.train(parse_config(make_parser("test", kernels_default=registry.DEFAULT_KERNELS),

@@ -3,11 +3,14 @@
     $ python profile_baseline.py --model llama-3.1-8b --batch-size 4 --seq-len 2048
     $ python profile_baseline.py --model llama-3.1-8b --kernels rmsnorm,cross_entropy
     $ python profile_baseline.py --model llama-3.1-8b --kernels default      # every kernel of the playbook
+    $ python profile_baseline.py --steps 5 --timing-warmup-steps 3   # record 5 steps after 3 warm-up steps
     $ python profile_baseline.py            # no GPU: llama-tiny on the CPU (CPU time instead)
 
-It runs the training step of the fine-tuning scripts (same flags, same loop): warm-up steps first,
-outside the recorded window (Triton compiles there, and the CUDA caching allocator settles), then a
-short profiler schedule (1 step skipped, 1 step of profiler warm-up, 3 recorded). It prints a
+It runs the training step of the fine-tuning scripts (same flags, same step): --timing-warmup-steps
+first (default 2), outside the recorded window (Triton compiles there, and the CUDA caching allocator
+settles), then a short profiler schedule (1 step skipped, 1 step of profiler warm-up, then --steps
+recorded, default 3). Options of the fine-tuning scripts that a profile has no use for (checkpoints,
+the learning-rate schedule, evaluation, --epochs, logging) are refused, not ignored. It prints a
 breakdown by category, then the 20 GPU kernels with the most self time, and saves a Chrome trace
 that https://ui.perfetto.dev opens. Without --kernels it profiles the plain Hugging Face model.
 
@@ -28,17 +31,20 @@ fix, not faster kernels.
 """
 
 import bisect
+import dataclasses
 import json
 import re
+import sys
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from playbook.common import RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, write_atomic
 from playbook.models import prepare_model
-from playbook.config import make_parser, parse_config
+from playbook.config import make_parser, parse_config, usage_error
 from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
@@ -55,7 +61,43 @@ CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op nam
 ]
 ATTENTION_BACKENDS = [("cuDNN", r"cudnn"), ("flash", r"flash"), ("memory-efficient", r"fmha|efficient"),
                       ("math (unfused)", r"_scaled_dot_product_attention_math")]
-WAIT, WARMUP, ACTIVE = 1, 1, 3
+WAIT, WARMUP = 1, 1  # profiler schedule: steps skipped, then steps of profiler warm-up, before --steps recorded
+RECORDED_STEPS = 3  # --steps when not given
+
+# Shared options a profile has no use for: refused when given, rather than silently ignored.
+UNUSED = {
+    "epochs": "--steps sets the recorded steps", "eval_fraction": "no evaluation runs", "eval_every": None,
+    "lr_schedule": "a few steps are profiled, with no learning-rate schedule", "lr_warmup_steps": None,
+    "warmup_ratio": None, "output_dir": "nothing but the summary and the trace is written", "save_every": None,
+    "resume": None, "merge_lora": None, "save_total_limit": None, "overwrite_output_dir": None,
+    "eval_dataset": None, "log_every": "the profile is printed at the end", "report_to": None,
+}
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    """profile_baseline.py's part of the command line (config.make_parser's `extra`): what --steps and
+    --timing-warmup-steps mean here, and the refusal of the shared options a profile does not use."""
+
+    recorded_steps: int  # --steps: the steps the profiler records
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        for dest, default, help in (
+                ("steps", None, f"training steps recorded by the profiler, after {WAIT} skipped and {WARMUP} of "
+                                f"profiler warm-up (default {RECORDED_STEPS})"),
+                ("warmup_steps", 2, "steps run before the profiler starts (Triton compiles, the allocator settles)")):
+            action = next(action for action in parser._actions if action.dest == dest)
+            action.default, action.help = default, help
+
+    @classmethod
+    def from_args(cls, a, parser) -> "ProfileSection":
+        given = [(dest, why) for dest, why in UNUSED.items() if getattr(a, dest, None) != parser.get_default(dest)]
+        if given:
+            flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
+            whys = "; ".join(why for _, why in given if why)
+            raise usage_error(f"profile_baseline.py does not use {flags}" + (f" ({whys})" if whys else ""))
+        return cls(recorded_steps=a.steps or RECORDED_STEPS)
 
 
 def category(name: str) -> str:
@@ -70,26 +112,28 @@ def main():
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=()), "profile_baseline")
-    model, model_name, desc, kernel_report = prepare_model(cfg)
-    data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
-    optimizer = make_optimizer(model, cfg)
-    gpu = cfg.on_gpu
+    cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=(), extra=ProfileSection),
+                       "profile_baseline")
+    cfg = dataclasses.replace(cfg, steps=cfg.extra.recorded_steps)  # the summary's config says what ran
+    gpu, active = cfg.on_gpu, cfg.steps
 
     def step(i):
         return training_step(model, optimizer, [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)],
                              cfg.max_grad_norm)
 
     try:
+        model, model_name, desc, kernel_report = prepare_model(cfg)
+        data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
+        optimizer = make_optimizer(model, cfg)
         log(f"Warm-up: {cfg.warmup_steps} steps outside the profiler ...")
         for i in range(cfg.warmup_steps):
             step(i)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        log(f"Profiling {ACTIVE} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
+        log(f"Profiling {active} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
         t0 = time.perf_counter()
         wall = []  # seconds per recorded step
-        with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE)) as prof:
-            for i in range(WAIT + WARMUP + ACTIVE):
+        with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=active)) as prof:
+            for i in range(WAIT + WARMUP + active):
                 start = time.perf_counter()
                 step(cfg.warmup_steps + i)
                 if gpu:
@@ -100,12 +144,13 @@ def main():
                 if i >= WAIT + WARMUP:
                     wall.append(time.perf_counter() - start)
                 prof.step()
-    except RuntimeError as err:  # OutOfMemoryError, or cuBLAS failing to allocate
+    except RuntimeError as err:  # OutOfMemoryError, or an allocator failing (model, data or a step)
         if not is_out_of_memory(err):
             raise
         raise SystemExit(oom_message(cfg, err)) from None
     except KeyboardInterrupt:
-        raise SystemExit("\ninterrupted (Ctrl-C): nothing was recorded") from None
+        print("\ninterrupted (Ctrl-C): nothing was recorded", file=sys.stderr)
+        raise SystemExit(130) from None
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
     report(prof, cfg, model_name, kernel_report, gpu, sorted(wall)[len(wall) // 2] * 1e3)
 
@@ -122,6 +167,7 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
 
     # User annotations (ProfilerStep#N, Optimizer.step#AdamW.step, record_function ranges) span
     # the kernels inside them: counting them too would count those kernels twice.
+    active = cfg.steps  # the recorded steps
     events = [e for e in prof.key_averages() if not _is_annotation(e)]
     if gpu:  # kernel rows only: an aten op's self device time is its kernels' time (no double count)
         rows = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA") and _self_time_us(e, True) > 0]
@@ -132,14 +178,14 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
         raise SystemExit("error: the profiler recorded no GPU kernel time. Is CUDA profiling (CUPTI) available "
                          "in this environment, and did the steps run on the GPU?")
     unit = "GPU" if gpu else "CPU"
-    per_step = total / ACTIVE / 1e3
+    per_step = total / active / 1e3
     label = "+".join(kernel_report.names) or "baseline"
     log(f"\nSelf {unit} time per training step: {per_step:.1f} ms ({label}, {model_name}, "
         f"{cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens)"
         f"{'' if gpu else ' -- CPU run: CPU time of the Triton interpreter, not GPU time'}")
     if gpu and wall_ms:
         # the profiler slows the host's launches, so this idle time is an upper bound of the real one
-        log(f"Wall time per profiled step: {wall_ms:.1f} ms (median of {ACTIVE}, under the profiler); the GPU "
+        log(f"Wall time per profiled step: {wall_ms:.1f} ms (median of {active}, under the profiler); the GPU "
             f"ran no kernel for {max(0.0, wall_ms - per_step):.1f} ms of it")
 
     by_cat = {}
@@ -147,15 +193,15 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
         c = category(e.key)
         by_cat[c] = by_cat.get(c, 0.0) + _self_time_us(e, gpu)
     cat_rows = sorted(by_cat.items(), key=lambda kv: -kv[1])
-    log(tabulate([(c, f"{t / ACTIVE / 1e3:.2f}", f"{100 * t / total:.1f}") for c, t in cat_rows],
+    log(tabulate([(c, f"{t / active / 1e3:.2f}", f"{100 * t / total:.1f}") for c, t in cat_rows],
                  headers=["category", "ms per step", "% of step"], tablefmt="github"))
     backend = attention_backend(rows)
     log(f"Attention backend (from the kernel names): {backend}")
 
     top = sorted(rows, key=lambda e: -_self_time_us(e, gpu))[:20]
     log(f"\nTop 20 {'GPU kernels' if gpu else 'operations'} by self {unit} time:")
-    log(tabulate([(_short(e.key), category(e.key), f"{_self_time_us(e, gpu) / ACTIVE / 1e3:.3f}",
-                   f"{100 * _self_time_us(e, gpu) / total:.1f}", e.count // ACTIVE)
+    log(tabulate([(_short(e.key), category(e.key), f"{_self_time_us(e, gpu) / active / 1e3:.3f}",
+                   f"{100 * _self_time_us(e, gpu) / total:.1f}", e.count // active)
                   for e in top], headers=["name", "category", "ms per step", "%", "calls per step"], tablefmt="github"))
 
     tag = cfg.tag or f"profile_{label}_{model_name.replace('/', '_')}_b{cfg.batch_size}_s{cfg.seq_len}"
@@ -172,10 +218,10 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
         log(tabulate([(op, f"{ms:.2f}", f"{n:.0f}") for op, ms, n in gaps["late_by_op"][:8]],
                      headers=["host op at the late launch", "ms per step", "late launches per step"], tablefmt="github"))
     summary = {"label": label, "model": model_name, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-               "grad_accum": cfg.grad_accum, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
+               "grad_accum": cfg.grad_accum, "recorded_steps": active, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
                "attention_backend": backend,
-               "categories_ms_per_step": {c: t / ACTIVE / 1e3 for c, t in cat_rows},
-               "top": [(e.key[:200], _self_time_us(e, gpu) / ACTIVE / 1e3, e.count // ACTIVE) for e in top],
+               "categories_ms_per_step": {c: t / active / 1e3 for c, t in cat_rows},
+               "top": [(e.key[:200], _self_time_us(e, gpu) / active / 1e3, e.count // active) for e in top],
                "launch_gaps": gaps,
                "config": cfg.as_dict()}
     if out.name != f"{tag}.json":

@@ -11,7 +11,7 @@ figures from this GPU family. Then runs three checks, each timed and marked PASS
   1. set-up        setup_check.py: torch can use the GPU (or there is none)
   2. kernel test   python -m pytest -q rmsnorm_test.py
   3. fine-tune     python finetune_optimized.py --model llama-3.1-8b --batch-size 1 --seq-len 1024 --steps 3
-                   --warmup-steps 1 (the LLaMA 3.1 8B architecture, random weights, all kernels)
+                   --timing-warmup-steps 1 (the LLaMA 3.1 8B architecture, random weights, all kernels)
 and ends with a summary table; exit code 1 if any check failed. Without a GPU, the kernel test runs in
 Triton's interpreter and the fine-tune uses the llama-tiny preset (a few minutes in all). The fine-tune's
 summary goes to results/selfcheck_*smoke.json, which git ignores.
@@ -52,7 +52,7 @@ def plan(gpu: bool) -> list[Check]:
     py = sys.executable
     if gpu:
         tune = [py, "finetune_optimized.py", "--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "1024",
-                "--steps", "3", "--warmup-steps", "1", "--tag", "selfcheck_smoke", "--overwrite"]
+                "--steps", "3", "--timing-warmup-steps", "1", "--tag", "selfcheck_smoke", "--overwrite"]
         tune_name = "fine-tune: LLaMA 3.1 8B, 1 x 1024 tokens, 3 steps"
     else:
         tune = [py, "finetune_optimized.py", "--model", "llama-tiny", "--steps", "3",

@@ -436,6 +436,8 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
                 model.save_pretrained(tmp, safe_serialization=True)
             else:
                 model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+            if adapter:
+                add_base_model_note(tmp, model)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             torch.save(state, tmp / STATE_FILE)
@@ -450,6 +452,20 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
     return final
 
 
+BASE_NOTE_KEY = "base_model_note"  # adapter_config.json: what base_model_name_or_path names, when it needs a word
+
+
+def add_base_model_note(directory: Path, model) -> None:
+    """Merge the model's `base_model_note` record (set by lora.name_base_model for a preset: its name and
+    a line saying AutoPeft cannot fetch it) into directory/adapter_config.json."""
+    record = getattr(model, BASE_NOTE_KEY, None)
+    config_file = Path(directory) / "adapter_config.json"
+    if record and config_file.is_file():
+        config = json.loads(config_file.read_text())
+        config.update(record)
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 # ------------------------------------------------------------------------------------------------
 # Loading
 # ------------------------------------------------------------------------------------------------
@@ -462,14 +478,32 @@ def resolve_checkpoint(path) -> Path:
         raise NotADirectoryError(f"{path}: is a file; give a checkpoint directory or the output directory")
     if (path / STATE_FILE).is_file():
         return path
+    if path.name.startswith("checkpoint-") and any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path}: no {STATE_FILE} (the optimizer, schedule and data position of this "
+                                f"checkpoint are missing; its weights alone can be loaded as --model {path})")
     latest = path / LATEST_FILE
     if latest.is_file():
         name = latest.read_text().strip()
         target = path / name
+        if name and target.is_dir() and not (target / STATE_FILE).is_file():
+            raise FileNotFoundError(f"{target}: no {STATE_FILE} (the checkpoint that {latest} names is incomplete: "
+                                    f"a save that did not finish, or a file deleted since)")
         if not name or not (target / STATE_FILE).is_file():
             raise FileNotFoundError(f"{latest} names {name!r}, which is not a checkpoint directory in {path}")
         return target
     raise FileNotFoundError(f"{path}: not a checkpoint (no {STATE_FILE}) nor an output directory (no {LATEST_FILE})")
+
+
+def read_checkpoint_info(path) -> dict:
+    """What a checkpoint holds, without loading it into a model: {"path": the checkpoint directory
+    (`latest` followed), "step", "weights": "full" or "adapter", "scheduler": its state or None,
+    "extra": the saved `extra`}. The file is memory-mapped: the optimizer state is not read. Raises
+    the errors of resolve_checkpoint and of a corrupt trainer_state.pt, on every rank."""
+    _, size = _world("read_checkpoint_info")
+    ckpt = _from_rank0(size, lambda: resolve_checkpoint(path))
+    state = _together(size, lambda: _read_state(ckpt, mmap=True))
+    return {"path": ckpt, "step": state["step"], "weights": state["weights"], "scheduler": state["scheduler"],
+            "extra": state["extra"]}
 
 
 def _read_state(ckpt: Path, mmap: bool = False) -> dict:

@@ -84,21 +84,30 @@ def versions() -> dict:
     return v
 
 
+# What allocators say when memory runs out, besides torch.cuda.OutOfMemoryError: cuBLAS cannot create
+# its handle or workspace when the GPU is full; PyTorch's CPU allocator "can't allocate memory" (Linux)
+# or has "not enough memory" (Windows).
+OOM_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "out of memory", "can't allocate memory", "not enough memory")
+
+
 def is_out_of_memory(err: BaseException) -> bool:
-    """True for PyTorch's OutOfMemoryError and for libraries that report running out of GPU memory
-    through a plain RuntimeError (cuBLAS cannot create its handle or workspace when memory is full:
-    CUBLAS_STATUS_ALLOC_FAILED)."""
+    """True for PyTorch's OutOfMemoryError and for the plain RuntimeErrors of an allocation that failed
+    (OOM_MESSAGES), on the GPU or the CPU."""
     return isinstance(err, torch.cuda.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and any(s in str(err) for s in ("CUBLAS_STATUS_ALLOC_FAILED", "out of memory")))
+        isinstance(err, RuntimeError) and any(s in str(err) for s in OOM_MESSAGES))
 
 
 def oom_message(cfg, err: Exception) -> str:
-    cuda = cfg.device.type == "cuda"
-    peak = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cuda else float("nan")
-    total = torch.cuda.get_device_properties(cfg.device).total_memory / 1e9 if cuda else float("nan")
+    """What to do when memory ran out: the batch, the peak on a GPU, the settings that need less."""
+    if cfg.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(cfg.device) / 1e9
+        total = torch.cuda.get_device_properties(cfg.device).total_memory / 1e9
+        where = f"out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens (peak allocated {peak:.1f} GB of " \
+                f"{total:.1f} GB on {describe_gpu(cfg.device)})"
+    else:
+        where = f"out of memory at batch {cfg.batch_size} x {cfg.seq_len} tokens ({describe_gpu(cfg.device)})"
     return (
-        f"\nerror: out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens "
-        f"(peak allocated {peak:.1f} GB of {total:.1f} GB on {describe_gpu(cfg.device)}).\n"
+        f"\nerror: {where}.\n"
         "Try: a smaller --batch-size (with --grad-accum to keep the tokens per step) or --seq-len; "
         "--gradient-checkpointing; --lora-r 16 instead of a full fine-tune; the optimized script (its kernels "
         "save activation memory); fewer layers with --num-layers to measure a slice of the model; or several "

@@ -62,6 +62,8 @@ class RunConfig:
     dataset: str | None
     packing: bool
     train_on_prompt: bool
+    drop_long: bool  # drop --dataset examples longer than seq_len (default: cut them to seq_len)
+    eval_dataset: str | None  # a separate eval file, instead of the held-out eval_fraction
     eval_fraction: float
     eval_every: int
 
@@ -82,6 +84,8 @@ class RunConfig:
     # output: checkpoints, logs, the summary
     output_dir: Path | None
     save_every: int
+    save_total_limit: int | None  # keep only the newest N checkpoints (None: all)
+    overwrite_output_dir: bool  # delete the checkpoints already in output_dir before training
     resume: Path | None
     log_every: int
     tag: str | None
@@ -108,12 +112,17 @@ def _as_dict(section) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Argument types: a wrong value is refused by argparse itself (exit code 2, usage line)
 # ------------------------------------------------------------------------------------------------
+MAX_INT = 2**31 - 1  # the largest count or size any option takes: a bigger one is a typo, not a run
+
+
 def _number(kind, low=None, low_open=False, high=None, high_open=False):
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is int and v > MAX_INT:
+            raise argparse.ArgumentTypeError(f"{text} is too large (at most {MAX_INT})")
         if v != v or v in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if low is not None and (v < low or (low_open and v == low)):
@@ -140,7 +149,28 @@ def _tag(text: str) -> str:
     return text
 
 
+def _lora_targets(text: str) -> str:
+    from playbook.lora import parse_targets  # torch only: no peft until a LoRA model is built
+
+    try:
+        parse_targets(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+class _DeprecatedTimingWarmup(argparse.Action):
+    """--warmup-steps, the former name of --timing-warmup-steps: still accepted, with one line saying so."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"note: {option_string} is deprecated: it is --timing-warmup-steps (steps left out of the timing); "
+              "a learning-rate warm-up is --lr-warmup-steps", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _kernels(text: str) -> tuple:
+    if not text.replace(",", "").strip():  # an unset shell variable, most likely: never a silent 'none'
+        raise argparse.ArgumentTypeError("no kernel named: give names from the registry, 'default' or 'none'")
     try:
         return parse_kernels(text)
     except ValueError as err:
@@ -192,7 +222,7 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     m.add_argument("--lora-r", type=nonnegative_int, default=0, help="LoRA rank through peft; 0 = full fine-tune")
     m.add_argument("--lora-alpha", type=positive_float, default=None, help="LoRA scale numerator; default 2 x rank")
     m.add_argument("--lora-dropout", type=fraction, default=0.0, help="dropout on the LoRA input")
-    m.add_argument("--lora-targets", default="all",
+    m.add_argument("--lora-targets", type=_lora_targets, default="all",
                    help="'all' (q,k,v,o,gate,up,down projections), 'attention', or a comma list of module names")
     m.add_argument("--merge-lora", action="store_true", help="also write the merged weights to --output-dir/merged")
     m.add_argument("--load-in-4bit", action="store_true",
@@ -210,17 +240,24 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     d.add_argument("--packing", action="store_true",
                    help="pack several examples per sequence (positions restart, no attention across examples)")
     d.add_argument("--train-on-prompt", action="store_true", help="also train on prompt tokens (default: masked)")
+    d.add_argument("--drop-long", action="store_true",
+                   help="drop examples longer than --seq-len (default: cut them to --seq-len, prompt kept whole)")
+    d.add_argument("--eval-dataset", default=None,
+                   help="a separate eval file or hub id (the --dataset formats), used instead of --eval-fraction")
     d.add_argument("--eval-fraction", type=fraction, default=None,
                    help="held-out share of --dataset for the eval loss; default 0.05 with --dataset")
     d.add_argument("--eval-every", type=nonnegative_int, default=0, help="eval loss every N steps (0: at the end only)")
 
     t = p.add_argument_group("training")
     t.add_argument("--steps", "--max-steps", dest="steps", type=positive_int, default=None,
-                   help="optimizer steps in all (the first --warmup-steps are not timed); default 12 on a GPU, "
+                   help="optimizer steps in all (the first --timing-warmup-steps are not timed); default 12 on a GPU, "
                         "20 on a CPU, or --epochs")
     t.add_argument("--epochs", type=positive_float, default=None, help="passes over --dataset instead of --steps")
-    t.add_argument("--warmup-steps", type=nonnegative_int, default=2,
-                   help="first steps left out of the timing (Triton compiles, the allocator settles)")
+    t.add_argument("--timing-warmup-steps", dest="warmup_steps", type=nonnegative_int, default=2, metavar="N",
+                   help="first steps left out of the timing (Triton compiles, the allocator settles); not the "
+                        "learning-rate warm-up, which is --lr-warmup-steps")
+    t.add_argument("--warmup-steps", dest="warmup_steps", type=nonnegative_int, default=None,
+                   action=_DeprecatedTimingWarmup, help=argparse.SUPPRESS)
     t.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per optimizer step; the loss is the mean over all their target tokens")
     t.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate")
@@ -242,6 +279,10 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     o.add_argument("--output-dir", type=Path, default=None, help="where checkpoints (safetensors) are written")
     o.add_argument("--save-every", type=nonnegative_int, default=0,
                    help="checkpoint every N steps (0: only at the end, when --output-dir is given)")
+    o.add_argument("--save-total-limit", type=positive_int, default=None,
+                   help="keep only the newest N checkpoints in --output-dir (older ones are deleted after each save)")
+    o.add_argument("--overwrite-output-dir", action="store_true",
+                   help="--output-dir holds checkpoints of another run: delete them before the first step")
     o.add_argument("--resume", type=Path, default=None, help="a checkpoint directory (or --output-dir) to continue")
     o.add_argument("--log-every", type=positive_int, default=5, help="print a log line every N steps")
     o.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
@@ -282,6 +323,10 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         raise usage_error(f"--data {a.data}: no such file")
     if (a.packing or a.train_on_prompt or a.eval_fraction or a.epochs) and a.dataset is None:
         raise usage_error("--packing, --train-on-prompt, --eval-fraction and --epochs need --dataset")
+    if (a.drop_long or a.eval_dataset is not None) and a.dataset is None:
+        raise usage_error("--drop-long and --eval-dataset need --dataset")
+    if a.eval_dataset is not None and a.eval_fraction is not None:
+        raise usage_error("choose one of --eval-dataset (a separate eval file) and --eval-fraction (a held-out share)")
     if a.steps is not None and a.epochs is not None:
         raise usage_error("choose one of --steps and --epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
@@ -289,7 +334,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
         warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
     if steps is not None and warmup_steps >= steps and script != "profile_baseline":
-        raise usage_error(f"--steps {steps} leaves no timed step after --warmup-steps {warmup_steps}; "
+        raise usage_error(f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup_steps}; "
                           "give more steps or fewer warm-up steps")
     optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
     if optimizer == "adamw-fused" and not gpu:
@@ -309,10 +354,15 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if a.load_in_4bit and a.merge_lora:
         raise usage_error("--merge-lora with --load-in-4bit would fold the adapters into 4-bit weights; merge them "
                           "into the original bf16 model instead (lora.load_adapter + lora.merge_and_save)")
+    if "liger" in kernels and importlib.util.find_spec("liger_kernel") is None:
+        raise usage_error("--kernels liger needs Liger-Kernel: pip install liger-kernel (or use --kernels default, "
+                          "this project's kernels)")
     if a.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise usage_error("--load-in-4bit needs the bitsandbytes package: pip install bitsandbytes")
     if (a.save_every or a.merge_lora) and a.output_dir is None:
         raise usage_error("--save-every and --merge-lora need --output-dir")
+    if (a.save_total_limit or a.overwrite_output_dir) and a.output_dir is None:
+        raise usage_error("--save-total-limit and --overwrite-output-dir need --output-dir")
     if a.output_dir is not None and a.output_dir.exists() and not a.output_dir.is_dir():
         raise usage_error(f"--output-dir {a.output_dir} is a file")
     if a.merge_lora and int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -339,8 +389,10 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, gradient_checkpointing=a.gradient_checkpointing, compile=a.compile,
         kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,
-        eval_fraction=a.eval_fraction if a.eval_fraction is not None else (0.05 if dataset else 0.0),
+        drop_long=a.drop_long, eval_dataset=a.eval_dataset,
+        eval_fraction=a.eval_fraction if a.eval_fraction is not None else (0.05 if dataset and a.eval_dataset is None else 0.0),
         eval_every=a.eval_every, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,
+        save_total_limit=a.save_total_limit, overwrite_output_dir=a.overwrite_output_dir,
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
         merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
         report_to=a.report_to, extra=extra)

@@ -14,9 +14,30 @@ so a resumed run needs only the step index):
     text       one raw text file, tokenised once, cut into random windows of seq_len tokens
     dataset    rows of a .jsonl / .json / .parquet file or a Hugging Face dataset id:
                  chat               {"messages": [{"role": "user", "content": ...}, ...]}
+                 ShareGPT           {"conversations": [{"from": "human", "value": ...}, ...]}, optional "system"
                  prompt/completion  {"prompt": ..., "completion": ...}
                  Alpaca             {"instruction": ..., "input": ... (optional), "output": ...}
                  plain text         {"text": ...}
+
+Files are read as UTF-8; a byte that is not UTF-8 stops the build with its file and byte offset
+(nothing is trained on replacement characters).
+
+Chat roles
+----------
+A message's role is one of ROLES (system, user, assistant, tool) or an alias of one (ROLE_ALIASES:
+ShareGPT's human and gpt, function/observation/ipython for tool output, ...). Any other role stops the
+build with the row, the role and the accepted names: a chat template renders an unknown role as a
+header the model was never trained on (LLaMA 3's prints it verbatim), and an unknown role is
+usually a whole file's naming convention, so counting such rows as dropped would hide the problem.
+
+Examples longer than seq_len
+----------------------------
+An example is cut to its first seq_len tokens (`drop_long=False`, the default): the prompt stays whole
+and the reply is cut at its end (for a chat, the later turns go first), and a cut reply has no
+end-of-turn token, so the model is not taught to stop there. An example whose first seq_len tokens
+hold no trained token (the prompt alone fills seq_len) is dropped as "prompt longer than seq_len".
+`drop_long=True` drops every example longer than seq_len instead. The data line counts rows kept
+whole, truncated and dropped, by reason.
 
 Labels
 ------
@@ -62,6 +83,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,14 +115,49 @@ ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{inpu
 # Why a row can be dropped; DataReport counts rows by these reasons.
 DROP_REASONS = {
     "not an object": "the row is not a JSON object",
-    "unknown shape": "none of messages, prompt/completion, instruction/output, text",
+    "unknown shape": "none of messages, conversations, prompt/completion, instruction/output, text",
     "missing field": "a recognised shape lacks a field (completion, output, a message's role or content)",
     "bad field type": "a field has the wrong type (content that is not a string, messages not a list)",
     "empty": "nothing to train on (empty completion, output, text or conversation)",
-    "chat template mismatch": "the template's rendering of a shorter conversation is not a prefix of the full one",
-    "longer than seq_len": "more tokens than seq_len",
+    "chat template mismatch": "the template refuses the conversation, or its rendering of a shorter conversation "
+                              "is not a prefix of the full one",
+    "prompt longer than seq_len": "no trained token within the first seq_len tokens (the prompt alone fills them)",
+    "longer than seq_len": "more tokens than seq_len (drop_long=True)",
     "no trainable token": "every label is masked (a conversation without an assistant reply)",
 }
+
+# The roles a chat row may use, and the other names datasets give them (ShareGPT, FastChat, Glaive,
+# LLaMA 3.1's "ipython" for tool output). Aliases are renamed before the chat template sees them.
+ROLES = ("system", "user", "assistant", "tool")
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "model": "assistant",
+                "function": "tool", "function_response": "tool", "observation": "tool", "ipython": "tool"}
+
+# How to convert a file that is not UTF-8 (cp1252 / Latin-1 is the usual other encoding).
+_CONVERT_HINT = "convert it to UTF-8, e.g. `iconv -f cp1252 -t utf-8 {path} > {path}.utf8` (or the file's real encoding)"
+
+
+class DataError(ValueError):
+    """Input data that cannot be used: the message says what is wrong and what to do. `report`
+    (a DataReport, when rows were already counted) is what became of the rows, for the data line."""
+
+    def __init__(self, message: str, report: "DataReport | None" = None):
+        super().__init__(message)
+        self.report = report
+
+
+class MissingPackage(ImportError):
+    """An optional package a data source needs (pyarrow for .parquet, datasets for a hub id)."""
+
+
+def bad_data_exit(err: Exception) -> SystemExit:
+    """What a script does with a data error from make_data: print the row counts when rows were read
+    (the data line a run prints before training), then `error: <message>` on stderr; exit code 2."""
+    from playbook.common import log
+
+    if getattr(err, "report", None) is not None:
+        log(f"Data: dataset {err.report}")
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    return SystemExit(2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,22 +255,32 @@ def load_rows(path_or_hub_id: str) -> list[dict]:
     return _load_hub_dataset(source)
 
 
+def read_utf8(path: Path) -> str:
+    """The file's text; a byte sequence that is not UTF-8 raises DataError with its offset and line."""
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise DataError(f"{path}: byte {err.start:,} (line {line}, value 0x{raw[err.start]:02x}) is not UTF-8 "
+                        f"({err.reason}); {_CONVERT_HINT.format(path=path)}") from None
+
+
 def _read_jsonl(path: Path) -> list:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})") from None
+    for number, line in enumerate(read_utf8(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})") from None
     return rows
 
 
 def _read_json(path: Path) -> list:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_utf8(path))
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -235,21 +302,21 @@ def _read_parquet(path: Path) -> list:
 
         return pd.read_parquet(path).to_dict("records")
     except ImportError:  # pandas absent, or present without a parquet engine
-        raise RuntimeError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
+        raise MissingPackage(f"{path}: reading .parquet files needs the pyarrow package: pip install pyarrow") from None
 
 
 def _load_hub_dataset(hub_id: str) -> list:
     try:
         import datasets
     except ImportError:
-        raise RuntimeError(f"'{hub_id}' is not a local file; loading it as a Hugging Face dataset id needs the "
-                           "`datasets` package (pip install datasets)") from None
+        raise MissingPackage(f"'{hub_id}' is not a local file; loading it as a Hugging Face dataset id needs the "
+                             "datasets package: pip install datasets") from None
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     try:
         rows = datasets.load_dataset(hub_id, split="train")  # datasets honours HF_HUB_OFFLINE itself
     except Exception as err:  # noqa: BLE001  (network, missing repo, bad split: one readable line)
         hint = " (HF_HUB_OFFLINE=1: only datasets already in the local cache can be loaded)" if offline else ""
-        raise RuntimeError(f"could not load the dataset '{hub_id}'{hint}: {type(err).__name__}: "
+        raise DataError(f"could not load the dataset '{hub_id}'{hint}: {type(err).__name__}: "
                            f"{str(err).splitlines()[0][:200] if str(err) else ''}") from None
     return [dict(r) for r in rows]
 
@@ -261,6 +328,7 @@ def _load_hub_dataset(hub_id: str) -> list:
 class Example:
     input_ids: list[int]
     labels: list[int]  # the token, or IGNORE_INDEX; not shifted
+    row: int = 0  # the row it came from, counted from 1 (for error messages)
 
 
 class BadRow(Exception):
@@ -272,16 +340,27 @@ class BadRow(Exception):
         self.reason = reason
 
 
+class UnknownRole(Exception):
+    """A chat message whose role is neither in ROLES nor in ROLE_ALIASES (stops the build: see the module docstring)."""
+
+    def __init__(self, role: str, turn: int):
+        super().__init__(role)
+        self.role, self.turn = role, turn
+
+
 @dataclass
 class DataReport:
     """What became of the rows: kept, dropped by reason, and how many tokens are trained on."""
 
     source: str
     rows: int = 0
+    seq_len: int = 0
+    truncated: int = 0  # kept, cut to seq_len tokens
     dropped: dict = field(default_factory=dict)  # reason -> number of rows
     train_examples: int = 0
     eval_examples: int = 0
-    tokens: int = 0  # tokens of the kept examples, before padding
+    eval_source: "DataReport | None" = None  # the rows of a separate eval file
+    tokens: int = 0  # tokens of the kept examples (after truncation), before padding
     trainable_tokens: int = 0  # of those, the ones with a label (!= -100)
 
     @property
@@ -291,13 +370,21 @@ class DataReport:
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
-    def __str__(self) -> str:
+    def counts(self) -> str:
+        """'30 rows: 2 kept whole, 25 truncated to 128 tokens, 3 dropped (prompt longer than seq_len: 3)'"""
         n_dropped = sum(self.dropped.values())
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(self.dropped.items()))
+        return (f"{self.rows} rows: {self.kept - self.truncated} kept whole, {self.truncated} truncated to "
+                f"{self.seq_len} tokens, {n_dropped} dropped" + (f" ({reasons})" if reasons else ""))
+
+    def __str__(self) -> str:
         share = 100.0 * self.trainable_tokens / self.tokens if self.tokens else 0.0
-        return (f"{self.source}: {self.rows} rows, {self.kept} kept ({self.train_examples} train, "
-                f"{self.eval_examples} eval), {n_dropped} dropped" + (f" ({reasons})" if reasons else "")
-                + f"; {self.tokens:,} tokens, {self.trainable_tokens:,} trainable ({share:.1f} %)")
+        split = f"{self.train_examples} train" + (f", {self.eval_examples} eval" if self.eval_source is None else "")
+        line = (f"{self.source}: {self.counts()}; {split}; {self.tokens:,} tokens, {self.trainable_tokens:,} "
+                f"trainable ({share:.1f} %)")
+        if self.eval_source is not None:
+            line += f"; eval {self.eval_source.source}: {self.eval_source.counts()}"
+        return line
 
 
 def _text_field(row: dict, key: str, required: bool = True) -> str:
@@ -320,19 +407,43 @@ def _offsets(tokenizer, text: str):
     return enc["input_ids"], enc["offset_mapping"]
 
 
-def _encode_chat(row: dict, tokenizer) -> tuple[list[int], list[bool]]:
-    messages = row["messages"]
-    if not isinstance(messages, list):
+def _chat_messages(row: dict) -> list[dict]:
+    """The row's conversation as [{"role", "content"}] with roles in ROLES. Chat rows give "messages"
+    with role/content; ShareGPT rows give "conversations" with from/value (role/content also
+    accepted there) and may give the system prompt as a top-level "system" string."""
+    sharegpt = "messages" not in row
+    turns = row["conversations"] if sharegpt else row["messages"]
+    if not isinstance(turns, list):
         raise BadRow("bad field type")
-    if not messages:
-        raise BadRow("empty")
-    for m in messages:
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
+    messages = []
+    system = row.get("system") if sharegpt else None
+    if system is not None:
+        if not isinstance(system, str):
+            raise BadRow("bad field type")
+        if system.strip():
+            messages.append({"role": "system", "content": system})
+    for turn, m in enumerate(turns, start=1):
         if not isinstance(m, dict):
             raise BadRow("bad field type")
-        if m.get("role") is None or m.get("content") is None:
+        role = m.get(role_key, m.get("role")) if sharegpt else m.get(role_key)
+        content = m.get(content_key, m.get("content")) if sharegpt else m.get(content_key)
+        if role is None or content is None:
             raise BadRow("missing field")
-        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+        if not isinstance(role, str) or not isinstance(content, str):
             raise BadRow("bad field type")
+        name = role.strip().lower()
+        name = ROLE_ALIASES.get(name, name)
+        if name not in ROLES:
+            raise UnknownRole(role, turn)
+        messages.append({"role": name, "content": content})
+    if not turns:
+        raise BadRow("empty")
+    return messages
+
+
+def _encode_chat(row: dict, tokenizer) -> tuple[list[int], list[bool]]:
+    messages = _chat_messages(row)
     if all(not m["content"].strip() for m in messages):
         raise BadRow("empty")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -340,7 +451,10 @@ def _encode_chat(row: dict, tokenizer) -> tuple[list[int], list[bool]]:
         raise ValueError(f"chat rows need a chat template, and the tokenizer {name} has none; use an instruct "
                          "model's tokenizer, or prompt/completion rows")
     render = tokenizer.apply_chat_template
-    full = render(messages, tokenize=False)
+    try:
+        full = render(messages, tokenize=False)
+    except Exception:  # noqa: BLE001  (a template that refuses the conversation: roles out of order, ...)
+        raise BadRow("chat template mismatch") from None
     # Character spans of the assistant replies: what rendering message i adds after the assistant
     # header that add_generation_prompt would print. Found by rendering, so any template works
     # whose shorter conversations render as prefixes of the longer ones.
@@ -377,7 +491,7 @@ def encode_row(row, tokenizer, train_on_prompt: bool = False) -> Example:
     """One row -> an Example (labels masked as the module docstring says). Raises BadRow(reason)."""
     if not isinstance(row, dict):
         raise BadRow("not an object")
-    if "messages" in row:
+    if "messages" in row or "conversations" in row:
         ids, trainable = _encode_chat(row, tokenizer)
     elif "prompt" in row or "completion" in row:
         prompt, completion = _text_field(row, "prompt"), _text_field(row, "completion")
@@ -407,20 +521,36 @@ def encode_row(row, tokenizer, train_on_prompt: bool = False) -> Example:
 
 
 def encode_rows(rows: list, tokenizer, seq_len: int, train_on_prompt: bool = False,
-                source: str = "rows") -> tuple[list[Example], DataReport]:
-    """Encode every row; count the ones that cannot be used by reason instead of dropping them silently."""
-    report = DataReport(source=source, rows=len(rows))
+                source: str = "rows", drop_long: bool = False) -> tuple[list[Example], DataReport]:
+    """Encode every row; count the ones that cannot be used by reason instead of dropping them silently.
+
+    An example longer than seq_len is cut to its first seq_len tokens, or dropped with `drop_long`
+    (see "Examples longer than seq_len" in the module docstring). A chat role that is neither in
+    ROLES nor an alias raises DataError naming the row.
+    """
+    report = DataReport(source=source, rows=len(rows), seq_len=seq_len)
     examples = []
-    for row in rows:
+    for number, row in enumerate(rows, start=1):
         try:
             ex = encode_row(row, tokenizer, train_on_prompt)
-            if len(ex.input_ids) > seq_len:
-                raise BadRow("longer than seq_len")
             if all(label == IGNORE_INDEX for label in ex.labels):
                 raise BadRow("no trainable token")
+            cut = len(ex.input_ids) > seq_len
+            if cut and drop_long:
+                raise BadRow("longer than seq_len")
+            if cut:
+                ex = Example(ex.input_ids[:seq_len], ex.labels[:seq_len])
+                if all(label == IGNORE_INDEX for label in ex.labels):
+                    raise BadRow("prompt longer than seq_len")
         except BadRow as bad:
             report.drop(bad.reason)
             continue
+        except UnknownRole as odd:
+            accepted = ", ".join(ROLES) + "; aliases " + ", ".join(f"{a} -> {r}" for a, r in ROLE_ALIASES.items())
+            raise DataError(f"{source}, row {number}: message {odd.turn} has the role {odd.role!r}, which no chat "
+                            f"template knows; accepted roles: {accepted}. Rename the role in the file") from None
+        ex.row = number
+        report.truncated += cut
         examples.append(ex)
         report.tokens += len(ex.input_ids)
         report.trainable_tokens += sum(label != IGNORE_INDEX for label in ex.labels)
@@ -603,22 +733,34 @@ def _causal_batch(ids: torch.Tensor) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _check_ids_fit(ids_max: int, pad_id: int | None, vocab_size: int, what: str) -> None:
-    top = max(ids_max, pad_id if pad_id is not None else -1)
-    if top >= vocab_size:
-        raise ValueError(f"{what} produces token id {top}, but the model's vocabulary has {vocab_size} entries "
-                         f"(ids 0 to {vocab_size - 1}); use the model's own tokenizer")
+def check_ids(examples: list[Example], pad_id: int | None, vocab_size: int, source: str) -> None:
+    """Every token id of every example (and the padding id) must be in [0, vocab_size): an id outside it
+    reads past the embedding table, and as a target gives a NaN loss in the cross-entropy kernels.
+    Raises DataError naming the first example that has one (a tokenizer that does not match the model)."""
+    if pad_id is not None and not 0 <= pad_id < vocab_size:
+        raise DataError(f"the tokenizer's padding id {pad_id} is outside the model's vocabulary (ids 0 to "
+                        f"{vocab_size - 1}); use the model's own tokenizer")
+    for ex in examples:
+        low, high = min(ex.input_ids), max(ex.input_ids)
+        if low < 0 or high >= vocab_size:
+            raise DataError(f"{source}, row {ex.row}: token id {low if low < 0 else high} is outside the model's "
+                            f"vocabulary (ids 0 to {vocab_size - 1}); the tokenizer does not match the model: use "
+                            "the model's own tokenizer")
 
 
 def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_size: int, seq_len: int, seed: int,
               rank: int = 0, world_size: int = 1, packing: bool = False, train_on_prompt: bool = False,
-              eval_fraction: float = 0.0) -> TrainData:
+              eval_fraction: float = 0.0, drop_long: bool = False, eval_source: str | None = None) -> TrainData:
     """Build the training data. See the module docstring for the kinds, the labels and the batch layout.
 
     source: None (synthetic), a text file (text), or a data file / Hugging Face dataset id (dataset).
     tokenizer: a Hugging Face tokenizer; for kind 'text' None means UTF-8 bytes.
     eval_fraction: the share held out for `eval_batches` (dataset: examples, at least 1 when there are
     2 or more; text: the last tokens of the file). Not for synthetic data.
+    drop_long: drop the dataset examples longer than seq_len instead of cutting them to seq_len.
+    eval_source: a second dataset (same formats) to evaluate on instead of a held-out share.
+    Bad input raises ValueError (DataError, with the row counts in `.report` once rows were read),
+    OSError for a missing file, MissingPackage (an ImportError) for a missing optional package.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown data kind '{kind}'; choose from {', '.join(KINDS)}")
@@ -630,8 +772,10 @@ def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_s
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    if kind != "dataset" and (packing or train_on_prompt):
-        raise ValueError(f"packing and train_on_prompt apply to kind 'dataset', not '{kind}'")
+    if kind != "dataset" and (packing or train_on_prompt or drop_long or eval_source is not None):
+        raise ValueError(f"packing, train_on_prompt, drop_long and eval_source apply to kind 'dataset', not '{kind}'")
+    if eval_source is not None and eval_fraction:
+        raise ValueError("give one of eval_source (a separate eval file) and eval_fraction (a held-out share)")
     if (source is None) != (kind == "synthetic"):
         raise ValueError(f"kind '{kind}' " + ("takes no source" if kind == "synthetic" else "needs a source"))
     if kind == "synthetic" and eval_fraction:
@@ -641,14 +785,14 @@ def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_s
     if kind == "text":
         _build_text(data, Path(source), tokenizer, eval_fraction)
     elif kind == "dataset":
-        _build_dataset(data, str(source), tokenizer, packing, train_on_prompt, eval_fraction)
+        _build_dataset(data, str(source), tokenizer, packing, train_on_prompt, eval_fraction, drop_long, eval_source)
     return data
 
 
 def _build_text(data: TrainData, path: Path, tokenizer, eval_fraction: float) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} does not exist")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_utf8(path)
     ids = tokenizer(text)["input_ids"] if tokenizer is not None else list(text.encode("utf-8"))
     if tokenizer is not None:
         data.tokenizer_name = f"tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__}"
@@ -658,40 +802,66 @@ def _build_text(data: TrainData, path: Path, tokenizer, eval_fraction: float) ->
     # the model), so T tokens are enough to train on, and the held-out tail needs T for one eval window.
     n_eval = math.ceil(eval_fraction * n) if eval_fraction else 0
     if not eval_fraction and n < T:
-        raise ValueError(f"{path} has {n:,} tokens ({data.tokenizer_name}); seq_len {T} needs at least {T:,} "
-                         "(one window)")
+        raise DataError(f"{path} has {n:,} tokens ({data.tokenizer_name}); seq_len {T} needs at least {T:,} "
+                        "(one window)")
     if eval_fraction and min(n - n_eval, n_eval) < T:
-        raise ValueError(f"{path} has {n:,} tokens ({data.tokenizer_name}); eval_fraction {eval_fraction} holds out "
-                         f"{n_eval:,} and leaves {n - n_eval:,} to train on, but seq_len {T} needs at least {T:,} in each")
-    _check_ids_fit(int(tokens.max()), None, data.vocab_size, f"tokenising {path}")
+        raise DataError(f"{path} has {n:,} tokens ({data.tokenizer_name}); eval_fraction {eval_fraction} holds out "
+                        f"{n_eval:,} and leaves {n - n_eval:,} to train on, but seq_len {T} needs at least {T:,} in each")
+    outside = ((tokens < 0) | (tokens >= data.vocab_size)).nonzero()
+    if outside.numel():
+        at = int(outside[0])
+        raise DataError(f"{path}: token {at:,} of the file ({data.tokenizer_name}) has id {int(tokens[at])}, outside "
+                        f"the model's vocabulary (ids 0 to {data.vocab_size - 1}); use the model's own tokenizer")
     data.tokens = tokens[: n - n_eval]
     data.eval_tokens = tokens[n - n_eval:] if n_eval else None
     data.report.tokens = data.report.trainable_tokens = n
 
 
-def _build_dataset(data: TrainData, source: str, tokenizer, packing: bool, train_on_prompt: bool,
-                   eval_fraction: float) -> None:
+def encode_dataset(source: str, tokenizer, seq_len: int, vocab_size: int, seed: int, train_on_prompt: bool = False,
+                   eval_fraction: float = 0.0, drop_long: bool = False, eval_source: str | None = None,
+                   min_train: int = 1) -> tuple[list[Example], list[Example], int, DataReport]:
+    """Rows -> (training examples in a seeded shuffle, eval examples, padding id, report).
+
+    The eval examples are `eval_source`'s rows, or a held-out share `eval_fraction` of `source`'s (at
+    least 1 when there are 2 or more). Every id is checked against vocab_size. Raises DataError, with
+    the report attached, when fewer than `min_train` training examples remain.
+    """
     if tokenizer is None:
         raise ValueError("kind 'dataset' needs a tokenizer (make_tokenizer(model, preset))")
-    rows = load_rows(source)
-    examples, report = encode_rows(rows, tokenizer, data.seq_len, train_on_prompt, source)
+    examples, report = encode_rows(load_rows(source), tokenizer, seq_len, train_on_prompt, source, drop_long)
     if not examples:
-        raise ValueError(f"no usable row in {source}: {report}")
+        raise DataError(f"no usable row in {source} ({report.counts()})", report)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None))
-    _check_ids_fit(max(max(ex.input_ids) for ex in examples), pad_id, data.vocab_size, f"the tokenizer on {source}")
-
-    n = len(examples)
-    n_eval = 0
-    if eval_fraction:
-        if n < 2:
-            raise ValueError(f"eval_fraction needs at least 2 usable examples, {source} has {n}")
-        n_eval = min(n - 1, max(1, round(eval_fraction * n)))
-    order = torch.randperm(n, generator=_generator("split", data.seed)).tolist()
-    eval_examples = [examples[i] for i in sorted(order[:n_eval])]
+    check_ids(examples, pad_id, vocab_size, source)
+    order = torch.randperm(len(examples), generator=_generator("split", seed)).tolist()
+    if eval_source is not None:
+        eval_examples, report.eval_source = encode_rows(load_rows(eval_source), tokenizer, seq_len, train_on_prompt,
+                                                        str(eval_source), drop_long)
+        if not eval_examples:
+            raise DataError(f"no usable row in the eval file {eval_source} ({report.eval_source.counts()})", report)
+        check_ids(eval_examples, pad_id, vocab_size, str(eval_source))
+        n_eval = 0
+    else:
+        n_eval = 0
+        if eval_fraction:
+            if len(examples) < 2:
+                raise DataError(f"eval_fraction needs at least 2 usable examples, {source} has {len(examples)}", report)
+            n_eval = min(len(examples) - 1, max(1, round(eval_fraction * len(examples))))
+        eval_examples = [examples[i] for i in sorted(order[:n_eval])]
     train_examples = [examples[i] for i in order[n_eval:]]  # shuffled once: packing mixes examples
     report.train_examples, report.eval_examples = len(train_examples), len(eval_examples)
-    data.report = report
+    if len(train_examples) < min_train:
+        raise DataError(f"{source} gives {len(train_examples)} training example(s), fewer than the {min_train} needed",
+                        report)
+    return train_examples, eval_examples, pad_id, report
 
+
+def _build_dataset(data: TrainData, source: str, tokenizer, packing: bool, train_on_prompt: bool,
+                   eval_fraction: float, drop_long: bool, eval_source: str | None) -> None:
+    train_examples, eval_examples, pad_id, report = encode_dataset(
+        source, tokenizer, data.seq_len, data.vocab_size, data.seed, train_on_prompt, eval_fraction, drop_long,
+        eval_source)
+    data.report = report
     build = pack_examples if packing else pad_examples
     data.packing = packing
     data.rows = build(train_examples, data.seq_len, pad_id)
@@ -699,5 +869,6 @@ def _build_dataset(data: TrainData, source: str, tokenizer, packing: bool, train
     what = "packed rows" if packing else "training examples"
     n_rows = data.rows["input_ids"].shape[0]
     if n_rows // data.world_size < data.batch_size:
-        raise ValueError(f"{source} gives {n_rows} {what}, {n_rows // data.world_size} per rank for "
-                         f"{data.world_size} rank(s): fewer than batch_size {data.batch_size}")
+        raise DataError(f"{source} gives {n_rows} {what}, {n_rows // data.world_size} per rank for "
+                        f"{data.world_size} rank(s): fewer than batch_size {data.batch_size}; lower the batch size "
+                        "or give more rows", report)

@@ -10,11 +10,24 @@ because Triton reads it once, at import time.
 """
 
 import os
+import sys
+import warnings
 
 import torch
 
+# Triton imported earlier without the switch: its own @triton.jit helpers (tl.sum, tl.max, ...) were
+# built for the GPU, and a kernel that calls one in the interpreter fails with "Cannot call
+# @triton.jit'd outside of the scope of a kernel". Known here, said plainly (check_device raises).
+TRITON_IMPORTED_TOO_EARLY = (not torch.cuda.is_available() and "triton" in sys.modules
+                             and os.environ.get("TRITON_INTERPRET", "0") != "1")
+TOO_EARLY_ADVICE = ("triton was imported before the kernel module on a machine without a CUDA GPU, so Triton's "
+                    "own functions were built for the GPU and its CPU interpreter cannot run the kernels (Triton "
+                    "reads TRITON_INTERPRET once, at import). Import the kernel module (or playbook.kernel_utils) "
+                    "before `import triton`, or start Python with TRITON_INTERPRET=1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if TRITON_IMPORTED_TOO_EARLY:
+    warnings.warn(TOO_EARLY_ADVICE, RuntimeWarning, stacklevel=2)
 
 import triton  # noqa: E402  (must come after the interpreter switch above)
 
@@ -44,6 +57,8 @@ def check_device(t: torch.Tensor, *others: torch.Tensor) -> None:
     for o in others:
         if o.device != t.device:
             raise ValueError(f"all tensors must be on one device, got {t.device} and {o.device}")
+    if t.device.type != "cuda" and TRITON_IMPORTED_TOO_EARLY:
+        raise RuntimeError(TOO_EARLY_ADVICE)
     if t.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(
             f"tensors are on {t.device}, but Triton compiles for the GPU here; move them to "

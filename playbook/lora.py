@@ -134,14 +134,36 @@ def _refuse_sharded(model, what: str) -> None:
                            "and merge it on one process (load the base model, load_adapter, merge_and_save)")
 
 
+def name_base_model(model: nn.Module, name_or_path: str, note: str | None = None) -> None:
+    """Record the base model in the adapter's config, so that a saved adapter_config.json names it
+    (`base_model_name_or_path`, which peft's AutoPeftModelForCausalLM.from_pretrained loads first).
+
+    name_or_path: a Hugging Face id, or a local directory (stored as its absolute path). note: for a
+    base that AutoPeft cannot fetch (a preset): a line saved beside it as `base_model_note`; both are
+    then written into the saved file only (peft would look the name up on the Hub at every save).
+    """
+    _require_peft_model(model, "name_base_model")
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        name_or_path = str(local.resolve())
+    from playbook.checkpoint import BASE_NOTE_KEY
+
+    if note is None:
+        model.peft_config[model.active_adapter].base_model_name_or_path = name_or_path
+        setattr(model, BASE_NOTE_KEY, None)
+    else:
+        setattr(model, BASE_NOTE_KEY, {"base_model_name_or_path": name_or_path, "base_model_note": note})
+
+
 def save_adapter(model: nn.Module, directory) -> Path:
     """Write the adapter (adapter_model.safetensors + adapter_config.json) into `directory`, atomically."""
     _require_peft_model(model, "save_adapter")
     _refuse_sharded(model, "save_adapter")
-    from playbook.checkpoint import atomic_directory
+    from playbook.checkpoint import add_base_model_note, atomic_directory
 
     with atomic_directory(directory) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
+        add_base_model_note(tmp, model)
     return Path(directory)
 
 

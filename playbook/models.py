@@ -76,6 +76,24 @@ def _hub_advice(model_id: str, err: Exception) -> str:
     )
 
 
+def adapter_directory_advice(name: str) -> str:
+    """What to do with a LoRA adapter directory given where a model belongs."""
+    import json
+
+    folder = Path(name).expanduser()
+    try:
+        saved = json.loads((folder / "adapter_config.json").read_text())
+    except ValueError:
+        saved = {}
+    base = saved.get("base_model_name_or_path") or "the base model it was trained on"
+    text = (f"--model {name} is a LoRA adapter (adapter_config.json), not a whole model: pass the base model as "
+            f"--model ({base}); in Python, load the base and then the adapter (playbook.lora.load_adapter, or "
+            f"peft's AutoPeftModelForCausalLM.from_pretrained('{name}') for a base on the Hub or on disk)")
+    if (folder / "trainer_state.pt").is_file():
+        text += (f"; to continue training it, --model {base} --lora-r {saved.get('r', 'R')} --resume {name}")
+    return text
+
+
 def looks_like_path(name: str) -> bool:
     """A local directory rather than a hub id ('org/name'): absolute, ./ ../ ~, or more than one '/'."""
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
@@ -117,6 +135,8 @@ def load_model(cfg, dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, str
         return build_preset(cfg.model, cfg.num_layers, cfg.device, dtype), cfg.model, f"preset {cfg.model} (random weights)"
     if looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
         raise SystemExit(f"error: --model {cfg.model}: no such local directory")
+    if (Path(cfg.model).expanduser() / "adapter_config.json").is_file():
+        raise usage_error(adapter_directory_advice(cfg.model))
     try:
         from transformers import AutoModelForCausalLM
 

@@ -295,8 +295,8 @@ def apply_peer(model, peer: str) -> str:
         raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
     try:
         import liger_kernel.transformers as liger
-    except ImportError as err:
-        raise RuntimeError(f"--kernels liger needs Liger-Kernel (pip install liger-kernel): {err}") from None
+    except ImportError as err:  # the scripts refuse --kernels liger before this (config.parse_config)
+        raise ImportError(f"the peer 'liger' needs Liger-Kernel: pip install liger-kernel ({err})") from None
     fn = getattr(liger, f"apply_liger_kernel_to_{model.config.model_type}", None)
     if fn is None:
         raise RuntimeError(f"Liger-Kernel has no kernels for model type {model.config.model_type!r}")

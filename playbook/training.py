@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -134,10 +135,13 @@ class LRSchedule:
         return {"last_step": self.last_step, "total": self.total, "warmup": self.warmup, "kind": self.kind}
 
     def load_state_dict(self, state: dict) -> None:
-        if (state["total"], state["warmup"], state["kind"]) != (self.total, self.warmup, self.kind):
-            raise SystemExit(f"error: the checkpoint's schedule ({state['kind']}, {state['total']} steps, "
-                             f"{state['warmup']} warm-up) differs from this run's ({self.kind}, {self.total}, "
-                             f"{self.warmup}); resume with the same --steps / --epochs and schedule flags")
+        """The saved position. The kind and the warm-up must be the saved ones; the length may differ (a
+        resumed run given more or fewer --steps): the schedule then follows this run's length from
+        here on, which for a decaying kind changes the rate of every remaining step."""
+        if (state["warmup"], state["kind"]) != (self.warmup, self.kind):
+            raise ValueError(f"the checkpoint's schedule ({state['kind']}, {state['warmup']} warm-up steps) differs "
+                             f"from this run's ({self.kind}, {self.warmup}); resume with the same --lr-schedule, "
+                             "--lr-warmup-steps and --warmup-ratio")
         self.last_step = state["last_step"]
 
 
@@ -319,16 +323,17 @@ def plot_curve(result: RunResult, path) -> None:
 
 
 def make_run_data(cfg, model, tokenizer=None):
-    from playbook.data import make_data
+    from playbook.data import bad_data_exit, make_data
 
     kind = "dataset" if cfg.dataset else "text" if cfg.data else "synthetic"
     rank, size = world()
     try:
         return make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
                          model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
-                         packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction)
-    except (ValueError, OSError, ImportError) as err:  # a bad file or row format: one line, not a traceback
-        raise SystemExit(f"error: {err}") from None
+                         packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction,
+                         drop_long=cfg.drop_long, eval_source=cfg.eval_dataset)
+    except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
+        raise bad_data_exit(err) from None
 
 
 def needs_tokenizer(cfg) -> bool:
@@ -352,19 +357,262 @@ def total_steps(cfg, data) -> int:
     return steps
 
 
+# ------------------------------------------------------------------------------------------------
+# Outputs and resuming: checked before the first step
+# ------------------------------------------------------------------------------------------------
+# The settings that decide a run's data order and learning-rate schedule: name in the checkpoint ->
+# the flag that sets it. A resumed run must have the same values (the kernels, the optimizer's
+# implementation, logging and the number of steps may change).
+RESUME_SETTINGS = {
+    "model": "--model", "num_layers": "--num-layers", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
+    "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "load_in_4bit": "--load-in-4bit",
+    "data": "--data / --dataset", "batch_size": "--batch-size", "grad_accum": "--grad-accum", "seq_len": "--seq-len",
+    "packing": "--packing", "train_on_prompt": "--train-on-prompt", "drop_long": "--drop-long",
+    "eval_fraction": "--eval-fraction", "seed": "--seed", "lr": "--lr", "lr_schedule": "--lr-schedule",
+    "lr_warmup_steps": "--lr-warmup-steps", "warmup_ratio": "--warmup-ratio", "weight_decay": "--weight-decay",
+}
+
+
+def data_identity(cfg) -> dict | str:
+    """The training data, as a checkpoint records it: a file's path, size and SHA-256 (a moved file with
+    the same bytes is the same data), a hub dataset's id, or "synthetic"."""
+    import hashlib
+    from pathlib import Path
+
+    source = cfg.data if cfg.data is not None else cfg.dataset
+    if source is None:
+        return "synthetic"
+    path = Path(source).expanduser()
+    if not path.is_file():
+        return {"hub": str(source)}
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def resume_settings(cfg, model_name: str) -> dict:
+    """This run's values of RESUME_SETTINGS, as stored in every checkpoint it writes."""
+    from pathlib import Path
+
+    from playbook.lora import parse_targets
+
+    local = Path(model_name).expanduser()
+    lora = bool(cfg.lora_r)
+    return {
+        "model": str(local.resolve()) if local.is_dir() else model_name, "num_layers": cfg.num_layers,
+        "lora_r": cfg.lora_r, "lora_alpha": (cfg.lora_alpha or 2 * cfg.lora_r) if lora else None,
+        "lora_dropout": cfg.lora_dropout if lora else None,
+        "lora_targets": list(parse_targets(cfg.lora_targets)) if lora else None, "load_in_4bit": cfg.load_in_4bit,
+        "data": data_identity(cfg), "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+        "seq_len": cfg.seq_len, "packing": cfg.packing, "train_on_prompt": cfg.train_on_prompt,
+        "drop_long": cfg.drop_long, "eval_fraction": cfg.eval_fraction, "seed": cfg.seed, "lr": cfg.lr,
+        "lr_schedule": cfg.lr_schedule, "lr_warmup_steps": cfg.lr_warmup_steps, "warmup_ratio": cfg.warmup_ratio,
+        "weight_decay": cfg.weight_decay,
+    }
+
+
+def _show_setting(key: str, value) -> str:
+    if key == "data" and isinstance(value, dict):
+        if "hub" in value:
+            return f"hub dataset {value['hub']}"
+        return f"{value['path']} ({value['bytes']:,} bytes, sha256 {value['sha256'][:12]})"
+    if key == "num_layers" and value is None:
+        return "all layers"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def settings_differences(saved: dict, ours: dict) -> list[str]:
+    """One line per setting that differs: "--batch-size: checkpoint 4, this run 8"."""
+    lines = []
+    for key, flag in RESUME_SETTINGS.items():
+        a, b = saved.get(key), ours.get(key)
+        if key == "data" and isinstance(a, dict) and isinstance(b, dict) and "sha256" in a and "sha256" in b:
+            same = (a["bytes"], a["sha256"]) == (b["bytes"], b["sha256"])  # the same bytes, wherever they are
+        else:
+            same = a == b
+        if not same:
+            lines.append(f"{flag}: checkpoint {_show_setting(key, a)}, this run {_show_setting(key, b)}")
+    return lines
+
+
+def _probe_folder(folder, what: str) -> None:
+    """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
+    import os
+
+    from playbook.config import usage_error
+
+    for p in (folder, *folder.parents):
+        if p.exists() and not p.is_dir():
+            where = "is a file" if p == folder else f"lies under {p}, which is a file"
+            raise usage_error(f"{what} {folder} {where}, not a directory: choose another {what}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise usage_error(f"{what} {folder} cannot be written ({err.strerror or err}): choose a writable "
+                          "directory") from None
+
+
+def check_output_folders(cfg) -> None:
+    """results/ and --output-dir are directories this run can write, checked before the model is built."""
+    _probe_folder(RESULTS_DIR, "the results folder")
+    if cfg.output_dir is not None:
+        _probe_folder(cfg.output_dir, "--output-dir")
+
+
+def resume_error(cfg, err) -> SystemExit:
+    """A checkpoint that cannot be resumed: one line naming it and what is wrong, exit code 2."""
+    from playbook.config import usage_error
+
+    return usage_error(f"--resume {cfg.resume}: {str(err).strip()}")
+
+
+def read_resume(cfg) -> dict:
+    """read_checkpoint_info of --resume, its errors as resume_error."""
+    from playbook.checkpoint import read_checkpoint_info
+
+    try:
+        return read_checkpoint_info(cfg.resume)
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise resume_error(cfg, err) from None
+
+
+def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
+    """Stop (exit code 2) when this run's settings differ from the checkpoint's, one line each; warn when
+    the checkpoint predates stored settings; say how the schedule changes when the length does."""
+    saved = info["extra"].get("settings")
+    if saved is None:
+        log(f"warning: {info['path']} stores no run settings (an older checkpoint): whether this run's batch size, "
+            "data, sequence length and schedule are the saved run's cannot be checked")
+    else:
+        lines = settings_differences(saved, settings)
+        if lines:
+            import sys
+
+            print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
+                  "data order and the learning-rate schedule:", file=sys.stderr)
+            for line in lines:
+                print(f"  {line}", file=sys.stderr)
+            print("Resume with the checkpoint's values, or start a new run (another --output-dir).", file=sys.stderr)
+            raise SystemExit(2)
+    schedule = info["scheduler"]
+    if schedule and schedule["total"] != steps and info["step"] < steps:
+        start, kind = info["step"], schedule["kind"]
+        if kind == "constant":
+            log(f"The run's length changes from {schedule['total']} to {steps} steps (constant learning rate: "
+                "the remaining steps' rate is unchanged)")
+        else:
+            before = LRSchedule(_NoGroups(), schedule["total"], schedule["warmup"], kind).factor(start)
+            after = LRSchedule(_NoGroups(), steps, schedule["warmup"], kind).factor(start)
+            log(f"The schedule's length changes from {schedule['total']} to {steps} steps: the {kind} decay is rebuilt "
+                f"for {steps} steps, so the remaining steps' learning rate follows the new length (step {start + 1}: "
+                f"{cfg.lr * after:.3g} instead of {cfg.lr * max(before, 0.0):.3g})")
+
+
+class _NoGroups:
+    param_groups = ()
+
+
+def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
+    """--output-dir must not hold another run's checkpoints: this run's would be mixed with them.
+
+    Allowed: no checkpoints; resuming from a checkpoint of this folder, the later ones (if any)
+    belonging to the same run (same length: with the same settings they are what this run computes
+    again, and it replaces them as it reaches them). Otherwise stop, unless --overwrite-output-dir,
+    which deletes those checkpoints (all of them, or the ones after the resumed one) first."""
+    import shutil
+
+    from playbook.checkpoint import LATEST_FILE, list_checkpoints
+    from playbook.config import usage_error
+
+    out = cfg.output_dir
+    if out is None:
+        return
+    found = list_checkpoints(out)
+    if not found:
+        return
+    inside = info is not None and info["path"].resolve().parent == out.resolve()
+    if inside:
+        others = [p for s, p in found if s > info["step"]]
+        schedule = info["scheduler"] or {}
+        if not others or schedule.get("total") == steps:
+            return
+        what = (f"{', '.join(p.name for p in others)}, later than the resumed {info['path'].name} and from a run of "
+                f"{schedule.get('total')} steps (this one has {steps})")
+    else:
+        others = [p for _, p in found]
+        what = f"another run's checkpoints ({', '.join(p.name for p in others)})"
+    if not cfg.overwrite_output_dir:
+        raise usage_error(f"--output-dir {out} holds {what}: this run's checkpoints would be mixed with them. Choose "
+                          "another --output-dir, resume that run (--resume), or add --overwrite-output-dir to delete "
+                          "them before training")
+    if is_main():
+        for p in others:
+            shutil.rmtree(p)
+        latest = out / LATEST_FILE
+        if latest.is_file() and not (out / latest.read_text().strip()).is_dir():
+            latest.unlink()
+    log(f"--overwrite-output-dir: deleted {', '.join(p.name for p in others)} from {out} before training")
+
+
+def weights_finite(model) -> bool:
+    """Whether every trainable parameter is finite (a sync point; all processes agree)."""
+    with torch.no_grad():
+        flags = [torch.isfinite(p.to_local() if type(p).__name__ == "DTensor" else p).all()
+                 for p in model.parameters() if p.requires_grad]
+        ok = torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)
+        if world()[1] > 1:
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        return bool(ok)
+
+
+def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str:
+    """What stops a run whose loss is NaN or inf: the step, the likely causes, the last good checkpoint."""
+    if last_good is not None:
+        where = f"The last good checkpoint (finite weights): {last_good[1]} (step {last_good[0]})."
+    elif cfg.output_dir is None:
+        where = "No checkpoint was written (no --output-dir)."
+    else:
+        where = "No checkpoint with finite weights was written before it."
+    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: the learning rate (--lr {cfg.lr:g}: "
+            "try a lower one, a warm-up with --lr-warmup-steps, or --max-grad-norm 1.0); the data (an example of "
+            "this step with broken tokens or labels); or overflow in reduced precision (fp16 / bf16 / --fp8 "
+            f"activations out of range: compare with --kernels none, without --fp8). {where}")
+
+
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
     try:
         return _train(cfg)
     except KeyboardInterrupt:
-        raise SystemExit("\ninterrupted (Ctrl-C): the run stopped before its summary; checkpoints already written "
-                         "under --output-dir are complete") from None
+        print("\ninterrupted (Ctrl-C): the run stopped before its summary; checkpoints already written under "
+              "--output-dir are complete", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None  # 128 + SIGINT, as a shell reports it
+    except RuntimeError as err:  # memory ran out building the model or the data, before the loop's own handler
+        if not is_out_of_memory(err):
+            raise
+        raise SystemExit(oom_message(cfg, err)) from None
 
 
 def _train(cfg) -> dict:
     from tabulate import tabulate
 
+    check_output_folders(cfg)
+    info = read_resume(cfg) if cfg.resume is not None else None
     model, model_name, desc, kernel_report = prepare_model(cfg)
+    if cfg.lora_r:
+        from playbook.lora import name_base_model
+
+        name_base_model(model, model_name, f"{model_name} is a preset of this project (its architecture with random "
+                                           "weights, built by playbook.models.build_preset): not on the Hugging Face "
+                                           "Hub, so AutoPeftModelForCausalLM cannot fetch it; build the preset, then "
+                                           "playbook.lora.load_adapter" if model_name in PRESETS else None)
     _, size = world()
     n_params, n_train = count_params(model), count_params(model, trainable_only=True)
     count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
@@ -376,9 +624,20 @@ def _train(cfg) -> dict:
     log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
     if steps <= cfg.warmup_steps:
-        raise SystemExit(f"error: {steps} steps leave no timed step after --warmup-steps {cfg.warmup_steps}")
+        raise SystemExit(f"error: {steps} steps leave no timed step after --timing-warmup-steps {cfg.warmup_steps}")
+    settings = resume_settings(cfg, model_name)
+    if info is not None:
+        saved_size = int(info["extra"].get("world_size", 1))
+        if saved_size != size and cfg.dataset:
+            raise resume_error(cfg, f"the checkpoint was written by {saved_size} process(es), this run has {size}: a "
+                                    "--dataset epoch is dealt out among the processes, so at another count the step "
+                                    f"no longer says which rows were seen; resume with {saved_size} process(es)")
+        check_resume(cfg, info, settings, steps)
+    check_output_checkpoints(cfg, info, steps)
     optimizer = make_optimizer(model, cfg)
     lr_warmup = cfg.lr_warmup_steps or int(cfg.warmup_ratio * steps)
+    if info is not None and info["scheduler"] and not cfg.lr_warmup_steps and cfg.warmup_ratio:
+        lr_warmup = info["scheduler"]["warmup"]  # a share of the saved run's length: the warm-up already done
     schedule = LRSchedule(optimizer, steps, lr_warmup, cfg.lr_schedule)
     tag = cfg.tag or default_tag(cfg, model_name)
     summary_path = result_path(tag, ".json", cfg.overwrite)
@@ -394,24 +653,27 @@ def _train(cfg) -> dict:
                        params=n_params, trainable_params=n_train, data=data_line, versions=versions(),
                        config=cfg.as_dict())
     start = 0
-    if cfg.resume is not None:
+    last_good = None  # (step, directory) of the newest checkpoint with finite weights
+    last_saved = None  # the newest complete checkpoint
+    if info is not None:
         from playbook.checkpoint import load_checkpoint
 
-        state = load_checkpoint(cfg.resume, model, optimizer, schedule)
+        try:
+            state = load_checkpoint(info["path"], model, optimizer, schedule)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
+            raise resume_error(cfg, err) from None
         start = int(state["step"])
+        last_good, last_saved = (start, info["path"]), info["path"]
         saved_size = int(state.get("world_size", 1))
-        if saved_size != size and cfg.dataset:
-            raise SystemExit(f"error: the checkpoint was written by {saved_size} process(es), this run has {size}: a "
-                             "--dataset epoch is dealt out among the processes, so at another count the step no longer "
-                             f"says which rows were seen; resume with {saved_size} process(es)")
         if saved_size != size:
             log(f"The checkpoint was written by {saved_size} process(es), this run has {size}: the weights, optimizer "
                 "and schedule carry over; the batches and random numbers from here on are this run's own")
         result.losses = list(state.get("losses", []))[:start]
         result.eval_losses = [tuple(e) for e in state.get("eval_losses", []) if e[0] <= start]
-        log(f"Resumed from {cfg.resume} at step {start} of {steps}")
+        log(f"Resumed from {info['path']} at step {start} of {steps}")
         if start >= steps:
-            raise SystemExit(f"error: the checkpoint is at step {start}, and this run has only {steps} steps")
+            raise resume_error(cfg, f"the checkpoint is at step {start}, and this run has only {steps} steps; give "
+                                    f"more --steps (or --epochs) to continue it")
     timed_from = start + cfg.warmup_steps
     log(f"Training: steps {start + 1}-{steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
         f"{cfg.batch_size} x {cfg.seq_len} tokens per step{' per GPU' if size > 1 else ''}, {result.optimizer}, "
@@ -420,6 +682,7 @@ def _train(cfg) -> dict:
 
     bar = tqdm(range(start, steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
                dynamic_ncols=True)
+    stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
     try:
         for step in bar:
             if step == timed_from and cfg.on_gpu:
@@ -435,8 +698,8 @@ def _train(cfg) -> dict:
             dt = time.perf_counter() - t0
             loss_value = loss.float().item()  # a sync point (already synchronised above)
             if not math.isfinite(loss_value):
-                raise SystemExit(f"error: the loss is {loss_value} at step {step + 1}; try a lower --lr or "
-                                 "--max-grad-norm 1.0")
+                stopped = nonfinite_message(cfg, loss_value, step + 1, steps, last_good)
+                break
             result.losses.append(loss_value)
             if step >= timed_from:
                 result.step_times_s.append(dt)
@@ -461,7 +724,16 @@ def _train(cfg) -> dict:
                 else:
                     bar.write(line)
             if cfg.output_dir is not None and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step == steps - 1):
-                save(cfg, step + 1, model, tokenizer, optimizer, schedule, result)
+                try:
+                    path = save(cfg, step + 1, model, tokenizer, optimizer, schedule, result, settings)
+                except (OSError, RuntimeError) as err:  # a full disk, permissions: the summary is still written
+                    stopped = (f"error: the checkpoint of step {step + 1} could not be written to {cfg.output_dir} "
+                               f"({str(err).splitlines()[0][:300]})"
+                               + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
+                    break
+                last_saved = path
+                if weights_finite(model):
+                    last_good = (step + 1, path)
     except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
@@ -472,7 +744,7 @@ def _train(cfg) -> dict:
     if cfg.on_gpu:
         result.peak_memory_gb = torch.cuda.max_memory_allocated(cfg.device) / 1e9
     summary = result.summary(gpu_bf16_peak_tflops(cfg.device), flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
-    payload = {**asdict(result), "summary": summary}
+    payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if is_main():
         rows = [(k, format_value(k, v)) for k, v in summary.items()]
         unit = "GPUs" if cfg.on_gpu else "processes"
@@ -487,6 +759,10 @@ def _train(cfg) -> dict:
         plot_curve(result, summary_path.with_suffix(".png"))
         print(f"Saved {summary_path}, its loss curve {summary_path.with_suffix('.png').name} and "
               f"{metrics.path.name}")
+    if stopped is not None:
+        if size > 1:
+            torch.distributed.destroy_process_group()
+        raise SystemExit(f"{stopped}\nThe summary of the {len(result.losses)} steps done is in {summary_path}")
     if cfg.lora_r and cfg.merge_lora and is_main():
         from playbook.lora import merge_and_save
 
@@ -498,11 +774,15 @@ def _train(cfg) -> dict:
     return payload
 
 
-def save(cfg, step, model, tokenizer, optimizer, schedule, result) -> None:
+def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None):
+    """Write checkpoint-<step> (keeping the newest --save-total-limit); `settings`: resume_settings."""
     from playbook.checkpoint import save_checkpoint
 
     extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
-             "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1]}
-    path = save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra)
+             "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1],
+             "settings": settings}
+    path = save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra,
+                           keep_last=cfg.save_total_limit)
     if path is not None:
         log(f"checkpoint: {path}")
+    return path

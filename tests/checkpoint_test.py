@@ -358,6 +358,19 @@ def test_errors(tmp_path):
     assert str(state_file) in expect_error(RuntimeError, load_checkpoint, path, model)
 
 
+def test_read_checkpoint_info(tmp_path):
+    """What resuming checks first (step, kind of weights, schedule, extra), without reading the weights."""
+    model = tiny()
+    optimizer, scheduler = make_training(model)
+    save_checkpoint(tmp_path, 3, model, None, optimizer, None, {"settings": {"batch_size": 2}})
+    info = checkpoint.read_checkpoint_info(tmp_path)  # follows `latest`
+    assert info["path"] == tmp_path / "checkpoint-3" and info["step"] == 3 and info["weights"] == "full"
+    assert info["scheduler"] is None and info["extra"] == {"settings": {"batch_size": 2}}
+    (tmp_path / "checkpoint-3" / checkpoint.STATE_FILE).write_bytes(b"not a zip")
+    assert "cannot be read" in expect_error(RuntimeError, checkpoint.read_checkpoint_info, tmp_path)
+    record("read_checkpoint_info: step, weights, extra; a corrupt state is one clear error", 0.0, 0.0, True)
+
+
 def test_several_processes_need_a_process_group(tmp_path, monkeypatch):
     """WORLD_SIZE > 1 without torch.distributed initialised: both functions refuse, naming the fix,
     instead of writing (or reading) one process's view of a sharded model."""
@@ -417,11 +430,33 @@ def test_lora_checkpoint(tmp_path):
     assert "full weights" in expect_error(RuntimeError, load_checkpoint, full, again)
 
 
+def test_adapter_config_names_the_base(tmp_path):
+    """adapter_config.json names the base (AutoPeftModelForCausalLM loads it first): a local directory as
+    its absolute path; a preset by name, with a note that AutoPeft cannot fetch it."""
+    import json
+
+    from playbook import lora
+
+    model, optimizer, scheduler = _lora_run(seed_base=13)
+    base = tmp_path / "base"
+    base.mkdir()
+    lora.name_base_model(model, str(base))
+    saved = json.loads((lora.save_adapter(model, tmp_path / "adapter") / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(base.resolve()) and "base_model_note" not in saved
+    lora.name_base_model(model, "llama-tiny", note="a preset: not on the Hub")
+    path = save_checkpoint(tmp_path / "out", 1, model, None, optimizer, scheduler, {})
+    saved = json.loads((path / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "llama-tiny" and saved["base_model_note"] == "a preset: not on the Hub"
+    again, *_ = _lora_run(seed_base=13)
+    load_checkpoint(path, again)  # the extra key is no obstacle to resuming
+    record("adapter_config.json names the base (and a preset's note)", 0.0, 0.0, True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Two processes (torchrun, FSDP2, gloo on the CPU)
 # ------------------------------------------------------------------------------------------------
 HERE = Path(__file__).resolve().parent.parent  # the repository root
-RUN = ["--steps", "4", "--warmup-steps", "1", "--seq-len", "32", "--kernels", "none", "--lr", "1e-3", "--lr-schedule",
+RUN = ["--steps", "4", "--timing-warmup-steps", "1", "--seq-len", "32", "--kernels", "none", "--lr", "1e-3", "--lr-schedule",
        "cosine", "--lr-warmup-steps", "2", "--weight-decay", "0.1", "--log-every", "100", "--overwrite"]
 PHASES = {  # the worker's runs, in order: name -> command-line words after RUN (SCRATCH: the test's folder)
     "straight": ["--output-dir", "SCRATCH/straight", "--save-every", "2"],
@@ -542,7 +577,7 @@ def _cleanup_results(tags):
             (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
-def test_fsdp2_save_and_resume(tmp_path):
+def test_fsdp2_save_and_resume(tmp_path, capsys):
     """torchrun --nproc-per-node 2 (FSDP2, gloo): 4 steps straight == 2 + save + resume + 2, bit for bit,
     for full fine-tuning and for LoRA; every rank's random state comes back; the checkpoint has the
     one-process layout and loads with AutoModelForCausalLM.from_pretrained, giving the sharded model's
@@ -621,8 +656,9 @@ def test_fsdp2_save_and_resume(tmp_path):
                   checkpoint._read_state(two)["optimizer"])
         rows = tmp_path / "rows.jsonl"
         rows.write_text("\n".join(json.dumps({"prompt": f"Count to {i}.", "completion": " 1 2 3"}) for i in range(40)))
-        with pytest.raises(SystemExit, match=r"written by 2 process\(es\), this run has 1"):
+        with pytest.raises(SystemExit) as stop:
             training.train(_config(*RUN, "--tag", "test_ckpt_dataset", "--dataset", str(rows), "--resume", str(two)))
+        assert stop.value.code == 2 and "written by 2 process(es), this run has 1" in capsys.readouterr().err
         record("1 <-> 2 processes: weights and optimizer exact; --dataset refused", 0.0, 0.0, True)
 
         # LoRA: peft's adapter files, loadable by one process on the same base.

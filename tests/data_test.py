@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 import torch
 
+from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import data
 from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
@@ -278,7 +279,7 @@ BAD_ROWS = [
     ({"text": "   "}, "empty"),
     ({"prompt": "a", "completion": ""}, "empty"),
     ({"messages": []}, "empty"),
-    ({"text": "y" * 80}, "longer than seq_len"),
+    ({"prompt": "p" * 80, "completion": "c"}, "prompt longer than seq_len"),
     ({"messages": [{"role": "user", "content": "no reply"}]}, "no trainable token"),
 ]
 
@@ -292,7 +293,7 @@ def test_bad_rows_are_counted_by_reason():
     assert d.report.dropped == want, f"{d.report.dropped} != {want}"
     assert (d.report.rows, d.report.kept, d.report.train_examples) == (len(BAD_ROWS) + 2, 2, 2)
     line = d.describe()
-    assert "\n" not in line and "13 dropped" in line and "longer than seq_len: 1" in line and "missing field: 3" in line
+    assert "\n" not in line and "13 dropped" in line and "prompt longer than seq_len: 1" in line and "missing field: 3" in line
     record(f"{len(BAD_ROWS)} bad rows, {len(want)} reasons, one line", 0, 0, True)
     message = expect_error(ValueError, lambda: _dataset([row for row, _ in BAD_ROWS], seq_len=64))
     assert "no usable row" in message and "unknown shape: 1" in message
@@ -457,10 +458,10 @@ def test_clear_errors_for_files_and_sources():
         expect_error(ValueError, data.load_rows, str(tmp / "weird.json"))
         assert "missing.jsonl" in expect_error(FileNotFoundError, data.load_rows, str(tmp / "missing.jsonl"))
         with mock.patch.dict(sys.modules, {"pyarrow": None, "pyarrow.parquet": None, "pandas": None}):
-            assert "pip install pyarrow" in expect_error(RuntimeError, data.load_rows, str(tmp / "x.parquet"))
+            assert "pip install pyarrow" in expect_error(data.MissingPackage, data.load_rows, str(tmp / "x.parquet"))
         expect_error(FileNotFoundError, data.make_data, str(tmp / "missing.txt"), "text", None, 512, 1, 8, 0)
     with mock.patch.dict(sys.modules, {"datasets": None}):  # as if `datasets` were not installed
-        assert "pip install datasets" in expect_error(RuntimeError, data.load_rows, "someone/some-dataset")
+        assert "pip install datasets" in expect_error(data.MissingPackage, data.load_rows, "someone/some-dataset")
 
 
 @pytest.mark.parametrize(
@@ -483,6 +484,193 @@ def test_bad_arguments_give_clear_errors(kwargs, error):
                     seq_len=256, seed=0)
         args.update(kwargs)
         expect_error(error, lambda: data.make_data(**args))
+
+
+# ------------------------------------------------------------------------------------------------
+# The data users bring: ShareGPT rows, odd roles, long examples, encodings, an eval file, token ids,
+# missing packages
+# ------------------------------------------------------------------------------------------------
+def _write_rows(path: Path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def _run_cfg(dataset=None, text=None, **kw):
+    """The fields of a RunConfig that training.make_run_data reads (the scripts' path into data.py)."""
+    from types import SimpleNamespace
+
+    fields = dict(dataset=dataset, data=text, batch_size=1, seq_len=256, seed=0, packing=False, train_on_prompt=False,
+                  eval_fraction=0.0, drop_long=False, eval_dataset=None)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+def _script_exit(capsys, call, *args) -> tuple[str, str]:
+    """`call` must stop as a script does on bad input: exit code 2, one `error:` line on stderr, no
+    traceback. Returns (stdout, the error line)."""
+    with pytest.raises(SystemExit) as info:
+        call(*args)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2, f"exit code {info.value.code}, want 2"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    record(f"exit 2: {lines[0][:60]}...", 0, 0, True)
+    return out, lines[0]
+
+
+TINY_MODEL = type("Model", (), {"config": type("Config", (), {"vocab_size": 512})()})()  # what make_run_data reads
+
+
+SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."},
+                              {"from": "human", "value": "Capital of Peru?"},
+                              {"from": "gpt", "value": "Lima."},
+                              {"from": "human", "value": "And of Chile?"},
+                              {"from": "gpt", "value": "Santiago."}]}
+
+
+def test_sharegpt_rows_load_as_chat(tmp_path):
+    """ShareGPT's from/value turns (human, gpt, system) give exactly the tokens and labels of the same
+    conversation in messages form; a top-level "system" string is the system message; tool aliases map to tool."""
+    want = _dataset([CHAT], seq_len=200).rows
+    top_system = {"system": "Be brief.", "conversations": SHAREGPT["conversations"][1:]}
+    for row in (SHAREGPT, top_system):
+        path = _write_rows(tmp_path / "sharegpt.jsonl", [row])
+        got = data.make_data(path, "dataset", TOK, 512, 1, 200, 0).rows
+        for key in ("input_ids", "labels"):
+            exactly(f"ShareGPT == messages: {key}", got[key], want[key])
+    tool = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "x"}]}
+    assert data._chat_messages({"conversations": [{"from": "observation", "value": "sunny"}]})[0]["role"] == "tool"
+    with pytest.raises(data.UnknownRole):
+        data._chat_messages(tool)  # function_call is no alias: refused, not guessed
+    example = data.make_data(str(EXAMPLES / "sharegpt.jsonl"), "dataset", TOK, 512, 2, 512, 0)
+    assert example.report.rows >= 4 and not example.report.dropped, example.describe()
+
+
+def test_unknown_roles_are_refused_with_the_row_and_the_accepted_roles(tmp_path):
+    wizard = {"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Abracadabra."}]}
+    path = _write_rows(tmp_path / "odd.jsonl", [CHAT, CHAT, wizard])
+    message = expect_error(data.DataError, data.make_data, path, "dataset", TOK, 512, 1, 256, 0)
+    assert "row 3" in message and "message 2" in message and "'wizard'" in message, message
+    assert "system, user, assistant, tool" in message and "human -> user" in message, message
+    sharegpt_odd = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "narrator", "value": "..."}]}
+    path = _write_rows(tmp_path / "odd_sharegpt.jsonl", [sharegpt_odd])
+    assert "'narrator'" in expect_error(data.DataError, data.make_data, path, "dataset", TOK, 512, 1, 256, 0)
+    # Aliases and case are accepted in messages rows too: "Human"/"GPT" render as user/assistant.
+    aliased = {"messages": [{"role": m["role"].upper(), "content": m["content"]} for m in CHAT["messages"]]}
+    same = _dataset([aliased], seq_len=200).rows["input_ids"]
+    exactly("upper-case roles == roles", same, _dataset([CHAT], seq_len=200).rows["input_ids"])
+
+
+def test_long_examples_are_truncated_and_counted(tmp_path, capsys):
+    """Longer than seq_len: cut to the first seq_len tokens (the prompt whole, the completion's end
+    cut, no EOS); a prompt that fills seq_len leaves nothing to train on and is dropped with its own
+    reason; drop_long drops every long example. The counts line says which happened to how many."""
+    T = 64
+    short = {"prompt": "Q?", "completion": " A."}
+    long = {"prompt": "Say it:", "completion": " " + "la " * 40}
+    prompt_too_long = {"prompt": "p" * 80, "completion": "c"}
+    rows = [short, long, prompt_too_long]
+    d = _dataset(rows, seq_len=T, batch_size=2)
+    assert (d.report.kept, d.report.truncated, d.report.dropped) == (2, 1, {"prompt longer than seq_len": 1})
+    full_ids, full_labels = _expected([([BOS] + _b(long["prompt"]), False), (_b(long["completion"]) + [EOS], True)])
+    at = [r for r in range(2) if d.rows["attention_mask"][r].sum() == T]
+    assert len(at) == 1, "the long example fills its row exactly"
+    exactly("truncated: the first seq_len ids", d.rows["input_ids"][at[0]], torch.tensor(full_ids[:T]))
+    exactly("truncated: the first seq_len labels (the prompt masked)", d.rows["labels"][at[0]], torch.tensor(full_labels[:T]))
+    line = d.describe()
+    assert f"3 rows: 1 kept whole, 1 truncated to {T} tokens, 1 dropped (prompt longer than seq_len: 1)" in line, line
+    old = _dataset(rows, seq_len=T, drop_long=True)
+    assert old.report.dropped == {"longer than seq_len": 2} and old.report.truncated == 0, old.describe()
+    # Too few examples for the batch: the counts line is printed before the error, by the scripts' path.
+    from playbook.training import make_run_data
+
+    path = _write_rows(tmp_path / "long.jsonl", rows)
+    out, error = _script_exit(capsys, make_run_data, _run_cfg(path, seq_len=T, batch_size=4), TINY_MODEL, TOK)
+    assert "fewer than batch_size 4" in error, error
+    assert f"Data: dataset {path}: 3 rows: 1 kept whole, 1 truncated to {T} tokens, 1 dropped" in out, out
+    out, error = _script_exit(capsys, make_run_data, _run_cfg(path, seq_len=T, drop_long=True, batch_size=2), TINY_MODEL, TOK)
+    assert "no usable row" not in error and "longer than seq_len: 2" in out, (out, error)
+
+
+def test_files_that_are_not_utf8_are_refused_with_the_byte_offset(tmp_path, capsys):
+    latin1 = "caf\xe9 au lait\n".encode("latin-1")  # 0xe9 at byte 3: a Latin-1 'é', not UTF-8
+    (tmp_path / "notes.txt").write_bytes(b"line one\n" + latin1 * 20)
+    (tmp_path / "rows.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "' + latin1.strip() + b'"}\n')
+    for name, kind, tok in (("notes.txt", "text", None), ("notes.txt", "text", TOK), ("rows.jsonl", "dataset", TOK)):
+        message = expect_error(data.DataError, data.make_data, str(tmp_path / name), kind, tok, 512, 1, 8, 0)
+        where = "byte 12 (line 2, value 0xe9)" if name == "notes.txt" else "byte 28 (line 2, value 0xe9)"
+        assert where in message and "iconv" in message and name in message, message
+    import distill
+
+    cfg = _run_cfg(text=tmp_path / "notes.txt", seq_len=8, extra=type("Extra", (), {"teacher": "llama-tiny"})())
+    _, error = _script_exit(capsys, distill.make_batches, cfg, 512)
+    assert "is not UTF-8" in error and "iconv" in error, error
+
+
+def test_eval_dataset_replaces_the_held_out_share(tmp_path, capsys):
+    train_path = _write_rows(tmp_path / "train.jsonl", ROWS[:10])
+    eval_rows = [{"prompt": f"Held {i}?", "completion": f" Out {i}."} for i in range(3)] + [{"text": " "}]
+    eval_path = _write_rows(tmp_path / "eval.jsonl", eval_rows)
+    d = data.make_data(train_path, "dataset", TOK, 512, 2, 32, 0, eval_source=eval_path)
+    assert d.report.train_examples == 10, "every training row is trained on: none held out"
+    held = [TOK.decode(r[r != TOK.pad_token_id], skip_special_tokens=True) for b in d.eval_batches("cpu")
+            for r in b["input_ids"]]
+    assert held == [f"Held {i}? Out {i}." for i in range(3)], held  # the eval file's rows, in order
+    assert f"; eval {eval_path}: 4 rows: 3 kept whole, 0 truncated to 32 tokens, 1 dropped (empty: 1)" in d.describe()
+    expect_error(ValueError, lambda: data.make_data(train_path, "dataset", TOK, 512, 2, 32, 0, eval_fraction=0.1,
+                                                    eval_source=eval_path))
+    # The flag: refused beside an explicit --eval-fraction and without --dataset; it turns the default share off.
+    from playbook.config import make_parser, parse_config
+
+    parser = make_parser("test")
+    cfg = parse_config(parser, "finetune_optimized", ["--dataset", train_path, "--eval-dataset", eval_path])
+    assert (cfg.eval_dataset, cfg.eval_fraction) == (eval_path, 0.0)
+    for argv in (["--dataset", train_path, "--eval-dataset", eval_path, "--eval-fraction", "0.1"],
+                 ["--eval-dataset", eval_path]):
+        _script_exit(capsys, parse_config, parser, "finetune_optimized", argv)
+    # finetune_trainer.py builds its Trainer datasets through the same function.
+    import finetune_trainer
+
+    train_set, eval_set = finetune_trainer.build_datasets(
+        _run_cfg(train_path, seq_len=32, eval_dataset=eval_path), TOK, 512)
+    assert (len(train_set), len(eval_set)) == (10, 3)
+    assert "Data: dataset" in capsys.readouterr().out
+
+
+def test_token_ids_outside_the_vocabulary_name_the_example(tmp_path, capsys):
+    """A tokenizer with an id past the model's vocabulary (a mismatched pair): the build stops naming
+    the row, before any step; out-of-range targets would otherwise reach the loss as NaN."""
+    odd = copy.deepcopy(TOK)
+    odd.add_tokens(["<|wizard|>"])  # id 262: one past the byte tokenizer, and past a 262-entry model
+    wizard = odd.convert_tokens_to_ids("<|wizard|>")
+    path = _write_rows(tmp_path / "rows.jsonl", [TEXT, PROMPT_COMPLETION, {"text": "a <|wizard|> spell"}])
+    message = expect_error(data.DataError, data.make_data, path, "dataset", odd, wizard, 1, 64, 0)
+    assert "row 3" in message and f"token id {wizard}" in message and f"ids 0 to {wizard - 1}" in message, message
+    (tmp_path / "spell.txt").write_text("x" * 20 + "<|wizard|>" + "y" * 20)
+    message = expect_error(data.DataError, data.make_data, str(tmp_path / "spell.txt"), "text", odd, wizard, 1, 8, 0)
+    assert f"token 21 of the file" in message and f"id {wizard}" in message, message  # BOS, then 20 bytes
+    assert data.make_data(path, "dataset", odd, wizard + 1, 1, 64, 0).report.kept == 3  # fits: builds
+    from playbook.training import make_run_data
+
+    model = type("Model", (), {"config": type("Config", (), {"vocab_size": wizard})()})()
+    _, error = _script_exit(capsys, make_run_data, _run_cfg(path, seq_len=64), model, odd)
+    assert "row 3" in error
+
+
+def test_missing_optional_packages_exit_2_with_one_line(tmp_path, capsys):
+    from playbook.training import make_run_data
+
+    (tmp_path / "rows.parquet").write_bytes(b"PAR1")
+    with mock.patch.dict(sys.modules, {"pyarrow": None, "pyarrow.parquet": None, "pandas": None}):
+        _, error = _script_exit(capsys, make_run_data, _run_cfg(str(tmp_path / "rows.parquet")), TINY_MODEL, TOK)
+    assert "needs the pyarrow package: pip install pyarrow" in error, error
+    with mock.patch.dict(sys.modules, {"datasets": None}):  # as if `datasets` were not installed
+        _, error = _script_exit(capsys, make_run_data, _run_cfg("someone/some-dataset"), TINY_MODEL, TOK)
+        assert "needs the datasets package: pip install datasets" in error, error
+        import finetune_trainer
+
+        _, error = _script_exit(capsys, finetune_trainer.build_datasets, _run_cfg("someone/some-dataset"), TOK, 512)
+        assert "pip install datasets" in error, error
 
 
 # ------------------------------------------------------------------------------------------------

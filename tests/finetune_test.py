@@ -408,7 +408,7 @@ def _run(*argv, tag):
 def test_resume_reproduces_the_uninterrupted_curve(tmp_path):
     """Train 2N steps saving at N; resume from step N and train to 2N: the same losses at every step."""
     out = tmp_path / "ckpt"
-    args = ["--data", str(TEXT), "--steps", "6", "--warmup-steps", "1", "--lr", "1e-3", "--lr-schedule", "cosine",
+    args = ["--data", str(TEXT), "--steps", "6", "--timing-warmup-steps", "1", "--lr", "1e-3", "--lr-schedule", "cosine",
             "--lr-warmup-steps", "2", "--grad-accum", "2", "--kernels", "rmsnorm,linear_cross_entropy",
             "--seq-len", "32", "--output-dir", str(out)]
     whole = _run(*args, "--save-every", "3", tag="test_resume_whole")
@@ -424,7 +424,7 @@ def test_resume_reproduces_the_uninterrupted_curve(tmp_path):
 @pytest.mark.parametrize("kernels", ["default", "rmsnorm,cross_entropy"])  # together: every kernel
 def test_compile_matches_eager(kernels):
     """--compile with the kernels: the compiled model's losses follow the eager ones."""
-    args = ["--data", str(TEXT), "--steps", "3", "--warmup-steps", "1", "--kernels", kernels, "--lr", "1e-3",
+    args = ["--data", str(TEXT), "--steps", "3", "--timing-warmup-steps", "1", "--kernels", kernels, "--lr", "1e-3",
             "--batch-size", "2", "--seq-len", "32"]
     eager = _run(*args, tag="test_compile_eager")
     compiled = _run(*args, "--compile", tag="test_compile_compiled")
@@ -478,7 +478,7 @@ def test_trainer_under_torchrun_two_processes(tmp_path):
 
     rows = _trainer_rows(tmp_path)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "finetune_trainer.py",
-                          "--dataset", str(rows), "--steps", "2", "--warmup-steps", "0", "--seq-len", "64", "--batch-size", "2",
+                          "--dataset", str(rows), "--steps", "2", "--timing-warmup-steps", "0", "--seq-len", "64", "--batch-size", "2",
                           "--eval-fraction", "0", "--output-dir", str(tmp_path / "o")],
                          cwd=HERE, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -526,7 +526,7 @@ def test_lora_with_gradient_checkpointing_trains():
     """--lora-r 4 --gradient-checkpointing on the tiny model, the kernels on: each decoder layer is
     recomputed in backward, two AdamW steps give finite losses, and every adapter gets a gradient
     (frozen embeddings must not cut the adapters of the checkpointed layers off from the loss)."""
-    cfg = config("--lora-r", "4", "--gradient-checkpointing", "--steps", "2", "--warmup-steps", "0",
+    cfg = config("--lora-r", "4", "--gradient-checkpointing", "--steps", "2", "--timing-warmup-steps", "0",
                  "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2")
     model = models.prepare_model(cfg)[0]
     opt = training.make_optimizer(model, cfg)
@@ -585,7 +585,7 @@ def test_distill_builds_both_models_through_prepare_model(monkeypatch):
     tag = "test_distill_prepare"
     try:
         payload = distill.main(["--teacher", "llama-tiny", "--student", "llama-tiny-student", "--mode", "baseline",
-                                "--steps", "2", "--warmup-steps", "1", "--batch-size", "1", "--seq-len", "16",
+                                "--steps", "2", "--timing-warmup-steps", "1", "--batch-size", "1", "--seq-len", "16",
                                 "--kernels", "rmsnorm", "--lora-r", "4", "--gradient-checkpointing",
                                 "--tag", tag, "--overwrite"])
     finally:
@@ -605,7 +605,7 @@ def test_distill_builds_both_models_through_prepare_model(monkeypatch):
 
 @pytest.mark.parametrize("argv, says", [
     (["--batch-size", "0"], "--batch-size: 0 must be >= 1"),
-    (["--steps", "2", "--warmup-steps", "2"], "leaves no timed step"),
+    (["--steps", "2", "--timing-warmup-steps", "2"], "leaves no timed step"),
     (["--kernels", "no_such_kernel"], "--kernels"),
     (["--alpha", "1.5"], "--alpha: 1.5 must be in [0, 1]"),
     (["--grad-accum", "2"], "distill.py does not use --grad-accum"),
@@ -641,7 +641,7 @@ def test_fsdp2_two_processes():
 
     tag = "test_fsdp2_cpu"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "finetune_optimized.py", "--steps", "3", "--warmup-steps", "1", "--grad-accum", "2", "--seq-len", "32",
+                          "finetune_optimized.py", "--steps", "3", "--timing-warmup-steps", "1", "--grad-accum", "2", "--seq-len", "32",
                           "--tag", tag, "--overwrite"],
                          cwd=HERE, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

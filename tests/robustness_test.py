@@ -33,8 +33,11 @@ BAD_ARGUMENTS = [  # (command-line words, what the one-line error must mention)
     (["--num-layers", "0"], "--num-layers"),
     (["--steps", "0"], "--steps"),
     (["--log-every", "0"], "--log-every"),
-    (["--warmup-steps", "-1"], "--warmup-steps"),
-    (["--steps", "2", "--warmup-steps", "2"], "no timed step"),
+    (["--timing-warmup-steps", "-1"], "--timing-warmup-steps"),
+    (["--steps", "2", "--timing-warmup-steps", "2"], "no timed step"),
+    (["--steps", "99999999999999999999"], "too large"),
+    (["--batch-size", str(2**31)], "too large"),
+    (["--lora-r", "8", "--lora-targets", "foo_proj"], "q_proj, k_proj"),
     (["--max-grad-norm", "-1"], "--max-grad-norm"),
     (["--max-grad-norm", "0"], "--max-grad-norm"),
     (["--lr", "0"], "--lr"),
@@ -99,10 +102,10 @@ def test_too_short_text_file(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("only a few bytes")  # 16 bytes, fewer than --seq-len 64 + 1
     out = _script("finetune_baseline.py", "--steps", "3", "--data", str(short))
-    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]  # a bad input file
     # 16 bytes + the tokenizer's begin-of-text token; the message must state both counts
     assert re.search(r"has 17 tokens.*needs at least 64", out.stderr), out.stderr[-2000:]
-    record("a text file shorter than one sequence -> exit 1, the counts stated", 0.0, 0.0, True)
+    record("a text file shorter than one sequence -> exit 2, the counts stated", 0.0, 0.0, True)
 
 
 def test_results_are_never_overwritten_silently():
@@ -110,7 +113,7 @@ def test_results_are_never_overwritten_silently():
     paths = [common.RESULTS_DIR / f"{tag}{s}" for s in ("", "-2")]
     try:
         for _ in range(2):
-            out = _script("finetune_baseline.py", "--steps", "3", "--warmup-steps", "1", "--tag", tag)
+            out = _script("finetune_baseline.py", "--steps", "3", "--timing-warmup-steps", "1", "--tag", tag)
             assert out.returncode == 0, out.stderr[-2000:]
         assert all(p.with_suffix(".json").is_file() for p in paths), "the second run must write <tag>-2.json"
         assert "exists" in out.stdout and "--overwrite" in out.stdout
@@ -136,29 +139,62 @@ _AS_FROM_A_SHELL = (
 )
 
 
-def test_ctrl_c_is_one_line():
-    proc = subprocess.Popen([sys.executable, "-c", _AS_FROM_A_SHELL, "finetune_baseline.py", "--steps", "100000",
-                             "--log-every", "1", "--tag", "test_robust_ctrl_c"], cwd=HERE, stdout=subprocess.PIPE,
+def interrupt(*argv, ready: str | None = None, timeout: float = 60) -> tuple[int, str]:
+    """Run `python *argv` as from a shell, press Ctrl-C (SIGINT) and return (exit code, stderr).
+
+    `ready`: Ctrl-C comes 0.5 s after the first stdout line that contains it (the run is under way);
+    None: 0.5 s after the process starts, while it is still importing torch (start-up). stderr's first
+    line is what the child inherited (_AS_FROM_A_SHELL); what the script printed follows."""
+    proc = subprocess.Popen([sys.executable, "-c", _AS_FROM_A_SHELL, *argv], cwd=HERE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        for line in proc.stdout:  # wait until training has started
-            if line.startswith("step"):
-                break
+        inherited = proc.stderr.readline()  # printed before the script runs
+        if ready is not None:
+            for line in proc.stdout:
+                if ready in line:
+                    break
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         try:
-            _, err = proc.communicate(timeout=60)
+            _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             _, err = proc.communicate()
-            pytest.fail(f"still running 60 s after Ctrl-C; its stderr: {err[-2000:]}")
+            pytest.fail(f"still running {timeout} s after Ctrl-C; its stderr: {err[-2000:]}")
     finally:
         proc.kill()
-    assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err, err[-2000:]
-    assert len([line for line in err.splitlines() if line.strip()]) == 2, err  # what it inherited, then the one line
+        proc.wait()
+    return proc.returncode, inherited + err
+
+
+def one_line_after_ctrl_c(err: str) -> bool:
+    """stderr holds what the child inherited, then one line from the script, and no traceback."""
+    return "Traceback" not in err and len([line for line in err.splitlines() if line.strip()]) == 2
+
+
+def test_ctrl_c_is_one_line():
+    code, err = interrupt("finetune_baseline.py", "--steps", "100000", "--log-every", "1", "--tag", "test_robust_ctrl_c",
+                          ready="step")
+    assert code == 130 and "interrupted" in err and one_line_after_ctrl_c(err), err[-2000:]
     assert not (common.RESULTS_DIR / "test_robust_ctrl_c.json").exists()
     (common.RESULTS_DIR / "test_robust_ctrl_c.metrics.jsonl").unlink(missing_ok=True)
     record("Ctrl-C during a run -> one line, exit 1", 0.0, 0.0, True)
+
+
+CTRL_C = [  # (script and arguments, the stdout text after which Ctrl-C comes; None: while it starts)
+    (("distill.py", "--steps", "100000", "--tag", "test_robust_ctrl_c_distill"), "step"),
+    (("distill.py", "--tag", "test_robust_ctrl_c_distill"), None),
+    (("benchmark_kernels.py", "--smoke"), " done"),
+    (("benchmark_kernels.py", "--smoke"), None),
+]
+
+
+@pytest.mark.parametrize("argv, ready", CTRL_C, ids=[f"{a[0]} {'mid-run' if r else 'start-up'}" for a, r in CTRL_C])
+def test_ctrl_c_in_distill_and_benchmark_is_one_line_exit_130(argv, ready):
+    code, err = interrupt(*argv, ready=ready)
+    assert code == 130 and "interrupted" in err and one_line_after_ctrl_c(err), (code, err[-2000:])
+    assert not (common.RESULTS_DIR / "test_robust_ctrl_c_distill.json").exists()
+    record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> one line, exit 130", 0.0, 0.0, True)
 
 
 if __name__ == "__main__":

@@ -523,7 +523,7 @@ def test_selfcheck_plans_the_commands_the_readme_gives():
     assert gpu[0].cmd is None
     assert gpu[1].cmd[1:] == ["-m", "pytest", "-q", "rmsnorm_test.py"]
     assert gpu[2].cmd[1:10] == ["finetune_optimized.py", "--model", "llama-3.1-8b", "--batch-size", "1",
-                                "--seq-len", "1024", "--steps", "3"] and "--warmup-steps" in gpu[2].cmd
+                                "--seq-len", "1024", "--steps", "3"] and "--timing-warmup-steps" in gpu[2].cmd
     cpu = selfcheck.plan(gpu=False)
     assert cpu[2].cmd[1:5] == ["finetune_optimized.py", "--model", "llama-tiny", "--steps"]
     assert "interpreter" in cpu[1].name

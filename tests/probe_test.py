@@ -1,0 +1,542 @@
+"""Bad input to every script, tried as a user would: each case a command line, run as a process.
+
+    $ PYTHONPATH=. python tests/probe_test.py     # the table below as a report, then the counts
+    $ pytest tests/probe_test.py
+
+Every case runs a script on the CPU (the tiny preset, a step or two of 32 tokens) and holds it to
+what docs/troubleshooting.md promises for bad input:
+
+    an error      exit code 2 for a bad argument (1 for a failure during the run, 130 for Ctrl-C),
+                  a message that names the problem, and never a Python traceback
+    handled       input that must work (the formats users bring, a flag's promised effect): exit
+                  code 0 and the effect checked
+
+Each run is classified: a clean error, handled correctly, a traceback, silent (exit 0 where an error
+was due, or the flag's effect missing), unclear (an error with the wrong exit code or a message that
+does not name the problem), or a hang. The summary line gives the counts. Cases that only argparse
+or the configuration checks see run together in two child processes (the script's `__main__`
+through runpy, once per case), so the hundred cases take under two minutes on two cores. `pytest
+tests/probe_test.py -k resume` runs the cases whose names match.
+
+The `part` of a case says where its fix lives: "probe" (the scripts, playbook/config.py,
+common.py, kernel_utils.py), "runs" (output directories, checkpoints and resume: training.py,
+checkpoint.py), "data" (the formats and files users bring: data.py), "lora" (adapters: lora.py,
+models.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from playbook.common import RESULTS_DIR
+from playbook.testkit import run_as_script
+from robustness_test import interrupt
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the cases are the CPU demo's (the tiny preset, "
+                                "the CPU allocator, benchmark_kernels.py refusing to time without a GPU)")
+
+HERE = Path(__file__).resolve().parent.parent  # the repository root
+BIG = "99999999999999999999"  # overflows a C ssize_t
+TAG = "probe_test_"  # results/probe_test_* are this file's and are removed after the run
+RUN = ["--steps", "2", "--timing-warmup-steps", "1", "--seq-len", "32"]  # a short fine-tuning run
+CHAT = ["--dataset", "examples/chat.jsonl", "--seq-len", "128", "--timing-warmup-steps", "1"]  # the resume fixture's
+
+
+@dataclass
+class Case:
+    name: str
+    argv: list  # script and arguments; {tmp} is the case's folder, {full} / {lora} the fixtures' output dirs
+    mentions: str = ""  # a regular expression (any case) the output must match: the problem named, or the effect
+    codes: tuple = (2,)  # exit codes of the right answer; (0,): the input must be handled
+    part: str = "probe"  # where the fix lives (module docstring)
+    setup: Callable | None = None  # setup(folder): files the case needs, in its own folder
+    check: Callable | None = None  # check(result, folder) -> what is wrong, or None
+    grouped: bool = False  # refused by argparse or the configuration: runs in a shared child process
+    ctrl_c: str | bool = False  # Ctrl-C: True at start-up, or after the first stdout line holding this text
+    before_training: bool = False  # an error that must come before the first step (nothing lost)
+
+
+def _write(name: str, data) -> Callable:
+    def setup(folder: Path):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return setup
+
+
+def _rows(*rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+CHAT_ROWS = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                           {"role": "assistant", "content": f"{i} + {i} is {2 * i}."}]} for i in range(40)]
+
+
+def _copy_checkpoint(src: str, damage: Callable | None = None) -> Callable:
+    """A copy of the full fixture's output dir under {tmp}/ckpt, damaged by `damage(checkpoint dir)`."""
+    def setup(folder: Path):
+        shutil.copytree(FIXTURES[src], folder / "ckpt")
+        if damage is not None:
+            damage(folder / "ckpt" / "checkpoint-2")
+    return setup
+
+
+def _truncate(path: Path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _rename_a_key(ckpt: Path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    key = next(k for k in tensors if "layers.0" in k)
+    tensors[key.replace("layers.0", "layers.0.renamed")] = tensors.pop(key)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+
+
+def _other_model(folder: Path):
+    """A local Hugging Face model of another width, with the fixture's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ckpt = FIXTURES["full"] / "checkpoint-2"
+    saved = json.loads((ckpt / "config.json").read_text())
+    cfg = LlamaConfig(**{**saved, "hidden_size": 32, "intermediate_size": 64})
+    LlamaForCausalLM(cfg).save_pretrained(folder / "other")
+    for f in ckpt.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, folder / "other" / f.name)
+
+
+def _checkpoints(folder: Path) -> list:
+    return sorted(p.name for p in (folder / "out").glob("checkpoint-*"))
+
+
+def _profiled_steps(result, folder) -> str | None:
+    tag = result["argv"][result["argv"].index("--tag") + 1]
+    trace = RESULTS_DIR / "traces" / f"{tag}.trace.json"
+    if not trace.is_file():
+        return f"no trace at {trace}"
+    steps = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name", "").startswith("ProfilerStep")}
+    return None if len(steps) == 2 else f"the trace holds {len(steps)} profiled steps, not 2"
+
+
+def _adapter_names_its_base(result, folder) -> str | None:
+    saved = json.loads((FIXTURES["lora"] / "checkpoint-2" / "adapter_config.json").read_text())
+    return None if saved.get("base_model_name_or_path") else \
+        f"adapter_config.json has base_model_name_or_path {saved.get('base_model_name_or_path')!r}"
+
+
+def _one_line(result, folder) -> str | None:
+    """After Ctrl-C, stderr holds one line (and nothing else)."""
+    lines = [line for line in result["text"].splitlines() if line.strip() and not line.startswith("USDT:")]  # the profiler's
+    return None if len(lines) == 1 else f"{len(lines)} lines on stderr after Ctrl-C: {' | '.join(lines)[-300:]}"
+
+
+SHELL_INTERRUPT = "interrupted"
+TRITON_FIRST = ("import sys, triton, torch\n"
+                "try:\n"
+                "    import rmsnorm_kernel\n"
+                "    rmsnorm_kernel.rmsnorm(torch.randn(4, 64), torch.ones(64))\n"
+                "except Exception as err:\n"
+                "    print(f'{type(err).__name__}: {err}', file=sys.stderr)\n"
+                "    sys.exit(1)\n")
+OOM_AT_BUILD = ("import runpy, sys\n"
+                "import playbook.models as m\n"
+                "def build(*a, **k):\n"
+                "    raise RuntimeError('[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can\\'t allocate "
+                "memory: you tried to allocate 64000000000 bytes')\n"
+                "m.build_preset = build\n"
+                "sys.argv = sys.argv[1:]\n"
+                "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+FT = ("finetune_baseline.py", "finetune_optimized.py")
+CASES = [
+    # ---- numbers, paths and combinations refused by argparse or the configuration (grouped) ----
+    *[Case(f"{s} --steps {BIG}", [s, "--steps", BIG], "too large", grouped=True)
+      for s in (*FT, "profile_baseline.py", "distill.py", "finetune_trainer.py")],
+    Case("--batch-size 2**31", ["finetune_baseline.py", "--batch-size", str(2**31)], "too large", grouped=True),
+    Case("--num-layers huge", ["finetune_optimized.py", "--num-layers", BIG], "too large", grouped=True),
+    Case("--grad-accum huge", ["finetune_baseline.py", "--grad-accum", BIG], "too large", grouped=True),
+    Case("--batch-size -1", ["finetune_baseline.py", "--batch-size", "-1"], "--batch-size", grouped=True),
+    Case("--batch-size 1.5", ["finetune_baseline.py", "--batch-size", "1.5"], "not an integer", grouped=True),
+    Case("--batch-size abc", ["finetune_optimized.py", "--batch-size", "abc"], "not an integer", grouped=True),
+    Case("--lr inf", ["finetune_baseline.py", "--lr", "1e400"], "finite", grouped=True),
+    Case("--lr -1", ["finetune_baseline.py", "--lr", "-1"], "--lr", grouped=True),
+    Case("--seed -1", ["finetune_baseline.py", "--seed", "-1"], "--seed", grouped=True),
+    Case("--epochs 0", ["finetune_baseline.py", "--epochs", "0", "--dataset", "examples/chat.jsonl"], "--epochs",
+         grouped=True),
+    Case("--steps and --epochs", ["finetune_baseline.py", "--steps", "3", "--epochs", "1", "--dataset",
+                                  "examples/chat.jsonl"], "choose one", grouped=True),
+    Case("--eval-fraction without --dataset", ["finetune_baseline.py", "--eval-fraction", "0.5"], "--dataset",
+         grouped=True),
+    Case("--data is a folder", ["finetune_baseline.py", "--data", "examples"], "no such file", grouped=True),
+    Case("--data and --dataset", ["finetune_baseline.py", "--data", "README.md", "--dataset", "examples/chat.jsonl"],
+         "choose one", grouped=True),
+    Case("--output-dir is a file", ["finetune_baseline.py", "--output-dir", "README.md"], "is a file", grouped=True),
+    Case("--resume is a file", ["finetune_baseline.py", "--resume", "README.md"], "no such checkpoint", grouped=True),
+    Case("--tag with a space", ["finetune_baseline.py", "--tag", "my run"], "--tag", grouped=True),
+    Case("--kernels ''", ["finetune_optimized.py", "--kernels", ""], "--kernels", grouped=True),
+    Case("--kernels liger,rmsnorm", ["finetune_optimized.py", "--kernels", "liger,rmsnorm"], "--kernels",
+         grouped=True),
+    Case("--fp8-backend without --fp8", ["finetune_optimized.py", "--fp8-backend", "torchao"], "--fp8", grouped=True),
+    Case("--lr-schedule bogus", ["finetune_baseline.py", "--lr-schedule", "exponential"], "invalid choice",
+         grouped=True),
+    Case("--timing-warmup-steps >= --steps", ["finetune_baseline.py", "--steps", "2", "--timing-warmup-steps", "2"],
+         "no timed step", grouped=True),
+    *[Case(f"{s} --lora-targets foo_proj", [s, "--lora-r", "4", "--lora-targets", "foo_proj"],
+           "foo_proj.*q_proj", grouped=True) for s in FT],
+    Case("--lora-targets empty", ["finetune_baseline.py", "--lora-r", "4", "--lora-targets", ","], "q_proj",
+         grouped=True),
+    *[Case(f"{s} --kernels liger, not installed", [s, "--kernels", "liger"], "pip install liger-kernel", grouped=True)
+      for s in ("finetune_optimized.py", "profile_baseline.py", "distill.py")],
+    Case("profile --save-every --output-dir", ["profile_baseline.py", "--save-every", "1", "--output-dir", "{tmp}/d"],
+         "does not use --output-dir, --save-every", grouped=True),
+    Case("profile --lr-schedule", ["profile_baseline.py", "--lr-schedule", "cosine"], "does not use --lr-schedule",
+         grouped=True),
+    Case("profile --log-every", ["profile_baseline.py", "--log-every", "1"], "does not use --log-every", grouped=True),
+    Case("profile --resume", ["profile_baseline.py", "--resume", "examples"], "does not use --resume", grouped=True),
+    Case("profile --epochs", ["profile_baseline.py", "--epochs", "1", "--dataset", "examples/chat.jsonl"],
+         "does not use --epochs", grouped=True),
+    Case("distill --dataset", ["distill.py", "--dataset", "examples/chat.jsonl"], "does not use --dataset",
+         grouped=True),
+    Case("distill --alpha 2", ["distill.py", "--alpha", "2"], "--alpha", grouped=True),
+    Case("distill --temperature 0", ["distill.py", "--temperature", "0"], "--temperature", grouped=True),
+    Case("benchmark --smoke --sizes", ["benchmark_kernels.py", "--smoke", "--sizes", "64"], "--sizes", grouped=True),
+    Case("benchmark --tune --kernels", ["benchmark_kernels.py", "--tune", "--kernels", "rmsnorm"], "--kernels",
+         grouped=True),
+    Case("benchmark --sizes 0", ["benchmark_kernels.py", "--smoke", "--sizes", "0"], "--sizes", grouped=True),
+    Case("benchmark --kernels bogus", ["benchmark_kernels.py", "--smoke", "--kernels", "bogus"], "bogus",
+         grouped=True),
+    Case("benchmark --dtype float64", ["benchmark_kernels.py", "--smoke", "--dtype", "float64"], "invalid choice",
+         grouped=True),
+    Case("benchmark without --smoke on a CPU", ["benchmark_kernels.py"], "--smoke", grouped=True),
+    Case("trainer --optimizer adamw-triton", ["finetune_trainer.py", "--dataset", "examples/chat.jsonl",
+                                              "--optimizer", "adamw-triton"], "adamw-triton", grouped=True),
+    Case("trainer without --dataset", ["finetune_trainer.py"], "--dataset", grouped=True,
+         part="data"),  # finetune_trainer.py, which the data part edits: usage_error, not SystemExit(text)
+    Case("selfcheck --bogus", ["selfcheck.py", "--bogus"], "bogus", grouped=True),
+
+    # ---- flags that must do what they say (probe) ----
+    Case("profile --steps 2 records 2 steps", ["profile_baseline.py", "--steps", "2", "--seq-len", "32"],
+         "Profiling 2 training steps", codes=(0,), check=_profiled_steps),
+    Case("--warmup-steps: deprecated alias", ["finetune_baseline.py", "--steps", "2", "--warmup-steps", "1",
+                                              "--seq-len", "32"], "deprecated.*--timing-warmup-steps.*--lr-warmup-steps",
+         codes=(0,)),
+    # ---- memory runs out (probe; at model build in the fine-tuning scripts: training.train, runs) ----
+    *[Case(f"{s}: a batch far too large", [s, "--batch-size", "2000000000", *RUN], "out of memory.*--batch-size",
+           codes=(1,)) for s in FT],
+    Case("profile: a batch far too large", ["profile_baseline.py", "--batch-size", "2000000000", "--seq-len", "32",
+                                            "--steps", "1"], "out of memory.*--batch-size", codes=(1,)),
+    Case("profile: memory runs out building the model", ["-c", OOM_AT_BUILD, "profile_baseline.py", "--steps", "1"],
+         "out of memory", codes=(1,)),
+    Case("finetune: memory runs out building the model", ["-c", OOM_AT_BUILD, "finetune_baseline.py", *RUN],
+         "out of memory", codes=(1,), part="runs"),
+    # ---- Ctrl-C: one line, exit 130 (probe; the fine-tuning loop's: training.train, runs) ----
+    Case("Ctrl-C: distill mid-step", ["distill.py", "--steps", "100000"], SHELL_INTERRUPT, codes=(130,), ctrl_c="step", check=_one_line),
+    Case("Ctrl-C: distill at start-up", ["distill.py"], SHELL_INTERRUPT, codes=(130,), ctrl_c=True, check=_one_line),
+    Case("Ctrl-C: benchmark mid-run", ["benchmark_kernels.py", "--smoke"], SHELL_INTERRUPT, codes=(130,),
+         ctrl_c=" done", check=_one_line),
+    Case("Ctrl-C: benchmark at start-up", ["benchmark_kernels.py", "--smoke"], SHELL_INTERRUPT, codes=(130,),
+         ctrl_c=True),
+    Case("Ctrl-C: profile mid-step", ["profile_baseline.py", "--steps", "100000"], SHELL_INTERRUPT, codes=(130,),
+         ctrl_c="Warm-up", check=_one_line),
+    Case("Ctrl-C: finetune mid-step", ["finetune_baseline.py", "--steps", "100000", "--log-every", "1"],
+         SHELL_INTERRUPT, codes=(130,), ctrl_c="step", part="runs", check=_one_line),
+    # ---- the kernel API ----
+    Case("kernel API: triton imported before the kernel module", ["-c", TRITON_FIRST],
+         r"before `import triton`", codes=(1,)),
+
+    # ---- output directories: nothing lost (runs) ----
+    Case("--output-dir under a file", ["finetune_baseline.py", *RUN, "--output-dir", "{tmp}/file/out"],
+         "--output-dir", part="runs", setup=_write("file", "a file"), before_training=True),
+    Case("--output-dir read-only", ["finetune_baseline.py", *RUN, "--output-dir", "/sys/probe_test_out"],
+         "--output-dir", part="runs", before_training=True),
+    Case("--output-dir holds another run's checkpoints", ["finetune_baseline.py", *CHAT, "--steps", "3",
+                                                          "--output-dir", "{tmp}/ckpt"],
+         "--resume|--overwrite-output-dir", part="runs", setup=_copy_checkpoint("full"), before_training=True),
+    Case("--save-total-limit 1 keeps one checkpoint", ["finetune_baseline.py", *RUN, "--steps", "3", "--save-every",
+                                                       "1", "--save-total-limit", "1", "--output-dir", "{tmp}/out"],
+         "", codes=(0,), part="runs",
+         check=lambda r, f: None if _checkpoints(f) == ["checkpoint-3"] else f"checkpoints left: {_checkpoints(f)}"),
+    Case("a NaN loss names the last good checkpoint", ["finetune_baseline.py", *RUN, "--steps", "6", "--lr", "1e30",
+                                                       "--save-every", "1", "--output-dir", "{tmp}/out"],
+         "loss.*checkpoint", codes=(1,), part="runs"),
+    # ---- resume: the run that was saved, or what differs (runs) ----
+    *[Case(f"resume with another {flag}", ["finetune_baseline.py", *CHAT, "--steps", "3", "--resume", "{full}", *change],
+           re.escape(flag), part="runs", before_training=True)
+      for flag, change in (("--batch-size", ["--batch-size", "1"]), ("--grad-accum", ["--grad-accum", "2"]),
+                           ("--packing", ["--packing"]), ("--train-on-prompt", ["--train-on-prompt"]),
+                           ("--seq-len", ["--seq-len", "64"]))],
+    Case("resume with another dataset file", ["finetune_baseline.py", *CHAT, "--steps", "3", "--resume", "{full}",
+                                              "--dataset", "examples/alpaca.jsonl"], "dataset", part="runs",
+         before_training=True),
+    Case("resume with more --steps", ["finetune_baseline.py", *CHAT, "--steps", "3", "--resume", "{full}"],
+         "Resumed from", codes=(0,), part="runs"),
+    *[Case(f"--resume {what}", ["finetune_baseline.py", *CHAT, "--steps", "3", "--resume", resume, *more],
+           mentions, codes=(2,), part="runs", setup=setup, before_training=True)
+      for what, resume, more, mentions, setup in (
+          ("an empty directory", "{tmp}/empty", [], "checkpoint", lambda f: (f / "empty").mkdir()),
+          ("a directory that is not a checkpoint", "{tmp}/notes", [], "checkpoint", _write("notes/notes.txt", "hi")),
+          ("with model.safetensors truncated", "{tmp}/ckpt", [], "model.safetensors",
+           _copy_checkpoint("full", lambda c: _truncate(c / "model.safetensors"))),
+          ("with model.safetensors missing", "{tmp}/ckpt", [], "model.safetensors",
+           _copy_checkpoint("full", lambda c: (c / "model.safetensors").unlink())),
+          ("with trainer_state.pt missing", "{tmp}/ckpt", [], "trainer_state.pt",
+           _copy_checkpoint("full", lambda c: (c / "trainer_state.pt").unlink())),
+          ("with trainer_state.pt garbage", "{tmp}/ckpt", [], "trainer_state.pt",
+           _copy_checkpoint("full", lambda c: (c / "trainer_state.pt").write_bytes(b"\x00garbage" * 100))),
+          ("whose latest names a missing checkpoint", "{tmp}/ckpt", [], "checkpoint-9",
+           _copy_checkpoint("full", lambda c: (c.parent / "latest").write_text("checkpoint-9\n"))),
+          ("of a LoRA run into a full fine-tune", "{lora}", [], "lora", None),
+          ("of a full fine-tune into a LoRA run", "{full}", ["--lora-r", "4"], "lora", None),
+          ("with another --num-layers", "{full}", ["--num-layers", "1"], "layer", None),
+          ("with a renamed tensor", "{tmp}/ckpt", [], "layers.0", _copy_checkpoint("full", _rename_a_key)),
+          ("of another model", "{full}", ["--model", "{tmp}/other"], "model", _other_model),
+      )],
+
+    # ---- the data users bring (data) ----
+    Case("--data with bytes that are not UTF-8", ["finetune_baseline.py", *RUN, "--data", "{tmp}/latin1.txt"],
+         "UTF-8", codes=(2,), part="data", setup=_write("latin1.txt", "caf\xe9 cr\xe8me ".encode("latin-1") * 200)),
+    Case("distill --data with bytes that are not UTF-8", ["distill.py", "--steps", "2", "--seq-len", "32", "--data",
+                                                          "{tmp}/latin1.txt"],
+         "UTF-8", codes=(2,), part="data", setup=_write("latin1.txt", "caf\xe9 cr\xe8me ".encode("latin-1") * 200)),
+    Case("--dataset with bytes that are not UTF-8", ["finetune_baseline.py", *RUN, "--dataset", "{tmp}/rows.jsonl"],
+         "UTF-8", codes=(2,), part="data",
+         setup=_write("rows.jsonl", _rows(*CHAT_ROWS).encode() + b'{"text": "caf\xe9"}\n')),
+    Case("a chat role 'wizard'", ["finetune_baseline.py", *RUN, "--seq-len", "64", "--dataset", "{tmp}/rows.jsonl"],
+         "wizard", codes=(0, 2), part="data",
+         setup=_write("rows.jsonl", _rows(*CHAT_ROWS, {"messages": [{"role": "wizard", "content": "Cast a spell."},
+                                                                    {"role": "assistant", "content": "Done."}]}))),
+    Case("ShareGPT conversations (from/value)", ["finetune_baseline.py", *RUN, "--seq-len", "128", "--dataset",
+                                                 "examples/sharegpt.jsonl", "--eval-fraction", "0"],
+         "", codes=(0,), part="data"),
+    Case("examples longer than --seq-len are cut, and counted", ["finetune_baseline.py", *RUN, "--seq-len", "64",
+                                                                 "--dataset", "examples/chat.jsonl"],
+         r"\d+ (cut|truncated)|(cut|truncated)\D{0,20}\d+", codes=(0,), part="data"),
+    Case("every example dropped: the count said", ["finetune_baseline.py", *RUN, "--seq-len", "16", "--drop-long",
+                                                   "--dataset", "examples/chat.jsonl"],
+         r"\d+.{0,40}(longer|dropped)", codes=(2,), part="data"),
+    Case("--eval-dataset", ["finetune_baseline.py", *RUN, "--seq-len", "128", "--dataset", "examples/chat.jsonl",
+                            "--eval-dataset", "examples/alpaca.jsonl"], r"eval \d", codes=(0,), part="data"),
+    Case("a .parquet dataset without pyarrow", ["finetune_baseline.py", *RUN, "--dataset", "{tmp}/rows.parquet"],
+         "pip install pyarrow", codes=(2,), part="data", setup=_write("rows.parquet", b"PAR1 not really")),
+    *[Case(f"{s}: a hub dataset id without `datasets`", [s, *RUN, "--dataset", "someone/rows"],
+           "pip install datasets", codes=(2,), part="data") for s in ("finetune_baseline.py", "profile_baseline.py")],
+    Case("--dataset: no such file", ["finetune_baseline.py", *RUN, "--dataset", "{tmp}/missing.jsonl"],
+         "missing.jsonl", codes=(2,), part="data"),
+    Case("--dataset: a line that is not JSON", ["finetune_baseline.py", *RUN, "--dataset", "{tmp}/rows.jsonl"],
+         "line 41", codes=(2,), part="data", setup=_write("rows.jsonl", _rows(*CHAT_ROWS) + "{oops\n")),
+    Case("--data: an empty file", ["finetune_baseline.py", *RUN, "--data", "{tmp}/empty.txt"], "tokens",
+         codes=(2,), part="data", setup=_write("empty.txt", "")),
+    # ---- adapters (lora) ----
+    Case("a LoRA adapter directory as --model", ["finetune_baseline.py", *RUN, "--model", "{lora}/checkpoint-2"],
+         "adapter", codes=(2,), part="lora"),
+    Case("a saved adapter names its base model", ["-c", "pass"], "", codes=(0,), part="lora",
+         check=_adapter_names_its_base),
+]
+
+# The fixtures: two short runs whose checkpoints the resume cases start from (a --dataset run and a LoRA run).
+FIXTURE_RUNS = {
+    "full": ["finetune_baseline.py", *CHAT, "--steps", "2", "--save-every", "1"],
+    "lora": ["finetune_baseline.py", *RUN, "--lora-r", "4", "--save-every", "2"],
+}
+FIXTURES: dict = {}
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the cases
+# ------------------------------------------------------------------------------------------------
+# One child process runs the grouped cases, each as `python <script> <args>` would (runpy, run_name
+# '__main__'), and writes [exit code, stdout + stderr] per case; an exception that escapes is written
+# as the traceback Python would print.
+_GROUP_RUNNER = """
+import contextlib, io, json, runpy, signal, sys, traceback
+cases_file, out_file = sys.argv[1:3]
+cases = json.load(open(cases_file))
+out = []
+def too_long(*_):
+    raise TimeoutError('probe: the case ran past 60 s')
+signal.signal(signal.SIGALRM, too_long)
+for argv in cases:
+    text = io.StringIO()
+    sys.argv = list(argv)
+    signal.alarm(60)
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            runpy.run_path(argv[0], run_name='__main__')
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            code = 1
+            print('Traceback (most recent call last):', traceback.format_exc(), file=sys.stderr)
+    signal.alarm(0)
+    out.append([code, text.getvalue()])
+json.dump(out, open(out_file, 'w'))
+"""
+
+
+def _env():
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(HERE)}
+
+
+def _argv(case: Case, folder: Path, index: int) -> list:
+    places = {"{tmp}": str(folder), **{f"{{{name}}}": str(path) for name, path in FIXTURES.items()}}
+    argv = [re.sub(r"\{(tmp|full|lora)\}", lambda m: places[m.group(0)], a) for a in case.argv]
+    script = argv[0] if argv[0] != "-c" else argv[2] if len(argv) > 2 else ""
+    if script.startswith(("finetune", "profile", "distill")) and "--tag" not in argv:
+        argv += ["--tag", f"{TAG}{index}", "--overwrite"]
+    return argv
+
+
+def _run(case: Case, folder: Path, index: int) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    argv = _argv(case, folder, index)
+    start = time.perf_counter()
+    try:
+        if case.setup is not None:
+            case.setup(folder)
+        if case.ctrl_c:
+            code, text = interrupt(*argv, ready=None if case.ctrl_c is True else case.ctrl_c)
+            text = text.split("\n", 1)[1] if text.startswith("inherited") else text  # the test's own line
+        else:
+            out = subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=240,
+                                 env=_env())
+            code, text = out.returncode, out.stdout + out.stderr
+    except subprocess.TimeoutExpired:
+        code, text = None, "(no exit after 240 s)"
+    except BaseException as err:  # noqa: BLE001 (a failed set-up or Ctrl-C helper: reported as the case's)
+        code, text = None, f"probe: {type(err).__name__}: {err}"
+    return {"argv": argv, "code": code, "text": text, "seconds": time.perf_counter() - start}
+
+
+def _run_group(cases: list, folder: Path) -> list:
+    folder.mkdir(parents=True, exist_ok=True)
+    argvs = [_argv(c, folder / f"g{i}", i) for i, c in enumerate(cases)]
+    (folder / "cases.json").write_text(json.dumps(argvs))
+    out = subprocess.run([sys.executable, "-c", _GROUP_RUNNER, str(folder / "cases.json"), str(folder / "out.json")],
+                         cwd=HERE, capture_output=True, text=True, timeout=600, env=_env())
+    if out.returncode != 0 or not (folder / "out.json").is_file():
+        return [{"argv": a, "code": None, "text": f"the group runner failed: {out.stderr[-2000:]}", "seconds": 0}
+                for a in argvs]
+    return [{"argv": a, "code": code, "text": text, "seconds": 0}
+            for a, (code, text) in zip(argvs, json.loads((folder / "out.json").read_text()))]
+
+
+def classify(case: Case, result: dict, folder: Path) -> tuple[str, str]:
+    """(outcome, why): clean error, handled, traceback, silent, unclear or hang."""
+    code, text = result["code"], result["text"]
+    if code is None:
+        return "hang", text[-300:]
+    if "Traceback (most recent call last)" in text:
+        return "traceback", _last_lines(text)
+    named = re.search(case.mentions, text, re.IGNORECASE | re.DOTALL) is not None if case.mentions else True
+    if code == 0:
+        if 0 not in case.codes:
+            return "silent", f"exit 0 where an error was due ({case.codes}); {_last_lines(text)}"
+        wrong = (None if named else f"the output does not match {case.mentions!r}") or \
+            (case.check(result, folder) if case.check else None)
+        return ("silent", f"{wrong}; {_last_lines(text)}") if wrong else ("handled", "")
+    if code not in case.codes:
+        return "unclear", f"exit {code}, expected {case.codes}; {_last_lines(text)}"
+    if not named:
+        return "unclear", f"the message does not match {case.mentions!r}: {_last_lines(text)}"
+    if case.before_training and re.search(r"^Training: ", text, re.MULTILINE):
+        return "unclear", f"the error came after training started: {_last_lines(text)}"
+    wrong = case.check(result, folder) if case.check else None
+    return ("unclear", wrong) if wrong else ("clean error", "")
+
+
+def _last_lines(text: str, n: int = 3) -> str:
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("USDT:")]
+    return " | ".join(lines[-n:])[-500:]
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory) -> dict:
+    """The selected cases run, two at a time (every case when test_summary is selected): {case name:
+    (outcome, why, seconds)}. `pytest tests/probe_test.py -k resume` runs the resume cases alone."""
+    items = request.session.items
+    selected = [getattr(item, "callspec", None) for item in items]
+    names = None if any(item.name == "test_summary" for item in items) else \
+        {spec.params["case"].name for spec in selected if spec is not None and "case" in spec.params}
+    return _run_all(tmp_path_factory.mktemp("probe"), names)
+
+
+def _run_all(root: Path, names: set | None = None) -> dict:
+    cases = [c for c in CASES if names is None or c.name in names]
+    fixture_out = {name: root / name / "out" for name in FIXTURE_RUNS}
+    FIXTURES.update(fixture_out)
+    with ThreadPoolExecutor(2) as pool:
+        setups = [pool.submit(_run, Case(name, [*argv, "--output-dir", str(fixture_out[name])]), root / name, 900 + i)
+                  for i, (name, argv) in enumerate(FIXTURE_RUNS.items())]
+        for name, future in zip(FIXTURE_RUNS, setups):
+            r = future.result()
+            if r["code"] != 0:
+                print(f"probe: the fixture run {name} failed: {_last_lines(r['text'])}", file=sys.stderr)
+        grouped = [c for c in cases if c.grouped]
+        halves = [grouped[0::2], grouped[1::2]]
+        group_futures = [pool.submit(_run_group, half, root / f"group{k}") if half else None
+                         for k, half in enumerate(halves)]
+        single = [(CASES.index(c), c) for c in cases if not c.grouped]
+        # the longest first: Ctrl-C and profiling runs, then the rest
+        single.sort(key=lambda ic: (not ic[1].ctrl_c, "profile" not in ic[1].name))
+        futures = {c.name: pool.submit(_run, c, root / f"case{i}", i) for i, c in single}
+        results = {}
+        for half, future in zip(halves, group_futures):
+            for c, r in zip(half, future.result() if future else []):
+                results[c.name] = r
+        for name, future in futures.items():
+            results[name] = future.result()
+    out = {}
+    for c in cases:
+        outcome, why = classify(c, results[c.name], root / f"case{CASES.index(c)}")
+        out[c.name] = (outcome, why, results[c.name]["seconds"])
+    _clean_results()
+    return out
+
+
+def _clean_results():
+    for path in [*RESULTS_DIR.glob(f"{TAG}*"), *(RESULTS_DIR / "traces").glob(f"{TAG}*")]:
+        path.unlink(missing_ok=True)
+
+
+def summary(outcomes: dict) -> str:
+    counts = {k: sum(o == k for o, _, _ in outcomes.values())
+              for k in ("clean error", "handled", "traceback", "silent", "unclear", "hang")}
+    return (f"probe: {len(outcomes)} cases: {counts['clean error']} clean errors, {counts['handled']} handled "
+            f"correctly, {counts['traceback']} tracebacks, {counts['silent']} silent, {counts['unclear']} unclear "
+            f"(wrong exit code or message), {counts['hang']} hangs")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_case(case, outcomes):
+    outcome, why, _ = outcomes[case.name]
+    assert outcome in ("clean error", "handled"), f"{outcome} (part: {case.part}): {why}"
+
+
+def test_summary(outcomes, capsys):
+    line = summary(outcomes)
+    failing = [f"  {outcomes[c.name][0]:<11} [{c.part}] {c.name}: {outcomes[c.name][1][:300]}"
+               for c in CASES if outcomes[c.name][0] not in ("clean error", "handled")]
+    with capsys.disabled():
+        print("\n" + "\n".join([line, *failing]))
+    assert len(CASES) == len({c.name for c in CASES}), "case names must be unique"
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(__name__, "Bad input to every script, as a user gives it: probe report"))
