@@ -459,7 +459,7 @@ def test_trainer_uses_the_fused_loss(tmp_path, monkeypatch, capsys):
     trainer, metrics = finetune_trainer.main(["--dataset", str(rows), "--steps", "6", "--lr", "3e-3", "--seq-len", "64",
                                               "--batch-size", "4", "--log-every", "1", "--output-dir", str(tmp_path / "o")])
     printed = capsys.readouterr().out
-    assert "18 kept (17 train, 1 eval)" in printed, printed  # the data line reports the real split (5% held out)
+    assert "18 rows: 18 kept whole" in printed and "17 train, 1 eval" in printed, printed  # the real split (5% held out)
     assert "1 process" in printed, printed
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(calls) >= 6, f"the fused loss ran {len(calls)} times in 6 steps"

@@ -391,7 +391,10 @@ json.dump(out, open(out_file, 'w'))
 
 
 def _env():
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(HERE)}
+    """A user's environment: without the TRITON_INTERPRET=1 that this test process inherits once any
+    kernel module is imported (the scripts set it themselves; the kernel-API case must not find it set)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(HERE)}
 
 
 def _argv(case: Case, folder: Path, index: int) -> list:

@@ -264,7 +264,7 @@ def _damage(case: str, root: Path, tmp: Path) -> tuple[list, str]:
         return ["--resume", str(ckpt)], "no model.safetensors"
     if case == "missing trainer_state.pt":
         (ckpt / checkpoint.STATE_FILE).unlink()
-        return ["--resume", str(ckpt)], "not a checkpoint (no trainer_state.pt)"
+        return ["--resume", str(ckpt)], "no trainer_state.pt"
     if case == "garbage trainer_state.pt":
         (ckpt / checkpoint.STATE_FILE).write_bytes(b"\x00garbage" * 50)
         return ["--resume", str(ckpt)], "cannot be read"
