@@ -136,7 +136,7 @@ def side_by_side(base: dict | None, opt: dict) -> None:
     from tabulate import tabulate
 
     rows = []
-    for key, better in (("step time median (ms)", "lower"), ("tokens/s (job)", "higher"),
+    for key, better in (("step time median (ms)", "lower"), ("host queue median (ms)", "lower"), ("tokens/s (job)", "higher"),
                         ("MFU (% of bf16 peak)", "higher"), ("peak GPU memory (GB)", "lower"),
                         ("first loss", None), ("final loss", None), ("final eval loss", None)):
         b = base["summary"].get(key) if base else None

@@ -227,6 +227,10 @@ class RunResult:
     losses: list = field(default_factory=list)
     eval_losses: list = field(default_factory=list)  # (step, loss)
     step_times_s: list = field(default_factory=list)
+    # from the step's start until training_step returns, before the synchronisation that ends the
+    # step: how long the host needs to queue the step's work. Close to the step time on a GPU means
+    # host-bound: a faster GPU would wait for the host (docs/troubleshooting.md).
+    host_queue_s: list = field(default_factory=list)
     peak_memory_gb: float | None = None
     versions: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -243,6 +247,7 @@ class RunResult:
         return {
             "step time mean (ms)": statistics.fmean(t) * 1e3 if t else None,
             "step time median (ms)": median * 1e3 if median else None,
+            "host queue median (ms)": statistics.median(self.host_queue_s) * 1e3 if self.host_queue_s else None,
             "tokens/s (job)": tps,
             "tokens/s per GPU": tps / self.world_size if tps else None,
             "model TFLOP/s per GPU": achieved / self.world_size if achieved else None,
@@ -694,6 +699,7 @@ def _train(cfg) -> dict:
             synchronize(cfg.device)
             t0 = time.perf_counter()
             loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
+            queued = time.perf_counter() - t0  # the host's time to queue the step (no sync inside it)
             synchronize(cfg.device)
             dt = time.perf_counter() - t0
             loss_value = loss.float().item()  # a sync point (already synchronised above)
@@ -703,6 +709,7 @@ def _train(cfg) -> dict:
             result.losses.append(loss_value)
             if step >= timed_from:
                 result.step_times_s.append(dt)
+                result.host_queue_s.append(queued)
             eval_loss = None
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1:
                 eval_loss = evaluate(model, data.eval_batches(cfg.device))
@@ -712,7 +719,7 @@ def _train(cfg) -> dict:
             mem = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.on_gpu else None
             metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
                           grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
-                          step_ms=dt * 1e3, peak_memory_gb=mem)
+                          step_ms=dt * 1e3, host_queue_ms=queued * 1e3, peak_memory_gb=mem)
             bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
             if log_now or eval_loss is not None:
                 line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"

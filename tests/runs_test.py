@@ -348,5 +348,20 @@ def test_lora_adapter_names_its_base_and_auto_peft_loads_it(saved_runs, tmp_path
     record("adapter names its base; AutoPeft loads it; an adapter as --model is explained", 0.0, 0.0, True)
 
 
+
+def test_the_summary_reports_the_host_queue_time():
+    """Each timed step's host queue time (from the step's start until its last launch returns, before the
+    synchronisation) is kept beside its step time, and the summary gives its median."""
+    run("--steps", "4", "--timing-warmup-steps", "1", tag="test_runs_host_queue")
+    payload = summary("test_runs_host_queue")
+    queued, steps = payload["host_queue_s"], payload["step_times_s"]
+    assert len(queued) == len(steps) == 3, (queued, steps)
+    assert all(0 < q <= t for q, t in zip(queued, steps)), (queued, steps)  # queued is a part of the step
+    median = payload["summary"]["host queue median (ms)"]
+    assert median == sorted(queued)[1] * 1e3, (median, queued)
+    record(f"host queue {median:.1f} ms of a {payload['summary']['step time median (ms)']:.1f} ms step (CPU)",
+           0.0, 0.0, True)
+
+
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "Runs: nothing lost, exact resume, clean errors"))
