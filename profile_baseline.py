@@ -131,11 +131,13 @@ def main():
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         log(f"Profiling {active} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
         t0 = time.perf_counter()
-        wall = []  # seconds per recorded step
+        wall, queued = [], []  # seconds per recorded step: until the GPU finished it; until the host had queued it
         with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=active)) as prof:
             for i in range(WAIT + WARMUP + active):
                 start = time.perf_counter()
                 step(cfg.warmup_steps + i)
+                if i >= WAIT + WARMUP:
+                    queued.append(time.perf_counter() - start)  # the host's time to queue the step (no sync yet)
                 if gpu:
                     # Wait for the step's last kernel before the profiler moves on: without this the
                     # GPU still runs the previous step's backward when a window opens, and a window
@@ -152,7 +154,8 @@ def main():
         print("\ninterrupted (Ctrl-C): nothing was recorded", file=sys.stderr)
         raise SystemExit(130) from None
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
-    report(prof, cfg, model_name, kernel_report, gpu, sorted(wall)[len(wall) // 2] * 1e3)
+    report(prof, cfg, model_name, kernel_report, gpu, sorted(wall)[len(wall) // 2] * 1e3,
+           sorted(queued)[len(queued) // 2] * 1e3)
 
 
 def _self_time_us(evt, gpu: bool) -> float:
@@ -162,7 +165,7 @@ def _self_time_us(evt, gpu: bool) -> float:
     return t if t is not None else evt.self_cuda_time_total
 
 
-def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = None):
+def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = None, host_ms: float | None = None):
     from tabulate import tabulate
 
     # User annotations (ProfilerStep#N, Optimizer.step#AdamW.step, record_function ranges) span
@@ -187,6 +190,9 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
         # the profiler slows the host's launches, so this idle time is an upper bound of the real one
         log(f"Wall time per profiled step: {wall_ms:.1f} ms (median of {active}, under the profiler); the GPU "
             f"ran no kernel for {max(0.0, wall_ms - per_step):.1f} ms of it")
+        if host_ms:
+            log(f"Host queue per profiled step: {host_ms:.1f} ms of the {wall_ms:.1f} ms (median; the profiler slows "
+                f"the host's launches, so the fine-tuning summary's 'host queue median (ms)' is the figure without it)")
 
     by_cat = {}
     for e in rows:
@@ -219,6 +225,7 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
                      headers=["host op at the late launch", "ms per step", "late launches per step"], tablefmt="github"))
     summary = {"label": label, "model": model_name, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                "grad_accum": cfg.grad_accum, "recorded_steps": active, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
+               "host_queue_ms_per_step": host_ms if gpu else None,
                "attention_backend": backend,
                "categories_ms_per_step": {c: t / active / 1e3 for c, t in cat_rows},
                "top": [(e.key[:200], _self_time_us(e, gpu) / active / 1e3, e.count // active) for e in top],
