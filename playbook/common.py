@@ -1,11 +1,8 @@
-"""What every script of the playbook shares, and nothing else: processes, logging, the GPU, results files.
+"""What every part of the playbook shares, and nothing else: processes, logging, the GPU, results files.
 
-    common.py        processes (torchrun), log(), the GPU's name and peak, out-of-memory advice, results/ files
-    run_config.py    the command line, checked into a frozen RunConfig
-    models.py        presets and Hugging Face models, loaded and prepared (kernels, LoRA, compile, FSDP2)
-    data.py          synthetic tokens, raw text, instruction datasets
-    training.py      the one training loop, its optimizer, schedule, checkpoints and summary
-    apply_kernels.py the kernel registry
+Processes (torchrun), log(), the GPU's name and bf16 peak, out-of-memory advice, results/ files
+written atomically, and whether a model is a peft model. The package's other modules (config,
+models, data, training, registry, ...) are listed in playbook/__init__.py.
 """
 
 from __future__ import annotations

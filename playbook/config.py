@@ -305,6 +305,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     a = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    sharded = int(os.environ.get("WORLD_SIZE", 1)) > 1  # under torchrun: FSDP2
     kernels = getattr(a, "kernels", ())
     # fp8 and adamw are registry entries too: named in --kernels, they switch on what --fp8 and
     # --optimizer adamw-triton do; the distillation losses belong to distill.py
@@ -339,12 +340,12 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
     if optimizer == "adamw-fused" and not gpu:
         raise usage_error("--optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")
-    if optimizer == "adamw-triton" and (script == "finetune_trainer" or int(os.environ.get("WORLD_SIZE", 1)) > 1):
+    if optimizer == "adamw-triton" and (script == "finetune_trainer" or sharded):
         raise usage_error("--optimizer adamw-triton works in the scripts' own loop on one process: the Trainer builds "
                           "its own optimizer, and sharded (FSDP2) parameters are not supported; use adamw-fused")
     if a.optimizer_in_backward:
         clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),
-                                       ("torchrun (FSDP2)", int(os.environ.get("WORLD_SIZE", 1)) > 1)) if on]
+                                       ("torchrun (FSDP2)", sharded)) if on]
         if clash:
             raise usage_error(f"--optimizer-in-backward updates each parameter inside backward, which rules out "
                               f"{', '.join(clash)}: drop one of them")
@@ -365,7 +366,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         raise usage_error("--save-total-limit and --overwrite-output-dir need --output-dir")
     if a.output_dir is not None and a.output_dir.exists() and not a.output_dir.is_dir():
         raise usage_error(f"--output-dir {a.output_dir} is a file")
-    if a.merge_lora and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if a.merge_lora and sharded:
         raise usage_error("--merge-lora works in one process (the merge needs each whole weight): under torchrun the "
                           "checkpoints hold the adapter; merge it afterwards on one process (lora.load_adapter, "
                           "lora.merge_and_save)")

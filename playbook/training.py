@@ -12,12 +12,16 @@ the model as `num_items_in_batch`, so each micro-batch's loss is its sum divided
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import shutil
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -105,6 +109,18 @@ class OptimizerInBackward:
             opt.load_state_dict(s)
 
 
+def schedule_factor(step: int, total: int, warmup: int, kind: str) -> float:
+    """The share of the peak rate at optimizer step `step` (0-based) of a `total`-step schedule."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
 class LRSchedule:
     """Linear warm-up to the peak rate, then constant, linear or cosine decay to 0 at the last step."""
 
@@ -114,14 +130,7 @@ class LRSchedule:
         self.last_step = -1
 
     def factor(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.total - self.warmup)
-        if self.kind == "linear":
-            return 1.0 - progress
-        if self.kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
+        return schedule_factor(step, self.total, self.warmup, self.kind)
 
     def apply(self, step: int) -> float:
         """Set the rate for optimizer step `step` (0-based); returns it."""
@@ -381,9 +390,6 @@ RESUME_SETTINGS = {
 def data_identity(cfg) -> dict | str:
     """The training data, as a checkpoint records it: a file's path, size and SHA-256 (a moved file with
     the same bytes is the same data), a hub dataset's id, or "synthetic"."""
-    import hashlib
-    from pathlib import Path
-
     source = cfg.data if cfg.data is not None else cfg.dataset
     if source is None:
         return "synthetic"
@@ -399,8 +405,6 @@ def data_identity(cfg) -> dict | str:
 
 def resume_settings(cfg, model_name: str) -> dict:
     """This run's values of RESUME_SETTINGS, as stored in every checkpoint it writes."""
-    from pathlib import Path
-
     from playbook.lora import parse_targets
 
     local = Path(model_name).expanduser()
@@ -446,8 +450,6 @@ def settings_differences(saved: dict, ours: dict) -> list[str]:
 
 def _probe_folder(folder, what: str) -> None:
     """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
-    import os
-
     from playbook.config import usage_error
 
     for p in (folder, *folder.parents):
@@ -498,8 +500,6 @@ def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
     else:
         lines = settings_differences(saved, settings)
         if lines:
-            import sys
-
             print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
                   "data order and the learning-rate schedule:", file=sys.stderr)
             for line in lines:
@@ -513,15 +513,11 @@ def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
             log(f"The run's length changes from {schedule['total']} to {steps} steps (constant learning rate: "
                 "the remaining steps' rate is unchanged)")
         else:
-            before = LRSchedule(_NoGroups(), schedule["total"], schedule["warmup"], kind).factor(start)
-            after = LRSchedule(_NoGroups(), steps, schedule["warmup"], kind).factor(start)
+            before = schedule_factor(start, schedule["total"], schedule["warmup"], kind)
+            after = schedule_factor(start, steps, schedule["warmup"], kind)
             log(f"The schedule's length changes from {schedule['total']} to {steps} steps: the {kind} decay is rebuilt "
                 f"for {steps} steps, so the remaining steps' learning rate follows the new length (step {start + 1}: "
                 f"{cfg.lr * after:.3g} instead of {cfg.lr * max(before, 0.0):.3g})")
-
-
-class _NoGroups:
-    param_groups = ()
 
 
 def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
@@ -531,8 +527,6 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     belonging to the same run (same length: with the same settings they are what this run computes
     again, and it replaces them as it reaches them). Otherwise stop, unless --overwrite-output-dir,
     which deletes those checkpoints (all of them, or the ones after the resumed one) first."""
-    import shutil
-
     from playbook.checkpoint import LATEST_FILE, list_checkpoints
     from playbook.config import usage_error
 
@@ -599,7 +593,7 @@ def train(cfg) -> dict:
         print("\ninterrupted (Ctrl-C): the run stopped before its summary; checkpoints already written under "
               "--output-dir are complete", file=sys.stderr, flush=True)
         raise SystemExit(130) from None  # 128 + SIGINT, as a shell reports it
-    except RuntimeError as err:  # memory ran out building the model or the data, before the loop's own handler
+    except RuntimeError as err:  # OutOfMemoryError is a RuntimeError: building the model, the data, or a step
         if not is_out_of_memory(err):
             raise
         raise SystemExit(oom_message(cfg, err)) from None
@@ -741,11 +735,7 @@ def _train(cfg) -> dict:
                 last_saved = path
                 if weights_finite(model):
                     last_good = (step + 1, path)
-    except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
-        if not is_out_of_memory(err):
-            raise
-        raise SystemExit(oom_message(cfg, err)) from None
-    finally:
+    finally:  # out of memory in a step: train() turns it into its one-line message
         bar.close()
         metrics.close()
     if cfg.on_gpu:
