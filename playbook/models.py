@@ -333,7 +333,10 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
         name = desc = cfg.model
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and cfg.seq_len > max_pos:
-        raise usage_error(f"--seq-len {cfg.seq_len} is above this model's {max_pos} positions")
+        # RoPE itself has no length limit; past its trained positions the model meets angles it never saw:
+        # for context extension that is the point of fine-tuning on long rows, elsewhere it degrades the model
+        log(f"warning: --seq-len {cfg.seq_len} is above the {max_pos} positions this model was trained on; "
+            "positions past them are extrapolated by its RoPE scaling (context extension)")
     model.config.use_cache = False
     model.train()
     log(prefer_fast_attention(torch.device(cfg.device)))
