@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from playbook import cuda_graph
 from playbook.common import RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, write_atomic
 from playbook.models import prepare_model
 from playbook.config import make_parser, parse_config, usage_error
@@ -61,6 +62,24 @@ CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op nam
 ]
 ATTENTION_BACKENDS = [("cuDNN", r"cudnn"), ("flash", r"flash"), ("memory-efficient", r"fmha|efficient"),
                       ("math (unfused)", r"_scaled_dot_product_attention_math")]
+# A faster GPU, by arithmetic: matrix multiplies and attention scale with the tensor-core rate, every
+# other category (element-wise, casts, norms, the optimizer, the loss) with the memory bandwidth. A
+# GB300-class GPU against the H200: ~2.5x the dense bf16 and FP8 matmul rate, ~1.5x the HBM bandwidth.
+COMPUTE_BOUND = ("matrix multiply", "attention")
+FASTER_GPU = {"name": "GB300-class", "matmul_x": 2.5, "bandwidth_x": 1.5}
+
+
+def project(categories_ms: dict, host_ms: float | None, matmul_x: float, bandwidth_x: float) -> dict:
+    """GPU ms per step on a GPU `matmul_x` times faster at compute-bound kernels and `bandwidth_x` times at
+    the rest, and whether the host (its queue time as measured here) would still keep up with it."""
+    gpu = sum(ms / (matmul_x if cat in COMPUTE_BOUND else bandwidth_x) for cat, ms in categories_ms.items())
+    out = {"gpu_ms": gpu, "matmul_x": matmul_x, "bandwidth_x": bandwidth_x, "host_queue_ms": host_ms}
+    if host_ms is not None:
+        out["host_queue_share"] = host_ms / gpu
+        out["gpu_bound"] = host_ms < gpu
+    return out
+
+
 WAIT, WARMUP = 1, 1  # profiler schedule: steps skipped, then steps of profiler warm-up, before --steps recorded
 RECORDED_STEPS = 3  # --steps when not given
 
@@ -117,17 +136,35 @@ def main():
     cfg = dataclasses.replace(cfg, steps=cfg.extra.recorded_steps)  # the summary's config says what ran
     gpu, active = cfg.on_gpu, cfg.steps
 
+    graphed = None  # the captured step, once the warm-up has run (playbook/cuda_graph.py)
+
     def step(i):
-        return training_step(model, optimizer, [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)],
-                             cfg.max_grad_norm)
+        batches = [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)]
+        if graphed is not None:
+            return graphed.replay(batches)
+        return training_step(model, optimizer, batches, cfg.max_grad_norm)
 
     try:
         model, model_name, desc, kernel_report = prepare_model(cfg)
         data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
-        optimizer = make_optimizer(model, cfg)
+        blocker = cuda_graph.graph_blocker(cfg, data)
+        if gpu:
+            cuda_graph.announce(blocker)
+        optimizer = make_optimizer(model, cfg, capturable=blocker is None)
         log(f"Warm-up: {cfg.warmup_steps} steps outside the profiler ...")
         for i in range(cfg.warmup_steps):
             step(i)
+        if blocker is None and cfg.warmup_steps:
+            graphed = cuda_graph.GraphedStep(
+                lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False),
+                [data.batch(j, cfg.device) for j in range(cfg.grad_accum)])
+            failed = graphed.capture(optimizer)
+            if failed is not None:
+                log(f"CUDA graphs: the capture failed ({failed}); the profiled steps are queued eagerly")
+                graphed = None
+            else:
+                log("CUDA graphs: the profiled steps are replays of the captured step (--cuda-graphs off profiles "
+                    "the eager steps, where the host's launches show)")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         log(f"Profiling {active} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
         t0 = time.perf_counter()
@@ -154,8 +191,9 @@ def main():
         print("\ninterrupted (Ctrl-C): nothing was recorded", file=sys.stderr)
         raise SystemExit(130) from None
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
+    mode = "CUDA graph replays" if graphed is not None else f"eager ({blocker or 'the capture failed'})"
     report(prof, cfg, model_name, kernel_report, gpu, sorted(wall)[len(wall) // 2] * 1e3,
-           sorted(queued)[len(queued) // 2] * 1e3)
+           sorted(queued)[len(queued) // 2] * 1e3, mode)
 
 
 def _self_time_us(evt, gpu: bool) -> float:
@@ -165,7 +203,8 @@ def _self_time_us(evt, gpu: bool) -> float:
     return t if t is not None else evt.self_cuda_time_total
 
 
-def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = None, host_ms: float | None = None):
+def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = None, host_ms: float | None = None,
+           mode: str | None = None):
     from tabulate import tabulate
 
     # User annotations (ProfilerStep#N, Optimizer.step#AdamW.step, record_function ranges) span
@@ -191,8 +230,8 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
         log(f"Wall time per profiled step: {wall_ms:.1f} ms (median of {active}, under the profiler); the GPU "
             f"ran no kernel for {max(0.0, wall_ms - per_step):.1f} ms of it")
         if host_ms:
-            log(f"Host queue per profiled step: {host_ms:.1f} ms of the {wall_ms:.1f} ms (median; the profiler slows "
-                f"the host's launches, so the fine-tuning summary's 'host queue median (ms)' is the figure without it)")
+            log(f"Host queue per profiled step: {host_ms:.1f} ms of the {wall_ms:.1f} ms (median, {mode}; the profiler "
+                f"slows the host's launches, so the fine-tuning summary's 'host queue median (ms)' is the figure without it)")
 
     by_cat = {}
     for e in rows:
@@ -203,6 +242,16 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
                  headers=["category", "ms per step", "% of step"], tablefmt="github"))
     backend = attention_backend(rows)
     log(f"Attention backend (from the kernel names): {backend}")
+    projection = None
+    if gpu:
+        projection = project({c: t / active / 1e3 for c, t in cat_rows}, host_ms, FASTER_GPU["matmul_x"],
+                             FASTER_GPU["bandwidth_x"])
+        verdict = ("" if host_ms is None else
+                   f"; host queue {host_ms:.1f} ms = {100 * projection['host_queue_share']:.0f}% of it: "
+                   + ("the GPU stays the bottleneck" if projection["gpu_bound"] else "the GPU would wait for the host"))
+        log(f"On a {FASTER_GPU['name']} GPU ({FASTER_GPU['matmul_x']}x the matmul rate, {FASTER_GPU['bandwidth_x']}x "
+            f"the memory bandwidth), by arithmetic from these categories: {projection['gpu_ms']:.1f} ms of GPU work "
+            f"per step{verdict}")
 
     top = sorted(rows, key=lambda e: -_self_time_us(e, gpu))[:20]
     log(f"\nTop 20 {'GPU kernels' if gpu else 'operations'} by self {unit} time:")
@@ -225,8 +274,8 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
                      headers=["host op at the late launch", "ms per step", "late launches per step"], tablefmt="github"))
     summary = {"label": label, "model": model_name, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                "grad_accum": cfg.grad_accum, "recorded_steps": active, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
-               "host_queue_ms_per_step": host_ms if gpu else None,
-               "attention_backend": backend,
+               "host_queue_ms_per_step": host_ms if gpu else None, "step_mode": mode,
+               "attention_backend": backend, "projection": projection and {**FASTER_GPU, **projection},
                "categories_ms_per_step": {c: t / active / 1e3 for c, t in cat_rows},
                "top": [(e.key[:200], _self_time_us(e, gpu) / active / 1e3, e.count // active) for e in top],
                "launch_gaps": gaps,

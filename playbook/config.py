@@ -21,6 +21,8 @@ import torch
 from playbook.registry import DEFAULT_KERNELS, NAMES, PEERS, parse_kernels
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
+# The names of fp8_linear_kernel.RECIPES (not imported here: that file loads Triton), the default first
+FP8_RECIPES = ("rowwise", "rowwise-bf16-dgrad", "rowwise-bf16-ends", "tensorwise", "blockwise", "mxfp8")
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")  # a file name inside results/, nothing else
 
 
@@ -41,10 +43,14 @@ class RunConfig:
     model: str
     model_explicit: bool  # False: the default model, which may fall back to the 8B preset
     num_layers: int | None
-    gradient_checkpointing: bool
+    gradient_checkpointing: bool  # some decoder layers are recomputed in backward (checkpoint_layers says which)
+    checkpoint_layers: str | None  # the --checkpoint-layers SPEC (memory.parse_layers); "all" for --gradient-checkpointing
+    offload_activations: bool  # the checkpointed layers' inputs kept in pinned host memory (playbook/memory.py)
+    mlp_chunk_tokens: int  # each MLP computed over chunks of this many tokens; 0: in one piece
     kernels: tuple
     fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
     fp8_backend: str  # whose FP8 layers: "playbook" (fp8_linear_kernel.py) or "torchao" (a peer, for comparison)
+    fp8_recipe: str  # which scales and which matmuls stay bf16 (fp8_linear_kernel.RECIPES; docs/fp8.md)
     compile: bool
 
     # LoRA (lora_r = 0: a full fine-tune, and the other LoRA fields are unused)
@@ -66,6 +72,7 @@ class RunConfig:
     eval_dataset: str | None  # a separate eval file, instead of the held-out eval_fraction
     eval_fraction: float
     eval_every: int
+    repeat_batches: int | None  # cycle over the first N batches (None: every step draws a new one)
 
     # training: steps, optimizer, learning-rate schedule
     grad_accum: int
@@ -80,6 +87,7 @@ class RunConfig:
     optimizer: str
     optimizer_in_backward: bool
     max_grad_norm: float | None
+    cuda_graphs: str  # "auto": the whole step as one CUDA graph where it can be (playbook/cuda_graph.py); "off"
 
     # output: checkpoints, logs, the summary
     output_dir: Path | None
@@ -149,6 +157,16 @@ def _tag(text: str) -> str:
     return text
 
 
+def _checkpoint_layers(text: str) -> str:
+    from playbook.memory import parse_layers  # the syntax here; the layer count once the model is loaded
+
+    try:
+        parse_layers(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text.strip().lower()
+
+
 def _lora_targets(text: str) -> str:
     from playbook.lora import parse_targets  # torch only: no peft until a LoRA model is built
 
@@ -212,13 +230,29 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                             f"or a peer library ({', '.join(PEERS)})")
     m.add_argument("--compile", action="store_true", help="torch.compile the model (after the kernels)")
     m.add_argument("--fp8", action="store_true",
-                   help="q/k/v/o and gate/up/down projections as FP8 matmuls (row-wise scales; GPUs of compute "
+                   help="q/k/v/o and gate/up/down projections as FP8 matmuls (--fp8-recipe; GPUs of compute "
                         "capability 8.9+, or the CPU for tests); lm_head and embeddings stay bf16")
     m.add_argument("--fp8-backend", choices=("playbook", "torchao"), default="playbook",
                    help="with --fp8: this project's FP8 layers, or torchao's float8 training (row-wise recipe; "
                         "pip install torchao; meant to run with --compile) as a peer to compare with")
+    m.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
+                   help="with --fp8: scales per row (rowwise), per tensor (tensorwise), per 1x128 / 128x128 block "
+                        "(blockwise, Hopper), per 1x32 block with power-of-two scales (mxfp8, Blackwell; not built "
+                        "yet), or row-wise with the input-gradient matmul (rowwise-bf16-dgrad) or the first and last "
+                        "2 decoder layers (rowwise-bf16-ends) in bf16; docs/fp8.md compares them "
+                        f"(default: {FP8_RECIPES[0]})")
     m.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each decoder layer in backward (Hugging Face's; less memory, ~1/3 more compute)")
+                   help="recompute each decoder layer in backward (keeps only each layer's input; ~1/3 more "
+                        "compute); docs/memory.md")
+    m.add_argument("--checkpoint-layers", type=_checkpoint_layers, default=None, metavar="SPEC",
+                   help="checkpoint only these decoder layers: 'all', 'every:K' (layers 0, K, 2K, ...), 'first:N', "
+                        "or a comma list of layer indices (0-based); implies checkpointing")
+    m.add_argument("--offload-activations", action="store_true",
+                   help="with checkpointing: each checkpointed layer's input in pinned host memory instead of the "
+                        "GPU, copied on a side stream and fetched back one layer ahead in backward")
+    m.add_argument("--mlp-chunk-tokens", type=nonnegative_int, default=0, metavar="N",
+                   help="compute each MLP over chunks of N tokens, forward and backward, so that one chunk's "
+                        "[N, intermediate] tensors exist at a time; 0 = off")
     m.add_argument("--lora-r", type=nonnegative_int, default=0, help="LoRA rank through peft; 0 = full fine-tune")
     m.add_argument("--lora-alpha", type=positive_float, default=None, help="LoRA scale numerator; default 2 x rank")
     m.add_argument("--lora-dropout", type=fraction, default=0.0, help="dropout on the LoRA input")
@@ -247,6 +281,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     d.add_argument("--eval-fraction", type=fraction, default=None,
                    help="held-out share of --dataset for the eval loss; default 0.05 with --dataset")
     d.add_argument("--eval-every", type=nonnegative_int, default=0, help="eval loss every N steps (0: at the end only)")
+    d.add_argument("--repeat-batches", type=positive_int, default=None, metavar="N",
+                   help="train on the first N batches over and over (step i takes batch i mod N): a memorization "
+                        "test, whose loss falls far below the data's entropy where precision allows")
 
     t = p.add_argument_group("training")
     t.add_argument("--steps", "--max-steps", dest="steps", type=positive_int, default=None,
@@ -273,6 +310,10 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     t.add_argument("--optimizer-in-backward", action="store_true",
                    help="step each parameter's AdamW inside backward as soon as its gradient exists")
     t.add_argument("--max-grad-norm", type=positive_float, default=None, help="clip gradients to this global norm")
+    t.add_argument("--cuda-graphs", choices=["auto", "off"], default="auto",
+                   help="auto: after the first step, replay the whole step (forward, backward, optimizer) as one "
+                        "CUDA graph, so the host queues it in microseconds; a run that cannot (padded rows, FSDP2, "
+                        "adamw-triton) says why and runs eagerly. off: always eager")
     t.add_argument("--seed", type=nonnegative_int, default=0)
 
     o = p.add_argument_group("output")
@@ -318,6 +359,25 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     a.fp8 = a.fp8 or "fp8" in kernels
     if a.fp8_backend != "playbook" and not a.fp8:
         raise usage_error("--fp8-backend chooses whose FP8 layers --fp8 uses: add --fp8")
+    if a.fp8_recipe is not None and not a.fp8:
+        raise usage_error("--fp8-recipe chooses how --fp8 scales its matmuls: add --fp8")
+    if a.fp8_recipe not in (None, FP8_RECIPES[0]) and a.fp8_backend != "playbook":
+        raise usage_error(f"--fp8-recipe {a.fp8_recipe} is this project's; --fp8-backend {a.fp8_backend} runs "
+                          "torchao's row-wise recipe")
+    if a.gradient_checkpointing and a.checkpoint_layers not in (None, "all"):
+        raise usage_error(f"--gradient-checkpointing checkpoints every layer, --checkpoint-layers {a.checkpoint_layers} "
+                          "only some: give one of them")
+    if a.offload_activations and not (a.gradient_checkpointing or a.checkpoint_layers):
+        raise usage_error("--offload-activations moves the inputs of checkpointed layers to host memory: it needs "
+                          "--gradient-checkpointing or --checkpoint-layers")
+    if a.checkpoint_layers and a.num_layers:
+        from playbook.memory import parse_layers
+
+        try:
+            parse_layers(a.checkpoint_layers, a.num_layers)
+        except ValueError as err:
+            raise usage_error(f"--checkpoint-layers {err} (--num-layers {a.num_layers})") from None
+    checkpoint_layers = a.checkpoint_layers or ("all" if a.gradient_checkpointing else None)
     if a.data is not None and a.dataset is not None:
         raise usage_error("choose one of --data (raw text) and --dataset (instruction rows)")
     if a.data is not None and not a.data.is_file():
@@ -330,6 +390,8 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         raise usage_error("choose one of --eval-dataset (a separate eval file) and --eval-fraction (a held-out share)")
     if a.steps is not None and a.epochs is not None:
         raise usage_error("choose one of --steps and --epochs")
+    if a.repeat_batches is not None and a.epochs is not None:
+        raise usage_error("--repeat-batches cycles a few batches for --steps steps; it has no epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
     warmup_steps = a.warmup_steps
     if warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
@@ -386,13 +448,15 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
         grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=warmup_steps, lr=a.lr,
         lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio, fp8=a.fp8,
-        fp8_backend=a.fp8_backend,
+        fp8_backend=a.fp8_backend, fp8_recipe=a.fp8_recipe or FP8_RECIPES[0],
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
-        max_grad_norm=a.max_grad_norm, gradient_checkpointing=a.gradient_checkpointing, compile=a.compile,
+        max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs, gradient_checkpointing=checkpoint_layers is not None,
+        checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
+        mlp_chunk_tokens=a.mlp_chunk_tokens, compile=a.compile,
         kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,
         drop_long=a.drop_long, eval_dataset=a.eval_dataset,
         eval_fraction=a.eval_fraction if a.eval_fraction is not None else (0.05 if dataset and a.eval_dataset is None else 0.0),
-        eval_every=a.eval_every, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,
+        eval_every=a.eval_every, repeat_batches=a.repeat_batches, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,
         save_total_limit=a.save_total_limit, overwrite_output_dir=a.overwrite_output_dir,
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
         merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,

@@ -47,17 +47,26 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def make_optimizer(model: nn.Module, cfg):
+def make_optimizer(model: nn.Module, cfg, capturable: bool = False):
+    """AdamW as --optimizer names it. capturable: for a CUDA graph (cuda_graph.py), its step count and
+    learning rate live on the GPU (one rate tensor for every group, which LRSchedule fills in place)."""
     kind = {"fused": True} if cfg.optimizer == "adamw-fused" else {"foreach": True}
     adamw = torch.optim.AdamW
     if cfg.optimizer == "adamw-triton":  # one multi-tensor Triton launch per param group
         from adamw_kernel import TritonAdamW as adamw
 
         kind = {}
+    lr = cfg.lr
+    if capturable:
+        from playbook.cuda_graph import capturable_optimizer_kwargs
+
+        extra = capturable_optimizer_kwargs(cfg)
+        lr = extra.pop("lr")
+        kind.update(extra)
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer_in_backward:
-        return OptimizerInBackward(groups, lambda group: adamw([group], lr=cfg.lr, **kind))
-    return adamw(groups, lr=cfg.lr, **kind)
+        return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **kind))
+    return adamw(groups, lr=lr, **kind)
 
 
 class OptimizerInBackward:
@@ -126,7 +135,7 @@ class LRSchedule:
 
     def __init__(self, optimizer, total_steps: int, warmup_steps: int, kind: str):
         self.optimizer, self.total, self.warmup, self.kind = optimizer, total_steps, warmup_steps, kind
-        self.base = [g["lr"] for g in optimizer.param_groups]
+        self.base = [float(g["lr"]) for g in optimizer.param_groups]
         self.last_step = -1
 
     def factor(self, step: int) -> float:
@@ -136,7 +145,10 @@ class LRSchedule:
         """Set the rate for optimizer step `step` (0-based); returns it."""
         f = self.factor(step)
         for g, base in zip(self.optimizer.param_groups, self.base):
-            g["lr"] = base * f
+            if isinstance(g["lr"], torch.Tensor):  # a capturable optimizer's rate: the graph reads this tensor
+                g["lr"].fill_(base * f)
+            else:
+                g["lr"] = base * f
         self.last_step = step
         return self.base[0] * f
 
@@ -162,11 +174,13 @@ def count_targets(micro_batches) -> torch.Tensor:
     return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in micro_batches)
 
 
-def training_step(model, optimizer, micro_batches, max_grad_norm: float | None = None, grad_norm: bool = False):
+def training_step(model, optimizer, micro_batches, max_grad_norm: float | None = None, grad_norm: bool = False,
+                  zero_grad: bool = True):
     """Forward and backward over the micro-batches, then one optimizer step.
 
     Returns (loss, grad norm or None) as 0-d tensors on the device (no host sync here). The loss is
-    the mean over all target tokens of the window.
+    the mean over all target tokens of the window. zero_grad=False keeps this step's gradients after
+    the update (a CUDA graph's step: they are overwritten by the next replay's first backward).
     """
     _, size = world()
     extra = {}
@@ -191,7 +205,8 @@ def training_step(model, optimizer, micro_batches, max_grad_norm: float | None =
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
     if size > 1:
         torch.distributed.all_reduce(total)
     return total, norm
@@ -240,6 +255,7 @@ class RunResult:
     # step: how long the host needs to queue the step's work. Close to the step time on a GPU means
     # host-bound: a faster GPU would wait for the host (docs/troubleshooting.md).
     host_queue_s: list = field(default_factory=list)
+    cuda_graphs: str = ""  # how the steps were queued: "replayed from step N" or "off (why)"
     peak_memory_gb: float | None = None
     versions: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -257,6 +273,10 @@ class RunResult:
             "step time mean (ms)": statistics.fmean(t) * 1e3 if t else None,
             "step time median (ms)": median * 1e3 if median else None,
             "host queue median (ms)": statistics.median(self.host_queue_s) * 1e3 if self.host_queue_s else None,
+            # below ~100% the GPU is the bottleneck; a GPU k times faster stays busy while this is under 100/k %
+            "host queue (% of step)": (100 * statistics.median(self.host_queue_s) / median
+                                       if self.host_queue_s and median else None),
+            "step mode": self.cuda_graphs or None,
             "tokens/s (job)": tps,
             "tokens/s per GPU": tps / self.world_size if tps else None,
             "model TFLOP/s per GPU": achieved / self.world_size if achieved else None,
@@ -271,6 +291,8 @@ class RunResult:
 def format_value(key: str, v) -> str:
     if v is None:
         return "n/a"
+    if isinstance(v, str):
+        return v
     if "loss" in key:
         return f"{v:.4f}"
     if "tokens/s" in key:
@@ -345,7 +367,7 @@ def make_run_data(cfg, model, tokenizer=None):
         return make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
                          model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
                          packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction,
-                         drop_long=cfg.drop_long, eval_source=cfg.eval_dataset)
+                         drop_long=cfg.drop_long, eval_source=cfg.eval_dataset, repeat_batches=cfg.repeat_batches)
     except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
         raise bad_data_exit(err) from None
 
@@ -384,6 +406,7 @@ RESUME_SETTINGS = {
     "packing": "--packing", "train_on_prompt": "--train-on-prompt", "drop_long": "--drop-long",
     "eval_fraction": "--eval-fraction", "seed": "--seed", "lr": "--lr", "lr_schedule": "--lr-schedule",
     "lr_warmup_steps": "--lr-warmup-steps", "warmup_ratio": "--warmup-ratio", "weight_decay": "--weight-decay",
+    "repeat_batches": "--repeat-batches",
 }
 
 
@@ -418,7 +441,7 @@ def resume_settings(cfg, model_name: str) -> dict:
         "seq_len": cfg.seq_len, "packing": cfg.packing, "train_on_prompt": cfg.train_on_prompt,
         "drop_long": cfg.drop_long, "eval_fraction": cfg.eval_fraction, "seed": cfg.seed, "lr": cfg.lr,
         "lr_schedule": cfg.lr_schedule, "lr_warmup_steps": cfg.lr_warmup_steps, "warmup_ratio": cfg.warmup_ratio,
-        "weight_decay": cfg.weight_decay,
+        "weight_decay": cfg.weight_decay, "repeat_batches": cfg.repeat_batches,
     }
 
 
@@ -633,7 +656,12 @@ def _train(cfg) -> dict:
                                     f"no longer says which rows were seen; resume with {saved_size} process(es)")
         check_resume(cfg, info, settings, steps)
     check_output_checkpoints(cfg, info, steps)
-    optimizer = make_optimizer(model, cfg)
+    from playbook import cuda_graph
+
+    blocker = cuda_graph.graph_blocker(cfg, data)
+    if cfg.on_gpu:
+        cuda_graph.announce(blocker)
+    optimizer = make_optimizer(model, cfg, capturable=blocker is None)
     lr_warmup = cfg.lr_warmup_steps or int(cfg.warmup_ratio * steps)
     if info is not None and info["scheduler"] and not cfg.lr_warmup_steps and cfg.warmup_ratio:
         lr_warmup = info["scheduler"]["warmup"]  # a share of the saved run's length: the warm-up already done
@@ -663,6 +691,8 @@ def _train(cfg) -> dict:
             raise resume_error(cfg, err) from None
         start = int(state["step"])
         last_good, last_saved = (start, info["path"]), info["path"]
+        if blocker is None:
+            cuda_graph.make_capturable(optimizer, cfg.device)
         saved_size = int(state.get("world_size", 1))
         if saved_size != size:
             log(f"The checkpoint was written by {saved_size} process(es), this run has {size}: the weights, optimizer "
@@ -674,6 +704,7 @@ def _train(cfg) -> dict:
             raise resume_error(cfg, f"the checkpoint is at step {start}, and this run has only {steps} steps; give "
                                     f"more --steps (or --epochs) to continue it")
     timed_from = start + cfg.warmup_steps
+    result.cuda_graphs = "" if blocker is None else f"off ({blocker})"
     log(f"Training: steps {start + 1}-{steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
         f"{cfg.batch_size} x {cfg.seq_len} tokens per step{' per GPU' if size > 1 else ''}, {result.optimizer}, "
         f"lr {cfg.lr:g} {cfg.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup else ""))
@@ -682,6 +713,7 @@ def _train(cfg) -> dict:
     bar = tqdm(range(start, steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
                dynamic_ncols=True)
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
+    graphed = None  # the captured step (cuda_graph.GraphedStep), after the first step of the run
     try:
         for step in bar:
             if step == timed_from and cfg.on_gpu:
@@ -690,9 +722,19 @@ def _train(cfg) -> dict:
             lr = schedule.apply(step)
             batches = [data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
             log_now = (step + 1) % cfg.log_every == 0 or step == steps - 1
+            if graphed is not None and not graphed.matches(batches):
+                log(f"CUDA graphs: step {step + 1}'s batches differ in shape from the captured ones; the rest "
+                    "of the run is queued eagerly")
+                graphed = None
+                optimizer.zero_grad(set_to_none=True)  # the graph's gradients are not this step's to add to
             synchronize(cfg.device)
             t0 = time.perf_counter()
-            loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
+            if graphed is not None:
+                loss, norm = graphed.replay(batches)
+                if log_now and norm is None:
+                    norm = cuda_graph.grad_norm(model)
+            else:
+                loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
             queued = time.perf_counter() - t0  # the host's time to queue the step (no sync inside it)
             synchronize(cfg.device)
             dt = time.perf_counter() - t0
@@ -735,6 +777,16 @@ def _train(cfg) -> dict:
                 last_saved = path
                 if weights_finite(model):
                     last_good = (step + 1, path)
+            if blocker is None and graphed is None and step + 1 < steps:
+                graphed = cuda_graph.GraphedStep(
+                    lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False), batches)
+                failed = graphed.capture(optimizer)
+                if failed is not None:
+                    log(f"CUDA graphs: the capture failed ({failed}); each step is queued eagerly")
+                    graphed, blocker = None, failed
+                    result.cuda_graphs = f"off ({failed})"
+                else:
+                    result.cuda_graphs = f"replayed from step {step + 2}"
     finally:  # out of memory in a step: train() turns it into its one-line message
         bar.close()
         metrics.close()

@@ -22,7 +22,7 @@ import fp8_linear_kernel
 import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
-from profile_baseline import category, launch_gaps
+from profile_baseline import category, launch_gaps, project
 from playbook.testkit import record, run_as_script
 
 
@@ -73,6 +73,19 @@ def test_library_kernels_have_their_category(name, expected):
 def _span(cat, name, ts, dur, tid=1, correlation=None):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1,
             "args": {} if correlation is None else {"correlation": correlation}}
+
+
+def test_the_faster_gpu_projection_scales_each_category_by_its_limit():
+    """Matmuls and attention by the compute ratio, the rest by the bandwidth ratio; the host queue as is."""
+    cats = {"matrix multiply": 250.0, "attention": 50.0, "optimizer": 30.0, "element-wise": 15.0}
+    out = project(cats, host_ms=100.0, matmul_x=2.5, bandwidth_x=1.5)
+    assert out["gpu_ms"] == pytest.approx(300.0 / 2.5 + 45.0 / 1.5)  # 120 + 30 ms
+    assert out["host_queue_share"] == pytest.approx(100.0 / 150.0) and out["gpu_bound"]
+    slow_host = project(cats, host_ms=200.0, matmul_x=2.5, bandwidth_x=1.5)
+    assert not slow_host["gpu_bound"]
+    assert "gpu_bound" not in project(cats, None, 2.5, 1.5)  # no host figure (CPU run): no verdict
+    record(f"345 ms of H200 work -> {out['gpu_ms']:.0f} ms at 2.5x/1.5x; a 100 ms host queue keeps up, 200 ms does not",
+           0.0, 0.0, True)
 
 
 def test_launch_gaps_split_late_launches_from_other_gaps():

@@ -359,6 +359,9 @@ def test_the_summary_reports_the_host_queue_time():
     assert all(0 < q <= t for q, t in zip(queued, steps)), (queued, steps)  # queued is a part of the step
     median = payload["summary"]["host queue median (ms)"]
     assert median == sorted(queued)[1] * 1e3, (median, queued)
+    share = payload["summary"]["host queue (% of step)"]
+    assert share == 100 * sorted(queued)[1] / sorted(steps)[1], (share, queued, steps)
+    assert payload["summary"]["step mode"] == "off (no GPU)", payload["summary"]
     record(f"host queue {median:.1f} ms of a {payload['summary']['step time median (ms)']:.1f} ms step (CPU)",
            0.0, 0.0, True)
 

@@ -1,0 +1,143 @@
+"""The whole training step as one CUDA graph: the host queues a step in microseconds, not hundreds of ms.
+
+Why: an eager step of the 8B model launches a few thousand kernels, and for each one Python walks the
+module, the autograd engine and the launcher. On an H200 the host needs ~60% of the step's GPU time
+just to queue it (the "host queue" figure of every run's summary); a GPU 2.5x faster (GB300-class)
+would then wait for its host. A CUDA graph records the step's kernels once and replays them with one
+launch: forward, backward, gradient clipping and the optimizer, for every micro-batch of the step.
+
+What a graph needs, and what this module checks before it captures (`graph_blocker`):
+  - fixed shapes and addresses: the batches are copied into static input tensors before each replay;
+    synthetic, text and packed batches are [B, T] every step. Right-padded rows are not: Hugging Face
+    reads their 2-D padding mask on the host to pick the attention path (a host sync, which a graph
+    cannot hold), so they run eagerly; --packing gives fixed rows the graph takes.
+  - no host synchronisation inside the step: the loop's `.item()` happens after the replay.
+  - an optimizer that keeps its step count and learning rate on the GPU: PyTorch's AdamW with
+    `capturable=True` and the rate as a tensor, which `LRSchedule` fills in place each step.
+  - one process: FSDP2's collectives are issued by hooks on the host each step.
+A capture that fails anyway (an operation the checks did not foresee) is dropped, the step runs
+eagerly, and the run says why in one line.
+
+Memory: the step's intermediate tensors live in the graph's private pool, as they would in eager mode
+(the peak is the eager peak); the gradients too, from the first backward of each step's capture (the
+replayed backward writes them, as the first eager backward after `zero_grad(set_to_none=True)` does).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from playbook.common import log
+
+
+def graph_blocker(cfg, data=None) -> str | None:
+    """Why this run's step cannot be one CUDA graph (a short clause), or None when it can.
+    data: the run's TrainData (its rows say whether batches carry a 2-D padding mask)."""
+    if not cfg.on_gpu:
+        return "no GPU"
+    if cfg.cuda_graphs == "off":
+        return "--cuda-graphs off"
+    from playbook.common import world
+
+    if world()[1] > 1:
+        return "FSDP2 issues its collectives from host-side hooks each step"
+    if cfg.optimizer == "adamw-triton":
+        return "the Triton AdamW reads its step count on the host (use adamw-fused)"
+    if getattr(cfg, "offload_activations", False):
+        return "--offload-activations copies to host memory under the host's control"
+    if cfg.load_in_4bit:
+        return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
+    rows = getattr(data, "rows", None)
+    if rows is not None and "attention_mask" in rows:  # one example per row, right-padded
+        return ("right-padded rows: Hugging Face reads their padding mask on the host to choose the attention "
+                    "path (--packing gives fixed rows a graph can take)")
+    return None
+
+
+def capturable_optimizer_kwargs(cfg) -> dict:
+    """What the optimizer needs to be replayed in a graph: its step count and rate on the GPU."""
+    return {"capturable": True, "lr": torch.tensor(float(cfg.lr), dtype=torch.float32, device=cfg.device)}
+
+
+def make_capturable(optimizer, device) -> None:
+    """After `load_state_dict`: the saved groups replace ours, with their float rate and their
+    `capturable` flag. Give every group back one rate tensor on the GPU and the flag, and put the step
+    counts on the GPU, as a capturable AdamW keeps them."""
+    inner = getattr(optimizer, "optimizers", None)  # OptimizerInBackward: one AdamW per parameter
+    optimizers = list(inner.values()) if inner is not None else [optimizer]
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    lr = next((g["lr"] for g in groups if isinstance(g["lr"], torch.Tensor) and g["lr"].device.type == "cuda"), None)
+    if lr is None:
+        lr = torch.tensor(float(groups[0]["lr"]), dtype=torch.float32, device=device)
+    for g in groups:
+        lr.fill_(float(g["lr"]))  # the groups share one rate; LRSchedule sets it every step
+        g["lr"], g["capturable"] = lr, True
+    for opt in optimizers:
+        for state in opt.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(device=device, dtype=torch.float32)
+
+
+def grad_norm(model) -> torch.Tensor | None:
+    """The global L2 norm of the gradients the last replay left (no host sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
+
+
+class GraphedStep:
+    """`training_step` captured once, replayed every step after.
+
+    step_fn(micro_batches) -> (loss, norm): the eager step (training.training_step bound to the model
+    and optimizer). `example`: the micro-batches of one step, for the static inputs' shapes.
+    """
+
+    def __init__(self, step_fn, example: list[dict]):
+        self.step_fn = step_fn
+        self.static = [{k: v.clone() for k, v in b.items()} for b in example]
+        self.graph = None
+        self.outputs = None
+
+    def matches(self, micro_batches: list[dict]) -> bool:
+        """Same keys, shapes and dtypes as the captured step."""
+        if len(micro_batches) != len(self.static):
+            return False
+        return all(b.keys() == s.keys() and all(b[k].shape == s[k].shape and b[k].dtype == s[k].dtype for k in b)
+                   for b, s in zip(micro_batches, self.static))
+
+    def capture(self, optimizer) -> str | None:
+        """Record the step. Returns None, or why the capture failed (the step then stays eager)."""
+        torch.cuda.synchronize()
+        optimizer.zero_grad(set_to_none=True)  # the captured backward creates the gradients in the graph's pool
+        gc.collect()
+        torch.cuda.empty_cache()  # the eager steps' cached blocks back to the driver: one pool, not two
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.outputs = self.step_fn(self.static)
+        except RuntimeError as err:
+            self.outputs = None
+            torch.cuda.synchronize()
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        self.graph = graph
+        return None
+
+    def replay(self, micro_batches: list[dict]):
+        for static, batch in zip(self.static, micro_batches):
+            for key, value in batch.items():
+                static[key].copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+def describe(blocker: str | None) -> str:
+    return ("CUDA graphs: the whole step (forward, backward, optimizer) is captured after the first step and "
+            "replayed from then on" if blocker is None else f"CUDA graphs: off ({blocker}); each step is queued eagerly")
+
+
+def announce(blocker: str | None) -> None:
+    log(describe(blocker))

@@ -1,0 +1,184 @@
+"""Tests of the CUDA-graph step (playbook/cuda_graph.py): when it is used, why not, and that the
+replayed step trains as the eager one does.
+
+    $ PYTHONPATH=. python tests/cuda_graph_test.py       # a readable report
+    $ pytest tests/cuda_graph_test.py
+
+On a CPU only the decisions and the optimizer plumbing run; the equivalence tests need a GPU. They
+train the tiny preset twice from the same seed on the same real-text batches, once eager
+(--cuda-graphs off) and once replayed, and compare the loss of every step. A learning rate that
+changes every step (warm-up, then linear decay) and batches that differ every step make a stale input,
+a rate not updated or a skipped optimizer step show at once.
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from playbook import common, cuda_graph, training
+from playbook import registry as ak
+from playbook.config import make_parser, parse_config
+from playbook.testkit import record, run_as_script
+
+HERE = Path(__file__).resolve().parent.parent
+TEXT = HERE / "examples" / "chat.jsonl"
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
+
+
+def config(*argv):
+    return parse_config(make_parser("test", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized", list(argv))
+
+
+def on_gpu(cfg):
+    """The same settings as if a GPU were present (the decisions only look at the device's type)."""
+    return dataclasses.replace(cfg, device=torch.device("cuda"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The decisions (any machine)
+# ------------------------------------------------------------------------------------------------
+class _Rows:
+    def __init__(self, rows):
+        self.rows = rows
+
+
+def test_what_keeps_a_run_eager(monkeypatch):
+    cfg = config()
+    assert cuda_graph.graph_blocker(cfg) == ("no GPU" if not GPU else None)
+    assert cuda_graph.graph_blocker(on_gpu(cfg)) is None
+    cases = {
+        "--cuda-graphs off": on_gpu(config("--cuda-graphs", "off")),
+        "Triton AdamW": on_gpu(config("--optimizer", "adamw-triton")),
+    }
+    for want, c in cases.items():
+        said = cuda_graph.graph_blocker(c)
+        assert said is not None and want.split()[-1] in said, (want, said)
+        record(f"{want} -> eager: {said}", 0.0, 0.0, True)
+    padded = _Rows({"input_ids": None, "labels": None, "attention_mask": None})
+    said = cuda_graph.graph_blocker(on_gpu(cfg), padded)
+    assert said is not None and "padding mask" in said and "--packing" in said, said
+    packed = _Rows({"input_ids": None, "labels": None, "position_ids": None, "segments": None})
+    assert cuda_graph.graph_blocker(on_gpu(cfg), packed) is None
+    record(f"right-padded rows -> eager: {said}; packed rows -> graph", 0.0, 0.0, True)
+    monkeypatch.setattr(common, "world", lambda: (0, 2))
+    said = cuda_graph.graph_blocker(on_gpu(cfg))
+    assert said is not None and "FSDP2" in said, said
+    record(f"two processes -> eager: {said}", 0.0, 0.0, True)
+
+
+def test_the_schedule_fills_a_tensor_rate_in_place():
+    """A captured optimizer reads its rate from one tensor: the schedule must write into that tensor,
+    not replace it with a float (the graph would keep the old rate for the whole run)."""
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    lr = torch.tensor(1e-3)
+    opt = torch.optim.AdamW([{"params": [p]}, {"params": [torch.nn.Parameter(torch.randn(4))]}], lr=lr, foreach=False)
+    schedule = training.LRSchedule(opt, total_steps=10, warmup_steps=4, kind="linear")
+    rates = []
+    for step in range(6):
+        schedule.apply(step)
+        assert all(g["lr"] is lr for g in opt.param_groups)
+        rates.append(float(lr))
+    want = [1e-3 * training.schedule_factor(s, 10, 4, "linear") for s in range(6)]
+    assert rates == pytest.approx(want, rel=1e-6), (rates, want)  # fp32 tensor vs float64 arithmetic
+    record(f"rate tensor filled in place each step: {', '.join(f'{r:.2e}' for r in rates)}", 0.0, 0.0, True)
+
+
+def test_a_loaded_optimizer_is_made_capturable_again():
+    """load_state_dict replaces our groups with the saved ones (a float rate, capturable False, a CPU
+    step count from an eager run): make_capturable restores the one shared rate tensor and the flag."""
+    params = [torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))]
+    eager = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=2e-4, foreach=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    eager.step()
+    saved = eager.state_dict()
+    lr = torch.tensor(9.0)
+    ours = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=lr, foreach=True, capturable=True)
+    ours.load_state_dict(saved)
+    assert not isinstance(ours.param_groups[0]["lr"], torch.Tensor)  # what load_state_dict leaves
+    cuda_graph.make_capturable(ours, torch.device("cpu"))
+    rates = {id(g["lr"]) for g in ours.param_groups}
+    assert len(rates) == 1 and all(g["capturable"] for g in ours.param_groups)
+    assert float(ours.param_groups[0]["lr"]) == pytest.approx(2e-4)  # the saved rate, in fp32
+    assert all(s["step"].dtype == torch.float32 and float(s["step"]) == 1.0 for s in ours.state.values())
+    record("after load: one rate tensor (2.0e-04), capturable, step counts kept (1)", 0.0, 0.0, True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Replayed = eager (GPU)
+# ------------------------------------------------------------------------------------------------
+STEPS = 8
+BASE = ("--model", "llama-tiny", "--batch-size", "2", "--seq-len", "128", "--data", str(TEXT), "--steps", str(STEPS),
+        "--timing-warmup-steps", "1", "--lr", "1e-3", "--lr-warmup-steps", "2", "--lr-schedule", "linear",
+        "--overwrite")
+
+
+# A bf16 weight that rounds the other way (the capturable AdamW computes its bias correction on the GPU in
+# fp32, the eager one on the host in fp64) moves the tiny model's loss by ~1e-5; 2e-3 of the loss leaves
+# room for a few such flips to add up over 8 steps, while a stale batch, a rate left at its first value or
+# a missing optimizer step moves it by 1e-2 or more from the second replayed step on.
+REL_TOL = 2e-3
+VARIANTS = {
+    "default kernels": (),
+    "grad-accum 2 + clipping": ("--grad-accum", "2", "--max-grad-norm", "0.5"),
+    "packed rows (4-D mask)": ("--dataset", str(TEXT), "--packing", "--seq-len", "256"),
+    "LoRA r=8": ("--lora-r", "8", "--lr", "1e-2"),
+    "FP8 projections": ("--fp8",),
+    "optimizer in backward": ("--optimizer-in-backward",),
+    "gradient checkpointing": ("--gradient-checkpointing",),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_replayed_step_trains_as_the_eager_one(name):
+    argv, base = VARIANTS[name], list(BASE)
+    if "--dataset" in argv:  # --data and --dataset are one choice
+        i = base.index("--data")
+        del base[i: i + 2]
+    tag = "test_cuda_graph_" + "".join(c if c.isalnum() else "_" for c in name)
+    eager = _run(base, tag + "_eager", *argv, "--cuda-graphs", "off")
+    graph = _run(base, tag + "_graph", *argv)
+    assert graph["cuda_graphs"] == "replayed from step 2", graph["cuda_graphs"]
+    assert eager["cuda_graphs"] == "off (--cuda-graphs off)", eager["cuda_graphs"]
+    a, b = eager["losses"], graph["losses"]
+    assert len(a) == len(b) == STEPS
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    assert worst <= REL_TOL, (name, a, b)
+    assert a[-1] < a[0], a  # it trains
+    qe, qg = eager["summary"]["host queue median (ms)"], graph["summary"]["host queue median (ms)"]
+    record(f"{name}: losses {b[0]:.4f} -> {b[-1]:.4f}, worst step {worst:.1e} rel. from eager; host queue "
+           f"{qe:.2f} -> {qg:.2f} ms", worst, REL_TOL, True)
+
+
+def _run(base, tag, *argv):
+    try:
+        return training.train(config(*base, "--tag", tag, *argv))
+    finally:
+        for suffix in (".json", ".png", ".metrics.jsonl"):
+            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+
+
+@needs_gpu
+def test_a_resumed_run_replays_from_its_checkpoint(tmp_path):
+    """Resume: the loaded optimizer is made capturable again; the continued curve matches the eager one."""
+    out = tmp_path / "ckpt"
+    base = [*BASE, "--lr-schedule", "constant", "--lr-warmup-steps", "0"]  # the same rates for 4 steps as for 8
+    first = _run(base, "test_cuda_graph_resume_a", "--steps", "4", "--timing-warmup-steps", "1", "--output-dir",
+                 str(out), "--cuda-graphs", "off")
+    eager = _run(base, "test_cuda_graph_resume_b", "--cuda-graphs", "off")
+    resumed = _run(base, "test_cuda_graph_resume_c", "--resume", str(out), "--output-dir", str(out),
+                   "--timing-warmup-steps", "1")
+    assert resumed["cuda_graphs"] == "replayed from step 6", resumed["cuda_graphs"]
+    a, b = eager["losses"][4:], resumed["losses"][4:]
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    assert len(b) == STEPS - 4 and worst <= REL_TOL, (a, b, first["losses"])
+    record(f"resumed at step 4, replayed from step 6: worst step {worst:.1e} rel. from eager", worst, REL_TOL, True)
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(__name__, "CUDA graphs: when, why not, and the same training"))
