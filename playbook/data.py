@@ -643,6 +643,7 @@ class TrainData:
         self.eval_rows: dict | None = None
         self.tokenizer_name = "UTF-8 bytes"
         self._epoch_cache: tuple[int, torch.Tensor] | None = None
+        self.repeat_batches: int | None = None  # batch(i) is batch(i mod N): the first N batches, cycled
 
     # ---- sizes ----
     @property
@@ -656,6 +657,8 @@ class TrainData:
     def batch(self, index: int, device) -> dict:
         if index < 0:
             raise ValueError(f"batch index must be >= 0, got {index}")
+        if self.repeat_batches:
+            index %= self.repeat_batches
         B, T = self.batch_size, self.seq_len
         if self.kind == "synthetic":
             ids = torch.randint(0, self.vocab_size, (B, T), generator=_generator("synthetic", self.seed, self.rank, index))
@@ -706,6 +709,11 @@ class TrainData:
 
     # ---- reporting ----
     def describe(self) -> str:
+        repeat = self.repeat_batches
+        cycled = f"; only its first {repeat} batch{'es' if repeat > 1 else ''}, over and over" if repeat else ""
+        return self._describe() + cycled
+
+    def _describe(self) -> str:
         B, T = self.batch_size, self.seq_len
         if self.kind == "synthetic":
             return f"synthetic: uniform random token ids in [0, {self.vocab_size}), {B} x {T} tokens per batch"
@@ -750,7 +758,8 @@ def check_ids(examples: list[Example], pad_id: int | None, vocab_size: int, sour
 
 def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_size: int, seq_len: int, seed: int,
               rank: int = 0, world_size: int = 1, packing: bool = False, train_on_prompt: bool = False,
-              eval_fraction: float = 0.0, drop_long: bool = False, eval_source: str | None = None) -> TrainData:
+              eval_fraction: float = 0.0, drop_long: bool = False, eval_source: str | None = None,
+              repeat_batches: int | None = None) -> TrainData:
     """Build the training data. See the module docstring for the kinds, the labels and the batch layout.
 
     source: None (synthetic), a text file (text), or a data file / Hugging Face dataset id (dataset).
@@ -759,6 +768,7 @@ def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_s
     2 or more; text: the last tokens of the file). Not for synthetic data.
     drop_long: drop the dataset examples longer than seq_len instead of cutting them to seq_len.
     eval_source: a second dataset (same formats) to evaluate on instead of a held-out share.
+    repeat_batches: N to train on the first N batches only, cycled (`batch(i)` is `batch(i % N)`), or None.
     Bad input raises ValueError (DataError, with the row counts in `.report` once rows were read),
     OSError for a missing file, MissingPackage (an ImportError) for a missing optional package.
     """
@@ -770,6 +780,8 @@ def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_s
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if repeat_batches is not None and (not isinstance(repeat_batches, int) or repeat_batches < 1):
+        raise ValueError(f"repeat_batches must be None or an integer >= 1, got {repeat_batches!r}")
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     if kind != "dataset" and (packing or train_on_prompt or drop_long or eval_source is not None):
@@ -782,6 +794,7 @@ def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_s
         raise ValueError("synthetic data has no eval split (eval_fraction must be 0)")
     report = DataReport(source=str(source) if source is not None else "synthetic")
     data = TrainData(kind, source, batch_size, seq_len, vocab_size, seed, rank, world_size, report)
+    data.repeat_batches = repeat_batches
     if kind == "text":
         _build_text(data, Path(source), tokenizer, eval_fraction)
     elif kind == "dataset":
