@@ -140,8 +140,10 @@ def main():
 
     def step(i):
         batches = [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)]
-        if graphed is not None:
+        if graphed is not None and graphed.graph is not None:
             return graphed.replay(batches)
+        if graphed is not None:  # the warm-up before the capture, on the capture's stream
+            return graphed.eager(batches, lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm))
         return training_step(model, optimizer, batches, cfg.max_grad_norm)
 
     try:
@@ -151,13 +153,14 @@ def main():
         if gpu:
             cuda_graph.announce(blocker)
         optimizer = make_optimizer(model, cfg, capturable=blocker is None)
-        log(f"Warm-up: {cfg.warmup_steps} steps outside the profiler ...")
-        for i in range(cfg.warmup_steps):
-            step(i)
         if blocker is None and cfg.warmup_steps:
             graphed = cuda_graph.GraphedStep(
                 lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False),
                 [data.batch(j, cfg.device) for j in range(cfg.grad_accum)])
+        log(f"Warm-up: {cfg.warmup_steps} steps outside the profiler ...")
+        for i in range(cfg.warmup_steps):
+            step(i)
+        if graphed is not None:
             failed = graphed.capture(optimizer)
             if failed is not None:
                 log(f"CUDA graphs: the capture failed ({failed}); the profiled steps are queued eagerly")

@@ -25,6 +25,7 @@ replayed backward writes them, as the first eager backward after `zero_grad(set_
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -86,18 +87,66 @@ def grad_norm(model) -> torch.Tensor | None:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
 
 
+@contextlib.contextmanager
+def causal_skip_under_capture():
+    """Let Hugging Face keep SDPA's `is_causal` path while a graph is captured.
+
+    transformers' masking_utils.is_tracing counts a CUDA stream capture as tracing (5.17 does), and
+    `_ignore_causal_mask_sdpa` then builds a full [T, T] causal mask instead of passing is_causal=True:
+    cuDNN attention with an explicit mask runs about 3x slower forward and backward on an H200 at
+    4 x 2048 tokens than with is_causal. The check exists because a padding mask would have to be
+    read on the host, which a capture cannot do. `graph_blocker` keeps padded rows eager, so under our
+    capture there is no padding mask to read, and the skip is as valid as in an eager step: only a call
+    without a tensor (no padding mask) is answered here, every other call goes to transformers' own."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "is_tracing", None)
+    if original is None:
+        yield
+        return
+
+    def is_tracing(tensor=None):
+        if tensor is None:
+            return torch.jit.is_tracing() or torch.compiler.is_compiling()
+        return original(tensor)
+
+    masking_utils.is_tracing = is_tracing
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = original
+
+
 class GraphedStep:
     """`training_step` captured once, replayed every step after.
 
     step_fn(micro_batches) -> (loss, norm): the eager step (training.training_step bound to the model
     and optimizer). `example`: the micro-batches of one step, for the static inputs' shapes.
+
+    The eager steps before the capture run on the capture's own side stream (`eager`), as PyTorch's
+    whole-network capture asks: autograd creates each parameter's gradient accumulator on the stream of
+    the first backward that reaches it, and one made on the default stream would make the captured
+    backward wait on that stream, which a capture cannot hold.
     """
 
     def __init__(self, step_fn, example: list[dict]):
         self.step_fn = step_fn
         self.static = [{k: v.clone() for k, v in b.items()} for b in example]
+        self.stream = torch.cuda.Stream()
         self.graph = None
         self.outputs = None
+
+    def eager(self, micro_batches: list[dict], step_fn=None):
+        """One eager step on the capture stream (the steps before the capture)."""
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = (step_fn or self.step_fn)(micro_batches)
+        current.wait_stream(self.stream)
+        return out
 
     def matches(self, micro_batches: list[dict]) -> bool:
         """Same keys, shapes and dtypes as the captured step."""
@@ -113,16 +162,23 @@ class GraphedStep:
         gc.collect()
         torch.cuda.empty_cache()  # the eager steps' cached blocks back to the driver: one pool, not two
         graph = torch.cuda.CUDAGraph()
+        first_error = None
         try:
-            with torch.cuda.graph(graph):
-                self.outputs = self.step_fn(self.static)
-        except RuntimeError as err:
+            with causal_skip_under_capture(), torch.cuda.graph(graph, stream=self.stream):
+                try:
+                    self.outputs = self.step_fn(self.static)
+                except Exception as err:  # the first error says why; ending the capture then fails too
+                    first_error = err
+                    raise
+        except Exception as err:  # noqa: BLE001  (any failure to capture leaves the run eager, with its reason)
             self.outputs = None
             torch.cuda.synchronize()
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.empty_cache()
-            return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+            err = first_error or err
+            text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            return f"{type(err).__name__}: {text}" if text else type(err).__name__
         self.graph = graph
         return None
 

@@ -713,7 +713,7 @@ def _train(cfg) -> dict:
     bar = tqdm(range(start, steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
                dynamic_ncols=True)
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
-    graphed = None  # the captured step (cuda_graph.GraphedStep), after the first step of the run
+    graphed = None  # the step to capture (cuda_graph.GraphedStep); captured after the first step of the run
     try:
         for step in bar:
             if step == timed_from and cfg.on_gpu:
@@ -722,22 +722,28 @@ def _train(cfg) -> dict:
             lr = schedule.apply(step)
             batches = [data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
             log_now = (step + 1) % cfg.log_every == 0 or step == steps - 1
-            if graphed is not None and not graphed.matches(batches):
+            if blocker is None and graphed is None:
+                graphed = cuda_graph.GraphedStep(
+                    lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False), batches)
+            if graphed is not None and graphed.graph is not None and not graphed.matches(batches):
                 log(f"CUDA graphs: step {step + 1}'s batches differ in shape from the captured ones; the rest "
                     "of the run is queued eagerly")
-                graphed = None
+                graphed, blocker = None, "the batches changed shape"
                 optimizer.zero_grad(set_to_none=True)  # the graph's gradients are not this step's to add to
             synchronize(cfg.device)
             t0 = time.perf_counter()
-            if graphed is not None:
+            if graphed is not None and graphed.graph is not None:
                 loss, norm = graphed.replay(batches)
-                if log_now and norm is None:
-                    norm = cuda_graph.grad_norm(model)
+            elif graphed is not None:  # before the capture: eager, on the capture's stream
+                loss, norm = graphed.eager(batches, lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm,
+                                                                             grad_norm=log_now))
             else:
                 loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
             queued = time.perf_counter() - t0  # the host's time to queue the step (no sync inside it)
             synchronize(cfg.device)
             dt = time.perf_counter() - t0
+            if log_now and norm is None and graphed is not None and graphed.graph is not None:
+                norm = cuda_graph.grad_norm(model)  # the replay left this step's gradients; outside the timing
             loss_value = loss.float().item()  # a sync point (already synchronised above)
             if not math.isfinite(loss_value):
                 stopped = nonfinite_message(cfg, loss_value, step + 1, steps, last_good)
@@ -777,9 +783,7 @@ def _train(cfg) -> dict:
                 last_saved = path
                 if weights_finite(model):
                     last_good = (step + 1, path)
-            if blocker is None and graphed is None and step + 1 < steps:
-                graphed = cuda_graph.GraphedStep(
-                    lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False), batches)
+            if graphed is not None and graphed.graph is None and step + 1 < steps:
                 failed = graphed.capture(optimizer)
                 if failed is not None:
                     log(f"CUDA graphs: the capture failed ({failed}); each step is queued eagerly")
