@@ -29,6 +29,17 @@ counts the *ideal* bytes (each input read once, each output written once, as the
 `ideal_bytes` counts them), so it says how close an implementation is to the floor, not how many
 bytes it moved. "peak+" is the memory allocated beyond what was live before one forward + backward.
 
+Two more columns show a call as a user makes it, without a CUDA graph. "fwd+bwd us launched" is
+the same do_bench timing of plain calls: GPU time plus every gap in which the GPU waited for the
+host. "host us/call" is the time the Python host spends to enqueue one forward + backward call
+(checks, dispatch, allocations, autograd, kernel launches), measured with a CPU clock: before each
+call the GPU is handed a spin kernel (torch.cuda._sleep) that outlasts the call's host work, so the
+call only queues its kernels behind it and never waits; time.perf_counter() around the call, with no
+synchronisation inside, is then host time alone (the median of 5-30 calls, fewer for slower ones).
+An implementation that waits for the GPU itself (a host sync: the "+launch" rows) is timed without
+the spin kernel, and its host time includes waiting for its own kernels. Where host us/call exceeds
+the CUDA-graph time, a user's call is bound by the host, and "launched" shows it.
+
 The peers, stated plainly:
   eager           Hugging Face's formulas in PyTorch: LlamaRMSNorm; for the loss, the logits upcast
                   to fp32 before F.cross_entropy (what ForCausalLMLoss does)
@@ -188,6 +199,52 @@ def _host_syncs(fn, grads=()) -> bool:
     finally:
         torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.synchronize()
+
+
+_SLEEP_CYCLES_PER_US = []  # torch.cuda._sleep's clock, measured once
+
+
+def _gpu_busy(us: float) -> None:
+    """Queue a spin kernel that keeps the GPU busy for about `us` microseconds."""
+    if not _SLEEP_CYCLES_PER_US:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_US.append(1_000_000 / (start.elapsed_time(end) * 1e3))
+    torch.cuda._sleep(int(us * _SLEEP_CYCLES_PER_US[0]))
+
+
+def host_us_per_call(fn, grads=(), waits: bool = False, gpu_us: float | None = None) -> float:
+    """Median wall time, in microseconds, that the host spends in one call of `fn` (see the module
+    docstring): the GPU is kept busy by a spin kernel queued before each call, so the call never
+    waits for it and a CPU timer around the call measures the host's own work. `waits`: `fn` syncs
+    with the GPU (the spin kernel would be timed too), so it runs on an idle GPU instead. `gpu_us`
+    (its GPU time) sets how many calls are timed: 30 for short ones, down to 5 for ~0.4 s of work."""
+    def once():
+        for t in grads:
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+    if not ON_GPU:  # Triton's interpreter runs the kernels inside the call: host time, but not a launch's
+        return sorted(once() for _ in range(3))[1]
+    torch.cuda.synchronize()
+    estimate = once()  # also refills the allocator's cache after an empty_cache()
+    reps = int(min(30, max(5, 4e5 / max(gpu_us or 0.0, estimate, 1.0))))
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        if not waits:
+            _gpu_busy(min(3 * estimate + 1000, 100_000))  # outlasts the call's host work (capped at 0.1 s)
+        samples.append(once())
+    torch.cuda.synchronize()
+    for t in grads:
+        t.grad = None
+    return sorted(samples)[len(samples) // 2]
 
 
 def _label(name: str, captured: bool) -> str:
@@ -895,9 +952,14 @@ def _measure_impls(spec: KernelSpec, case: dict, dtype: torch.dtype, impls: dict
                 checked(name, lambda: inputs.check(name, fn))
             fwd, g1 = timed_graph(lambda: inputs.forward(fn))
             fb, g2 = timed_graph(lambda: inputs.forward_backward(fn), grads=grads)
+            # as a user calls it: plain launches (the same timing when capture was not possible), and
+            # the host's own time per call
+            launched = timed(lambda: inputs.forward_backward(fn), grad_to_none=grads) if g2 else fb
+            host = host_us_per_call(lambda: inputs.forward_backward(fn), grads, waits=ON_GPU and not g2,
+                                    gpu_us=fb[0])
             mem = peak_extra_mb(lambda: inputs.forward_backward(fn), grad_to_none=grads)
             rows.append(dict(kernel=spec.name, impl=_label(name, g1 and g2), **common, fwd_us=fwd, fwdbwd_us=fb,
-                             peak_extra_mb=mem))
+                             fwdbwd_launched_us=launched, host_us=host, peak_extra_mb=mem))
             for t in grads:
                 t.grad = None
         guarded(name, describe(case), measure)
@@ -950,14 +1012,16 @@ def table(rows) -> str:
         rate, pct = ("tflops", "pct_matmul") if flops else ("gbs", "pct_copy")
         unit, ceiling = ("TFLOP/s", "%matmul") if flops else ("GB/s", "%copy")
         headers = ["shape", "impl", "fwd us (p20-p80)", f"fwd {unit}", f"fwd {ceiling}", "fwd+bwd us (p20-p80)",
-                   f"fwd+bwd {unit}", f"fwd+bwd {ceiling}", "floor us", "peak+ MB"]
+                   f"fwd+bwd {unit}", f"fwd+bwd {ceiling}", "floor us", "fwd+bwd us launched (no graph)",
+                   "host us/call (CPU clock, GPU kept busy)", "peak+ MB"]
         headers += ["peak+ beyond grads MB"] if flops else []
         headers += ["x eager", "x best other"]
         body = []
         for r in sel:
             line = [describe(r["shape"]), r["impl"], us(r["fwd_us"]), f(r[f"fwd_{rate}"], ".0f"),
                     f(r[f"fwd_{pct}"], ".0f"), us(r["fwdbwd_us"]), f(r[f"fwdbwd_{rate}"], ".0f"),
-                    f(r[f"fwdbwd_{pct}"], ".0f"), f(r["fwdbwd_floor_us"], ".0f"), f(r["peak_extra_mb"], ".0f")]
+                    f(r[f"fwdbwd_{pct}"], ".0f"), f(r["fwdbwd_floor_us"], ".0f"), us(r["fwdbwd_launched_us"]),
+                    f(r["host_us"], ".1f"), f(r["peak_extra_mb"], ".0f")]
             line += [f(r.get("peak_beyond_grads_mb"), ".0f")] if flops else []
             line += [f(r["fwdbwd_x_eager"], ".2f"), f(r["fwdbwd_x_best_other"], ".2f")]
             body.append(line)

@@ -119,7 +119,8 @@ import torch
 from torch import nn
 
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2
+# direct_launch: eager calls skip the operators' dispatch (step 1 says why)
+from playbook.kernel_utils import as_rows, check_device, check_float, direct_launch, next_power_of_2
 from playbook.model_families import model_type
 
 import triton
@@ -709,6 +710,10 @@ def scale_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() or \
             torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None:
         return torch.ops.playbook.cross_entropy_scale_grad(grad, grad_output)
+    if direct_launch(grad, grad_output):  # eager: the launcher itself, and the write declared by hand
+        scale_gradient_(grad, grad_output)
+        torch.autograd.graph.increment_version(grad)
+        return grad
     torch.ops.playbook.cross_entropy_scale_grad_inplace(grad, grad_output)
     return grad
 
@@ -754,14 +759,18 @@ def check_first_order(what: str) -> None:
                            "(double backward, gradient penalties) is not supported")
 
 
-# Autograd is one torch.autograd.Function over the custom ops, not torch.library.register_autograd
-# on the forward op, because of the in-place gradient. That op writes the gradient into the logits,
-# so it declares the mutation (mutates_args=("logits2",)), and register_autograd refuses any op that
-# mutates an input ("Cannot register autograd formula for non-functional operator"). A functional
+# Autograd is one torch.autograd.Function over the launchers (eager) or the custom ops (traced), not
+# torch.library.register_autograd on the forward op, because of the in-place gradient. That op
+# writes the gradient into the logits, so it declares the mutation (mutates_args=("logits2",)), and
+# register_autograd refuses any op that mutates an input ("Cannot register autograd formula for
+# non-functional operator"). A functional
 # op cannot carry the trick either: a custom op may not return an alias of an input, so its gradient
 # would need a new [N, V] buffer (4.2 GB at 16384 tokens of LLaMA 3.1 8B, in bf16). The Function
 # only picks the op, keeps the gradient buffer it returns, and calls the scale op in backward;
-# torch.compile and opcheck see the custom ops alone, and no host sync is added.
+# torch.compile and opcheck see the custom ops alone, and no host sync is added. An eager call on
+# plain tensors (`direct_launch`) calls the ops' Python bodies instead of dispatching the ops: the
+# same launches, without the dispatcher's host time before the GPU gets its work; the in-place
+# write is then declared by hand (the version counter), as the op's schema declares it.
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, reduction, inplace_grad, grad_enabled, weight=None,
@@ -775,7 +784,25 @@ class CrossEntropyFunction(torch.autograd.Function):
         # needs_input_grad says whether the logits require grad, even under torch.no_grad();
         # grad_enabled (the caller's grad mode) says whether a backward can happen at all.
         ctx.consumed = False
-        if not (ctx.needs_input_grad[0] and grad_enabled):
+        compute_grad = bool(ctx.needs_input_grad[0] and grad_enabled)
+        if direct_launch(rows, targets) and (weight is None or direct_launch(weight)):
+            in_place = compute_grad and inplace_grad and not rows_overlap(rows)
+            if extras:
+                loss, grad, z, pred = _forward(rows, targets, ignore_index, reduction, compute_grad, in_place,
+                                               weight, label_smoothing, lse_square_scale, softcap, want_z, want_pred)
+            else:  # the plain loss: no placeholder tensors for the extras
+                loss, grad = cross_entropy_forward(rows, targets, ignore_index, reduction, compute_grad, in_place,
+                                                   options=LossOptions(weight, label_smoothing, lse_square_scale,
+                                                                       softcap))
+            if in_place:
+                torch.autograd.graph.increment_version(rows)  # what the in-place op's schema declares
+            if compute_grad:
+                ctx.save_for_backward(grad)
+            if not extras:
+                return loss
+            ctx.mark_non_differentiable(z, pred)
+            return loss, z, pred
+        if not compute_grad:
             loss, z, pred = torch.ops.playbook.cross_entropy_loss(rows, targets, ignore_index, reduction, *options)
         elif inplace_grad and not rows_overlap(rows):
             # The op declares that it mutates `rows`, so PyTorch bumps the version counter that

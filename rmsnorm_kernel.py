@@ -62,17 +62,29 @@ Three options, for the families that need them
 All three are `tl.constexpr` in the kernels, so the default (offset 0, "llama", out of place)
 compiles to exactly the code it did before they existed, and each other choice to its own binary.
 
+The host's share
+----------------
+Without a CUDA graph the GPU can only run what the host has queued: a call whose Python, dispatch
+and launches take longer than its ~180 us of kernels leaves the GPU waiting, and the host time is the
+time. So launch settings are computed once per hidden size, a frozen weight allocates no partial
+sums, and an eager call reaches the launchers through a plain autograd.Function instead of the
+custom operators, whose dispatch costs host time on every call (see "The eager path" below).
+`benchmark_kernels.py` reports host microseconds per call beside the GPU times.
+
 Layout of this file: kernels -> launchers -> custom ops (PyTorch operators, with their autograd)
--> functional API -> module and `patch_model` -> reference.
+-> the eager path (an autograd.Function over the launchers) -> functional API -> module and
+`patch_model` -> reference.
 """
 
+import functools
 import math
 
 import torch
 from torch import nn
 
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
+from playbook.kernel_utils import (as_rows, check_device, check_float, direct_launch, next_power_of_2, num_sms,
+                                   refuse_double_backward)
 from playbook.model_families import family, family_classes
 
 import triton
@@ -254,6 +266,28 @@ def _output_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting_mode: str)
     return torch.promote_types(x_dtype, w_dtype) if casting_mode == "llama" else x_dtype
 
 
+# The launch decisions depend only on the hidden size (and the device, for the persistent grid), so
+# they are made once per size and remembered: a training step calls the norm 65 times with one H.
+@functools.lru_cache(maxsize=None)
+def _fwd_settings(H: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_M, num_warps) of the forward kernel for rows of H values."""
+    block_h = next_power_of_2(H)
+    block_m = _block_rows(block_h, FWD_TARGET_ELEMENTS)
+    return block_h, block_m, _num_warps(block_m * block_h)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_settings(H: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_M, num_warps, most programs) of the persistent backward kernel."""
+    block_h = next_power_of_2(H)
+    block_m = _block_rows(block_h, BWD_TARGET_ELEMENTS)
+    num_warps = _num_warps(block_m * block_h)
+    # Two programs of 32 warps would need two SMs' worth of threads: then keep one per SM, or the
+    # persistent grid would run in two waves (seen at H = 16384: half the bandwidth).
+    programs_per_sm = 1 if num_warps >= 32 else BWD_PROGRAMS_PER_SM
+    return block_h, block_m, num_warps, num_sms(device) * programs_per_sm
+
+
 def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                     casting_mode: str = "llama", block_m: int | None = None, num_warps: int | None = None):
     """x2: [rows, H] with unit stride along H. Returns y [rows, H] and rstd [rows] (fp32)."""
@@ -262,10 +296,13 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     if n_rows == 0:
         return y, rstd
-    block_h = next_power_of_2(H)
-    block_m = block_m or _block_rows(block_h, FWD_TARGET_ELEMENTS)
-    num_warps = num_warps or _num_warps(block_m * block_h)
-    grid = (triton.cdiv(n_rows, block_m),)
+    if block_m is None and num_warps is None:
+        block_h, block_m, num_warps = _fwd_settings(H)
+    else:  # settings chosen by the caller (benchmark_kernels.py --tune)
+        block_h = next_power_of_2(H)
+        block_m = block_m or _block_rows(block_h, FWD_TARGET_ELEMENTS)
+        num_warps = num_warps or _num_warps(block_m * block_h)
+    grid = (-(-n_rows // block_m),)  # plain integers: triton.cdiv is a Triton function, slower to call
     _rmsnorm_fwd[grid](
         x2, weight, y, rstd,
         x2.stride(0), y.stride(0), n_rows, H, eps,
@@ -288,16 +325,17 @@ def rmsnorm_backward(dy2, x2, weight, rstd, need_dw: bool, offset: float = 0.0, 
     if n_rows == 0:
         dw = torch.zeros_like(weight) if need_dw else None
         return dx, dw
-    block_h = next_power_of_2(H)
-    block_m = block_m or _block_rows(block_h, BWD_TARGET_ELEMENTS)
-    num_warps = num_warps or _num_warps(block_m * block_h)
-    n_blocks = triton.cdiv(n_rows, block_m)
-    # Two programs of 32 warps would need two SMs' worth of threads: then keep one per SM, or the
-    # persistent grid would run in two waves (seen at H = 16384: half the bandwidth).
-    programs_per_sm = programs_per_sm or (1 if num_warps >= 32 else BWD_PROGRAMS_PER_SM)
-    n_programs = min(n_blocks, num_sms(x2.device) * programs_per_sm)
-    # Partial sums in fp32, one row per program: at most ~264 x H x 4 bytes, a few MB.
-    dw_partial = torch.empty((n_programs, H) if need_dw else (1, 1), dtype=torch.float32, device=x2.device)
+    if programs_per_sm is None and block_m is None and num_warps is None:
+        block_h, block_m, num_warps, max_programs = _bwd_settings(H, x2.device)
+    else:  # settings chosen by the caller (benchmark_kernels.py --tune)
+        block_h = next_power_of_2(H)
+        block_m = block_m or _block_rows(block_h, BWD_TARGET_ELEMENTS)
+        num_warps = num_warps or _num_warps(block_m * block_h)
+        max_programs = num_sms(x2.device) * (programs_per_sm or (1 if num_warps >= 32 else BWD_PROGRAMS_PER_SM))
+    n_programs = min(-(-n_rows // block_m), max_programs)
+    # Partial sums in fp32, one row per program: at most ~264 x H x 4 bytes, a few MB. A frozen
+    # weight (LoRA) needs none: the kernel then never touches the pointer, and rstd stands in.
+    dw_partial = torch.empty((n_programs, H), dtype=torch.float32, device=x2.device) if need_dw else rstd
     _rmsnorm_bwd[(n_programs,)](
         dy2, x2, weight, rstd, dx, dw_partial,
         dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, H,
@@ -414,6 +452,42 @@ refuse_double_backward(rmsnorm_bwd_op, "rmsnorm")  # (the in-place one only runs
 
 
 # ------------------------------------------------------------------------------------------------
+# The eager path: the same launchers, without the operator machinery
+# ------------------------------------------------------------------------------------------------
+# Calling a custom operator costs host time on every call: the dispatcher hands it to Python, the
+# autograd registration wraps it in a generated Function, the arguments are normalised against the
+# schema, and the implementation runs behind a guard that keeps Dynamo out. For a kernel that
+# takes ~180 us of GPU time, that host time was *the* cost of a call as a user makes it (no CUDA
+# graph): the GPU waited for Python. So an eager call goes through this plain autograd.Function,
+# which calls the launchers directly, and only a traced call (torch.compile, opcheck, a fake or
+# functional tensor, any dispatch mode) uses the operators, which tracing needs. Both run the same
+# kernels with the same launch settings, so their results are bitwise equal (rmsnorm_test.py).
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, eps, offset, casting_mode, in_place):
+        weight = weight.contiguous()
+        y, rstd = rmsnorm_forward(x2, weight, eps, offset, casting_mode)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled() or not direct_launch(dy):
+            # create_graph=True: the backward operator's autograd refuses a second derivative clearly
+            return _backward(ctx, dy, None)
+        x, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        if ctx.in_place and need_dx and _can_overwrite(dy, x):
+            _, dw = rmsnorm_backward(dy, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode, dx=dy)
+            torch.autograd.graph.increment_version(dy)  # as the in-place operator declares its write
+            dx = dy
+        else:
+            dx, dw = rmsnorm_backward(as_rows(dy), x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode)
+        return dx if need_dx else None, dw if need_dw else None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
 # Functional API, module, patching a Hugging Face model
 # ------------------------------------------------------------------------------------------------
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0,
@@ -440,7 +514,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset:
         does so for exactly those norms.
     """
     _check_inputs(x, weight, offset, casting_mode)
-    y, _ = rmsnorm_fwd_op(as_rows(x), weight, float(eps), float(offset), casting_mode, bool(in_place))
+    x2 = as_rows(x)
+    if direct_launch(x2, weight):
+        y = _RMSNormFunction.apply(x2, weight, float(eps), float(offset), casting_mode, bool(in_place))
+    else:
+        y, _ = rmsnorm_fwd_op(x2, weight, float(eps), float(offset), casting_mode, bool(in_place))
     return y.view(x.shape)
 
 

@@ -285,6 +285,32 @@ def test_second_order_gradients_raise():
     assert "second-order" in msg
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["out of place", "in place"])
+def test_eager_calls_skip_the_operators_with_the_same_results(monkeypatch, in_place):
+    """An eager call runs the launchers through a plain autograd.Function, because dispatching a
+    custom operator costs host time on every call; the operators serve tracing. Both paths give
+    the same bits, and the in-place backward bumps dy's version counter as the operator does."""
+    x, w = _inputs((37, 200), torch.bfloat16, seed=11)
+    dy = random_like_grad(x, seed=12)
+    calls = []
+    real_op = rmsnorm_kernel.rmsnorm_fwd_op
+    monkeypatch.setattr(rmsnorm_kernel, "rmsnorm_fwd_op", lambda *args: calls.append(args) or real_op(*args))
+
+    def run(fn):
+        xi, wi, g = x.clone().requires_grad_(), w.clone().requires_grad_(), dy.clone()
+        y = fn(xi, wi)
+        version = g._version
+        dx, dw = torch.autograd.grad(y, (xi, wi), g)
+        assert (g._version > version) == (in_place and dx.data_ptr() == g.data_ptr())
+        return y, dx, dw
+
+    eager = run(lambda xi, wi: rmsnorm(xi, wi, 1e-6, in_place=in_place))
+    assert not calls, "an eager call must not dispatch the custom operator"
+    via_op = run(lambda xi, wi: real_op(xi, wi, 1e-6, 0.0, "llama", in_place)[0])
+    for what, e, o in zip(("y", "dx", "dW"), eager, via_op):
+        exactly(f"eager path == operator path ({'in place' if in_place else 'out of place'}): {what}", e, o)
+
+
 def test_custom_ops_pass_opcheck():
     """torch.library.opcheck: schema, fake (meta) implementation, autograd registration, and the
     operators traced by AOTAutograd with dynamic shapes (gradients included for the forward)."""

@@ -97,3 +97,10 @@ def refuse_double_backward(op, kernel: str) -> None:
                            f"by the fused kernel; use the plain PyTorch reference for double backward")
 
     torch.library.register_autograd(op, second_order)
+
+
+def direct_launch(*tensors: torch.Tensor) -> bool:
+    """True when the launchers may run on these tensors directly: plain tensors (or Parameters),
+    no compiler tracing, no dispatch mode on the stack (FakeTensorMode, functionalization, ...)."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))

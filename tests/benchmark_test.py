@@ -11,6 +11,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,31 @@ def test_byte_and_flop_counts_come_from_the_kernel_modules(smoke):
             else:
                 assert r[f"{phase}_flops"] is None
     record("ideal bytes (and flops) of every row = the module's", 0.0, 0.0, True)
+
+
+def test_host_time_per_call_is_measured_for_every_row(smoke):
+    """Every implementation, ours and the peers, has its host microseconds per call: in the table
+    (its header names the clock and the unit), in the JSON and in the CSV. The values are measured
+    (positive, and not one number copied into every row) and the plain-launch time sits beside them."""
+    stdout, data = smoke
+    assert "host us/call (CPU clock, GPU kept busy)" in stdout and "fwd+bwd us launched (no graph)" in stdout
+    hosts = [r["host_us"] for r in data["rows"]]
+    assert all(isinstance(h, float) and h > 0 for h in hosts), hosts
+    assert len(set(hosts)) > len(hosts) // 2, "host times look like a constant, not a measurement"
+    assert all(r["fwdbwd_launched_us"][0] > 0 for r in data["rows"])
+    with open(RESULTS / "benchmark_smoke.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert all(float(r["host_us"]) > 0 and float(r["fwdbwd_launched_us"]) > 0 for r in rows)
+    record(f"host us/call in all {len(hosts)} rows: {min(hosts):.0f} to {max(hosts):.0f} us", 0.0, 0.0, True)
+
+
+def test_host_time_measures_the_call(monkeypatch):
+    """host_us_per_call times the call itself: a call that sleeps 20 ms on the host measures about
+    20 ms, and a call that does nothing measures far less."""
+    slow = bk.host_us_per_call(lambda: time.sleep(0.02))
+    fast = bk.host_us_per_call(lambda: None)
+    assert 15_000 < slow < 200_000 and fast < 1_000, (slow, fast)
+    record(f"host_us_per_call: 20 ms sleep -> {slow / 1e3:.1f} ms, empty call -> {fast:.1f} us", 0.0, 0.0, True)
 
 
 def test_smoke_draws_one_plot_per_kernel(smoke):
