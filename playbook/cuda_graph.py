@@ -91,33 +91,57 @@ def grad_norm(model) -> torch.Tensor | None:
 def causal_skip_under_capture():
     """Let Hugging Face keep SDPA's `is_causal` path while a graph is captured.
 
-    transformers' masking_utils.is_tracing counts a CUDA stream capture as tracing (5.17 does), and
-    `_ignore_causal_mask_sdpa` then builds a full [T, T] causal mask instead of passing is_causal=True:
-    cuDNN attention with an explicit mask runs about 3x slower forward and backward on an H200 at
-    4 x 2048 tokens than with is_causal. The check exists because a padding mask would have to be
-    read on the host, which a capture cannot do. `graph_blocker` keeps padded rows eager, so under our
-    capture there is no padding mask to read, and the skip is as valid as in an eager step: only a call
-    without a tensor (no padding mask) is answered here, every other call goes to transformers' own."""
+    transformers counts a CUDA stream capture as tracing (masking_utils.is_tracing in 5.x), and its
+    SDPA mask function then builds a full [B, 1, T, T] causal mask instead of answering None (SDPA's
+    is_causal=True), which also turns off SDPA's own grouped-query path (k and v are repeated to every
+    head): on an H200 at 4 x 2048 tokens, attention forward and backward ran about 3x slower. The
+    check exists because a padding mask would have to be read on the host, which a capture cannot do.
+    `graph_blocker` keeps padded rows eager, so under our capture a causal mask without a padding mask
+    is the only case answered here, and it is answered as an eager step would be: None. Every other
+    call (a padding mask, sliding windows, packed sequences, custom mask functions) goes to transformers."""
     try:
         from transformers import masking_utils
     except ImportError:
         yield
         return
-    original = getattr(masking_utils, "is_tracing", None)
+    mapping = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", None)
+    original = mapping.get("sdpa") if isinstance(mapping, dict) else None
     if original is None:
         yield
         return
 
-    def is_tracing(tensor=None):
-        if tensor is None:
-            return torch.jit.is_tracing() or torch.compiler.is_compiling()
-        return original(tensor)
+    def sdpa_mask(*args, **kwargs):
+        plain_causal = (not args and kwargs.get("attention_mask") is None and kwargs.get("allow_is_causal_skip", True)
+                        and kwargs.get("q_length") is not None and kwargs.get("q_length") == kwargs.get("kv_length")
+                        and not kwargs.get("q_offset") and kwargs.get("local_size") is None
+                        and kwargs.get("mask_function", masking_utils.causal_mask_function)
+                        is getattr(masking_utils, "causal_mask_function", None))
+        return None if plain_causal else original(*args, **kwargs)
 
-    masking_utils.is_tracing = is_tracing
+    mapping["sdpa"] = sdpa_mask
     try:
         yield
     finally:
-        masking_utils.is_tracing = original
+        mapping["sdpa"] = original
+
+
+@contextlib.contextmanager
+def count_masked_attention():
+    """Count the SDPA calls given an explicit mask (yields a one-element list, filled on the way)."""
+    import torch.nn.functional as F
+
+    original, count = F.scaled_dot_product_attention, [0]
+
+    def sdpa(*args, **kwargs):
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        count[0] += mask is not None
+        return original(*args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield count
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 class GraphedStep:
@@ -138,6 +162,7 @@ class GraphedStep:
         self.stream = torch.cuda.Stream()
         self.graph = None
         self.outputs = None
+        self.masked_attention = 0  # SDPA calls of the captured step that received an explicit mask
 
     def eager(self, micro_batches: list[dict], step_fn=None):
         """One eager step on the capture stream (the steps before the capture)."""
@@ -164,7 +189,8 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         first_error = None
         try:
-            with causal_skip_under_capture(), torch.cuda.graph(graph, stream=self.stream):
+            with causal_skip_under_capture(), count_masked_attention() as masked, \
+                    torch.cuda.graph(graph, stream=self.stream):
                 try:
                     self.outputs = self.step_fn(self.static)
                 except Exception as err:  # the first error says why; ending the capture then fails too
@@ -180,6 +206,10 @@ class GraphedStep:
             text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
             return f"{type(err).__name__}: {text}" if text else type(err).__name__
         self.graph = graph
+        self.masked_attention = masked[0]
+        if masked[0] and not any("attention_mask" in b for b in self.static):
+            log(f"CUDA graphs: {masked[0]} attention calls of the captured step received a mask although the batches "
+                "have none (transformers built a causal mask under capture): attention runs its slower masked path")
         return None
 
     def replay(self, micro_batches: list[dict]):

@@ -6,8 +6,8 @@ weights (timing and memory do not depend on the weight values):
     llama-tiny     a few small layers, for CPUs (kernels then run in Triton's interpreter)
 
 `prepare_model(cfg)` is the one recipe every script follows (the fine-tuning loop, the profiler, the
-Trainer, both models of distill.py): load, then the kernels, FP8, gradient checkpointing, LoRA,
-compile and FSDP2, in that order, each a small function switched by one field of the RunConfig.
+Trainer, both models of distill.py): load, then the kernels, FP8, gradient checkpointing, LoRA, the
+tiled MLP, compile and FSDP2, in that order, each a small function switched by one field of the RunConfig.
 """
 
 from __future__ import annotations
@@ -246,42 +246,51 @@ def apply_torchao_fp8(model: nn.Module, compiled: bool) -> int:
     return converted
 
 
-def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = False) -> int:
-    """--fp8: the decoder's projections as FP8 matmuls (fp8_linear_kernel.py); returns how many."""
+def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = False, recipe: str = "rowwise") -> int:
+    """--fp8: the decoder's projections as FP8 matmuls (fp8_linear_kernel.py, --fp8-recipe `recipe`);
+    returns how many."""
     import fp8_linear_kernel
 
     if backend == "torchao":
         return apply_torchao_fp8(model, compiled)
 
     try:
-        converted = fp8_linear_kernel.patch_model(model)
-    except RuntimeError as err:  # a GPU without FP8 matmuls: one line, not a traceback
+        converted = fp8_linear_kernel.patch_model(model, recipe)
+    except RuntimeError as err:  # a GPU without the recipe's FP8 matmuls: one line, not a traceback
         raise SystemExit(f"error: --fp8: {err}") from None
-    log(f"FP8: {converted} of {fp8_linear_kernel.expected_patches(model.config)} decoder projections run as FP8 "
-        "matmuls (row-wise scales); lm_head and embeddings stay bf16")
+    r = fp8_linear_kernel.get_recipe(recipe)
+    kept = f"; the first and last {r.bf16_end_layers} decoder layers" if r.bf16_end_layers else ""
+    dgrad = "; input gradients (dx = dy W) in bf16" if r.bf16_dgrad else ""
+    log(f"FP8: {converted} of {fp8_linear_kernel.expected_patches(model.config, recipe)} decoder projections run as "
+        f"FP8 matmuls (recipe {recipe}{dgrad}); lm_head and embeddings{kept} stay bf16")
     return converted
 
 
 # ------------------------------------------------------------------------------------------------
 # prepare_model: one step per function, each switched by one field of the RunConfig
 # ------------------------------------------------------------------------------------------------
-def apply_gradient_checkpointing(model: nn.Module, lora: bool) -> None:
-    """--gradient-checkpointing: Hugging Face's activation checkpointing, each decoder layer recomputed in backward.
+def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload: bool = False) -> tuple[int, ...]:
+    """--gradient-checkpointing / --checkpoint-layers SPEC: the decoder layers SPEC names are recomputed in
+    backward, keeping only their inputs; --offload-activations keeps those in pinned host memory.
 
-    Called on the Hugging Face model itself, before peft wraps it. With LoRA the embeddings are frozen,
-    so the hidden states entering the first checkpointed layer need no gradient; a reentrant checkpoint
-    would then skip those layers' backward and the adapters would get no gradient. The non-reentrant
-    checkpoint used here has no such gap, and `enable_input_require_grads` (the embeddings' output made
-    to require a gradient, as peft's `prepare_model_for_kbit_training` does) closes it for a reentrant
-    one too, such as the Trainer's own `gradient_checkpointing=True` in Transformers 4.x.
+    playbook/memory.py: PyTorch's non-reentrant checkpoint, set per layer through the flag and function
+    Hugging Face's decoder layers check; it needs no input that requires a gradient, so LoRA's frozen
+    embeddings do not cut the adapters of checkpointed layers off from the loss. Returns the layers'
+    indices; a SPEC naming a layer the model does not have is a usage error (exit code 2).
     """
-    # activation_checkpointing_enable since Transformers 5 (it also adds the input hook for models of
-    # token ids); gradient_checkpointing_enable before, now its deprecated alias
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable({"use_reentrant": False})
-    if lora and getattr(model, "_require_grads_hook", None) is None:
-        model.enable_input_require_grads()
-    log("Gradient checkpointing: each decoder layer is recomputed in backward")
+    from playbook import memory
+
+    stack = decoder_layers(model)
+    try:
+        chosen = memory.apply_checkpointing(stack, layers, offload=offload)
+    except ValueError as err:
+        raise usage_error(f"--checkpoint-layers {err}") from None
+    which = "each decoder layer" if len(chosen) == len(stack) else (
+        f"{len(chosen)} of {len(stack)} decoder layers ({layers}: {', '.join(map(str, chosen))})")
+    where = ("; their inputs wait in pinned host memory (copied on a side stream, fetched back one layer ahead)"
+             if offload else "")
+    log(f"Gradient checkpointing: {which} recomputed in backward{where}")
+    return chosen
 
 
 def apply_lora(model: nn.Module, cfg, fused: bool) -> nn.Module:
@@ -289,6 +298,18 @@ def apply_lora(model: nn.Module, cfg, fused: bool) -> nn.Module:
     from playbook.lora import lora_from_config
 
     return lora_from_config(model, cfg, fuse=fused)
+
+
+def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
+    """--mlp-chunk-tokens N: each decoder layer's MLP computed over chunks of N tokens, forward and backward,
+    each chunk through the MLP's forward as the steps before left it (playbook/memory.py)."""
+    from playbook import memory
+
+    mlps = memory.apply_tiled_mlp(decoder_layers(model), chunk_tokens)
+    width = getattr(model.config, "intermediate_size", None)
+    log(f"Tiled MLP: {mlps} MLPs computed over chunks of {chunk_tokens:,} tokens"
+        + (f" (one chunk's [{chunk_tokens:,}, {width:,}] intermediates at a time)" if width else ""))
+    return mlps
 
 
 def apply_compile(model: nn.Module, cfg) -> None:
@@ -316,12 +337,15 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
                                                every later step then wraps the patched model
       2. FP8 (cfg.fp8)                         converts the nn.Linear projections the kernels left, so
                                                LoRA's adapters wrap FP8 bases, not the other way round
-      3. gradient checkpointing                a method of the Hugging Face model: before peft wraps it,
-         (cfg.gradient_checkpointing)          and with LoRA the frozen embeddings' output made to
-                                               require a gradient (apply_gradient_checkpointing)
+      3. gradient checkpointing                flags on the Hugging Face decoder layers, set before peft
+         (cfg.gradient_checkpointing,          wraps the model (apply_gradient_checkpointing); recomputing
+         checkpoint_layers,                    a layer runs whatever its modules are by then, adapters
+         offload_activations)                  included
       4. LoRA (cfg.lora_r)                     peft wraps the finished layers (fused with the registry's lora)
-      5. compile (cfg.compile)                 traces the model as it will run, adapters included
-      6. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
+      5. tiled MLP (cfg.mlp_chunk_tokens)      after the kernels, FP8 and LoRA, which replace the MLP's
+                                               forward or its projections: each chunk runs the final one
+      6. compile (cfg.compile)                 traces the model as it will run, adapters included
+      7. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
     """
     from playbook.registry import apply_kernels
 
@@ -342,11 +366,13 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
     log(prefer_fast_attention(torch.device(cfg.device)))
     report = apply_kernels(model, cfg.kernels, verbose=True)
     if cfg.fp8:
-        apply_fp8(model, cfg.fp8_backend, cfg.compile)
+        apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe)
     if cfg.gradient_checkpointing:
-        apply_gradient_checkpointing(model, lora=bool(cfg.lora_r))
+        apply_gradient_checkpointing(model, cfg.checkpoint_layers or "all", offload=cfg.offload_activations)
     if cfg.lora_r:
         model = apply_lora(model, cfg, fused="lora" in cfg.kernels)  # the registry's lora entry
+    if cfg.mlp_chunk_tokens:
+        apply_tiled_mlp(model, cfg.mlp_chunk_tokens)
     if cfg.compile:
         apply_compile(model, cfg)
     if shard and world()[1] > 1:

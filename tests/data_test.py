@@ -419,6 +419,38 @@ def test_synthetic_tokens():
     assert d.batches_per_epoch is None and d.eval_batches("cpu") == [] and "synthetic" in d.describe()
 
 
+def test_repeat_batches_cycles_the_first_n():
+    """--repeat-batches N: step i trains on batch i mod N, for synthetic tokens and for text windows,
+    and the data line says so; N must be a positive integer."""
+    plain = data.make_data(None, "synthetic", None, 300, 3, 50, 7)
+    cycled = data.make_data(None, "synthetic", None, 300, 3, 50, 7, repeat_batches=3)
+    for i in range(7):  # the first 3 batches are the plain ones, then they come round again
+        exactly(f"synthetic batch {i} is plain batch {i % 3}", cycled.batch(i, "cpu")["input_ids"],
+                plain.batch(i % 3, "cpu")["input_ids"])
+    assert not torch.equal(cycled.batch(0, "cpu")["input_ids"], cycled.batch(1, "cpu")["input_ids"])
+    assert "first 3 batches, over and over" in cycled.describe() and "over and over" not in plain.describe()
+    with _files(text__txt="abcdefghijklmnopqrstuvwxyz" * 4) as tmp:
+        text = data.make_data(str(tmp / "text.txt"), "text", None, 512, 2, 8, 0, repeat_batches=2)
+        exactly("text: batch 5 is batch 1", text.batch(5, "cpu")["input_ids"], text.batch(1, "cpu")["input_ids"])
+    for bad in (0, -1, 1.5):
+        expect_error(ValueError, lambda: data.make_data(None, "synthetic", None, 300, 3, 50, 7, repeat_batches=bad))
+
+
+def test_repeat_batches_flag(capsys):
+    from playbook import registry
+    from playbook.config import make_parser, parse_config
+
+    def cfg(*argv):
+        return parse_config(make_parser("test", kernels_default=registry.DEFAULT_KERNELS), "finetune_optimized",
+                            list(argv))
+
+    assert cfg().repeat_batches is None and cfg("--repeat-batches", "4").repeat_batches == 4
+    expect_error(SystemExit, cfg, "--repeat-batches", "0")
+    expect_error(SystemExit, cfg, "--repeat-batches", "2", "--dataset", str(EXAMPLES / "chat.jsonl"), "--epochs", "1")
+    assert "no epochs" in capsys.readouterr().err
+    record("--repeat-batches N: RunConfig.repeat_batches; 0 and --epochs refused", 0, 0, True)
+
+
 # ------------------------------------------------------------------------------------------------
 # File formats and errors
 # ------------------------------------------------------------------------------------------------
@@ -500,7 +532,7 @@ def _run_cfg(dataset=None, text=None, **kw):
     from types import SimpleNamespace
 
     fields = dict(dataset=dataset, data=text, batch_size=1, seq_len=256, seed=0, packing=False, train_on_prompt=False,
-                  eval_fraction=0.0, drop_long=False, eval_dataset=None)
+                  eval_fraction=0.0, drop_long=False, eval_dataset=None, repeat_batches=None)
     fields.update(kw)
     return SimpleNamespace(**fields)
 

@@ -1,0 +1,438 @@
+"""Memory options for long context and full fine-tuning: selective checkpointing, offloaded
+checkpoints and a tiled MLP. Each changes what a step keeps in GPU memory, never what it computes.
+
+    >>> from playbook import memory
+    >>> layers = models.decoder_layers(model)
+    >>> memory.apply_checkpointing(layers, "every:4", offload=True)   # layers 0, 4, 8, ... of 32
+    (0, 4, 8, 12, 16, 20, 24, 28)
+    >>> memory.apply_tiled_mlp(layers, chunk_tokens=8192)             # after the kernels and LoRA
+    32
+
+The same from the command line (models.prepare_model applies them):
+
+    $ python finetune_optimized.py --lora-r 16 --seq-len 131072 --batch-size 1 \\
+          --gradient-checkpointing --offload-activations --mlp-chunk-tokens 8192
+
+What a decoder layer of LLaMA 3.1 8B keeps (H = 4096 hidden, I = 14336 MLP width, bf16, N = B x T
+tokens of the micro-batch; docs/memory.md has the whole table):
+
+    plain layer          everything backward reads: roughly 30 N H bytes with the default kernels (both
+                         norms' inputs, the projections' inputs, attention's q, k, v and output, and the
+                         MLP's gate and up, [N, 2 I] alone 14 N H), 15 GiB per layer at 131,072 tokens
+    checkpointed layer   its input only: 2 N H bytes = 8 KiB per token; 1 GiB per layer at 131,072
+                         tokens, 32 GiB (34.4 GB) for the 32 layers. Backward runs the layer's forward
+                         again first (about a third more compute for the layer)
+    offloaded            that input in pinned host memory instead; on the GPU only the layer being
+                         recomputed and the next one, fetched ahead
+    tiled MLP            the MLP's [N, I] intermediates (gate, up, act(gate) * up and their gradients,
+                         7 x 3.5 GiB at 131,072 tokens) exist for one chunk of C tokens at a time,
+                         forward and backward: 2 C I bytes each
+
+Selective checkpointing (`apply_checkpointing`)
+    Hugging Face's decoder layers (transformers' GradientCheckpointingLayer) checkpoint themselves when
+    their `gradient_checkpointing` flag is set, through the function in `_gradient_checkpointing_func`.
+    Both are set here, per layer, for the layers a SPEC names (`parse_layers`), with a `LayerCheckpoint`
+    as the function: PyTorch's non-reentrant checkpoint (torch.utils.checkpoint, use_reentrant=False),
+    which keeps the layer's inputs and recomputes everything else when backward first needs it. It needs
+    no input that requires a gradient, so LoRA's frozen embeddings do not cut the adapters off, and it
+    works with FSDP2 and torch.compile as Hugging Face's own checkpointing does.
+
+Offloaded checkpoints (`HostOffload`)
+    A checkpointed layer's input reaches the checkpoint inside a `_Stash` (not as a tensor argument,
+    which the checkpoint would keep): the forward reads the GPU tensor from it, and the stash then
+    keeps only a copy in a pinned host buffer. In order:
+      forward    the copy starts on a side CUDA stream as the layer starts (the input is final then,
+                 so the copy overlaps the layer's own compute); `record_stream` tells PyTorch's
+                 allocator that the side stream reads the tensor, so its memory is reused only once
+                 the copy is done, after the layer has returned and dropped it.
+      backward   recomputing layer i first fetches its input (waiting on the event of a copy started
+                 earlier, or copying now), then starts copying layer i-1's input back on the side
+                 stream: that copy overlaps layer i's recompute and backward.
+    Both directions use one side stream, so a host buffer handed back to the pool after its copy to the
+    GPU was queued cannot be overwritten before that copy has read it: the next write to it is queued
+    behind. Host buffers are pooled by dtype and size and reused every step (pinning host memory is
+    slow: the driver locks every page, a noticeable fraction of a second per GiB). On a CPU the same code runs with
+    plain copies, no streams. The copies cost PCIe bandwidth: 2 N H bytes each way per layer, 1 GiB
+    at 131,072 tokens, about 20 ms at 50 GB/s, against the ~8e14 FLOPs of that layer's forward,
+    recompute and backward at that length (over a second at 600 TFLOP/s): the copies hide behind it.
+
+    On a GPU with a coherent link to its host (GB300's NVLink-C2C, ~900 GB/s), the copies are nearly
+    free and the host memory could even be read in place; the same stash, with its copies on the side
+    stream, is the portable way and costs little there.
+
+    Offloading is refused by the command line without checkpointing: a plain layer keeps dozens of
+    tensors for backward, not one, and copying all of them would cost more than recomputing.
+
+Tiled MLP (`apply_tiled_mlp`)
+    `TiledMLPFunction` computes the MLP over chunks of C tokens (the [B, T] rows flattened), saving only
+    the MLP's input. Backward recomputes each chunk's forward and backpropagates through it at once, so
+    one chunk's gate/up intermediates exist at a time in backward too. Each chunk runs the MLP module's
+    own forward, whatever it is by then (Hugging Face's, swiglu_kernel's fused one, FP8 projections,
+    LoRA adapters): `apply_tiled_mlp` runs after those patches (models.prepare_model's order).
+
+    The MLP's trainable parameters are inputs of the Function: backward sums their gradients over the
+    chunks (in fp32 for bf16 weights; 4 bytes x the MLP's trainable parameters, 0.7 GB for the 8B's
+    full fine-tune, nothing worth counting for LoRA's adapters) and returns each once, so autograd
+    accumulates each parameter's gradient once per backward as without tiling: a gradient hook
+    (--optimizer-in-backward's per-parameter AdamW step) fires once, with the whole gradient.
+
+    Chunking sums the weight gradients in another order (per chunk, then over chunks): results differ
+    from the untiled MLP by rounding, not more. Cost: the MLP's forward runs once more, in backward; in
+    a layer that is also checkpointed, a third time (the checkpoint's recompute runs it in chunks too,
+    since its output feeds the rest of the layer).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# ------------------------------------------------------------------------------------------------
+# Which layers: the --checkpoint-layers SPEC
+# ------------------------------------------------------------------------------------------------
+SPEC_HELP = "'all', 'every:K' (layers 0, K, 2K, ...), 'first:N', or a comma list of layer indices (0-based)"
+
+
+def parse_layers(spec: str, num_layers: int | None = None) -> tuple[int, ...] | None:
+    """The decoder layers a SPEC names, sorted; ValueError (one line) for a SPEC that names none.
+
+    num_layers None checks the syntax only (the command line, before the model is loaded) and returns
+    None for the SPECs that need the layer count ('all', 'every:K', 'first:N').
+    """
+    text = spec.strip().lower() if isinstance(spec, str) else ""
+    if not text:
+        raise ValueError(f"no layers named: give {SPEC_HELP}")
+    if text == "all":
+        return None if num_layers is None else tuple(range(num_layers))
+    kind, colon, value = text.partition(":")
+    if colon:
+        if kind not in ("every", "first"):
+            raise ValueError(f"{spec!r}: unknown form {kind + ':'!r}; give {SPEC_HELP}")
+        try:
+            k = int(value)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {kind}:K takes a whole number, got {value!r}") from None
+        if k < 1:
+            raise ValueError(f"{spec!r}: {kind}:K needs K >= 1")
+        if num_layers is None:
+            return None
+        if kind == "first" and k > num_layers:
+            raise ValueError(f"{spec!r}: the model has only {num_layers} decoder layers")
+        return tuple(range(0, num_layers, k)) if kind == "every" else tuple(range(k))
+    words = [w.strip() for w in text.split(",")]
+    if not all(w.isdigit() for w in words):  # isdigit: no sign, no blank
+        raise ValueError(f"{spec!r}: not a layer list; give {SPEC_HELP}")
+    indices = [int(w) for w in words]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{spec!r}: a layer is named twice")
+    if num_layers is not None and max(indices) >= num_layers:
+        raise ValueError(f"{spec!r}: layer {max(indices)} does not exist, the model has {num_layers} decoder "
+                         f"layers (0 to {num_layers - 1})")
+    return tuple(sorted(indices))
+
+
+# ------------------------------------------------------------------------------------------------
+# Offloaded checkpoints: the layer inputs in pinned host memory, fetched back one layer ahead
+# ------------------------------------------------------------------------------------------------
+class _Stash:
+    """One checkpointed layer's input: the GPU tensor during that layer's forward, then a host copy."""
+
+    __slots__ = ("gpu", "host", "shape", "dtype", "device", "requires_grad", "fetched", "release", "__weakref__")
+
+
+class HostOffload:
+    """The host side of --offload-activations for one model: a side stream, a pool of pinned buffers,
+    and the stack of stashed inputs in forward order (backward takes them in reverse)."""
+
+    def __init__(self):
+        self.free: dict[torch.dtype, list[torch.Tensor]] = {}  # host buffers not in use, by dtype
+        self.allocations = 0  # host buffers ever created (a pool that works stops counting after step 1)
+        self.host_bytes = 0  # bytes of host memory the pool holds, in use or free
+        self.stack: list[weakref.ref] = []  # stashes not yet fetched, oldest first
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    # -- the pool ---------------------------------------------------------------------------------
+    def _take(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """The smallest free buffer of `dtype` with room for `numel` values, or a new one (pinned for a GPU)."""
+        free = self.free.setdefault(dtype, [])
+        fits = [b for b in free if b.numel() >= numel]
+        if fits:
+            buf = min(fits, key=torch.Tensor.numel)
+            free.remove(buf)
+            return buf
+        for small in free:  # a longer sequence than before: the smaller buffers would stay unused
+            self.host_bytes -= small.numel() * small.element_size()
+        free.clear()
+        buf = torch.empty(numel, dtype=dtype, pin_memory=pinned)
+        self.allocations += 1
+        self.host_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def _give(self, buf: torch.Tensor) -> None:
+        self.free.setdefault(buf.dtype, []).append(buf)
+
+    def _stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    # -- forward: stash ---------------------------------------------------------------------------
+    def stash(self, hidden: torch.Tensor) -> _Stash:
+        """Start copying `hidden` to a host buffer; the returned stash holds the GPU tensor until the
+        caller's forward is done with it (`drop_gpu`), then only the host copy."""
+        s = _Stash()
+        s.gpu, s.shape, s.dtype, s.device = hidden, hidden.shape, hidden.dtype, hidden.device
+        s.requires_grad, s.fetched = hidden.requires_grad, None
+        buf = self._take(hidden.numel(), hidden.dtype, pinned=hidden.device.type == "cuda")
+        s.host = buf[: hidden.numel()].view(hidden.shape)
+        stream = self._stream(hidden.device)
+        if stream is None:  # CPU: a plain copy
+            s.host.copy_(hidden.detach())
+        else:
+            stream.wait_stream(torch.cuda.current_stream(hidden.device))  # the input is complete
+            with torch.cuda.stream(stream):
+                s.host.copy_(hidden.detach(), non_blocking=True)
+            hidden.record_stream(stream)  # its memory is reused only once this copy has run
+        # back to the pool when fetched, or when the graph holding the stash is freed unfetched
+        # (a forward without backward); a later copy into it is queued behind on the same stream
+        s.release = weakref.finalize(s, self._give, buf)
+        self.stack = [r for r in self.stack if r() is not None]
+        self.stack.append(weakref.ref(s))
+        return s
+
+    @staticmethod
+    def drop_gpu(s: _Stash) -> None:
+        s.gpu = None
+
+    # -- backward: fetch, and prefetch the next one ------------------------------------------------
+    def _copy_back(self, s: _Stash) -> None:
+        """Queue the host-to-GPU copy of a stash (on the side stream): s.fetched = (tensor, event)."""
+        gpu = torch.empty(s.shape, dtype=s.dtype, device=s.device)  # allocated on the compute stream
+        stream = self._stream(s.device)
+        if stream is None:
+            gpu.copy_(s.host)
+            s.fetched = (gpu, None)
+        else:
+            # the compute stream may still be using the memory `gpu` was just given: copy after it
+            stream.wait_stream(torch.cuda.current_stream(s.device))
+            with torch.cuda.stream(stream):
+                gpu.copy_(s.host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            s.fetched = (gpu, event)
+        s.host = None
+        s.release()  # the buffer back to the pool: the next copy into it waits behind this one
+
+    def fetch(self, s: _Stash) -> torch.Tensor:
+        """The stashed input on the GPU again, for the layer's recompute; starts the previous layer's."""
+        if s.gpu is not None:  # still in the layer's first forward
+            return s.gpu
+        self.stack = [r for r in self.stack if r() is not None and r() is not s]
+        if s.fetched is None:
+            if s.host is None:
+                raise RuntimeError("--offload-activations: this layer's input was already fetched for one backward; "
+                                   "a second backward through the same forward (retain_graph=True) is not supported")
+            self._copy_back(s)  # not prefetched (the last checkpointed layer, or an unusual order)
+        gpu, event = s.fetched
+        s.fetched = None
+        if event is not None:
+            torch.cuda.current_stream(s.device).wait_event(event)  # a GPU-side wait: the host does not block
+        nxt = self.stack[-1]() if self.stack else None
+        if nxt is not None and nxt.gpu is None and nxt.fetched is None and nxt.host is not None:
+            self._copy_back(nxt)  # overlaps this layer's recompute and backward
+        return gpu.detach().requires_grad_(s.requires_grad)
+
+
+def _run_stashed(function, s: _Stash, offload: HostOffload, device_marker: torch.Tensor, *args):
+    """What the checkpoint runs: the layer on its input, the GPU tensor in forward, fetched in recompute.
+    `device_marker` (an empty tensor on the input's device) tells the checkpoint which device's random
+    state and autocast state to keep, since the input itself is not among its arguments."""
+    return function(offload.fetch(s), *args)
+
+
+class LayerCheckpoint:
+    """A decoder layer's `_gradient_checkpointing_func`: called by the layer (in training mode, with
+    gradients on) as `(forward, hidden_states, *args)`; PyTorch's non-reentrant checkpoint of the
+    layer, its input kept on the GPU (offload None) or stashed in host memory."""
+
+    def __init__(self, offload: HostOffload | None = None):
+        self.offload = offload
+
+    def __call__(self, function, *args, **kwargs):
+        if self.offload is None:
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+        return self._offloaded(function, *args, **kwargs)
+
+    @torch.compiler.disable  # streams and host buffers: runs eagerly under torch.compile
+    def _offloaded(self, function, hidden, *args, **kwargs):
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"--offload-activations: a decoder layer's first argument must be its hidden states "
+                            f"tensor, got {type(hidden).__name__}")
+        s = self.offload.stash(hidden)
+        try:
+            return checkpoint(_run_stashed, function, s, self.offload, hidden.new_empty(0), *args,
+                              use_reentrant=False, **kwargs)
+        finally:
+            HostOffload.drop_gpu(s)  # from here on the stash holds only the host copy
+
+
+def apply_checkpointing(layers: Sequence[nn.Module], spec: str = "all", offload: bool = False) -> tuple[int, ...]:
+    """Checkpoint the decoder layers `spec` names (parse_layers); returns their indices.
+
+    offload: their inputs go to pinned host memory (one HostOffload shared by these layers).
+    The other layers are left as they are. ValueError for a SPEC naming a layer that does not exist,
+    TypeError for layers that are not Hugging Face GradientCheckpointingLayers.
+    """
+    chosen = parse_layers(spec, len(layers))
+    wrong = [type(layer).__name__ for layer in layers if not hasattr(layer, "gradient_checkpointing")]
+    if wrong:
+        raise TypeError(f"{wrong[0]} has no `gradient_checkpointing` flag (transformers' GradientCheckpointingLayer "
+                        "provides it): these decoder layers cannot be checkpointed one by one")
+    checkpointed = LayerCheckpoint(HostOffload() if offload else None)
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i in chosen  # a layer left out keeps its activations
+        if i in chosen:
+            layer._gradient_checkpointing_func = checkpointed
+    return chosen
+
+
+def offload_of(layers: Sequence[nn.Module]) -> HostOffload | None:
+    """The HostOffload the layers' checkpoints share (None without --offload-activations)."""
+    for layer in layers:
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and isinstance(func, LayerCheckpoint):
+            return func.offload
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiled MLP: one chunk of tokens at a time, forward and backward
+# ------------------------------------------------------------------------------------------------
+def _uses_randomness(module: nn.Module) -> bool:
+    """Dropout that draws random numbers now (LoRA's --lora-dropout in training mode)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in module.modules())
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """y = run(x) computed over chunks of `chunk` rows of x [N, H]; saves x only.
+
+    Inputs: run (the MLP's forward), chunk, rng (the random state to replay, or None), x, then the
+    MLP's trainable parameters, so that their gradients leave backward summed over the chunks.
+    """
+
+    @staticmethod
+    def forward(ctx, run, chunk: int, rng, x, *params):
+        n = x.shape[0]
+        out = None
+        for start in range(0, n, chunk):  # gradients are off inside forward: nothing is kept per chunk
+            y = run(x[start:start + chunk])
+            if out is None:
+                out = y.new_empty((n, y.shape[-1]))
+            out[start:start + chunk] = y
+        device = x.device.type
+        ctx.run, ctx.chunk, ctx.rng, ctx.params = run, chunk, rng, params
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[3]
+        wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[4:]) if need]
+        dx = torch.empty_like(x) if need_x else None
+        sums = [None] * len(wanted)  # fp32 (or wider) running sums of the parameters' gradients
+        device = x.device
+        enabled, dtype = ctx.autocast
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                   enabled=ctx.rng is not None, device_type=device.type):
+            if ctx.rng is not None:  # replay the forward's dropout masks, chunk by chunk
+                torch.set_rng_state(ctx.rng[0])
+                if ctx.rng[1] is not None:
+                    torch.cuda.set_rng_state(ctx.rng[1], device)
+            for start in range(0, x.shape[0], ctx.chunk):
+                xc = x[start:start + ctx.chunk].detach().requires_grad_(need_x)
+                with torch.enable_grad(), torch.autocast(device.type, dtype=dtype, enabled=enabled):
+                    y = ctx.run(xc)
+                grads = torch.autograd.grad(y, ([xc] if need_x else []) + wanted, dout[start:start + ctx.chunk],
+                                            allow_unused=True)
+                if need_x:
+                    dx[start:start + ctx.chunk] = grads[0]
+                    grads = grads[1:]
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        if sums[i] is None:
+                            sums[i] = g.to(torch.promote_types(g.dtype, torch.float32))
+                        else:
+                            sums[i] += g
+                del y, grads  # this chunk's intermediates go before the next chunk's are made
+        sums.reverse()
+        param_grads = []  # one per parameter input, None where none is needed
+        for p, need in zip(ctx.params, ctx.needs_input_grad[4:]):
+            total = sums.pop() if need else None
+            param_grads.append(None if total is None else total.to(p.dtype))
+        return None, None, None, dx, *param_grads
+
+
+def _tiled_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's forward over chunks of `mlp.mlp_chunk_tokens` tokens (TiledMLPFunction)."""
+    run, chunk = mlp.untiled_forward, mlp.mlp_chunk_tokens
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= chunk:  # one chunk: the MLP as it is
+        return run(x)
+    if not torch.is_grad_enabled():
+        return torch.cat([run(rows[s:s + chunk]) for s in range(0, rows.shape[0], chunk)]).view(*x.shape[:-1], -1)
+    return _apply_tiled(mlp, rows, chunk).view(*x.shape[:-1], -1)
+
+
+@torch.compiler.disable  # its backward runs autograd itself: the chunk loop stays eager under torch.compile
+def _apply_tiled(mlp: nn.Module, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    rng = None
+    if _uses_randomness(mlp):
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(rows.device) if rows.device.type == "cuda" else None)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    return TiledMLPFunction.apply(mlp.untiled_forward, chunk, rng, rows, *params)
+
+
+def apply_tiled_mlp(layers: Sequence[nn.Module], chunk_tokens: int) -> int:
+    """Compute each decoder layer's MLP over chunks of `chunk_tokens` tokens; returns how many MLPs.
+
+    Call it last among the changes to the MLPs (kernels, FP8, LoRA): each chunk runs the forward the
+    MLP has at this call. Calling it again changes the chunk size and keeps that forward.
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    mlps = [getattr(layer, "mlp", None) for layer in layers]
+    if not mlps or any(m is None for m in mlps):
+        raise TypeError("the tiled MLP needs decoder layers with an `mlp` module")
+    for mlp in mlps:
+        if getattr(mlp.forward, "__func__", None) is not _tiled_forward:
+            mlp.untiled_forward = mlp.forward  # the MLP's forward as patched so far (a bound method)
+            mlp.forward = types.MethodType(_tiled_forward, mlp)
+        mlp.mlp_chunk_tokens = chunk_tokens
+    return len(mlps)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bytes: what each option keeps (docs/memory.md explains the choice with these)
+# ------------------------------------------------------------------------------------------------
+def layer_input_bytes(tokens: int, hidden: int, dtype_bytes: int = 2) -> int:
+    """A checkpointed layer's input: what it keeps in GPU memory (or, offloaded, in host memory)."""
+    return tokens * hidden * dtype_bytes
+
+
+def mlp_intermediate_bytes(tokens: int, intermediate: int, dtype_bytes: int = 2) -> int:
+    """One [tokens, intermediate] tensor of the MLP (gate, up, act(gate) * up, or one of their gradients)."""
+    return tokens * intermediate * dtype_bytes
+
+
+def chunks(tokens: int, chunk_tokens: int) -> int:
+    return math.ceil(tokens / chunk_tokens)
