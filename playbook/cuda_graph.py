@@ -118,11 +118,20 @@ def causal_skip_under_capture():
                         is getattr(masking_utils, "causal_mask_function", None))
         return None if plain_causal else original(*args, **kwargs)
 
+    # Without a mask and without a cache, transformers also looks for packed sequences in the position ids,
+    # which it cannot read under capture either, so it assumes they are packed. Our batches either carry no
+    # position ids (the model's own are 0..T-1: one sequence per row) or carry their own 4-D mask, which
+    # transformers takes as given before it would look: under our capture there is nothing to detect.
+    find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
     mapping["sdpa"] = sdpa_mask
+    if find_packed is not None:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
         mapping["sdpa"] = original
+        if find_packed is not None:
+            masking_utils.find_packed_sequence_indices = find_packed
 
 
 @contextlib.contextmanager
