@@ -172,6 +172,7 @@ class GraphedStep:
         self.graph = None
         self.outputs = None
         self.masked_attention = 0  # SDPA calls of the captured step that received an explicit mask
+        self.capture_peak_bytes = 0  # torch.cuda.max_memory_allocated over the capture
 
     def eager(self, micro_batches: list[dict], step_fn=None):
         """One eager step on the capture stream (the steps before the capture)."""
@@ -197,6 +198,10 @@ class GraphedStep:
         torch.cuda.empty_cache()  # the eager steps' cached blocks back to the driver: one pool, not two
         graph = torch.cuda.CUDAGraph()
         first_error = None
+        # A replay allocates nothing: its tensors live in the graph's pool, allocated once, here. The peak of
+        # the capture is the step's footprint (weights, optimizer state, gradients, activations); a peak
+        # counted over replays alone would leave the activations out.
+        torch.cuda.reset_peak_memory_stats()
         try:
             with causal_skip_under_capture(), count_masked_attention() as masked, \
                     torch.cuda.graph(graph, stream=self.stream):
@@ -215,6 +220,7 @@ class GraphedStep:
             text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
             return f"{type(err).__name__}: {text}" if text else type(err).__name__
         self.graph = graph
+        self.capture_peak_bytes = torch.cuda.max_memory_allocated()
         self.masked_attention = masked[0]
         if masked[0] and not any("attention_mask" in b for b in self.static):
             log(f"CUDA graphs: {masked[0]} attention calls of the captured step received a mask although the batches "
@@ -227,6 +233,12 @@ class GraphedStep:
                 static[key].copy_(value, non_blocking=True)
         self.graph.replay()
         return self.outputs
+
+
+def peak_bytes(graphed) -> int:
+    """The run's peak allocated GPU memory since the last reset, the captured step's own footprint included."""
+    peak = torch.cuda.max_memory_allocated()
+    return max(peak, graphed.capture_peak_bytes) if graphed is not None and graphed.graph is not None else peak
 
 
 def describe(blocker: str | None) -> str:

@@ -758,7 +758,7 @@ def _train(cfg) -> dict:
                 if eval_loss is not None:
                     result.eval_losses.append((step + 1, eval_loss))
             tokens_s = result.tokens_per_step / dt
-            mem = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.on_gpu else None
+            mem = cuda_graph.peak_bytes(graphed) / 1e9 if cfg.on_gpu else None
             metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
                           grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
                           step_ms=dt * 1e3, host_queue_ms=queued * 1e3, peak_memory_gb=mem)
@@ -795,7 +795,7 @@ def _train(cfg) -> dict:
         bar.close()
         metrics.close()
     if cfg.on_gpu:
-        result.peak_memory_gb = torch.cuda.max_memory_allocated(cfg.device) / 1e9
+        result.peak_memory_gb = cuda_graph.peak_bytes(graphed) / 1e9  # the captured step's footprint included
     summary = result.summary(gpu_bf16_peak_tflops(cfg.device), flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
     payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if is_main():
