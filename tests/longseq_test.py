@@ -479,12 +479,15 @@ def test_gpu_linear_cross_entropy_over_131072_rows():
 
 @needs_gpu
 def test_gpu_small_model_trains_on_131072_tokens():
-    """A 2-layer LLaMA (hidden 256, 4 query and 2 key heads of 64, LLaMA 3.1's rope scaling) in bf16,
+    """A 2-layer LLaMA (hidden 256, 4 heads of 64, LLaMA 3.1's rope scaling) in bf16,
     forward and backward on one sequence of 131,072 tokens, with the default kernels and without.
     Reference: the same model in fp32 (SDPA has no float64 kernel that fits 131,072 tokens); testkit
     rule with the unpatched bf16 model as the comparison, n = tokens x width of the widest sum."""
+    # As many key as query heads: the fp32 reference needs SDPA's memory-efficient kernel (flash and cuDNN
+    # take no fp32), which takes no grouped-query heads; SDPA's math fallback would build the [T, T] scores
+    # (256 GiB at 131,072 tokens).
     overrides = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, max_position_embeddings=LONG,
+                     num_key_value_heads=4, head_dim=64, max_position_embeddings=LONG,
                      rope_theta=LLAMA_8B["rope_theta"], rope_scaling=LLAMA_8B["rope_scaling"])
     g = torch.Generator().manual_seed(17)
     ids = torch.randint(0, 1024, (1, LONG), generator=g)
