@@ -5,6 +5,8 @@
     models         presets (the LLaMA 3.1 8B architecture, llama-tiny), loading, prepare_model
     model_families the Hugging Face families the kernels know (llama, mistral, qwen2/3, gemma/2, phi3)
     training       the one training loop (train), optimizer, schedule, summary
+    cuda_graph     the whole training step captured as one CUDA graph and replayed (--cuda-graphs)
+    memory         selective and offloaded activation checkpointing, the MLP in token chunks
     data           datasets: plain text, JSONL, chat and instruction formats, packing
     checkpoint     saving and resuming runs
     lora           LoRA through peft, and the fused LoRA path

@@ -63,9 +63,11 @@ examples. Why a 4-D mask and not position_ids alone: transformers 5.x (checked i
 masking_utils.find_packed_sequence_indices) infers example boundaries from position_ids, but only
 when no 2-D attention_mask is passed AND no KV cache exists; LlamaConfig's default `use_cache=True`
 makes the model create a cache even in a training forward, and then every token silently attends
-across example boundaries. A 4-D mask is used as given by the eager and sdpa attention
-implementations, whatever the cache setting (data_test.py checks both behaviours). It is not
-supported by flash_attention_2, which needs position_ids alone. Its memory is B x T x T bytes
+across example boundaries. A 4-D mask is used as given by the sdpa attention implementation (the
+one the scripts load), whatever the cache setting (data_test.py checks both behaviours). The eager
+implementation adds a mask to the attention scores, so this boolean mask would mask nothing there: it
+needs an additive float mask (0 where allowed, -inf elsewhere). flash_attention_2 needs position_ids
+alone. Its memory is B x T x T bytes
 (16 MiB at 4 x 2048), built on the device.
 
 The offline tokenizer
