@@ -140,11 +140,11 @@ def main():
 
     def step(i):
         batches = [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)]
-        if graphed is not None and graphed.graph is not None:
-            return graphed.replay(batches)
-        if graphed is not None:  # the warm-up before the capture, on the capture's stream
-            return graphed.eager(batches, lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm))
-        return training_step(model, optimizer, batches, cfg.max_grad_norm)
+
+        def eager(mb):
+            return training_step(model, optimizer, mb, cfg.max_grad_norm)
+
+        return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
     try:
         model, model_name, desc, kernel_report = prepare_model(cfg)

@@ -1,4 +1,4 @@
-"""The whole training step as one CUDA graph: the host queues a step in microseconds, not hundreds of ms.
+"""The whole training step as one CUDA graph: the host queues a step in about a millisecond, not hundreds.
 
 Why: an eager step of the 8B model launches a few thousand kernels, and for each one Python walks the
 module, the autograd engine and the launcher. On an H200 the host needs ~60% of the step's GPU time
@@ -30,6 +30,7 @@ import gc
 
 import torch
 
+from playbook import common
 from playbook.common import log
 
 
@@ -40,13 +41,11 @@ def graph_blocker(cfg, data=None) -> str | None:
         return "no GPU"
     if cfg.cuda_graphs == "off":
         return "--cuda-graphs off"
-    from playbook.common import world
-
-    if world()[1] > 1:
+    if common.world()[1] > 1:
         return "FSDP2 issues its collectives from host-side hooks each step"
     if cfg.optimizer == "adamw-triton":
         return "the Triton AdamW reads its step count on the host (use adamw-fused)"
-    if getattr(cfg, "offload_activations", False):
+    if cfg.offload_activations:
         return "--offload-activations copies to host memory under the host's control"
     if cfg.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
@@ -55,11 +54,6 @@ def graph_blocker(cfg, data=None) -> str | None:
         return ("right-padded rows: Hugging Face reads their padding mask on the host to choose the attention "
                     "path (--packing gives fixed rows a graph can take)")
     return None
-
-
-def capturable_optimizer_kwargs(cfg) -> dict:
-    """What the optimizer needs to be replayed in a graph: its step count and rate on the GPU."""
-    return {"capturable": True, "lr": torch.tensor(float(cfg.lr), dtype=torch.float32, device=cfg.device)}
 
 
 def make_capturable(optimizer, device) -> None:
@@ -79,12 +73,6 @@ def make_capturable(optimizer, device) -> None:
         for state in opt.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].to(device=device, dtype=torch.float32)
-
-
-def grad_norm(model) -> torch.Tensor | None:
-    """The global L2 norm of the gradients the last replay left (no host sync)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
 
 
 @contextlib.contextmanager
@@ -159,7 +147,7 @@ class GraphedStep:
     step_fn(micro_batches) -> (loss, norm): the eager step (training.training_step bound to the model
     and optimizer). `example`: the micro-batches of one step, for the static inputs' shapes.
 
-    The eager steps before the capture run on the capture's own side stream (`eager`), as PyTorch's
+    The eager steps before the capture run on the capture's own side stream (`run`), as PyTorch's
     whole-network capture asks: autograd creates each parameter's gradient accumulator on the stream of
     the first backward that reaches it, and one made on the default stream would make the captured
     backward wait on that stream, which a capture cannot hold.
@@ -174,12 +162,14 @@ class GraphedStep:
         self.masked_attention = 0  # SDPA calls of the captured step that received an explicit mask
         self.capture_peak_bytes = 0  # torch.cuda.max_memory_allocated over the capture
 
-    def eager(self, micro_batches: list[dict], step_fn=None):
-        """One eager step on the capture stream (the steps before the capture)."""
+    def run(self, micro_batches: list[dict], eager_fn):
+        """The step: a replay once captured; before that, `eager_fn(micro_batches)` on the capture stream."""
+        if self.graph is not None:
+            return self.replay(micro_batches)
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            out = (step_fn or self.step_fn)(micro_batches)
+            out = eager_fn(micro_batches)
         current.wait_stream(self.stream)
         return out
 
@@ -241,10 +231,6 @@ def peak_bytes(graphed) -> int:
     return max(peak, graphed.capture_peak_bytes) if graphed is not None and graphed.graph is not None else peak
 
 
-def describe(blocker: str | None) -> str:
-    return ("CUDA graphs: the whole step (forward, backward, optimizer) is captured after the first step and "
-            "replayed from then on" if blocker is None else f"CUDA graphs: off ({blocker}); each step is queued eagerly")
-
-
 def announce(blocker: str | None) -> None:
-    log(describe(blocker))
+    log("CUDA graphs: the whole step (forward, backward, optimizer) is captured after the first step and replayed "
+        "from then on" if blocker is None else f"CUDA graphs: off ({blocker}); each step is queued eagerly")

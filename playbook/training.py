@@ -58,11 +58,8 @@ def make_optimizer(model: nn.Module, cfg, capturable: bool = False):
         kind = {}
     lr = cfg.lr
     if capturable:
-        from playbook.cuda_graph import capturable_optimizer_kwargs
-
-        extra = capturable_optimizer_kwargs(cfg)
-        lr = extra.pop("lr")
-        kind.update(extra)
+        lr = torch.tensor(float(cfg.lr), dtype=torch.float32, device=cfg.device)
+        kind["capturable"] = True
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer_in_backward:
         return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **kind))
@@ -174,6 +171,12 @@ def count_targets(micro_batches) -> torch.Tensor:
     return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in micro_batches)
 
 
+def gradient_norm(model) -> torch.Tensor | None:
+    """The global L2 norm of the parameters' gradients, on the device (no host sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
+
+
 def training_step(model, optimizer, micro_batches, max_grad_norm: float | None = None, grad_norm: bool = False,
                   zero_grad: bool = True):
     """Forward and backward over the micro-batches, then one optimizer step.
@@ -202,8 +205,7 @@ def training_step(model, optimizer, micro_batches, max_grad_norm: float | None =
     if max_grad_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
     elif grad_norm and not isinstance(optimizer, OptimizerInBackward):
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
+        norm = gradient_norm(model)
     optimizer.step()
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
@@ -255,7 +257,7 @@ class RunResult:
     # step: how long the host needs to queue the step's work. Close to the step time on a GPU means
     # host-bound: a faster GPU would wait for the host (docs/troubleshooting.md).
     host_queue_s: list = field(default_factory=list)
-    cuda_graphs: str = ""  # how the steps were queued: "replayed from step N" or "off (why)"
+    cuda_graphs: str = ""  # how the steps were queued: "replayed from step N" (and when that ended), or "off (why)"
     peak_memory_gb: float | None = None
     versions: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -728,22 +730,21 @@ def _train(cfg) -> dict:
             if graphed is not None and graphed.graph is not None and not graphed.matches(batches):
                 log(f"CUDA graphs: step {step + 1}'s batches differ in shape from the captured ones; the rest "
                     "of the run is queued eagerly")
+                result.cuda_graphs += f", eager from step {step + 1} (the batches changed shape)"
                 graphed, blocker = None, "the batches changed shape"
                 optimizer.zero_grad(set_to_none=True)  # the graph's gradients are not this step's to add to
+
+            def eager(mb, log_now=log_now):
+                return training_step(model, optimizer, mb, cfg.max_grad_norm, grad_norm=log_now)
+
             synchronize(cfg.device)
             t0 = time.perf_counter()
-            if graphed is not None and graphed.graph is not None:
-                loss, norm = graphed.replay(batches)
-            elif graphed is not None:  # before the capture: eager, on the capture's stream
-                loss, norm = graphed.eager(batches, lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm,
-                                                                             grad_norm=log_now))
-            else:
-                loss, norm = training_step(model, optimizer, batches, cfg.max_grad_norm, grad_norm=log_now)
+            loss, norm = graphed.run(batches, eager) if graphed is not None else eager(batches)
             queued = time.perf_counter() - t0  # the host's time to queue the step (no sync inside it)
             synchronize(cfg.device)
             dt = time.perf_counter() - t0
             if log_now and norm is None and graphed is not None and graphed.graph is not None:
-                norm = cuda_graph.grad_norm(model)  # the replay left this step's gradients; outside the timing
+                norm = gradient_norm(model)  # the replay left this step's gradients; outside the timing
             loss_value = loss.float().item()  # a sync point (already synchronised above)
             if not math.isfinite(loss_value):
                 stopped = nonfinite_message(cfg, loss_value, step + 1, steps, last_good)

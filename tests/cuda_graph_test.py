@@ -190,7 +190,7 @@ def test_the_captured_step_keeps_causal_attention_without_a_mask():
     batches = [data.batch(0, cfg.device)]
     step = cuda_graph.GraphedStep(lambda mb: training.training_step(model, optimizer, mb, zero_grad=False), batches)
     with cuda_graph.count_masked_attention() as eager_masked:
-        step.eager(batches, lambda mb: training.training_step(model, optimizer, mb))
+        step.run(batches, lambda mb: training.training_step(model, optimizer, mb))
     assert step.capture(optimizer) is None
     layers = model.config.num_hidden_layers
     assert eager_masked[0] == 0 and step.masked_attention == 0, (eager_masked, step.masked_attention)
