@@ -46,6 +46,7 @@ class RunConfig:
     gradient_checkpointing: bool  # some decoder layers are recomputed in backward (checkpoint_layers says which)
     checkpoint_layers: str | None  # the --checkpoint-layers SPEC (memory.parse_layers); "all" for --gradient-checkpointing
     offload_activations: bool  # the checkpointed layers' inputs kept in pinned host memory (playbook/memory.py)
+    keep_attention: bool  # checkpointed layers keep attention's forward outputs instead of recomputing them
     mlp_chunk_tokens: int  # each MLP computed over chunks of this many tokens; 0: in one piece
     kernels: tuple
     fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
@@ -250,6 +251,10 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     m.add_argument("--offload-activations", action="store_true",
                    help="with checkpointing: each checkpointed layer's input in pinned host memory instead of the "
                         "GPU, copied on a side stream and fetched back one layer ahead in backward")
+    m.add_argument("--keep-attention", action="store_true",
+                   help="with checkpointing: keep attention's output and softmax statistics (2 bytes x hidden per "
+                        "token per layer) and recompute only the rest of each checkpointed layer; at long context "
+                        "attention is most of the recompute")
     m.add_argument("--mlp-chunk-tokens", type=nonnegative_int, default=0, metavar="N",
                    help="compute each MLP over chunks of N tokens, forward and backward, so that one chunk's "
                         "[N, intermediate] tensors exist at a time; 0 = off")
@@ -370,6 +375,9 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if a.offload_activations and not (a.gradient_checkpointing or a.checkpoint_layers):
         raise usage_error("--offload-activations moves the inputs of checkpointed layers to host memory: it needs "
                           "--gradient-checkpointing or --checkpoint-layers")
+    if a.keep_attention and not (a.gradient_checkpointing or a.checkpoint_layers):
+        raise usage_error("--keep-attention keeps attention's outputs in checkpointed layers: it needs "
+                          "--gradient-checkpointing or --checkpoint-layers")
     if a.checkpoint_layers and a.num_layers:
         from playbook.memory import parse_layers
 
@@ -452,6 +460,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs, gradient_checkpointing=checkpoint_layers is not None,
         checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
+        keep_attention=a.keep_attention,
         mlp_chunk_tokens=a.mlp_chunk_tokens, compile=a.compile,
         kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,
         drop_long=a.drop_long, eval_dataset=a.eval_dataset,

@@ -63,6 +63,19 @@ Offloaded checkpoints (`HostOffload`)
     Offloading is refused by the command line without checkpointing: a plain layer keeps dozens of
     tensors for backward, not one, and copying all of them would cost more than recomputing.
 
+Attention kept, the rest recomputed (`keep_attention=True`, --keep-attention)
+    At long context attention is most of a checkpointed layer's recompute: at 131,072 tokens the 8B's
+    attention forward is ~34 GFLOP per token against ~15 for all its matmuls. A checkpointed layer can keep
+    what attention's forward returned (its output, 2 N H bytes, and the softmax statistics, 4 N x heads
+    bytes: 1.1 GB per layer at 131,072 tokens) and recompute everything else: PyTorch's selective
+    checkpointing (`create_selective_checkpoint_contexts`) with a policy that saves the outputs of the
+    fused SDPA operators and recomputes every other operator. In backward the recompute then runs the
+    norms, projections and RoPE again (cheap), takes attention's forward from what was kept, and
+    attention's backward reads it as it would without checkpointing. Results are bitwise those of plain
+    checkpointing: the kept tensors are the ones the recompute would have produced. Only SDPA's fused
+    operators are kept (the scripts load models with attn_implementation="sdpa"); a model on another
+    attention implementation recomputes everything, and the log says so.
+
 Tiled MLP (`apply_tiled_mlp`)
     `TiledMLPFunction` computes the MLP over chunks of C tokens (the [B, T] rows flattened), saving only
     the MLP's input. Backward recomputes each chunk's forward and backpropagates through it at once, so
@@ -90,8 +103,9 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.utils._python_dispatch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # ------------------------------------------------------------------------------------------------
 # Which layers: the --checkpoint-layers SPEC
@@ -255,20 +269,50 @@ def _run_stashed(function, s: _Stash, offload: HostOffload, device_marker: torch
     """What the checkpoint runs: the layer on its input, the GPU tensor in forward, fetched in recompute.
     `device_marker` (an empty tensor on the input's device) tells the checkpoint which device's random
     state and autocast state to keep, since the input itself is not among its arguments."""
-    return function(offload.fetch(s), *args)
+    # The fetch copies from host memory only in the recompute, not in the forward: outside any dispatch mode,
+    # so selective checkpointing (--keep-attention), which matches the recompute's operators against the
+    # forward's one for one, does not see operators the forward did not run.
+    with torch.utils._python_dispatch._disable_current_modes():
+        hidden = offload.fetch(s)
+    return function(hidden, *args)
+
+
+def attention_operators() -> tuple:
+    """The fused SDPA operators whose outputs --keep-attention keeps (those this torch build has)."""
+    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return tuple(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+def _keep_attention_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ATTENTION_OPS = attention_operators()
+
+
+def _keep_attention_contexts():
+    return create_selective_checkpoint_contexts(_keep_attention_policy)
 
 
 class LayerCheckpoint:
     """A decoder layer's `_gradient_checkpointing_func`: called by the layer (in training mode, with
     gradients on) as `(forward, hidden_states, *args)`; PyTorch's non-reentrant checkpoint of the
-    layer, its input kept on the GPU (offload None) or stashed in host memory."""
+    layer, its input kept on the GPU (offload None) or stashed in host memory; keep_attention: the
+    outputs of attention's forward are kept too, and not recomputed."""
 
-    def __init__(self, offload: HostOffload | None = None):
+    def __init__(self, offload: HostOffload | None = None, keep_attention: bool = False):
         self.offload = offload
+        self.keep_attention = keep_attention
+
+    def _options(self, kwargs: dict) -> dict:
+        if self.keep_attention:
+            kwargs = dict(kwargs, context_fn=_keep_attention_contexts)
+        return dict(kwargs, use_reentrant=False)
 
     def __call__(self, function, *args, **kwargs):
         if self.offload is None:
-            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+            return checkpoint(function, *args, **self._options(kwargs))
         return self._offloaded(function, *args, **kwargs)
 
     @torch.compiler.disable  # streams and host buffers: runs eagerly under torch.compile
@@ -279,15 +323,17 @@ class LayerCheckpoint:
         s = self.offload.stash(hidden)
         try:
             return checkpoint(_run_stashed, function, s, self.offload, hidden.new_empty(0), *args,
-                              use_reentrant=False, **kwargs)
+                              **self._options(kwargs))
         finally:
             HostOffload.drop_gpu(s)  # from here on the stash holds only the host copy
 
 
-def apply_checkpointing(layers: Sequence[nn.Module], spec: str = "all", offload: bool = False) -> tuple[int, ...]:
+def apply_checkpointing(layers: Sequence[nn.Module], spec: str = "all", offload: bool = False,
+                        keep_attention: bool = False) -> tuple[int, ...]:
     """Checkpoint the decoder layers `spec` names (parse_layers); returns their indices.
 
     offload: their inputs go to pinned host memory (one HostOffload shared by these layers).
+    keep_attention: attention's forward outputs are kept, not recomputed (selective checkpointing).
     The other layers are left as they are. ValueError for a SPEC naming a layer that does not exist,
     TypeError for layers that are not Hugging Face GradientCheckpointingLayers.
     """
@@ -296,7 +342,7 @@ def apply_checkpointing(layers: Sequence[nn.Module], spec: str = "all", offload:
     if wrong:
         raise TypeError(f"{wrong[0]} has no `gradient_checkpointing` flag (transformers' GradientCheckpointingLayer "
                         "provides it): these decoder layers cannot be checkpointed one by one")
-    checkpointed = LayerCheckpoint(HostOffload() if offload else None)
+    checkpointed = LayerCheckpoint(HostOffload() if offload else None, keep_attention)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i in chosen  # a layer left out keeps its activations
         if i in chosen:

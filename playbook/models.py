@@ -269,9 +269,11 @@ def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = Fals
 # ------------------------------------------------------------------------------------------------
 # prepare_model: one step per function, each switched by one field of the RunConfig
 # ------------------------------------------------------------------------------------------------
-def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload: bool = False) -> tuple[int, ...]:
+def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload: bool = False,
+                                 keep_attention: bool = False) -> tuple[int, ...]:
     """--gradient-checkpointing / --checkpoint-layers SPEC: the decoder layers SPEC names are recomputed in
-    backward, keeping only their inputs; --offload-activations keeps those in pinned host memory.
+    backward, keeping only their inputs; --offload-activations keeps those in pinned host memory;
+    --keep-attention also keeps attention's forward outputs, so the recompute skips attention.
 
     playbook/memory.py: PyTorch's non-reentrant checkpoint, set per layer through the flag and function
     Hugging Face's decoder layers check; it needs no input that requires a gradient, so LoRA's frozen
@@ -282,13 +284,18 @@ def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload:
 
     stack = decoder_layers(model)
     try:
-        chosen = memory.apply_checkpointing(stack, layers, offload=offload)
+        chosen = memory.apply_checkpointing(stack, layers, offload=offload, keep_attention=keep_attention)
     except ValueError as err:
         raise usage_error(f"--checkpoint-layers {err}") from None
     which = "each decoder layer" if len(chosen) == len(stack) else (
         f"{len(chosen)} of {len(stack)} decoder layers ({layers}: {', '.join(map(str, chosen))})")
     where = ("; their inputs wait in pinned host memory (copied on a side stream, fetched back one layer ahead)"
              if offload else "")
+    if keep_attention:
+        attn = getattr(model.config, "_attn_implementation", None)
+        where += ("; attention's forward outputs kept, not recomputed" if attn == "sdpa" else
+                  f"; --keep-attention keeps SDPA's outputs, and this model's attention is {attn!r}: "
+                  "everything is recomputed")
     log(f"Gradient checkpointing: {which} recomputed in backward{where}")
     return chosen
 
@@ -340,7 +347,8 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
       3. gradient checkpointing                flags on the Hugging Face decoder layers, set before peft
          (cfg.gradient_checkpointing,          wraps the model (apply_gradient_checkpointing); recomputing
          checkpoint_layers,                    a layer runs whatever its modules are by then, adapters
-         offload_activations)                  included
+         offload_activations,                  included
+         keep_attention)
       4. LoRA (cfg.lora_r)                     peft wraps the finished layers (fused with the registry's lora)
       5. tiled MLP (cfg.mlp_chunk_tokens)      after the kernels, FP8 and LoRA, which replace the MLP's
                                                forward or its projections: each chunk runs the final one
@@ -368,7 +376,8 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
     if cfg.fp8:
         apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe)
     if cfg.gradient_checkpointing:
-        apply_gradient_checkpointing(model, cfg.checkpoint_layers or "all", offload=cfg.offload_activations)
+        apply_gradient_checkpointing(model, cfg.checkpoint_layers or "all", offload=cfg.offload_activations,
+                                     keep_attention=cfg.keep_attention)
     if cfg.lora_r:
         model = apply_lora(model, cfg, fused="lora" in cfg.kernels)  # the registry's lora entry
     if cfg.mlp_chunk_tokens:

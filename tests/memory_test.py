@@ -34,6 +34,7 @@ import weakref
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from playbook import kernel_utils  # noqa: F401  (before transformers and peft import triton)
 from playbook import memory, models
@@ -145,6 +146,7 @@ BAD_COMMAND_LINES = [
     (["--offload-activations"], "needs --gradient-checkpointing or --checkpoint-layers"),
     (["--gradient-checkpointing", "--checkpoint-layers", "every:2"], "give one of them"),
     (["--mlp-chunk-tokens", "-1"], "--mlp-chunk-tokens"),
+    (["--keep-attention"], "needs --gradient-checkpointing or --checkpoint-layers"),
 ]
 
 
@@ -179,7 +181,10 @@ def test_the_config_fields():
     assert fields("--gradient-checkpointing", "--checkpoint-layers", "all") == (True, "all", False, 0)
     assert fields("--checkpoint-layers", "Every:4", "--offload-activations") == (True, "every:4", True, 0)
     assert fields("--mlp-chunk-tokens", "4096") == (False, None, False, 4096)
-    record("RunConfig: gradient_checkpointing, checkpoint_layers, offload_activations, mlp_chunk_tokens", 0.0, 0.0, True)
+    keep = lambda *argv: parse_config(parser, "finetune_optimized", list(argv)).keep_attention  # noqa: E731
+    assert (keep(), keep("--gradient-checkpointing", "--keep-attention")) == (False, True)
+    record("RunConfig: gradient_checkpointing, checkpoint_layers, offload_activations, mlp_chunk_tokens, "
+           "keep_attention", 0.0, 0.0, True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,6 +206,63 @@ def test_checkpointing_is_bitwise_the_plain_model(spec, offload, chosen):
     got = run(model)
     assert calls == [2 if i in chosen else 1 for i in range(LAYERS)], f"forward calls per layer: {calls}"
     same(f"{spec}{' + offload' if offload else ''}: loss and {len(want[1])} gradients; recomputed {chosen}", got, want)
+
+
+class _CountAttention(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the fused SDPA forward operators that actually run (a kept output served to the recompute
+    by selective checkpointing never reaches this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.forward += func in memory.attention_operators()
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_sdpa(seed: int = 0):
+    model = tiny(seed)
+    model.set_attn_implementation("sdpa")  # --keep-attention keeps SDPA's fused operators (the scripts' attention)
+    return model
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("spec, offload, chosen", [("all", False, (0, 1, 2, 3)), ("1,3", False, (1, 3)),
+                                                   ("every:2", True, (0, 2))],
+                         ids=["all", "1,3", "every:2+offload"])
+def test_keep_attention_skips_its_recompute_bitwise(spec, offload, chosen):
+    """--keep-attention: the checkpointed layers run attention's forward once, not twice, and the loss and
+    every gradient are bitwise those of the plain model (the kept tensors are what the recompute makes)."""
+    with _CountAttention() as plain_count:
+        want = run(tiny_sdpa())
+    runs = {}
+    for keep in (False, True):
+        model = tiny_sdpa()
+        memory.apply_checkpointing(layers(model), spec, offload=offload, keep_attention=keep)
+        calls = count_calls([layer.input_layernorm for layer in layers(model)])
+        with _CountAttention() as counted:
+            runs[keep] = run(model)
+        assert calls == [2 if i in chosen else 1 for i in range(LAYERS)], f"forward calls per layer: {calls}"
+        assert counted.forward == LAYERS + (0 if keep else len(chosen)), (keep, counted.forward)
+    assert plain_count.forward == LAYERS
+    same(f"{spec}{' + offload' if offload else ''} + keep attention: attention forwards {LAYERS} "
+         f"(checkpointing alone {LAYERS + len(chosen)}); loss and gradients", runs[True], want)
+
+
+@CPU_ONLY
+def test_keep_attention_via_prepare_model(capsys):
+    parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
+    cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--gradient-checkpointing",
+                                                      "--keep-attention"])
+    model, *_ = models.prepare_model(cfg)
+    funcs = {type(layer._gradient_checkpointing_func).__name__ for layer in layers(model)}
+    assert funcs == {"LayerCheckpoint"} and all(layer._gradient_checkpointing_func.keep_attention
+                                                for layer in layers(model))
+    out = capsys.readouterr()
+    line = [x for x in (out.out + out.err).splitlines() if x.startswith("Gradient checkpointing")]
+    assert line and "attention" in line[0], line
+    record(f"prepare_model: {line[0][:90]}", 0.0, 0.0, True)
 
 
 @CPU_ONLY
