@@ -16,3 +16,15 @@
 
 Nothing here imports torch at package import, so `selfcheck.py --index-url` runs before torch is installed.
 """
+
+import os
+
+# The CUDA driver queues launched work in a command buffer of fixed size per stream; a host that
+# submits faster than the GPU runs blocks once it is full. A replayed CUDA graph is such a burst: the
+# LoRA step's graph (7 adapters per layer, forward and backward) overflowed the default buffer, and on
+# an H200 the replay call returned only after the GPU had run 193 ms of its 498 ms step (behind a
+# 300 ms kernel: after 495 ms, so the wait tracks the GPU, not host work). Four times the buffer holds
+# the whole step: the call returns in 1.7 ms. The variable is read when CUDA initializes, so it is set
+# here, before any script touches the GPU; a value already in the environment is kept.
+os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
+

@@ -216,3 +216,19 @@ def test_a_resumed_run_replays_from_its_checkpoint(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "CUDA graphs: when, why not, and the same training"))
+
+
+def test_the_launch_queue_is_scaled_before_cuda_starts():
+    """playbook sets CUDA_SCALE_LAUNCH_QUEUES=4x at import (a replayed LoRA step overflowed the default
+    command buffer, and the replay call waited for the GPU); a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, playbook; print(os.environ.get('CUDA_SCALE_LAUNCH_QUEUES'))"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_SCALE_LAUNCH_QUEUES"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    kept = subprocess.run([sys.executable, "-c", code], env=dict(env, CUDA_SCALE_LAUNCH_QUEUES="2x"),
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert (got, kept) == ("4x", "2x"), (got, kept)
+    record(f"CUDA_SCALE_LAUNCH_QUEUES after importing playbook: {got} (a user's 2x kept: {kept})", 0.0, 0.0, True)
