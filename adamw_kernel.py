@@ -62,9 +62,22 @@ it, and each result is rounded once to its storage dtype: the arithmetic of PyTo
 PyTorch's single-tensor AdamW on bf16 tensors rounds after each of its eight ops; this kernel is the
 more accurate of the two.
 
-The step count `t` stays a float32 CPU tensor per parameter, as in PyTorch's default AdamW, so the
-bias corrections are computed on the host without ever waiting for the GPU. Parameters of one group
-whose counts differ (one skipped a step with no gradient) go to separate launches, one per count.
+The step count `t` and the learning rate: two modes, as PyTorch's AdamW has them.
+  - `capturable=False` (the default): `t` stays a float32 CPU tensor per parameter, as in PyTorch's
+    default AdamW, so the bias corrections are computed on the host without ever waiting for the GPU.
+    Parameters of one group whose counts differ (one skipped a step with no gradient) go to separate
+    launches, one per count.
+  - `capturable=True`, for a CUDA graph of the whole training step (playbook/cuda_graph.py): a graph
+    replays GPU work only, so nothing the step needs may live on the host. Each `t` is a float32
+    tensor on its parameter's device, advanced there; the rate may be a tensor there too, filled in
+    place by the scheduler. A few torch ops on the device turn counts and rate into one small vector:
+    1 - lr * wd, then each tensor's lr / (1 - beta1^t) and sqrt(1 - beta2^t), in float64 from the
+    float32 counts (as PyTorch's fused AdamW computes them) and rounded once to fp32, which gives the
+    very values the host path passes. Each program loads its own tensor's pair from the vector, so
+    one launch serves a group whatever its counts. The host reads no GPU value, and only the first
+    step (which builds the tables) must run before capture. Under capture, the gradients (new tensors
+    in the graph's memory pool) get their address row from a page-locked host buffer the table keeps;
+    the graph holds that copy and makes it again before its kernel at every replay.
 
 Layout of this file: kernels -> tables and launcher -> the optimizer (the drop-in) -> `ideal_bytes` ->
 reference. There is no custom operator rung: an optimizer step mutates hundreds of tensors in place
@@ -169,18 +182,29 @@ def _adamw_multi_tensor(
     eps,
     step_size,  # lr / (1 - beta1^t)
     bias_correction2_sqrt,  # sqrt(1 - beta2^t)
+    Scalars,  # DEVICE_SCALARS: float32 [1 + 2 * n_tensors], the three above from the device; else None
     PARAM_DTYPE: tl.constexpr,  # dtype of params and grads
     STATE_DTYPE: tl.constexpr,  # dtype of exp_avg and exp_avg_sq
     CHUNK: tl.constexpr,  # elements per program
     BLOCK: tl.constexpr,  # elements per loop iteration
     ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes (allows 16-byte loads)
     MAXIMIZE: tl.constexpr,
+    DEVICE_SCALARS: tl.constexpr,  # capturable mode: decay, step_size, bias_correction2_sqrt come from Scalars
     ROUND_BY_HAND: tl.constexpr,  # True in Triton's interpreter only (see _round_like_a_gpu)
 ):
     pid = tl.program_id(0)
     t = tl.load(ChunkTensor + pid)
     start = tl.load(ChunkIndex + pid) * CHUNK  # int64: a tensor may hold more than 2^31 elements
     n = tl.minimum(tl.load(Numels + t) - start, CHUNK).to(tl.int32)  # elements of this chunk
+    if DEVICE_SCALARS:
+        # Capturable mode: the host never saw the step counts or the rate, so the scalar arguments are
+        # placeholders and the values come from the vector `_device_scalars` wrote on the device:
+        # [1 - lr * wd, step_size of tensor 0 .. n_tensors - 1, bias_correction2_sqrt of each]. Per
+        # tensor, because parameters of one group may have taken different numbers of steps. Three
+        # scalar loads per 65536-element program: nothing next to the 14 bytes per element it moves.
+        decay = tl.load(Scalars)
+        step_size = tl.load(Scalars + 1 + t)
+        bias_correction2_sqrt = tl.load(Scalars + 1 + n_tensors + t)
 
     # The table holds plain integers; casting one to a typed pointer is what lets one launch reach
     # tensors that were never passed to it. The compiler knows nothing about such a pointer's
@@ -257,7 +281,8 @@ class TensorTable:
     """Where one launch finds its tensors: addresses, sizes, and each program's (tensor, chunk).
 
     Built once for a list of parameters and their states, on their device; `set_grads` fills in the
-    gradients' addresses each step and copies them only when they changed.
+    gradients' addresses each step and copies them only when they changed (always, inside a CUDA
+    graph capture: see there).
     """
 
     def __init__(self, params: list, exp_avgs: list, exp_avg_sqs: list, chunk: int = CHUNK):
@@ -299,28 +324,68 @@ class TensorTable:
         self._static_aligned = all(a % ALIGNMENT == 0 for i in (0, 2, 3) for a in addresses[i])
         self.grad_ptrs = None  # the row of gradient addresses is filled by set_grads
         self.aligned = False
+        # For CUDA graphs (set_grads under capture): the page-locked rows captured graphs copy from,
+        # kept as long as the table and never written again; and one fresh row, allocated outside any
+        # capture (a capture should allocate nothing on the host), for the next capture to take.
+        self._graph_rows = []
+        self._spare_row = None
+        self._replays_write_row = False  # True once a graph holds a copy into the row: see set_grads
 
     def set_grads(self, grads: list) -> None:
-        """Point the table at this step's gradients (a small asynchronous copy, only when they moved)."""
+        """Point the table at this step's gradients (a small asynchronous copy, only when they moved).
+
+        Inside a CUDA graph capture the copy is recorded instead, from a page-locked host row that
+        belongs to that graph. Its gradients are the graph's own tensors, in its private memory pool
+        (usually not where the eager step's were), and that pool hands out the same addresses at every
+        replay, so one row, written now and never again, is right for every replay; the graph copies it
+        into the table before its kernel each time. The copy is recorded even when the addresses did not move:
+        an eager step between two replays may point the table at other gradients, and a replay must
+        not inherit them. For the same reason, once a graph holds such a copy, an eager step cannot
+        trust its memory of what the table holds and copies its row every time (8 bytes per tensor).
+        """
         ptrs = tuple(g.data_ptr() for g in grads)
-        if ptrs == self.grad_ptrs:
+        cuda = self.device.type == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self._capture_grad_row(ptrs)
+        elif ptrs != self.grad_ptrs or self._replays_write_row:
+            _upload(self.addresses[1], torch.tensor(ptrs, dtype=torch.int64))
+        else:
             return
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("TritonAdamW: the gradients moved since the last step, so the address table must be "
-                               "copied again, which cannot happen inside CUDA graph capture; run one step "
-                               "with the same gradient tensors before capturing")
-        _upload(self.addresses[1], torch.tensor(ptrs, dtype=torch.int64))
         self.grad_ptrs = ptrs
         self.aligned = self._static_aligned and all(a % ALIGNMENT == 0 for a in ptrs)
+        if cuda and not capturing and self._spare_row is None:
+            # Outside capture: a row for the next capture to take (one small pinned allocation each)
+            self._spare_row = torch.empty(self.n_tensors, dtype=torch.int64, pin_memory=True)
+
+    def _capture_grad_row(self, ptrs: tuple) -> None:
+        """Record, in the graph being captured, a copy of `ptrs` from pinned memory into the table."""
+        row, self._spare_row = self._spare_row, None
+        if row is None:  # a second capture with no eager step since the first: allocate under capture
+            try:  # (PyTorch's pinned-memory allocator serves a capture from the graph's own host pool)
+                row = torch.empty(self.n_tensors, dtype=torch.int64, pin_memory=True)
+            except RuntimeError as err:
+                raise RuntimeError("TritonAdamW: could not allocate page-locked memory for the gradients' addresses "
+                                   "inside CUDA graph capture; run one eager step between two captures") from err
+        # Written on the host now, before the graph exists: no copy has ever read this row, and none
+        # will until a replay; from then on it is read-only (a later capture takes another row).
+        row.copy_(torch.tensor(ptrs, dtype=torch.int64))
+        # A memcpy node from page-locked memory (from pageable memory a capture refuses the copy)
+        self.addresses[1].copy_(row, non_blocking=True)
+        self._graph_rows.append(row)
+        self._replays_write_row = True
 
 
-def adamw_multi_tensor_(table: TensorTable, *, lr: float, beta1: float, beta2: float, eps: float,
-                        weight_decay: float, step: float, maximize: bool = False,
+def adamw_multi_tensor_(table: TensorTable, *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
+                        weight_decay: float, step: float | torch.Tensor, maximize: bool = False,
                         block: int | None = None, num_warps: int = NUM_WARPS) -> None:
     """One AdamW step, in place, for every tensor of `table` (whose gradients `set_grads` named).
 
-    `step` is the step count t after this update (1 on the first step). The bias corrections are
-    computed here, in float64 on the host, as PyTorch's AdamW computes them.
+    `step` is the step count t after this update (1 on the first step). Given as a float (with a
+    float `lr`), the bias corrections are computed here, in float64 on the host, as PyTorch's AdamW
+    computes them. Given as a tensor of the table's n_tensors counts on its device (capturable mode;
+    `lr` a float or a 0-d tensor there), they are computed on the device (`_device_scalars`), per
+    tensor, and nothing is read back: the launch can be captured in a CUDA graph.
     """
     if table.n_chunks == 0:
         return
@@ -330,17 +395,54 @@ def adamw_multi_tensor_(table: TensorTable, *, lr: float, beta1: float, beta2: f
     block = block or (INTERPRETER_BLOCK if INTERPRET else BLOCK)
     if table.chunk % block:
         raise ValueError(f"block ({block}) must divide the chunk ({table.chunk})")
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    if isinstance(step, torch.Tensor) or isinstance(lr, torch.Tensor):
+        scalars = _device_scalars(table, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, step=step)
+        decay = step_size = bias_correction2_sqrt = 1.0  # placeholders: the kernel reads `scalars`
+    else:
+        scalars = None  # a constexpr None to Triton: the host path's compiled kernel is the one it always was
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        decay, step_size = 1 - lr * weight_decay, lr / bias_correction1
+        bias_correction2_sqrt = math.sqrt(bias_correction2)
     # Triton launches on the current CUDA device: make it the tensors' one
     with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
         _adamw_multi_tensor[(table.n_chunks,)](
             table.addresses, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors,
-            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, lr / bias_correction1, math.sqrt(bias_correction2),
+            decay, 1 - beta1, beta2, 1 - beta2, eps, step_size, bias_correction2_sqrt, scalars,
             PARAM_DTYPE=_TRITON_DTYPES[table.param_dtype], STATE_DTYPE=_TRITON_DTYPES[table.state_dtype],
-            CHUNK=table.chunk, BLOCK=block, ALIGNED=table.aligned, MAXIMIZE=bool(maximize), ROUND_BY_HAND=INTERPRET,
-            num_warps=num_warps,
+            CHUNK=table.chunk, BLOCK=block, ALIGNED=table.aligned, MAXIMIZE=bool(maximize),
+            DEVICE_SCALARS=scalars is not None, ROUND_BY_HAND=INTERPRET, num_warps=num_warps,
         )
+
+
+def _device_scalars(table: TensorTable, *, lr: float | torch.Tensor, beta1: float, beta2: float, weight_decay: float,
+                    step: float | torch.Tensor) -> torch.Tensor:
+    """The kernel's per-tensor scalars, computed on the table's device from device tensors, never read
+    on the host: float32 [1 - lr * wd, lr / (1 - beta1^t_i) for each tensor i, sqrt(1 - beta2^t_i) for each].
+
+    About a dozen tiny kernels (a few microseconds each in a graph), next to one AdamW pass over the
+    group's parameters. The arithmetic is float64 from the float32 counts and rate, as in PyTorch's
+    fused AdamW (which reads both from the device too) and as the host path computes in Python floats;
+    one rounding to fp32 at the end gives the kernel the very values the host path would pass (but for
+    a last-bit difference between pow implementations, which fp32 almost never sees). PyTorch's
+    single-tensor and foreach capturable AdamW compute them in fp32 instead, where 1 - 0.999 is already
+    1e-5 off: the more accurate choice is also the one that matches both of our references.
+    """
+    device, n = table.device, table.n_tensors
+    for name, value in (("lr", lr), ("step", step)):
+        if isinstance(value, torch.Tensor) and value.device != device:
+            raise ValueError(f"TritonAdamW: in capturable mode {name} must be a float or a tensor on the parameters' "
+                             f"device ({device}), got a tensor on {value.device}: it is never read on the host")
+    f64 = torch.float64
+    t = step.to(f64) if isinstance(step, torch.Tensor) else torch.full((), float(step), dtype=f64, device=device)
+    t = t.reshape(-1).expand(n)  # one count per tensor (a single count stands for all)
+    if isinstance(lr, torch.Tensor):
+        rate = lr.to(f64).reshape(())
+    else:  # a constant of the graph, if captured
+        rate = torch.full((), float(lr), dtype=f64, device=device)
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2 = 1 - torch.pow(beta2, t)
+    return torch.cat([(1 - rate * weight_decay).reshape(1), rate / bias_correction1, bias_correction2.sqrt()]).float()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,9 +453,25 @@ def _host_float(value, name: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(f"TritonAdamW: {name} is a tensor on {value.device}; reading it would make the host wait "
-                             "for the GPU at every step. Give a float or a CPU tensor")
+                             "for the GPU at every step. Give a float or a CPU tensor, or (for lr) pass "
+                             "capturable=True, which never reads it")
         return float(value)
     return float(value)
+
+
+_CPU = torch.device("cpu")
+
+
+def _capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph (never without a CUDA GPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _placed_step(step, device: torch.device) -> torch.Tensor:
+    """A step count as a float32 tensor on `device` (the CPU, or the parameter's device when capturable)."""
+    if isinstance(step, torch.Tensor):
+        return step.to(device=device, dtype=torch.float32)
+    return torch.tensor(float(step), dtype=torch.float32, device=device)  # a number, from an old checkpoint
 
 
 class TritonAdamW(torch.optim.Optimizer):
@@ -363,20 +481,36 @@ class TritonAdamW(torch.optim.Optimizer):
         >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     The hyperparameters are AdamW's: lr, betas, eps, weight_decay (decoupled: p *= 1 - lr * wd),
-    maximize; each param group may have its own, and a scheduler may change `lr` between steps (a
-    float, or a CPU tensor). The state is AdamW's too, per parameter: `step` (a float32 CPU tensor),
-    `exp_avg` and `exp_avg_sq` (in the parameter's dtype), so `state_dict()` has torch.optim.AdamW's
-    structure and a checkpoint of either loads into the other.
+    maximize, capturable; each param group may have its own, and a scheduler may change `lr` between
+    steps. The state is AdamW's too, per parameter: `step` (a float32 tensor), `exp_avg` and
+    `exp_avg_sq` (in the parameter's dtype), so `state_dict()` has torch.optim.AdamW's structure and a
+    checkpoint of either loads into the other.
+
+    Two modes, per group (`group["capturable"]`, as in PyTorch's AdamW); both compute the same values:
+      - capturable=False (the default): `step` lives on the CPU, `lr` is a float or a CPU tensor, and
+        the bias corrections are computed on the host, which never waits for the GPU.
+      - capturable=True: `step` lives on the parameter's device, and `lr` is a float or a 0-d tensor
+        there (fill it in place to change the rate of a captured step; a float is a constant of the
+        graph). `step()` reads no GPU value, so once one eager step has built the address tables, a
+        step can be captured with `torch.cuda.graph` and replayed.
+    `load_state_dict` keeps each group's own mode (PyTorch's AdamW takes the checkpoint's) and puts the
+    loaded counts where that mode keeps them.
 
     Parameters without a gradient are skipped (their step count stays). Refused, with an error that
     says so: amsgrad, sparse gradients, complex or integer parameters, sharded (DTensor) parameters,
-    a parameter that is a strided view rather than one block of memory, and an lr on the GPU.
+    a parameter that is a strided view rather than one block of memory, and an lr on the GPU without
+    capturable=True.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False):
-        lr_value = _host_float(lr, "lr")
-        if not 0.0 <= lr_value:
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
+                 capturable: bool = False):
+        if capturable and isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+            # Its value is not checked: that would read GPU memory, which is what capturable avoids
+            if lr.numel() != 1 or not lr.is_floating_point():
+                raise ValueError(f"TritonAdamW: a tensor lr must hold one floating-point value, got {lr.dtype} "
+                                 f"of shape {tuple(lr.shape)}")
+        elif not 0.0 <= _host_float(lr, "lr"):
             raise ValueError(f"invalid learning rate: {lr}")
         if not 0.0 <= eps:
             raise ValueError(f"invalid epsilon value: {eps}")
@@ -387,23 +521,50 @@ class TritonAdamW(torch.optim.Optimizer):
         if amsgrad:
             raise ValueError("TritonAdamW does not implement amsgrad (a third state, the running maximum of "
                              "exp_avg_sq); use torch.optim.AdamW(amsgrad=True)")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=maximize)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=maximize,
+                        capturable=bool(capturable))
         super().__init__(params, defaults)
         self._tables = {}  # (device, dtypes, addresses and sizes) -> TensorTable, for the last step's launches
+        self._graph_tables = {}  # the same, for every table a captured step used: see step()
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("capturable", False)  # groups pickled before the flag existed
         self._tables = {}  # tables hold addresses of this process's memory; never carried over
+        self._graph_tables = {}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch.optim.Optimizer's, then every `step` as a float32 CPU tensor (a checkpoint of PyTorch's
-        fused AdamW keeps it on the GPU): the one read of GPU memory is here, once, not at every step."""
+        """torch.optim.Optimizer's, then each group back in its own mode, its counts where that mode keeps them.
+
+        PyTorch's AdamW takes the checkpoint's `capturable` flag along with its groups; here each group
+        keeps this optimizer's, since how steps are run belongs to this run, not to the training state
+        (a CUDA-graph run's checkpoint resumes in an eager run, and the other way round). Then:
+          - a group on the host path gets every `step` as a float32 CPU tensor (a checkpoint of PyTorch's
+            fused or capturable AdamW keeps it on the GPU) and a GPU-tensor `lr` as a float: the one read
+            of GPU memory is here, once, not at every step;
+          - a capturable group gets every `step` as a float32 tensor on its parameter's device, and keeps
+            its own `lr` tensor, if it had one, with the checkpoint's rate written into it (a graph
+            captured with that tensor, or a scheduler holding it, keeps working).
+        """
+        modes = [g.get("capturable", False) for g in self.param_groups]
+        rates = [g["lr"] for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            if "step" in state:
-                step = state["step"]
-                state["step"] = (step.to("cpu", torch.float32) if isinstance(step, torch.Tensor)
-                                 else torch.tensor(float(step), dtype=torch.float32))
+        for group, capturable, rate in zip(self.param_groups, modes, rates):
+            group["capturable"] = capturable
+            lr = group["lr"]
+            if not capturable and isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+                group["lr"] = float(lr)
+            elif capturable and isinstance(rate, torch.Tensor) and lr is not rate:
+                if isinstance(lr, torch.Tensor):
+                    rate.copy_(lr)  # a device-side copy (or an upload), never a read on the host
+                else:
+                    rate.fill_(float(lr))
+                group["lr"] = rate
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    state["step"] = _placed_step(state["step"], p.device if capturable else _CPU)
         self._tables = {}
 
     @torch.no_grad()
@@ -416,13 +577,20 @@ class TritonAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             self._step_group(group, tables)
         self._tables = tables  # tables of parameter sets not stepped this time are dropped
+        if _capturing():
+            # ... except those of a captured step: every replay reads their device buffer and copies
+            # from their page-locked rows, so freeing them would let a replay follow stale addresses.
+            # Nothing says when the graph is gone, so they stay as long as the optimizer (usually they
+            # are the very tables the eager steps use: no extra memory).
+            self._graph_tables.update(tables)
         return loss
 
     def _step_group(self, group: dict, tables: dict) -> None:
         if group.get("amsgrad", False):
             raise ValueError("TritonAdamW does not implement amsgrad; this param group (loaded from a state dict?) "
                              "asks for it")
-        lr = _host_float(group["lr"], "lr")
+        capturable = group.get("capturable", False)
+        lr = group["lr"] if capturable else _host_float(group["lr"], "lr")  # capturable: never read here
         beta1, beta2 = (_host_float(b, "betas") for b in group["betas"])
         entries = []
         for p in group["params"]:
@@ -438,16 +606,32 @@ class TritonAdamW(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 _check_param(p)
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # capturable: on the parameter's device, as PyTorch's capturable AdamW keeps it
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if capturable
+                                 else torch.tensor(0.0, dtype=torch.float32))
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif capturable and state["step"].device != p.device:  # the flag was switched by hand
+                state["step"] = self._moved_step(state["step"], p.device)
             entries.append((p, g, state))
         if not entries:
             return
         steps = [s["step"] for _, _, s in entries]
-        torch._foreach_add_(steps, 1.0)  # CPU tensors, as in PyTorch's AdamW: no GPU work, no waiting
-        counts = torch.stack(steps).tolist()  # one host-side read of CPU memory for the whole group
+        # Host path: CPU tensors, as in PyTorch's AdamW: no GPU work, no waiting. Capturable: on the
+        # device, so that a graph's replay counts its step too.
+        torch._foreach_add_(steps, 1.0)
         launches = {}
+        if capturable:  # one launch per device and dtypes, whatever the counts: the kernel reads each tensor's own
+            for p, g, s in entries:
+                launches.setdefault((p.device, p.dtype, s["exp_avg"].dtype), []).append((p, g, s))
+            for members in launches.values():
+                table = self._table(members, tables)
+                table.set_grads([g for _, g, _ in members])
+                counts = torch.stack([s["step"] for _, _, s in members])  # on the device, one per tensor
+                adamw_multi_tensor_(table, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                                    weight_decay=group["weight_decay"], step=counts, maximize=group["maximize"])
+            return
+        counts = torch.stack(steps).tolist()  # one host-side read of CPU memory for the whole group
         for (p, g, s), t in zip(entries, counts):  # one launch per device, dtypes and step count
             launches.setdefault((p.device, p.dtype, s["exp_avg"].dtype, t), []).append((p, g, s))
         for (_, _, _, t), members in launches.items():
@@ -456,13 +640,24 @@ class TritonAdamW(torch.optim.Optimizer):
             adamw_multi_tensor_(table, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                                 weight_decay=group["weight_decay"], step=t, maximize=group["maximize"])
 
+    @staticmethod
+    def _moved_step(step: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The count of a capturable group found off its parameter's device (group["capturable"] set by
+        hand, without moving the counts as load_state_dict does): moved there once, before any capture.
+        (The host path takes a count on the GPU as it is; reading it there makes each step wait.)"""
+        if _capturing():
+            raise RuntimeError(f"TritonAdamW: a step count is on {step.device} but a capturable group keeps it on "
+                               f"{device}; the copy cannot happen inside CUDA graph capture. Run one step after "
+                               "setting group['capturable'], before capturing")
+        return _placed_step(step, device)
+
     def _table(self, members: list, tables: dict) -> TensorTable:
         """The TensorTable for these tensors: the last step's if their addresses and sizes are unchanged."""
         p0, _, s0 = members[0]
         key = (p0.device, p0.dtype, s0["exp_avg"].dtype,
                tuple((p.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(), p.numel())
                      for p, _, s in members))
-        table = tables.get(key) or self._tables.get(key)
+        table = tables.get(key) or self._tables.get(key) or self._graph_tables.get(key)
         if table is None:
             table = TensorTable([p for p, _, _ in members], [s["exp_avg"] for _, _, s in members],
                                 [s["exp_avg_sq"] for _, _, s in members])

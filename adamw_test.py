@@ -1,5 +1,6 @@
 """Tests of TritonAdamW (adamw_kernel.py): steps against PyTorch's AdamW, one launch per group, state
-dicts and checkpoints, refusals, and the training scripts' `--optimizer adamw-triton`.
+dicts and checkpoints, refusals, the training scripts' `--optimizer adamw-triton`, and capturable mode
+(step counts and rate on the device) with the CUDA graphs it exists for.
 
     $ python adamw_test.py       # a readable report
     $ pytest adamw_test.py
@@ -13,9 +14,11 @@ exp_avg_sq underflows to 0 and its updates blow up, which would make any toleran
 meaningless. On a CPU the kernel runs in Triton's interpreter, which is made to round to bf16 as a
 GPU does (see `_round_like_a_gpu`), so the same rule holds there.
 Results that must not depend on rounding at all (a resumed run, a copied gradient, a transposed
-parameter, the in-backward variant) are checked bitwise.
+parameter, the in-backward variant, capturable mode against the host path: see
+`test_capturable_matches_the_host_path_over_steps`) are checked bitwise.
 """
 
+import functools
 import io
 from pathlib import Path
 
@@ -41,10 +44,12 @@ SHAPES = [(37, 53), (129,), (0,), (1, 1), (3, 5, 7), (70001,)]
 STEPS = 4
 
 
-def _groups(params):
-    """Two param groups with different hyperparameters, as a decay / no-decay split has."""
-    return [dict(params=params[0::2], lr=1e-2, weight_decay=0.1),
-            dict(params=params[1::2], lr=3e-3, weight_decay=0.0, betas=(0.8, 0.99), eps=1e-6)]
+def _groups(params, lr_tensors=False):
+    """Two param groups with different hyperparameters, as a decay / no-decay split has. lr_tensors:
+    each group's rate is a 0-d float32 tensor on the device, as a capturable optimizer's is."""
+    rate = (lambda lr: torch.tensor(lr, dtype=torch.float32, device=DEVICE)) if lr_tensors else float
+    return [dict(params=params[0::2], lr=rate(1e-2), weight_decay=0.1),
+            dict(params=params[1::2], lr=rate(3e-3), weight_decay=0.0, betas=(0.8, 0.99), eps=1e-6)]
 
 
 def _lr_factor(step):
@@ -60,20 +65,36 @@ def _gradients(shapes, steps, seed=0):
     return grads
 
 
-def _train(make, start, grads, dtypes, steps=None, opt=None, params=None):
-    """Step an optimizer made by `make(groups)` on copies of `start`, the i-th in dtypes[i % len]."""
-    if params is None:
-        params = [t.to(DEVICE, dtypes[i % len(dtypes)]) for i, t in enumerate(start)]
-    opt = opt or make(_groups(params))
-    base = [g["lr"] for g in opt.param_groups]
+def _fp32(value: float) -> float:
+    """`value` rounded to float32, as a float32 rate tensor holds it."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _set_rate(group, lr, fp32_rates):
+    """A group's rate for the next step: a rate tensor is filled in place (as LRSchedule fills a capturable
+    optimizer's, which a CUDA graph reads), a float replaced; fp32_rates: the float is rounded as the tensor is."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = _fp32(lr) if fp32_rates else lr
+
+
+def _train(make, start, grads, dtypes, steps=None, opt=None, params=None, lr_tensors=False, fp32_rates=False):
+    """Step an optimizer made by `make(groups)` on copies of `start`, the i-th in dtypes[i % len].
+    lr_tensors: the groups' rates are tensors (see _groups); fp32_rates: float rates are rounded to float32,
+    so that a run with float rates sees exactly the rates of a run with rate tensors."""
+    if params is None:  # copies: for fp32 on a CPU, .to() without copy=True would hand every run `start` itself
+        params = [t.to(DEVICE, dtypes[i % len(dtypes)], copy=True) for i, t in enumerate(start)]
+    opt = opt or make(_groups(params, lr_tensors))
+    base = [_fp32(float(g["lr"])) if fp32_rates else float(g["lr"]) for g in opt.param_groups]  # (a tensor's: fp32)
     for step in steps or range(len(grads)):
         for p, gr in zip(params, grads[step]):
             p.grad = None if gr is None else gr.to(DEVICE, p.dtype)
         for group, lr in zip(opt.param_groups, base):
-            group["lr"] = lr * _lr_factor(step)
+            _set_rate(group, lr * _lr_factor(step), fp32_rates)
         opt.step()
     for group, lr in zip(opt.param_groups, base):
-        group["lr"] = lr
+        _set_rate(group, lr, False)
     return params, opt
 
 
@@ -135,7 +156,7 @@ def test_maximize_and_an_lr_tensor():
     start, grads = _start(SHAPES[:2]), _gradients(SHAPES[:2], 2)
 
     def run(make, dtype):
-        params = [t.to(DEVICE, dtype) for t in start]
+        params = [t.to(DEVICE, dtype, copy=True) for t in start]
         opt = make([{"params": params}], lr=torch.tensor(1e-2), maximize=True, weight_decay=0.1)
         for step_grads in grads:
             for p, gr in zip(params, step_grads):
@@ -146,6 +167,199 @@ def test_maximize_and_an_lr_tensor():
     ours, same, ref = run(TritonAdamW, torch.float32), run(_torch_fused, torch.float32), run(adamw_ref, torch.float64)
     for a, b, c in zip(ours, same, ref):
         close_to_reference(f"maximize {list(a.shape)}", a, b, c, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Capturable mode: step counts and rate on the device, nothing read on the host (for CUDA graphs)
+# ------------------------------------------------------------------------------------------------
+def _torch_capturable(groups, **hyperparameters):
+    """PyTorch's AdamW with capturable=True, the yardstick in capturable mode: its fused variant, the only
+    one PyTorch runs on CPU tensors with that flag (single-tensor and foreach refuse them), and the one whose
+    arithmetic the kernel's is (bias corrections in float64 from the float32 count on the device)."""
+    return torch.optim.AdamW(groups, fused=True, capturable=True, **hyperparameters)
+
+
+def _exactly_the_same_run(tag, ours, expected):
+    """Every parameter, state and step count of `ours` bit for bit those of `expected`."""
+    (p_o, opt_o), (p_e, opt_e) = ours, expected
+    for a, b in zip(p_o, p_e):
+        name = f"{tag} {list(a.shape)} {str(a.dtype)[6:]}"
+        exactly(f"{name} param", a, b)
+        assert (a in opt_o.state) == (b in opt_e.state)
+        if a in opt_o.state:
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                exactly(f"{name} {key}", opt_o.state[a][key], opt_e.state[b][key])
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,), (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16", "fp32+bf16"])
+def test_capturable_matches_the_host_path_over_steps(dtypes):
+    """capturable=True over 4 steps, two groups, each rate a tensor filled in place every step, a parameter
+    skipped once (so one launch holds tensors with step counts 4 and 3): by the rule against PyTorch's
+    capturable AdamW and float64, and bit for bit the host path's results on the same fp32 rates."""
+    start, grads = _start(SHAPES), _gradients(SHAPES, STEPS)
+    capturable = functools.partial(TritonAdamW, capturable=True)
+    ours = _train(capturable, start, grads, dtypes, lr_tensors=True)
+    same = _train(_torch_capturable, start, grads, dtypes, lr_tensors=True)
+    ref = _train(adamw_ref, start, grads, (torch.float64,), fp32_rates=True)
+    _compare("capturable", ours, same, ref)
+    # Bit for bit, not by the rule: both modes compute the bias corrections and step sizes in float64 from
+    # the same counts and rates and round each once to fp32 (the host in Python floats, capturable mode on
+    # the device: _device_scalars), then run the same kernel arithmetic on the same fp32 scalars. A wrong
+    # tensor's scalars (the skipped parameter's count is 3, its neighbours' 4) would change many bits.
+    host = _train(TritonAdamW, start, grads, dtypes, fp32_rates=True)
+    _exactly_the_same_run("capturable == host path", ours, host)
+    # A float rate in capturable mode (a constant of a captured graph) takes the same device path
+    _exactly_the_same_run("capturable, float lr == host path",
+                          _train(capturable, start, grads, dtypes, fp32_rates=True), host)
+    params, opt = ours
+    for p in params:
+        if p in opt.state:
+            step = opt.state[p]["step"]
+            assert (step.dim(), step.dtype, step.device) == (0, torch.float32, p.device), "a count on the device"
+    assert float(opt.state[params[3]]["step"]) == STEPS - 1, "the skipped step must not be counted"
+
+
+_HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+
+
+def _refuse_host_reads(monkeypatch):
+    """Make every way of reading a tensor's value into Python raise (on a CPU all tensors are CPU tensors,
+    so a capturable step, which must never read a GPU value, is held to reading none at all)."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a tensor's value was read on the host")
+
+    for name in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def test_capturable_step_reads_nothing_on_the_host(monkeypatch):
+    """Once its address tables are built (from host lists, by the first step of a parameter set: also the
+    one step a CUDA graph cannot hold), a capturable step reads no tensor's value on the host: not with new
+    gradient tensors, nor a new rate, nor two step counts in one group (a parameter without a gradient at
+    the first step), which still take one launch per group. The host path, which reads its CPU step counts,
+    trips the same trap: the trap works."""
+    kernel = _CountingKernel(adamw_kernel._adamw_multi_tensor)
+    monkeypatch.setattr(adamw_kernel, "_adamw_multi_tensor", kernel)
+    g = torch.Generator().manual_seed(7)
+    shapes = [(33, 7), (70001,), (5,), (2, 2, 2)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(5)]
+
+    def run(capturable, trap_from):
+        params = [t.to(DEVICE, copy=True) for t in start]
+        lr = torch.tensor(1e-2, device=DEVICE) if capturable else 1e-2
+        opt = TritonAdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=lr,
+                          weight_decay=0.1, capturable=capturable)
+        for step, step_grads in enumerate(grads):
+            for p, gr in zip(params, step_grads):
+                p.grad = None if (step == 0 and p is params[2]) else gr.to(DEVICE)  # new tensors each step
+            with monkeypatch.context() as trap:
+                if step >= trap_from:
+                    _refuse_host_reads(trap)
+                if capturable:
+                    lr.fill_(1e-2 * 0.7**step)  # in place, on the device: not a read
+                else:
+                    opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"] = _fp32(1e-2 * 0.7**step)
+                opt.step()
+        return params, opt
+
+    kernel.grids.clear()
+    params, opt = run(capturable=True, trap_from=2)  # step 1 builds the second group's table anew
+    assert len(kernel.grids) == 2 * len(grads), "one launch per group and step, though the counts differ"
+    assert [float(opt.state[p]["step"]) for p in params] == [5, 5, 4, 5]
+    record("capturable: no .item/.tolist/float/int/bool of a tensor in steps 3-5; one launch per group", 0.0, 0.0,
+           True)
+    with pytest.raises(AssertionError, match="read on the host"):
+        run(capturable=False, trap_from=2)
+    # The same trajectory on the host path, without the trap: the same bits
+    _exactly_the_same_run("capturable == host path", (params, opt), run(capturable=False, trap_from=len(grads)))
+
+
+def test_capturable_state_dicts_load_into_either_mode():
+    """2 steps, save, load into an optimizer of the other mode, 2 more steps == 4 host-path steps, bit for
+    bit. Each optimizer keeps its own mode (PyTorch's AdamW would take the checkpoint's) and finds its step
+    counts where that mode keeps them: on the CPU, or on the parameter's device; a capturable optimizer
+    keeps its own rate tensor (the one a captured graph reads), holding the checkpoint's rate."""
+    start, grads = _start(SHAPES), _gradients(SHAPES, STEPS)
+    dtypes = (torch.bfloat16,)
+    straight = _train(TritonAdamW, start, grads, dtypes, fp32_rates=True)
+    for saved_capturable in (True, False):
+        capturable = not saved_capturable
+        first, opt_first = _train(functools.partial(TritonAdamW, capturable=saved_capturable), start, grads, dtypes,
+                                  steps=range(2), lr_tensors=saved_capturable, fp32_rates=True)
+        saved = _through_a_file(opt_first.state_dict())
+        assert all(g["capturable"] == saved_capturable for g in saved["param_groups"])
+        params = [p.detach().clone() for p in first]
+        opt = TritonAdamW(_groups(params, lr_tensors=capturable), capturable=capturable)
+        rates = [g["lr"] for g in opt.param_groups]
+        opt.load_state_dict(saved)
+        for group, rate, saved_group in zip(opt.param_groups, rates, saved["param_groups"]):
+            assert group["capturable"] == capturable, "the optimizer's own mode, not the checkpoint's"
+            if capturable:
+                assert group["lr"] is rate and float(rate) == _fp32(float(saved_group["lr"]))
+            else:
+                assert not isinstance(group["lr"], torch.Tensor) or group["lr"].device.type == "cpu"
+        for p in params:
+            if p in opt.state:
+                step = opt.state[p]["step"]
+                where = p.device if capturable else torch.device("cpu")
+                assert (step.dtype, step.device) == (torch.float32, where), (capturable, step.device)
+        resumed = _train(TritonAdamW, start, grads, dtypes, steps=range(2, STEPS), opt=opt, params=params,
+                         fp32_rates=True)
+        mode = "capturable" if capturable else "host path"
+        _exactly_the_same_run(f"{mode} after the other mode's 2 steps", resumed, straight)
+
+
+def test_tables_of_a_captured_step_are_kept(monkeypatch):
+    """A captured step's tables outlive the steps that no longer use them (a replay reads them every time):
+    an eager step on another set of parameters drops its own last tables, never a graph's."""
+    params = [torch.randn(9, 4, device=DEVICE), torch.randn(5, device=DEVICE)]
+    opt = TritonAdamW(params, lr=torch.tensor(1e-2, device=DEVICE), capturable=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # eager: builds the table
+    table = next(iter(opt._tables.values()))
+    with monkeypatch.context() as m:
+        m.setattr(adamw_kernel, "_capturing", lambda: True)  # as if torch.cuda.graph were capturing this step
+        opt.step()
+    params[1].grad = None
+    opt.step()  # another set of tensors, another table: the captured one leaves _tables
+    assert table not in opt._tables.values() and table in opt._graph_tables.values()
+    params[1].grad = torch.randn_like(params[1])
+    opt.step()
+    assert next(iter(opt._tables.values())) is table, "the set of the captured step finds its table again"
+    record("a captured step's table is kept while eager steps use other tables", 0.0, 0.0, True)
+
+
+def test_make_capturable_switches_a_host_path_optimizer():
+    """playbook/cuda_graph.make_capturable, as the training loop calls it after load_state_dict: it sets
+    group["capturable"], gives the groups one rate tensor and moves the step counts to the device. The
+    optimizer then takes the device path, and continues exactly as the host path would."""
+    from playbook import cuda_graph
+
+    start, grads = _start(SHAPES), _gradients(SHAPES, STEPS)
+
+    def run(switch):
+        params = [t.to(DEVICE, torch.bfloat16, copy=True) for t in start]
+        opt = TritonAdamW([{"params": params[0::2]}, {"params": params[1::2], "weight_decay": 0.0}], lr=1e-2,
+                          weight_decay=0.1)
+        for step, step_grads in enumerate(grads):
+            if switch and step == 2:
+                cuda_graph.make_capturable(opt, DEVICE)
+            for p, gr in zip(params, step_grads):
+                p.grad = None if gr is None else gr.to(DEVICE, p.dtype)
+            for group in opt.param_groups:
+                _set_rate(group, 1e-2 * _lr_factor(step), fp32_rates=True)
+            opt.step()
+        return params, opt
+
+    switched = run(switch=True)
+    params, opt = switched
+    assert all(g["capturable"] and isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
+    assert all(opt.state[p]["step"].device == p.device for p in params if p in opt.state)
+    _exactly_the_same_run("make_capturable after 2 steps", switched, run(switch=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,16 +621,20 @@ def test_gpu_kernel_loads_16_bytes_at_a_time(monkeypatch):
     monkeypatch.setattr(adamw_kernel, "_adamw_multi_tensor", kernel)
     p = torch.randn(4096, 1000, device=DEVICE, dtype=torch.bfloat16)
     p.grad = torch.randn_like(p)
-    TritonAdamW([p]).step()
-    ptx = kernel.compiled[0].asm["ptx"]
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "the full blocks must use 16-byte loads and stores"
-    record("PTX: 16-byte loads and stores (ld/st.global.v4)", 0.0, 0.0, True)
+    for capturable in (False, True):  # capturable: the same loop, its scalars loaded once per program
+        lr = torch.tensor(1e-3, device=DEVICE) if capturable else 1e-3
+        TritonAdamW([p], lr=lr, capturable=capturable).step()
+        ptx = kernel.compiled[-1].asm["ptx"]
+        assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "the full blocks must use 16-byte loads and stores"
+        mode = "capturable" if capturable else "host path"
+        record(f"PTX ({mode}): 16-byte loads and stores (ld/st.global.v4)", 0.0, 0.0, True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
 def test_gpu_step_can_be_captured_in_a_cuda_graph():
-    """After one eager step (which builds the tables), a step captures; its replays update in place
-    (with the captured step's bias corrections and lr, as any capture of a non-capturable optimizer)."""
+    """After one eager step (which builds the tables), a step of the host path captures too; its replays
+    update in place (with the captured step's bias corrections and lr, as any capture of a non-capturable
+    optimizer). A parameter set without a table yet is refused inside capture, with a clear error."""
     p = torch.randn(1000, 77, device=DEVICE, dtype=torch.bfloat16)
     p.grad = torch.randn_like(p)
     opt = TritonAdamW([p], lr=1e-2)
@@ -432,10 +650,172 @@ def test_gpu_step_can_be_captured_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.equal(p, before), "a replay must update the parameter"
-    p.grad = torch.randn_like(p)  # new gradient memory: the table would need a copy, refused in capture
-    with pytest.raises(RuntimeError, match="capture"):
+    q = torch.randn(64, device=DEVICE)
+    q.grad = torch.randn_like(q)
+    with pytest.raises(RuntimeError, match="before capturing"):  # its first step builds its table: not in a graph
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            TritonAdamW([q], lr=1e-2, capturable=True).step()
+
+
+def _gpu_steps_match(tag, params, opt, ref_params, ref_opt):
+    """Parameters, states and step counts bit for bit those of the reference (the host path, run eagerly)."""
+    for i, (p, r) in enumerate(zip(params, ref_params)):
+        exactly(f"{tag}: param {i} {list(p.shape)}", p, r)
+        for key in ("exp_avg", "exp_avg_sq"):
+            exactly(f"{tag}: param {i} {key}", opt.state[p][key], ref_opt.state[r][key])
+        step = opt.state[p]["step"]
+        assert step.device == p.device and float(step) == float(ref_opt.state[r]["step"]), (tag, i)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+def test_gpu_capturable_training_step_replays_in_a_cuda_graph():
+    """Forward, backward and a capturable TritonAdamW step, captured as one CUDA graph after one eager
+    step (as playbook/cuda_graph.py captures the training step) and replayed with new inputs and a new
+    rate each time: each replay updates parameters and states exactly as the host-path TritonAdamW,
+    run eagerly on the same gradients at the same rate, does.
+
+    Bit for bit, not by the rule: both paths hand the kernel the same fp32 scalars (bias corrections
+    and step sizes in float64 from the same counts and rate, rounded once: on the host, or on the GPU
+    by _device_scalars) and the kernel's arithmetic is the same, so any difference is a bug (a stale
+    gradient address, a rate or count the graph did not see change). The one conceivable exception:
+    the GPU's float64 pow and the host's differing in their last bit exactly where that moves an fp32
+    rounding of a step size (about 1e-6 per value); it would show here as 1 ulp, the same on every run.
+    The reference is given the graph's own gradients rather than its own backward's, so that a
+    difference can only come from the optimizer."""
+    torch.manual_seed(0)
+    # 320 x 320 = 102400 elements: two 65536-element chunks, the second a partial one
+    model = torch.nn.Sequential(torch.nn.Linear(96, 320), torch.nn.GELU(), torch.nn.Linear(320, 320),
+                                torch.nn.GELU(), torch.nn.Linear(320, 8)).to(DEVICE, torch.bfloat16)
+    params = list(model.parameters())
+    ref_params = [p.detach().clone() for p in params]
+
+    def groups(ps, lr):  # a decay and a no-decay group, as the training scripts make them
+        return [dict(params=[p for p in ps if p.dim() >= 2], weight_decay=0.1, lr=lr),
+                dict(params=[p for p in ps if p.dim() < 2], weight_decay=0.0, lr=lr)]
+
+    n_steps = 6
+    rates = [_fp32(3e-3 * 0.8**i) for i in range(n_steps)]  # as the rate tensor holds them
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 96, generator=g).to(DEVICE, torch.bfloat16) for _ in range(n_steps)]
+    ys = [torch.randn(16, 8, generator=g).to(DEVICE, torch.bfloat16) for _ in range(n_steps)]
+    lr = torch.tensor(rates[0], dtype=torch.float32, device=DEVICE)
+    opt = TritonAdamW(groups(params, lr), lr=lr, capturable=True)
+    ref_opt = TritonAdamW(groups(ref_params, rates[0]), lr=rates[0])
+    static_x, static_y = xs[0].clone(), ys[0].clone()
+
+    def train_step():
+        loss = torch.nn.functional.mse_loss(model(static_x).float(), static_y.float())
+        loss.backward()
+        opt.step()
+
+    def reference_step(i, tag):
+        for r, p in zip(ref_params, params):
+            r.grad = p.grad.clone()
+        for group in ref_opt.param_groups:
+            group["lr"] = rates[i]
+        ref_opt.step()
+        _gpu_steps_match(tag, params, opt, ref_params, ref_opt)
+
+    # Step 1 eagerly, on a side stream (PyTorch's recipe for capturing a whole network): it creates the
+    # states, compiles the kernel and builds the address tables, none of which a capture could hold.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    reference_step(0, "eager step 1")
+
+    warm_grads = [p.grad for p in params]  # kept alive: the graph's gradients cannot take their memory
+    opt.zero_grad(set_to_none=True)  # so that the captured backward creates them, in the graph's pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step()
+    moved = sum(p.grad.data_ptr() != w.data_ptr() for p, w in zip(params, warm_grads))
+    assert moved == len(params), "the captured step's gradients are new tensors"
+    record(f"captured with {moved} gradients at new addresses (copied into the table by the graph)", 0.0, 0.0, True)
+    del warm_grads
+    for i in range(1, n_steps):
+        static_x.copy_(xs[i])
+        static_y.copy_(ys[i])
+        lr.fill_(rates[i])  # in place: the graph reads this tensor
+        graph.replay()
+        reference_step(i, f"replay {i} (step {i + 1})")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+def test_gpu_each_graph_copies_its_own_gradient_addresses():
+    """Two graphs of one optimizer, captured with different gradient tensors, and eager steps between
+    replays: each replay uses its own graph's gradients, whatever address the table held last (the one
+    the other graph, or an eager step, wrote). Bit for bit the host path fed the same gradients in the same
+    order (see the test above for why bitwise)."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.randn(300, 257, generator=g).to(DEVICE, torch.bfloat16)  # 77100 elements: two chunks
+    grads = [torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16) for _ in range(4)]  # each its own memory
+    ref = p.clone()
+    lr = torch.tensor(1e-2, device=DEVICE)
+    opt = TritonAdamW([p], lr=lr, capturable=True)
+    ref_opt = TritonAdamW([ref], lr=_fp32(1e-2))
+
+    def capture(i):
+        p.grad = grads[i]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             opt.step()
+        return graph
+
+    def eager(i):
+        p.grad = grads[i]
+        opt.step()
+
+    def expect(i, tag):
+        ref.grad = grads[i]
+        ref_opt.step()
+        _gpu_steps_match(tag, [p], opt, [ref], ref_opt)
+
+    eager(0)
+    expect(0, "eager step, gradient 0")
+    graph_1 = capture(1)
+    eager(2)  # between two captures: also makes the row the next capture takes
+    expect(2, "eager step, gradient 2")
+    graph_3 = capture(3)  # the table was last told gradient 3's address
+    graph_1.replay()
+    expect(1, "graph 1 replayed, gradient 1")
+    eager(3)  # the same gradient tensor as the table was last told of, but graph 1's replay rewrote the row
+    expect(3, "eager step, gradient 3 after a replay")
+    graph_3.replay()
+    expect(3, "graph 3 replayed, gradient 3")
+    eager(0)  # the table now holds gradient 0's address
+    expect(0, "eager step, gradient 0")
+    graph_1.replay()
+    expect(1, "graph 1 replayed after an eager step, gradient 1")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+def test_gpu_two_captures_in_a_row():
+    """Two captures with no eager step between: the second finds no spare page-locked row (the first took
+    it) and allocates one inside capture, which PyTorch's pinned-memory allocator serves from the graph's
+    own host pool. Each graph then replays its own gradients, bit for bit the host path's steps."""
+    g = torch.Generator().manual_seed(4)
+    p = torch.randn(513, 129, generator=g).to(DEVICE, torch.bfloat16)
+    grads = [torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16) for _ in range(3)]
+    ref = p.clone()
+    opt = TritonAdamW([p], lr=torch.tensor(1e-2, device=DEVICE), capturable=True)
+    ref_opt = TritonAdamW([ref], lr=_fp32(1e-2))
+    graphs = []
+    for i in range(3):
+        p.grad = grads[i]
+        if i == 0:
+            opt.step()
+            continue
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            opt.step()
+    for i in (0, 1, 2, 1):
+        if i:
+            graphs[i - 1].replay()
+        ref.grad = grads[i]
+        ref_opt.step()
+        _gpu_steps_match(f"gradient {i}", [p], opt, [ref], ref_opt)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a GPU copy of a checkpoint's step count needs a CUDA GPU")

@@ -318,7 +318,7 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     t.add_argument("--cuda-graphs", choices=["auto", "off"], default="auto",
                    help="auto: after the first step, replay the whole step (forward, backward, optimizer) as one "
                         "CUDA graph, so the host queues it in microseconds; a run that cannot (padded rows, FSDP2, "
-                        "adamw-triton) says why and runs eagerly. off: always eager")
+                        "--offload-activations) says why and runs eagerly. off: always eager")
     t.add_argument("--seed", type=nonnegative_int, default=0)
 
     o = p.add_argument_group("output")

@@ -12,8 +12,9 @@ What a graph needs, and what this module checks before it captures (`graph_block
     reads their 2-D padding mask on the host to pick the attention path (a host sync, which a graph
     cannot hold), so they run eagerly; --packing gives fixed rows the graph takes.
   - no host synchronisation inside the step: the loop's `.item()` happens after the replay.
-  - an optimizer that keeps its step count and learning rate on the GPU: PyTorch's AdamW with
-    `capturable=True` and the rate as a tensor, which `LRSchedule` fills in place each step.
+  - an optimizer that keeps its step count and learning rate on the GPU: PyTorch's AdamW or the Triton
+    AdamW (adamw_kernel.py) with `capturable=True` and the rate as a tensor, which `LRSchedule` fills in
+    place each step.
   - one process: FSDP2's collectives are issued by hooks on the host each step.
 A capture that fails anyway (an operation the checks did not foresee) is dropped, the step runs
 eagerly, and the run says why in one line.
@@ -43,8 +44,6 @@ def graph_blocker(cfg, data=None) -> str | None:
         return "--cuda-graphs off"
     if common.world()[1] > 1:
         return "FSDP2 issues its collectives from host-side hooks each step"
-    if cfg.optimizer == "adamw-triton":
-        return "the Triton AdamW reads its step count on the host (use adamw-fused)"
     if cfg.offload_activations:
         return "--offload-activations copies to host memory under the host's control"
     if cfg.load_in_4bit:

@@ -50,9 +50,10 @@ def test_what_keeps_a_run_eager(monkeypatch):
     cfg = config()
     assert cuda_graph.graph_blocker(cfg) == ("no GPU" if not GPU else None)
     assert cuda_graph.graph_blocker(on_gpu(cfg)) is None
+    assert cuda_graph.graph_blocker(on_gpu(config("--optimizer", "adamw-triton"))) is None  # its step count and rate live on the GPU
     cases = {
         "--cuda-graphs off": on_gpu(config("--cuda-graphs", "off")),
-        "Triton AdamW": on_gpu(config("--optimizer", "adamw-triton")),
+        "--offload-activations": on_gpu(config("--gradient-checkpointing", "--offload-activations")),
     }
     for want, c in cases.items():
         said = cuda_graph.graph_blocker(c)
@@ -142,6 +143,8 @@ VARIANTS = {
     "LoRA r=8": ("--lora-r", "8", "--lr", "1e-2"),
     "FP8 projections": ("--fp8",),
     "optimizer in backward": ("--optimizer-in-backward",),
+    "Triton AdamW": ("--optimizer", "adamw-triton"),
+    "Triton AdamW in backward": ("--optimizer", "adamw-triton", "--optimizer-in-backward"),
     "gradient checkpointing": ("--gradient-checkpointing",),
 }
 
