@@ -524,6 +524,35 @@ def test_command_line_refusals(monkeypatch):
     record("adamw-triton refused for the Trainer and for torchrun (exit code 2)", 0.0, 0.0, True)
 
 
+def test_the_default_set_picks_the_triton_adamw_where_it_runs(monkeypatch):
+    """`adamw` is in the default kernel set: the Triton AdamW on a GPU in the scripts' own loop on one
+    process, PyTorch's AdamW on a CPU, in the Trainer and under torchrun; an --optimizer wins; adamw named
+    in --kernels keeps asking for the Triton AdamW (and clashes with another --optimizer)."""
+    from playbook.registry import DEFAULT_KERNELS
+
+    def optimizer(*argv, script="finetune_optimized", gpu=False, world=1):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        return parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv)).optimizer
+
+    got = {
+        "GPU": optimizer(gpu=True),
+        "CPU": optimizer(),
+        "Trainer on a GPU": optimizer(script="finetune_trainer", gpu=True),
+        "torchrun": optimizer(gpu=True, world=2),
+        "--optimizer adamw-fused": optimizer("--optimizer", "adamw-fused", gpu=True),
+        "--kernels default,adamw on a CPU": optimizer("--kernels", "default,adamw"),
+        "--kernels rmsnorm on a GPU": optimizer("--kernels", "rmsnorm", gpu=True),
+    }
+    assert got == {"GPU": "adamw-triton", "CPU": "adamw-foreach", "Trainer on a GPU": "adamw-fused",
+                   "torchrun": "adamw-fused", "--optimizer adamw-fused": "adamw-fused",
+                   "--kernels default,adamw on a CPU": "adamw-triton", "--kernels rmsnorm on a GPU": "adamw-fused"}, got
+    with pytest.raises(SystemExit) as info:
+        optimizer("--kernels", "default,adamw", "--optimizer", "adamw-fused", gpu=True)
+    assert info.value.code == 2
+    record("default set -> " + ", ".join(f"{k}: {v}" for k, v in got.items()), 0.0, 0.0, True)
+
+
 def _config(*argv, script="finetune_optimized"):
     return parse_config(make_parser("test", kernels_default=()), script, list(argv))
 

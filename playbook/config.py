@@ -191,9 +191,17 @@ def _kernels(text: str) -> tuple:
     if not text.replace(",", "").strip():  # an unset shell variable, most likely: never a silent 'none'
         raise argparse.ArgumentTypeError("no kernel named: give names from the registry, 'default' or 'none'")
     try:
-        return parse_kernels(text)
+        names = _Kernels(parse_kernels(text))
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    names.named_adamw = "adamw" in [w.strip().lower() for w in text.split(",")]
+    return names
+
+
+class _Kernels(tuple):
+    """--kernels' names; `named_adamw`: adamw was written out, not only brought in by 'default'."""
+
+    named_adamw = False
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -357,10 +365,16 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     # --optimizer adamw-triton do; the distillation losses belong to distill.py
     if "distillation" in kernels and script != "distill":
         raise usage_error("--kernels distillation: the distillation losses run in distill.py (--mode fused)")
-    if "adamw" in kernels:
+    if "adamw" in kernels and getattr(kernels, "named_adamw", False):  # --kernels ...,adamw: the Triton AdamW
         if a.optimizer not in (None, "adamw-triton"):
             raise usage_error(f"--kernels adamw is the Triton AdamW, which --optimizer {a.optimizer} contradicts")
         a.optimizer = "adamw-triton"
+    elif "adamw" in kernels and a.optimizer is None:
+        # From the default set: the Triton AdamW where it runs best, a GPU (a CPU runs it in Triton's
+        # interpreter), the scripts' own loop (the Trainer builds its optimizer) and one process (FSDP2
+        # shards the parameters); PyTorch's AdamW elsewhere. An --optimizer on the command line wins.
+        if gpu and script != "finetune_trainer" and not sharded:
+            a.optimizer = "adamw-triton"
     a.fp8 = a.fp8 or "fp8" in kernels
     if a.fp8_backend != "playbook" and not a.fp8:
         raise usage_error("--fp8-backend chooses whose FP8 layers --fp8 uses: add --fp8")

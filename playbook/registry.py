@@ -142,7 +142,7 @@ OPTIMIZATIONS = (
                  "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
                  "fp8_linear_kernel.py", "fp8_linear_test.py", (), _fp8),
     Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group (also --optimizer adamw-triton)",
-                 "the scripts' own loop on one process", "1 optimizer",
+                 "a GPU, the scripts' own loop, one process (elsewhere, in the default set, PyTorch's AdamW)", "1 optimizer",
                  "adamw_kernel.py", "adamw_test.py", ("adamw",), _adamw),
     Optimization("lora", "lora", "peft's LoRA forward -> base and adapter in one autograd node, bf16 saved inputs",
                  "with --lora-r (peft adapters on the projections)", "1 per adapted projection",
@@ -155,7 +155,7 @@ BY_NAME = {o.name: o for o in OPTIMIZATIONS}
 NAMES = tuple(BY_NAME)
 KERNEL_NAMES = tuple(o.name for o in OPTIMIZATIONS if o.scope == "model")  # what apply_kernels patches
 KERNELS = {o.name: o.replaces for o in OPTIMIZATIONS}
-DEFAULT_KERNELS = ("rmsnorm", "linear_cross_entropy", "swiglu", "rope", "projections", "lora")  # the fastest measured set
+DEFAULT_KERNELS = ("rmsnorm", "linear_cross_entropy", "swiglu", "rope", "projections", "adamw", "lora")  # the fastest measured set
 PEERS = ("liger",)  # other kernel libraries, applied to the same model for side-by-side runs
 EXCLUSIVE = (("cross_entropy", "linear_cross_entropy"),)  # two losses cannot both own the loss
 
