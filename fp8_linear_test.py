@@ -776,7 +776,7 @@ def test_finetune_optimized_with_fp8_runs():
     """What `python finetune_optimized.py --fp8 --num-layers 1 --steps 2 ...` runs, in this process: the
     script's default kernels, then the FP8 patch (logged with its count), two steps with finite losses."""
     tag = "test_fp8_cpu"
-    cfg = _config("--fp8", "--model", "llama-tiny", "--num-layers", "1", "--steps", "2", "--timing-warmup-steps", "1",
+    cfg = _config("--fp8", "--fp8-recipe", "rowwise", "--model", "llama-tiny", "--num-layers", "1", "--steps", "2", "--timing-warmup-steps", "1",
                   "--batch-size", "1", "--seq-len", "16", "--tag", tag, "--overwrite")
     out = io.StringIO()
     try:
@@ -1108,11 +1108,26 @@ def test_recipes_compile_like_eager(recipe):
         exactly(f"{recipe}: torch.compile(fullgraph=True) == eager: {what}", b, a)
 
 
+def test_the_default_recipe_says_when_it_converts_nothing(capsys):
+    """rowwise-bf16-ends keeps the first and last 2 decoder layers in bf16: a model of 4 layers or fewer has
+    no FP8 layer left, and apply_fp8 says so instead of running bf16 under --fp8 in silence."""
+    from playbook.testkit import tiny_model
+
+    few, many = _tiny(layers=2), tiny_model("llama", num_hidden_layers=6).to(torch.bfloat16)
+    assert models.apply_fp8(few, recipe="rowwise-bf16-ends") == 0
+    said = capsys.readouterr().out + capsys.readouterr().err
+    assert "converted nothing" in said and "--fp8-recipe rowwise" in said, said
+    converted = models.apply_fp8(many, recipe="rowwise-bf16-ends")
+    assert converted == fp8_linear_kernel.expected_patches(many.config, "rowwise-bf16-ends") > 0
+    assert "converted nothing" not in capsys.readouterr().out
+    record(f"rowwise-bf16-ends: 2 layers -> 0 FP8 projections and a warning; 6 layers -> {converted}", 0.0, 0.0, True)
+
+
 def test_bad_recipe_names_are_refused(capsys):
     from playbook.config import FP8_RECIPES
 
     assert FP8_RECIPES == RECIPE_NAMES, "the command line offers exactly the kernel file's recipes"
-    assert _config("--fp8").fp8_recipe == "rowwise"
+    assert _config("--fp8").fp8_recipe == "rowwise-bf16-ends"  # the command line's default (docs/fp8.md)
     assert _config("--fp8", "--fp8-recipe", "tensorwise").fp8_recipe == "tensorwise"
     expect_error(SystemExit, _config, "--fp8", "--fp8-recipe", "fp4")
     assert "invalid choice" in capsys.readouterr().err

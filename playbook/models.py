@@ -263,6 +263,9 @@ def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = Fals
     dgrad = "; input gradients (dx = dy W) in bf16" if r.bf16_dgrad else ""
     log(f"FP8: {converted} of {fp8_linear_kernel.expected_patches(model.config, recipe)} decoder projections run as "
         f"FP8 matmuls (recipe {recipe}{dgrad}); lm_head and embeddings{kept} stay bf16")
+    if converted == 0 and r.bf16_end_layers:
+        log(f"warning: --fp8 converted nothing: this model has {model.config.num_hidden_layers} decoder layers, all among "
+            f"the first and last {r.bf16_end_layers} that recipe {recipe} keeps in bf16; --fp8-recipe rowwise converts them")
     return converted
 
 

@@ -138,7 +138,7 @@ OPTIMIZATIONS = (
     Optimization("projections", "model", "q/k/v and gate/up -> one matmul each (weights placed side by side; same Parameters)",
                  "one process (not under FSDP2)", "2 per decoder layer",
                  "projections_kernel.py", "projections_test.py", ("projections",), _projections),
-    Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls with row-wise scales (also --fp8)",
+    Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls as --fp8-recipe says (also --fp8)",
                  "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
                  "fp8_linear_kernel.py", "fp8_linear_test.py", (), _fp8),
     Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group (also --optimizer adamw-triton)",

@@ -141,7 +141,7 @@ VARIANTS = {
     "grad-accum 2 + clipping": ("--grad-accum", "2", "--max-grad-norm", "0.5"),
     "packed rows (4-D mask)": ("--dataset", str(TEXT), "--packing", "--seq-len", "256"),
     "LoRA r=8": ("--lora-r", "8", "--lr", "1e-2"),
-    "FP8 projections": ("--fp8",),
+    "FP8 projections": ("--fp8", "--fp8-recipe", "rowwise"),  # the default recipe keeps a 2-layer model in bf16
     "optimizer in backward": ("--optimizer-in-backward",),
     "Triton AdamW": ("--optimizer", "adamw-triton"),
     "Triton AdamW in backward": ("--optimizer", "adamw-triton", "--optimizer-in-backward"),

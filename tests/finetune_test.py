@@ -512,7 +512,7 @@ def test_prepare_model_applies_its_steps_in_order(monkeypatch):
                                                                     models.apply_gradient_checkpointing))
     monkeypatch.setattr(models, "apply_lora", spy("lora", models.apply_lora))
     monkeypatch.setattr(models, "apply_compile", spy("compile"))
-    cfg = config("--kernels", "rmsnorm", "--fp8", "--gradient-checkpointing", "--lora-r", "4", "--compile",
+    cfg = config("--kernels", "rmsnorm", "--fp8", "--fp8-recipe", "rowwise", "--gradient-checkpointing", "--lora-r", "4", "--compile",
                  "--seq-len", "32")
     model = models.prepare_model(cfg)[0]
     assert [name for name, _ in calls] == PREPARATION_ORDER, calls
