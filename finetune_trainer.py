@@ -69,6 +69,9 @@ def main(argv=None):
     if cfg.overwrite_output_dir:
         raise usage_error("--overwrite-output-dir belongs to the scripts' own loop: the Trainer keeps its "
                           "checkpoints in --output-dir itself; give a new --output-dir, or --resume its checkpoint")
+    if cfg.cuda_graphs != "auto":
+        raise usage_error("--cuda-graphs belongs to the scripts' own loop: the Trainer runs its steps eagerly, "
+                          "whatever it says")
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
     train_set, eval_set = build_datasets(cfg, tokenizer, model.config.vocab_size)

@@ -224,6 +224,8 @@ CASES = [
     Case("benchmark without --smoke on a CPU", ["benchmark_kernels.py"], "--smoke", grouped=True),
     Case("trainer --optimizer adamw-triton", ["finetune_trainer.py", "--dataset", "examples/chat.jsonl",
                                               "--optimizer", "adamw-triton"], "adamw-triton", grouped=True),
+    Case("trainer --cuda-graphs off", ["finetune_trainer.py", "--dataset", "examples/chat.jsonl",
+                                       "--cuda-graphs", "off"], "--cuda-graphs", grouped=True),
     Case("trainer without --dataset", ["finetune_trainer.py"], "--dataset", grouped=True,
          part="data"),  # finetune_trainer.py, which the data part edits: usage_error, not SystemExit(text)
     Case("selfcheck --bogus", ["selfcheck.py", "--bogus"], "bogus", grouped=True),
