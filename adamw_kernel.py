@@ -620,25 +620,19 @@ class TritonAdamW(torch.optim.Optimizer):
         # Host path: CPU tensors, as in PyTorch's AdamW: no GPU work, no waiting. Capturable: on the
         # device, so that a graph's replay counts its step too.
         torch._foreach_add_(steps, 1.0)
+        # Host path: one launch per device, dtypes and step count (read once, from CPU memory, for the
+        # whole group). Capturable: one per device and dtypes, whatever the counts: the kernel reads each
+        # tensor's own count on the device.
+        counts = [None] * len(entries) if capturable else torch.stack(steps).tolist()
         launches = {}
-        if capturable:  # one launch per device and dtypes, whatever the counts: the kernel reads each tensor's own
-            for p, g, s in entries:
-                launches.setdefault((p.device, p.dtype, s["exp_avg"].dtype), []).append((p, g, s))
-            for members in launches.values():
-                table = self._table(members, tables)
-                table.set_grads([g for _, g, _ in members])
-                counts = torch.stack([s["step"] for _, _, s in members])  # on the device, one per tensor
-                adamw_multi_tensor_(table, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                                    weight_decay=group["weight_decay"], step=counts, maximize=group["maximize"])
-            return
-        counts = torch.stack(steps).tolist()  # one host-side read of CPU memory for the whole group
-        for (p, g, s), t in zip(entries, counts):  # one launch per device, dtypes and step count
+        for (p, g, s), t in zip(entries, counts):
             launches.setdefault((p.device, p.dtype, s["exp_avg"].dtype, t), []).append((p, g, s))
         for (_, _, _, t), members in launches.items():
             table = self._table(members, tables)
             table.set_grads([g for _, g, _ in members])
+            step = torch.stack([s["step"] for _, _, s in members]) if capturable else t
             adamw_multi_tensor_(table, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                                weight_decay=group["weight_decay"], step=t, maximize=group["maximize"])
+                                weight_decay=group["weight_decay"], step=step, maximize=group["maximize"])
 
     @staticmethod
     def _moved_step(step: torch.Tensor, device: torch.device) -> torch.Tensor:
