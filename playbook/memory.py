@@ -277,18 +277,17 @@ def _run_stashed(function, s: _Stash, offload: HostOffload, device_marker: torch
     return function(hidden, *args)
 
 
-def attention_operators() -> tuple:
-    """The fused SDPA operators whose outputs --keep-attention keeps (those this torch build has)."""
+def _attention_operators() -> tuple:
     names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
     return tuple(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
+ATTENTION_OPERATORS = _attention_operators()  # the fused SDPA operators --keep-attention keeps (this torch's)
+
+
 def _keep_attention_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_ATTENTION_OPS = attention_operators()
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPERATORS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_attention_contexts():

@@ -217,7 +217,7 @@ class _CountAttention(torch.utils._python_dispatch.TorchDispatchMode):
         self.forward = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.forward += func in memory.attention_operators()
+        self.forward += func in memory.ATTENTION_OPERATORS
         return func(*args, **(kwargs or {}))
 
 
