@@ -50,6 +50,8 @@ class RunConfig:
     checkpoint_layers: str | None  # the --checkpoint-layers SPEC (memory.parse_layers); "all" for --gradient-checkpointing
     offload_activations: bool  # the checkpointed layers' inputs kept in pinned host memory (playbook/memory.py)
     keep_attention: bool  # checkpointed layers keep attention's forward outputs instead of recomputing them
+    recompute_norms: bool  # plain layers keep each norm's input, not its output, and run the norm again in backward
+    offload_layers: str | None  # the --offload-layers SPEC: plain layers whose saved tensors wait in host memory
     mlp_chunk_tokens: int  # each MLP computed over chunks of this many tokens; 0: in one piece
     kernels: tuple
     fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
@@ -266,6 +268,12 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                    help="with checkpointing: keep attention's output and softmax statistics (2 bytes x hidden per "
                         "token per layer) and recompute only the rest of each checkpointed layer; at long context "
                         "attention is most of the recompute")
+    m.add_argument("--recompute-norms", action="store_true",
+                   help="layers not checkpointed keep each norm's input instead of its output (2 bytes x hidden x 2 "
+                        "per token per layer less) and run the norm again in backward; results unchanged")
+    m.add_argument("--offload-layers", type=_checkpoint_layers, default=None, metavar="SPEC",
+                   help="layers (not checkpointed) whose saved tensors wait in pinned host memory, copied on a side "
+                        "stream in forward and fetched back ahead of backward; same SPEC as --checkpoint-layers")
     m.add_argument("--mlp-chunk-tokens", type=nonnegative_int, default=0, metavar="N",
                    help="compute each MLP over chunks of N tokens, forward and backward, so that one chunk's "
                         "[N, intermediate] tensors exist at a time; 0 = off")
@@ -395,13 +403,20 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if a.keep_attention and not (a.gradient_checkpointing or a.checkpoint_layers):
         raise usage_error("--keep-attention keeps attention's outputs in checkpointed layers: it needs "
                           "--gradient-checkpointing or --checkpoint-layers")
-    if a.checkpoint_layers and a.num_layers:
-        from playbook.memory import parse_layers
+    if (a.recompute_norms or a.offload_layers) and a.compile:
+        raise usage_error("--recompute-norms and --offload-layers act through saved-tensor hooks, which run eagerly: "
+                          "not with --compile")
+    if a.gradient_checkpointing and a.offload_layers:
+        raise usage_error("--gradient-checkpointing checkpoints every layer and --offload-layers offloads layers that "
+                          "are not checkpointed: name the checkpointed ones with --checkpoint-layers")
+    for flag, spec in (("--checkpoint-layers", a.checkpoint_layers), ("--offload-layers", a.offload_layers)):
+        if spec and a.num_layers:
+            from playbook.memory import parse_layers
 
-        try:
-            parse_layers(a.checkpoint_layers, a.num_layers)
-        except ValueError as err:
-            raise usage_error(f"--checkpoint-layers {err} (--num-layers {a.num_layers})") from None
+            try:
+                parse_layers(spec, a.num_layers)
+            except ValueError as err:
+                raise usage_error(f"{flag} {err} (--num-layers {a.num_layers})") from None
     checkpoint_layers = a.checkpoint_layers or ("all" if a.gradient_checkpointing else None)
     if a.data is not None and a.dataset is not None:
         raise usage_error("choose one of --data (raw text) and --dataset (instruction rows)")
@@ -477,7 +492,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs, gradient_checkpointing=checkpoint_layers is not None,
         checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
-        keep_attention=a.keep_attention,
+        keep_attention=a.keep_attention, recompute_norms=a.recompute_norms, offload_layers=a.offload_layers,
         mlp_chunk_tokens=a.mlp_chunk_tokens, compile=a.compile,
         kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,
         drop_long=a.drop_long, eval_dataset=a.eval_dataset,

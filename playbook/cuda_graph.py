@@ -46,6 +46,8 @@ def graph_blocker(cfg, data=None) -> str | None:
         return "FSDP2 issues its collectives from host-side hooks each step"
     if cfg.offload_activations:
         return "--offload-activations copies to host memory under the host's control"
+    if getattr(cfg, "offload_layers", None):
+        return "--offload-layers copies to host memory under the host's control"
     if cfg.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
     rows = getattr(data, "rows", None)

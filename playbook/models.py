@@ -322,6 +322,29 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
     return mlps
 
 
+def apply_saved_activations(model: nn.Module, recompute_norms: bool, offload_layers: str | None):
+    """--recompute-norms / --offload-layers SPEC: what the layers that are not checkpointed save for backward,
+    through saved-tensor hooks (playbook/memory.py): the norms' outputs recomputed from their inputs, and the
+    named layers' saved tensors in pinned host memory. A layer both checkpointed and offloaded, or a SPEC
+    naming a layer the model does not have, is a usage error (exit code 2)."""
+    from playbook import memory
+
+    stack = decoder_layers(model)
+    try:
+        saved = memory.apply_saved_activations(stack, recompute_norms, offload_layers)
+    except ValueError as err:
+        raise usage_error(f"--offload-layers {err}") from None
+    parts = []
+    if recompute_norms:
+        parts.append("norm outputs recomputed in backward from their inputs")
+    if offload_layers:
+        chosen = memory.parse_layers(offload_layers, len(stack))
+        parts.append(f"the saved tensors of {len(chosen)} of {len(stack)} decoder layers ({offload_layers}) wait in "
+                     "pinned host memory (copied on a side stream, fetched back ahead of backward)")
+    log("Saved activations: " + "; ".join(parts))
+    return saved
+
+
 def apply_compile(model: nn.Module, cfg) -> None:
     """--compile: torch.compile of the model's forward, on its first call (the warm-up steps)."""
     model.compile()
@@ -355,8 +378,11 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
       4. LoRA (cfg.lora_r)                     peft wraps the finished layers (fused with the registry's lora)
       5. tiled MLP (cfg.mlp_chunk_tokens)      after the kernels, FP8 and LoRA, which replace the MLP's
                                                forward or its projections: each chunk runs the final one
-      6. compile (cfg.compile)                 traces the model as it will run, adapters included
-      7. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
+      6. saved activations                     hooks around the finished layers' forwards (after checkpointing,
+         (cfg.recompute_norms,                 whose layers they leave alone, and after LoRA and the tiled
+         offload_layers)                       MLP, whose saved tensors they see)
+      7. compile (cfg.compile)                 traces the model as it will run, adapters included
+      8. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
     """
     from playbook.registry import apply_kernels
 
@@ -385,6 +411,8 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
         model = apply_lora(model, cfg, fused="lora" in cfg.kernels)  # the registry's lora entry
     if cfg.mlp_chunk_tokens:
         apply_tiled_mlp(model, cfg.mlp_chunk_tokens)
+    if cfg.recompute_norms or cfg.offload_layers:
+        apply_saved_activations(model, cfg.recompute_norms, cfg.offload_layers)
     if cfg.compile:
         apply_compile(model, cfg)
     if shard and world()[1] > 1:

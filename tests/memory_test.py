@@ -147,6 +147,11 @@ BAD_COMMAND_LINES = [
     (["--gradient-checkpointing", "--checkpoint-layers", "every:2"], "give one of them"),
     (["--mlp-chunk-tokens", "-1"], "--mlp-chunk-tokens"),
     (["--keep-attention"], "needs --gradient-checkpointing or --checkpoint-layers"),
+    (["--offload-layers", "every:0"], "--offload-layers"),
+    (["--offload-layers", "3", "--num-layers", "2"], "does not exist"),
+    (["--offload-layers", "first:1", "--gradient-checkpointing"], "name the checkpointed ones"),
+    (["--recompute-norms", "--compile"], "not with --compile"),
+    (["--offload-layers", "all", "--compile"], "not with --compile"),
 ]
 
 
@@ -183,8 +188,12 @@ def test_the_config_fields():
     assert fields("--mlp-chunk-tokens", "4096") == (False, None, False, 4096)
     keep = lambda *argv: parse_config(parser, "finetune_optimized", list(argv)).keep_attention  # noqa: E731
     assert (keep(), keep("--gradient-checkpointing", "--keep-attention")) == (False, True)
+    saved = lambda *argv: (lambda c: (c.recompute_norms, c.offload_layers))(  # noqa: E731
+        parse_config(parser, "finetune_optimized", list(argv)))
+    assert saved() == (False, None)
+    assert saved("--recompute-norms", "--offload-layers", "First:3") == (True, "first:3")
     record("RunConfig: gradient_checkpointing, checkpoint_layers, offload_activations, mlp_chunk_tokens, "
-           "keep_attention", 0.0, 0.0, True)
+           "keep_attention, recompute_norms, offload_layers", 0.0, 0.0, True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,6 +336,135 @@ def test_an_offloaded_forward_without_backward_returns_its_buffers():
         gc.collect()
     assert offload.allocations == LAYERS and sum(map(len, offload.free.values())) == LAYERS, offload.allocations
     record("offload: graphs dropped without backward give their host buffers back", 0.0, 0.0, True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain layers: norms recomputed, saved tensors offloaded (bitwise the plain model)
+# ------------------------------------------------------------------------------------------------
+SAVED_CASES = [(True, None, None), (False, "all", None), (False, "1,3", None), (True, "every:2", None),
+               (True, "first:2", "2,3")]
+
+
+def norm_outputs(model):
+    """Weak references to every norm output of the decoder layers' last forward."""
+    refs = []
+    for layer in layers(model):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.register_forward_hook(lambda m, args, out: refs.append(weakref.ref(out)))
+    return refs
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("recompute, offload, checkpointed", SAVED_CASES,
+                         ids=[f"{'norms' if r else ''}{'+' if r and o else ''}{'offload ' + o if o else ''}"
+                              f"{' ckpt ' + c if c else ''}" for r, o, c in SAVED_CASES])
+def test_saved_activations_are_bitwise_the_plain_model(recompute, offload, checkpointed):
+    """--recompute-norms and --offload-layers over three steps: the loss and every gradient bitwise the plain
+    model's; each norm output of a hooked layer is gone after forward and run again once per backward; the
+    offloaded layers' host buffers are made in step 1 and reused; backward fetches the first offloaded layer
+    it needs on demand and the rest ahead. min_bytes 0: the tiny model's tensors are all small."""
+    want = run(tiny())
+    model = tiny()
+    if checkpointed:
+        memory.apply_checkpointing(layers(model), checkpointed)
+    saved = memory.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
+    plain = [i for i in range(LAYERS) if not (checkpointed and i in memory.parse_layers(checkpointed, LAYERS))]
+    offloaded = memory.parse_layers(offload, LAYERS) if offload else ()
+    refs = norm_outputs(model)
+    ids, labels = batch()
+    allocations = []
+    for step in range(3):
+        refs.clear()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        gc.collect()
+        alive = sorted({i // 2 for i, r in enumerate(refs[:2 * LAYERS]) if r() is not None})
+        # kept only by plain layers that neither recompute nor offload them (checkpointed ones keep their input)
+        kept = [] if recompute else [i for i in plain if i not in offloaded]
+        assert alive == kept, f"step {step}: norm outputs alive in layers {alive}, expected {kept}"
+        loss.backward()
+        got = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+        same(f"step {step + 1}: loss and {len(want[1])} gradients", got, want)
+        if saved.offload is not None:
+            allocations.append(saved.offload.allocations)
+    assert saved.recomputed == (3 * 2 * len(plain) if recompute else 0), saved.recomputed
+    if offloaded:
+        assert allocations[0] > 0 and allocations == allocations[:1] * 3, allocations
+        assert saved.fetched == {"on demand": 3, "ahead": 3 * (len(offloaded) - 1)}, saved.fetched
+    record(f"norms recomputed {saved.recomputed}x in 3 steps; offloaded {offloaded or 'none'}: "
+           f"{allocations[:1] or [0]} host buffers, fetched {saved.fetched}", 0.0, 0.0, True)
+
+
+@CPU_ONLY
+def test_saved_activations_with_kernels_and_lora():
+    """The default kernels (Triton RMSNorm, fused SwiGLU + down, joined projections) and lora_kernel's fused
+    adapters: the norm output the joined projection and the adapter A save is recognised (a [N, H] view of
+    it), and the results stay bitwise."""
+    from playbook.registry import apply_kernels
+
+    def build(lora: bool):
+        model = lora_model(fused=True) if lora else tiny()
+        if not lora:
+            apply_kernels(model, [k for k in DEFAULT_KERNELS if k not in ("adamw", "lora")], verbose=False)
+        return model
+
+    for lora in (False, True):
+        want = run(build(lora))
+        model = build(lora)
+        saved = memory.apply_saved_activations(layers(model), True, "0,2", min_bytes=0)
+        got = run(model)
+        assert saved.recomputed == 2 * LAYERS, saved.recomputed
+        same(f"{'fused LoRA' if lora else 'default kernels'} + norms + offload 0,2: recomputed {saved.recomputed}",
+             got, want)
+
+
+@CPU_ONLY
+def test_saved_activations_refuse_a_changed_tensor():
+    """A saved tensor written in place before backward reads it: a clear RuntimeError, as autograd's own
+    version check gives without the hooks."""
+    for recompute, offload in ((True, None), (False, "all")):
+        model = tiny()
+        memory.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
+        changed = []
+        target = layers(model)[1].input_layernorm
+        target.register_forward_pre_hook(lambda m, args: changed.append(args[0]))
+        ids, labels = batch()
+        loss = model(input_ids=ids, labels=labels).loss
+        with torch.no_grad():
+            changed[0].mul_(2.0)  # layer 1's input, read by its norm
+        with pytest.raises(RuntimeError, match="modified in place"):
+            loss.backward()
+    record("a saved tensor changed in place before backward: RuntimeError (norms, offload)", 0.0, 0.0, True)
+
+
+@CPU_ONLY
+def test_saved_activations_leave_checkpointed_layers_alone():
+    model = tiny()
+    memory.apply_checkpointing(layers(model), "1")
+    with pytest.raises(ValueError, match="both checkpointed and offloaded"):
+        memory.apply_saved_activations(layers(model), False, "0,1")
+    parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
+    cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--checkpoint-layers", "0",
+                                                      "--offload-layers", "all"])
+    with pytest.raises(SystemExit) as info:
+        models.prepare_model(cfg)
+    assert info.value.code == 2
+    record("a layer both checkpointed and offloaded: ValueError, exit 2 from the command line", 0.0, 0.0, True)
+
+
+@CPU_ONLY
+def test_saved_activations_via_prepare_model(capsys):
+    parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
+    cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--recompute-norms", "--checkpoint-layers",
+                                                      "1", "--offload-layers", "0"])
+    model = models.prepare_model(cfg)[0]
+    saved = memory.saved_activations_of(layers(model))
+    assert saved is not None and saved.recompute_norms and saved.offload is not None
+    assert [layer.offload_saved for layer in layers(model)] == [True, False]
+    out = capsys.readouterr()
+    line = [x for x in (out.out + out.err).splitlines() if x.startswith("Saved activations")]
+    assert line and "recomputed" in line[0] and "1 of 2" in line[0], line
+    record(f"prepare_model: {line[0][:90]}", 0.0, 0.0, True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -609,6 +747,56 @@ def test_gpu_offload_is_bitwise_the_checkpoint():
         else:
             for got, w in zip(results, want):
                 same("GPU: offloaded = checkpointed, bitwise", got, w)
+
+
+@GPU
+def test_gpu_saved_activations_lower_the_peak_bitwise():
+    """8 decoder layers of the 8B's shape (bf16, trained weights, the default kernels) on 8,192 tokens, the
+    8B's batch: --recompute-norms must lower the peak by more than 3 of the 8 layers' norm outputs pairs
+    (2 x [8192, 4096] bf16 each), --offload-layers first:6 by more than 3 layers' worth of what a layer
+    saves, and both leave the loss and the gradients bitwise unchanged (side stream, pinned buffers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from playbook.registry import apply_kernels
+
+    tokens, n_layers = 8192, 8
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=n_layers, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=1024, use_cache=False)
+    config._attn_implementation = "sdpa"
+    ids = torch.randint(0, 1024, (4, tokens // 4), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    peaks, results = {}, {}
+    for name, recompute, offload in (("plain", False, None), ("norms", True, None), ("offload", False, "first:6")):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16).train()
+        apply_kernels(model, [k for k in DEFAULT_KERNELS if k not in ("adamw", "lora")], verbose=False)
+        if recompute or offload:
+            memory.apply_saved_activations(model.model.layers, recompute, offload)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss
+
+        step()  # the first step pins the host buffers
+        peaks[name] = _peak_above_start(step)
+        results[name] = loss_and_grads(model, ids, ids)
+        results[name] = (results[name][0], {k: v.clone() for k, v in results[name][1].items()})
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    norm_pair = 2 * memory.layer_input_bytes(tokens, 4096)
+    same("GPU: norms recomputed, bitwise", results["norms"], results["plain"])
+    same("GPU: first:6 offloaded, bitwise", results["offload"], results["plain"])
+    per_layer = (peaks["plain"] - peaks["norms"]) / n_layers  # not used as a bound: reported
+    record(f"GPU norms: peak {peaks['plain'] / 1e9:.2f} -> {peaks['norms'] / 1e9:.2f} GB ({per_layer / 1e6:.0f} MB a "
+           f"layer; a norm pair {norm_pair / 1e6:.0f} MB)", peaks["norms"] / 1e9, (peaks["plain"] - 3 * norm_pair) / 1e9,
+           passed=peaks["plain"] - peaks["norms"] > 3 * norm_pair)
+    saved_layer = 26 * memory.layer_input_bytes(tokens, 4096) // 2  # ~13 N H of the ~27 N H a layer saves
+    record(f"GPU offload first:6: peak {peaks['plain'] / 1e9:.2f} -> {peaks['offload'] / 1e9:.2f} GB",
+           peaks["offload"] / 1e9, (peaks["plain"] - 3 * saved_layer) / 1e9,
+           passed=peaks["plain"] - peaks["offload"] > 3 * saved_layer)
 
 
 if __name__ == "__main__":
