@@ -198,12 +198,13 @@ def parse_args(argv=None) -> config.RunConfig:
 def build_model(cfg, name: str, num_layers: int | None, trains: bool):
     """A teacher (models.PRESETS or a Hugging Face model) or a student (STUDENTS too), in --dtype,
     prepared by models.prepare_model as every script prepares its model: the kernels on both; FP8,
-    gradient checkpointing and LoRA on the student alone, which `trains`."""
+    gradient checkpointing, the saved-activation options and LoRA on the student alone, which `trains`."""
     d = cfg.extra
     dtype = DTYPES[d.dtype]
     role = dataclasses.replace(cfg, model=name, num_layers=num_layers, model_explicit=True)
     if not trains:  # the frozen teacher: its forward pass with the kernels, nothing that serves training
-        role = dataclasses.replace(role, fp8=False, gradient_checkpointing=False, lora_r=0, load_in_4bit=False)
+        role = dataclasses.replace(role, fp8=False, gradient_checkpointing=False, lora_r=0, load_in_4bit=False,
+                                   recompute_norms=False, offload_layers=None)
     if name in STUDENTS:
         from transformers import LlamaConfig, LlamaForCausalLM
 
