@@ -801,5 +801,22 @@ def test_gpu_saved_activations_lower_the_peak_bitwise():
            passed=peaks["plain"] - peaks["offload"] > 3 * saved_layer)
 
 
+@GPU
+def test_gpu_pinned_buffers_are_exact_and_pinned():
+    """The offload's host buffers: pinned (so copies are asynchronous DMA), exactly the size asked for (not
+    rounded up to a power of two as PyTorch's pinned-memory allocator does), and copies through them exact."""
+    numel = 3 * 2**20 + 5
+    buf = memory._pinned(numel, torch.bfloat16)
+    assert buf.is_pinned() and buf.numel() == numel and buf.untyped_storage().nbytes() == 2 * numel
+    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    buf.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(buf, non_blocking=True)
+    torch.cuda.synchronize()
+    same_bits = torch.equal(back, src)
+    record(f"GPU pinned buffer of {numel:,} bf16 values: pinned, {buf.untyped_storage().nbytes():,} bytes, round trip "
+           f"exact {same_bits}", 0.0, 0.0, passed=same_bits)
+
+
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "Memory options: test report"))
