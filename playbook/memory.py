@@ -516,7 +516,7 @@ def _region(t: torch.Tensor) -> tuple | None:
 class _Recomputed:
     """A norm's output saved as the norm and its (packed) input: backward runs the norm again."""
 
-    __slots__ = ("norm", "source", "version", "autocast", "result", "uses")
+    __slots__ = ("output", "norm", "source", "version", "autocast", "result", "uses")
 
 
 class _Offloaded:
@@ -620,10 +620,10 @@ class SavedActivations:
         norm = state.norms.get(region)
         if norm is not None and norm[0]() is not None:
             base = state.packed.get(("norm",) + region)
-            if base is None:
+            if base is None or base.output is not norm[0]:  # none yet, or an earlier norm output's memory reused
                 x = norm[2]
                 base = _Recomputed()
-                base.norm, base.version, base.result, base.uses = norm[1], x._version, None, 0
+                base.output, base.norm, base.version, base.result, base.uses = norm[0], norm[1], x._version, None, 0
                 device = x.device.type
                 base.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                 base.source = self._pack(state, x)  # x itself, or its offloaded copy
