@@ -1,5 +1,6 @@
 """Memory options for long context and full fine-tuning: selective checkpointing, offloaded
-checkpoints and a tiled MLP. Each changes what a step keeps in GPU memory, never what it computes.
+checkpoints, a tiled MLP, and for the layers not checkpointed, recomputed norms and offloaded saved
+tensors. Each changes what a step keeps in GPU memory, never what it computes.
 
     >>> from playbook import memory
     >>> layers = models.decoder_layers(model)
@@ -12,6 +13,8 @@ The same from the command line (models.prepare_model applies them):
 
     $ python finetune_optimized.py --lora-r 16 --seq-len 131072 --batch-size 1 \\
           --gradient-checkpointing --offload-activations --mlp-chunk-tokens 8192
+    $ python finetune_optimized.py --optimizer-in-backward --recompute-norms \\
+          --offload-layers first:16 --checkpoint-layers 28,29,30,31       # the 8B under 64 GB
 
 What a decoder layer of LLaMA 3.1 8B keeps (H = 4096 hidden, I = 14336 MLP width, bf16, N = B x T
 tokens of the micro-batch; docs/memory.md has the whole table):
@@ -75,6 +78,20 @@ Attention kept, the rest recomputed (`keep_attention=True`, --keep-attention)
     checkpointing: the kept tensors are the ones the recompute would have produced. Only SDPA's fused
     operators are kept (the scripts load models with attn_implementation="sdpa"); a model on another
     attention implementation recomputes everything, and the log says so.
+
+Recomputed norms and offloaded layers (`apply_saved_activations`, --recompute-norms, --offload-layers)
+    A layer that is not checkpointed keeps what each of its operations saves for backward. Two kinds of
+    that can go without recomputing the layer, through saved-tensor hooks around its forward
+    (torch.autograd.graph.saved_tensors_hooks; `SavedActivations` says how):
+      norm outputs    the projections after each norm save its output, 2 N H bytes, twice a layer; the
+                      norm's own backward keeps its input anyway, so the hooks keep (norm, input) and
+                      run the norm again when backward asks: a memory-bound kernel, bitwise the same.
+      offloaded       in the layers a SPEC names, every saved tensor of 1 MiB or more goes to pinned host
+                      memory as the forward makes it (side stream, as above), and backward brings a whole
+                      layer back at once, starting the next PREFETCH_LAYERS layers' copies as it does.
+    The copies are bounded by the host link: over PCIe (~50 GB/s) a forward can send only so much, and
+    what has not left when the forward ends is still on the GPU at the peak (docs/memory.md measures
+    how many layers pay off on an H100). The step then runs eagerly: the host queues the copies.
 
 Tiled MLP (`apply_tiled_mlp`)
     `TiledMLPFunction` computes the MLP over chunks of C tokens (the [B, T] rows flattened), saving only
