@@ -88,7 +88,7 @@ Recomputed norms and offloaded layers (`apply_saved_activations`, --recompute-no
                       run the norm again when backward asks: a memory-bound kernel, bitwise the same.
       offloaded       in the layers a SPEC names, every saved tensor of 1 MiB or more goes to pinned host
                       memory as the forward makes it (side stream, as above), and backward brings a whole
-                      layer back at once, starting the next PREFETCH_LAYERS layers' copies as it does.
+                      layer back at once, starting PREFETCH_LAYERS layers before it reaches it.
     The copies are bounded by the host link: over PCIe (~50 GB/s) a forward can send only so much, and
     what has not left when the forward ends is still on the GPU at the peak (docs/memory.md measures
     how many layers pay off on an H100). The step then runs eagerly: the host queues the copies.
@@ -508,7 +508,7 @@ def apply_tiled_mlp(layers: Sequence[nn.Module], chunk_tokens: int) -> int:
 # Plain layers: the norms' outputs recomputed, what backward reads offloaded (saved-tensor hooks)
 # ------------------------------------------------------------------------------------------------
 OFFLOAD_MIN_BYTES = 1 << 20  # smaller saved tensors (rstd, softmax statistics, RoPE tables) stay on the GPU
-PREFETCH_LAYERS = 3  # offloaded layers whose tensors backward copies back ahead of the one it runs
+PREFETCH_LAYERS = 3  # backward starts copying an offloaded layer back this many layers before it reaches it
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -533,7 +533,7 @@ def _region(t: torch.Tensor) -> tuple | None:
 class _Recomputed:
     """A norm's output saved as the norm and its (packed) input: backward runs the norm again."""
 
-    __slots__ = ("output", "norm", "source", "version", "autocast", "result", "uses")
+    __slots__ = ("layer", "output", "norm", "source", "version", "autocast", "result", "uses")
 
 
 class _Offloaded:
@@ -552,23 +552,32 @@ class _View:
         self.base, self.shape, self.stride = base, t.shape, t.stride()
 
 
+class _Kept:
+    """A saved tensor kept on the GPU, with the layer that saved it (so backward knows where it is)."""
+
+    __slots__ = ("layer", "tensor", "version")
+
+    def __init__(self, layer: int, t: torch.Tensor):
+        self.layer, self.tensor, self.version = layer, t, t._version
+
+
 class _Group:
     """The offloaded tensors of one layer's forward; backward fetches them together."""
 
-    __slots__ = ("items", "event", "fetched", "__weakref__")
+    __slots__ = ("layer", "items", "event", "fetched", "__weakref__")
 
-    def __init__(self):
-        self.items: list[weakref.ref] = []
+    def __init__(self, layer: int):
+        self.layer, self.items = layer, []
         self.event, self.fetched = None, False
 
 
 class _LayerForward:
     """What the hooks know while one layer's forward runs."""
 
-    __slots__ = ("group", "packed", "norms", "params")
+    __slots__ = ("layer", "group", "packed", "norms", "params")
 
-    def __init__(self, group: _Group | None, params: set):
-        self.group, self.params = group, params
+    def __init__(self, layer: int, group: _Group | None, params: set):
+        self.layer, self.group, self.params = layer, group, params
         self.packed: dict[tuple, object] = {}  # region (and version) -> its _Recomputed or _Offloaded
         self.norms: dict[tuple, tuple] = {}  # a norm output's region -> (weakref to it, the norm, its input)
 
@@ -590,9 +599,10 @@ class SavedActivations:
         per layer, no longer kept;
       - in an offloaded layer, every other saved tensor of at least `min_bytes` (dense, not a parameter)
         is copied to a pinned host buffer on the side stream, as the checkpoint offload does, and its GPU
-        memory is released once the forward drops it. In backward the first tensor wanted from a layer
-        brings the whole layer back (one copy each, one event) and starts bringing back the next
-        PREFETCH_LAYERS offloaded layers backward will reach, so their copies overlap this layer's compute.
+        memory is released once the forward drops it. Backward brings each offloaded layer back whole (one
+        copy each, one event) when it reaches the layer PREFETCH_LAYERS above it, so the copies overlap
+        the compute of the layers in between. With offloading, every layer that is not checkpointed is
+        hooked, so that backward's position is known from the first offloaded layer on.
     Memory saved several times (the layer input, read by the norm as [N, H] rows; a norm output read by
     two projections) is packed, copied and recomputed once. A saved tensor changed in place before
     backward reads it raises a RuntimeError, as autograd's own check of saved tensors would.
@@ -607,12 +617,13 @@ class SavedActivations:
 
     # -- forward -----------------------------------------------------------------------------------
     def run_layer(self, layer: nn.Module, offloaded: bool, *args, **kwargs):
-        group = _Group() if offloaded and self.offload is not None else None
+        index = layer.saved_layer_index
+        group = _Group(index) if offloaded and self.offload is not None else None
         if group is not None:
             self.groups = [r for r in self.groups if r() is not None]
             self.groups.append(weakref.ref(group))
         owned = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
-        state = _LayerForward(group, owned)
+        state = _LayerForward(index, group, owned)
         outer, self.active = self.active, state
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(state, t), self._unpack):
@@ -630,16 +641,21 @@ class SavedActivations:
         if region is not None:
             state.norms[region] = (weakref.ref(y), norm, x)
 
+    def _keep(self, state: _LayerForward, t: torch.Tensor):
+        """A tensor kept as autograd would keep it; with offloading, tagged with its layer."""
+        return t if self.offload is None else _Kept(state.layer, t)
+
     def _pack(self, state: _LayerForward, t: torch.Tensor):
         region = _region(t)
         if region is None:
-            return t
+            return self._keep(state, t)
         norm = state.norms.get(region)
         if norm is not None and norm[0]() is not None:
             base = state.packed.get(("norm",) + region)
             if base is None or base.output is not norm[0]:  # none yet, or an earlier norm output's memory reused
                 x = norm[2]
                 base = _Recomputed()
+                base.layer = state.layer
                 base.output, base.norm, base.version, base.result, base.uses = norm[0], norm[1], x._version, None, 0
                 device = x.device.type
                 base.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -654,7 +670,7 @@ class SavedActivations:
                 base = self._stash(state.group, t)
                 state.packed[region + (t._version,)] = base
         else:
-            return t  # kept as autograd would keep it
+            return self._keep(state, t)
         base.uses += 1
         return _View(base, t)
 
@@ -683,7 +699,13 @@ class SavedActivations:
     def _unpack(self, obj):
         if isinstance(obj, torch.Tensor):
             return obj
+        if type(obj) is _Kept:
+            if obj.tensor._version != obj.version:
+                raise _modified("a saved tensor")
+            self._reached(obj.layer)
+            return obj.tensor
         base = obj.base
+        self._reached(base.layer if isinstance(base, _Recomputed) else base.group.layer)
         memory = self._recompute(base) if isinstance(base, _Recomputed) else self._fetched(base)
         base.uses -= 1
         if base.uses == 0:  # every node that saved it has it: autograd holds it while they need it
@@ -709,17 +731,23 @@ class SavedActivations:
         if source is not None and source._version != h.version:
             raise _modified("a tensor of an offloaded layer")
         group = h.group
-        if not group.fetched:
+        if not group.fetched:  # an order of backward _reached did not foresee
             self._fetch(group)
             self.fetched["on demand"] += 1
-        waiting = [g for g in (r() for r in self.groups) if g is not None and not g.fetched]
-        for g in reversed(waiting[-PREFETCH_LAYERS:]):  # the layers backward reaches next, nearest first
-            self._fetch(g)
-            self.fetched["ahead"] += 1
         if group.event is not None:
             torch.cuda.current_stream(h.device).wait_event(group.event)  # a GPU-side wait
             group.event = None
         return h.gpu
+
+    def _reached(self, layer: int) -> None:
+        """Backward is in `layer`: start bringing back every offloaded layer from there down to
+        PREFETCH_LAYERS below it (nearest first). "ahead": a layer fetched before backward reached it."""
+        if not self.groups:
+            return
+        waiting = [g for g in (r() for r in self.groups) if g is not None and not g.fetched]
+        for g in sorted((g for g in waiting if g.layer >= layer - PREFETCH_LAYERS), key=lambda g: -g.layer):
+            self._fetch(g)
+            self.fetched["on demand" if g.layer >= layer else "ahead"] += 1
 
     def _fetch(self, group: _Group) -> None:
         """Queue the copies of one layer's offloaded tensors back to the GPU (one event for all)."""
@@ -783,12 +811,12 @@ def apply_saved_activations(layers: Sequence[nn.Module], recompute_norms: bool =
                          "input (offload that with --offload-activations); give each layer one of the two")
     saved = SavedActivations(recompute_norms, HostOffload() if offloaded else None, min_bytes)
     for i, layer in enumerate(layers):
-        if not (recompute_norms or i in offloaded):
+        if not (recompute_norms or offloaded):
             continue
         if getattr(layer.forward, "__func__", None) is not _hooked_layer_forward:
             layer.unhooked_forward = layer.forward
             layer.forward = types.MethodType(_hooked_layer_forward, layer)
-        layer.saved_activations, layer.offload_saved = saved, i in offloaded
+        layer.saved_activations, layer.offload_saved, layer.saved_layer_index = saved, i in offloaded, i
         for norm in (m for m in layer.modules() if _is_norm(m)):
             if getattr(norm.forward, "__func__", None) is not _registering_norm_forward:
                 norm.unhooked_forward = norm.forward

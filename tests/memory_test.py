@@ -362,7 +362,7 @@ def test_saved_activations_are_bitwise_the_plain_model(recompute, offload, check
     """--recompute-norms and --offload-layers over three steps: the loss and every gradient bitwise the plain
     model's; each norm output of a hooked layer is gone after forward and run again once per backward; the
     offloaded layers' host buffers are made in step 1 and reused; backward fetches the first offloaded layer
-    it needs on demand and the rest ahead. min_bytes 0: the tiny model's tensors are all small."""
+    it reaches on demand (if it is one) and the rest ahead. min_bytes 0: the tiny model's tensors are all small."""
     want = run(tiny())
     model = tiny()
     if checkpointed:
@@ -390,7 +390,10 @@ def test_saved_activations_are_bitwise_the_plain_model(recompute, offload, check
     assert saved.recomputed == (3 * 2 * len(plain) if recompute else 0), saved.recomputed
     if offloaded:
         assert allocations[0] > 0 and allocations == allocations[:1] * 3, allocations
-        assert saved.fetched == {"on demand": 3, "ahead": 3 * (len(offloaded) - 1)}, saved.fetched
+        # backward starts copying each offloaded layer back 3 layers before it reaches it: only an offloaded
+        # layer that is the first one backward reaches (the last not checkpointed) is fetched on demand
+        first = plain[-1] in offloaded
+        assert saved.fetched == {"on demand": 3 * first, "ahead": 3 * (len(offloaded) - first)}, saved.fetched
     record(f"norms recomputed {saved.recomputed}x in 3 steps; offloaded {offloaded or 'none'}: "
            f"{allocations[:1] or [0]} host buffers, fetched {saved.fetched}", 0.0, 0.0, True)
 
