@@ -236,6 +236,36 @@ class HostOffload:
             self.streams[device] = torch.cuda.Stream(device)
         return self.streams[device]
 
+    # -- the copies, on the side stream ---------------------------------------------------------------
+    def copy_to_host(self, src: torch.Tensor, host: torch.Tensor) -> None:
+        """Queue src -> host on the side stream, behind the compute stream's work so far (src is complete
+        then); src's memory is reused only once the copy has run. On a CPU: a plain copy."""
+        stream = self._stream(src.device)
+        if stream is None:
+            host.copy_(src.detach())
+            return
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            host.copy_(src.detach(), non_blocking=True)
+        src.record_stream(stream)
+
+    def copy_to_device(self, pairs, device: torch.device):
+        """Queue the (host, gpu) copies on the side stream, behind the compute stream's work so far (it may
+        still use the memory the GPU tensors were just given); returns the event that marks them done
+        (None on a CPU, where they are plain copies)."""
+        stream = self._stream(device)
+        if stream is None:
+            for host, gpu in pairs:
+                gpu.copy_(host)
+            return None
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for host, gpu in pairs:
+                gpu.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
     # -- forward: stash ---------------------------------------------------------------------------
     def stash(self, hidden: torch.Tensor) -> _Stash:
         """Start copying `hidden` to a host buffer; the returned stash holds the GPU tensor until the
@@ -245,14 +275,7 @@ class HostOffload:
         s.requires_grad, s.fetched = hidden.requires_grad, None
         buf = self._take(hidden.numel(), hidden.dtype, pinned=hidden.device.type == "cuda")
         s.host = buf[: hidden.numel()].view(hidden.shape)
-        stream = self._stream(hidden.device)
-        if stream is None:  # CPU: a plain copy
-            s.host.copy_(hidden.detach())
-        else:
-            stream.wait_stream(torch.cuda.current_stream(hidden.device))  # the input is complete
-            with torch.cuda.stream(stream):
-                s.host.copy_(hidden.detach(), non_blocking=True)
-            hidden.record_stream(stream)  # its memory is reused only once this copy has run
+        self.copy_to_host(hidden, s.host)
         # back to the pool when fetched, or when the graph holding the stash is freed unfetched
         # (a forward without backward); a later copy into it is queued behind on the same stream
         s.release = weakref.finalize(s, self._give, buf)
@@ -268,18 +291,7 @@ class HostOffload:
     def _copy_back(self, s: _Stash) -> None:
         """Queue the host-to-GPU copy of a stash (on the side stream): s.fetched = (tensor, event)."""
         gpu = torch.empty(s.shape, dtype=s.dtype, device=s.device)  # allocated on the compute stream
-        stream = self._stream(s.device)
-        if stream is None:
-            gpu.copy_(s.host)
-            s.fetched = (gpu, None)
-        else:
-            # the compute stream may still be using the memory `gpu` was just given: copy after it
-            stream.wait_stream(torch.cuda.current_stream(s.device))
-            with torch.cuda.stream(stream):
-                gpu.copy_(s.host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            s.fetched = (gpu, event)
+        s.fetched = (gpu, self.copy_to_device([(s.host, gpu)], s.device))
         s.host = None
         s.release()  # the buffer back to the pool: the next copy into it waits behind this one
 
@@ -622,7 +634,9 @@ class SavedActivations:
         if group is not None:
             self.groups = [r for r in self.groups if r() is not None]
             self.groups.append(weakref.ref(group))
-        owned = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+        # what the layer owns is never offloaded (only an offloaded layer needs to know it)
+        owned = ({t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+                 if group is not None else set())
         state = _LayerForward(index, group, owned)
         outer, self.active = self.active, state
         try:
@@ -683,14 +697,7 @@ class SavedActivations:
         flat = t.as_strided((t.numel(),), (1,), t.storage_offset())  # the region, in memory order
         buf = self.offload._take(t.numel(), t.dtype, pinned=t.device.type == "cuda")
         h.host = buf[: t.numel()]
-        stream = self.offload._stream(t.device)
-        if stream is None:
-            h.host.copy_(flat.detach())
-        else:
-            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is complete
-            with torch.cuda.stream(stream):
-                h.host.copy_(flat.detach(), non_blocking=True)
-            t.record_stream(stream)  # its memory is reused only once this copy has run
+        self.offload.copy_to_host(flat, h.host)
         h.release = weakref.finalize(h, self.offload._give, buf)  # unfetched (no backward): back to the pool
         group.items.append(weakref.ref(h))
         return h
@@ -757,19 +764,9 @@ class SavedActivations:
         if not items:
             return
         device = items[0].device
-        stream = self.offload._stream(device)
         for h in items:  # allocated on the compute stream, written on the side stream after its pending work
             h.gpu = torch.empty(h.numel, dtype=h.dtype, device=device)
-        if stream is None:
-            for h in items:
-                h.gpu.copy_(h.host)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for h in items:
-                    h.gpu.copy_(h.host, non_blocking=True)
-                group.event = torch.cuda.Event()
-                group.event.record(stream)
+        group.event = self.offload.copy_to_device([(h.host, h.gpu) for h in items], device)
         for h in items:
             h.host = None
             h.release()  # the buffer back to the pool: a later copy into it waits behind this one
