@@ -513,6 +513,36 @@ def test_qlora_script(capsys):
            0.0, 0.0, True)
 
 
+def test_qlora_checkpoint_saves_and_resumes(tmp_path):
+    """A QLoRA run writes its checkpoint (the base's fingerprint reads the NF4 weights, packed in
+    uint8, by their byte values) and a resumed run continues from it on the same quantized base."""
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (in requirements.txt)")
+    from playbook import checkpoint, common, registry, training
+    from playbook.config import make_parser, parse_config
+
+    out = tmp_path / "qlora"
+    argv = ["--timing-warmup-steps", "0", "--batch-size", "1", "--seq-len", "32", "--lora-r", "8",
+            "--load-in-4bit", "--tag", "test_qlora_resume", "--overwrite", "--output-dir", str(out)]
+    parser = lambda: make_parser("test", kernels_default=registry.DEFAULT_KERNELS)  # noqa: E731
+    try:
+        first = training.train(parse_config(parser(), "finetune_optimized", ["--steps", "2", *argv]))
+        saved = sorted(p.name for p in out.glob("checkpoint-*"))
+        assert saved == ["checkpoint-2"], saved
+        fingerprint = checkpoint._read_state(out / "checkpoint-2")["base_fingerprint"]
+        packed = [name for name in fingerprint if "proj" in name and "lora" not in name]
+        assert len(packed) == 14 and all(math.isfinite(v) and v > 0 for n in packed for v in fingerprint[n]), packed
+        resumed = training.train(parse_config(parser(), "finetune_optimized",
+                                              ["--steps", "3", "--resume", str(out), *argv[:-3], "--output-dir", str(out)]))
+    finally:
+        for suffix in (".json", ".png", ".metrics.jsonl"):
+            for f in common.RESULTS_DIR.glob(f"test_qlora_resume*{suffix}"):
+                f.unlink(missing_ok=True)
+    # the resumed run's summary holds the whole curve: the checkpoint's two losses, then step 3's
+    assert len(resumed["losses"]) == 3 and resumed["losses"][:2] == first["losses"], (first, resumed["losses"])
+    record(f"QLoRA: checkpoint-2 written with 14 NF4 weights fingerprinted, resumed for step 3 "
+           f"(loss {resumed['losses'][2]:.4f})", 0.0, 0.0, True)
+
+
 class _NoProjections(nn.Module):
     def __init__(self):
         super().__init__()

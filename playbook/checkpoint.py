@@ -297,23 +297,42 @@ def _is_peft(model) -> bool:
     return is_peft_model(model)
 
 
+_FINGERPRINT_CHUNK = 1 << 24  # elements of an integer weight widened to float64 at a time (128 MB)
+
+
+def _sum_and_norm(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (sum, L2 norm) of a tensor's values. Floating tensors are reduced as they are; an
+    integer one (QLoRA's NF4 weights, packed two 4-bit codes to a uint8) by its byte values, widened
+    to float64 a chunk at a time, so that no full-size copy of a weight is made."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    squares = torch.zeros((), dtype=torch.float64, device=t.device)
+    for chunk in flat.split(_FINGERPRINT_CHUNK):
+        wide = chunk.to(torch.float64)
+        total += wide.sum()
+        squares += wide.square().sum()
+    return total, squares.sqrt()
+
+
 def _base_fingerprint(model) -> dict:
     """name -> (float64 sum, float64 L2 norm) of every frozen parameter: tells the base a LoRA run
-    started from apart from any other, without storing it. No copy of a weight is made. A sharded
-    parameter's sums are those of the whole parameter (its shards' sums, added over the ranks):
-    the same numbers, up to the order of summation, as one process gets."""
+    started from apart from any other, without storing it. No copy of a floating weight is made (an
+    integer one, a QLoRA base, is widened a chunk at a time). A sharded parameter's sums are those of
+    the whole parameter (its shards' sums, added over the ranks): the same numbers, up to the order
+    of summation, as one process gets."""
     out, partial = {}, {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:
                 continue
             if _is_sharded(p):
-                local = p.to_local()
-                partial[name] = torch.stack([torch.sum(local, dtype=torch.float64),
-                                             torch.linalg.vector_norm(local, dtype=torch.float64) ** 2])
+                total, norm = _sum_and_norm(p.to_local())
+                partial[name] = torch.stack([total, norm ** 2])
             else:
-                out[name] = (torch.sum(p, dtype=torch.float64).item(),
-                             torch.linalg.vector_norm(p, dtype=torch.float64).item())
+                total, norm = _sum_and_norm(p)
+                out[name] = (total.item(), norm.item())
         if partial:
             sums = torch.stack(list(partial.values()))
             dist.all_reduce(sums)  # a sync point: every rank has every sharded parameter
