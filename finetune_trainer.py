@@ -17,6 +17,8 @@ script with `accelerate launch` or `torchrun`; the Trainer sets up the processes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
@@ -56,6 +58,25 @@ def build_datasets(cfg, tokenizer, vocab_size: int):
             RowsDataset(pad_examples(held, cfg.seq_len, pad)) if held else None)
 
 
+def trainer_checkpoint(path: Path) -> str:
+    """--resume for the Trainer: one of its checkpoint-N folders, or the --output-dir that holds them
+    (then the newest). Anything else is one clear line before the model is built."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from playbook.checkpoint import STATE_FILE
+
+    if (path / "trainer_state.json").is_file():
+        return str(path)
+    last = get_last_checkpoint(str(path))  # the newest checkpoint-N folder, by its name only
+    if last is not None and (Path(last) / "trainer_state.json").is_file():
+        return last
+    if (path / STATE_FILE).is_file() or (last is not None and (Path(last) / STATE_FILE).is_file()):
+        raise usage_error(f"--resume {path}: a checkpoint of finetune_baseline.py / finetune_optimized.py, not of the "
+                          "Trainer: continue it with the script that wrote it")
+    raise usage_error(f"--resume {path}: no Trainer checkpoint there (a checkpoint-N folder with trainer_state.json); "
+                      "finetune_trainer.py writes them into --output-dir with --save-every N")
+
+
 def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
@@ -72,6 +93,7 @@ def main(argv=None):
     if cfg.cuda_graphs != "auto":
         raise usage_error("--cuda-graphs belongs to the scripts' own loop: the Trainer runs its steps eagerly, "
                           "whatever it says")
+    resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
     train_set, eval_set = build_datasets(cfg, tokenizer, model.config.vocab_size)
@@ -96,7 +118,9 @@ def main(argv=None):
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set)
     log(f"Trainer: {desc}, kernels {report.describe()}, {len(train_set)} training rows, "
         f"{args.world_size} process{'es' if args.world_size > 1 else ''}")
-    result = trainer.train(resume_from_checkpoint=str(cfg.resume) if cfg.resume else None)
+    if resume is not None:
+        log(f"Resuming from {resume}")
+    result = trainer.train(resume_from_checkpoint=resume)
     metrics = dict(result.metrics)
     if eval_set is not None:
         metrics.update(trainer.evaluate())

@@ -232,6 +232,11 @@ CASES = [
                                               "--optimizer", "adamw-triton"], "adamw-triton", grouped=True),
     Case("trainer --cuda-graphs off", ["finetune_trainer.py", "--dataset", "examples/chat.jsonl",
                                        "--cuda-graphs", "off"], "--cuda-graphs", grouped=True),
+    Case("trainer --resume of the scripts' own checkpoint", ["finetune_trainer.py", *CHAT, "--resume", "{full}"],
+         "not of the Trainer", grouped=True),
+    Case("trainer --resume of a folder with no Trainer checkpoint",
+         ["finetune_trainer.py", *CHAT, "--resume", "{tmp}/final"], "no Trainer checkpoint",
+         setup=_write("final/model.safetensors", b"saved weights, no trainer state"), before_training=True),
     Case("trainer without --dataset", ["finetune_trainer.py"], "--dataset", grouped=True,
          part="data"),  # finetune_trainer.py, which the data part edits: usage_error, not SystemExit(text)
     Case("selfcheck --bogus", ["selfcheck.py", "--bogus"], "bogus", grouped=True),
