@@ -71,7 +71,6 @@ import argparse
 import csv
 import json
 import os
-import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -80,14 +79,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-
-def _interrupted_at_start(*_):
-    print("\ninterrupted (Ctrl-C) while starting: nothing was measured", file=sys.stderr)
-    raise SystemExit(130)
-
+import playbook  # imports no torch: the handler below is set before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
-    signal.signal(signal.SIGINT, _interrupted_at_start)
+    playbook.exit_on_ctrl_c_while_starting("nothing was measured")
 
 # Graph pools and 8-25 GB peers fragment the caching allocator; expandable segments let freed
 # memory be reused by the next size (set before torch touches the GPU).
@@ -1302,7 +1297,7 @@ def _liger_version():
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C stops main() below
+    playbook.started()  # from here on, Ctrl-C stops main() below
     try:
         sys.exit(main())
     except KeyboardInterrupt:

@@ -49,20 +49,15 @@ import argparse
 import dataclasses
 import json
 import math
-import signal
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
-
-def _interrupted_at_start(*_):
-    print("\ninterrupted (Ctrl-C) while starting: nothing was run", file=sys.stderr)
-    raise SystemExit(130)
-
+import playbook  # imports no torch: the handler below is set before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
-    signal.signal(signal.SIGINT, _interrupted_at_start)
+    playbook.exit_on_ctrl_c_while_starting()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -391,7 +386,7 @@ if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C stops main() below
+    playbook.started()  # from here on, Ctrl-C stops main() below
     try:
         main()
     except KeyboardInterrupt:

@@ -14,9 +14,14 @@ The same loop as finetune_baseline.py (training.train) from the same seed and da
 attention's rotary embedding with fused kernels. docs/optimizations.md lists every optimization (playbook/registry.py).
 """
 
-from playbook.registry import DEFAULT_KERNELS
-from playbook.config import make_parser, parse_config
-from playbook.training import train
+import playbook  # imports no torch: the handler below is set before torch loads
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting()
+
+from playbook.registry import DEFAULT_KERNELS  # noqa: E402
+from playbook.config import make_parser, parse_config  # noqa: E402
+from playbook.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)
 
 if __name__ == "__main__":
     from playbook.setup_check import check_or_exit

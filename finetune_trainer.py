@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+import playbook  # imports no torch: the handler below is set before torch loads
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting()
+
+import torch  # noqa: E402
 
 from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
 
@@ -138,4 +143,5 @@ if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
+    playbook.started()  # from here on, Ctrl-C raises KeyboardInterrupt
     main()

@@ -39,8 +39,13 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+import playbook  # imports no torch: the handler below is set before torch loads
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting()
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
 from playbook import cuda_graph
 from playbook.common import RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, write_atomic
@@ -355,4 +360,5 @@ def _short(name: str, width: int = 70) -> str:
 
 
 if __name__ == "__main__":
+    playbook.started()  # from here on, Ctrl-C raises KeyboardInterrupt (main's own handling)
     main()

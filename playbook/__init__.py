@@ -14,7 +14,8 @@
     setup_check    the set-up checks (GPU, driver, torch build) run by `make`
     testkit        tolerances and the short test report the *_test.py files print
 
-Nothing here imports torch at package import, so `selfcheck.py --index-url` runs before torch is installed.
+Nothing here imports torch at package import, so `selfcheck.py --index-url` runs before torch is installed,
+and a script can set `exit_on_ctrl_c_while_starting()` (below) before torch loads.
 """
 
 import os
@@ -28,3 +29,42 @@ import os
 # here, before any script touches the GPU; a value already in the environment is kept.
 os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 
+
+
+# Ctrl-C while a script starts. Importing torch, transformers and the kernels takes seconds, and a
+# KeyboardInterrupt raised there surfaces wherever the import happens to be: as a traceback, or
+# wrapped by Python in another error (an exception raised in a class's __set_name__ becomes a
+# RuntimeError). Until the script's own handling takes over (`started()`), Ctrl-C prints one line
+# and ends the process at once with exit code 130: nothing has been run or written yet.
+_starting_handlers = []
+
+
+def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
+    """From here until `started()`, Ctrl-C is one line ("interrupted (Ctrl-C) while starting: <what>")
+    and exit code 130. A SIGINT that the process inherited as ignored, or a handler of the caller's
+    own, is left as it is."""
+    import signal
+    import sys
+
+    def handler(*_):
+        sys.stderr.write(f"\ninterrupted (Ctrl-C) while starting: {what}\n")
+        sys.stderr.flush()
+        os._exit(130)  # no exception to travel through the import in progress
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: signal handlers can only be set there
+        return
+    _starting_handlers.append(handler)
+
+
+def started() -> None:
+    """Ctrl-C raises KeyboardInterrupt again, for the script's own handling (after
+    `exit_on_ctrl_c_while_starting`; otherwise nothing changes)."""
+    import signal
+
+    if _starting_handlers and signal.getsignal(signal.SIGINT) is _starting_handlers[-1]:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _starting_handlers.clear()

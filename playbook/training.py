@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import playbook
 from playbook.common import (RESULTS_DIR, describe_gpu, gpu_bf16_peak_tflops, interactive, is_main, is_out_of_memory, log,
                     oom_message, result_path, synchronize, versions, world, write_atomic)
 from playbook.models import PRESETS, count_params, flops_per_token, prepare_model
@@ -612,6 +613,7 @@ def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str
 
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
+    playbook.started()  # Ctrl-C from here on: the line below, exit code 130
     try:
         return _train(cfg)
     except KeyboardInterrupt:

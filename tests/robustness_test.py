@@ -191,11 +191,14 @@ CTRL_C = [  # (script and arguments, the stdout text after which Ctrl-C comes; N
     (("distill.py", "--tag", "test_robust_ctrl_c_distill"), None),
     (("benchmark_kernels.py", "--smoke"), " done"),
     (("benchmark_kernels.py", "--smoke"), None),
+    (("finetune_optimized.py", "--tag", "test_robust_ctrl_c_distill"), None),
+    (("profile_baseline.py", "--tag", "test_robust_ctrl_c_distill"), None),
+    (("finetune_trainer.py", "--dataset", "examples/chat.jsonl"), None),
 ]
 
 
 @pytest.mark.parametrize("argv, ready", CTRL_C, ids=[f"{a[0]} {'mid-run' if r else 'start-up'}" for a, r in CTRL_C])
-def test_ctrl_c_in_distill_and_benchmark_is_one_line_exit_130(argv, ready):
+def test_ctrl_c_is_one_line_exit_130(argv, ready):
     code, err = interrupt(*argv, ready=ready)
     assert code == 130 and "interrupted" in err and one_line_after_ctrl_c(err), (code, err[-2000:])
     assert not (common.RESULTS_DIR / "test_robust_ctrl_c_distill.json").exists()
