@@ -17,6 +17,7 @@ script with `accelerate launch` or `torchrun`; the Trainer sets up the processes
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import playbook  # imports no torch: the handler below is set before torch loads
@@ -144,4 +145,9 @@ if __name__ == "__main__":
 
     check_or_exit()
     playbook.started()  # from here on, Ctrl-C raises KeyboardInterrupt
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): the run stopped before its metrics; the Trainer's checkpoints already "
+              "written under --output-dir (--save-every) are complete", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

@@ -205,5 +205,16 @@ def test_ctrl_c_is_one_line_exit_130(argv, ready):
     record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> one line, exit 130", 0.0, 0.0, True)
 
 
+
+def test_ctrl_c_in_the_trainer_is_a_clean_exit_130():
+    """Ctrl-C while the Trainer trains: exit code 130 and a last line that says what was kept, no
+    traceback (the Trainer's own warnings may come before it on stderr)."""
+    code, err = interrupt("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000",
+                          ready="Trainer:")
+    last = err.strip().splitlines()[-1]
+    assert code == 130 and "Traceback" not in err and last.startswith("interrupted (Ctrl-C)"), (code, err[-2000:])
+    record("Ctrl-C in finetune_trainer.py mid-run -> exit 130, one closing line, no traceback", 0.0, 0.0, True)
+
+
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "Bad input to the scripts: test report"))
