@@ -289,4 +289,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.setup or args.index_url:
         sys.exit(setup_check.main(["--index-url"] if args.index_url else []))
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): the self-check stopped before its verdict", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

@@ -29,9 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+import playbook  # imports no torch: the handler below is set before torch loads
 
-from playbook import registry
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting()
+
+import torch  # noqa: E402
+
+from playbook import registry  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -255,4 +260,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    playbook.started()  # from here on, Ctrl-C raises KeyboardInterrupt (the running step gets it too)
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): the walkthrough stopped; the steps that finished saved their results under "
+              "results/", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

@@ -194,6 +194,7 @@ CTRL_C = [  # (script and arguments, the stdout text after which Ctrl-C comes; N
     (("finetune_optimized.py", "--tag", "test_robust_ctrl_c_distill"), None),
     (("profile_baseline.py", "--tag", "test_robust_ctrl_c_distill"), None),
     (("finetune_trainer.py", "--dataset", "examples/chat.jsonl"), None),
+    (("walkthrough.py", "--skip-kernel-tests"), None),
 ]
 
 
@@ -206,15 +207,23 @@ def test_ctrl_c_is_one_line_exit_130(argv, ready):
 
 
 
-def test_ctrl_c_in_the_trainer_is_a_clean_exit_130():
-    """Ctrl-C while the Trainer trains: exit code 130 and a last line that says what was kept, no
-    traceback (the Trainer's own warnings may come before it on stderr)."""
-    code, err = interrupt("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000",
-                          ready="Trainer:")
+CTRL_C_AROUND_OTHER_OUTPUT = [  # runs whose stderr holds more than the closing line (warnings, a child step's)
+    (("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000"), "Trainer:"),
+    (("walkthrough.py", "--skip-kernel-tests", "--seq-len", "64"), "Step 1"),
+    (("selfcheck.py",), None),
+]
+
+
+@pytest.mark.parametrize("argv, ready", CTRL_C_AROUND_OTHER_OUTPUT,
+                         ids=[f"{a[0]} {'mid-run' if r else 'start-up'}" for a, r in CTRL_C_AROUND_OTHER_OUTPUT])
+def test_ctrl_c_ends_with_one_closing_line_exit_130(argv, ready):
+    """Ctrl-C: exit code 130 and a last line that says what was kept, no traceback (the Trainer's own
+    warnings, or the walkthrough's running step and its own line, may come before it on stderr)."""
+    code, err = interrupt(*argv, ready=ready)
     last = err.strip().splitlines()[-1]
     assert code == 130 and "Traceback" not in err and last.startswith("interrupted (Ctrl-C)"), (code, err[-2000:])
-    record("Ctrl-C in finetune_trainer.py mid-run -> exit 130, one closing line, no traceback", 0.0, 0.0, True)
-
+    record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> exit 130, one closing line, "
+           "no traceback", 0.0, 0.0, True)
 
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "Bad input to the scripts: test report"))
