@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from playbook import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
-from playbook.common import log, world
+from playbook.common import is_out_of_memory, log, world
 from playbook.config import DEFAULT_MODEL, usage_error
 
 PRESETS = {
@@ -142,7 +142,15 @@ def load_model(cfg, dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, str
 
         model = AutoModelForCausalLM.from_pretrained(Path(cfg.model).expanduser() if looks_like_path(cfg.model) else cfg.model,
                                                      dtype=dtype, attn_implementation="sdpa")
-    except (OSError, ValueError, ImportError) as err:  # hub errors are OSError subclasses
+    except Exception as err:  # noqa: BLE001  (sorted below: a local directory, the hub, anything else)
+        if looks_like_path(cfg.model) and not is_out_of_memory(err):
+            # a directory of the user's (a config.json transformers refuses, missing or mismatched weights):
+            # what transformers said, in one line, and no hub advice
+            said = " ".join(line.strip() for line in str(err).strip().splitlines()[:2])[:300]
+            raise SystemExit(f"error: --model {cfg.model}: transformers could not load this directory "
+                             f"({type(err).__name__}: {said}); check its config.json and weight files") from None
+        if not isinstance(err, (OSError, ValueError, ImportError)):  # hub errors are OSError subclasses
+            raise
         advice = _hub_advice(cfg.model, err)
         if cfg.model_explicit:
             raise SystemExit(f"error: {advice}") from None

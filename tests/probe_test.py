@@ -353,6 +353,13 @@ CASES = [
          "line 41", codes=(2,), part="data", setup=_write("rows.jsonl", _rows(*CHAT_ROWS) + "{oops\n")),
     Case("--data: an empty file", ["finetune_baseline.py", *RUN, "--data", "{tmp}/empty.txt"], "tokens",
          codes=(2,), part="data", setup=_write("empty.txt", "")),
+    Case("--model: a directory whose config.json transformers refuses",
+         ["finetune_baseline.py", *RUN, "--model", "{tmp}/model"], "could not load this directory", codes=(1,),
+         part="model", setup=_write("model/config.json", '{"model_type": "llama", "hidden_size": "wide"}')),
+    Case("--model: a directory without weights", ["finetune_baseline.py", *RUN, "--model", "{tmp}/model"],
+         "could not load this directory", codes=(1,), part="model",
+         setup=_write("model/config.json", '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, '
+                      '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}')),
     # ---- adapters (lora) ----
     Case("a LoRA adapter directory as --model", ["finetune_baseline.py", *RUN, "--model", "{lora}/checkpoint-2"],
          "adapter", codes=(2,), part="lora"),
