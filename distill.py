@@ -214,7 +214,7 @@ def build_model(cfg, name: str, num_layers: int | None, trains: bool):
         finally:
             torch.set_default_dtype(old)
     else:
-        model, _, _ = load_model(role, dtype)
+        model, _, _ = load_model(role, dtype, flag="--student" if trains else "--teacher")
     model, _, _, _ = prepare_model(role, model=model, shard=False)
     if not trains:
         model.requires_grad_(False)  # frozen: the distillation losses refuse a teacher that wants gradients

@@ -128,13 +128,14 @@ def build_preset(name: str, num_layers: int | None, device: torch.device, dtype:
     return model
 
 
-def load_model(cfg, dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, str, str]:
+def load_model(cfg, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") -> tuple[nn.Module, str, str]:
     """Returns (model, model name actually used, description). The default model falls back to the 8B
-    preset with a loud warning when it cannot be loaded; a model named on the command line does not."""
+    preset with a loud warning when it cannot be loaded; a model named on the command line does not.
+    flag: the option that named the model, as the errors call it (distill.py: --teacher, --student)."""
     if cfg.model in PRESETS:
         return build_preset(cfg.model, cfg.num_layers, cfg.device, dtype), cfg.model, f"preset {cfg.model} (random weights)"
     if looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
-        raise SystemExit(f"error: --model {cfg.model}: no such local directory")
+        raise SystemExit(f"error: {flag} {cfg.model}: no such local directory")
     if (Path(cfg.model).expanduser() / "adapter_config.json").is_file():
         raise usage_error(adapter_directory_advice(cfg.model))
     try:
@@ -147,7 +148,7 @@ def load_model(cfg, dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, str
             # a directory of the user's (a config.json transformers refuses, missing or mismatched weights):
             # what transformers said, in one line, and no hub advice
             said = " ".join(line.strip() for line in str(err).strip().splitlines()[:2])[:300]
-            raise SystemExit(f"error: --model {cfg.model}: transformers could not load this directory "
+            raise SystemExit(f"error: {flag} {cfg.model}: transformers could not load this directory "
                              f"({type(err).__name__}: {said}); check its config.json and weight files") from None
         if not isinstance(err, (OSError, ValueError, ImportError)):  # hub errors are OSError subclasses
             raise

@@ -360,6 +360,8 @@ CASES = [
          "could not load this directory", codes=(1,), part="model",
          setup=_write("model/config.json", '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, '
                       '"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}')),
+    Case("distill --teacher: no such directory", ["distill.py", "--teacher", "{tmp}/none", "--steps", "2"],
+         r"--teacher .*no such local directory", codes=(1,), part="model"),
     # ---- adapters (lora) ----
     Case("a LoRA adapter directory as --model", ["finetune_baseline.py", *RUN, "--model", "{lora}/checkpoint-2"],
          "adapter", codes=(2,), part="lora"),
