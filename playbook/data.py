@@ -258,10 +258,11 @@ def load_rows(path_or_hub_id: str) -> list[dict]:
 
 
 def read_utf8(path: Path) -> str:
-    """The file's text; a byte sequence that is not UTF-8 raises DataError with its offset and line."""
+    """The file's text; a byte sequence that is not UTF-8 raises DataError with its offset and line. A
+    byte-order mark at the start (Windows editors write one) is dropped."""
     raw = Path(path).read_bytes()
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix("\ufeff")  # offsets in errors stay those of the file
     except UnicodeDecodeError as err:
         line = raw.count(b"\n", 0, err.start) + 1
         raise DataError(f"{path}: byte {err.start:,} (line {line}, value 0x{raw[err.start]:02x}) is not UTF-8 "

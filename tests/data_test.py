@@ -639,6 +639,18 @@ def test_files_that_are_not_utf8_are_refused_with_the_byte_offset(tmp_path, caps
     assert "is not UTF-8" in error and "iconv" in error, error
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """A UTF-8 byte-order mark (Windows editors write one) is not part of the data: the first row parses,
+    and a bad byte after it is still reported at its offset in the file."""
+    rows = [{"text": "first row"}, {"text": "second row"}]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    assert data._read_jsonl(path) == rows
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9")
+    message = expect_error(data.DataError, data.read_utf8, tmp_path / "bad.txt")
+    assert "byte 6 (line 1, value 0xe9)" in message, message
+
+
 def test_eval_dataset_replaces_the_held_out_share(tmp_path, capsys):
     train_path = _write_rows(tmp_path / "train.jsonl", ROWS[:10])
     eval_rows = [{"prompt": f"Held {i}?", "completion": f" Out {i}."} for i in range(3)] + [{"text": " "}]
