@@ -1297,10 +1297,5 @@ def _liger_version():
 
 
 if __name__ == "__main__":
-    playbook.started()  # from here on, Ctrl-C stops main() below
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): the kernels measured before it are in results/benchmark_*; the one "
-              "running was not saved", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(playbook.run_main(main, "the kernels measured before it are in results/benchmark_*; the one running "
+                                     "was not saved"))

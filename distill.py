@@ -386,9 +386,4 @@ if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    playbook.started()  # from here on, Ctrl-C stops main() below
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): the run stopped before its summary; nothing was written", file=sys.stderr)
-        sys.exit(130)
+    playbook.run_main(main, "the run stopped before its summary; nothing was written")

@@ -17,7 +17,6 @@ script with `accelerate launch` or `torchrun`; the Trainer sets up the processes
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import playbook  # imports no torch: the handler below is set before torch loads
@@ -144,10 +143,5 @@ if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    playbook.started()  # from here on, Ctrl-C raises KeyboardInterrupt
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): the run stopped before its metrics; the Trainer's checkpoints already "
-              "written under --output-dir (--save-every) are complete", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    playbook.run_main(main, "the run stopped before its metrics; the Trainer's checkpoints already written "
+                            "under --output-dir (--save-every) are complete")

@@ -289,8 +289,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.setup or args.index_url:
         sys.exit(setup_check.main(["--index-url"] if args.index_url else []))
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): the self-check stopped before its verdict", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    import playbook
+
+    sys.exit(playbook.run_main(main, "the self-check stopped before its verdict"))

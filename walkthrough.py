@@ -260,10 +260,5 @@ def main():
 
 
 if __name__ == "__main__":
-    playbook.started()  # from here on, Ctrl-C raises KeyboardInterrupt (the running step gets it too)
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): the walkthrough stopped; the steps that finished saved their results under "
-              "results/", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    # Ctrl-C reaches the running step too, which stops in its own way first
+    playbook.run_main(main, "the walkthrough stopped; the steps that finished saved their results under results/")

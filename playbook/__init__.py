@@ -15,7 +15,8 @@
     testkit        tolerances and the short test report the *_test.py files print
 
 Nothing here imports torch at package import, so `selfcheck.py --index-url` runs before torch is installed,
-and a script can set `exit_on_ctrl_c_while_starting()` (below) before torch loads.
+and a script can set `exit_on_ctrl_c_while_starting()` (below) before torch loads; `run_main` runs its main()
+with Ctrl-C as one line and exit code 130.
 """
 
 import os
@@ -68,3 +69,16 @@ def started() -> None:
     if _starting_handlers and signal.getsignal(signal.SIGINT) is _starting_handlers[-1]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _starting_handlers.clear()
+
+
+def run_main(main, kept: str):
+    """Run a script's `main()` and return what it returns; Ctrl-C from here on ends it with one line,
+    "interrupted (Ctrl-C): <kept>" (say what was kept), and exit code 130."""
+    import sys
+
+    started()
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted (Ctrl-C): {kept}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
