@@ -66,14 +66,15 @@ def build_datasets(cfg, tokenizer, vocab_size: int):
 def trainer_checkpoint(path: Path) -> str:
     """--resume for the Trainer: one of its checkpoint-N folders, or the --output-dir that holds them
     (then the newest). Anything else is one clear line before the model is built."""
+    from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_utils import get_last_checkpoint
 
     from playbook.checkpoint import STATE_FILE
 
-    if (path / "trainer_state.json").is_file():
+    if (path / TRAINER_STATE_NAME).is_file():
         return str(path)
     last = get_last_checkpoint(str(path))  # the newest checkpoint-N folder, by its name only
-    if last is not None and (Path(last) / "trainer_state.json").is_file():
+    if last is not None and (Path(last) / TRAINER_STATE_NAME).is_file():
         return last
     if (path / STATE_FILE).is_file() or (last is not None and (Path(last) / STATE_FILE).is_file()):
         raise usage_error(f"--resume {path}: a checkpoint of finetune_baseline.py / finetune_optimized.py, not of the "

@@ -31,13 +31,11 @@ import os
 os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 
 
-
 # Ctrl-C while a script starts. Importing torch, transformers and the kernels takes seconds, and a
 # KeyboardInterrupt raised there surfaces wherever the import happens to be: as a traceback, or
 # wrapped by Python in another error (an exception raised in a class's __set_name__ becomes a
 # RuntimeError). Until the script's own handling takes over (`started()`), Ctrl-C prints one line
 # and ends the process at once with exit code 130: nothing has been run or written yet.
-_starting_handlers = []
 
 
 def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
@@ -52,13 +50,13 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
         sys.stderr.flush()
         os._exit(130)  # no exception to travel through the import in progress
 
+    handler.while_starting = True  # what `started()` looks for
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return
     try:
         signal.signal(signal.SIGINT, handler)
     except ValueError:  # not the main thread: signal handlers can only be set there
-        return
-    _starting_handlers.append(handler)
+        pass
 
 
 def started() -> None:
@@ -66,9 +64,8 @@ def started() -> None:
     `exit_on_ctrl_c_while_starting`; otherwise nothing changes)."""
     import signal
 
-    if _starting_handlers and signal.getsignal(signal.SIGINT) is _starting_handlers[-1]:
+    if getattr(signal.getsignal(signal.SIGINT), "while_starting", False):
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    _starting_handlers.clear()
 
 
 def run_main(main, kept: str):

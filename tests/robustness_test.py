@@ -206,7 +206,6 @@ def test_ctrl_c_is_one_line_exit_130(argv, ready):
     record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> one line, exit 130", 0.0, 0.0, True)
 
 
-
 CTRL_C_AROUND_OTHER_OUTPUT = [  # runs whose stderr holds more than the closing line (warnings, a child step's)
     (("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000"), "Trainer:"),
     (("walkthrough.py", "--skip-kernel-tests", "--seq-len", "64"), "Step 1"),
@@ -224,6 +223,7 @@ def test_ctrl_c_ends_with_one_closing_line_exit_130(argv, ready):
     assert code == 130 and "Traceback" not in err and last.startswith("interrupted (Ctrl-C)"), (code, err[-2000:])
     record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> exit 130, one closing line, "
            "no traceback", 0.0, 0.0, True)
+
 
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "Bad input to the scripts: test report"))
