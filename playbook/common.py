@@ -105,12 +105,31 @@ def oom_message(cfg, err: Exception) -> str:
         where = f"out of memory at batch {cfg.batch_size} x {cfg.seq_len} tokens ({describe_gpu(cfg.device)})"
     return (
         f"\nerror: {where}.\n"
-        "Try: a smaller --batch-size (with --grad-accum to keep the tokens per step) or --seq-len; "
-        "--gradient-checkpointing; --lora-r 16 instead of a full fine-tune; the optimized script (its kernels "
-        "save activation memory); fewer layers with --num-layers to measure a slice of the model; or several "
-        "GPUs with torchrun (FSDP2 shards parameters, gradients and optimizer state).\n"
+        f"Try: {'; '.join(memory_hints(cfg))}.\n"
         f"PyTorch said: {str(err).splitlines()[0][:300]}"
     )
+
+
+def memory_hints(cfg) -> list[str]:
+    """The settings that need less memory than this run's, the options it already has left out."""
+    hints = ["a smaller --batch-size (with --grad-accum to keep the tokens per step) or --seq-len"]
+    if not (cfg.gradient_checkpointing or cfg.checkpoint_layers):
+        hints.append("--gradient-checkpointing (or --checkpoint-layers for some of the layers)")
+    elif not cfg.offload_activations:
+        hints.append("--offload-activations (the checkpointed layers' inputs wait in host memory)")
+    if cfg.seq_len >= 16384 and not cfg.mlp_chunk_tokens:
+        hints.append("--mlp-chunk-tokens 16384 (the MLP's intermediates one chunk at a time)")
+    if not cfg.lora_r:
+        hints.append("for a full fine-tune, the options of docs/memory.md's 'A full fine-tune in less memory' "
+                     "(--optimizer-in-backward, --recompute-norms, --offload-layers)")
+        hints.append("--lora-r 16 instead of a full fine-tune")
+    elif not cfg.load_in_4bit:
+        hints.append("--load-in-4bit (QLoRA: the frozen projections in NF4)")
+    if cfg.script == "finetune_baseline":
+        hints.append("the optimized script (its kernels save activation memory)")
+    hints.append("fewer layers with --num-layers to measure a slice of the model")
+    hints.append("several GPUs with torchrun (FSDP2 shards parameters, gradients and optimizer state)")
+    return hints
 
 
 # ------------------------------------------------------------------------------------------------

@@ -202,14 +202,24 @@ class GraphedStep:
                     first_error = err
                     raise
         except Exception as err:  # noqa: BLE001  (any failure to capture leaves the run eager, with its reason)
+            err = first_error or err
+            text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            reason = f"{type(err).__name__}: {text}" if text else type(err).__name__
+        else:
+            reason = None
+        if reason is not None:
+            # The failed graph owns a private memory pool with what the capture allocated (a capture that ran
+            # out of memory holds nearly all of it). The exceptions' tracebacks keep this frame, and so the
+            # graph, alive: drop them and the graph first, then hand the pool's blocks back to the driver, so
+            # the eager steps that follow have the whole GPU again.
             self.outputs = None
+            first_error = None
+            del graph
             torch.cuda.synchronize()
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.empty_cache()
-            err = first_error or err
-            text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-            return f"{type(err).__name__}: {text}" if text else type(err).__name__
+            return reason
         self.graph = graph
         self.capture_peak_bytes = torch.cuda.max_memory_allocated()
         self.masked_attention = masked[0]

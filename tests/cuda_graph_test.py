@@ -201,6 +201,35 @@ def test_the_captured_step_keeps_causal_attention_without_a_mask():
 
 
 @needs_gpu
+def test_a_failed_capture_gives_its_memory_back():
+    """A capture that fails (out of memory, typically) leaves the run eager; the eager steps that follow must
+    get the memory the capture took, not find it held in the failed graph's private pool."""
+    weight = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    size = 256 * 2**20  # 1 GiB of fp32 per tensor the capture allocates
+
+    def step_fn(micro_batches):
+        held = [torch.full((size,), 1.5, device="cuda") for _ in range(2)]  # allocated in the graph's pool
+        weight.grad = held[0][: weight.numel()].view_as(weight) * 2.0  # a gradient made in the pool, as a step's
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 448.00 MiB (raised by the test)")
+
+    step = cuda_graph.GraphedStep(step_fn, [{"x": torch.zeros(1, device="cuda")}])
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    reason = step.capture(optimizer)
+    after = torch.cuda.memory_reserved()
+    assert reason is not None and reason.startswith("OutOfMemoryError: CUDA out of memory"), reason
+    assert step.graph is None and weight.grad is None
+    # the capture reserved 2 GiB and more; everything above the reserve before it must be back with the driver
+    # (the allocator's rounding of its own small blocks is far below 64 MiB)
+    held = (after - before) / 2**20
+    assert held < 64, f"{held:.0f} MiB still reserved after the failed capture"
+    record(f"failed capture: reserved {before / 2**20:.0f} MiB before, {after / 2**20:.0f} MiB after "
+           f"(2,048 MiB were allocated in it)", held, 64.0, True)
+
+
+@needs_gpu
 def test_a_resumed_run_replays_from_its_checkpoint(tmp_path):
     """Resume: the loaded optimizer is made capturable again; the continued curve matches the eager one."""
     out = tmp_path / "ckpt"

@@ -308,6 +308,28 @@ def test_out_of_memory_is_recognised():
     assert "--batch-size" in common.oom_message(config(), RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"))
 
 
+def test_out_of_memory_advice_names_what_the_run_left_out():
+    """The advice lists the memory options the run does not use yet, and none it already uses."""
+    def advice(*argv):
+        return common.oom_message(config(*argv), torch.cuda.OutOfMemoryError("CUDA out of memory."))
+
+    full = advice("--seq-len", "2048")
+    for want in ("--gradient-checkpointing", "--optimizer-in-backward", "--lora-r 16", "docs/memory.md"):
+        assert want in full, (want, full)
+    assert "--offload-activations" not in full and "--mlp-chunk-tokens" not in full and "--load-in-4bit" not in full
+    lora = advice("--lora-r", "16", "--gradient-checkpointing", "--seq-len", "32768")
+    for want in ("--offload-activations", "--mlp-chunk-tokens 16384", "--load-in-4bit"):
+        assert want in lora, (want, lora)
+    assert "--optimizer-in-backward" not in lora and "--lora-r 16 instead" not in lora
+    assert "--gradient-checkpointing (" not in lora
+    longest = advice("--lora-r", "16", "--load-in-4bit", "--gradient-checkpointing", "--offload-activations",
+                     "--mlp-chunk-tokens", "16384", "--seq-len", "32768")
+    for gone in ("--offload-activations", "--mlp-chunk-tokens", "--load-in-4bit", "--gradient-checkpointing ("):
+        assert gone not in longest, (gone, longest)
+    assert "--batch-size" in longest and "torchrun" in longest
+    record("out-of-memory advice: full fine-tune, LoRA with checkpointing, QLoRA with every option", 0.0, 0.0, True)
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 def test_apply_kernels_on_other_families(family):
     """Same-family models are patched too (Qwen3 adds q_norm / k_norm: 4 per layer + 1)."""
