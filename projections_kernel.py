@@ -298,7 +298,24 @@ def patch_model(model: nn.Module) -> int:
         if "q_proj" in names and getattr(owner.forward, "__func__", None) is not joined_attention_forward:
             owner.joined_members = None
             owner.forward = types.MethodType(joined_attention_forward, owner)
+    join_now(model)
     return len(groups)
+
+
+def join_now(model: nn.Module) -> int:
+    """Join each patched attention's current q/k/v layers now instead of at its next call; return how many
+    were (re)joined. `patch_model` calls it; call it again after the layers were swapped (FP8 conversion,
+    peft adapters) and before torch.compile traces the model: a join made inside the compiled forward would
+    change what its guards saw, and the next step would recompile (inside a CUDA-graph capture, which
+    fails: a compilation synchronizes the GPU)."""
+    joined = 0
+    for module in model.modules():
+        if getattr(module.forward, "__func__", None) is joined_attention_forward:
+            members = tuple(getattr(module, n) for n in module.joined_names)
+            if members != module.joined_members:
+                _install(module, members)
+                joined += 1
+    return joined
 
 
 def expected_patches(config) -> int:

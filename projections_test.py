@@ -262,6 +262,31 @@ def test_torch_compile_runs_the_projections_as_written():
     record("torch.compile of a joined model: same loss (the graph runs separate projections)", 0.0, 0.0, True)
 
 
+def test_torch_compile_does_not_recompile_on_the_second_step():
+    """The q/k/v groups are joined when the model is patched (`join_now`), not at its first compiled call: a
+    join made inside the compiled forward changes what its guards saw, so the second step recompiled, and a
+    recompilation inside the CUDA-graph capture of the training step fails (it synchronizes the GPU), which
+    left `--compile` runs eager."""
+    import fp8_linear_kernel
+
+    model = tiny()
+    ak.apply_kernels(model, KERNELS + ("projections",))
+    assert pk.join_now(model) == 0  # patch_model joined them already
+    swapped = copy.deepcopy(model)
+    fp8_linear_kernel.patch_model(swapped)  # new Float8Linear modules around the same weights
+    layers = model.config.num_hidden_layers
+    assert pk.join_now(swapped) == layers and pk.join_now(swapped) == 0
+    ids, labels = batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    first, _ = loss_and_grads(compiled, ids, labels)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        second, _ = loss_and_grads(compiled, ids, labels)
+    exactly("second compiled step", second, first)
+    record(f"torch.compile: the second step reuses the first one's graphs; {layers} swapped groups joined again",
+           0.0, 0.0, True)
+
+
 def test_phi3_is_left_out_with_a_reason():
     model = tiny("phi3")
     report = ak.apply_kernels(model, ("projections",))

@@ -117,6 +117,8 @@ def memory_hints(cfg) -> list[str]:
         hints.append("--gradient-checkpointing (or --checkpoint-layers for some of the layers)")
     elif not cfg.offload_activations:
         hints.append("--offload-activations (the checkpointed layers' inputs wait in host memory)")
+    if cfg.keep_attention:
+        hints.append("no --keep-attention (attention's outputs recomputed in backward instead of kept)")
     if cfg.seq_len >= 16384 and not cfg.mlp_chunk_tokens:
         hints.append("--mlp-chunk-tokens 16384 (the MLP's intermediates one chunk at a time)")
     if not cfg.lora_r:

@@ -356,6 +356,9 @@ def apply_saved_activations(model: nn.Module, recompute_norms: bool, offload_lay
 
 def apply_compile(model: nn.Module, cfg) -> None:
     """--compile: torch.compile of the model's forward, on its first call (the warm-up steps)."""
+    import projections_kernel
+
+    projections_kernel.join_now(model)  # layers swapped since the kernels were applied: joined before tracing
     model.compile()
     log("torch.compile: the model's forward is compiled on the first (warm-up) step")
     if cfg.fp8 and cfg.fp8_backend == "playbook":

@@ -326,7 +326,9 @@ def test_out_of_memory_advice_names_what_the_run_left_out():
                      "--mlp-chunk-tokens", "16384", "--seq-len", "32768")
     for gone in ("--offload-activations", "--mlp-chunk-tokens", "--load-in-4bit", "--gradient-checkpointing ("):
         assert gone not in longest, (gone, longest)
-    assert "--batch-size" in longest and "torchrun" in longest
+    assert "--batch-size" in longest and "torchrun" in longest and "--keep-attention" not in longest
+    kept = advice("--lora-r", "16", "--gradient-checkpointing", "--keep-attention", "--seq-len", "32768")
+    assert "no --keep-attention" in kept, kept
     record("out-of-memory advice: full fine-tune, LoRA with checkpointing, QLoRA with every option", 0.0, 0.0, True)
 
 
