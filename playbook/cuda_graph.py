@@ -124,6 +124,13 @@ def causal_skip_under_capture():
 
 
 @contextlib.contextmanager
+def _capture_patches():
+    """What the capture of an eager model runs under: transformers' causal skip, SDPA calls with a mask counted."""
+    with causal_skip_under_capture(), count_masked_attention() as masked:
+        yield masked
+
+
+@contextlib.contextmanager
 def count_masked_attention():
     """Count the SDPA calls given an explicit mask (yields a one-element list, filled on the way)."""
     import torch.nn.functional as F
@@ -154,8 +161,13 @@ class GraphedStep:
     backward wait on that stream, which a capture cannot hold.
     """
 
-    def __init__(self, step_fn, example: list[dict]):
+    def __init__(self, step_fn, example: list[dict], compiled: bool = False):
         self.step_fn = step_fn
+        # A torch.compile'd model runs the graphs Dynamo traced in the eager steps before the capture. Those
+        # guard on the module globals they read: patching transformers' mask function or SDPA for the capture
+        # (as an eager model needs) would fail the guards, and the recompilation, which synchronizes the GPU,
+        # would fail the capture. The traced graphs already hold the eager steps' causal path (no mask).
+        self.compiled = compiled
         self.static = [{k: v.clone() for k, v in b.items()} for b in example]
         self.stream = torch.cuda.Stream()
         self.graph = None
@@ -193,9 +205,9 @@ class GraphedStep:
         # the capture is the step's footprint (weights, optimizer state, gradients, activations); a peak
         # counted over replays alone would leave the activations out.
         torch.cuda.reset_peak_memory_stats()
+        patches = contextlib.nullcontext([0]) if self.compiled else _capture_patches()
         try:
-            with causal_skip_under_capture(), count_masked_attention() as masked, \
-                    torch.cuda.graph(graph, stream=self.stream):
+            with patches as masked, torch.cuda.graph(graph, stream=self.stream):
                 try:
                     self.outputs = self.step_fn(self.static)
                 except Exception as err:  # the first error says why; ending the capture then fails too

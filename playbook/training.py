@@ -728,7 +728,8 @@ def _train(cfg) -> dict:
             log_now = (step + 1) % cfg.log_every == 0 or step == steps - 1
             if blocker is None and graphed is None:
                 graphed = cuda_graph.GraphedStep(
-                    lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False), batches)
+                    lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False), batches,
+                    compiled=cfg.compile)
             if graphed is not None and graphed.graph is not None and not graphed.matches(batches):
                 log(f"CUDA graphs: step {step + 1}'s batches differ in shape from the captured ones; the rest "
                     "of the run is queued eagerly")
