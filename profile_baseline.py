@@ -161,7 +161,7 @@ def main():
         if blocker is None and cfg.warmup_steps:
             graphed = cuda_graph.GraphedStep(
                 lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False),
-                [data.batch(j, cfg.device) for j in range(cfg.grad_accum)])
+                [data.batch(j, cfg.device) for j in range(cfg.grad_accum)], compiled=cfg.compile)
         log(f"Warm-up: {cfg.warmup_steps} steps outside the profiler ...")
         for i in range(cfg.warmup_steps):
             step(i)

@@ -76,28 +76,28 @@ def make_capturable(optimizer, device) -> None:
                 state["step"] = state["step"].to(device=device, dtype=torch.float32)
 
 
-@contextlib.contextmanager
-def causal_skip_under_capture():
-    """Let Hugging Face keep SDPA's `is_causal` path while a graph is captured.
+def install_causal_skip():
+    """Let Hugging Face keep SDPA's `is_causal` path while a graph is captured or Dynamo traces. Returns a
+    function that undoes it (a no-op where transformers has no SDPA mask function to wrap).
 
     transformers counts a CUDA stream capture as tracing (masking_utils.is_tracing in 5.x), and its
     SDPA mask function then builds a full [B, 1, T, T] causal mask instead of answering None (SDPA's
     is_causal=True), which also turns off SDPA's own grouped-query path (k and v are repeated to every
-    head): on an H200 at 4 x 2048 tokens, attention forward and backward ran about 3x slower. The
-    check exists because a padding mask would have to be read on the host, which a capture cannot do.
+    head): on an H200 at 4 x 2048 tokens, attention forward and backward ran about 3x slower. Dynamo's
+    tracing counts as tracing too: a torch.compile'd 8B step spent 122.2 ms per step in attention against
+    44.4 eager (profile_baseline.py, results/runs/profile_H200_graph_compile_masked.log). The check exists
+    because a padding mask would have to be read on the host, which a capture or a trace cannot do.
     `graph_blocker` keeps padded rows eager, so under our capture a causal mask without a padding mask
     is the only case answered here, and it is answered as an eager step would be: None. Every other
     call (a padding mask, sliding windows, packed sequences, custom mask functions) goes to transformers."""
     try:
         from transformers import masking_utils
     except ImportError:
-        yield
-        return
+        return lambda: None
     mapping = getattr(getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None), "_global_mapping", None)
     original = mapping.get("sdpa") if isinstance(mapping, dict) else None
-    if original is None:
-        yield
-        return
+    if original is None or getattr(original, "causal_skip", False):  # none, or installed already
+        return lambda: None
 
     def sdpa_mask(*args, **kwargs):
         plain_causal = (not args and kwargs.get("attention_mask") is None and kwargs.get("allow_is_causal_skip", True)
@@ -108,19 +108,31 @@ def causal_skip_under_capture():
         return None if plain_causal else original(*args, **kwargs)
 
     # Without a mask and without a cache, transformers also looks for packed sequences in the position ids,
-    # which it cannot read under capture either, so it assumes they are packed. Our batches either carry no
+    # which it cannot read under capture (or trace) either, so it assumes they are packed. Our batches either carry no
     # position ids (the model's own are 0..T-1: one sequence per row) or carry their own 4-D mask, which
     # transformers takes as given before it would look: under our capture there is nothing to detect.
     find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    sdpa_mask.causal_skip, sdpa_mask.__wrapped__ = True, original
     mapping["sdpa"] = sdpa_mask
     if find_packed is not None:
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
+
+    def undo():
         mapping["sdpa"] = original
         if find_packed is not None:
             masking_utils.find_packed_sequence_indices = find_packed
+
+    return undo
+
+
+@contextlib.contextmanager
+def causal_skip_under_capture():
+    """`install_causal_skip` for the time of a capture."""
+    undo = install_causal_skip()
+    try:
+        yield
+    finally:
+        undo()
 
 
 @contextlib.contextmanager

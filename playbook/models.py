@@ -357,8 +357,12 @@ def apply_saved_activations(model: nn.Module, recompute_norms: bool, offload_lay
 def apply_compile(model: nn.Module, cfg) -> None:
     """--compile: torch.compile of the model's forward, on its first call (the warm-up steps)."""
     import projections_kernel
+    from playbook import cuda_graph
 
     projections_kernel.join_now(model)  # layers swapped since the kernels were applied: joined before tracing
+    # transformers counts Dynamo's tracing as tracing and would build a [B, 1, T, T] causal mask: attention
+    # then runs ~3x slower. The compiled graphs keep SDPA's is_causal path, as eager steps do (for the run).
+    cuda_graph.install_causal_skip()
     model.compile()
     log("torch.compile: the model's forward is compiled on the first (warm-up) step")
     if cfg.fp8 and cfg.fp8_backend == "playbook":

@@ -122,6 +122,52 @@ def test_the_peak_counts_the_captured_step(monkeypatch):
     record("peak = max(replays' peak, the capture's peak): 64 and 81 GB -> 81 GB", 0.0, 0.0, True)
 
 
+def test_a_compiled_model_keeps_sdpa_causal_path(monkeypatch):
+    """transformers (5.17 with torch 2.11, as on the GPU machines) never skips the causal mask while Dynamo
+    traces: it builds a [B, 1, T, T] mask, and attention runs about 3x slower on a GPU. `--compile` installs
+    the causal skip first, so the compiled forward calls SDPA without a mask, as an eager step does. Here
+    transformers is made to refuse the skip as it does under tracing there; the control traces without ours."""
+    from transformers import masking_utils
+
+    from playbook import models
+    from playbook.testkit import tiny_model
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    mapping = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    monkeypatch.setitem(mapping, "sdpa", mapping["sdpa"])  # restored after the test, as the next line's patch
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", masking_utils.find_packed_sequence_indices)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+
+    def masks_in_compiled_forward():
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        model = tiny_model("llama")
+        model.config._attn_implementation = "sdpa"
+        torch._dynamo.reset()
+        torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+        calls = [n for gm in graphs for n in gm.graph.nodes
+                 if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)]
+        assert len(calls) == model.config.num_hidden_layers, calls
+        return sum(n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) is not None for n in calls)
+
+    without = masks_in_compiled_forward()
+    model = tiny_model("llama")
+    models.apply_compile(model, config("--compile"))  # model.compile() only marks the model: nothing traced yet
+    assert getattr(mapping["sdpa"], "causal_skip", False)
+    with_skip = masks_in_compiled_forward()
+    padding = torch.ones(2, 32, dtype=torch.bool)
+    padding[1, :5] = False
+    args = dict(batch_size=2, q_length=32, kv_length=32, attention_mask=padding, device="cpu")
+    assert torch.equal(mapping["sdpa"](**args), mapping["sdpa"].__wrapped__(**args))  # a padding mask: transformers'
+    assert without == 2 and with_skip == 0, (without, with_skip)
+    record(f"compiled 2-layer model, SDPA calls given a mask: {without} without the causal skip, {with_skip} with it; "
+           "padded rows keep transformers' mask", 0.0, 0.0, True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Replayed = eager (GPU)
 # ------------------------------------------------------------------------------------------------
