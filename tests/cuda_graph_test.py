@@ -148,7 +148,8 @@ def test_a_compiled_model_keeps_sdpa_causal_path(monkeypatch):
         model = tiny_model("llama")
         model.config._attn_implementation = "sdpa"
         torch._dynamo.reset()
-        torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+        on_device = ids.to(next(model.parameters()).device)
+        torch.compile(model, backend=backend)(input_ids=on_device, labels=on_device)
         calls = [n for gm in graphs for n in gm.graph.nodes
                  if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)]
         assert len(calls) == model.config.num_hidden_layers, calls
