@@ -193,7 +193,11 @@ def parse_kernels(spec) -> tuple:
     sequence of names. Raises ValueError with the valid names for anything else.
     """
     if isinstance(spec, str):
-        words = [w.strip().lower() for w in spec.split(",") if w.strip()]
+        words = [w.strip().lower() for w in spec.split(",")]
+        if "" in words and any(words):  # 'rmsnorm,,swiglu': a name left out (an unset shell variable?)
+            raise ValueError(f"an empty kernel name in {spec!r} (two commas in a row, or a comma at an end); "
+                             "name each kernel once, separated by single commas")
+        words = [w for w in words if w]
     else:
         words = [str(w).strip().lower() for w in spec]
     if words in ([], ["none"]):

@@ -152,6 +152,9 @@ def test_kernel_list_errors():
         ak.parse_kernels("rmsnorm,fast")
     with pytest.raises(ValueError, match="twice"):
         ak.parse_kernels("rope,rope")
+    for spec in ("rmsnorm,,swiglu", "rmsnorm,", ",rope"):  # a name left out: an unset shell variable, say
+        with pytest.raises(ValueError, match="empty kernel name"):
+            ak.parse_kernels(spec)
     assert ak.parse_kernels("liger") == ("liger",) and ak.parse_kernels("none") == ()
     assert ak.parse_kernels("rope,rmsnorm") == ("rmsnorm", "rope"), "registry order, whatever the order given"
     assert ak.parse_kernels("default") == ak.DEFAULT_KERNELS

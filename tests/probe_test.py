@@ -190,6 +190,8 @@ CASES = [
     Case("--kernels ''", ["finetune_optimized.py", "--kernels", ""], "--kernels", grouped=True),
     Case("--kernels liger,rmsnorm", ["finetune_optimized.py", "--kernels", "liger,rmsnorm"], "--kernels",
          grouped=True),
+    Case("--kernels rmsnorm,,swiglu", ["finetune_optimized.py", "--kernels", "rmsnorm,,swiglu"], "empty kernel name",
+         grouped=True),
     Case("--fp8-backend without --fp8", ["finetune_optimized.py", "--fp8-backend", "torchao"], "--fp8", grouped=True),
     Case("--offload-layers sometimes", ["finetune_optimized.py", "--offload-layers", "sometimes"], "--offload-layers",
          grouped=True),
