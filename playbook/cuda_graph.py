@@ -85,8 +85,9 @@ def install_causal_skip():
     is_causal=True), which also turns off SDPA's own grouped-query path (k and v are repeated to every
     head): on an H200 at 4 x 2048 tokens, attention forward and backward ran about 3x slower. Dynamo's
     tracing counts as tracing too (transformers 5.17): a torch.compile'd 8B step spent 122.2 ms in attention
-    against 44.4 without torch.compile (profile_baseline.py on an H200, results/runs/profile_H200_graph_compile
-    _masked.log and profile_H200_graph_default_pair.log); `models.apply_compile` installs it. The check exists
+    against 44.4 without torch.compile (profile_baseline.py on an H200: in results/runs/,
+    profile_H200_graph_compile_masked.log and profile_H200_graph_default_pair.log); `models.apply_compile`
+    installs it. The check exists
     because a padding mask would have to be read on the host, which a capture or a trace cannot do.
     `graph_blocker` keeps padded rows eager, so under our capture a causal mask without a padding mask
     is the only case answered here, and it is answered as an eager step would be: None. Every other
