@@ -254,12 +254,19 @@ def _install(attention: nn.Module, members: tuple) -> None:
     attention.joined_members = members
 
 
+def _rejoin(attention: nn.Module) -> bool:
+    """Join the attention's current q/k/v layers if they are not the ones joined; True when it did."""
+    members = tuple(getattr(attention, n) for n in attention.joined_names)
+    if members == attention.joined_members:
+        return False
+    _install(attention, members)
+    return True
+
+
 def joined_attention_forward(attention: nn.Module, *args, **kwargs):
     """The family's attention forward, with its q/k/v layers joined. Layers swapped after patching
     (FP8 conversion makes new Float8Linear modules around the same weights) are joined again here."""
-    members = tuple(getattr(attention, n) for n in attention.joined_names)
-    if members != attention.joined_members:
-        _install(attention, members)
+    _rejoin(attention)
     return type(attention).forward(attention, *args, **kwargs)
 
 
@@ -308,14 +315,7 @@ def join_now(model: nn.Module) -> int:
     peft adapters) and before torch.compile traces the model: a join made inside the compiled forward would
     change what its guards saw, and the next step would recompile (inside a CUDA-graph capture, which
     fails: a compilation synchronizes the GPU)."""
-    joined = 0
-    for module in model.modules():
-        if getattr(module.forward, "__func__", None) is joined_attention_forward:
-            members = tuple(getattr(module, n) for n in module.joined_names)
-            if members != module.joined_members:
-                _install(module, members)
-                joined += 1
-    return joined
+    return sum(_rejoin(m) for m in model.modules() if getattr(m.forward, "__func__", None) is joined_attention_forward)
 
 
 def expected_patches(config) -> int:

@@ -87,8 +87,8 @@ def install_causal_skip():
     tracing counts as tracing too (transformers 5.17): a torch.compile'd 8B step spent 122.2 ms in attention
     against 44.4 without torch.compile (profile_baseline.py on an H200: in results/runs/,
     profile_H200_graph_compile_masked.log and profile_H200_graph_default_pair.log); `models.apply_compile`
-    installs it. The check exists
-    because a padding mask would have to be read on the host, which a capture or a trace cannot do.
+    installs it. The check exists because a padding mask would have to be read on the host, which a capture
+    or a trace cannot do.
     `graph_blocker` keeps padded rows eager, so under our capture a causal mask without a padding mask
     is the only case answered here, and it is answered as an eager step would be: None. Every other
     call (a padding mask, sliding windows, packed sequences, custom mask functions) goes to transformers."""
@@ -128,20 +128,14 @@ def install_causal_skip():
 
 
 @contextlib.contextmanager
-def causal_skip_under_capture():
-    """`install_causal_skip` for the time of a capture."""
-    undo = install_causal_skip()
-    try:
-        yield
-    finally:
-        undo()
-
-
-@contextlib.contextmanager
 def _capture_patches():
     """What the capture of an eager model runs under: transformers' causal skip, SDPA calls with a mask counted."""
-    with causal_skip_under_capture(), count_masked_attention() as masked:
-        yield masked
+    undo = install_causal_skip()
+    try:
+        with count_masked_attention() as masked:
+            yield masked
+    finally:
+        undo()
 
 
 @contextlib.contextmanager
