@@ -289,10 +289,16 @@ def _bwd_settings(H: int, device: torch.device) -> tuple[int, int, int, int]:
 
 
 def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-                    casting_mode: str = "llama", block_m: int | None = None, num_warps: int | None = None):
-    """x2: [rows, H] with unit stride along H. Returns y [rows, H] and rstd [rows] (fp32)."""
+                    casting_mode: str = "llama", block_m: int | None = None, num_warps: int | None = None,
+                    out_shape: torch.Size | None = None):
+    """x2: [rows, H] with unit stride along H. Returns y [rows, H] and rstd [rows] (fp32).
+
+    `out_shape`: allocate y in this shape instead (the caller's x.shape, rows x H elements), so that
+    the caller can return y itself rather than a view of it."""
     n_rows, H = x2.shape
-    y = torch.empty((n_rows, H), dtype=_output_dtype(x2.dtype, weight.dtype, casting_mode), device=x2.device)
+    y = torch.empty(out_shape if out_shape is not None else (n_rows, H),
+                    dtype=_output_dtype(x2.dtype, weight.dtype, casting_mode), device=x2.device)
+    y2 = y.view(n_rows, H) if out_shape is not None else y
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     if n_rows == 0:
         return y, rstd
@@ -304,8 +310,8 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
         num_warps = num_warps or _num_warps(block_m * block_h)
     grid = (-(-n_rows // block_m),)  # plain integers: triton.cdiv is a Triton function, slower to call
     _rmsnorm_fwd[grid](
-        x2, weight, y, rstd,
-        x2.stride(0), y.stride(0), n_rows, H, eps,
+        x2, weight, y2, rstd,
+        x2.stride(0), y2.stride(0), n_rows, H, eps,
         BLOCK_M=block_m, BLOCK_H=block_h, OFFSET=float(offset), CASTING=casting_mode, num_warps=num_warps,
     )
     return y, rstd
@@ -463,27 +469,36 @@ refuse_double_backward(rmsnorm_bwd_op, "rmsnorm")  # (the in-place one only runs
 # functional tensor, any dispatch mode) uses the operators, which tracing needs. Both run the same
 # kernels with the same launch settings, so their results are bitwise equal (rmsnorm_test.py).
 class _RMSNormFunction(torch.autograd.Function):
+    # It takes x in its own shape and flattens it inside: a view taken outside (x.reshape(-1, H),
+    # y.view(x.shape)) would add an autograd node on each side, which the backward pass then has to
+    # run, two more steps of host work per call for nothing.
     @staticmethod
-    def forward(ctx, x2, weight, eps, offset, casting_mode, in_place):
-        weight = weight.contiguous()
-        y, rstd = rmsnorm_forward(x2, weight, eps, offset, casting_mode)
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
+        x2, weight = as_rows(x), weight.contiguous()
+        # y is allocated in x's shape, not viewed into it: a view returned by a custom Function may
+        # not be modified in place afterwards (autograd refuses), and a caller may well do that
+        y, rstd = rmsnorm_forward(x2, weight, eps, offset, casting_mode, out_shape=x.shape)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
+        ctx.x_shape = x.shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
         if torch.is_grad_enabled() or not direct_launch(dy):
             # create_graph=True: the backward operator's autograd refuses a second derivative clearly
-            return _backward(ctx, dy, None)
+            dx, dw, *rest = _backward(ctx, as_rows(dy), None)
+            return (None if dx is None else dx.view(ctx.x_shape)), dw, *rest
         x, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        if ctx.in_place and need_dx and _can_overwrite(dy, x):
-            _, dw = rmsnorm_backward(dy, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode, dx=dy)
-            torch.autograd.graph.increment_version(dy)  # as the in-place operator declares its write
-            dx = dy
+        dy2 = as_rows(dy)  # a view of dy, or a copy when dy's rows are not dense (an expanded dy)
+        if ctx.in_place and need_dx and _can_overwrite(dy2, x):
+            _, dw = rmsnorm_backward(dy2, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode, dx=dy2)
+            torch.autograd.graph.increment_version(dy2)  # as the in-place operator declares its write
+            dx = dy2.view(ctx.x_shape)
         else:
-            dx, dw = rmsnorm_backward(as_rows(dy), x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode)
+            dx, dw = rmsnorm_backward(dy2, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode)
+            dx = dx.view(ctx.x_shape)
         return dx if need_dx else None, dw if need_dw else None, None, None, None, None
 
 
@@ -514,11 +529,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset:
         does so for exactly those norms.
     """
     _check_inputs(x, weight, offset, casting_mode)
-    x2 = as_rows(x)
-    if direct_launch(x2, weight):
-        y = _RMSNormFunction.apply(x2, weight, float(eps), float(offset), casting_mode, bool(in_place))
-    else:
-        y, _ = rmsnorm_fwd_op(x2, weight, float(eps), float(offset), casting_mode, bool(in_place))
+    if direct_launch(x, weight):
+        return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, bool(in_place))
+    y, _ = rmsnorm_fwd_op(as_rows(x), weight, float(eps), float(offset), casting_mode, bool(in_place))
     return y.view(x.shape)
 
 

@@ -311,6 +311,29 @@ def test_eager_calls_skip_the_operators_with_the_same_results(monkeypatch, in_pl
         exactly(f"eager path == operator path ({'in place' if in_place else 'out of place'}): {what}", e, o)
 
 
+def test_eager_call_adds_one_autograd_node_and_returns_no_view():
+    """An eager call of a [batch, seq, H] input records one autograd node, the norm's own, straight
+    onto x and the weight: no reshape or view nodes around it, which the backward would run for
+    nothing on every call. Its output is a tensor of its own, not a view, so it may be modified in
+    place (autograd refuses that for a view returned by a custom Function), with exact gradients."""
+    x, w = _inputs((2, 9, 64), torch.float32, seed=21)
+    xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rmsnorm(xi, wi, 1e-6)
+    assert y.shape == x.shape and not y._is_view()
+    node = y.grad_fn
+    assert type(node).__name__ == "_RMSNormFunctionBackward", type(node).__name__
+    parents = [type(f).__name__ for f, _ in node.next_functions if f is not None]
+    assert parents == ["AccumulateGrad", "AccumulateGrad"], parents
+    y.mul_(3.0)  # in place on the output
+    dy = random_like_grad(y, seed=22)
+    y.backward(dy)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    rmsnorm(xr, wr, 1e-6).backward(3.0 * dy)  # the same through an out-of-place multiply
+    exactly("y *= 3 in place, then backward: dx", xi.grad, xr.grad)
+    exactly("y *= 3 in place, then backward: dW", wi.grad, wr.grad)
+    record("eager call: one autograd node on [2, 9, 64], output not a view, in-place use exact", 0.0, 0.0, True)
+
+
 def test_custom_ops_pass_opcheck():
     """torch.library.opcheck: schema, fake (meta) implementation, autograd registration, and the
     operators traced by AOTAutograd with dynamic shapes (gradients included for the forward)."""

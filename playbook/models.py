@@ -268,10 +268,12 @@ def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = Fals
     except RuntimeError as err:  # a GPU without the recipe's FP8 matmuls: one line, not a traceback
         raise SystemExit(f"error: --fp8: {err}") from None
     r = fp8_linear_kernel.get_recipe(recipe)
-    kept = f"; the first and last {r.bf16_end_layers} decoder layers" if r.bf16_end_layers else ""
+    kept = f"the first and last {r.bf16_end_layers} decoder layers, " if r.bf16_end_layers else ""
     dgrad = "; input gradients (dx = dy W) in bf16" if r.bf16_dgrad else ""
-    log(f"FP8: {converted} of {fp8_linear_kernel.expected_patches(model.config, recipe)} decoder projections run as "
-        f"FP8 matmuls (recipe {recipe}{dgrad}); lm_head and embeddings{kept} stay bf16")
+    # the denominator counts every decoder projection the matmul takes, those the recipe keeps in bf16 too
+    every = fp8_linear_kernel.expected_patches(model.config, "rowwise")
+    log(f"FP8: {converted} of {every} decoder projections run as FP8 matmuls (recipe {recipe}{dgrad}); "
+        f"{kept}lm_head and embeddings stay bf16")
     if converted == 0 and r.bf16_end_layers:
         log(f"warning: --fp8 converted nothing: this model has {model.config.num_hidden_layers} decoder layers, all among "
             f"the first and last {r.bf16_end_layers} that recipe {recipe} keeps in bf16; --fp8-recipe rowwise converts them")
