@@ -18,6 +18,11 @@ parameter, the in-backward variant, capturable mode against the host path: see
 `test_capturable_matches_the_host_path_over_steps`) are checked bitwise.
 """
 
+import playbook  # imports no torch: the handler below is set before torch loads
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting("no test was run")
+
 import functools
 import io
 from pathlib import Path

@@ -13,6 +13,11 @@ Vocabularies are odd (131, 257) so the block tails are masked; the student's log
 teacher's plus noise, so the divergences are small, as in distillation, where cancellation bites.
 """
 
+import playbook  # imports no torch: the handler below is set before torch loads
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting("no test was run")
+
 import math
 import re
 import weakref

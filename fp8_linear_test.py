@@ -25,6 +25,11 @@ bf16, so each of its roundings is 16x larger than bf16's, and an FP8 model may b
 from an fp32 model as the bf16 model is.
 """
 
+import playbook  # imports no torch: the handler below is set before torch loads
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting("no test was run")
+
 import contextlib
 import copy
 import io

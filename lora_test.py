@@ -11,6 +11,11 @@ B matrices are set to random values in most tests: peft starts them at zero, and
 would make every comparison pass whatever the adapter code did.
 """
 
+import playbook  # imports no torch: the handler below is set before torch loads
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting("no test was run")
+
 import math
 import sys
 import types

@@ -34,11 +34,14 @@ their first error line, the skip reasons, and the check closest to its tolerance
 
 import contextlib
 import os
+import signal
 import sys
 import time
 
 import pytest
 import torch
+
+import playbook
 
 FACTOR = 2.0
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 2.0**-52}
@@ -114,6 +117,15 @@ class _Report:
     def pytest_runtest_setup(self, item):
         self.first = len(_records)
 
+    # Ctrl-C raises KeyboardInterrupt wherever the test happens to be, and some code turns it into
+    # another error (CPython's parser, inside Triton's interpreter, makes it a SystemError), so the
+    # run would go on. run_as_script's handler also sets `interrupted`: the run stops after this test.
+    interrupted = False
+
+    def pytest_runtest_teardown(self, item):
+        if self.interrupted:
+            item.session.shouldstop = "interrupted (Ctrl-C)"
+
     def pytest_runtest_logreport(self, report):
         if report.when != "call" and not (report.failed or report.skipped):
             return
@@ -176,10 +188,28 @@ def run_as_script(module_name: str, title: str) -> int:
         doc = (module.__doc__ or "").strip().splitlines()
         print(doc[0] if doc else "", "\n", flush=True)
         start = time.perf_counter()
-        code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"], plugins=[plugin])
+        playbook.started()  # Ctrl-C from here on stops pytest, which reports it as INTERRUPTED
+
+        def on_ctrl_c(*_):
+            plugin.interrupted = True
+            raise KeyboardInterrupt
+
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is signal.default_int_handler:  # (a SIGINT the process inherited as ignored stays so)
+            signal.signal(signal.SIGINT, on_ctrl_c)
+        try:
+            code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"],
+                               plugins=[plugin])
+        finally:
+            signal.signal(signal.SIGINT, previous)
         seconds = time.perf_counter() - start
         c = plugin.counts
-        print(f"\n{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {seconds:.1f} s")
+        counts = f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+        if code == pytest.ExitCode.INTERRUPTED or plugin.interrupted:  # not a result: say so, on the screen
+            print(f"\ninterrupted (Ctrl-C) after {seconds:.1f} s: {counts}; the other tests were not run",
+                  file=sys.__stderr__, flush=True)
+            return 130
+        print(f"\n{counts} in {seconds:.1f} s")
     if full_report:
         print(plugin.short(title, seconds, full_report), flush=True)
     return 0 if code in (0, 5) and not c["failed"] else 1

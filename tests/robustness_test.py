@@ -195,6 +195,8 @@ CTRL_C = [  # (script and arguments, the stdout text after which Ctrl-C comes; N
     (("profile_baseline.py", "--tag", "test_robust_ctrl_c_distill"), None),
     (("finetune_trainer.py", "--dataset", "examples/chat.jsonl"), None),
     (("walkthrough.py", "--skip-kernel-tests"), None),
+    (("rmsnorm_test.py",), None),  # a lesson's test file, run as a script
+    (("rmsnorm_test.py",), "PASSED"),
 ]
 
 
