@@ -191,13 +191,13 @@ def main():
                 if i >= WAIT + WARMUP:
                     wall.append(time.perf_counter() - start)
                 prof.step()
-    except RuntimeError as err:  # OutOfMemoryError, or an allocator failing (model, data or a step)
-        if not is_out_of_memory(err):
-            raise
-        raise SystemExit(oom_message(cfg, err)) from None
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): nothing was recorded", file=sys.stderr)
-        raise SystemExit(130) from None
+    except (KeyboardInterrupt, Exception) as err:  # (a Ctrl-C may reach here as another error)
+        if isinstance(err, KeyboardInterrupt) or playbook.interrupted():
+            print("\ninterrupted (Ctrl-C): nothing was recorded", file=sys.stderr)
+            raise SystemExit(130) from None
+        if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (an allocator failing: model, data, a step)
+            raise SystemExit(oom_message(cfg, err)) from None
+        raise
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
     mode = "CUDA graph replays" if graphed is not None else f"eager ({blocker or 'the capture failed'})"
     report(prof, cfg, model_name, kernel_report, gpu, sorted(wall)[len(wall) // 2] * 1e3,

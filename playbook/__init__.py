@@ -67,13 +67,36 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
         pass
 
 
+# Ctrl-C once the script runs. Python raises KeyboardInterrupt wherever the main thread is, and some
+# code on the way up turns it into another error: CPython's parser, which Triton's JIT and its CPU
+# interpreter call, reports an interrupt inside it as "SystemError: AST constructor recursion depth
+# mismatch". So the handler also remembers the key press, and a script that sees an error after it
+# (`interrupted()`) reports the Ctrl-C, not the error.
+_CTRL_C = {"pressed": False}
+
+
+def _on_ctrl_c(*_):
+    _CTRL_C["pressed"] = True
+    raise KeyboardInterrupt
+
+
 def started() -> None:
-    """Ctrl-C raises KeyboardInterrupt again, for the script's own handling (after
-    `exit_on_ctrl_c_while_starting`; otherwise nothing changes)."""
+    """From here on Ctrl-C raises KeyboardInterrupt (after `exit_on_ctrl_c_while_starting`, instead of
+    ending the process) and is remembered for `interrupted()`. A SIGINT ignored, or a handler of the
+    caller's own, is left as it is."""
     import signal
 
-    if getattr(signal.getsignal(signal.SIGINT), "while_starting", False):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    current = signal.getsignal(signal.SIGINT)
+    if current is signal.default_int_handler or getattr(current, "while_starting", False):
+        try:
+            signal.signal(signal.SIGINT, _on_ctrl_c)
+        except ValueError:  # not the main thread
+            pass
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C was pressed since `started()` (whatever error it turned into on its way up)."""
+    return _CTRL_C["pressed"]
 
 
 def run_main(main, kept: str):
@@ -84,6 +107,8 @@ def run_main(main, kept: str):
     started()
     try:
         return main()
-    except KeyboardInterrupt:
-        print(f"\ninterrupted (Ctrl-C): {kept}", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    except (KeyboardInterrupt, Exception) as err:
+        if not isinstance(err, KeyboardInterrupt) and not interrupted():
+            raise  # an error of its own, not a Ctrl-C turned into one on its way up
+    print(f"\ninterrupted (Ctrl-C): {kept}", file=sys.stderr, flush=True)
+    raise SystemExit(130) from None

@@ -34,7 +34,6 @@ their first error line, the skip reasons, and the check closest to its tolerance
 
 import contextlib
 import os
-import signal
 import sys
 import time
 
@@ -118,12 +117,9 @@ class _Report:
         self.first = len(_records)
 
     # Ctrl-C raises KeyboardInterrupt wherever the test happens to be, and some code turns it into
-    # another error (CPython's parser, inside Triton's interpreter, makes it a SystemError), so the
-    # run would go on. run_as_script's handler also sets `interrupted`: the run stops after this test.
-    interrupted = False
-
+    # another error (playbook.started's note), so the run would go on: stop after this test.
     def pytest_runtest_teardown(self, item):
-        if self.interrupted:
+        if playbook.interrupted():
             item.session.shouldstop = "interrupted (Ctrl-C)"
 
     def pytest_runtest_logreport(self, report):
@@ -189,23 +185,11 @@ def run_as_script(module_name: str, title: str) -> int:
         print(doc[0] if doc else "", "\n", flush=True)
         start = time.perf_counter()
         playbook.started()  # Ctrl-C from here on stops pytest, which reports it as INTERRUPTED
-
-        def on_ctrl_c(*_):
-            plugin.interrupted = True
-            raise KeyboardInterrupt
-
-        previous = signal.getsignal(signal.SIGINT)
-        if previous is signal.default_int_handler:  # (a SIGINT the process inherited as ignored stays so)
-            signal.signal(signal.SIGINT, on_ctrl_c)
-        try:
-            code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"],
-                               plugins=[plugin])
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"], plugins=[plugin])
         seconds = time.perf_counter() - start
         c = plugin.counts
         counts = f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
-        if code == pytest.ExitCode.INTERRUPTED or plugin.interrupted:  # not a result: say so, on the screen
+        if code == pytest.ExitCode.INTERRUPTED or playbook.interrupted():  # not a result: say so, on the screen
             print(f"\ninterrupted (Ctrl-C) after {seconds:.1f} s: {counts}; the other tests were not run",
                   file=sys.__stderr__, flush=True)
             return 130

@@ -616,14 +616,15 @@ def train(cfg) -> dict:
     playbook.started()  # Ctrl-C from here on: the line below, exit code 130
     try:
         return _train(cfg)
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C): the run stopped before its summary; checkpoints already written under "
-              "--output-dir are complete", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None  # 128 + SIGINT, as a shell reports it
-    except RuntimeError as err:  # OutOfMemoryError is a RuntimeError: building the model, the data, or a step
-        if not is_out_of_memory(err):
+    except (KeyboardInterrupt, Exception) as err:
+        # (a Ctrl-C may reach here as another error: playbook.interrupted() tells)
+        if not isinstance(err, KeyboardInterrupt) and not playbook.interrupted():
+            if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
+                raise SystemExit(oom_message(cfg, err)) from None
             raise
-        raise SystemExit(oom_message(cfg, err)) from None
+    print("\ninterrupted (Ctrl-C): the run stopped before its summary; checkpoints already written under "
+          "--output-dir are complete", file=sys.stderr, flush=True)
+    raise SystemExit(130) from None  # 128 + SIGINT, as a shell reports it
 
 
 def _train(cfg) -> dict:

@@ -208,6 +208,35 @@ def test_ctrl_c_is_one_line_exit_130(argv, ready):
     record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> one line, exit 130", 0.0, 0.0, True)
 
 
+# What CPython's parser does with a Ctrl-C that lands inside it (Triton's JIT and its CPU interpreter
+# parse kernel sources): the KeyboardInterrupt comes out as a SystemError. The loop must still end
+# with the Ctrl-C line, not that error's traceback.
+_CONVERTED_CTRL_C = """
+import playbook
+playbook.exit_on_ctrl_c_while_starting()
+import time
+from playbook import training
+
+def _train(cfg):
+    print("ready", flush=True)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        raise SystemError("AST constructor recursion depth mismatch (before=147, after=164)")
+
+training._train = _train
+training.train(None)
+"""
+
+
+def test_ctrl_c_turned_into_another_error_is_still_ctrl_c(tmp_path):
+    script = tmp_path / "converted_ctrl_c.py"
+    script.write_text(_CONVERTED_CTRL_C)
+    code, err = interrupt(str(script), ready="ready")
+    assert code == 130 and "interrupted (Ctrl-C)" in err and one_line_after_ctrl_c(err), (code, err[-2000:])
+    record("Ctrl-C that code turns into a SystemError -> still one line, exit 130", 0.0, 0.0, True)
+
+
 CTRL_C_AROUND_OTHER_OUTPUT = [  # runs whose stderr holds more than the closing line (warnings, a child step's)
     (("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000"), "Trainer:"),
     (("walkthrough.py", "--skip-kernel-tests", "--seq-len", "64"), "Step 1"),
