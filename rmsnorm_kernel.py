@@ -495,11 +495,10 @@ class _RMSNormFunction(torch.autograd.Function):
         if ctx.in_place and need_dx and _can_overwrite(dy2, x):
             _, dw = rmsnorm_backward(dy2, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode, dx=dy2)
             torch.autograd.graph.increment_version(dy2)  # as the in-place operator declares its write
-            dx = dy2.view(ctx.x_shape)
+            dx = dy2
         else:
             dx, dw = rmsnorm_backward(dy2, x, weight, rstd, need_dw, ctx.offset, ctx.casting_mode)
-            dx = dx.view(ctx.x_shape)
-        return dx if need_dx else None, dw if need_dw else None, None, None, None, None
+        return dx.view(ctx.x_shape) if need_dx else None, dw if need_dw else None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
