@@ -192,7 +192,7 @@ def main():
                     wall.append(time.perf_counter() - start)
                 prof.step()
     except (KeyboardInterrupt, Exception) as err:  # (a Ctrl-C may reach here as another error)
-        if isinstance(err, KeyboardInterrupt) or playbook.interrupted():
+        if playbook.is_ctrl_c(err):
             print("\ninterrupted (Ctrl-C): nothing was recorded", file=sys.stderr)
             raise SystemExit(130) from None
         if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (an allocator failing: model, data, a step)

@@ -99,6 +99,12 @@ def interrupted() -> bool:
     return _CTRL_C["pressed"]
 
 
+def is_ctrl_c(err: BaseException) -> bool:
+    """Whether `err`, caught by a script's outermost handler, is a Ctrl-C: a KeyboardInterrupt, or any
+    error raised after the key press (`interrupted()`)."""
+    return isinstance(err, KeyboardInterrupt) or interrupted()
+
+
 def run_main(main, kept: str):
     """Run a script's `main()` and return what it returns; Ctrl-C from here on ends it with one line,
     "interrupted (Ctrl-C): <kept>" (say what was kept), and exit code 130."""
@@ -108,7 +114,7 @@ def run_main(main, kept: str):
     try:
         return main()
     except (KeyboardInterrupt, Exception) as err:
-        if not isinstance(err, KeyboardInterrupt) and not interrupted():
+        if not is_ctrl_c(err):
             raise  # an error of its own, not a Ctrl-C turned into one on its way up
     print(f"\ninterrupted (Ctrl-C): {kept}", file=sys.stderr, flush=True)
     raise SystemExit(130) from None

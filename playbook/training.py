@@ -617,8 +617,7 @@ def train(cfg) -> dict:
     try:
         return _train(cfg)
     except (KeyboardInterrupt, Exception) as err:
-        # (a Ctrl-C may reach here as another error: playbook.interrupted() tells)
-        if not isinstance(err, KeyboardInterrupt) and not playbook.interrupted():
+        if not playbook.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
             if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
                 raise SystemExit(oom_message(cfg, err)) from None
             raise
