@@ -1,6 +1,8 @@
 """Tests of TritonAdamW (adamw_kernel.py): steps against PyTorch's AdamW, one launch per group, state
-dicts and checkpoints, refusals, the training scripts' `--optimizer adamw-triton`, and capturable mode
-(step counts and rate on the device) with the CUDA graphs it exists for.
+dicts and checkpoints, refusals, the training scripts' `--optimizer adamw-triton`, capturable mode
+(step counts and rate on the device) with the CUDA graphs it exists for, and the roundings that keep
+updates smaller than half a bf16 ulp (stochastic, Kahan, fp32 master: `--optimizer-rounding`,
+`--master-weights`), whose statistical tolerances are derived where they are checked.
 
     $ python adamw_test.py       # a readable report
     $ pytest adamw_test.py
@@ -523,6 +525,8 @@ def test_command_line_refusals(monkeypatch):
         _config("--optimizer", "adamw-triton", script="finetune_trainer")
     assert info.value.code == 2
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # as torchrun sets them (parse_config checks)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(SystemExit) as info:
         _config("--optimizer", "adamw-triton")
     assert info.value.code == 2
@@ -538,6 +542,8 @@ def test_the_default_set_picks_the_triton_adamw_where_it_runs(monkeypatch):
     def optimizer(*argv, script="finetune_optimized", gpu=False, world=1):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
         monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("MASTER_ADDR", "localhost")  # as torchrun sets them (parse_config checks)
+        monkeypatch.setenv("MASTER_PORT", "29500")
         return parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv)).optimizer
 
     got = {
@@ -627,6 +633,7 @@ def test_ideal_bytes():
     assert ideal_bytes(n, torch.bfloat16, torch.float32) == 22 * n
     assert ideal_bytes(n, torch.float32) == 28 * n
     assert ideal_bytes(n, dtype=torch.bfloat16, backward=True) == 14 * n  # the benchmark's keywords
+    assert [ideal_bytes(n, rounding=r) for r in adamw_kernel.ROUNDINGS] == [14 * n, 14 * n, 18 * n, 20 * n]
     record(f"8B bf16: {14 * n:,} B = {14 * n / 4.27e12 * 1e3:.1f} ms at 4.27 TB/s", 0.0, 0.0, True)
 
 
@@ -642,6 +649,325 @@ def test_benchmark_entry_checks_and_measures():
     assert [r["impl"].split(" +")[0] for r in rows] == ["ours", "torch-fused", "torch-foreach"]
     assert all(r["fwd_bytes"] == ideal_bytes(case["n_params"], torch.bfloat16) for r in rows)
     assert bk.kernel_list("adamw") == ("adamw",) and bk.kernel_list("all") == bk.KERNEL_NAMES
+
+
+# ------------------------------------------------------------------------------------------------
+# Updates that stick: stochastic rounding, Kahan compensation, fp32 master weights (module docstring)
+# ------------------------------------------------------------------------------------------------
+ULP_NEAR_002 = 2.0**-13  # bf16's ulp for 2^-6 <= |w| < 2^-5, as for the docstring's w = 0.02: 1.22e-4
+SMALL_LR = 2.0**-17  # 7.6e-6: an eighth of half that ulp, lost by rounding to nearest; w - lr is exact in fp32
+
+
+def _bits(t):
+    """The fp32 bits of a bf16 or fp32 tensor (bf16's are their top 16), as non-negative int64."""
+    return t.detach().cpu().float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _near_002(n, seed=0):
+    """n bf16 weights of both signs with 0.019 <= |w| < 0.027: one ulp (2^-13) for all of them, and far enough
+    from 2^-6 and 2^-5 that some dozens of small steps, and their rounding noise, keep them there."""
+    g = torch.Generator().manual_seed(seed)
+    w = 0.019 + 0.008 * torch.rand(n, generator=g)
+    return torch.where(torch.rand(n, generator=g) < 0.5, -w, w).to(torch.bfloat16)
+
+
+def _signs(n, seed=1):
+    """Gradients of +1 and -1. With betas (0, 0), AdamW's update is then exactly lr * sign(g) (m = g, v = 1,
+    no bias correction, and 1 + eps is 1 in fp32), so the exact weight after S steps is w - S * lr * g."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).to(torch.bfloat16)
+
+
+def _exact_steps(rounding, w, grad, steps, lr=SMALL_LR, **kwargs):
+    """`steps` steps of lr * sign(grad) (see _signs) from w; the parameter and its state."""
+    p = w.to(DEVICE, copy=True)
+    opt = TritonAdamW([p], lr=lr, betas=(0.0, 0.0), weight_decay=0.0, rounding=rounding, **kwargs)
+    for _ in range(steps):
+        p.grad = grad.to(DEVICE)
+        opt.step()
+    return p, opt.state[p]
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_loses_every_step():
+    """32 steps of lr = 2^-17 on 8192 weights near 0.02: rounding to nearest loses every update; stochastic
+    rounding moves the weights by the exact 32 lr on average; Kahan's weight + compensation and the fp32
+    master are the exact weight, bit for bit (every value here is exact in fp32 and in the buffers)."""
+    n, steps = 8192, 32
+    w, grad = _near_002(n), _signs(n)
+    exact = w.double() - steps * SMALL_LR * grad.double()
+    nearest, _ = _exact_steps("nearest", w, grad, steps)
+    exactly("nearest: every update below half an ulp is lost", nearest, w)
+
+    p, _ = _exact_steps("stochastic", w, grad, steps, seed=3)
+    move = float(((w.double() - p.double().cpu()) * grad.double()).mean())  # along -g: 32 lr, exactly, on average
+    # Given all that came before it, a step's rounding error has mean 0 and variance q (1 - q) ulp^2 <= ulp^2 / 4
+    # (q: where the exact value lies between its two neighbours). A weight's error after S steps, the sum of
+    # its steps' errors, then has variance at most S ulp^2 / 4, and the mean of n weights, whose random bits are
+    # independent, at most S ulp^2 / (4 n): 5 of those standard deviations (3.8e-6 here; 8% of the move).
+    tol = 5 * ULP_NEAR_002 * (steps / (4 * n)) ** 0.5
+    err = abs(move - steps * SMALL_LR)
+    record(f"stochastic: mean move {move:.4e} (exact {steps * SMALL_LR:.4e}) over {n} weights", err, tol, err <= tol)
+    assert (p.cpu() != w).float().mean() > 0.5, "most weights must have moved by whole ulps"
+
+    kahan, state = _exact_steps("kahan", w, grad, steps)
+    exactly("kahan: weight + compensation == the exact weight", kahan.double() + state["kahan_comp"].double(),
+            exact.to(DEVICE))
+    assert (kahan.double() - exact.to(DEVICE)).abs().max() <= ULP_NEAR_002 / 2, "the model's weight: nearest to it"
+    master_p, state = _exact_steps("fp32-master", w, grad, steps)
+    exactly("fp32-master: the master == the exact weight", state["master_param"].double(), exact.to(DEVICE))
+    exactly("fp32-master: the weight is the master rounded to nearest", master_p,
+            state["master_param"].to(torch.bfloat16))
+
+
+def test_stochastic_rounding_picks_a_bf16_neighbour_with_the_right_odds():
+    """One step on 65536 weights spread over many binades: each new weight is one of the two bf16 neighbours of
+    the exact fp32 value, the one away from zero as often as where the value lies between them says."""
+    n, lr = 65536, 3e-5
+    g = torch.Generator().manual_seed(5)
+    w, grad = (0.05 * torch.randn(n, generator=g)).to(torch.bfloat16), _signs(n, seed=6)
+    p, _ = _exact_steps("stochastic", w, grad, 1, lr=lr)
+    x = w.float() - torch.tensor(lr, dtype=torch.float32) * grad.float()  # the kernel's fp32 value (see _signs)
+    xb, pb = _bits(x), _bits(p)
+    low = xb & 0xFFFF  # where x lies between its neighbours, in 2^-16 ulps
+    toward_zero = xb - low  # the neighbour toward zero (x's top 16 bits), and the one away from it
+    away = (pb == toward_zero + 0x10000) & (low != 0)
+    neighbour = (pb == toward_zero) | away
+    record(f"stochastic: {int(neighbour.sum())} of {n} values are a bf16 neighbour of the fp32 value", 0.0, 0.0,
+           bool(neighbour.all()))
+    # Each value goes away from zero with probability q = low / 2^16, independently: the number that do has
+    # mean sum(q) and variance sum(q (1 - q)); 5 standard deviations
+    q = low.double() / 65536
+    err, tol = abs(float(away.sum() - q.sum())), 5 * float((q * (1 - q)).sum()) ** 0.5
+    record(f"stochastic: {int(away.sum())} rounded away from zero, {float(q.sum()):.0f} expected", err, tol, err <= tol)
+
+
+def test_stochastic_rounding_draws_new_bits_each_step(monkeypatch):
+    """Capturable mode, as a replayed CUDA graph runs it: the same weights, gradients and rate at every call,
+    only the step count on the device advancing. Each count draws its own bits (so successive calls round
+    differently), the same count the same bits (a resumed run draws what the uninterrupted one drew), without
+    reading anything on the host; two parameters with the same values draw different bits (each its own salt),
+    a different seed other bits; and the host path, which hashes its CPU count, draws the very same ones."""
+    n, lr = 9000, 3e-5  # two of the interpreter's blocks, the second one masked
+    g = torch.Generator().manual_seed(8)
+    w, grad = (0.05 * torch.randn(n, generator=g)).to(torch.bfloat16), _signs(n, seed=9)
+
+    def calls(counts, capturable=True, seed=0):
+        params = [w.to(DEVICE, copy=True), w.to(DEVICE, copy=True)]
+        rate = torch.tensor(lr, device=DEVICE) if capturable else lr
+        opt = TritonAdamW(params, lr=rate, betas=(0.0, 0.0), weight_decay=0.0, rounding="stochastic",
+                          capturable=capturable, seed=seed)
+        out = []
+        for count in counts:
+            for p in params:
+                p.detach().copy_(w)  # the same inputs every time
+                p.grad = grad.to(DEVICE)
+                if p in opt.state:
+                    opt.state[p]["step"].fill_(count - 1)  # in place, as a graph's count is advanced
+            with monkeypatch.context() as trap:
+                if opt.state and capturable:  # (the first step builds the tables, from host lists)
+                    _refuse_host_reads(trap)
+                opt.step()
+            out.append([p.detach().clone() for p in params])
+        return out
+
+    x = w.float() - torch.tensor(lr, dtype=torch.float32) * grad.float()
+    q = (_bits(x) & 0xFFFF).double() / 65536
+    differ = 2 * q * (1 - q)  # the chance that two independent draws round an element differently
+
+    def check_independent(name, a, b):
+        # the number of elements rounded differently: mean sum(differ), variance sum(differ (1 - differ))
+        got, expected = float((a != b).sum()), float(differ.sum())
+        err, tol = abs(got - expected), 5 * float((differ * (1 - differ)).sum()) ** 0.5
+        record(f"{name}: {got:.0f} of {n} rounded differently ({expected:.0f} expected)", err, tol, err <= tol)
+
+    one, two, three, two_again = calls([1, 2, 3, 2])
+    check_independent("step 1 vs step 2", one[0], two[0])
+    check_independent("step 2 vs step 3", two[0], three[0])
+    check_independent("two parameters, same values", one[0], one[1])
+    check_independent("seed 0 vs seed 1", one[0], calls([1], seed=1)[0][0])
+    for i in range(2):
+        exactly(f"parameter {i}: step 2 again draws step 2's bits", two_again[i], two[i])
+    host = calls([1, 2, 3, 2], capturable=False)
+    for name, ours, theirs in zip(("1", "2", "3", "2 again"), (one, two, three, two_again), host):
+        for i in range(2):
+            exactly(f"capturable == host path, step {name}, parameter {i}", ours[i], theirs[i])
+
+
+def test_kahan_tracks_the_fp32_master_where_nearest_drifts():
+    """AdamW as the scripts run it (betas 0.9/0.999, weight decay, noisy gradients of a steady sign) for 32 steps
+    of lr 1e-5 on 8192 weights near 0.02, each update under half an ulp: the fp32 master weights move several
+    ulps, rounding to nearest none at all, and Kahan's weight + compensation stays within a small fraction of
+    an ulp of the fp32 master, its bf16 weight within half an ulp (plus that)."""
+    n, steps, lr = 8192, 32, 1e-5
+    w = _near_002(n, seed=10)
+    g = torch.Generator().manual_seed(11)
+    sign = _signs(n, seed=12).float()
+    grads = [(sign * (1 + 0.5 * torch.randn(n, generator=g))).to(torch.bfloat16) for _ in range(steps)]
+
+    def run(rounding):
+        p = w.to(DEVICE, copy=True)
+        opt = TritonAdamW([p], lr=lr, weight_decay=0.1, rounding=rounding)
+        for grad in grads:
+            p.grad = grad.to(DEVICE)
+            opt.step()
+        return p.double().cpu(), {k: v.cpu() for k, v in opt.state[p].items()}
+
+    _, master_state = run("fp32-master")
+    master = master_state["master_param"].double()
+    moved = float((master - w.double()).abs().mean()) / ULP_NEAR_002
+    nearest, _ = run("nearest")
+    exactly(f"nearest: no weight moved (the fp32 master moved {moved:.1f} ulps on average)", nearest, w.double())
+    assert moved > 2, "the updates must add up to whole ulps, or the test shows nothing"
+    kahan, kahan_state = run("kahan")
+    # Each step rounds the compensation c (|c| <= ulp / 2) to bf16, which is off by at most 2^-8 |c| <= 2^-9 ulp.
+    # Kahan's fp32 roundings of w + c, of the decay and of the update, and the master's of the last two, each
+    # at most half an fp32 ulp (2^-16 bf16 ulps here) and five of them, add less than 2^-13 ulp. S steps:
+    tol = steps * (2.0**-9 + 2.0**-13) * ULP_NEAR_002
+    err = float((kahan + kahan_state["kahan_comp"].double() - master).abs().max())
+    record(f"kahan: weight + compensation vs the fp32 master, {steps} steps", err, tol, err <= tol)
+    err = float((kahan - master).abs().max())
+    record("kahan: the bf16 weight vs the fp32 master (half an ulp)", err, ULP_NEAR_002 / 2 + tol,
+           err <= ULP_NEAR_002 / 2 + tol)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "fp32-master"])
+def test_rounding_state_dict_round_trip_is_exact(rounding):
+    """2 steps, save (through a file), load into a fresh optimizer, 2 more == 4 steps straight, bit for bit:
+    the Kahan compensation and the fp32 master are saved and loaded (the master as fp32: PyTorch's loader
+    would round it to bf16), and stochastic rounding's bits depend on the seed and counts only."""
+    shapes = SHAPES[:5]  # small: the interpreter's time goes to the 70001-element tensor
+    start, grads = _start(shapes), _gradients(shapes, STEPS)
+    make = functools.partial(TritonAdamW, rounding=rounding, seed=11)
+    dtypes = (torch.bfloat16,)
+    straight, opt_straight = _train(make, start, grads, dtypes)
+    first, opt_first = _train(make, start, grads, dtypes, steps=range(2))
+    saved = _through_a_file(opt_first.state_dict())
+    params = [p.detach().clone() for p in first]
+    opt = make(_groups(params))
+    opt.load_state_dict(saved)
+    buffer = adamw_kernel._BUFFERS.get(rounding)
+    for p, old in zip(params, first):
+        if buffer and old in opt_first.state:
+            loaded = opt.state[p][buffer]
+            assert loaded.dtype == opt_first.state[old][buffer].dtype, (buffer, loaded.dtype)
+            exactly(f"{rounding}: {buffer} {list(p.shape)} loaded as saved", loaded, opt_first.state[old][buffer])
+    resumed, opt = _train(make, start, grads, dtypes, steps=range(2, STEPS), opt=opt, params=params)
+    for a, b in zip(resumed, straight):
+        exactly(f"{rounding}: resumed {list(a.shape)} param", a, b)
+        if b in opt_straight.state:
+            assert opt.state[a].keys() == opt_straight.state[b].keys()
+            for key in opt_straight.state[b]:
+                exactly(f"{rounding}: resumed {list(a.shape)} {key}", opt.state[a][key], opt_straight.state[b][key])
+
+
+def test_a_checkpoint_of_another_rounding_loads():
+    """Each optimizer keeps its own rounding: a buffer the checkpoint lacks starts from the weights (a zero
+    compensation, a master equal to the bf16 weight); one this rounding does not use is dropped, so that a
+    stale fp32 master cannot come back at a later resume."""
+    p0 = torch.randn(33, 7, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.bfloat16)
+    grad = torch.randn(33, 7, generator=torch.Generator().manual_seed(13)).to(DEVICE, torch.bfloat16)
+    saved = {}
+    for rounding in adamw_kernel.ROUNDINGS:
+        p = p0.clone()
+        opt = TritonAdamW([p], lr=1e-2, rounding=rounding)
+        p.grad = grad
+        opt.step()
+        saved[rounding] = (p, _through_a_file(opt.state_dict()))
+    for (before, after) in (("nearest", "kahan"), ("fp32-master", "kahan"), ("kahan", "nearest"),
+                            ("kahan", "fp32-master"), ("fp32-master", "stochastic")):
+        p = saved[before][0].clone()
+        opt = TritonAdamW([p], lr=1e-2, rounding=after)
+        opt.load_state_dict(saved[before][1])
+        assert opt.param_groups[0]["rounding"] == after, "the optimizer's own rounding, not the checkpoint's"
+        assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}, (before, after, set(opt.state[p]))
+        p.grad = grad
+        opt.step()
+        assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} | (
+            {adamw_kernel._BUFFERS[after]} if after in adamw_kernel._BUFFERS else set()), (before, after)
+    record("a checkpoint of each rounding loads into another: buffers made or dropped", 0.0, 0.0, True)
+
+
+def test_rounding_refusals():
+    """Only bf16 weights lose updates to rounding: stochastic and Kahan rounding refuse other dtypes, the fp32
+    master refuses fp32 weights; an unknown rounding is refused when the optimizer is made."""
+    expect_error(ValueError, lambda: TritonAdamW([torch.zeros(3, device=DEVICE)], rounding="up"))
+    for rounding, dtype in (("stochastic", torch.float32), ("kahan", torch.float16), ("fp32-master", torch.float32)):
+        p = torch.zeros(5, device=DEVICE, dtype=dtype)
+        p.grad = torch.ones_like(p)
+        assert rounding in expect_error(ValueError, TritonAdamW([p], rounding=rounding).step)
+    p = torch.zeros(5, device=DEVICE, dtype=torch.float16)  # fp16 and an fp32 master: allowed
+    p.grad = torch.ones_like(p)
+    opt = TritonAdamW([p], lr=1e-3, rounding="fp32-master")
+    opt.step()
+    exactly("fp16 + fp32 master: the weight is the master rounded", p, opt.state[p]["master_param"].half())
+
+
+def test_rounding_options_on_the_command_line(monkeypatch, capsys):
+    """--optimizer-rounding and --master-weights: the default unchanged (nearest, and PyTorch's AdamW on a CPU);
+    either one asks for the Triton AdamW and reaches it through make_optimizer (in backward, with a seed per
+    parameter); a combination that makes no sense is refused with one line and exit code 2."""
+    cfg = _config()
+    assert (cfg.optimizer_rounding, cfg.master_weights, cfg.optimizer) == ("nearest", "none", "adamw-foreach")
+    model = models.build_preset("llama-tiny", 1, DEVICE, torch.bfloat16)
+    for argv, rounding in ((["--optimizer-rounding", "stochastic"], "stochastic"),
+                           (["--optimizer-rounding", "kahan", "--optimizer", "adamw-triton"], "kahan"),
+                           (["--master-weights", "fp32"], "fp32-master")):
+        cfg = _config(*argv, "--seed", "5")
+        assert cfg.optimizer == "adamw-triton" and training.weight_rounding(cfg) == rounding, argv
+        opt = training.make_optimizer(model, cfg)
+        assert isinstance(opt, TritonAdamW)
+        assert all(g["rounding"] == rounding and g["seed"] == 5 for g in opt.param_groups)
+    opt = training.make_optimizer(model, _config("--optimizer-rounding", "stochastic", "--optimizer-in-backward"))
+    seeds = [g["seed"] for g in opt.param_groups]
+    assert all(g["rounding"] == "stochastic" for g in opt.param_groups) and len(set(seeds)) == len(seeds)
+
+    def refused(*argv, script="finetune_optimized", gpu=False, world=1):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("MASTER_ADDR", "localhost")  # as torchrun sets them (parse_config checks)
+        monkeypatch.setenv("MASTER_PORT", "29500")
+        with pytest.raises(SystemExit) as info:
+            if script == "distill":
+                import distill
+
+                distill.parse_args(list(argv))
+            else:
+                _config(*argv, script=script)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        return err
+
+    assert "Triton AdamW" in refused("--optimizer-rounding", "stochastic", "--optimizer", "adamw-foreach")
+    assert "Triton AdamW" in refused("--optimizer-rounding", "kahan", "--optimizer", "adamw-fused", gpu=True)
+    assert "Triton AdamW" in refused("--master-weights", "fp32", "--optimizer", "adamw-fused", gpu=True)
+    assert "give one of them" in refused("--optimizer-rounding", "kahan", "--master-weights", "fp32")
+    assert "fp32" in refused("--optimizer-rounding", "stochastic", "--lora-r", "4")
+    assert "Trainer" in refused("--optimizer-rounding", "stochastic", script="finetune_trainer")
+    assert "FSDP2" in refused("--master-weights", "fp32", gpu=True, world=2)
+    assert "float32" in refused("--dtype", "float32", "--optimizer-rounding", "kahan", script="distill")
+    record("--optimizer-rounding / --master-weights: 8 combinations refused (exit code 2, one line)", 0.0, 0.0, True)
+
+
+def test_training_script_resumes_a_kahan_run_exactly(tmp_path):
+    """finetune_optimized --optimizer-rounding kahan: 3 steps straight == 1 step, a checkpoint (playbook/checkpoint.py)
+    and a resumed run of 2, bit for bit: weights, losses and optimizer state, the compensation included."""
+    from playbook import checkpoint
+
+    args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer-rounding", "kahan", "--steps", "3",
+            "--timing-warmup-steps", "1", "--lr", "1e-4", "--kernels", "none", "--batch-size", "2", "--seq-len", "16"]
+    whole = _run(*args, "--output-dir", str(tmp_path / "whole"), "--save-every", "1", tag="test_adamw_kahan_whole")
+    resumed = _run(*args, "--output-dir", str(tmp_path / "resumed"), "--resume",
+                   str(tmp_path / "whole" / "checkpoint-1"), tag="test_adamw_kahan_resumed")
+    assert whole["optimizer"] == "adamw-triton, Kahan-compensated" and whole["config"]["optimizer_rounding"] == "kahan"
+    assert resumed["losses"] == whole["losses"], (resumed["losses"], whole["losses"])
+    a, b = tmp_path / "whole" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3"
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    saved_a, saved_b = checkpoint._read_state(a)["optimizer"]["state"], checkpoint._read_state(b)["optimizer"]["state"]
+    assert saved_a.keys() == saved_b.keys() and all("kahan_comp" in s for s in saved_a.values())
+    assert any(s["kahan_comp"].abs().max() > 0 for s in saved_a.values()), "the compensation holds something"
+    for i in saved_a:
+        for key in saved_a[i]:
+            exactly(f"checkpoint-3 optimizer state {i} {key}", saved_b[i][key], saved_a[i][key])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -850,6 +1176,41 @@ def test_gpu_two_captures_in_a_row():
         ref.grad = grads[i]
         ref_opt.step()
         _gpu_steps_match(f"gradient {i}", [p], opt, [ref], ref_opt)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan", "fp32-master"])
+def test_gpu_rounding_replays_in_a_cuda_graph(rounding):
+    """A capturable step with each rounding, captured after one eager step and replayed with new gradients:
+    each replay gives the host path's eager step bit for bit, the rounding's buffer included. Stochastic
+    rounding: the count the replay advances on the device picks its bits, so replays draw what eager steps
+    with those counts draw (and not the captured step's bits again)."""
+    g = torch.Generator().manual_seed(14)
+    p = (0.02 * torch.randn(300, 257, generator=g)).to(DEVICE, torch.bfloat16)  # 77100 elements: two chunks
+    grads = [torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16) for _ in range(4)]
+    ref = p.clone()
+    static_grad = torch.zeros_like(p)
+    opt = TritonAdamW([p], lr=torch.tensor(1e-4, device=DEVICE), rounding=rounding, capturable=True, seed=2)
+    ref_opt = TritonAdamW([ref], lr=_fp32(1e-4), rounding=rounding, seed=2)
+
+    def expect(i, tag):
+        ref.grad = grads[i]
+        ref_opt.step()
+        exactly(f"{rounding}, {tag}: param", p, ref)
+        for key in ref_opt.state[ref]:
+            exactly(f"{rounding}, {tag}: {key}", opt.state[p][key].cpu(), ref_opt.state[ref][key].cpu())
+
+    p.grad = static_grad  # one gradient tensor, refilled before each replay
+    static_grad.copy_(grads[0])
+    opt.step()  # eager: the states, the buffer and the table
+    expect(0, "eager step 1")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for i in range(1, len(grads)):
+        static_grad.copy_(grads[i])
+        graph.replay()
+        expect(i, f"replay {i} (step {i + 1})")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a GPU copy of a checkpoint's step count needs a CUDA GPU")

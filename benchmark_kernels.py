@@ -91,6 +91,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from playbook.gpu_arch import describe as describe_arch, device_capability  # noqa: E402
 from playbook import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
 import adamw_kernel  # noqa: E402
 import cross_entropy_kernel  # noqa: E402
@@ -1188,11 +1189,11 @@ def token_counts(spec: str) -> list:
 
 
 def gpu_arch() -> str:
-    """'Hopper, sm_90': the architecture and compute capability of the current GPU."""
-    major, minor = torch.cuda.get_device_capability()
-    name = {(7, 0): "Volta", (7, 5): "Turing", (8, 9): "Ada"}.get((major, minor)) \
-        or {8: "Ampere", 9: "Hopper", 10: "Blackwell", 11: "Blackwell", 12: "Blackwell"}.get(major, "unknown")
-    return f"{name}, sm_{major}{minor}"
+    """'Hopper, sm_90', 'Blackwell, datacenter, sm_103': the architecture and compute capability of the
+    current GPU (the family from playbook.gpu_arch, which tells a GB300 from an RTX 5090)."""
+    major, minor = device_capability(torch.cuda.current_device())
+    older = {(7, 0): "Volta", (7, 5): "Turing", (8, 9): "Ada"}.get((major, minor)) or {8: "Ampere"}.get(major)
+    return f"{older}, sm_{major}{minor}" if older else describe_arch((major, minor))
 
 
 def run_tag(gpu: str, smoke: bool, kernels: tuple, dtype: str, sizes: list | None) -> str:
@@ -1218,6 +1219,50 @@ def release_memory():
         torch.cuda.empty_cache()
 
 
+# ---- FP8 crossover: where an FP8 projection starts to pay ------------------------------------------
+# (tokens, in_features, out_features): SmolLM2-135M's projections at 8 x 512 tokens, widths between, and
+# LLaMA 3.1 8B's at 8 x 512 and 4 x 2048 tokens
+CROSSOVER_SHAPES = tuple((m, k, n) for m in (4096, 8192) for k, n in (
+    (576, 192), (576, 576), (576, 1536), (1536, 576), (1024, 1024), (1024, 4096), (2048, 2048), (2048, 512),
+    (4096, 1024), (4096, 4096), (4096, 14336), (14336, 4096)))
+
+
+def fp8_crossover(recipes=("rowwise", "tensorwise")) -> int:
+    """Time one projection's forward and backward (dx and dW) as a bf16 nn.Linear and as a Float8Linear
+    of each recipe, captured as CUDA graphs (the training step replays one, so launch costs do not count),
+    over CROSSOVER_SHAPES; prints the table and saves results/fp8_crossover_<gpu>.json. fp8_linear_kernel's
+    size rule (FP8_MIN_WIDTH) is read off these rows."""
+    import json
+
+    import fp8_linear_kernel as f8
+
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    print(f"{gpu}: one projection, forward + backward, CUDA graph replays; us per call (median)")
+    print(f"{'tokens':>7} {'in':>6} {'out':>6} {'width':>6} {'bf16':>9} " + " ".join(f"{r:>12}" for r in recipes))
+    for m, k, n in CROSSOVER_SHAPES:
+        g = _generator(m, k, n)
+        x = torch.randn(m, k, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+        dy = torch.randn(m, n, generator=g).to(DEVICE, torch.bfloat16)
+        base = torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16)
+        with torch.no_grad():
+            base.weight.copy_(torch.randn(n, k, generator=g) * k ** -0.5)
+        row = dict(tokens=m, in_features=k, out_features=n, width=f8.harmonic_width(k, n))
+        (row["bf16_us"], _, _), _ = timed_graph(lambda: base(x).backward(dy), grads=(x, base.weight))
+        for r in recipes:
+            layer = f8.Float8Linear.from_linear(base, recipe=r)
+            (us, _, _), _ = timed_graph(lambda: layer(x).backward(dy), grads=(x, base.weight))
+            row[f"{r}_us"] = us
+        rows.append(row)
+        print(f"{m:>7} {k:>6} {n:>6} {row['width']:>6.0f} {row['bf16_us']:>9.1f} "
+              + " ".join(f"{row[f'{r}_us']:>7.1f} {row['bf16_us'] / row[f'{r}_us']:>3.2f}x" for r in recipes), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"fp8_crossover_{gpu.replace(' ', '_')}.json"
+    path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, rows=rows), indent=1) + "\n")
+    print(f"Saved {path.relative_to(RESULTS.parent)}")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", type=kernel_list, default=KERNEL_NAMES, metavar="NAMES",
@@ -1229,7 +1274,14 @@ def main():
                    help="comma-separated token counts (replace the default sweeps, at the LLaMA widths)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: runs the harness end to end, even on a CPU")
     p.add_argument("--tune", action="store_true", help="sweep our kernels' launch settings at LLaMA shapes")
+    p.add_argument("--fp8-crossover", action="store_true",
+                   help="time one projection in bf16 and in FP8 over widths from SmolLM2's to LLaMA 8B's (GPU)")
     args = p.parse_args()
+    if args.fp8_crossover:
+        if not ON_GPU:
+            print("--fp8-crossover times FP8 matmuls, which need a CUDA GPU", file=sys.stderr)
+            return 2
+        return fp8_crossover()
     dtype = DTYPES[args.dtype]
     # every flag given must act: --smoke has its own tiny cases, --tune its own RMSNorm sweep
     if args.smoke and args.sizes:

@@ -580,6 +580,15 @@ def test_bad_options_give_clear_errors(options, words):
     assert words in message
 
 
+def test_meta_tensors_give_shapes():
+    """Logits and targets on the meta device have no data to launch on: the operators' fake functions
+    give the loss's and the gradient's shapes."""
+    logits = torch.randn(2, 3, 30, device="meta", requires_grad=True)
+    loss = cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long, device="meta"))
+    loss.backward()
+    assert (loss.device.type, loss.shape, logits.grad.shape) == ("meta", (), logits.shape)
+
+
 # ---------------------------------------------------------------------------- drop-in module
 # TritonCrossEntropyLoss against torch.nn.CrossEntropyLoss built with the same arguments, on the
 # same inputs: PyTorch's module in the input's dtype ("same") and in float64 ("ref"), loss and

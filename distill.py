@@ -164,9 +164,18 @@ class DistillConfig:
             flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
             whys = "; ".join(why for _, why in given if why)
             raise usage_error(f"distill.py does not use {flags}" + (f" ({whys})" if whys else ""))
+        if a.dtype == "float32" and (a.optimizer_rounding != "nearest" or a.master_weights != "none"):
+            raise usage_error("--optimizer-rounding and --master-weights keep the updates that rounding to bf16 "
+                              "loses; the student's weights are float32 (--dtype float32), which lose none")
         gpu = torch.cuda.is_available()
-        return cls(mode=a.mode, teacher=a.teacher or ("llama-3.1-8b" if gpu else "llama-tiny"),
-                   student=a.student or ("llama-3.2-1b" if gpu else "llama-tiny-student"),
+        teacher = a.teacher or ("llama-3.1-8b" if gpu else "llama-tiny")
+        student = a.student or ("llama-3.2-1b" if gpu else "llama-tiny-student")
+        for flag, name, layers in (("--teacher-layers", teacher, a.teacher_layers),
+                                   ("--student-layers", student, a.student_layers)):
+            has = (STUDENTS.get(name) or PRESETS.get(name) or {}).get("num_hidden_layers")  # a preset's; else on load
+            if layers and has and layers > has:
+                raise usage_error(f"{flag} {layers}: {name} has only {has} layer{'s' if has > 1 else ''}")
+        return cls(mode=a.mode, teacher=teacher, student=student,
                    teacher_layers=a.teacher_layers, student_layers=a.student_layers, dtype=a.dtype,
                    alpha=a.alpha, beta=a.beta, temperature=a.temperature)
 

@@ -129,12 +129,22 @@ Everything above is the default recipe, `rowwise`. `RECIPES` names the others (`
 docs/fp8.md compares them): `rowwise-bf16-dgrad` (dx = dy W as a bf16 matmul), `rowwise-bf16-ends`
 (the first and last 2 decoder layers left as nn.Linear), `tensorwise` (one scale per tensor),
 `blockwise` (DeepSeek-V3's 1x128 blocks of activations and gradients, 128x128 tiles of weights) and
-`mxfp8` (OCP MX: 1x32 blocks with power-of-two scales, Blackwell's format; its reference runs on the
-CPU, GPUs refuse it until a kernel exists). A block scale needs no pass of its own: every block lies
-inside one 128 x 128 tile, so one kernel (`_quantize_tiles`) reads each tile once, finds its maxima
-per row, per column or over the tile, and writes both FP8 layouts with their scales: a block-scaled
-tensor costs one read where a row-and-column-scaled one costs two. One scale per tensor needs the
-tensor's maximum first (the row kernel's column maxima: one read), then the same tile kernel.
+`mxfp8` (OCP MX: 1x32 blocks with power-of-two scales, Blackwell's format: quantized in plain PyTorch,
+`quantize_mx_ref`, as no kernel exists yet; multiplied by torch._scaled_mm's MXFP8 matmul on Blackwell
+and from the dequantized operands on the CPU; Hopper refuses it). A block scale needs no pass of its
+own: every block lies inside one 128 x 128 tile, so one kernel (`_quantize_tiles`) reads each tile
+once, finds its maxima per row, per column or over the tile, and writes both FP8 layouts with their
+scales: a block-scaled tensor costs one read where a row-and-column-scaled one costs two. One scale
+per tensor needs the tensor's maximum first (the row kernel's column maxima: one read), then the same
+tile kernel.
+
+LoRA: a frozen weight kept in FP8
+---------------------------------
+Under LoRA the base weight never changes: `store_frozen_weights` (after peft has wrapped the layers)
+quantizes each frozen weight once, per row, and keeps only that copy, 1 byte per parameter plus one
+fp32 scale per row, instead of 2 bytes in bf16 re-quantized every step (6 bytes of traffic). The
+forward uses it as above; dx = dy W folds W's row scales into dy's row quantization, so the same copy
+serves it (the section "A frozen weight kept in FP8" below counts the bytes). There is no dW.
 
 Layout of this file: kernels -> launchers -> custom ops -> the hand-off and the autograd.Functions ->
 functional API -> module and `patch_model` -> references.
@@ -142,11 +152,13 @@ functional API -> module and `patch_model` -> references.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from playbook import gpu_arch
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
 from playbook.model_families import family_classes, model_type
@@ -270,10 +282,13 @@ def _load_rows(X, rows, cols, col_ok, stride_x, M):
 
 @triton.jit
 def _rows_block(X, Q, Scale, x, rows, cols, col_ok, col_max, M, K, WRITE_ROWS: tl.constexpr, COL_MAX: tl.constexpr,
-                ROUND_IN_SOFTWARE: tl.constexpr):
-    """One loaded block of whole rows: quantize and store it, fold it into the column maxima."""
+                ROUND_IN_SOFTWARE: tl.constexpr, col_scale=None, COL_SCALE: tl.constexpr = False):
+    """One loaded block of whole rows (times `col_scale` per column if COL_SCALE): quantize and store it,
+    fold it into the column maxima."""
     row_ok = rows < M
     xf = x.to(tl.float32)
+    if COL_SCALE:
+        xf = xf * col_scale[None, :]
     a = tl.abs(xf)
     if COL_MAX:
         col_max = tl.maximum(col_max, tl.max(a, axis=0))
@@ -299,6 +314,8 @@ def _quantize_rows(
     COL_MAX: tl.constexpr,  # also write the maxima of |x| per column over this program's rows
     PREFETCH: tl.constexpr,  # load the next block of rows before working on this one
     ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+    ColScale=None,  # pointer to [K] fp32 factors: x * ColScale[None, :] is quantized instead of x (COL_SCALE)
+    COL_SCALE: tl.constexpr = False,  # (a frozen FP8 weight's row scales folded into dy: `frozen_input_grad`)
 ):
     # Persistent: program p takes row blocks p, p + n_programs, ... and keeps a running maximum of
     # each column in registers, written once at the end: n_programs x K partial maxima, reduced by a
@@ -308,6 +325,9 @@ def _quantize_rows(
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
     col_max = tl.zeros([BLOCK_K], dtype=tl.float32)
+    col_scale = col_max
+    if COL_SCALE:
+        col_scale = tl.load(ColScale + cols, mask=col_ok, other=0.0)  # read once per program
     n_blocks = tl.cdiv(tl.cdiv(M, ROWS) - pid, n_programs)
     if PREFETCH:
         # Register double buffering: the next block's loads are in flight while this block's row
@@ -320,13 +340,13 @@ def _quantize_rows(
             rows = (pid + (i + 1) * n_programs) * ROWS + tl.arange(0, ROWS)
             x = _load_rows(X, rows, cols, col_ok, stride_x, M)
             col_max = _rows_block(X, Q, Scale, this_x, this_rows, cols, col_ok, col_max, M, K, WRITE_ROWS, COL_MAX,
-                                  ROUND_IN_SOFTWARE)
+                                  ROUND_IN_SOFTWARE, col_scale, COL_SCALE)
     else:
         for i in range(0, n_blocks):
             rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
             x = _load_rows(X, rows, cols, col_ok, stride_x, M)
             col_max = _rows_block(X, Q, Scale, x, rows, cols, col_ok, col_max, M, K, WRITE_ROWS, COL_MAX,
-                                  ROUND_IN_SOFTWARE)
+                                  ROUND_IN_SOFTWARE, col_scale, COL_SCALE)
     if COL_MAX:
         tl.store(ColMax + pid * K + cols, col_max, mask=col_ok)
 
@@ -437,6 +457,28 @@ def _quantize_tiles(
 
 
 
+# A frozen weight kept in FP8 is multiplied column-major in backward (dx = dy W: the section "A frozen
+# weight kept in FP8" below): its bytes, transposed. One [BLOCK_N, BLOCK_K] tile per program, read with
+# the input's rows contiguous and written with the output's rows contiguous: 1 byte read and 1 written
+# per element. (PyTorch's general strided copy, `q.t().contiguous()`, walks one side a column at a
+# time, one byte per 32-byte memory sector unless the cache keeps the rest; the two are not compared on
+# a GPU yet.)
+@triton.jit
+def _transpose_bytes(
+    Q,  # pointer to the input, [N, K] bytes (an FP8 tensor viewed as uint8), contiguous
+    QT,  # pointer to the output, [K, N] bytes, contiguous
+    N,  # rows of Q
+    K,  # columns of Q
+    BLOCK_N: tl.constexpr,  # tile rows (the contiguous dimension of the output)
+    BLOCK_K: tl.constexpr,  # tile columns
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tile = tl.load(Q + rows[:, None] * K + cols[None, :], mask=(rows < N)[:, None] & (cols < K)[None, :])
+    # Triton moves the tile through shared memory, so that both the loads and the stores stay coalesced
+    tl.store(QT + cols[:, None] * N + rows[None, :], tl.trans(tile), mask=(cols < K)[:, None] & (rows < N)[None, :])
+
+
 # The SwiGLU backward of a joined gate/up projection (`swiglu_kernel._swiglu_bwd`, packed), which also
 # takes both maxima of the gradient it writes, d gate_up [N, 2I], for that projection's FP8 backward.
 # A scale is the largest |value| of its row or column, so quantizing a tensor someone else wrote takes
@@ -537,6 +579,14 @@ ROW_ELEMENTS, ROW_WARPS, ROW_PROGRAMS_PER_SM = 16384, 4, 2  # rows of up to 2048
 # double-buffered (724.4 against 340.9 us with 16 warps): they keep the single loop.
 PREFETCH_LAUNCH = {4096: (2, 8, 2), 8192: (1, 8, 2), 16384: (1, 16, 1)}
 COL_BLOCK_M, COL_BLOCK_K, COL_NUM_WARPS = 128, 128, 4
+# None of these settings depends on the GPU generation, and none is sized to Hopper's 228 KB of shared
+# memory per SM. Triton 3.9 compiles the quantizers to the same shared memory per program for sm_90,
+# sm_100, sm_103 and sm_120: 32 KB for the transposing kernel (16 KB when it also writes the row copy),
+# 16 KB for the tile kernel, 4 to 8 KB for the row kernel. Consumer Blackwell's 99 KB per block holds
+# each; its 100 KB per SM holds three transposing programs at a time (Hopper: seven), each with a 32 KB
+# tile of loads in flight. The persistent row kernel asks at most 16 warps per SM, within the 48
+# resident warps of consumer Blackwell (64 elsewhere). tests/blackwell_test.py checks both limits;
+# the speed of these settings on Blackwell is not measured.
 
 
 def row_launch(block_k: int, sms: int) -> tuple[int, int, int]:
@@ -561,16 +611,22 @@ def padded(m: int) -> int:
     return (m + ALIGN - 1) // ALIGN * ALIGN
 
 
-def quantize_rows(x2: torch.Tensor, write_rows: bool = True, col_max: bool = False):
+def quantize_rows(x2: torch.Tensor, write_rows: bool = True, col_max: bool = False,
+                  col_scale: torch.Tensor | None = None):
     """One read of a 2-D [M, K] tensor (unit stride along K).
 
     Returns (q [M, K] float8_e4m3fn, scale [M] fp32), with x ~= q * scale[:, None], if `write_rows`
     (else two empty tensors), and the column maxima of |x| [K] (what `quantize_cols` needs) if
-    `col_max` (else None).
+    `col_max` (else None). `col_scale` ([K] fp32, contiguous): quantize x * col_scale[None, :] (an
+    fp32 product, taken in registers) instead of x; the maxima are then those of the product.
     """
     M, K = x2.shape
     if not 1 <= K <= MAX_COLS:
         raise ValueError(f"rows of 1 to {MAX_COLS} elements can be quantized, got {K}")
+    if col_scale is not None and (col_scale.shape != (K,) or col_scale.dtype != torch.float32
+                                  or not col_scale.is_contiguous()):
+        raise ValueError(f"col_scale must be a contiguous [{K}] fp32 tensor, got {tuple(col_scale.shape)} "
+                         f"{col_scale.dtype}")
     q = torch.empty((M, K) if write_rows else (0,), dtype=FP8_DTYPE, device=x2.device)
     scale = torch.empty(M if write_rows else 0, dtype=torch.float32, device=x2.device)
     block_k = next_power_of_2(K)
@@ -585,7 +641,8 @@ def quantize_rows(x2: torch.Tensor, write_rows: bool = True, col_max: bool = Fal
     _quantize_rows[(n_programs,)](
         x2, q, scale, partial, x2.stride(0), M, K,
         ROWS=rows, BLOCK_K=block_k, WRITE_ROWS=write_rows, COL_MAX=col_max, PREFETCH=prefetch,
-        ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
+        ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, ColScale=scale if col_scale is None else col_scale,
+        COL_SCALE=col_scale is not None, num_warps=num_warps,
     )
     return q, scale, (partial.amax(dim=0) if col_max else None)  # a deterministic max over programs
 
@@ -625,6 +682,27 @@ def _launch_cols(x2: torch.Tensor, col_max: torch.Tensor, row_max: torch.Tensor 
     return q, row_scale, qt, scale
 
 
+TRANSPOSE_BLOCK, TRANSPOSE_WARPS = 128, 4  # the transposing quantizer's tile and warps; not swept on its own
+
+
+def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] of a one-byte dtype (float8_e4m3fn) -> its transpose [K, N], contiguous: the same bytes as
+    `q.t().contiguous()`, one read and one write of each."""
+    if q.dim() != 2 or q.element_size() != 1:
+        raise ValueError(f"transpose_bytes takes a 2-D tensor of a one-byte dtype, got {q.dtype} {tuple(q.shape)}")
+    q = q.contiguous()
+    N, K = q.shape
+    qt = torch.empty((K, N), dtype=q.dtype, device=q.device)
+    if q.numel():
+        block_n = block_k = TRANSPOSE_BLOCK
+        if kernel_utils.INTERPRET:  # few, large programs: the interpreter pays per program
+            block_n, block_k = min(256, next_power_of_2(N)), min(256, next_power_of_2(K))
+        grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+        _transpose_bytes[grid](q.view(torch.uint8), qt.view(torch.uint8), N, K, BLOCK_N=block_n, BLOCK_K=block_k,
+                               num_warps=TRANSPOSE_WARPS)
+    return qt
+
+
 def quantize(x2: torch.Tensor, rows: bool = True, cols: bool = False):
     """Both quantizations of x [M, K] as asked: (q, row scales, qT, column scales), a layout not asked
     for as empty tensors. Rows alone read x once; columns read it twice (maxima, then the cast), and
@@ -651,14 +729,17 @@ def fast_accum_allowed(device: torch.device) -> bool:
     """Whether the forward matmul may use fast accumulation on this device.
 
     It is a Hopper (and Ada) setting: their FP8 tensor cores keep about 14 bits of the running sum
-    unless the matmul promotes it to fp32 now and then, which fast accumulation skips. Blackwell's
-    (sm_100, sm_103) accumulate in fp32 whatever the flag says, and PyTorch runs their row-wise
-    matmul through a different (CUTLASS) kernel: there the flag is left off. The CPU ignores it."""
+    unless the matmul promotes it to fp32 now and then, which fast accumulation skips. Data-centre
+    Blackwell (sm_100, sm_103) accumulates in fp32 whatever the flag says, and PyTorch runs its
+    row-wise matmul through a different (CUTLASS) kernel: there the flag is left off. Consumer
+    Blackwell (sm_120) and unrecognised GPUs leave it off too: off is the precise setting (the sum is
+    promoted to fp32), and no measurement there says the flag is both safe and faster. Decided by
+    family (`gpu_arch`), so 10.3 takes 10.0's setting. The CPU ignores it."""
     if device.type != "cuda":
         return True
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _fast_accum:
-        _fast_accum[index] = torch.cuda.get_device_capability(index) < (10, 0)
+        _fast_accum[index] = gpu_arch.device_family(index) in (gpu_arch.HOPPER, gpu_arch.OLDER)
     return _fast_accum[index]
 
 
@@ -756,6 +837,31 @@ def _scaled_mm_tiles_launch(a, a_scale, bt, bt_scale, b_tiles: bool, fast_accum:
     return torch._scaled_mm(a, bt.t(), sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)[:R]
 
 
+def mx_swizzled_scales(scales: torch.Tensor) -> torch.Tensor:
+    """MX block scales [R, S/32] (float8_e8m0fnu, one per 32 values of a row) in the layout cuBLAS reads
+    them in (cuBLAS docs, "1D block scaling factors layout"; PyTorch's SwizzleType.SWIZZLE_32_4_4): the
+    rows padded to a multiple of 128 and the blocks to a multiple of 4 (zero bytes: padding is never
+    multiplied with data), then each 128 x 4 tile stored as 32 x 16 bytes, row r of the tile at
+    [r % 32, (r // 32) * 4 + column]. Flat, contiguous."""
+    R, B = scales.shape
+    u = torch.nn.functional.pad(scales.view(torch.uint8), (0, -B % 4, 0, -R % 128))  # pad takes no e8m0
+    tiles = u.view(u.shape[0] // 128, 128, u.shape[1] // 4, 4).permute(0, 2, 1, 3)  # [row tile, block tile, 128, 4]
+    swizzled = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16)
+    return swizzled.flatten().view(torch.float8_e8m0fnu)
+
+
+def _scaled_mm_mx_launch(a, a_scale, bt, bt_scale) -> torch.Tensor:
+    """a [R, S] e4m3 @ b, bt [C, S] being b transposed and row-major, each with its MX scales [rows, S/32]
+    (e8m0, `quantize_mx_ref`): bf16 [R, C]. On a GPU, torch._scaled_mm's MXFP8 matmul (block-scaled
+    tensor cores: Blackwell), with both scales swizzled; on the CPU, the product of the dequantized
+    operands in fp32, rounded once to bf16 (the reference). `check_fp8_device` compares the two once
+    per GPU before training uses it (`_probe_scaled_mm`)."""
+    if a.device.type == "cpu":
+        return (dequantize_blocks(a, a_scale) @ dequantize_blocks(bt, bt_scale).t()).to(torch.bfloat16)
+    return torch._scaled_mm(a.contiguous(), bt.contiguous().t(), mx_swizzled_scales(a_scale),
+                            mx_swizzled_scales(bt_scale), out_dtype=torch.bfloat16)
+
+
 # The SwiGLU backward with maxima: stripes of STRIPE_ROWS rows (the partial column maxima are
 # n_rows / STRIPE_ROWS rows of fp32: 7.3 MB for d gate_up at 8192 tokens), one row of BLOCK values per
 # loop step, the double-buffered loop. From the sweep at [8192, 14336] on an H200
@@ -802,14 +908,16 @@ def swiglu_joined_backward_maxima(dh2: torch.Tensor, g2: torch.Tensor, u2: torch
 # autograd.Functions below call these ops only inside their forward and backward, where autograd is
 # off, and only while torch.compile traces (eager mode calls the launchers: see the Functions).
 @torch.library.custom_op("playbook::fp8_quantize_rows", mutates_args=())
-def fp8_rows_op(x: torch.Tensor, write_rows: bool, col_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] fp8, scale [M], column maxima [K]); what is not asked for is empty."""
-    q, scale, cmax = quantize_rows(as_rows(x), write_rows, col_max)
+def fp8_rows_op(x: torch.Tensor, write_rows: bool, col_max: bool,
+                col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (times col_scale [K] per column, if given) -> (q [M, K] fp8, scale [M], column maxima [K]);
+    what is not asked for is empty."""
+    q, scale, cmax = quantize_rows(as_rows(x), write_rows, col_max, col_scale)
     return q, scale, cmax if col_max else x.new_empty(0, dtype=torch.float32)
 
 
 @fp8_rows_op.register_fake
-def _(x, write_rows, col_max):
+def _(x, write_rows, col_max, col_scale=None):
     M, K = x.shape
     f32 = torch.float32
     q = x.new_empty((M, K) if write_rows else (0,), dtype=FP8_DTYPE)
@@ -1004,9 +1112,11 @@ class Fp8Handoff:
 # Eager mode calls the launchers directly (`ops=False`), torch.compile the operators (`ops=True`): the
 # module docstring says why (~15 us of host time per operator call, ~1,100 calls per step), and
 # results/runs/profile_H200_fp8_launch_operators.log and finetune_H200_fp8_launch_*.log measure it.
-def _quant_rows(x2, write_rows: bool, col_max: bool, ops: bool):
+def _quant_rows(x2, write_rows: bool, col_max: bool, ops: bool, col_scale=None):
     """`fp8_rows_op`, or its launcher (the column maxima are then None when not asked for)."""
-    return fp8_rows_op(x2, write_rows, col_max) if ops else quantize_rows(as_rows(x2), write_rows, col_max)
+    if ops:
+        return fp8_rows_op(x2, write_rows, col_max, col_scale)
+    return quantize_rows(as_rows(x2), write_rows, col_max, col_scale)
 
 
 def _quant_cols(x2, col_max, ops: bool):
@@ -1114,6 +1224,106 @@ class Float8LinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None
 
 
+# ------------------------------------------------------------------------------------------------
+# A frozen weight kept in FP8 (LoRA on an FP8 base)
+# ------------------------------------------------------------------------------------------------
+# Under LoRA the base weight W [N, K] never changes, so it is quantized once, per row (`frozen_weight`:
+# bit for bit the copy every forward above makes of it), and its bf16 copy is freed: 1 byte per
+# parameter and 4 per output row instead of 2 per parameter. That one copy serves both matmuls that
+# read W:
+#     forward   y  = x W^T:  y[m, n]  = s[n] sum_k x[m, k] q[n, k]     s runs along N, constant along
+#                                                                      the reduction (K): _scaled_mm's
+#                                                                      column scales of b, as above
+#     backward  dx = dy W:   dx[m, k] = sum_n (dy[m, n] s[n]) q[n, k]  s runs along the reduction (N),
+#                                                                      so it is folded into dy: the row
+#                                                                      quantization of dy takes dy * s
+#                                                                      (`quantize_rows(..., col_scale=s)`,
+#                                                                      in registers, no extra pass), and
+#                                                                      q is multiplied with unit scales
+# The second line is exact algebra: dx carries two e4m3 roundings, of dy s (per row, at most 2^-4 of
+# each value) and of W (per row, the same bound), as the per-column recipe's dx does. The choices not
+# taken: one scale per tensor (also 1 byte per parameter, but every row of W is then scaled to the
+# largest value of the whole matrix, and rows of small values lose mantissa bits to e4m3's subnormals),
+# and a second, column-scaled copy for dx (2 bytes per parameter: bf16's footprint, nothing saved).
+#
+# The price is a transpose. torch._scaled_mm multiplies a row-major `a` by a column-major `b` (cuBLAS's
+# "TN" layout, the only one Hopper's FP8 matmuls take), so dx = (dy s) q needs q [N, K] with N
+# contiguous: backward copies it transposed (`transpose_bytes`: read 1 byte, write 1 byte per parameter)
+# and frees the copy after the matmul. For LLaMA 3.1 8B's 6.98 B projection parameters that is 14.0 GB per step
+# (~3.3 ms at an H200's ~4.27 TB/s, if the copy runs at copy bandwidth: not measured), against the 6
+# bytes per parameter (41.9 GB) that re-quantizing a bf16 frozen weight costs every step (read 2,
+# write 1 per row in the forward, and again per column in backward; 3 more for each forward that
+# gradient checkpointing recomputes).
+def frozen_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen weight W [N, K] as it is stored: (q [N, K] float8_e4m3fn, scale [N] fp32) with
+    W ~= q * scale[:, None], the row quantization (`quantize_rows`) every forward above makes of W."""
+    with torch.no_grad():
+        q, scale, _ = quantize_rows(as_rows(weight.detach()))
+    return q, scale
+
+
+def frozen_forward(x2: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, handoff: Fp8Handoff | None = None,
+                   ops: bool = False) -> torch.Tensor:
+    """y = x W^T, bf16 [M, N], from x [M, K] and a stored FP8 weight (wq [N, K], its row scales ws [N]).
+    `handoff`: x's row copy is shared with the next layer that reads the same x (q/k/v, gate/up), as
+    `Float8LinearFunction` shares it; None: quantized here alone."""
+    hit = handoff.shared_rows.get(x2) if handoff is not None else None
+    if hit is not None:
+        xq, sx = hit[0], hit[1]
+    else:
+        xq, sx, _ = _quant_rows(x2, True, False, ops)
+        if handoff is not None:
+            handoff.shared_rows.put(x2, (xq, sx, None))  # no column maxima: a trained layer makes its own
+    return _scaled_mm(xq, sx, wq, ws, fast_accum_allowed(x2.device), ops)
+
+
+def frozen_input_grad(dy2: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bf16_dgrad: bool = False,
+                      ops: bool = False) -> torch.Tensor:
+    """dx = dy W, bf16 [M, K], from dy [M, N] and a stored FP8 weight (section comment above): dy times
+    the weight's row scales, quantized per row, times q, transposed for the matmul (a copy freed after
+    it; unit scales along K). `bf16_dgrad` (the recipe rowwise-bf16-dgrad): a bf16 matmul with the
+    weight dequantized instead, one weight's bf16 copy at a time."""
+    if bf16_dgrad:
+        return dy2 @ (wq.float() * ws[:, None]).to(dy2.dtype)
+    dyq, sdy, _ = _quant_rows(dy2, True, False, ops, col_scale=ws)
+    # [K, N] row-major, i.e. q column-major; while torch.compile traces, PyTorch's copy (the same bytes)
+    wqt = wq.view(torch.uint8).t().contiguous().view(FP8_DTYPE) if ops else transpose_bytes(wq)
+    ones = torch.ones(wq.shape[1], dtype=torch.float32, device=wq.device)  # the scales are all in dy's
+    return _scaled_mm(dyq, sdy, wqt, ones, False, ops)
+
+
+class Float8FrozenLinearFunction(torch.autograd.Function):
+    """y = x W^T for a frozen weight kept in FP8 (`Float8Linear.store_fp8_weight`): the forward and the
+    input gradient as FP8 matmuls from the one stored copy (`frozen_forward`, `frozen_input_grad`).
+
+    Saved for backward: the stored weight and its scales (no copy), nothing of x (dx does not need x,
+    and there is no dW). `handoff`: the model's `Fp8Handoff` for a layer that shares its input (x's row
+    copy), or None; `ops`: through the custom operators (torch.compile)."""
+
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, handoff: Fp8Handoff | None, ops: bool,
+                bf16_dgrad: bool):
+        if handoff is not None:
+            handoff.start_forward()
+        y = frozen_forward(x2, wq, ws, handoff, ops)
+        ctx.handoff, ctx.ops, ctx.bf16_dgrad = handoff, ops, bf16_dgrad
+        ctx.save_for_backward(wq, ws)
+        return y.to(x2.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
+                               "matmuls; use nn.Linear for double backward")
+        if ctx.handoff is not None:
+            ctx.handoff.start_backward()  # the forward's shared row copies are not needed any more
+        dx = None
+        if ctx.needs_input_grad[0]:
+            wq, ws = ctx.saved_tensors
+            dx = frozen_input_grad(as_rows(dy), wq, ws, ctx.bf16_dgrad, ctx.ops).to(dy.dtype)
+        return dx, None, None, None, None, None
+
+
 def _quant_tiles(x2, mode: str, rows: bool, cols: bool, ops: bool, amax=None):
     """`fp8_tiles_op` with its scales viewed (`natural_scales`), or the launcher."""
     if ops:
@@ -1128,7 +1338,7 @@ def _quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: 
     that reduces over M (cols: the transposed copy [K, M_pad]), each with its natural scales. Weights
     take 128x128 tiles in the block-wise recipe (one quantization serves both of their matmuls),
     activations and gradients 1x128 blocks; the MX recipe scales every operand in 1x32 blocks along
-    the reduction (the reference quantizer: it runs on the CPU only)."""
+    the reduction (with the plain-PyTorch quantizer `quantize_mx_ref`, on any device: no kernel yet)."""
     if scaling == "mx":
         q, s = quantize_mx_ref(t2) if rows else (None, None)
         if cols:
@@ -1143,8 +1353,8 @@ def _quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: 
 
 def _mm_scaled(a, a_scale, bt, bt_scale, scaling: str, b_tiles: bool, fast_accum: bool, ops: bool):
     """a @ bt.T for the tensor-wise, block-wise and MX recipes: bf16 [rows of a, rows of bt]."""
-    if scaling == "mx":  # the reference: dequantized operands, an fp32 product (CPU only)
-        return (dequantize_blocks(a, a_scale) @ dequantize_blocks(bt, bt_scale).t()).to(torch.bfloat16)
+    if scaling == "mx":  # the same call in eager mode and under torch.compile (plain PyTorch, no launcher)
+        return _scaled_mm_mx_launch(a, a_scale, bt, bt_scale)
     if ops:
         return fp8_scaled_mm_tiles_op(a, a_scale, bt, bt_scale, b_tiles, fast_accum)
     return _scaled_mm_tiles_launch(a, a_scale, bt, bt_scale, b_tiles, fast_accum)
@@ -1230,20 +1440,27 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
 _probed: dict = {}
 
 
+class Fp8KernelMismatch(RuntimeError):
+    """A quantizing kernel wrote other bytes on this GPU than the plain-PyTorch reference computes."""
+
+
 def check_fp8_device(device: torch.device, recipe: str = DEFAULT_RECIPE) -> None:
     """Refuse, with a clear message, a device that cannot run the recipe's scaled FP8 matmuls.
 
     CPU: allowed (PyTorch's CPU `_scaled_mm` is a slow reference, the kernels run in Triton's
     interpreter, and the block and MX matmuls are computed from dequantized operands), so every test
-    runs without a GPU. CUDA: compute capability 8.9 or newer (Ada, Hopper, Blackwell), and a small
-    matmul of the recipe's scaling, with the flags training uses, is tried once per device and
-    scaling, so that a PyTorch build without it for this GPU fails here, at set-up, in one line,
-    instead of in the first training step. Per GPU generation:
-      row-wise, tensor-wise   cuBLAS on sm_89 and sm_90; PyTorch's CUTLASS row-wise kernel on sm_100
-                              and sm_103, where fast accumulation is left off (`fast_accum_allowed`)
-      block-wise              PyTorch runs 1x128 / 128x128 scales through cuBLAS on sm_90 only; the
+    runs without a GPU. CUDA: compute capability 8.9 or newer (Ada, Hopper, Blackwell), and once per
+    device and scaling (`_probe_scaled_mm`) the recipe's quantizers that write a transposed copy are
+    checked bit for bit against the reference and a small matmul of its scaling is run with the flags
+    training uses, so that a Triton or PyTorch build that cannot do either on this GPU fails here, at
+    set-up, in one line, instead of in (or silently through) training. Per GPU family (`gpu_arch`):
+      row-wise, tensor-wise   cuBLAS on sm_89 and sm_90; PyTorch's CUTLASS row-wise kernel on
+                              Blackwell, where fast accumulation is left off (`fast_accum_allowed`)
+      block-wise              PyTorch runs 1x128 / 128x128 scales through cuBLAS on Hopper only; the
                               probe also checks the values against the dequantized product
-      mxfp8                   refused on every GPU: only its reference quantizer exists (`_mx_missing`)
+      mxfp8                   Blackwell (10.x, 12.x) and newer: torch._scaled_mm's MXFP8 matmul, probed
+                              like block-wise; Ada and Hopper have no MX tensor cores: refused in one
+                              line (`_mx_missing`) rather than emulated, which would be slower than bf16
     """
     r = get_recipe(recipe)
     if device.type == "cpu":
@@ -1254,24 +1471,28 @@ def check_fp8_device(device: torch.device, recipe: str = DEFAULT_RECIPE) -> None
     if torch.version.hip is not None:
         raise RuntimeError("FP8 linear layers use float8_e4m3fn, NVIDIA's FP8; ROCm GPUs (MI300: e4m3fnuz) are not "
                            "supported: train without --fp8")
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = gpu_arch.device_capability(device)
+    family = gpu_arch.arch_family((major, minor))
     if (major, minor) < (8, 9):
         raise RuntimeError(f"FP8 matmuls need compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
                            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: train without --fp8")
-    if r.scaling == "mx":
+    has_mx = family not in (gpu_arch.OLDER, gpu_arch.HOPPER)
+    if r.scaling == "mx" and not has_mx:
         raise RuntimeError(_mx_missing(major, minor))
-    if r.scaling == "block" and major != 9:
+    if r.scaling == "block" and family != gpu_arch.HOPPER:
         raise RuntimeError(f"--fp8-recipe blockwise: PyTorch's 1x128 / 128x128 block-scaled FP8 matmul (cuBLAS) runs "
                            f"on Hopper (sm_90) only, and this GPU is sm_{major}{minor}: use --fp8-recipe rowwise"
-                           + (" (mxfp8 is this GPU's block format)" if major >= 10 else ""))
+                           + (" (mxfp8 is this GPU's block format)" if has_mx else ""))
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.__version__, r.scaling)
+    key = (index, torch.__version__, triton.__version__, r.scaling)
     if key not in _probed:
         try:
             _probe_scaled_mm(torch.device("cuda", index), r.scaling)
             _probed[key] = None
+        except Fp8KernelMismatch as err:
+            _probed[key] = str(err)
         except RuntimeError as err:
-            kind = {"row": "row-wise", "tensor": "tensor-wise", "block": "block-wise"}[r.scaling]
+            kind = {"row": "row-wise", "tensor": "tensor-wise", "block": "block-wise", "mx": "MXFP8"}[r.scaling]
             _probed[key] = (f"this PyTorch ({torch.__version__}) has no usable {kind} scaled FP8 matmul for "
                             f"sm_{major}{minor} ({str(err).splitlines()[0][:200]}): use another --fp8-recipe, train "
                             "without --fp8, or try a newer PyTorch")
@@ -1280,23 +1501,21 @@ def check_fp8_device(device: torch.device, recipe: str = DEFAULT_RECIPE) -> None
 
 
 def _mx_missing(major: int, minor: int) -> str:
-    """What --fp8-recipe mxfp8 lacks on a GPU of compute capability major.minor, in one line."""
-    if major < 10:
-        return (f"--fp8-recipe mxfp8 needs MX block-scaled FP8 tensor cores (1x32 blocks, e8m0 scales), which "
-                f"Blackwell (compute capability 10.0 and newer) has and this sm_{major}{minor} GPU has not: use "
-                "--fp8-recipe rowwise")
-    return (f"--fp8-recipe mxfp8: the MXFP8 matmul for sm_{major}{minor} (torch._scaled_mm with float8_e8m0fnu "
-            "scales in the swizzled 32x4x4 layout, and kernels that write them) is not in fp8_linear_kernel.py yet; "
-            "only its reference quantizer is (quantize_mx_ref): use --fp8-recipe rowwise")
+    """Why --fp8-recipe mxfp8 cannot run on a GPU of compute capability major.minor, before Blackwell: one line."""
+    return (f"--fp8-recipe mxfp8 needs MX block-scaled FP8 tensor cores (1x32 blocks, e8m0 scales), which "
+            f"Blackwell (compute capability 10.0 and newer) has and this sm_{major}{minor} GPU has not: use "
+            "--fp8-recipe rowwise")
 
 
 def _probe_scaled_mm(device: torch.device, scaling: str) -> None:
-    """Run the scaled matmuls a recipe needs on tiny operands (RuntimeError if PyTorch refuses one).
+    """Check the recipe's transposing quantizers (`check_transposed_copies`), then run the scaled matmuls
+    it needs on tiny operands (RuntimeError if PyTorch refuses one).
 
-    Block-wise: the three matmuls of a layer (1x128 x 128x128 for y and dx, 1x128 x 1x128 for dW) on
-    random operands (254 tokens, 512 -> 1024 features), each against the product of its dequantized
-    operands; a result off by more than bf16's rounding means that this PyTorch reads the scales in
-    another layout."""
+    Block-wise and MXFP8: the three matmuls of a layer (block-wise: 1x128 x 128x128 for y and dx,
+    1x128 x 1x128 for dW; MXFP8: 1x32 x 1x32 for all three) on random operands (254 tokens, 512 ->
+    1024 features), each against the product of its dequantized operands; a result off by more than
+    bf16's rounding means that this PyTorch reads the scales in another layout."""
+    check_transposed_copies(device, scaling)
     fast = fast_accum_allowed(device)
     if scaling in ("row", "tensor"):
         a = torch.ones((ALIGN, ALIGN), device=device).to(FP8_DTYPE)
@@ -1310,17 +1529,125 @@ def _probe_scaled_mm(device: torch.device, scaling: str) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     x, dy = (torch.randn(shape, device=device, generator=g).to(torch.bfloat16) for shape in ((254, 512), (254, 1024)))
     w = torch.randn((1024, 512), device=device, generator=g).to(torch.bfloat16)
-    xq, sx, xqt, sxt = quantize_tiles(x, "act", True, True)
-    wq, sw, wqt, swt = quantize_tiles(w, "tile", True, True)
-    dyq, sdy, dyqt, sdyt = quantize_tiles(dy, "act", True, True)
+    if scaling == "mx":
+        (xq, sx, xqt, sxt), (dyq, sdy, dyqt, sdyt), (wq, sw, wqt, swt) = (
+            _quant_operand(t, "mx", t is w, True, True, False) for t in (x, dy, w))
+        launch = _scaled_mm_mx_launch
+    else:
+        xq, sx, xqt, sxt = quantize_tiles(x, "act", True, True)
+        wq, sw, wqt, swt = quantize_tiles(w, "tile", True, True)
+        dyq, sdy, dyqt, sdyt = quantize_tiles(dy, "act", True, True)
+        launch = _scaled_mm_tiles_launch
     for what, a, sa, bt, sbt, tiles in (("y", xq, sx, wq, sw, True), ("dx", dyq, sdy, wqt, swt, True),
                                         ("dW", dyqt, sdyt, xqt, sxt, False)):
-        got = _scaled_mm_tiles_launch(a, sa, bt, sbt, tiles, False).float()
+        got = (launch(a, sa, bt, sbt) if scaling == "mx" else launch(a, sa, bt, sbt, tiles, False)).float()
         want = dequantize_blocks(a, sa) @ dequantize_blocks(bt, sbt).t()
         err = (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()  # a sync, once
         if not err <= 2.0**-7:  # bf16 output: an RMS relative rounding of ~2^-9
             raise RuntimeError(f"the block-scaled matmul for {what} is off by {err:.3g} (relative L2) against the "
                                "dequantized product: this PyTorch reads the block scales in another layout")
+
+
+# The quantizers that store a tensor transposed, per scaling, as (what, function of x). Triton has
+# miscompiled FP8 stores through a transposing layout conversion when the same kernel also stores
+# the tensor untransposed: foreign bytes in the transposed copy, reported with ptxas 12.9 (what Triton
+# 3.8 assembles Hopper code with) and gone with ptxas 13.3 (triton-lang/triton#11111); Triton 3.9
+# assembles Hopper and Blackwell code with ptxas 13.4. Which kernels it hits depends on the ptxas
+# release, the target and the launch configuration, so instead of a list of Triton versions the
+# kernels that write both copies (and the transposed copy alone) are run once per GPU at set-up, at
+# two token counts (a multiple of 16 and not, which Triton compiles apart), and compared bit for bit
+# with the plain-PyTorch references, as the tests do. Row-wise: the column kernel alone and with the
+# row copy (`quantize_both`); tensor- and block-wise: the tile kernel in the modes the recipe uses.
+TRANSPOSING = {
+    "row": (("quantize_cols", lambda x: (None, None) + quantize_cols(x, _abs_max(x.float(), 0))),
+            ("quantize_both", lambda x: quantize_both(x, _abs_max(x.float(), 1), _abs_max(x.float(), 0)))),
+    "tensor": (("tile kernel, tensor scale", lambda x: quantize_tiles(x, "tensor", True, True)),
+               ("tile kernel, tensor scale, transposed only", lambda x: quantize_tiles(x, "tensor", False, True))),
+    "block": (("tile kernel, 1x128 blocks", lambda x: quantize_tiles(x, "act", True, True)),
+              ("tile kernel, 1x128 blocks, transposed only", lambda x: quantize_tiles(x, "act", False, True)),
+              ("tile kernel, 128x128 tiles, transposed only", lambda x: quantize_tiles(x, "tile", False, True))),
+    "mx": (),  # quantize_mx_ref: plain PyTorch, no Triton kernel
+}
+
+
+def _reference_copies(x: torch.Tensor, what: str):
+    """(q, scales, qT, scales) of x [M, K] as the plain-PyTorch references make them for a `TRANSPOSING` entry."""
+    M = x.shape[0]
+    if what.startswith("quantize_"):
+        return (*quantize_rows_ref(x), *quantize_cols_ref(x))
+    mode = "tensor" if "tensor" in what else "act" if "1x128" in what else "tile"
+    xt = torch.nn.functional.pad(x.float(), (0, 0, 0, tile_rows(M, mode) - M)).t()
+    if mode == "tensor":
+        return (*quantize_tensor_ref(x), *quantize_tensor_ref(xt))
+    block = (TILE, TILE) if mode == "tile" else (1, TILE)
+    return (*quantize_blocks_ref(x, *block), *quantize_blocks_ref(xt, *block))
+
+
+def check_transposed_copies(device: torch.device, scaling: str) -> None:
+    """Fp8KernelMismatch (one line naming Triton, its ptxas and the fix) unless every `TRANSPOSING`
+    quantizer of this scaling writes, on `device`, the bytes the plain-PyTorch reference computes."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for M in (256, 250):
+        x = (torch.randn(M, 256, generator=g) * torch.logspace(-3, 3, M)[:, None]).to(device, torch.bfloat16)
+        for what, quantize in TRANSPOSING[scaling]:
+            if "128x128" in what and M % TILE:  # weights: whole tiles (Fp8Recipe.align)
+                continue
+            q, s, qt, st = quantize(x)
+            rq, rs, rqt, rst = _reference_copies(x, what)
+            bits = torch.equal  # of the FP8 bytes and the fp32 scales; a sync, once per device and scaling
+            same = (bits(qt.view(torch.uint8), rqt.view(torch.uint8)) and bits(st.reshape(rst.shape), rst)
+                    and (q is None or (bits(q.view(torch.uint8), rq.view(torch.uint8))
+                                       and bits(s.reshape(rs.shape), rs))))
+            if not same:
+                where = gpu_arch.describe(gpu_arch.device_capability(device)) if device.type == "cuda" else "the CPU"
+                raise Fp8KernelMismatch(
+                    f"FP8 quantizer ({what}, {M} x 256) on {where} wrote other bytes than the PyTorch reference "
+                    f"with Triton {triton.__version__} (ptxas {_ptxas_release(device)}): an FP8 transposed store "
+                    "miscompiled (triton-lang/triton#11111: ptxas 12.9, gone with 13.3); use a Triton that assembles "
+                    "with ptxas 13.3 or newer (3.9 does), or point TRITON_PTXAS_PATH at a CUDA 13.3+ ptxas, or train "
+                    "without --fp8")
+
+
+def _ptxas_release(device: torch.device) -> str:
+    """'13.4': the ptxas release Triton assembles this GPU's kernels with, or 'unknown'."""
+    if device.type != "cuda":
+        return "unknown"
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        major, minor = gpu_arch.device_capability(device)
+        found = re.search(r"release (\d+\.\d+)", get_ptxas_version(10 * major + minor))
+        return found.group(1) if found else "unknown"
+    except Exception:  # another Triton layout, or no ptxas: the message still names Triton's version
+        return "unknown"
+
+
+# Where FP8 pays: the size rule. An FP8 projection adds passes that read and write its operands (the
+# quantizing casts: bytes in proportion to tokens x (in + out)) to save matmul time (in proportion to
+# tokens x in x out). Their ratio is tokens x in x out / (tokens x (in + out)) = in x out / (in + out),
+# the projection's harmonic width, whatever the token count: a narrow projection does too little
+# arithmetic per byte for the faster matmul to pay for its casts. `benchmark_kernels.py --fp8-crossover`
+# times one projection's forward and backward both ways, captured as CUDA graphs, over widths from
+# SmolLM2-135M's to LLaMA 3.1 8B's; FP8_MIN_WIDTH is read off those rows (docs/fp8.md, "Where FP8 pays"):
+# on an H100 at 4,096 and 8,192 tokens, FP8 ran at 0.30-0.57x of bf16 for widths 144-512, 0.72-0.92x at
+# 819-1,024, and 1.20-1.47x from 2,048 up (results/runs/fp8_crossover_H100.log); the rule keeps bf16 below
+# 1,536, between the last width that lost and the first that gained. Projections that read the same
+# input (q/k/v, gate/up) share its quantization, so they are judged together, as one projection whose
+# out_features is their sum: LLaMA 3.1 8B's k and v (4,096 -> 1,024 each) go with q (4,096 -> 6,144 together).
+FP8_MIN_WIDTH = 1536
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def harmonic_width(in_features: int, out_features: int) -> float:
+    return in_features * out_features / (in_features + out_features)
+
+
+def size_reason(in_features: int, out_features: int) -> str | None:
+    """Why a projection this size stays bf16 under the size rule (`--fp8-layers auto`), or None."""
+    width = harmonic_width(in_features, out_features)
+    if width < FP8_MIN_WIDTH:
+        return (f"too small for FP8 to gain (harmonic width in x out / (in + out) = {width:.0f}, below the "
+                f"measured crossover {FP8_MIN_WIDTH})")
+    return None
 
 
 def unsupported_reason(in_features: int, out_features: int, recipe: str = DEFAULT_RECIPE) -> str | None:
@@ -1406,6 +1733,46 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if bias is None else y + bias.to(out_dtype)
 
 
+@torch.compiler.disable
+def _fp8_frozen_linear_eager(x, weight, weight_scale, bias, handoff, recipe):
+    return fp8_frozen_linear(x, weight, weight_scale, bias, handoff, recipe)
+
+
+def fp8_frozen_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, handoff: Fp8Handoff | None = None,
+                      recipe: str = DEFAULT_RECIPE) -> torch.Tensor:
+    """F.linear(x, W, bias) for a frozen W kept in FP8: weight [N, K] float8_e4m3fn and its row scales
+    weight_scale [N] fp32 (`frozen_weight`), any leading shape of x. The forward and dx run as FP8
+    matmuls from that one copy (`Float8FrozenLinearFunction`); W gets no gradient. The output has x's
+    dtype (the autocast dtype under torch.autocast). `recipe`: a row-wise recipe (rowwise-bf16-dgrad:
+    dx in bf16 from the dequantized weight). torch.compile as in `fp8_linear`."""
+    r = get_recipe(recipe)
+    compiling = torch.compiler.is_compiling()
+    if compiling and not compiled_graph_trusted(x.device):
+        return _fp8_frozen_linear_eager(x, weight, weight_scale, bias, handoff, recipe)
+    check_float("x", x)
+    check_device(x, weight, weight_scale)
+    if r.scaling != "row":
+        raise ValueError(f"a weight kept in FP8 has row scales; recipe {recipe} scales {r.scaling}-wise")
+    N, K = weight.shape
+    if weight.dtype != FP8_DTYPE or weight_scale.shape != (N,) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"a weight kept in FP8 is [out, in] {FP8_DTYPE} with [out] fp32 row scales, got "
+                         f"{weight.dtype} {tuple(weight.shape)} and {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if x.dim() == 0 or x.shape[-1] != K:
+        raise ValueError(f"x's last dimension must equal in_features = {K}, got x of shape {tuple(x.shape)}")
+    if not compiling:
+        check_fp8_device(x.device, recipe)
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x2 = as_rows(x.to(out_dtype))
+    if x2.shape[0] == 0:  # no tokens: an empty output (and an empty dx), no zero-sized matmul
+        y = x2 @ x2.new_zeros((K, N))
+    else:
+        y = Float8FrozenLinearFunction.apply(x2, weight, weight_scale, None if compiling else handoff, compiling,
+                                             r.bf16_dgrad)
+    y = y.view(*x.shape[:-1], N)
+    return y if bias is None else y + bias.to(out_dtype)
+
+
 def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", handoff: Fp8Handoff | None = None):
     """`swiglu_kernel.swiglu_joined` (act(gate) * up from gate_up [..., 2I]) for an MLP whose gate/up
     projection is an FP8 layer holding `handoff`: backward also takes d gate_up's row and column
@@ -1428,7 +1795,8 @@ class Float8Linear(nn.Linear):
     rules) still sees a linear layer, while code asking `type(m) is nn.Linear` (the fused SwiGLU's
     down-projection shortcut) calls this module instead of reading its weight. `fp8_handoff`: the
     `Fp8Handoff` this layer shares with the model's other FP8 layers (`patch_model` sets it), or None.
-    `recipe`: the name of its `Fp8Recipe`.
+    `recipe`: the name of its `Fp8Recipe`. A frozen weight can be kept in FP8 instead of bf16
+    (`store_fp8_weight`: LoRA's base); the layer then also holds the buffer `weight_scale`.
     """
 
     keep_fp8_input: bool = True
@@ -1453,7 +1821,56 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stores_fp8():
+            return fp8_frozen_linear(x, self.weight, self.weight_scale, self.bias, self._frozen_handoff(), self.recipe)
         return fp8_linear(x, self.weight, self.bias, self.keep_fp8_input, self.fp8_handoff, self.recipe)
+
+    # A frozen weight kept in FP8 (LoRA's base; the section "A frozen weight kept in FP8" above)
+    def stores_fp8(self) -> bool:
+        """Whether the weight is kept in FP8 (`store_fp8_weight`): `weight` float8_e4m3fn, `weight_scale` fp32."""
+        return self.weight.dtype == FP8_DTYPE
+
+    def store_fp8_weight(self) -> None:
+        """Quantize the frozen weight once (`frozen_weight`) and keep only that: `weight` becomes a
+        float8_e4m3fn [out, in] Parameter (requires_grad False) and the buffer `weight_scale` [out] fp32
+        its row scales; the bf16 Parameter is dropped, and freed once nothing else holds it. The state
+        dict then holds those two tensors under `weight` and `weight_scale`. `base_fingerprints` keeps
+        the float64 sum and L2 norm of the bf16 weight (a sync, once), which checkpoints record for the
+        frozen base instead of the FP8 values' (playbook/checkpoint.py): an adapter trained on this
+        base resumes on its bf16 original and the other way round. ValueError for a weight that needs
+        a gradient (it could never change again) or a recipe without row scales; twice: nothing."""
+        if self.stores_fp8():
+            return
+        if self.weight.requires_grad:
+            raise ValueError("only a frozen weight (requires_grad=False, as LoRA's base) can be kept in FP8: "
+                             "this one is trained")
+        if get_recipe(self.recipe).scaling != "row":
+            raise ValueError(f"a weight kept in FP8 has one scale per row; recipe {self.recipe} scales "
+                             f"{get_recipe(self.recipe).scaling}-wise (use a row-wise recipe)")
+        from playbook.checkpoint import fingerprint
+
+        self.base_fingerprints = {"weight": fingerprint(self.weight)}
+        q, scale = frozen_weight(self.weight)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.register_buffer("weight_scale", scale)
+
+    def _frozen_handoff(self) -> Fp8Handoff | None:
+        """The hand-off for a layer whose input other layers read too (q/k/v, gate/up: `keep_fp8_input`
+        False), which then share its row copy; None for the others."""
+        return None if self.keep_fp8_input else self.fp8_handoff
+
+    def frozen_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, in] -> x W^T [M, out] bf16 (no bias), for an autograd.Function that owns the layer's
+        backward (lora_kernel.LoRALinearFunction); eager mode."""
+        if self.fp8_handoff is not None:
+            self.fp8_handoff.start_forward()
+        return frozen_forward(x2, self.weight, self.weight_scale, self._frozen_handoff())
+
+    def frozen_input_grad(self, dy2: torch.Tensor) -> torch.Tensor:
+        """dy2 [M, out] -> dy W [M, in] bf16, the backward of `frozen_forward`."""
+        if self.fp8_handoff is not None:
+            self.fp8_handoff.start_backward()
+        return frozen_input_grad(dy2, self.weight, self.weight_scale, get_recipe(self.recipe).bf16_dgrad)
 
     @staticmethod
     def joined_linear(x: torch.Tensor, weight: torch.Tensor, bias, members) -> torch.Tensor:
@@ -1464,7 +1881,8 @@ class Float8Linear(nn.Linear):
                           recipe=members[0].recipe)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", fp8 {self.recipe}, keep_fp8_input={self.keep_fp8_input}"
+        stored = ", weight kept in fp8" if self.stores_fp8() else ""
+        return super().extra_repr() + f", fp8 {self.recipe}, keep_fp8_input={self.keep_fp8_input}{stored}"
 
 
 # The decoder's projections by attribute name; Phi-3 fuses q/k/v into `qkv_proj` and gate/up into
@@ -1496,7 +1914,7 @@ def bf16_layers(model: nn.Module, recipe: str) -> set:
     return {id(m) for layer in kept for m in layer.modules()}
 
 
-def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE) -> int:
+def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE, sizes: str = "all") -> int:
     """Replace the q/k/v/o and gate/up/down projections of every decoder layer with Float8Linear.
 
     The lm_head and the embeddings stay in bf16 (the head's logits are the most precision-sensitive
@@ -1511,6 +1929,8 @@ def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE) -> int:
 
     `recipe`: a name of `RECIPES` (ValueError for another); the projections of the decoder layers it
     keeps in bf16 (`bf16_layers`) stay nn.Linear, and are not counted.
+    `sizes`: "all" converts every projection the recipe takes; "auto" keeps in bf16 those too small for
+    FP8 to gain (`size_reason`, the measured crossover), named in one log line.
     """
     from playbook.common import log
 
@@ -1525,20 +1945,52 @@ def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE) -> int:
             handoff = model.fp8_handoff = Fp8Handoff()
     in_bf16 = bf16_layers(model, recipe)
     skipped = []
+    group_out = {}  # (owner, name) -> out_features of the projections that share its input, itself included
+    for owner, name in _projections(model):
+        group = next((g for g in SHARED_INPUT if name in g), (name,))
+        group_out[id(owner), name] = sum(getattr(getattr(owner, n, None), "out_features", 0) for n in group)
     for owner, name in list(_projections(model)):
         linear = getattr(owner, name)
         if isinstance(linear, Float8Linear) or id(owner) in in_bf16:
             continue
         reason = (f"a {type(linear).__name__}, not a plain nn.Linear" if type(linear) is not nn.Linear
-                  else unsupported_reason(linear.in_features, linear.out_features, recipe))
+                  else unsupported_reason(linear.in_features, linear.out_features, recipe)
+                  or (size_reason(linear.in_features, group_out[id(owner), name]) if sizes == "auto" else None))
         if reason:
-            skipped.append(f"{name} [{linear.out_features}, {linear.in_features}]: {reason}")
+            joined = group_out.get((id(owner), name), linear.out_features) != linear.out_features
+            skipped.append(f"{name} [{linear.out_features}, {linear.in_features}]"
+                           + (" (with the projections sharing its input)" if joined and "too small" in reason else "")
+                           + f": {reason}")
             continue
         setattr(owner, name, Float8Linear.from_linear(linear, keep_fp8_input=name in KEEP_FP8_INPUT, handoff=handoff,
                                                       recipe=recipe))
     if skipped:
         log(f"FP8: {len(skipped)} projection(s) stay as they are: {'; '.join(sorted(set(skipped)))}")
     return sum(isinstance(getattr(owner, name), Float8Linear) for owner, name in _projections(model))
+
+
+def store_frozen_weights(model: nn.Module) -> int:
+    """Keep the frozen weight of every Float8Linear of `model` in FP8 (`Float8Linear.store_fp8_weight`),
+    once: call it after peft has wrapped the layers and frozen their weights (`playbook.models.prepare_model`
+    does, for --lora-r with --fp8). peft sizes and casts a new adapter to its base layer's weight dtype,
+    so an FP8 weight before peft would give FP8 adapters. Layers whose weight is trained, or whose recipe
+    has no row scales, keep their bf16 weight (re-quantized every step), named in one log line. Returns
+    how many layers keep their weight in FP8; calling it twice changes nothing."""
+    from playbook.common import log
+
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    kept = []
+    for m in layers:
+        if m.weight.requires_grad:
+            kept.append("trained weights")
+        elif get_recipe(m.recipe).scaling != "row":
+            kept.append(f"recipe {m.recipe} (its scales are not row-wise)")
+        else:
+            m.store_fp8_weight()
+    if kept:
+        log(f"FP8: {len(kept)} frozen-base layer(s) keep their bf16 weight, quantized every step: "
+            f"{'; '.join(sorted(set(kept)))}")
+    return sum(m.stores_fp8() for m in layers)
 
 
 def expected_patches(config, recipe: str = DEFAULT_RECIPE) -> int:
@@ -1655,3 +2107,12 @@ def quantize_mx_ref(x: torch.Tensor, block: int = MX_BLOCK):
     scale = torch.ldexp(torch.ones_like(amax), e)
     q = (xf / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(M, K), scale.to(torch.float8_e8m0fnu)
+
+
+def mx_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The forward y = x W^T of the recipe mxfp8 in plain PyTorch: x [M, K] and W [N, K] quantized in
+    1x32 blocks along K (`quantize_mx_ref`; K a multiple of 32, ValueError otherwise), dequantized, and
+    multiplied in fp32 (the layer rounds this product once to bf16)."""
+    xq, sx = quantize_mx_ref(x)
+    wq, sw = quantize_mx_ref(weight)
+    return dequantize_blocks(xq, sx) @ dequantize_blocks(wq, sw).t()

@@ -530,9 +530,11 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
+    cache = _cache_name()
+    if past_key_values is not None:  # the KV cache under its older name (a `cache=` argument is in kwargs)
+        kwargs[cache] = past_key_values
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         **kwargs)
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden = outputs.last_hidden_state
     softcap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: 30.0; most families: none
     loss = logits = None
@@ -547,8 +549,24 @@ def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=No
         logits = self.lm_head(hidden[:, keep, :])
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
+
+
+_CACHE_NAME = {}  # filled by patch_model, outside any compiled forward
+
+
+def _cache_name() -> str:
+    """What this transformers calls the KV cache, as an argument and an output field: `cache` from 5.24
+    on, `past_key_values` before (5.24 warns at every call that passes the old name, and 5.40 drops it)."""
+    if "name" not in _CACHE_NAME:
+        import dataclasses
+
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+        _CACHE_NAME["name"] = "cache" if "cache" in fields else "past_key_values"
+    return _CACHE_NAME["name"]
 
 
 def lm_head_params(model) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -569,6 +587,7 @@ def patch_model(model) -> int:
     """
     model_type(model)  # a clear error for a family the kernels do not know
     lm_head_params(model)
+    _cache_name()
     model.forward = types.MethodType(causal_lm_forward, model)
     return 1
 

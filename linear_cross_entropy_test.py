@@ -686,6 +686,26 @@ def test_patch_model_with_a_biased_lm_head():
     model_close("biased lm_head: patched vs Hugging Face", model_step(model), reference)
 
 
+def test_patched_forward_passes_the_kv_cache_under_this_transformers_name(capfd):
+    """transformers 5.24 renamed the KV cache `past_key_values` -> `cache` and warns at every call that
+    passes the old name (5.40 removes it): the fused forward passes neither name unless a cache is
+    given, and the cache under the name this version uses; generation with the cache works."""
+    import warnings
+
+    model = tiny_llama()
+    linear_cross_entropy_kernel.patch_model(model)
+    ids = torch.arange(12, device=DEVICE).view(2, 6)
+    name = linear_cross_entropy_kernel._cache_name()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model(input_ids=ids, labels=ids)
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+            cached = model(input_ids=ids[:, -1:], use_cache=True, **{name: getattr(out, name)})
+    assert cached.logits.shape == (2, 1, 512)
+    assert "deprecated" not in capfd.readouterr().err  # transformers' own log line for the old name
+
+
 def test_patch_model_refuses_a_wrapped_lm_head():
     model = tiny_llama()
 

@@ -16,6 +16,11 @@ saved for backward per token, per layer of LLaMA 3.1 8B (hidden 4096, intermedia
     fused:  x in bf16 (the tensor the previous op produced, not a copy) and r values of x A^T; the
             MLP keeps gate and up (saved anyway by SwiGLU) and rebuilds h in backward
 
+A base layer whose frozen weight is kept in FP8 (`--lora-r --fp8`: fp8_linear_kernel.py's
+`Float8Linear.store_fp8_weight`) takes the same path: its x W^T and dy W run as that layer's FP8
+matmuls (`frozen_forward`, `frozen_input_grad`) inside these functions, as a 4-bit base is
+dequantized inside them.
+
 The ladder: `LoRALinearFunction` and `SwiGLUDownLoRAFunction` (the autograd functions; each
 calls torch matmuls, so no custom operator is needed for torch.compile to see through them) ->
 `fused_lora_forward` / `swiglu_lora_mlp_forward` (drop-in forwards for peft's modules) ->
@@ -63,20 +68,27 @@ def _peft_lora_layers(model: nn.Module) -> tuple:
 # to the adapters' own dtype, so the optimizer still sees fp32 parameters and fp32 gradients.
 class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling, dequantize=None):
+    def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling, dequantize=None, fp8_base=None):
         # x: [..., in]; x_lora: x after the adapter's dropout (x itself without dropout).
         # dequantize: for a 4-bit base layer, a function returning its weight in x's dtype; it is
         # called again in backward, so the dequantized weight never outlives one matmul.
+        # fp8_base: a Float8Linear whose frozen weight is kept in FP8 (weight is then None): x W^T and
+        # dy W run as its FP8 matmuls (`frozen_forward`, `frozen_input_grad`), bf16 out.
         dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         xl2 = x2 if x_lora is x else x_lora.reshape(-1, x.shape[-1])
         a, b = lora_a.to(dtype), lora_b.to(dtype)
-        w = weight if dequantize is None else dequantize()
-        y = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
-        del w
+        if fp8_base is not None:
+            y = fp8_base.frozen_forward(x2)
+            if bias is not None:
+                y += bias.to(dtype)
+        else:
+            w = weight if dequantize is None else dequantize()
+            y = x2 @ w.t() if bias is None else torch.addmm(bias.to(dtype), x2, w.t())
+            del w
         xa = xl2 @ a.t()
         y.addmm_(xa, b.t(), alpha=scaling)
-        ctx.scaling, ctx.dequantize = scaling, dequantize
+        ctx.scaling, ctx.dequantize, ctx.fp8_base = scaling, dequantize, fp8_base
         ctx.same_input = x_lora is x
         ctx.save_for_backward(x2, None if x_lora is x else xl2, weight if dequantize is None else None, xa, a, b)
         ctx.shapes = (x.shape, lora_a.dtype, lora_b.dtype)
@@ -97,7 +109,10 @@ class LoRALinearFunction(torch.autograd.Function):
         if need_a:
             da = (dyb.t() @ xl2).mul_(s).to(a_dtype)
         if need_x or (need_xl and ctx.same_input):
-            dx = dy2 @ (weight if ctx.dequantize is None else ctx.dequantize())  # 4 bits: unpacked only here
+            if ctx.fp8_base is not None:
+                dx = ctx.fp8_base.frozen_input_grad(dy2)
+            else:
+                dx = dy2 @ (weight if ctx.dequantize is None else ctx.dequantize())  # 4 bits: unpacked only here
             if ctx.same_input:
                 dx.addmm_(dyb, a, alpha=s)
             dx = dx.view(x_shape)
@@ -107,7 +122,7 @@ class LoRALinearFunction(torch.autograd.Function):
             dw = (dy2.t() @ x2).to(weight.dtype)
         if need_bias:
             dbias = dy2.sum(0)  # dy2 is in x's dtype, which _fusable requires to be the base weight's
-        return dx, dxl, dw, dbias, da, db, None, None
+        return dx, dxl, dw, dbias, da, db, None, None, None
 
 
 def _fusable(layer, x, args, kwargs) -> str | None:
@@ -122,9 +137,17 @@ def _fusable(layer, x, args, kwargs) -> str | None:
     base = layer.base_layer
     if type(base) is nn.Linear:
         return active[0] if x.dtype == base.weight.dtype else None
+    if _is_fp8_base(base):  # its FP8 matmuls write bf16; while torch.compile traces, the layer's own forward
+        return active[0] if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling() else None
     if _is_4bit(base) and getattr(base.weight, "quant_state", None) is not None:
         return active[0] if x.dtype == base.compute_dtype else None
     return None
+
+
+def _is_fp8_base(module) -> bool:
+    """A layer whose frozen weight is kept in FP8 (fp8_linear_kernel.Float8Linear.store_fp8_weight)."""
+    stores = getattr(module, "stores_fp8", None)
+    return callable(stores) and stores()
 
 
 def _is_4bit(module) -> bool:
@@ -141,11 +164,13 @@ def fused_lora_forward(layer, x, *args, **kwargs):
     base = layer.base_layer
     dropout = layer.lora_dropout[name]
     x_lora = x if isinstance(dropout, nn.Identity) else dropout(x)
-    weight, dequantize = base.weight, None
+    weight, dequantize, fp8_base = base.weight, None, None
     if _is_4bit(base):
         weight, dequantize = None, _dequantizer(base, x.dtype)
+    elif _is_fp8_base(base):
+        weight, fp8_base = None, base
     return LoRALinearFunction.apply(x, x_lora, weight, base.bias, layer.lora_A[name].weight,
-                                    layer.lora_B[name].weight, float(layer.scaling[name]), dequantize)
+                                    layer.lora_B[name].weight, float(layer.scaling[name]), dequantize, fp8_base)
 
 
 def _dequantizer(base, dtype):
@@ -186,15 +211,19 @@ def patch_model(model: nn.Module) -> int:
 #                dg, du = swiglu_backward(dh, g, u)
 class SwiGLUDownLoRAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, weight, lora_a, lora_b, scaling, dequantize=None):
+    def forward(ctx, gate, up, weight, lora_a, lora_b, scaling, dequantize=None, fp8_base=None):
         swiglu = torch.ops.playbook.swiglu_fwd
         g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
         a, b = lora_a.to(gate.dtype), lora_b.to(gate.dtype)
         h = swiglu(g2, u2)
-        y = h @ (weight if dequantize is None else dequantize()).t()
+        if fp8_base is not None:  # a frozen base kept in FP8 (LoRALinearFunction): its FP8 matmuls
+            y = fp8_base.frozen_forward(h)
+        else:
+            y = h @ (weight if dequantize is None else dequantize()).t()
         ha = h @ a.t()
         y.addmm_(ha, b.t(), alpha=scaling)
         ctx.scaling, ctx.dtypes, ctx.shape, ctx.dequantize = scaling, (lora_a.dtype, lora_b.dtype), gate.shape, dequantize
+        ctx.fp8_base = fp8_base
         ctx.save_for_backward(g2, u2, weight if dequantize is None else None, ha, a, b)  # not h
         return y.view(*gate.shape[:-1], y.shape[-1])
 
@@ -216,11 +245,14 @@ class SwiGLUDownLoRAFunction(torch.autograd.Function):
                 dw = (dy2.t() @ h).to(weight.dtype)
             del h
         if need_g or need_u:
-            dh = dy2 @ (weight if ctx.dequantize is None else ctx.dequantize())  # 4 bits: unpacked only here
+            if ctx.fp8_base is not None:
+                dh = ctx.fp8_base.frozen_input_grad(dy2)
+            else:
+                dh = dy2 @ (weight if ctx.dequantize is None else ctx.dequantize())  # 4 bits: unpacked only here
             dh.addmm_(dyb, a, alpha=s)
             dg, du = torch.ops.playbook.swiglu_bwd(dh, g2, u2)
             dg, du = dg.view(ctx.shape), du.view(ctx.shape)
-        return dg, du, dw, da, db, None, None
+        return dg, du, dw, da, db, None, None, None
 
 
 def swiglu_lora_mlp_forward(mlp, x):
@@ -233,8 +265,11 @@ def swiglu_lora_mlp_forward(mlp, x):
         return down(swiglu_kernel.swiglu(g, u))
     base = down.base_layer
     weight, dequantize = (None, _dequantizer(base, g.dtype)) if _is_4bit(base) else (base.weight, None)
+    fp8_base = base if _is_fp8_base(base) else None
+    if fp8_base is not None:
+        weight = None
     return SwiGLUDownLoRAFunction.apply(g, u, weight, down.lora_A[name].weight, down.lora_B[name].weight,
-                                        float(down.scaling[name]), dequantize)
+                                        float(down.scaling[name]), dequantize, fp8_base)
 
 
 fuse_lora_layers = patch_model  # the name the LoRA glue has used for it

@@ -34,7 +34,6 @@ import bisect
 import dataclasses
 import json
 import re
-import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -48,7 +47,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
 from playbook import cuda_graph
-from playbook.common import RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, write_atomic
+from playbook.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
+                             write_atomic)
 from playbook.models import prepare_model
 from playbook.config import make_parser, parse_config, usage_error
 from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
@@ -177,7 +177,9 @@ def main():
         log(f"Profiling {active} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
         t0 = time.perf_counter()
         wall, queued = [], []  # seconds per recorded step: until the GPU finished it; until the host had queued it
-        with profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=active)) as prof:
+        # (Kineto's "USDT: profiler_start / profiler_stop" notices left out of the output; its other lines pass)
+        with without_stderr_lines("USDT:"), \
+                profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=active)) as prof:
             for i in range(WAIT + WARMUP + active):
                 start = time.perf_counter()
                 step(cfg.warmup_steps + i)
@@ -193,8 +195,7 @@ def main():
                 prof.step()
     except (KeyboardInterrupt, Exception) as err:  # (a Ctrl-C may reach here as another error)
         if playbook.is_ctrl_c(err):
-            print("\ninterrupted (Ctrl-C): nothing was recorded", file=sys.stderr)
-            raise SystemExit(130) from None
+            raise playbook.interrupted_exit("nothing was recorded") from None
         if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (an allocator failing: model, data, a step)
             raise SystemExit(oom_message(cfg, err)) from None
         raise

@@ -553,8 +553,14 @@ class TritonRMSNorm(nn.Module):
 
         Sharing matters: an optimizer built before the swap, a tied weight, or an FSDP-sharded
         parameter keep pointing at the same tensor. The options say how the module computes:
-        `offset=1.0, casting_mode="gemma"` for GemmaRMSNorm and Gemma2RMSNorm.
+        `offset=1.0, casting_mode="gemma"` for GemmaRMSNorm and Gemma2RMSNorm. A LayerNorm (it
+        subtracts the mean, and adds a bias) or a norm without a weight is refused.
         """
+        if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or isinstance(getattr(module, "bias", None), torch.Tensor):
+            raise TypeError(f"{type(module).__name__} is not an RMSNorm: it subtracts the mean and adds a bias, which "
+                            "RMSNorm does not; TritonRMSNorm replaces RMSNorm modules only (x / rms(x) * weight)")
+        if not isinstance(getattr(module, "weight", None), torch.Tensor):
+            raise TypeError(f"{type(module).__name__} has no weight tensor to share (elementwise_affine=False?)")
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if eps is None:
             raise TypeError(f"{type(module).__name__} has no `variance_epsilon` or `eps` attribute")

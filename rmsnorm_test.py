@@ -282,6 +282,25 @@ def test_module_constructor():
                        rmsnorm_ref(x.double(), m.weight.double(), 1e-5), torch.float32)
 
 
+def test_from_module_refuses_a_layer_norm():
+    """A LayerNorm subtracts the mean and adds a bias: wrapped as an RMSNorm it would compute
+    something else, so it is refused by name."""
+    msg = expect_error(TypeError, TritonRMSNorm.from_module, torch.nn.LayerNorm(64))
+    assert "LayerNorm is not an RMSNorm" in msg, msg
+    assert "no weight" in expect_error(TypeError, TritonRMSNorm.from_module, torch.nn.RMSNorm(64, eps=1e-6,
+                                                                                              elementwise_affine=False))
+
+
+def test_meta_tensors_give_shapes():
+    """Tensors on the meta device (a model sized without memory) have no data to launch on: the
+    operators' fake functions give the outputs' and the gradients' shapes."""
+    x = torch.randn(3, 5, 64, device="meta", requires_grad=True)
+    w = torch.ones(64, device="meta", requires_grad=True)
+    y = rmsnorm(x, w)
+    y.sum().backward()
+    assert (y.device.type, y.shape, x.grad.shape, w.grad.shape) == ("meta", x.shape, x.shape, w.shape)
+
+
 def test_second_order_gradients_raise():
     x, w = _inputs((5, 24), torch.float32)
     x.requires_grad_()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from playbook import setup_check
+from playbook import gpu_arch, setup_check
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -148,12 +148,13 @@ def machine_facts(report: setup_check.SmiReport) -> list[tuple[str, str]]:
         p = torch.cuda.get_device_properties(0)
         count = torch.cuda.device_count()
         facts += [("GPU", p.name + (f" (GPU 0 of {count})" if count > 1 else "")),
-                  ("compute capability", f"{p.major}.{p.minor} (sm_{p.major}{p.minor})"),
+                  ("compute capability", f"{p.major}.{p.minor} ({gpu_arch.describe((p.major, p.minor))})"),
                   ("GPU memory", f"{p.total_memory / 2**30:.1f} GiB")]
     elif report.gpus:
         g = report.gpus[0]
         facts += [("GPU (nvidia-smi)", g.name),
-                  ("compute capability", setup_check.capability_text(g.capability)),
+                  ("compute capability", setup_check.capability_text(g.capability)
+                   + (f" ({gpu_arch.FAMILY_NAMES[gpu_arch.arch_family(g.capability)]})" if g.capability else "")),
                   ("GPU memory", "unknown" if g.memory_mib is None else f"{g.memory_mib / 1024:.1f} GiB")]
     elif report.error is not None:
         facts.append(("GPU", f"unknown: {report.error}"))

@@ -11,15 +11,17 @@
     checkpoint     saving and resuming runs
     lora           LoRA through peft, and the fused LoRA path
     kernel_utils   what every kernel file shares (device choice, input checks, interpreter switch)
+    gpu_arch       the GPU generation of a compute capability: every choice made by architecture asks it
     setup_check    the set-up checks (GPU, driver, torch build) run by `make`
     testkit        tolerances and the short test report the *_test.py files print
 
 Nothing here imports torch at package import, so `selfcheck.py --index-url` runs before torch is installed,
 and a script can set `exit_on_ctrl_c_while_starting()` (below) before torch loads; `run_main` runs its main()
-with Ctrl-C as one line and exit code 130.
+with Ctrl-C as one line and exit code 130, SIGTERM (a scheduler's pre-emption) as one line and exit code 143.
 """
 
 import os
+import sys
 
 # The CUDA driver queues launched work in a command buffer of fixed size per stream; a host that
 # submits faster than the GPU runs blocks once it is full. A replayed CUDA graph is such a burst: the
@@ -38,6 +40,12 @@ os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 # allocates; a value already in the environment is kept.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+# Progress bars of Hugging Face libraries (loading and writing weights, downloads) are for a terminal:
+# in a piped log (the walkthrough's steps, CI, a scheduler's output file) each redraw is a line of
+# noise. Read when huggingface_hub and transformers are imported; a value already set is kept.
+if not (sys.stderr is not None and sys.stderr.isatty()):
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
 
 # Ctrl-C while a script starts. Importing torch, transformers and the kernels takes seconds, and a
 # KeyboardInterrupt raised there surfaces wherever the import happens to be: as a traceback, or
@@ -48,23 +56,24 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
     """From here until `started()`, Ctrl-C is one line ("interrupted (Ctrl-C) while starting: <what>")
-    and exit code 130. A SIGINT that the process inherited as ignored, or a handler of the caller's
-    own, is left as it is."""
+    and exit code 130; SIGTERM the same, "terminated (SIGTERM) ...", exit code 143. A signal that the
+    process inherited as ignored, or a handler of the caller's own, is left as it is."""
     import signal
-    import sys
 
-    def handler(*_):
-        sys.stderr.write(f"\ninterrupted (Ctrl-C) while starting: {what}\n")
+    def handler(signum, _frame):
+        ctrl_c = signum == signal.SIGINT
+        sys.stderr.write(f"\n{'interrupted (Ctrl-C)' if ctrl_c else 'terminated (SIGTERM)'} while starting: {what}\n")
         sys.stderr.flush()
-        os._exit(130)  # no exception to travel through the import in progress
+        os._exit(130 if ctrl_c else 143)  # no exception to travel through the import in progress
 
     handler.while_starting = True  # what `started()` looks for
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return
-    try:
-        signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: signal handlers can only be set there
-        pass
+    for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(signum) is not default:
+            continue
+        try:
+            signal.signal(signum, handler)
+        except ValueError:  # not the main thread: signal handlers can only be set there
+            pass
 
 
 # Ctrl-C once the script runs. Python raises KeyboardInterrupt wherever the main thread is, and some
@@ -72,7 +81,7 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
 # interpreter call, reports an interrupt inside it as "SystemError: AST constructor recursion depth
 # mismatch". So the handler also remembers the key press, and a script that sees an error after it
 # (`interrupted()`) reports the Ctrl-C, not the error.
-_CTRL_C = {"pressed": False}
+_CTRL_C = {"pressed": False, "signal": "SIGINT"}
 
 
 def _on_ctrl_c(*_):
@@ -80,41 +89,79 @@ def _on_ctrl_c(*_):
     raise KeyboardInterrupt
 
 
+# SIGTERM is how a scheduler (Slurm, Kubernetes, a cloud's spot instance) stops a job, with SIGKILL after
+# a grace period. It is handled as Ctrl-C is (a KeyboardInterrupt, remembered for `interrupted()`), with
+# exit code 143 (128 + SIGTERM) and its own word; except while `defer_sigterm(True)` holds, when it is only
+# noted (`sigterm_pending()`): the training loop finishes the step in progress, saves a checkpoint there,
+# and stops, so that the pre-empted job resumes. A second SIGTERM does not wait.
+_SIGTERM = {"defer": False, "pending": False}
+
+
+def _on_sigterm(*_):
+    if _SIGTERM["defer"] and not _SIGTERM["pending"]:
+        _SIGTERM["pending"] = True
+        return
+    _CTRL_C["pressed"], _CTRL_C["signal"] = True, "SIGTERM"
+    raise KeyboardInterrupt
+
+
 def started() -> None:
-    """From here on Ctrl-C raises KeyboardInterrupt (after `exit_on_ctrl_c_while_starting`, instead of
-    ending the process) and is remembered for `interrupted()`. A SIGINT ignored, or a handler of the
-    caller's own, is left as it is."""
+    """From here on Ctrl-C and SIGTERM raise KeyboardInterrupt (after `exit_on_ctrl_c_while_starting`,
+    instead of ending the process) and are remembered for `interrupted()`. A signal ignored, or a handler
+    of the caller's own, is left as it is."""
     import signal
 
-    current = signal.getsignal(signal.SIGINT)
-    if current is signal.default_int_handler or getattr(current, "while_starting", False):
-        try:
-            signal.signal(signal.SIGINT, _on_ctrl_c)
-        except ValueError:  # not the main thread
-            pass
+    for signum, default, handler in ((signal.SIGINT, signal.default_int_handler, _on_ctrl_c),
+                                     (signal.SIGTERM, signal.SIG_DFL, _on_sigterm)):
+        current = signal.getsignal(signum)
+        if current is default or getattr(current, "while_starting", False):
+            try:
+                signal.signal(signum, handler)
+            except ValueError:  # not the main thread
+                pass
+
+
+def defer_sigterm(on: bool) -> None:
+    """While on, a first SIGTERM is noted, not raised: the code asks `sigterm_pending()` where it can
+    stop cleanly (the training loop: after each step). Turning it on clears an earlier note."""
+    _SIGTERM["defer"] = bool(on)
+    if on:
+        _SIGTERM["pending"] = False
+
+
+def sigterm_pending() -> bool:
+    """Whether a SIGTERM came while deferred (`defer_sigterm`) and waits to be acted on."""
+    return _SIGTERM["pending"]
 
 
 def interrupted() -> bool:
-    """Whether Ctrl-C was pressed since `started()` (whatever error it turned into on its way up)."""
+    """Whether Ctrl-C (or SIGTERM) came since `started()` (whatever error it turned into on its way up)."""
     return _CTRL_C["pressed"]
 
 
+def interrupted_exit(kept: str, signal_name: str | None = None) -> SystemExit:
+    """Print the one line of an interrupted run, "interrupted (Ctrl-C): <kept>" or "terminated (SIGTERM):
+    <kept>", and return the SystemExit to raise: exit code 130 or 143, as a shell reports either."""
+    name = signal_name or _CTRL_C["signal"]
+    line = "terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"
+    print(f"\n{line}: {kept}", file=sys.stderr, flush=True)
+    return SystemExit(143 if name == "SIGTERM" else 130)
+
+
 def is_ctrl_c(err: BaseException) -> bool:
-    """Whether `err`, caught by a script's outermost handler, is a Ctrl-C: a KeyboardInterrupt, or any
-    error raised after the key press (`interrupted()`)."""
+    """Whether `err`, caught by a script's outermost handler, is a Ctrl-C (or a SIGTERM): a
+    KeyboardInterrupt, or any error raised after the key press (`interrupted()`)."""
     return isinstance(err, KeyboardInterrupt) or interrupted()
 
 
 def run_main(main, kept: str):
     """Run a script's `main()` and return what it returns; Ctrl-C from here on ends it with one line,
-    "interrupted (Ctrl-C): <kept>" (say what was kept), and exit code 130."""
-    import sys
-
+    "interrupted (Ctrl-C): <kept>" (say what was kept), and exit code 130; SIGTERM with "terminated
+    (SIGTERM): <kept>" and exit code 143."""
     started()
     try:
         return main()
     except (KeyboardInterrupt, Exception) as err:
         if not is_ctrl_c(err):
             raise  # an error of its own, not a Ctrl-C turned into one on its way up
-    print(f"\ninterrupted (Ctrl-C): {kept}", file=sys.stderr, flush=True)
-    raise SystemExit(130) from None
+    raise interrupted_exit(kept) from None

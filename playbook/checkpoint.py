@@ -316,16 +316,32 @@ def _sum_and_norm(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return total, squares.sqrt()
 
 
+def fingerprint(t: torch.Tensor) -> tuple[float, float]:
+    """(float64 sum, float64 L2 norm) of one whole tensor, as `_base_fingerprint` records it (a sync).
+    A module that replaces a frozen weight by another form of it (fp8_linear_kernel's weight kept in
+    FP8) records its original's here, in `module.base_fingerprints` {attribute name: fingerprint}."""
+    with torch.no_grad():
+        total, norm = _sum_and_norm(t)
+    return total.item(), norm.item()
+
+
 def _base_fingerprint(model) -> dict:
     """name -> (float64 sum, float64 L2 norm) of every frozen parameter: tells the base a LoRA run
     started from apart from any other, without storing it. No copy of a floating weight is made (an
     integer one, a QLoRA base, is widened a chunk at a time). A sharded parameter's sums are those of
     the whole parameter (its shards' sums, added over the ranks): the same numbers, up to the order
-    of summation, as one process gets."""
+    of summation, as one process gets. A parameter whose module recorded the fingerprint of the weight
+    it was made from (`base_fingerprints`: a frozen weight kept in FP8) counts as that weight, so the
+    base is the same whether its projections are kept in bf16 or in FP8."""
     out, partial = {}, {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            recorded = getattr(model.get_submodule(owner), "base_fingerprints", {}).get(leaf)
+            if recorded is not None:
+                out[name] = tuple(recorded)
                 continue
             if _is_sharded(p):
                 total, norm = _sum_and_norm(p.to_local())

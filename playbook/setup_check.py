@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from playbook import gpu_arch
+
 SMI_TIMEOUT_S = 15
 IMAGE = "kernel-dev-ft"
 DOCKER_BUILD = f"docker build -t {IMAGE} ."
@@ -41,7 +43,13 @@ INDEX_ROOT = "https://download.pytorch.org/whl"
 # 0.2 GB CPU wheel). On macOS and Windows PyPI's torch is already CPU-only (MPS on Apple silicon): PyPI.
 CPU_INDEX = f"{INDEX_ROOT}/cpu"
 CPU_INDEX_PLATFORMS = (("Linux", "x86_64"), ("Linux", "aarch64"))
-BLACKWELL_NOTE = " Blackwell (sm_100, sm_103) needs wheels for CUDA 12.8 or newer; a GB300 is best served by cu130."
+# The first CUDA release that compiles for each Blackwell GPU (CUDA 12.8: sm_100 and sm_120; 12.9 added
+# sm_103 and sm_121). A wheel built with an older CUDA can still run its generic sm_100 code on a
+# 10.3 GPU (machine code runs on later minor versions of its major), but not its architecture-specific
+# sm_100a kernels (PyTorch builds some CUTLASS kernels, its FP8 matmuls among them, that way): code
+# built for an 'a' target runs on that exact architecture only. A GPU of another Blackwell minor
+# version, or of a family this playbook does not know, is sent to the newest wheels.
+FIRST_CUDA = {(10, 0): (12, 8), (12, 0): (12, 8), (10, 3): (12, 9), (12, 1): (12, 9)}
 # Compute capabilities when `nvidia-smi` cannot report them (drivers before compute_cap was a field).
 KNOWN_CAPABILITIES = (("GB300", (10, 3)), ("B300", (10, 3)), ("GB200", (10, 0)), ("B200", (10, 0)),
                       ("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0)),
@@ -136,10 +144,33 @@ def gpu_present() -> bool:
 
 
 def needed_cuda(capability: tuple[int, int] | None) -> tuple[int, int]:
-    """The oldest CUDA whose PyTorch wheels run on a GPU of this compute capability."""
-    if capability is not None and capability[0] >= 10:  # Blackwell: sm_100 (B200), sm_103 (GB300), sm_120 ...
-        return (12, 8)
-    return WHEEL_INDEXES[0][1]
+    """The oldest CUDA whose PyTorch wheels fully support a GPU of this compute capability: the first
+    CUDA that compiles for it (`FIRST_CUDA`); before Blackwell, the oldest wheels offered."""
+    if capability is None or gpu_arch.arch_family(capability) in (gpu_arch.OLDER, gpu_arch.HOPPER):
+        return WHEEL_INDEXES[0][1]
+    return FIRST_CUDA.get(tuple(capability), WHEEL_INDEXES[-1][1])
+
+
+def blackwell_note(capability: tuple[int, int]) -> str:
+    """' Blackwell, datacenter (sm_103) needs PyTorch wheels for CUDA 12.9 or newer; cu130 serves it best.'
+    for a GPU from Blackwell on, '' before."""
+    if gpu_arch.arch_family(capability) in (gpu_arch.OLDER, gpu_arch.HOPPER):
+        return ""
+    name = gpu_arch.FAMILY_NAMES[gpu_arch.arch_family(capability)]
+    return (f" {name} (sm_{capability[0]}{capability[1]}) needs PyTorch wheels for CUDA "
+            f"{version_text(needed_cuda(capability))} or newer; {WHEEL_INDEXES[-1][0]} serves it best.")
+
+
+def build_note(capability: tuple[int, int] | None, torch_cuda: tuple[int, int] | None) -> str | None:
+    """A line for a torch that runs on this GPU but was built with a CUDA older than the first one that
+    compiles for it (a cu128 wheel on a GB300): its generic code runs, its architecture-specific
+    kernels may not (FIRST_CUDA). None when the build is recent enough, or either version is unknown."""
+    if capability is None or torch_cuda is None or torch_cuda >= needed_cuda(capability):
+        return None
+    return (f"note: torch was built with CUDA {version_text(torch_cuda)}, older than CUDA "
+            f"{version_text(needed_cuda(capability))}, the first to compile for sm_{capability[0]}{capability[1]}: "
+            f"kernels PyTorch builds for one exact architecture (some FP8 matmuls) may not run here;"
+            f"{blackwell_note(capability)}")
 
 
 def wheel_index(capability: tuple[int, int] | None, driver_cuda: tuple[int, int] | None) -> str | None:
@@ -294,7 +325,7 @@ def _problem(report: SmiReport) -> str | None:
     if arch_list and not _arch_supported(arch_list, (major, minor)):
         return (f"setup: {where} is present, but {build}, built with CUDA {torch.version.cuda}, has no code "
                 f"for compute capability {major}.{minor} (it carries {' '.join(arch_list)}): its CUDA version is "
-                f"too old for this GPU.{BLACKWELL_NOTE if major >= 10 else ''}\n" + _fixes(report, gpu))
+                f"too old for this GPU.{blackwell_note((major, minor))}\n" + _fixes(report, gpu))
     try:
         torch.ones(4, device="cuda").add_(1).sum().item()
     except RuntimeError as e:
@@ -358,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"setup: OK: {gpu.name}{more}, compute capability {capability_text(gpu.capability)}, driver "
               f"{report.driver or 'unknown'} (CUDA {version_text(report.cuda)}); torch {torch.__version__} "
               f"(CUDA {torch.version.cuda}) uses it.")
+        built = tuple(int(x) for x in re.findall(r"\d+", torch.version.cuda or "")[:2]) or None
+        note = build_note(gpu.capability, built)
+        if note:
+            print(note)
     else:
         print(f"setup: OK: {cpu_demo_note()}")
     return 0

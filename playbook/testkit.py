@@ -32,6 +32,7 @@ their first error line, the skip reasons, and the check closest to its tolerance
     $ TESTKIT_REPORT=results/rmsnorm_report.txt python rmsnorm_test.py
 """
 
+import argparse
 import contextlib
 import os
 import sys
@@ -175,6 +176,10 @@ def run_as_script(module_name: str, title: str) -> int:
     Returns the process exit code: 0 when every test passed or was skipped.
     """
     module = sys.modules[module_name]
+    name = os.path.basename(module.__file__)
+    # no options: an argument given is a mistake, refused (exit code 2), not silently ignored
+    argparse.ArgumentParser(prog=name, description=f"{title}: runs every test of {name} through pytest and prints "
+                            "a short report.", epilog=f"To run some of the tests: pytest {name} -k WORDS").parse_args()
     full_report = os.environ.get(REPORT_FILE_ENV)
     plugin = _Report()
     with contextlib.ExitStack() as stack:

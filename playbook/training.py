@@ -13,6 +13,7 @@ the model as `num_items_in_batch`, so each micro-batch's loss is its sum divided
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 import playbook
@@ -48,21 +50,45 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
+def weight_rounding(cfg) -> str:
+    """How the optimizer rounds each new bf16 weight: TritonAdamW's `rounding` (adamw_kernel.ROUNDINGS),
+    from --optimizer-rounding and --master-weights."""
+    if getattr(cfg, "master_weights", "none") == "fp32":
+        return "fp32-master"
+    return getattr(cfg, "optimizer_rounding", "nearest")
+
+
+def describe_optimizer(cfg) -> str:
+    """--optimizer and what changes it, as the log and the summary name it: "adamw-triton, stochastic rounding"."""
+    rounding = weight_rounding(cfg)
+    extra = {"nearest": "", "stochastic": ", stochastic rounding", "kahan": ", Kahan-compensated",
+             "fp32-master": ", fp32 master weights"}[rounding]
+    return cfg.optimizer + extra + (" in backward" if cfg.optimizer_in_backward else "")
+
+
 def make_optimizer(model: nn.Module, cfg, capturable: bool = False):
     """AdamW as --optimizer names it. capturable: for a CUDA graph (cuda_graph.py), its step count and
-    learning rate live on the GPU (one rate tensor for every group, which LRSchedule fills in place)."""
+    learning rate live on the GPU (one rate tensor for every group, which LRSchedule fills in place).
+    --optimizer-rounding and --master-weights: the Triton AdamW's `rounding`, its random bits seeded by --seed."""
     kind = {"fused": True} if cfg.optimizer == "adamw-fused" else {"foreach": True}
     adamw = torch.optim.AdamW
+    rounding = weight_rounding(cfg)
     if cfg.optimizer == "adamw-triton":  # one multi-tensor Triton launch per param group
         from adamw_kernel import TritonAdamW as adamw
 
-        kind = {}
+        kind = {} if rounding == "nearest" else {"rounding": rounding, "seed": cfg.seed}
+    elif rounding != "nearest":
+        raise ValueError(f"rounding {rounding!r} is TritonAdamW's (--optimizer adamw-triton), not {cfg.optimizer}'s")
     lr = cfg.lr
     if capturable:
         lr = torch.tensor(float(cfg.lr), dtype=torch.float32, device=cfg.device)
         kind["capturable"] = True
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer_in_backward:
+        if "seed" in kind:  # one optimizer per parameter: each its own seed, so that no two draw the same bits
+            places = itertools.count(1)
+            return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **{
+                **kind, "seed": cfg.seed + (next(places) << 32)}))
         return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **kind))
     return adamw(groups, lr=lr, **kind)
 
@@ -258,6 +284,7 @@ class RunResult:
     # step: how long the host needs to queue the step's work. Close to the step time on a GPU means
     # host-bound: a faster GPU would wait for the host (docs/troubleshooting.md).
     host_queue_s: list = field(default_factory=list)
+    samples: list = field(default_factory=list)  # --sample-prompts: {"prompt", "before", "after"} each
     cuda_graphs: str = ""  # how the steps were queued: "replayed from step N" (and when that ended), or "off (why)"
     peak_memory_gb: float | None = None
     versions: dict = field(default_factory=dict)
@@ -287,7 +314,8 @@ class RunResult:
             "peak GPU memory (GB)": self.peak_memory_gb,
             "first loss": self.losses[0] if self.losses else None,
             "final loss": self.losses[-1] if self.losses else None,
-            "final eval loss": self.eval_losses[-1][1] if self.eval_losses else None,
+            "eval loss before": self.eval_losses[0][1] if self.eval_losses and self.eval_losses[0][0] == 0 else None,
+            "final eval loss": self.eval_losses[-1][1] if self.eval_losses and self.eval_losses[-1][0] > 0 else None,
         }
 
 
@@ -307,7 +335,9 @@ def default_tag(cfg, model_name: str) -> str:
     size = world()[1]
     gpus = f"_{size}gpu" if size > 1 else ""
     lora = f"_lora{cfg.lora_r}" if cfg.lora_r else ""
-    return f"{cfg.script}_{model_name.replace('/', '_')}_b{cfg.batch_size}_s{cfg.seq_len}{lora}{gpus}"
+    rounding = weight_rounding(cfg)
+    rounding = f"_{rounding}" if rounding != "nearest" else ""  # the runs that compare them get one file each
+    return f"{cfg.script}_{model_name.replace('/', '_')}_b{cfg.batch_size}_s{cfg.seq_len}{lora}{gpus}{rounding}"
 
 
 class MetricsLog:
@@ -361,22 +391,30 @@ def plot_curve(result: RunResult, path) -> None:
     plt.close(fig)
 
 
+def causal_padding(cfg) -> bool:
+    """Right-padded batches without their padding mask (playbook/data.py, `causal_padding`): the optimized
+    scripts' default. The baseline passes Hugging Face the mask, as plain Hugging Face training does."""
+    return cfg.script != "finetune_baseline"
+
+
 def make_run_data(cfg, model, tokenizer=None):
     from playbook.data import bad_data_exit, make_data
 
     kind = "dataset" if cfg.dataset else "text" if cfg.data else "synthetic"
     rank, size = world()
     try:
-        return make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
+        data = make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
                          model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
                          packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction,
                          drop_long=cfg.drop_long, eval_source=cfg.eval_dataset, repeat_batches=cfg.repeat_batches)
     except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
         raise bad_data_exit(err) from None
+    data.causal_padding = causal_padding(cfg)
+    return data
 
 
 def needs_tokenizer(cfg) -> bool:
-    return bool(cfg.dataset or cfg.data or cfg.output_dir)
+    return bool(cfg.dataset or cfg.data or cfg.output_dir or cfg.sample_prompts)
 
 
 def run_tokenizer(cfg, model_name: str):
@@ -613,7 +651,7 @@ def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str
 
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
-    playbook.started()  # Ctrl-C from here on: the line below, exit code 130
+    playbook.started()  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
     try:
         return _train(cfg)
     except (KeyboardInterrupt, Exception) as err:
@@ -621,9 +659,8 @@ def train(cfg) -> dict:
             if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
                 raise SystemExit(oom_message(cfg, err)) from None
             raise
-    print("\ninterrupted (Ctrl-C): the run stopped before its summary; checkpoints already written under "
-          "--output-dir are complete", file=sys.stderr, flush=True)
-    raise SystemExit(130) from None  # 128 + SIGINT, as a shell reports it
+    raise playbook.interrupted_exit("the run stopped before its summary; checkpoints already written under "
+                                    "--output-dir are complete") from None
 
 
 def _train(cfg) -> dict:
@@ -635,22 +672,29 @@ def _train(cfg) -> dict:
     if cfg.lora_r:
         from playbook.lora import name_base_model
 
-        name_base_model(model, model_name, f"{model_name} is a preset of this project (its architecture with random "
+        from playbook import pretrained
+
+        base = str(pretrained.local_directory(model_name)) if pretrained.is_pretrained_name(model_name) else model_name
+        name_base_model(model, base, f"{model_name} is a preset of this project (its architecture with random "
                                            "weights, built by playbook.models.build_preset): not on the Hugging Face "
                                            "Hub, so AutoPeftModelForCausalLM cannot fetch it; build the preset, then "
                                            "playbook.lora.load_adapter" if model_name in PRESETS else None)
     _, size = world()
     n_params, n_train = count_params(model), count_params(model, trainable_only=True)
     count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
-    log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), bf16, on "
+    log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), {str(next(model.parameters()).dtype).replace('torch.', '').replace('bfloat16', 'bf16')}, on "
         f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else ""))
     tokenizer = run_tokenizer(cfg, model_name)
     data = make_run_data(cfg, model, tokenizer)
     data_line = data.describe()
     log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
-    if steps <= cfg.warmup_steps:
-        raise SystemExit(f"error: {steps} steps leave no timed step after --timing-warmup-steps {cfg.warmup_steps}")
+    if steps <= cfg.warmup_steps:  # (--epochs: the count of steps is known only now, from the data)
+        from playbook.config import usage_error
+
+        raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
+                          f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
+                          f"{steps - 1}")
     settings = resume_settings(cfg, model_name)
     if info is not None:
         saved_size = int(info["extra"].get("world_size", 1))
@@ -659,6 +703,13 @@ def _train(cfg) -> dict:
                                     "--dataset epoch is dealt out among the processes, so at another count the step "
                                     f"no longer says which rows were seen; resume with {saved_size} process(es)")
         check_resume(cfg, info, settings, steps)
+        saved = info["extra"].get("config") or {}
+        saved_rounding = ("fp32-master" if saved.get("master_weights") == "fp32"
+                          else saved.get("optimizer_rounding", "nearest"))
+        if saved_rounding != weight_rounding(cfg):  # allowed, as a change of --optimizer is
+            log(f"The checkpoint's run rounded its weights with {saved_rounding!r}, this one with "
+                f"{weight_rounding(cfg)!r}: a Kahan compensation or fp32 master weight the checkpoint lacks starts "
+                "from the bf16 weights, one this run does not use is dropped")
     check_output_checkpoints(cfg, info, steps)
     from playbook import cuda_graph
 
@@ -680,7 +731,7 @@ def _train(cfg) -> dict:
     result = RunResult(script=cfg.script, model=model_name, kernels=list(kernel_report.names) + (["torch.compile"] if cfg.compile else []),
                        gpu=describe_gpu(cfg.device), world_size=size, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        grad_accum=cfg.grad_accum, steps=steps,
-                       optimizer=cfg.optimizer + (" in backward" if cfg.optimizer_in_backward else ""),
+                       optimizer=describe_optimizer(cfg),
                        params=n_params, trainable_params=n_train, data=data_line, versions=versions(),
                        config=cfg.as_dict())
     start = 0
@@ -707,6 +758,18 @@ def _train(cfg) -> dict:
         if start >= steps:
             raise resume_error(cfg, f"the checkpoint is at step {start}, and this run has only {steps} steps; give "
                                     f"more --steps (or --epochs) to continue it")
+    if start == 0:  # held-out loss before any update, the baseline of the run's gain
+        eval_before = evaluate(model, data.eval_batches(cfg.device))
+        if eval_before is not None:
+            result.eval_losses.insert(0, (0, eval_before))
+            log(f"eval loss before training: {eval_before:.4f} (mean over the held-out target tokens)")
+    prompts = None
+    if cfg.sample_prompts is not None:
+        from playbook import generate
+
+        prompts = generate.read_prompts(cfg.sample_prompts)
+        result.samples = [{"prompt": p, "before": a} for p, a in
+                          zip(prompts, generate.answers(model, tokenizer, prompts, cfg.device, "before training"))]
     timed_from = start + cfg.warmup_steps
     result.cuda_graphs = "" if blocker is None else f"off ({blocker})"
     log(f"Training: steps {start + 1}-{steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
@@ -717,7 +780,9 @@ def _train(cfg) -> dict:
     bar = tqdm(range(start, steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
                dynamic_ncols=True)
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
+    terminated = None  # the step after which a SIGTERM stopped the run
     graphed = None  # the step to capture (cuda_graph.GraphedStep); captured after the first step of the run
+    playbook.defer_sigterm(True)  # a scheduler's SIGTERM: the step in progress ends, is saved, and the run stops
     try:
         for step in bar:
             if step == timed_from and cfg.on_gpu:
@@ -779,10 +844,12 @@ def _train(cfg) -> dict:
             if cfg.output_dir is not None and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step == steps - 1):
                 try:
                     path = save(cfg, step + 1, model, tokenizer, optimizer, schedule, result, settings)
-                except (OSError, RuntimeError) as err:  # a full disk, permissions: the summary is still written
+                except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a file size limit,
+                    # permissions (safetensors' own error for a failed write): the summary is still written
                     stopped = (f"error: the checkpoint of step {step + 1} could not be written to {cfg.output_dir} "
                                f"({str(err).splitlines()[0][:300]})"
-                               + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
+                               + (f"; the last complete checkpoint is {last_saved}" if last_saved else
+                                  "; no checkpoint of this run is complete"))
                     break
                 last_saved = path
                 if weights_finite(model):
@@ -795,11 +862,30 @@ def _train(cfg) -> dict:
                     result.cuda_graphs = f"off ({failed})"
                 else:
                     result.cuda_graphs = f"replayed from step {step + 2}"
+            if step + 1 < steps and sigterm_stops(cfg):
+                terminated = step + 1
+                break
     finally:  # out of memory in a step: train() turns it into its one-line message
+        playbook.defer_sigterm(False)
         bar.close()
         metrics.close()
+    if terminated is not None:
+        kept = stop_after_sigterm(
+            cfg, terminated, steps, last_saved,
+            lambda: save(cfg, terminated, model, tokenizer, optimizer, schedule, result, settings))
+        if size > 1:
+            torch.distributed.destroy_process_group()
+        raise playbook.interrupted_exit(kept, "SIGTERM")
     if cfg.on_gpu:
         result.peak_memory_gb = cuda_graph.peak_bytes(graphed) / 1e9  # the captured step's footprint included
+    if prompts is not None and stopped is None:
+        from playbook import generate
+
+        for sample, after in zip(result.samples, generate.answers(model, tokenizer, prompts, cfg.device,
+                                                                  f"after {len(result.losses)} steps")):
+            sample["after"] = after
+        if is_main():
+            print(generate.format_samples(result.samples))
     summary = result.summary(gpu_bf16_peak_tflops(cfg.device), flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
     payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if is_main():
@@ -829,6 +915,31 @@ def _train(cfg) -> dict:
     if size > 1:
         torch.distributed.destroy_process_group()
     return payload
+
+
+def sigterm_stops(cfg) -> bool:
+    """Whether a SIGTERM came during the loop (playbook.defer_sigterm) to any process: every process then
+    stops after the same step, the one whose checkpoint they write together."""
+    pending = playbook.sigterm_pending()
+    if world()[1] > 1:
+        flag = torch.tensor(int(pending), device=cfg.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # a sync point, once per step
+        pending = bool(flag)
+    return pending
+
+
+def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
+    """What a SIGTERM (a scheduler's pre-emption) keeps: with --output-dir the checkpoint of `step`, the last
+    step done (`save_now()` writes it unless it was just written), so that the job resumes from it."""
+    kept = f"stopped after step {step} of {steps}, before its summary"
+    if cfg.output_dir is None:
+        return kept + "; no checkpoint (no --output-dir)"
+    try:
+        path = last_saved if last_saved is not None and Path(last_saved).name == f"checkpoint-{step}" else save_now()
+    except (OSError, RuntimeError, SafetensorError) as err:
+        return (kept + f"; the checkpoint of step {step} could not be written ({str(err).splitlines()[0][:200]})"
+                + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
+    return kept + f"; saved {path}: resume with --resume {cfg.output_dir}"
 
 
 def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None):

@@ -264,6 +264,50 @@ def test_packed_examples_do_not_attend_to_each_other():
     record(f"HF position_ids detection, use_cache=True: leak {cache:.1e} > 1e-2", cache, 1e-2, passed=cache > 1e-2)
 
 
+def test_right_padded_rows_train_the_same_without_their_padding_mask():
+    """causal_padding: the batches of right-padded rows leave the [B, T] mask out. The padded eager step's
+    loss and every gradient must be those of the same batch with its mask: under the causal mask a token
+    sees only earlier positions, which right padding never fills. Control: left padding (the padding
+    before the tokens) is not covered by that argument, and there leaving the mask out changes the loss."""
+    from transformers import LlamaForCausalLM
+
+    rows = [{"text": "The Nile flows north into the sea."}, {"text": "Rice."}, {"text": "Bread needs an oven."}]
+    d = _dataset(rows, seq_len=64, batch_size=3)
+    masked = d.batch(0, "cpu")
+    d.causal_padding = True
+    plain = d.batch(0, "cpu")
+    assert "attention_mask" in masked and "attention_mask" not in plain
+    assert (masked["attention_mask"] == 0).any(), "the batch must hold padding for the test to mean anything"
+    assert "causal mask only" in d.describe()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_config())
+
+    def loss_and_grads(batch):
+        model.zero_grad(set_to_none=True)
+        with _one_cpu_thread():
+            loss = model(**batch).loss
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss_m, grads_m = loss_and_grads(masked)
+    loss_p, grads_p = loss_and_grads(plain)
+    # the same sums over the same tokens, through SDPA's masked and causal kernels: fp32 rounding only
+    # (a few ulps of the values summed; 1e-5 relative is ~100 ulps, and a wrong token shifts it by ~1e-2)
+    assert torch.allclose(loss_m, loss_p, rtol=1e-5, atol=0), (loss_m, loss_p)
+    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(grads_m, grads_p))
+    assert worst < 1e-4, f"largest relative gradient difference {worst:.2e}"
+
+    # control: the same rows padded on the left, mask left out: the real tokens now see the padding
+    left = {k: v.clone() for k, v in masked.items()}
+    for r in range(left["input_ids"].shape[0]):
+        n = int(masked["attention_mask"][r].sum())
+        for key in ("input_ids", "labels", "attention_mask"):
+            left[key][r] = torch.roll(masked[key][r], masked[key].shape[1] - n)
+    loss_left, _ = loss_and_grads({k: v for k, v in left.items() if k != "attention_mask"})
+    loss_left_masked, _ = loss_and_grads({**left, "position_ids": (left["attention_mask"].cumsum(-1) - 1).clamp_min(0)})
+    assert not torch.allclose(loss_left, loss_left_masked, rtol=1e-3), "left padding needs its mask"
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad rows
 # ------------------------------------------------------------------------------------------------
@@ -297,6 +341,24 @@ def test_bad_rows_are_counted_by_reason():
     record(f"{len(BAD_ROWS)} bad rows, {len(want)} reasons, one line", 0, 0, True)
     message = expect_error(ValueError, lambda: _dataset([row for row, _ in BAD_ROWS], seq_len=64))
     assert "no usable row" in message and "unknown shape: 1" in message
+
+
+def test_openai_content_parts_and_assistant_first_conversations():
+    """Chat content as OpenAI's parts ([{"type": "text", "text": ...}]) trains as the same text; a part that is
+    not text, and a conversation that starts with the assistant, are dropped under reasons that say what
+    is wrong, which the error repeats when no row is left."""
+    parts = {"messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+                          for m in CHAT["messages"]]}
+    same = _dataset([CHAT, parts])
+    assert same.report.kept == 2 and torch.equal(same.rows["input_ids"][0], same.rows["input_ids"][1])
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                          {"role": "assistant", "content": "A cat."}]}
+    greeting = {"messages": [{"role": "assistant", "content": "Hello!"}, *CHAT["messages"][1:]]}
+    d = _dataset([CHAT, image, greeting])
+    assert d.report.dropped == {"non-text content": 1, "starts with the assistant": 1}, d.report.dropped
+    message = expect_error(ValueError, lambda: _dataset([greeting]))
+    assert "starts with the assistant: 1" in message and "start with the user message it answers" in message
+    record("content parts trained as text; image parts and assistant-first rows dropped by name", 0, 0, True)
 
 
 def test_a_template_that_is_not_prefix_stable_is_reported():

@@ -63,6 +63,22 @@ def test_names_and_sets():
     record(f"{len(registry.NAMES)} names; default {','.join(registry.DEFAULT_KERNELS)}", 0.0, 0.0, True)
 
 
+def test_api_misuse_is_named():
+    """apply_kernels(model, None), and a selection of entries that act outside the model's modules alone
+    (fp8, adamw, lora: apply_kernels would replace nothing), are refused saying what to pass or call
+    instead; so is 'none' among other names."""
+    from playbook.testkit import tiny_model
+
+    model = tiny_model("llama")
+    assert "'none' (or ()) for plain PyTorch" in expect_error(TypeError, registry.apply_kernels, model, None)
+    for spec, where in (("fp8", "apply_fp8"), ("adamw,lora", "TritonAdamW")):
+        assert where in expect_error(ValueError, registry.apply_kernels, model, spec)
+    assert registry.apply_kernels(model, "fp8", others_applied=True).replaced == {}  # what prepare_model passes
+    for spec in ("none,rmsnorm", "default,none"):
+        assert "'none' alone" in expect_error(ValueError, registry.parse_kernels, spec)
+    record("apply_kernels(None), apply_kernels('fp8'), 'none,rmsnorm': refused by name", 0.0, 0.0, True)
+
+
 def test_fp8_and_adamw_names_switch_what_their_flags_do():
     from playbook.config import make_parser, parse_config
 

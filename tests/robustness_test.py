@@ -132,20 +132,20 @@ def test_results_are_never_overwritten_silently():
 # A child process inherits its parent's blocked signals and ignored signals, and a Python started with
 # SIGINT ignored never turns Ctrl-C into KeyboardInterrupt. A shell starts a script with neither; the
 # test process may hold either (left by a library it loaded). So the child starts as from a shell: it
-# unblocks SIGINT and takes Python's default handler before running the script, and says what it
-# inherited (/proc/self/status, in hex masks) for the failure message.
+# unblocks SIGINT and SIGTERM and takes Python's default handlers before running the script, and says
+# what it inherited (/proc/self/status, in hex masks) for the failure message.
 _AS_FROM_A_SHELL = (
     "import runpy, signal, sys; "
     "status = open('/proc/self/status').read().splitlines() if sys.platform == 'linux' else []; "
     "print('inherited:', *[l for l in status if l.startswith(('SigBlk', 'SigIgn'))], file=sys.stderr); "
-    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
-    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM]); "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); signal.signal(signal.SIGTERM, signal.SIG_DFL); "
     "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 
 
-def interrupt(*argv, ready: str | None = None, timeout: float = 60) -> tuple[int, str]:
-    """Run `python *argv` as from a shell, press Ctrl-C (SIGINT) and return (exit code, stderr).
+def interrupt(*argv, ready: str | None = None, timeout: float = 60, sig=signal.SIGINT) -> tuple[int, str]:
+    """Run `python *argv` as from a shell, press Ctrl-C (SIGINT; or send `sig`) and return (exit code, stderr).
 
     `ready`: Ctrl-C comes 0.5 s after the first stdout line that contains it (the run is under way);
     None: 0.5 s after the process starts, while it is still importing torch (start-up). stderr's first
@@ -159,7 +159,7 @@ def interrupt(*argv, ready: str | None = None, timeout: float = 60) -> tuple[int
                 if ready in line:
                     break
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -238,7 +238,8 @@ def test_ctrl_c_turned_into_another_error_is_still_ctrl_c(tmp_path):
 
 
 CTRL_C_AROUND_OTHER_OUTPUT = [  # runs whose stderr holds more than the closing line (warnings, a child step's)
-    (("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000"), "Trainer:"),
+    (("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000", "--output-dir", "{tmp}"),
+     "Trainer:"),  # (the Trainer makes its folder as it starts: one of the test's, not out/ in the clone)
     (("walkthrough.py", "--skip-kernel-tests", "--seq-len", "64"), "Step 1"),
     (("selfcheck.py",), None),
 ]
@@ -246,14 +247,78 @@ CTRL_C_AROUND_OTHER_OUTPUT = [  # runs whose stderr holds more than the closing 
 
 @pytest.mark.parametrize("argv, ready", CTRL_C_AROUND_OTHER_OUTPUT,
                          ids=[f"{a[0]} {'mid-run' if r else 'start-up'}" for a, r in CTRL_C_AROUND_OTHER_OUTPUT])
-def test_ctrl_c_ends_with_one_closing_line_exit_130(argv, ready):
+def test_ctrl_c_ends_with_one_closing_line_exit_130(argv, ready, tmp_path):
     """Ctrl-C: exit code 130 and a last line that says what was kept, no traceback (the Trainer's own
     warnings, or the walkthrough's running step and its own line, may come before it on stderr)."""
-    code, err = interrupt(*argv, ready=ready)
+    code, err = interrupt(*[a.replace("{tmp}", str(tmp_path / "out")) for a in argv], ready=ready)
     last = err.strip().splitlines()[-1]
     assert code == 130 and "Traceback" not in err and last.startswith("interrupted (Ctrl-C)"), (code, err[-2000:])
     record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> exit 130, one closing line, "
            "no traceback", 0.0, 0.0, True)
+
+
+def test_sigterm_saves_the_step_done_and_exits_143(tmp_path):
+    """SIGTERM, a scheduler's pre-emption, is handled as Ctrl-C is, with exit code 143: at start-up one
+    line; in the loop the step in progress ends, its checkpoint is written to --output-dir (so the job
+    resumes from it), and one line names it."""
+    code, err = interrupt("finetune_baseline.py", sig=signal.SIGTERM)
+    assert code == 143 and "terminated (SIGTERM) while starting" in err and one_line_after_ctrl_c(err), (code, err)
+    out = tmp_path / "out"
+    code, err = interrupt("finetune_baseline.py", "--steps", "100000", "--log-every", "1", "--output-dir", str(out),
+                          "--tag", "test_robust_sigterm", ready="step", sig=signal.SIGTERM)
+    (common.RESULTS_DIR / "test_robust_sigterm.metrics.jsonl").unlink(missing_ok=True)
+    lines = [line for line in err.splitlines()[1:] if line.strip() and not line.startswith("checkpoint: ")]
+    assert code == 143 and "Traceback" not in err and len(lines) == 1, (code, err[-2000:])
+    from playbook.checkpoint import read_checkpoint_info
+
+    saved = read_checkpoint_info(out)  # what --resume reads: `latest` names the step the run stopped after
+    assert lines[0].startswith(f"terminated (SIGTERM): stopped after step {saved['step']} of 100000") \
+        and f"resume with --resume {out}" in lines[0], (lines, saved["step"])
+    assert not (common.RESULTS_DIR / "test_robust_sigterm.json").exists()
+    record(f"SIGTERM: one line, exit 143; checkpoint-{saved['step']} written, resumable", 0.0, 0.0, True)
+
+
+def test_environment_that_contradicts_the_run_is_one_line(monkeypatch, capsys):
+    """WORLD_SIZE without torchrun's rendezvous, and TRITON_INTERPRET=0 on a machine without a GPU: refused
+    with what to do (exit code 2) before anything is built."""
+    if common.torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 is the GPU's normal setting")
+    from playbook import kernel_utils  # noqa: F401  (imported with the interpreter on, before the variable changes)
+
+    parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
+    for env, mentions in (({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "start the run with torchrun"),
+                          ({"TRITON_INTERPRET": "0"}, "unset TRITON_INTERPRET")):
+        with monkeypatch.context() as m:
+            m.delenv("MASTER_ADDR", raising=False)
+            for key, value in env.items():
+                m.setenv(key, value)
+            with pytest.raises(SystemExit) as info:
+                parse_config(parser, "finetune_optimized", [])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and mentions in err and len(err.strip().splitlines()) == 1, err
+        record(f"{' '.join(f'{k}={v}' for k, v in env.items())} -> exit 2, one line", 0.0, 0.0, True)
+
+
+def test_models_refused_before_they_are_built(monkeypatch, capsys):
+    """Names that are no model here (a preset in capitals, a data file) and the 8B preset on a CPU whose
+    memory cannot hold it: one line, exit code 2, before anything is built or fetched. (The 8B shapes
+    still build on the meta device: finetune_test.py's preset and fallback tests.)"""
+    from playbook import models
+
+    monkeypatch.setattr(common, "host_memory_limit", lambda: 16 * 10**9)  # the 16 GB a container allowed
+    for argv, mentions in ((["--model", "llama-TINY"], "spelled --model llama-tiny"),
+                           (["--model", str(HERE / "examples" / "chat.jsonl")], "is a file, not a model"),
+                           (["--model", "llama-3.1-8b"], "need at least 64.2 GB"),
+                           (["--model", "llama-3.1-8b", "--lora-r", "16"], "need at least 16.1 GB")):
+        cfg = parse_config(make_parser("t", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized", argv)
+        if cfg.on_gpu and "llama-3.1-8b" in argv:
+            continue  # the 8B trains on a GPU
+        with pytest.raises(SystemExit) as info:
+            models.load_model(cfg)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and mentions in err and len(err.strip().splitlines()) == 1, err
+        record(f"{' '.join(argv)} -> exit 2 before building", 0.0, 0.0, True)
+    assert "--model llama-tiny" in err and "16.0 GB" in err, err
 
 
 if __name__ == "__main__":

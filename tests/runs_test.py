@@ -139,6 +139,36 @@ def test_a_checkpoint_that_cannot_be_written_still_leaves_the_summary(tmp_path, 
     record("final save fails: message, exit 1, summary written", 0.0, 0.0, True)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="a POSIX file size limit (RLIMIT_FSIZE)")
+def test_a_file_size_limit_at_a_save_stops_naming_the_last_complete_checkpoint(tmp_path, capsys, monkeypatch):
+    """`ulimit -f`, a quota or a full disk as the weights are written (safetensors raises its own error,
+    not an OSError): one message naming the last complete checkpoint, exit 1, the summary written, and
+    no half-written checkpoint left."""
+    import resource
+
+    real_save = checkpoint.save_checkpoint
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def step_4_over_the_limit(output_dir, step, *args, **kwargs):
+        if step != 4:
+            return real_save(output_dir, step, *args, **kwargs)
+        # the weights are 316 KB; Python ignores SIGXFSZ, so the write fails with EFBIG ("File too large")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limit[1]))
+        try:
+            return real_save(output_dir, step, *args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", step_4_over_the_limit)
+    out = tmp_path / "out"
+    said = exits(capsys, "--output-dir", str(out), "--save-every", "2", code=1, tag="test_runs_file_size")
+    assert "the checkpoint of step 4 could not be written" in said and "File too large" in said, said
+    assert f"the last complete checkpoint is {out / 'checkpoint-2'}" in said and "Traceback" not in said, said
+    assert len(summary("test_runs_file_size")["losses"]) == 4
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "latest"], list(out.iterdir())
+    record("a save over the file size limit: message, exit 1, summary written, nothing half-written", 0.0, 0.0, True)
+
+
 def test_a_nan_loss_stops_with_step_causes_and_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     real_step, calls = training.training_step, []
 

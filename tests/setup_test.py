@@ -292,7 +292,7 @@ def test_cuda_build_without_code_for_this_gpu(gpu_machine):
     msg = setup_check.torch_gpu_problem()
     assert msg is not None
     assert "has no code for compute capability 10.3 (it carries sm_80 sm_90)" in msg
-    assert "needs wheels for CUDA 12.8 or newer; a GB300 is best served by cu130" in msg
+    assert "Blackwell, datacenter (sm_103) needs PyTorch wheels for CUDA 12.9 or newer; cu130 serves it best" in msg
     assert f"--index-url {CU130}" in msg
 
 
@@ -304,7 +304,8 @@ def test_cuda_build_that_fits_is_ok(gpu_machine, capsys):
 
 
 def test_cuda_build_newer_than_the_driver(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(fake_smi(tmp_path, cuda="12.8")))
+    # a B200: CUDA 12.8 is the first for sm_100 (a GB300, sm_103, needs 12.9: tests/blackwell_test.py)
+    monkeypatch.setenv("PATH", str(fake_smi(tmp_path, name="NVIDIA B200", cc="10.0", cuda="12.8")))
     monkeypatch.setitem(sys.modules, "torch", StandInTorch(cuda="13.0", available=False))
     msg = setup_check.torch_gpu_problem()
     assert "is built for CUDA 13.0, newer than the driver supports (CUDA 12.8)" in msg
@@ -336,14 +337,14 @@ def test_importing_setup_check_does_not_import_torch():
 
 @pytest.fixture
 def sandbox(tmp_path):
-    """A copy of the Makefile, selfcheck.py and playbook/setup_check.py whose walkthrough and test suite only
+    """A copy of the Makefile, selfcheck.py and playbook/setup_check.py (with gpu_arch.py) whose walkthrough and test suite only
     leave a marker, with set-up already done (nothing is installed), and a CPU-only stand-in for torch and
     triton on PYTHONPATH (importing them takes no time, whatever torch is installed)."""
     box = tmp_path / "box"
     box.mkdir()
     (box / "playbook").mkdir()
-    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "requirements.txt",
-                 "pytest.ini"):
+    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "playbook/gpu_arch.py",
+                 "requirements.txt", "pytest.ini"):
         shutil.copy(HERE / name, box / name)
     (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")
     (box / "marker_test.py").write_text("def test_marker():\n    open('tests.ran', 'w').close()\n")
