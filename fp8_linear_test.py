@@ -2,7 +2,9 @@
 matmuls against float64 within e4m3's rounding, what backward keeps, and a tiny LLaMA patched,
 trained, and run through `finetune_optimized.py --fp8`; then every `--fp8-recipe` the same way (its
 quantizers bit for bit, its matmuls against its own dequantized operands, which layers it converts,
-the per-GPU guards, and MXFP8's reference quantizer).
+the per-GPU guards, and MXFP8's reference quantizer); and LoRA on a frozen base kept in FP8 (the stored
+weight, its forward and input gradient within e4m3's worst case, the bytes left, a LoRA run against
+bf16 LoRA, and `finetune_optimized.py --lora-r --fp8` with its checkpoint).
 
     $ python fp8_linear_test.py     # a readable report
     $ pytest fp8_linear_test.py
@@ -783,7 +785,8 @@ def test_finetune_optimized_with_fp8_runs():
     """What `python finetune_optimized.py --fp8 --num-layers 1 --steps 2 ...` runs, in this process: the
     script's default kernels, then the FP8 patch (logged with its count), two steps with finite losses."""
     tag = "test_fp8_cpu"
-    cfg = _config("--fp8", "--fp8-recipe", "rowwise", "--model", "llama-tiny", "--num-layers", "1", "--steps", "2", "--timing-warmup-steps", "1",
+    cfg = _config("--fp8", "--fp8-recipe", "rowwise", "--fp8-layers", "all", "--model", "llama-tiny", "--num-layers", "1",
+                  "--steps", "2", "--timing-warmup-steps", "1",
                   "--batch-size", "1", "--seq-len", "16", "--tag", tag, "--overwrite")
     out = io.StringIO()
     try:
@@ -1365,6 +1368,11 @@ def _lora_config(*argv):
     return _config("--model", "llama-tiny", "--lora-r", "4", "--seq-len", "32", *argv)
 
 
+# --fp8 for LoRA on the FP8 base in these tests: the row-wise recipe, every projection (on a GPU the size
+# rule, --fp8-layers auto, would keep all of llama-tiny's narrow projections bf16; the CPU converts all)
+FP8_BASE = ("--fp8", "--fp8-recipe", "rowwise", "--fp8-layers", "all")
+
+
 def _bytes(model) -> int:
     """Bytes of every distinct storage the model's parameters and buffers live in."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -1382,7 +1390,7 @@ def test_lora_fp8_base_keeps_one_byte_per_weight(capsys):
     base = _tiny(layers=2)
     originals = [weakref.ref(p) for n, p in base.named_parameters() if "_proj" in n]
     n_proj = sum(p().numel() for p in originals)
-    model = models.prepare_model(_lora_config("--fp8", "--fp8-recipe", "rowwise"), model=base)[0]
+    model = models.prepare_model(_lora_config(*FP8_BASE), model=base)[0]
     logged = capsys.readouterr().out
     assert "FP8 base: 14 frozen projection weights kept in FP8" in logged, logged[-2000:]
     gc.collect()
@@ -1420,7 +1428,7 @@ def _lora_models(fused: bool):
     bf16 on the frozen FP8 base; the adapters equal in all three, B not zero (peft starts it at zero)."""
     kernels = "default" if fused else "none"
     built = []
-    for argv, dtype in (((), torch.float32), ((), torch.bfloat16), (("--fp8", "--fp8-recipe", "rowwise"), torch.bfloat16)):
+    for argv, dtype in (((), torch.float32), ((), torch.bfloat16), (FP8_BASE, torch.bfloat16)):
         cfg = _lora_config("--kernels", kernels, *argv)
         built.append(models.prepare_model(cfg, model=_tiny(layers=1, dtype=dtype))[0])
     g = torch.Generator().manual_seed(50)
@@ -1471,8 +1479,8 @@ def test_lora_on_fp8_base_close_to_bf16_lora(fused, monkeypatch):
 
 
 def test_finetune_optimized_lora_on_fp8_base(tmp_path, capsys):
-    """`finetune_optimized.py --model llama-tiny --lora-r 4 --fp8 --fp8-recipe rowwise --steps 3
-    --output-dir DIR`, in this process: three finite steps; the adapter it saves loads with peft's
+    """`finetune_optimized.py --model llama-tiny --lora-r 4 --fp8 --fp8-recipe rowwise --fp8-layers all
+    --steps 3 --output-dir DIR`, in this process: three finite steps; the adapter it saves loads with peft's
     AutoPeftModelForCausalLM on the bf16 base (the same adapter tensors); the run resumes from its
     checkpoint on the bf16 base (without --fp8: the checkpoint's base fingerprint is the bf16 weights');
     --merge-lora (and --load-in-4bit) are refused before training, and merge_and_save on an FP8 base
@@ -1485,7 +1493,7 @@ def test_finetune_optimized_lora_on_fp8_base(tmp_path, capsys):
 
     out = tmp_path / "run"
     run = ["--model", "llama-tiny", "--lora-r", "4", "--output-dir", str(out), "--overwrite"]
-    fp8 = ["--fp8", "--fp8-recipe", "rowwise"]
+    fp8 = FP8_BASE
     tag = "test_lora_fp8_base"
     try:
         result = training.train(_config(*run, *fp8, "--steps", "3", "--tag", tag))

@@ -52,6 +52,7 @@ from playbook.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, re
 from playbook.models import prepare_model
 from playbook.config import make_parser, parse_config, usage_error
 from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
+from playbook.registry import in_effect
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
@@ -174,7 +175,8 @@ def main():
                 log("CUDA graphs: the profiled steps are replays of the captured step (--cuda-graphs off profiles "
                     "the eager steps, where the host's launches show)")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        log(f"Profiling {active} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens ({desc}) ...")
+        log(f"Profiling {active} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens (micro-batches "
+            f"x sequences x tokens each; {desc}) ...")
         t0 = time.perf_counter()
         wall, queued = [], []  # seconds per recorded step: until the GPU finished it; until the host had queued it
         # (Kineto's "USDT: profiler_start / profiler_stop" notices left out of the output; its other lines pass)
@@ -230,10 +232,13 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
                          "in this environment, and did the steps run on the GPU?")
     unit = "GPU" if gpu else "CPU"
     per_step = total / active / 1e3
-    label = "+".join(kernel_report.names) or "baseline"
+    used = in_effect(kernel_report, cfg.optimizer, cfg.lora_r)
+    label = "+".join(used) or "baseline"
+    cpu_note = " -- CPU run: " + ("the kernels' CPU time in Triton's interpreter and PyTorch's CPU operators"
+                                  if used else "PyTorch's CPU operators") + ", not GPU time"
     log(f"\nSelf {unit} time per training step: {per_step:.1f} ms ({label}, {model_name}, "
-        f"{cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens)"
-        f"{'' if gpu else ' -- CPU run: CPU time of the Triton interpreter, not GPU time'}")
+        f"{cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens: micro-batches x sequences x tokens each)"
+        f"{'' if gpu else cpu_note}")
     if gpu and wall_ms:
         # the profiler slows the host's launches, so this idle time is an upper bound of the real one
         log(f"Wall time per profiled step: {wall_ms:.1f} ms (median of {active}, under the profiler); the GPU "

@@ -4,6 +4,8 @@
     $ python selfcheck.py --setup       # only the set-up check: "OK: ..." and exit 0, or the fix and exit 1
     $ python selfcheck.py --index-url   # the PyTorch wheel index for this machine (`make` uses it): the one for
                                         # its GPU and driver, the CPU index on Linux without a GPU, else empty (PyPI)
+    $ python selfcheck.py --reachable URL  # URL when the index answers within 5 s; else nothing (PyPI) and
+                                           # one line saying so (`make` asks once before pip uses the index)
 
 Prints the GPU (name, compute capability, memory), the driver and its CUDA version, the versions of
 torch (and its CUDA), Triton and transformers, bf16 support, and whether results/ already holds
@@ -287,7 +289,12 @@ if __name__ == "__main__":
                        help="only the set-up check `make` runs before each command: OK and exit 0, or the fix and exit 1")
     which.add_argument("--index-url", action="store_true",
                        help="print the PyTorch wheel index for this machine's GPU and driver (empty: PyPI)")
+    which.add_argument("--reachable", metavar="URL",
+                       help="print URL when this package index answers within 5 s; else print nothing (pip then "
+                            "uses PyPI) and say so in one line on stderr")
     args = parser.parse_args()
+    if args.reachable is not None:
+        sys.exit(setup_check.main(["--reachable", args.reachable]))
     if args.setup or args.index_url:
         sys.exit(setup_check.main(["--index-url"] if args.index_url else []))
     import playbook

@@ -13,6 +13,7 @@
     kernel_utils   what every kernel file shares (device choice, input checks, interpreter switch)
     gpu_arch       the GPU generation of a compute capability: every choice made by architecture asks it
     setup_check    the set-up checks (GPU, driver, torch build) run by `make`
+    interpreter    the kernels on a CPU with a real model: the notice, the step-time estimate, the heartbeat
     testkit        tolerances and the short test report the *_test.py files print
 
 Nothing here imports torch at package import, so `selfcheck.py --index-url` runs before torch is installed,

@@ -62,7 +62,7 @@ def gpu_bf16_peak_tflops(device: torch.device) -> float | None:
 
 def describe_gpu(device: torch.device) -> str:
     if device.type != "cuda":
-        return "CPU (Triton interpreter)"
+        return "CPU"  # the kernels run in Triton's interpreter there: the runs that use them say so
     p = torch.cuda.get_device_properties(device)
     return f"{p.name} ({p.total_memory / 2**30:.0f} GiB)"
 

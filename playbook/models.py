@@ -381,8 +381,11 @@ def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload:
         raise usage_error(f"--checkpoint-layers {err}") from None
     which = "each decoder layer" if len(chosen) == len(stack) else (
         f"{len(chosen)} of {len(stack)} decoder layers ({layers}: {', '.join(map(str, chosen))})")
-    where = ("; their inputs wait in pinned host memory (copied on a side stream, fetched back one layer ahead)"
-             if offload else "")
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    where = ("" if not offload else
+             "; their inputs wait in pinned host memory (copied on a side stream, fetched back one layer ahead)"
+             if on_gpu else "; --offload-activations copies their inputs to a second host buffer (on a CPU they "
+             "are in host memory already: it saves nothing there, and runs the same code as on a GPU)")
     if keep_attention:
         attn = getattr(model.config, "_attn_implementation", None)
         where += ("; attention's forward outputs kept, not recomputed" if attn == "sdpa" else
@@ -411,17 +414,20 @@ def apply_fp8_base(model: nn.Module) -> int:
     if world()[1] > 1:
         log("FP8 base: under torchrun the frozen FP8 projections keep their bf16 weights (quantized every step)")
         return 0
-    before = sum(m.weight.numel() * m.weight.element_size() for m in layers if not m.stores_fp8())
+    was = {m: m.weight.numel() * m.weight.element_size() for m in layers if not m.stores_fp8()}
     stored = fp8_linear_kernel.store_frozen_weights(model)
     # The joined q/k/v groups still name the nn.Linear layers the kernels found, which hold the bf16
     # Parameters: joined again with the current layers now, so that those are freed before the first step.
     import projections_kernel
 
     projections_kernel.join_now(model)
+    if not stored:  # (store_frozen_weights said why)
+        return 0
+    before = sum(n for m, n in was.items() if m.stores_fp8())
     after = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in layers if m.stores_fp8())
 
-    def size(n: int) -> str:
-        return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+    def size(n: int) -> str:  # both figures in the unit of the larger
+        return f"{n / 1e9:.2f} GB" if before >= 1e9 else f"{n / 1e6:.3f} MB"
 
     log(f"FP8 base: {stored} frozen projection weights kept in FP8 (e4m3 and one fp32 scale per row, quantized "
         f"once): {size(after)} instead of {size(before)}; forward and input-gradient matmuls in FP8, adapters in "

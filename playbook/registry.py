@@ -317,6 +317,13 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_
     return report
 
 
+def in_effect(report: KernelReport, optimizer: str, lora_r: int | None) -> tuple:
+    """`report.names` as a run uses them, for its labels: adamw only when the optimizer is the Triton AdamW
+    (the default set leaves PyTorch's AdamW on a CPU, under FSDP2 and in the Trainer), lora only with
+    adapters (--lora-r)."""
+    return tuple(n for n in report.names if (n != "adamw" or optimizer == "adamw-triton") and (n != "lora" or lora_r))
+
+
 def apply_peer(model, peer: str) -> str:
     """Liger-Kernel's own set (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy) on the same model."""
     if peer != "liger":

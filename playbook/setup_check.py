@@ -204,6 +204,39 @@ def index_url(report: SmiReport) -> str | None:
     return cpu_wheel_index()
 
 
+REACH_TIMEOUT_S = 5
+
+
+def index_reachable(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
+    """None when the package index at `url` answers (any HTTP status: the server is there), else why not in
+    a few words. One request, so that a machine that cannot reach the index falls back at once instead of
+    letting pip retry every download (on such a machine pip printed 116 warnings before giving up)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        why = getattr(err, "reason", None) or err
+        return " ".join(str(why).split())[:120] or type(err).__name__
+    return None
+
+
+def reachable_index(url: str) -> str:
+    """What `selfcheck.py --reachable URL` prints: URL when it answers, else "" (pip's default, PyPI), with one
+    line on stderr saying what happened."""
+    if not url:
+        return ""
+    why = index_reachable(url)
+    if why is None:
+        return url
+    print(f"setup: {url} does not answer ({why}): installing torch from PyPI instead (on Linux x86_64 a CUDA "
+          "build, ~4 GB more; TORCH_INDEX=... chooses another index)", file=sys.stderr, flush=True)
+    return ""
+
+
 def capability_text(capability: tuple[int, int] | None) -> str:
     return "unknown" if capability is None else f"{capability[0]}.{capability[1]} = sm_{capability[0]}{capability[1]}"
 
@@ -337,18 +370,34 @@ def _problem(report: SmiReport) -> str | None:
 _cpu_note_printed = False
 
 
-def cpu_demo_note(reason: str = "no NVIDIA GPU found") -> str:
-    """The one line that says this run is the CPU demo."""
-    note = (f"{reason}: this is the CPU demo (the tiny llama-tiny model, kernels in Triton's interpreter); "
-            "its timings are not meaningful.")
+def model_named(argv: list[str]) -> str | None:
+    """--model's value in a script's arguments, read before they are parsed (None when not given)."""
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def cpu_demo_note(reason: str = "no NVIDIA GPU found", model: str | None = None) -> str:
+    """The one line that says this run is on the CPU: the CPU demo (llama-tiny, the scripts' default there), or
+    the model --model names."""
+    if model and model != "llama-tiny":
+        note = (f"{reason}: this run is on the CPU (--model {model}; any Triton kernel runs in Triton's "
+                "interpreter); its timings are not meaningful.")
+    else:
+        note = (f"{reason}: this is the CPU demo (the tiny llama-tiny model; any Triton kernel runs in Triton's "
+                "interpreter); its timings are not meaningful.")
     if Path("/.dockerenv").exists() or os.environ.get("NVIDIA_PYTORCH_VERSION"):
         note += " Inside a container, the GPU is visible only when it was started with --gpus all."
     return note
 
 
-def check_or_exit() -> None:
+def check_or_exit(argv: list[str] | None = None) -> None:
     """Call at the start of a script: exit with code 1 and the fix when an NVIDIA GPU is present but the
-    torch in use cannot use it; on a machine without a GPU, say once per process that this is the CPU demo."""
+    torch in use cannot use it; on a machine without a GPU, say once per process that this run is on the CPU
+    (the CPU demo, or the model --model names in `argv`, by default the script's arguments)."""
     global _cpu_note_printed
     report, problem = diagnose()
     if problem is not None and os.environ.get("CPU_DEMO") != "1":
@@ -357,7 +406,7 @@ def check_or_exit() -> None:
         return
     if not _cpu_note_printed:
         _cpu_note_printed = True
-        print(cpu_demo_note(_reason(problem)), flush=True)
+        print(cpu_demo_note(_reason(problem), model_named(sys.argv[1:] if argv is None else argv)), flush=True)
 
 
 def _reason(problem: str | None) -> str:
@@ -371,8 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     if args == ["--index-url"]:
         print(index_url(nvidia_smi_report()) or "")
         return 0
+    if len(args) == 2 and args[0] == "--reachable":
+        print(reachable_index(args[1]))
+        return 0
     if args:
-        print("usage: python selfcheck.py --setup [--index-url]", file=sys.stderr)
+        print("usage: python selfcheck.py --setup | --index-url | --reachable URL", file=sys.stderr)
         return 2
     report, problem = diagnose()
     if problem is not None:

@@ -32,6 +32,7 @@ import playbook
 from playbook.common import (RESULTS_DIR, describe_gpu, gpu_bf16_peak_tflops, interactive, is_main, is_out_of_memory, log,
                     oom_message, result_path, synchronize, versions, world, write_atomic)
 from playbook.models import PRESETS, count_params, flops_per_token, prepare_model
+from playbook.registry import in_effect
 
 IGNORE_INDEX = -100
 
@@ -317,6 +318,11 @@ class RunResult:
             "eval loss before": self.eval_losses[0][1] if self.eval_losses and self.eval_losses[0][0] == 0 else None,
             "final eval loss": self.eval_losses[-1][1] if self.eval_losses and self.eval_losses[-1][0] > 0 else None,
         }
+
+
+# Summary rows that only a GPU fills: the CPU's table leaves them out (the JSON keeps every key).
+GPU_ONLY_ROWS = ("host queue median (ms)", "host queue (% of step)", "tokens/s per GPU", "model TFLOP/s per GPU",
+                 "MFU (% of bf16 peak)", "peak GPU memory (GB)")
 
 
 def format_value(key: str, v) -> str:
@@ -683,7 +689,9 @@ def _train(cfg) -> dict:
     n_params, n_train = count_params(model), count_params(model, trainable_only=True)
     count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
     log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), {str(next(model.parameters()).dtype).replace('torch.', '').replace('bfloat16', 'bf16')}, on "
-        f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else ""))
+        f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else "")
+        + (" (the kernels in Triton's interpreter)" if not cfg.on_gpu and in_effect(kernel_report, cfg.optimizer,
+                                                                                       cfg.lora_r) else ""))
     tokenizer = run_tokenizer(cfg, model_name)
     data = make_run_data(cfg, model, tokenizer)
     data_line = data.describe()
@@ -728,7 +736,7 @@ def _train(cfg) -> dict:
         log(f"results/{tag}.json exists: this run writes results/{stem}.* (--overwrite replaces it)")
     tb_dir = ((cfg.output_dir or RESULTS_DIR / "tensorboard") / stem) if cfg.report_to == "tensorboard" else None
     metrics = MetricsLog(RESULTS_DIR / f"{stem}.metrics.jsonl", tb_dir)
-    result = RunResult(script=cfg.script, model=model_name, kernels=list(kernel_report.names) + (["torch.compile"] if cfg.compile else []),
+    result = RunResult(script=cfg.script, model=model_name, kernels=list(in_effect(kernel_report, cfg.optimizer, cfg.lora_r)) + (["torch.compile"] if cfg.compile else []),
                        gpu=describe_gpu(cfg.device), world_size=size, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        grad_accum=cfg.grad_accum, steps=steps,
                        optimizer=describe_optimizer(cfg),
@@ -758,6 +766,9 @@ def _train(cfg) -> dict:
         if start >= steps:
             raise resume_error(cfg, f"the checkpoint is at step {start}, and this run has only {steps} steps; give "
                                     f"more --steps (or --epochs) to continue it")
+    from playbook import interpreter  # a CPU running the kernels on a real model: say so, estimate, heartbeat
+
+    interpreter.before_training(cfg, model, in_effect(kernel_report, cfg.optimizer, cfg.lora_r), data, start + 1)
     if start == 0:  # held-out loss before any update, the baseline of the run's gain
         eval_before = evaluate(model, data.eval_batches(cfg.device))
         if eval_before is not None:
@@ -773,7 +784,8 @@ def _train(cfg) -> dict:
     timed_from = start + cfg.warmup_steps
     result.cuda_graphs = "" if blocker is None else f"off ({blocker})"
     log(f"Training: steps {start + 1}-{steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
-        f"{cfg.batch_size} x {cfg.seq_len} tokens per step{' per GPU' if size > 1 else ''}, {result.optimizer}, "
+        f"{cfg.batch_size} x {cfg.seq_len} tokens per step{' per GPU' if size > 1 else ''} (micro-batches x sequences x "
+        f"tokens each), {result.optimizer}, "
         f"lr {cfg.lr:g} {cfg.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup else ""))
     from tqdm import tqdm
 
@@ -889,7 +901,7 @@ def _train(cfg) -> dict:
     summary = result.summary(gpu_bf16_peak_tflops(cfg.device), flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
     payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if is_main():
-        rows = [(k, format_value(k, v)) for k, v in summary.items()]
+        rows = [(k, format_value(k, v)) for k, v in summary.items() if cfg.on_gpu or k not in GPU_ONLY_ROWS]
         unit = "GPUs" if cfg.on_gpu else "processes"
         print(tabulate(rows, headers=[f"{cfg.script}: {model_name}, {cfg.batch_size}x{cfg.seq_len}"
                                       + (f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else "")
@@ -897,7 +909,9 @@ def _train(cfg) -> dict:
         if size > 1:
             print("(tokens/s counts every process's tokens; the loss is the job's mean over its target tokens)")
         if not cfg.on_gpu:
-            print("(CPU run: kernels ran in Triton's interpreter; the timings say nothing about a GPU)")
+            print("(CPU run: " + ("the kernels ran in Triton's interpreter; " if in_effect(kernel_report, cfg.optimizer,
+                                                                                          cfg.lora_r) else "")
+                  + "the timings say nothing about a GPU)")
         write_atomic(summary_path, json.dumps(payload, indent=2, default=str))
         plot_curve(result, summary_path.with_suffix(".png"))
         print(f"Saved {summary_path}, its loss curve {summary_path.with_suffix('.png').name} and "

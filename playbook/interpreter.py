@@ -1,0 +1,162 @@
+"""A real model on a CPU with the kernels on: say so before the first step, estimate the step, show progress.
+
+Without a GPU, Triton runs every kernel in its interpreter: Python executes the kernel's code block by
+block, program by program. That is what the tests and the llama-tiny demo need, and it is far too slow
+for a real model: `finetune_optimized.py --model smollm2-135m` did not finish one step in 14 minutes on a
+2-core CPU, where `--kernels none` takes seconds per step. So before the first step (and before the eval
+loss and the sample answers, which run the same kernels) a CPU run that uses a kernel on any model but
+the llama-tiny preset prints:
+
+  - that the kernels run in Triton's interpreter, and what to do instead (`--kernels none`, or a GPU);
+  - an estimate of one training step, from the run's own model and first batch: a forward and backward
+    through the model cut to 1 decoder layer and to 2 (both on PROBE_TOKENS tokens of the first batch),
+    whose difference is the cost of one layer and whose remainder is the embedding, the final norm and
+    the fused lm_head + loss; scaled to every layer and every token of a step. An extrapolation, and the
+    run says so: the kernels' interpreter cost grows with the tokens (one program per row or per block
+    of rows), attention (PyTorch's, not a kernel) faster than that;
+  - and, while it trains, a heartbeat: a line at most every HEARTBEAT_S seconds naming the decoder layer
+    the forward or backward pass has reached, so a step of minutes is not silence.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from playbook.common import is_main, log
+
+PROBE_TOKENS = 64  # tokens of the first batch the estimate runs (1 sequence); the step's tokens scale it
+HEARTBEAT_S = 30.0  # at most one progress line per this many seconds
+HEARTBEAT_FROM_S = 60.0  # steps estimated shorter than this get no heartbeat
+
+
+def applies(cfg, used: tuple) -> bool:
+    """True for a CPU run whose kernels (registry.in_effect) run in the interpreter on a model other than the
+    llama-tiny preset (the model the CPU demo is sized for)."""
+    return not cfg.on_gpu and bool(used) and cfg.model != "llama-tiny"
+
+
+def _layers_holder(model: nn.Module) -> nn.Module:
+    """The module whose `.layers` is the decoder stack (a peft model's base model's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model
+
+
+def _fwd_bwd_seconds(model: nn.Module, ids: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return time.perf_counter() - t0
+
+
+def estimate_step_seconds(model: nn.Module, batch: dict, grad_accum: int, probe_tokens: int = PROBE_TOKENS) -> dict:
+    """Seconds for one training step (forward and backward of every micro-batch; the optimizer, PyTorch's on a
+    CPU, is left out), extrapolated from the model cut to 1 and to 2 decoder layers on `probe_tokens` tokens of
+    `batch`. Leaves the model, its gradients and the random state as they were. Returns the parts too:
+    {"step_s", "layer_s", "rest_s", "probe_tokens", "step_tokens", "layers"} (layer_s and rest_s: at the
+    probe's size)."""
+    holder = _layers_holder(model)
+    layers = holder.layers
+    n = len(layers)
+    ids = batch["input_ids"][:1, :probe_tokens]
+    step_tokens = batch["input_ids"].numel() * grad_accum
+    try:
+        with torch.random.fork_rng(devices=[]):
+            holder.layers = nn.ModuleList(list(layers)[:1])
+            _fwd_bwd_seconds(model, ids[:, :8])  # the first launch of each kernel sets the interpreter up: untimed
+            one = _fwd_bwd_seconds(model, ids)
+            if n > 1:
+                holder.layers = nn.ModuleList(list(layers)[:2])
+                two = _fwd_bwd_seconds(model, ids)
+            else:
+                two = 2 * one
+    finally:
+        holder.layers = layers
+        model.zero_grad(set_to_none=True)
+    # a busy machine can make the 2-layer run the faster one: a layer then costs at least half the 1-layer run
+    layer_s = max(two - one, one / 2)
+    rest_s = max(one - layer_s, 0.0)
+    scale = step_tokens / ids.numel()
+    return {"step_s": (rest_s + n * layer_s) * scale, "layer_s": layer_s, "rest_s": rest_s,
+            "probe_tokens": ids.numel(), "step_tokens": step_tokens, "layers": n}
+
+
+def duration(seconds: float) -> str:
+    """'45 s', '3.2 min', '1.4 h'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class Heartbeat:
+    """Forward pre-hooks on the decoder layers, and a hook on each layer's output gradient (the backward pass
+    reaching that layer): a line at most every `every_s` seconds saying where the work is."""
+
+    def __init__(self, model: nn.Module, grad_accum: int, first_step: int, every_s: float = HEARTBEAT_S, clock=None):
+        self.layers = list(_layers_holder(model).layers)
+        self.grad_accum, self.first_step, self.every_s = grad_accum, first_step, every_s
+        self.clock = clock or time.perf_counter
+        self.micro_batches = 0  # training forward passes begun
+        self.started = self.last = self.clock()
+        self.handles = []
+        for i, layer in enumerate(self.layers):
+            self.handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._forward(i)))
+            self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._watch_backward(i, out)))
+
+    def _forward(self, i: int) -> None:
+        if i == 0 and torch.is_grad_enabled():  # a training micro-batch begins
+            if self.micro_batches % self.grad_accum == 0:
+                self.started = self.clock()
+            self.micro_batches += 1
+        self._beat(i, "forward" if torch.is_grad_enabled() else "forward without gradients (eval loss or answers)")
+
+    def _watch_backward(self, i: int, out) -> None:
+        t = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad, i=i: self._beat(i, "backward"))
+
+    def _beat(self, i: int, what: str) -> None:
+        now = self.clock()
+        if now - self.last < self.every_s or not is_main():
+            return
+        self.last = now
+        if what.startswith("forward without"):
+            log(f"  ... {what}: decoder layer {i + 1} of {len(self.layers)}")
+            return
+        step = self.first_step + (self.micro_batches - 1) // self.grad_accum
+        micro = "" if self.grad_accum == 1 else f", micro-batch {(self.micro_batches - 1) % self.grad_accum + 1}"
+        log(f"  ... step {step}{micro}, {what}: decoder layer {i + 1} of {len(self.layers)}, "
+            f"{duration(now - self.started)} into the step")
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def before_training(cfg, model: nn.Module, used: tuple, data, first_step: int) -> Heartbeat | None:
+    """Where `applies`: print the notice with the estimated step time, and return the heartbeat it installed
+    (None for a step estimated under HEARTBEAT_FROM_S). Elsewhere: nothing, None."""
+    if not applies(cfg, used):
+        return None
+    log(f"note: without a GPU the kernels ({', '.join(used)}) run in Triton's interpreter, which executes each "
+        f"kernel in Python: fine for the tests and the llama-tiny demo, and far slower than PyTorch's own CPU "
+        f"operators on a model of this size. Timing one and two decoder layers on {PROBE_TOKENS} tokens of the "
+        "first batch ...")
+    if cfg.optimizer_in_backward:  # a backward would update the weights: no probe
+        log("note: no estimate of the step time (--optimizer-in-backward updates the weights in every backward). "
+            "To train this model on a CPU, drop the kernels: --kernels none; to train it with them, use a GPU.")
+        return Heartbeat(model, cfg.grad_accum, first_step)
+    est = estimate_step_seconds(model, data.batch(0, cfg.device), cfg.grad_accum)
+    log(f"note: estimated time per training step here: ~{duration(est['step_s'])} (an extrapolation: "
+        f"{est['layer_s']:.1f} s per decoder layer and {est['rest_s']:.1f} s for the rest, forward and backward, on "
+        f"{est['probe_tokens']} tokens, scaled to {est['layers']} layers and {est['step_tokens']:,} tokens per step); "
+        "the eval loss and the sample answers run the same kernels. To train this model on a CPU, drop the "
+        "kernels: --kernels none (or finetune_baseline.py); to train it with them, use a GPU.")
+    if est["step_s"] < HEARTBEAT_FROM_S:
+        return None
+    log(f"A line at most every {HEARTBEAT_S:.0f} s says which decoder layer the step has reached.")
+    return Heartbeat(model, cfg.grad_accum, first_step)

@@ -1,0 +1,127 @@
+"""Tests of what real data and real models need from the scripts: the fast path for padded chat rows, the
+FP8 size rule, the eval loss before training and the sample answers in the run's summary.
+
+    $ pytest tests/realdata_test.py
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
+from playbook import cuda_graph
+from playbook.config import make_parser, parse_config
+from playbook.registry import DEFAULT_KERNELS
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def _cfg(script, *argv):
+    parser = make_parser("test", kernels_default=DEFAULT_KERNELS if script != "finetune_baseline" else None)
+    return parse_config(parser, script, list(argv))
+
+
+def test_the_baseline_queues_eagerly_and_ours_captures_by_default():
+    assert _cfg("finetune_baseline").cuda_graphs == "off"
+    assert _cfg("finetune_optimized").cuda_graphs == "auto"
+    assert _cfg("finetune_baseline", "--cuda-graphs", "auto").cuda_graphs == "auto"
+
+
+def test_padded_rows_block_the_graph_only_with_their_mask():
+    """graph_blocker on a GPU config: rows with a padding mask block the capture unless the data leaves
+    the mask out (causal_padding), as finetune_optimized.py's data does and finetune_baseline.py's does not."""
+    from playbook import training
+
+    cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cuda"))
+
+    class Rows:
+        rows = {"attention_mask": torch.ones(1, 4)}
+        causal_padding = False
+
+    assert "right-padded rows" in cuda_graph.graph_blocker(cfg, Rows())
+    Rows.causal_padding = True
+    assert cuda_graph.graph_blocker(cfg, Rows()) is None
+    assert training.causal_padding(_cfg("finetune_optimized")) is True
+    assert training.causal_padding(_cfg("finetune_baseline")) is False
+
+
+def test_fp8_layers_needs_fp8_and_defaults_to_auto():
+    assert _cfg("finetune_optimized", "--fp8").fp8_layers == "auto"
+    assert _cfg("finetune_optimized", "--fp8", "--fp8-layers", "all").fp8_layers == "all"
+    with pytest.raises(SystemExit) as err:
+        _cfg("finetune_optimized", "--fp8-layers", "all")
+    assert err.value.code == 2
+
+
+def _llama(hidden, inter, heads, kv, head_dim):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_the_size_rule_keeps_narrow_projections_in_bf16(monkeypatch, capsys):
+    """SmolLM2's widths (576) all stay bf16, named with their width; LLaMA 8B's convert, its k and v
+    (4096 -> 1024, width 819 alone) judged with q, whose input they share. 'all' converts everything."""
+    import fp8_linear_kernel as f8
+
+    monkeypatch.setattr(f8, "check_fp8_device", lambda device, recipe=None: None)  # meta tensors: no device check
+    small = _llama(576, 1536, 9, 3, 64)
+    assert f8.patch_model(small, "rowwise", sizes="auto") == 0
+    said = capsys.readouterr().out
+    assert "7 projection(s) stay as they are" in said and "too small for FP8 to gain" in said
+    assert "k_proj [192, 576] (with the projections sharing its input)" in said and "= 360" in said
+    assert "down_proj [576, 1536]" in said and "= 419" in said
+    assert f8.patch_model(_llama(576, 1536, 9, 3, 64), "rowwise", sizes="all") == 7
+    big = _llama(4096, 14336, 32, 8, 128)
+    assert f8.patch_model(big, "rowwise", sizes="auto") == 7
+    assert f8.harmonic_width(4096, 1024) < f8.FP8_MIN_WIDTH < f8.harmonic_width(4096, 4096 + 2 * 1024)
+    # the threshold lies between the widths that lost and gained in the measured crossover
+    rows = json.loads((HERE / "results/runs/fp8_crossover_H100.json").read_text())["rows"]
+    lost = max(r["width"] for r in rows if r["rowwise_us"] >= r["bf16_us"])
+    gained = min(r["width"] for r in rows if r["rowwise_us"] < r["bf16_us"])
+    assert lost < f8.FP8_MIN_WIDTH <= gained, (lost, f8.FP8_MIN_WIDTH, gained)
+
+
+def test_real_models_train_in_float32_on_cpus_without_bf16_matmuls(monkeypatch):
+    from playbook import models
+
+    cfg = _cfg("finetune_optimized")
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    assert models.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.float32
+    assert models.weights_dtype(dataclasses.replace(cfg, model="llama-tiny")) == torch.bfloat16  # presets as before
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert models.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.bfloat16
+
+
+def test_a_run_reports_eval_loss_before_and_after_and_the_sample_answers(tmp_path):
+    """One short CPU run (llama-tiny, plain PyTorch): the summary has the eval loss before the first step
+    and after the last, and each sample prompt's answer before and after training."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is a warp?\n")
+    tag = "test_realdata_summary"
+    out = subprocess.run([sys.executable, "finetune_baseline.py", "--model", "llama-tiny", "--dataset",
+                          "examples/chat.jsonl", "--seq-len", "64", "--steps", "3", "--lr", "1e-2",
+                          "--sample-prompts", str(prompts), "--tag", tag, "--overwrite"],
+                         cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    path = HERE / "results" / f"{tag}.json"
+    try:
+        payload = json.loads(path.read_text())
+    finally:
+        for p in (HERE / "results").glob(f"{tag}*"):
+            p.unlink()
+    summary = payload["summary"]
+    assert summary["eval loss before"] is not None and summary["final eval loss"] is not None
+    assert payload["eval_losses"][0][0] == 0 and payload["eval_losses"][-1][0] == 3
+    assert summary["eval loss before"] != summary["final eval loss"]
+    (sample,) = payload["samples"]
+    assert sample["prompt"] == "What is a warp?" and "before" in sample and "after" in sample
+    assert "eval loss before training" in out.stdout and "Sample answers (greedy):" in out.stdout
