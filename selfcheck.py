@@ -143,6 +143,10 @@ def machine_facts(report: setup_check.SmiReport) -> list[tuple[str, str]]:
     try:
         import torch
     except Exception as e:  # reported; the set-up check says what to do
+        import playbook
+
+        if playbook.interrupted():  # Ctrl-C during the import, turned into another error: run_main's line
+            raise
         torch = None
         facts.append(("torch", f"cannot be imported: {setup_check.first_line(str(e))}"))
     on_gpu = torch is not None and torch.cuda.is_available()

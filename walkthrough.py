@@ -1,29 +1,36 @@
-"""The whole playbook in one command (`make run`): profile, test, fine-tune, re-profile, compare.
+"""The README's steps in one command (`make run`): profile, test, fine-tune, re-profile, then a real model.
 
     $ python walkthrough.py                       # picks a workload that shows the lesson on this machine
     $ python walkthrough.py --model meta-llama/Llama-3.1-8B --batch-size 2 --seq-len 2048
     $ python walkthrough.py --kernel-tests rmsnorm,rope  # step 2 with these kernel test files only
+    $ python walkthrough.py --skip-kernel-tests --seq-len 128 --real-model-steps 4   # CI's short form
 
-Each step is a script of this repository that you can also run by itself; before it runs, the
-walkthrough says what it shows and what to look at, and after it, the one number that matters.
-  1. profile_baseline.py                   where the time of a training step goes
-  2. <kernel>_test.py for every kernel     the fused kernels are correct (a short report per kernel; the
-                                           full one in results/walkthrough_tests_<kernel>.txt)
-  3. finetune_baseline.py                  plain Hugging Face training on real text: tokens/s, memory, loss
-  4. finetune_optimized.py                 the same loop with the Triton kernels
-  5. profile_baseline.py --kernels default what changed in the step
-  6. a side-by-side table of steps 3 and 4, and the loss curves (PNG)
+The steps carry the README's numbers. Each is a script of this repository that you can also run by
+itself; before it runs, the walkthrough says what it shows and what to look at, and after it, the one
+number that matters.
+  1   profile_baseline.py                     where the time of a training step goes
+  2   <kernel>_test.py for the six kernels    the fused kernels are correct (a short report each; the full
+      that patch the model                    one in results/walkthrough_tests_<kernel>.txt)
+  3   benchmark_kernels.py                    not run here: its command, to run yourself
+  4a  finetune_baseline.py                    plain Hugging Face training: tokens/s, memory, loss
+  4b  finetune_optimized.py                   the same loop with the Triton kernels
+  4c  profile_baseline.py --kernels default   what the kernels changed in the step
+  4d  --model smollm2-135m                    a real pretrained model (SmolLM2-135M-Instruct) learns from the
+                                              example data: eval loss and answers before and after
+  then a summary: 4a and 4b side by side, and what the real model learned.
 
-Without a GPU everything runs on the CPU with the llama-tiny preset (kernels through Triton's
-interpreter): a few minutes, to see the workflow and the loss falling, not the speed. With a GPU
-the LLaMA 3.1 8B architecture is used (random weights: the timing and memory of the real model)
-at a size that shows what the kernels change: 4 x 2048 tokens where ~140 GB are free; on an 80 GB
-card the same 4 x 2048, where the baseline runs out of memory and the optimized run fits.
+Without a GPU, steps 1 and 4a-4c run the llama-tiny preset (kernels through Triton's interpreter:
+minutes, to see the workflow and the loss falling, not the speed), and step 4d fine-tunes SmolLM2 with
+finetune_baseline.py, in PyTorch's own CPU operators: with the kernels, which run in the interpreter there,
+one step took 5.9 minutes (REAL_CPU_KERNEL_STEP_MIN below). With a GPU, steps 1 and 4a-4c run the
+LLaMA 3.1 8B architecture (random weights: the timing and memory of the real model) at a size that
+fits the card, and step 4d fine-tunes SmolLM2 twice, baseline and kernels, as docs/quality.md does.
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,13 +48,36 @@ from playbook import registry  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 EXAMPLE_DATA = HERE / "examples" / "chat.jsonl"
+PROMPTS = HERE / "examples" / "walkthrough_prompts.txt"
 KNOWN_GPUS = ("H100", "H200")  # GPUs with measured results in results/
-# The profile categories of the work the default kernels replace (step 5 compares them with step 1).
+# The profile categories of the work the default kernels replace (step 4c compares them with step 1).
 KERNEL_CATEGORIES = ("RMSNorm", "loss", "SwiGLU", "RoPE", "element-wise")
+# Step 2: the kernels apply_kernels patches into the model. The other lessons act outside the model's modules
+# (fp8_linear, adamw, lora, distillation): `make test` runs their tests.
+OTHER_TESTS = tuple(o.test for o in registry.OPTIMIZATIONS if o.name not in registry.KERNEL_NAMES)
+
+# Step 4d, the real model: SmolLM2-135M-Instruct (real weights, offline: playbook/pretrained.py).
+REAL_MODEL = "smollm2-135m"
+REAL_TITLE = "SmolLM2-135M-Instruct"
+# On a GPU: docs/quality.md's runs (8 x 512 padded rows, 60 steps, lr 1e-4), baseline and kernels.
+REAL_GPU = ["--batch-size", "8", "--seq-len", "512", "--steps", "60", "--lr", "1e-4", "--log-every", "10"]
+# On a CPU: finetune_baseline.py, in PyTorch's CPU operators (the model loads in float32 on a CPU without bf16
+# matmuls). A step of 2 x 256 packed tokens costs ~19 s of CPU time on a 2-core AMD EPYC, so a few minutes
+# hold 12 steps: a third of one pass over the file, at a learning rate high enough (3e-4) for answers to
+# change after one sight of their rows. Measured in one process on that machine (the CLI's loop and data,
+# seed 0): eval loss 3.5572 -> 2.9101, and the answers to examples/walkthrough_prompts.txt moved toward the
+# data's ("What is the KV cache?": from "a type of cache used in the KVM kernel" to "A KV cache stores the
+# keys and values ..."). At 1e-4 the same 12 steps changed the answers far less.
+REAL_CPU_STEPS = 12
+REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4", "--log-every", "2"]
+# Why step 4d runs no kernel on a CPU, measured on the same machine (shared with other jobs): one step of
+# finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256 (kernels in Triton's interpreter)
+# took 5.9 minutes (wall time, step 1); its own estimate before the step (playbook/interpreter.py) said 8.1.
+REAL_CPU_KERNEL_STEP_MIN = 5.9
 
 
 def default_workload():
-    """(arguments, description, lesson) for this machine."""
+    """(arguments, description, lesson) of steps 1 and 4a-4c on this machine."""
     data = ["--dataset", str(EXAMPLE_DATA.relative_to(HERE)), "--packing"]
     if not torch.cuda.is_available():
         return (data + ["--model", "llama-tiny", "--steps", "12", "--lr", "2e-3", "--batch-size", "2", "--seq-len", "256",
@@ -72,9 +102,31 @@ def default_workload():
             "a slice of the model, to fit this GPU: the ratios carry over, the absolute figures do not")
 
 
-def banner(title: str, explain: str, cmd: list[str], env: dict | None = None) -> None:
-    shown = [f"{k}={v}" for k, v in (env or {}).items()] + ["python"] + cmd[1:]
-    print(f"\n{'=' * 100}\n{title}\n{'=' * 100}\n{explain}\n$ {' '.join(shown)}\n", flush=True)
+def real_model_runs(gpu: bool, steps: int | None = None) -> list[tuple[str, str, list[str]]]:
+    """Step 4d: (tag, script, arguments) of each real-model run. `steps`: --real-model-steps, else the default."""
+    common = ["--model", REAL_MODEL, "--dataset", str(EXAMPLE_DATA.relative_to(HERE)),
+              "--sample-prompts", str(PROMPTS.relative_to(HERE))]
+    if gpu:
+        args = common + REAL_GPU
+        if steps is not None:
+            args = _replace(args, "--steps", str(steps))
+        return [("walkthrough_real_baseline", "finetune_baseline.py", args),
+                ("walkthrough_real_optimized", "finetune_optimized.py", args)]
+    return [("walkthrough_real_baseline", "finetune_baseline.py",
+             common + REAL_CPU + ["--steps", str(steps or REAL_CPU_STEPS)])]
+
+
+def _replace(args: list[str], flag: str, value: str) -> list[str]:
+    """args with flag's value replaced, or flag added."""
+    if flag in args:
+        i = args.index(flag)
+        return args[:i + 1] + [value] + args[i + 2:]
+    return args + [flag, value]
+
+
+def banner(title: str, explain: str, cmd: list[str] | None = None, env: dict | None = None) -> None:
+    shown = "" if cmd is None else "$ " + " ".join([f"{k}={v}" for k, v in (env or {}).items()] + ["python"] + cmd[1:]) + "\n"
+    print(f"\n{'=' * 100}\n{title}\n{'=' * 100}\n{explain}\n{shown}", flush=True)
 
 
 def step(title: str, explain: str, cmd: list[str], may_fail_with: str | None = None, env: dict | None = None) -> bool:
@@ -107,16 +159,16 @@ def profile_line(tag: str) -> str:
     return f"{p['ms_per_step']:.1f} ms of {p['unit']} time per step ({top})"
 
 
-def kernel_test(name: str, py: str) -> None:
+def kernel_test(name: str, py: str, letter: str = "") -> None:
     """Step 2 for one kernel: its test file as a script. The full report (every check) goes to
     results/walkthrough_tests_<name>.txt; the screen gets testkit's short one (TESTKIT_REPORT)."""
     report = (RESULTS / f"walkthrough_tests_{name}.txt").relative_to(HERE)
-    step(f"Step 2 ({name}): test the fused {name} kernel",
+    step(f"Step 2{letter} ({name}): test the fused {name} kernel",
          f"{registry.KERNELS[name]}.\nEach check compares the kernel with PyTorch and a float64 reference on the "
          "same inputs: 'max err'\nmust stay under 'tol' (at most 2x PyTorch's own error). Shown here: the counts, "
          "any failure with its\nfirst error line, and the check closest to its tolerance.\nEvery check is in "
          f"{report}.",
-         [py, f"{name}_test.py"], env={"TESTKIT_REPORT": str(report)})
+         [py, registry.BY_NAME[name].test], env={"TESTKIT_REPORT": str(report)})
 
 
 def category_changes(before_tag: str, after_tag: str) -> str:
@@ -126,7 +178,7 @@ def category_changes(before_tag: str, after_tag: str) -> str:
         return "no profile to compare"
     b, a = before["categories_ms_per_step"], after["categories_ms_per_step"]
     cats = sorted(set(b) | set(a), key=lambda c: -max(b.get(c, 0.0), a.get(c, 0.0)))
-    lines = [f"   {'category':<16} {'step 1 (ms)':>12} {'step 5 (ms)':>12}"]
+    lines = [f"   {'category':<16} {'step 1 (ms)':>12} {'step 4c (ms)':>12}"]
     lines += [f"   {c:<16} {b.get(c, 0.0):>12.1f} {a.get(c, 0.0):>12.1f}" for c in cats]
     kb = sum(b.get(c, 0.0) for c in KERNEL_CATEGORIES)
     ka = sum(a.get(c, 0.0) for c in KERNEL_CATEGORIES)
@@ -140,50 +192,127 @@ def category_changes(before_tag: str, after_tag: str) -> str:
 def side_by_side(base: dict | None, opt: dict) -> None:
     from tabulate import tabulate
 
+    cpu = "CPU" in opt["gpu"]
+    keys = (("step time median (ms)", "lower"), ("host queue median (ms)", "lower"), ("tokens/s (job)", "higher"),
+            ("MFU (% of bf16 peak)", "higher"), ("peak GPU memory (GB)", "lower"),
+            ("first loss", None), ("final loss", None), ("final eval loss", None))
     rows = []
-    for key, better in (("step time median (ms)", "lower"), ("host queue median (ms)", "lower"), ("tokens/s (job)", "higher"),
-                        ("MFU (% of bf16 peak)", "higher"), ("peak GPU memory (GB)", "lower"),
-                        ("first loss", None), ("final loss", None), ("final eval loss", None)):
+    for key, better in keys:
+        if cpu and key in ("host queue median (ms)", "MFU (% of bf16 peak)", "peak GPU memory (GB)"):
+            continue  # a GPU's figures: the CPU run has none
         b = base["summary"].get(key) if base else None
         o = opt["summary"].get(key)
         change = "-" if b in (None, 0) or o is None or better is None else f"{o / b:.2f}x"
         fmt = (lambda v: "n/a" if v is None else (f"{v:.4f}" if "loss" in key else f"{v:,.1f}"))
         rows.append((key, fmt(b) if base else "out of memory", fmt(o), change))
-    print(f"\nBaseline vs optimized ({opt['model']}, {opt['batch_size']} x {opt['seq_len']} tokens, {opt['gpu']}):")
+    print(f"\nSteps 4a and 4b, baseline vs optimized ({opt['model']}, {opt['batch_size']} x {opt['seq_len']} tokens, "
+          f"{opt['gpu']}):")
     kernels = " + ".join(opt.get("kernels", [])) or "no kernels"
     print(tabulate(rows, headers=["", "baseline", f"optimized ({kernels})", "optimized / baseline"],
                    tablefmt="github"))
-    if "CPU" in opt["gpu"]:
-        print("(CPU run: the kernels ran in Triton's interpreter, so the timings compare nothing real; the loss "
-              "rows show that both runs learn the same thing from the same text.)")
+    if cpu:
+        print("(CPU run: the optimized run's kernels ran in Triton's interpreter, so the timings compare nothing "
+              "real; the loss rows show that both runs learn the same thing from the same text.)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Step 4d: what the real model learned
+# ------------------------------------------------------------------------------------------------
+def taught_answers(path: Path = EXAMPLE_DATA) -> dict[str, str]:
+    """question -> the example data's answer, for every one-question conversation of a chat file."""
+    answers = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        turns = [m for m in json.loads(line).get("messages", []) if m.get("role") != "system"]
+        if len(turns) == 2 and turns[0].get("role") == "user" and isinstance(turns[1].get("content"), str):
+            answers[turns[0]["content"].strip()] = turns[1]["content"]
+    return answers
+
+
+def words(text: str) -> set[str]:
+    """The words that carry an answer's content: lower-cased, 4 letters or more."""
+    return {w for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) >= 4}
+
+
+def overlap(answer: str, taught: str) -> tuple[int, int]:
+    """(how many of the taught answer's words the answer has, how many it has in all)."""
+    want = words(taught)
+    return len(want & words(answer)), len(want)
+
+
+def most_changed(samples: list[dict], taught: dict[str, str]) -> dict | None:
+    """Of the sample answers whose question the data answers, the one that moved most toward the data's answer
+    (most taught words gained), with "taught", "before_words", "after_words", "of_words" added; None if none."""
+    best = None
+    for s in samples:
+        if s.get("prompt") not in taught or "after" not in s:
+            continue
+        before, of = overlap(s["before"], taught[s["prompt"]])
+        after, _ = overlap(s["after"], taught[s["prompt"]])
+        row = {**s, "taught": taught[s["prompt"]], "before_words": before, "after_words": after, "of_words": of}
+        if best is None or after - before > best["after_words"] - best["before_words"]:
+            best = row
+    return best
+
+
+def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str]) -> str:
+    """The summary's lines for step 4d: each run's eval loss before -> after, then the answer that changed most
+    toward the data's, before and after, beside the data's answer."""
+    done = [(label, r) for label, r in runs if r is not None]
+    if not done:
+        return "Step 4d: no real-model run finished."
+    first = done[0][1]
+    lines = [f"\nStep 4d, a real model learns ({REAL_TITLE}, pretrained; {first['batch_size']} x {first['seq_len']} "
+             f"tokens, {first['steps']} steps, {first['gpu']}):"]
+    for label, r in done:
+        s = r["summary"]
+        before, after = s.get("eval loss before"), s.get("final eval loss")
+        shown = "n/a" if before is None or after is None else f"{before:.4f} -> {after:.4f}"
+        lines.append(f"   {label:<34} eval loss {shown}   (held-out conversations of {EXAMPLE_DATA.name})")
+    pick = most_changed(first.get("samples") or [], taught)
+    if pick is None:
+        lines.append("   (no sample answer to a question the data teaches)")
+        return "\n".join(lines)
+    lines.append(f"   Q: {pick['prompt']}")
+    lines.append(f"     before training: {pick['before']}")
+    for label, r in done:
+        after = next((s.get("after") for s in r.get("samples") or [] if s.get("prompt") == pick["prompt"]), None)
+        lines.append(f"     after, {label}: {after}")
+    lines.append(f"     the data's answer: {pick['taught']}")
+    lines.append(f"   The answer now has {pick['after_words']} of the {pick['of_words']} words of the data's answer "
+                 f"(before training: {pick['before_words']}); every prompt's answers are in results/{done[0][0]}.json.")
+    return "\n".join(lines)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="steps 1 and 4a-4c: the model (default: chosen for this machine)")
     p.add_argument("--batch-size", default=None)
     p.add_argument("--seq-len", default=None)
     p.add_argument("--num-layers", default=None)
     p.add_argument("--skip-kernel-tests", action="store_true",
                    help="leave out step 2 (the kernel test files), e.g. right after `make test` ran them")
     p.add_argument("--kernel-tests", default=",".join(registry.KERNEL_NAMES), metavar="NAMES",
-                   help="the kernels whose test files step 2 runs, comma-separated (default: all: %(default)s)")
+                   help="the kernels whose test files step 2 runs, comma-separated (default: the six that patch the "
+                        "model: %(default)s)")
+    p.add_argument("--real-model-steps", type=int, default=None, metavar="N",
+                   help=f"step 4d: fine-tune {REAL_TITLE} for N steps (default: {REAL_CPU_STEPS} on a CPU, "
+                        f"{REAL_GPU[REAL_GPU.index('--steps') + 1]} on a GPU); 0 leaves step 4d out")
     args = p.parse_args()
     kernel_tests = [k for k in args.kernel_tests.split(",") if k]
     unknown = [k for k in kernel_tests if k not in registry.KERNEL_NAMES]
     if unknown:
         p.error(f"--kernel-tests: unknown {', '.join(unknown)} (known: {', '.join(registry.KERNEL_NAMES)})")
+    if args.real_model_steps is not None and args.real_model_steps < 0:
+        p.error(f"--real-model-steps {args.real_model_steps}: give 0 or more")
     workload, desc, lesson = default_workload()
     for flag in ("model", "batch_size", "seq_len", "num_layers"):  # the user's choices win
         value = getattr(args, flag)
         if value is not None:
-            opt = "--" + flag.replace("_", "-")
-            if opt in workload:
-                i = workload.index(opt)
-                del workload[i:i + 2]
-            workload += [opt, str(value)]
+            workload = _replace(workload, "--" + flag.replace("_", "-"), str(value))
             desc = "as given on the command line"
-    print(f"Walkthrough workload: {desc}.\nThe lesson to look for: {lesson}.")
+    print(f"Walkthrough workload of steps 1 and 4a-4c: {desc}.\nThe lesson to look for: {lesson}.")
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         if not any(k in name for k in KNOWN_GPUS):
@@ -200,19 +329,33 @@ def main():
           "optimizer; RMSNorm, the loss and the element-wise rows are the memory-bound glue that fused kernels\n"
           "can shrink." if gpu else
           "One training step of plain Hugging Face under torch.profiler, CPU time by category (no GPU here).\n"
-          "Look at the category table: matrix multiplies, attention, the optimizer, and the RMSNorm, loss and\n"
-          "element-wise rows that fused kernels replace. The baseline runs no Triton kernel: these are PyTorch's\n"
-          "CPU operators, so the categories are those of a GPU profile but their shares are the CPU's."),
+          "Look at the category table: matrix multiplies, attention, the optimizer, and the RMSNorm, loss,\n"
+          "SwiGLU and element-wise rows that fused kernels replace. The baseline runs no Triton kernel: these are\n"
+          "PyTorch's CPU operators, so the categories are those of a GPU profile but their shares are the CPU's."),
          prof + ["--tag", "walkthrough_profile_baseline"])
     print(f"-> the number: {profile_line('walkthrough_profile_baseline')}")
 
-    if args.skip_kernel_tests:
-        print(f"\n{'=' * 100}\nStep 2: the kernel tests: skipped (--skip-kernel-tests); `make test` runs them\n{'=' * 100}")
     RESULTS.mkdir(exist_ok=True)
-    for name in () if args.skip_kernel_tests else kernel_tests:
-        kernel_test(name, py)
+    others = ", ".join(OTHER_TESTS)
+    if args.skip_kernel_tests:
+        banner("Step 2: the kernel tests: skipped (--skip-kernel-tests); `make test` runs them",
+               f"The test files of all ten kernel lessons are part of `make test` ({others} included).")
+    else:
+        banner("Step 2: the kernels and their tests",
+               f"The test files of the kernels that patch the model ({', '.join(kernel_tests)}), one after another.\n"
+               f"The other lessons act outside the model's modules ({others}): `make test` runs them, and\n"
+               "each runs as a script too, e.g. `python adamw_test.py`.")
+    for i, name in enumerate(() if args.skip_kernel_tests else kernel_tests):
+        kernel_test(name, py, letter=chr(ord("a") + i))
 
-    base_ok = step("Step 3: fine-tune, baseline",
+    banner("Step 3: how close to the hardware? (not run by the walkthrough)",
+           "benchmark_kernels.py times each kernel against eager PyTorch, torch.compile and Liger-Kernel at the 8B\n"
+           "shapes, with the floor of this GPU; a few minutes per kernel on a GPU, and on a CPU its timings would be\n"
+           "the interpreter's. Run it yourself (README, Step 3):\n"
+           "$ python benchmark_kernels.py                 # every kernel, on a GPU\n"
+           "$ python benchmark_kernels.py --smoke         # tiny sizes, also on a CPU: checks, not timings")
+
+    base_ok = step("Step 4a: fine-tune, baseline",
                    "Plain Hugging Face + PyTorch on real text (examples/chat.jsonl, prompts masked from the loss).\n"
                    + ("Look at the loss falling from line to line, then at tokens/s and peak memory in the summary."
                       if gpu else "Look at the loss falling from line to line (tokens/s are the CPU's; there is "
@@ -223,10 +366,14 @@ def main():
     if base:
         s = base["summary"]
         print(f"-> the number: {s['tokens/s (job)']:,.0f} tokens/s, loss {s['first loss']:.3f} -> {s['final loss']:.3f}"
-              + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s["peak GPU memory (GB)"] else ""))
+              + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s.get("peak GPU memory (GB)") else ""))
 
-    step("Step 4: fine-tune, optimized",
-         f"The same loop, seed and data with the default kernels ({','.join(registry.DEFAULT_KERNELS)}).\n"
+    model_kernels = [k for k in registry.DEFAULT_KERNELS if k in registry.KERNEL_NAMES]
+    step("Step 4b: fine-tune, optimized",
+         ("The same loop, seed and data with the default kernels: "
+          + (f"{', '.join(model_kernels)} and the Triton AdamW (adamw).\n" if gpu else
+             f"{', '.join(model_kernels)} (the Triton AdamW of the\ndefault set runs on a GPU only: PyTorch's "
+             "AdamW here; lora joins with --lora-r).\n"))
          + ("Look at the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down."
             if gpu else "The loss must follow the baseline's. The kernels run in Triton's interpreter here, so tokens/s\n"
             "fall far below the baseline's: on a CPU the loss is the result, not the speed."),
@@ -241,9 +388,9 @@ def main():
         print(f"-> the number: {s['tokens/s (job)']:,.0f} tokens/s"
               + (f" ({s['tokens/s (job)'] / base['summary']['tokens/s (job)']:.2f}x the baseline)" if base else
                  " (the baseline did not fit)")
-              + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s["peak GPU memory (GB)"] else ""))
+              + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s.get("peak GPU memory (GB)") else ""))
 
-    step("Step 5: profile again with the kernels",
+    step("Step 4c: profile again with the kernels",
          "The same profile with every kernel; the table after it sets each category beside step 1's. On a GPU\n"
          "the RMSNorm, loss, SwiGLU and element-wise rows shrink (the logits are never built), leaving mostly\n"
          "matrix multiplies, attention and the optimizer, where the next gains must come from."
@@ -253,9 +400,46 @@ def main():
           f"{profile_line('walkthrough_profile_baseline')})")
     print(category_changes("walkthrough_profile_baseline", "walkthrough_profile_optimized"))
 
-    banner("Step 6: summary", "Steps 3 and 4 side by side, and where their loss curves are.", [py, "walkthrough.py"])
+    real = [] if args.real_model_steps == 0 else real_model_runs(gpu, args.real_model_steps)
+    if not real:
+        banner("Step 4d: a real model learns: skipped (--real-model-steps 0)", "")
+    for i, (tag, script, real_args) in enumerate(real):
+        kernels = script == "finetune_optimized.py"
+        title = (f"Step 4{'de'[i]}: a real model learns: {REAL_TITLE}" + (", with the kernels" if kernels else ""))
+        if gpu:
+            explain = ("Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md), fine-tuned "
+                       "on examples/chat.jsonl.\nThe run prints the held-out eval loss before the first step and "
+                       f"after the last, and the model's answers\nto {PROMPTS.relative_to(HERE)} before and after. "
+                       + ("Same run with the kernels: the same losses and answers, faster." if kernels else
+                          "First plain Hugging Face, then the same run with the kernels."))
+        else:
+            explain = (
+                "Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md; converted once, on "
+                "first use).\nThe run prints the held-out eval loss before the first step and after the last, and "
+                f"the model's\nanswers to {PROMPTS.relative_to(HERE)} before and after training. A few minutes on a CPU "
+                "hold a third of a pass\nover the file, at a learning rate (3e-4) high enough for an answer to change "
+                "after one sight of its\nrow. finetune_baseline.py: PyTorch's CPU operators, all 30 layers. The kernels "
+                "are not run on this model\nhere: in Triton's interpreter one step of 2 x 256 tokens took "
+                f"{REAL_CPU_KERNEL_STEP_MIN} min on a 2-core AMD EPYC (finetune_optimized.py\n--model smollm2-135m "
+                "--batch-size 2 --seq-len 256, measured; it estimates its step itself before the first).\n"
+                "Steps 4a-4c compare the kernels with the baseline on llama-tiny instead; a GPU runs both on SmolLM2.")
+        step(title, explain, [py, script, *real_args, "--tag", tag, *overwrite])
+        r = load(tag)
+        if r is not None:
+            s = r["summary"]
+            print(f"-> the number: eval loss {s.get('eval loss before') or float('nan'):.4f} -> "
+                  f"{s.get('final eval loss') or float('nan'):.4f}"
+                  + (f", {s['tokens/s (job)']:,.0f} tokens/s" if gpu and s.get("tokens/s (job)") else ""))
+
+    banner("Summary", "Steps 4a and 4b side by side, what the real model learned in step 4d, and where the loss "
+                      "curves are.")
     side_by_side(base, opt)
-    curves = [RESULTS / f"walkthrough_{t}.png" for t in ("baseline", "optimized") if (RESULTS / f"walkthrough_{t}.png").is_file()]
+    if real:
+        labels = {"finetune_baseline.py": "baseline (finetune_baseline.py)",
+                  "finetune_optimized.py": "kernels (finetune_optimized.py)"}
+        print(real_model_report([(labels[script], load(tag)) for tag, script, _ in real], taught_answers()))
+    tags = ["baseline", "optimized"] + [t.removeprefix("walkthrough_") for t, _, _ in real]
+    curves = [RESULTS / f"walkthrough_{t}.png" for t in tags if (RESULTS / f"walkthrough_{t}.png").is_file()]
     print("Loss curves: " + ", ".join(str(c.relative_to(HERE)) for c in curves))
 
 

@@ -8,12 +8,13 @@ loss and the sample answers, which run the same kernels) a CPU run that uses a k
 the llama-tiny preset prints:
 
   - that the kernels run in Triton's interpreter, and what to do instead (`--kernels none`, or a GPU);
-  - an estimate of one training step, from the run's own model and first batch: a forward and backward
-    through the model cut to 1 decoder layer and to 2 (both on PROBE_TOKENS tokens of the first batch),
-    whose difference is the cost of one layer and whose remainder is the embedding, the final norm and
-    the fused lm_head + loss; scaled to every layer and every token of a step. An extrapolation, and the
-    run says so: the kernels' interpreter cost grows with the tokens (one program per row or per block
-    of rows), attention (PyTorch's, not a kernel) faster than that;
+  - an estimate of one training step, from the run's own model and first micro-batch: one forward and
+    backward through the model cut to its first decoder layer, with hooks timing that layer; the rest
+    (embedding, final norm, the fused lm_head + loss) is what remains, and the step is the rest plus one
+    layer's time for every layer, for every micro-batch. An extrapolation, and the run says so. The probe
+    runs the real batch, not a slice of it: the interpreter's cost is mostly per program, and a program
+    covers a block of rows, so a few tokens cost nearly as much as a full block (a 64-token probe
+    predicted 14.6 min for a step that took 2 to 3);
   - and, while it trains, a heartbeat: a line at most every HEARTBEAT_S seconds naming the decoder layer
     the forward or backward pass has reached, so a step of minutes is not silence.
 """
@@ -27,7 +28,6 @@ from torch import nn
 
 from playbook.common import is_main, log
 
-PROBE_TOKENS = 64  # tokens of the first batch the estimate runs (1 sequence); the step's tokens scale it
 HEARTBEAT_S = 30.0  # at most one progress line per this many seconds
 HEARTBEAT_FROM_S = 60.0  # steps estimated shorter than this get no heartbeat
 
@@ -44,42 +44,51 @@ def _layers_holder(model: nn.Module) -> nn.Module:
     return base.model
 
 
-def _fwd_bwd_seconds(model: nn.Module, ids: torch.Tensor) -> float:
-    t0 = time.perf_counter()
-    model(input_ids=ids, labels=ids).loss.backward()
-    return time.perf_counter() - t0
-
-
-def estimate_step_seconds(model: nn.Module, batch: dict, grad_accum: int, probe_tokens: int = PROBE_TOKENS) -> dict:
+def estimate_step_seconds(model: nn.Module, batch: dict, grad_accum: int) -> dict:
     """Seconds for one training step (forward and backward of every micro-batch; the optimizer, PyTorch's on a
-    CPU, is left out), extrapolated from the model cut to 1 and to 2 decoder layers on `probe_tokens` tokens of
-    `batch`. Leaves the model, its gradients and the random state as they were. Returns the parts too:
-    {"step_s", "layer_s", "rest_s", "probe_tokens", "step_tokens", "layers"} (layer_s and rest_s: at the
-    probe's size)."""
+    CPU, is left out), extrapolated from one forward and backward of `batch` through the model cut to its first
+    decoder layer: hooks time that layer's forward and backward, the rest (embedding, final norm, the fused
+    lm_head + loss) is what remains. Leaves the model, its gradients and the random state as they were.
+    Returns {"step_s", "layer_s" (forward + backward of one layer), "rest_s", "layers", "tokens"}."""
     holder = _layers_holder(model)
     layers = holder.layers
-    n = len(layers)
-    ids = batch["input_ids"][:1, :probe_tokens]
-    step_tokens = batch["input_ids"].numel() * grad_accum
+    first = layers[0]
+    marks = {}
+
+    def mark(name):
+        marks.setdefault(name, time.perf_counter())
+
+    def before(module, args, kwargs):
+        mark("forward in")
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.requires_grad:  # its gradient is the layer's backward done
+            x.register_hook(lambda g: mark("backward out"))
+
+    def after(module, args, out):
+        mark("forward out")
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(y, torch.Tensor) and y.requires_grad:  # its gradient starts the layer's backward
+            y.register_hook(lambda g: mark("backward in"))
+
+    handles = [first.register_forward_pre_hook(before, with_kwargs=True), first.register_forward_hook(after)]
     try:
         with torch.random.fork_rng(devices=[]):
-            holder.layers = nn.ModuleList(list(layers)[:1])
-            _fwd_bwd_seconds(model, ids[:, :8])  # the first launch of each kernel sets the interpreter up: untimed
-            one = _fwd_bwd_seconds(model, ids)
-            if n > 1:
-                holder.layers = nn.ModuleList(list(layers)[:2])
-                two = _fwd_bwd_seconds(model, ids)
-            else:
-                two = 2 * one
+            holder.layers = nn.ModuleList([first])
+            t0 = time.perf_counter()
+            model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss.backward()
+            total = time.perf_counter() - t0
     finally:
+        for h in handles:
+            h.remove()
         holder.layers = layers
         model.zero_grad(set_to_none=True)
-    # a busy machine can make the 2-layer run the faster one: a layer then costs at least half the 1-layer run
-    layer_s = max(two - one, one / 2)
-    rest_s = max(one - layer_s, 0.0)
-    scale = step_tokens / ids.numel()
-    return {"step_s": (rest_s + n * layer_s) * scale, "layer_s": layer_s, "rest_s": rest_s,
-            "probe_tokens": ids.numel(), "step_tokens": step_tokens, "layers": n}
+    end = t0 + total
+    forward = marks.get("forward out", t0) - marks.get("forward in", t0)
+    backward = marks.get("backward out", end) - marks.get("backward in", end)  # (frozen input: to the end)
+    layer_s = max(forward + backward, 0.0)
+    rest_s = max(total - layer_s, 0.0)
+    return {"step_s": grad_accum * (rest_s + len(layers) * layer_s), "layer_s": layer_s, "rest_s": rest_s,
+            "layers": len(layers), "tokens": batch["input_ids"].numel() * grad_accum}
 
 
 def duration(seconds: float) -> str:
@@ -143,17 +152,18 @@ def before_training(cfg, model: nn.Module, used: tuple, data, first_step: int) -
     if not applies(cfg, used):
         return None
     log(f"note: without a GPU the kernels ({', '.join(used)}) run in Triton's interpreter, which executes each "
-        f"kernel in Python: fine for the tests and the llama-tiny demo, and far slower than PyTorch's own CPU "
-        f"operators on a model of this size. Timing one and two decoder layers on {PROBE_TOKENS} tokens of the "
-        "first batch ...")
+        "kernel in Python: fine for the tests and the llama-tiny demo, and far slower than PyTorch's own CPU "
+        "operators on a model of this size. Estimating the step: the first micro-batch through the model cut to "
+        "one decoder layer ...")
     if cfg.optimizer_in_backward:  # a backward would update the weights: no probe
         log("note: no estimate of the step time (--optimizer-in-backward updates the weights in every backward). "
             "To train this model on a CPU, drop the kernels: --kernels none; to train it with them, use a GPU.")
         return Heartbeat(model, cfg.grad_accum, first_step)
     est = estimate_step_seconds(model, data.batch(0, cfg.device), cfg.grad_accum)
-    log(f"note: estimated time per training step here: ~{duration(est['step_s'])} (an extrapolation: "
-        f"{est['layer_s']:.1f} s per decoder layer and {est['rest_s']:.1f} s for the rest, forward and backward, on "
-        f"{est['probe_tokens']} tokens, scaled to {est['layers']} layers and {est['step_tokens']:,} tokens per step); "
+    log(f"note: estimated time per training step here: ~{duration(est['step_s'])} (an extrapolation: one decoder "
+        f"layer took {est['layer_s']:.1f} s forward and backward, the embedding, final norm and lm_head + loss "
+        f"{est['rest_s']:.1f} s; x {est['layers']} layers, x {cfg.grad_accum} micro-batches, {est['tokens']:,} tokens "
+        "per step); "
         "the eval loss and the sample answers run the same kernels. To train this model on a CPU, drop the "
         "kernels: --kernels none (or finetune_baseline.py); to train it with them, use a GPU.")
     if est["step_s"] < HEARTBEAT_FROM_S:

@@ -105,6 +105,23 @@ def random_like_grad(t: torch.Tensor, seed: int = 0) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # Running a test file as a script: pytest runs it (fixtures and all), this plugin prints the report
 # ------------------------------------------------------------------------------------------------
+def readable_name(item) -> str:
+    """A test as the report names it: `test_matches_reference(shape=(37, 1), dtype=float32)` for a parametrized
+    one (its values, where pytest's id says `[shape0-dtype0]`), the id otherwise."""
+    name = item.nodeid.split("::", 1)[-1]
+    spec = getattr(item, "callspec", None)
+    if spec is None or not spec.params:
+        return name
+
+    def show(v) -> str:
+        if type(v).__module__ == "torch" and type(v).__name__ == "dtype":
+            return str(v).removeprefix("torch.")
+        text = repr(v)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    return name.split("[", 1)[0] + "(" + ", ".join(f"{k}={show(v)}" for k, v in spec.params.items()) + ")"
+
+
 class _Report:
     """Prints each test's outcome and the checks it recorded, in file order."""
 
@@ -113,6 +130,10 @@ class _Report:
         self.first = 0
         self.failures: list[str] = []      # for the short report: each failure and its BAD checks
         self.skips: dict[str, int] = {}    # skip reason -> how many tests
+        self.names: dict[str, str] = {}    # node id -> readable_name
+
+    def pytest_itemcollected(self, item):
+        self.names[item.nodeid] = readable_name(item)
 
     def pytest_runtest_setup(self, item):
         self.first = len(_records)
@@ -133,7 +154,7 @@ class _Report:
         elif report.failed:
             crash = getattr(report.longrepr, "reprcrash", None)  # the exception's own message
             why = crash.message.splitlines()[0] if crash else report.longreprtext.strip()[-160:]
-        name = report.nodeid.split("::", 1)[-1]
+        name = self.names.get(report.nodeid) or report.nodeid.split("::", 1)[-1]
         print(f"{report.outcome.upper():8} {name}" + (f"  -- {why[:160]}" if why else ""), flush=True)
         for r in _records[self.first:]:
             mark = "ok " if r["passed"] else "BAD"

@@ -27,11 +27,16 @@ RESULTS = HERE / "results"
 
 @pytest.fixture(scope="module")
 def smoke():
-    """The output of one `--smoke` run of every kernel: (stdout, JSON)."""
+    """The output of one `--smoke` run of every kernel: (stdout, JSON). Its files in results/ are the
+    tests', removed after them."""
     out = subprocess.run([sys.executable, "benchmark_kernels.py", "--smoke"], cwd=HERE, capture_output=True,
                          text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return out.stdout, json.loads((RESULTS / "benchmark_smoke.json").read_text())
+    try:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        yield out.stdout, json.loads((RESULTS / "benchmark_smoke.json").read_text())
+    finally:
+        for path in [*RESULTS.glob("benchmark_smoke.*"), *RESULTS.glob("benchmark_*_smoke.png")]:
+            path.unlink(missing_ok=True)
 
 
 def test_smoke_measures_every_kernel(smoke):

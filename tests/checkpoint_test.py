@@ -388,6 +388,8 @@ def test_torchrun_command_line(monkeypatch, capsys):
     from playbook.config import make_parser, parse_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # as torchrun sets them (parse_config checks)
+    monkeypatch.setenv("MASTER_PORT", "29500")
     parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_optimized", ["--output-dir", "out", "--save-every", "2", "--resume", "."])
     assert cfg.output_dir == Path("out") and cfg.save_every == 2 and cfg.resume == Path(".")

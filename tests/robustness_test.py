@@ -87,12 +87,17 @@ def _script(*argv, timeout=300):
 
 def test_errors_found_after_loading_the_model():
     """What only the model knows: its positions and layers. One line, exit code 2, before training."""
-    longer = ["--seq-len", "2080", "--batch-size", "1", "--steps", "2", "--timing-warmup-steps", "1"]  # 32 positions past the tiny preset's 2048
+    longer = ["--seq-len", "2080", "--batch-size", "1", "--steps", "2", "--timing-warmup-steps", "1",  # 32 positions
+              "--tag", "test_robust_longer", "--overwrite"]  # past the tiny preset's 2048
     cases = ((["--num-layers", "5", "--steps", "3"], "has only 2 layers"), (longer, None))
     # The two runs are independent, and each spends its ~7 s importing torch and transformers on one
     # core: run them at the same time. Each is still a process of its own, checked on its own below.
-    with ThreadPoolExecutor(len(cases)) as pool:
-        outs = list(pool.map(lambda case: _script("finetune_baseline.py", *case[0]), cases))
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            outs = list(pool.map(lambda case: _script("finetune_baseline.py", *case[0]), cases))
+    finally:  # the run's summary is the test's, not a result
+        for suffix in (".json", ".png", ".metrics.jsonl"):
+            (common.RESULTS_DIR / f"test_robust_longer{suffix}").unlink(missing_ok=True)
     (argv, mentions), out = cases[0], outs[0]
     assert out.returncode == 2 and mentions in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     record(f"{' '.join(argv)} -> exit 2", 0.0, 0.0, True)

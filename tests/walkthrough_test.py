@@ -92,7 +92,7 @@ def _profile(ms: dict) -> dict:
 
 def _run(summary: dict) -> dict:
     return {"summary": summary, "model": "llama-tiny", "batch_size": 2, "seq_len": 128,
-            "gpu": "CPU (Triton interpreter)", "kernels": ["rmsnorm"]}
+            "gpu": "CPU", "kernels": ["rmsnorm"]}
 
 
 SUMMARY = {"step time median (ms)": 80.0, "tokens/s (job)": 3000.0, "MFU (% of bf16 peak)": None,
@@ -102,18 +102,42 @@ AFTER_CPU = {"matrix multiply": 145.5, "element-wise": 81.8, "attention": 40.8, 
 AFTER_GPU = {"matrix multiply": 110.0, "element-wise": 20.0, "attention": 48.0, "RMSNorm": 0.1, "loss": 0.2}
 
 
-def _walk(monkeypatch, capsys, after: dict, argv=("--skip-kernel-tests",)) -> tuple[str, list]:
-    """main() on a CPU with its scripts replaced: (everything said, the steps it would have run)."""
+# Step 4d's run on SmolLM2 (stand-in): the eval loss before and after, and the answers to the prompts file.
+TAUGHT_Q = "What is Triton?"
+REAL_SAMPLES = [
+    {"prompt": "What is the capital of France?", "before": "The capital of France is Paris.", "after": "Paris."},
+    {"prompt": TAUGHT_Q, "before": "Triton is a mythical creature in Norse mythology.",
+     "after": "Triton is a language and compiler for writing GPU kernels in Python."},
+]
+REAL_SUMMARY = {**SUMMARY, "eval loss before": 3.5572, "final eval loss": 2.9123}
+
+
+def _real_run() -> dict:
+    return {"summary": REAL_SUMMARY, "model": "smollm2-135m", "batch_size": 2, "seq_len": 256, "steps": 12,
+            "gpu": "CPU", "kernels": [], "samples": REAL_SAMPLES}
+
+
+def _walk(monkeypatch, capsys, after: dict, argv=("--skip-kernel-tests",), gpu: bool = False) -> tuple[str, list]:
+    """main() with its scripts replaced: (everything said, the steps it would have run)."""
     docs = {"walkthrough_profile_baseline": _profile(BEFORE), "walkthrough_profile_optimized": _profile(after),
-            "walkthrough_baseline": _run(SUMMARY), "walkthrough_optimized": _run(SUMMARY)}
+            "walkthrough_baseline": _run(SUMMARY), "walkthrough_optimized": _run(SUMMARY),
+            "walkthrough_real_baseline": _real_run(), "walkthrough_real_optimized": _real_run()}
     steps = []
-    monkeypatch.setattr(walkthrough, "step", lambda *a, **k: steps.append((a, k)) or True)
+
+    def step(*a, **k):  # what the step would say, in its place among the banners
+        print(a[0] + "\n" + a[1])
+        steps.append((a, k))
+        return True
+
+    monkeypatch.setattr(walkthrough, "step", step)
     monkeypatch.setattr(walkthrough, "load", docs.get)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    if gpu:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 141 * 2**30}))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
     monkeypatch.setattr(sys, "argv", ["walkthrough.py", *argv])
     walkthrough.main()
-    said = capsys.readouterr().out + "\n".join(a[0] + "\n" + a[1] for a, _ in steps)
-    return said, steps
+    return capsys.readouterr().out, steps
 
 
 def test_cpu_walkthrough_claims_only_what_is_true_there(monkeypatch, capsys):
@@ -150,3 +174,96 @@ def test_attention_line_on_a_cpu_names_the_kernel_that_runs():
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     names = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names, sorted(names)
+
+
+# ---------------------------------------------------------------- the steps, and the real model of step 4d
+
+
+def test_steps_carry_the_readme_numbers(monkeypatch, capsys):
+    """One numbering: the walkthrough's steps are the README's (1, 2, 3, 4a-4d), in the README's order."""
+    said, steps = _walk(monkeypatch, capsys, AFTER_CPU, argv=())
+    titles = re.findall(r"^(Step \d[a-z]?|Summary)\b", said, flags=re.M)
+    order = list(dict.fromkeys(titles))
+    assert order == ["Step 1", "Step 2", "Step 2a", "Step 2b", "Step 2c", "Step 2d", "Step 2e", "Step 2f",
+                     "Step 3", "Step 4a", "Step 4b", "Step 4c", "Step 4d", "Summary"], order
+    readme = (HERE / "README.md").read_text()
+    for heading in ("### Step 1:", "### Step 2:", "### Step 3:", "### Step 4:"):
+        assert heading in readme, heading
+    for sub in ("4a", "4b", "4c", "4d"):
+        assert re.search(rf"\b{sub}\b", readme.split("### Step 4:", 1)[1]), f"README's Step 4 does not name {sub}"
+    # step 2 says which test files it runs and why not the others; step 3 gives its command, not its own
+    assert "fp8_linear_test.py, adamw_test.py, lora_test.py, distillation_test.py" in said
+    assert "$ python benchmark_kernels.py" in said and "$ python walkthrough.py" not in said
+
+
+def test_cpu_step_4d_fine_tunes_the_real_model_without_kernels(monkeypatch, capsys):
+    said, steps = _walk(monkeypatch, capsys, AFTER_CPU)
+    real = [(a, k) for a, k in steps if a[0].startswith("Step 4d")]
+    assert len(real) == 1 and not [a for a, _ in steps if a[0].startswith("Step 4e")]
+    cmd = real[0][0][2]
+    assert cmd[1] == "finetune_baseline.py"
+    assert cmd[cmd.index("--model") + 1] == "smollm2-135m" and "--num-layers" not in cmd  # all 30 layers
+    assert cmd[cmd.index("--sample-prompts") + 1] == "examples/prompts.txt"
+    assert cmd[cmd.index("--dataset") + 1] == "examples/chat.jsonl"
+    # why no kernel runs on it here, with the measured figure, and where the comparison is instead
+    explain = real[0][0][1]
+    assert "Triton's interpreter" in explain and "an extrapolation" in explain and "llama-tiny" in explain
+
+
+def test_the_summary_shows_the_eval_loss_and_an_answer_before_and_after(monkeypatch, capsys):
+    said, _ = _walk(monkeypatch, capsys, AFTER_CPU)
+    summary = said.split("Summary", 1)[1]
+    assert "eval loss 3.5572 -> 2.9123" in summary
+    assert f"Q: {TAUGHT_Q}" in summary  # the answer that moved toward the data's, not the one that stayed right
+    assert "before training: Triton is a mythical creature in Norse mythology." in summary
+    assert "after, baseline (finetune_baseline.py): Triton is a language and compiler" in summary
+    taught = walkthrough.taught_answers()[TAUGHT_Q]
+    assert f"the data's answer: {taught}" in summary
+    # and on a CPU no GPU figure and no label that is not true there
+    assert "MFU" not in summary and "peak GPU memory" not in summary
+    assert "adamw + lora" not in said and "optimized (rmsnorm)" in summary
+
+
+def test_gpu_step_4d_runs_the_real_model_with_and_without_kernels(monkeypatch, capsys):
+    said, steps = _walk(monkeypatch, capsys, AFTER_GPU, gpu=True)
+    real = [a for a, _ in steps if a[0].startswith(("Step 4d", "Step 4e"))]
+    assert [a[2][1] for a in real] == ["finetune_baseline.py", "finetune_optimized.py"]
+    assert real[0][2][2:] == real[1][2][2:]  # the same run, the kernels the only difference
+    assert real[0][2][real[0][2].index("--model") + 1] == "smollm2-135m"
+    assert "after, kernels (finetune_optimized.py):" in said
+    # beside the 8B timing runs of 4a and 4b
+    assert [a[2][a[2].index("--model") + 1] for a, _ in steps if a[0].startswith(("Step 4a", "Step 4b"))] == \
+        ["llama-3.1-8b", "llama-3.1-8b"]
+
+
+def test_real_model_steps_option(monkeypatch, capsys):
+    _, steps = _walk(monkeypatch, capsys, AFTER_CPU, argv=("--skip-kernel-tests", "--real-model-steps", "4"))
+    cmd = next(a[2] for a, _ in steps if a[0].startswith("Step 4d"))
+    assert cmd[cmd.index("--steps") + 1] == "4"
+    said, steps = _walk(monkeypatch, capsys, AFTER_CPU, argv=("--skip-kernel-tests", "--real-model-steps", "0"))
+    assert not [a for a, _ in steps if a[0].startswith("Step 4d")] and "skipped" in said
+
+
+def test_ci_runs_the_real_model_step():
+    """.ci/run's walkthrough arguments parse, and keep step 4d (the real model) in CI."""
+    run = (HERE / ".ci" / "run").read_text()
+    args = re.search(r'make run WALKTHROUGH_ARGS="([^"]*)"', run).group(1).split()
+    assert "--real-model-steps" in args and int(args[args.index("--real-model-steps") + 1]) > 0
+
+
+def test_the_prompts_file_asks_what_the_data_teaches():
+    from playbook.generate import read_prompts
+
+    prompts = read_prompts(walkthrough.PROMPTS)
+    taught = walkthrough.taught_answers()
+    assert sum(p in taught for p in prompts) >= 2, "the walkthrough's prompts must include questions the data answers"
+
+
+def test_most_changed_picks_the_answer_that_moved_toward_the_data():
+    taught = {"Q1": "a warp is a group of thirty two threads", "Q2": "Paris is the capital"}
+    samples = [{"prompt": "Q2", "before": "Paris is the capital", "after": "Paris is the capital"},
+               {"prompt": "Q1", "before": "a magical phenomenon", "after": "a group of threads"},
+               {"prompt": "Q3", "before": "x", "after": "y"}]
+    pick = walkthrough.most_changed(samples, taught)
+    assert pick["prompt"] == "Q1" and (pick["before_words"], pick["after_words"], pick["of_words"]) == (0, 3, 5)
+    assert walkthrough.most_changed([{"prompt": "Q3", "before": "x", "after": "y"}], taught) is None

