@@ -164,7 +164,7 @@ class DistillConfig:
             flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
             whys = "; ".join(why for _, why in given if why)
             raise usage_error(f"distill.py does not use {flags}" + (f" ({whys})" if whys else ""))
-        if a.dtype == "float32" and (a.optimizer_rounding != "nearest" or a.master_weights != "none"):
+        if a.dtype == "float32" and (a.optimizer_rounding not in (None, "nearest") or a.master_weights != "none"):
             raise usage_error("--optimizer-rounding and --master-weights keep the updates that rounding to bf16 "
                               "loses; the student's weights are float32 (--dtype float32), which lose none")
         gpu = torch.cuda.is_available()
