@@ -3,7 +3,7 @@
     $ python walkthrough.py                       # picks a workload that shows the lesson on this machine
     $ python walkthrough.py --model meta-llama/Llama-3.1-8B --batch-size 2 --seq-len 2048
     $ python walkthrough.py --kernel-tests rmsnorm,rope  # step 2 with these kernel test files only
-    $ python walkthrough.py --skip-kernel-tests --seq-len 128 --real-model-steps 4   # CI's short form
+    $ python walkthrough.py --skip-kernel-tests --seq-len 128 --steps 4 --real-model-steps 2   # CI's short form
 
 The steps carry the README's numbers. Each is a script of this repository that you can also run by
 itself; before it runs, the walkthrough says what it shows and what to look at, and after it, the one
@@ -22,7 +22,7 @@ number that matters.
 Without a GPU, steps 1 and 4a-4c run the llama-tiny preset (kernels through Triton's interpreter:
 minutes, to see the workflow and the loss falling, not the speed), and step 4d fine-tunes SmolLM2 with
 finetune_baseline.py, in PyTorch's own CPU operators: with the kernels, which run in the interpreter there,
-one step took 5.9 minutes (REAL_CPU_KERNEL_STEP_MIN below). With a GPU, steps 1 and 4a-4c run the
+a step took minutes (REAL_CPU_KERNEL_STEPS below). With a GPU, steps 1 and 4a-4c run the
 LLaMA 3.1 8B architecture (random weights: the timing and memory of the real model) at a size that
 fits the card, and step 4d fine-tunes SmolLM2 twice, baseline and kernels, as docs/quality.md does.
 """
@@ -69,11 +69,13 @@ REAL_GPU = ["--batch-size", "8", "--seq-len", "512", "--steps", "60", "--lr", "1
 # data's ("What is the KV cache?": from "a type of cache used in the KVM kernel" to "A KV cache stores the
 # keys and values ..."). At 1e-4 the same 12 steps changed the answers far less.
 REAL_CPU_STEPS = 12
-REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4", "--log-every", "2"]
-# Why step 4d runs no kernel on a CPU, measured on the same machine (shared with other jobs): one step of
-# finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256 (kernels in Triton's interpreter)
-# took 5.9 minutes (wall time, step 1); its own estimate before the step (playbook/interpreter.py) said 8.1.
-REAL_CPU_KERNEL_STEP_MIN = 5.9
+REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4", "--log-every", "2",
+            "--timing-warmup-steps", "1"]  # (the lesson is the loss and the answers, not the timing)
+# Why step 4d runs no kernel on a CPU, measured on the same machine (shared with other jobs): the two steps of
+# finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256 --steps 2 (kernels in Triton's
+# interpreter) took 5.9 and 14.3 minutes, 10.9 min of CPU time in all; its own estimate before the first step
+# (playbook/interpreter.py) said 8.1 (results/runs/finetune_CPU_smollm2_kernels.log).
+REAL_CPU_KERNEL_STEPS = "5.9 and 14.3 min"
 
 
 def default_workload():
@@ -109,7 +111,7 @@ def real_model_runs(gpu: bool, steps: int | None = None) -> list[tuple[str, str,
     if gpu:
         args = common + REAL_GPU
         if steps is not None:
-            args = _replace(args, "--steps", str(steps))
+            args = _replace(args, "--steps", str(steps)) + (["--timing-warmup-steps", "1"] if steps <= 2 else [])
         return [("walkthrough_real_baseline", "finetune_baseline.py", args),
                 ("walkthrough_real_optimized", "finetune_optimized.py", args)]
     return [("walkthrough_real_baseline", "finetune_baseline.py",
@@ -256,9 +258,9 @@ def most_changed(samples: list[dict], taught: dict[str, str]) -> dict | None:
     return best
 
 
-def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str]) -> str:
+def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str], where: str = "") -> str:
     """The summary's lines for step 4d: each run's eval loss before -> after, then the answer that changed most
-    toward the data's, before and after, beside the data's answer."""
+    toward the data's, before and after, beside the data's answer. `where`: the file with every answer."""
     done = [(label, r) for label, r in runs if r is not None]
     if not done:
         return "Step 4d: no real-model run finished."
@@ -269,7 +271,8 @@ def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str
         s = r["summary"]
         before, after = s.get("eval loss before"), s.get("final eval loss")
         shown = "n/a" if before is None or after is None else f"{before:.4f} -> {after:.4f}"
-        lines.append(f"   {label:<34} eval loss {shown}   (held-out conversations of {EXAMPLE_DATA.name})")
+        speed = "" if "CPU" in r["gpu"] or not s.get("tokens/s (job)") else f", {s['tokens/s (job)']:,.0f} tokens/s"
+        lines.append(f"   {label:<34} eval loss {shown}{speed}   (held-out conversations of {EXAMPLE_DATA.name})")
     pick = most_changed(first.get("samples") or [], taught)
     if pick is None:
         lines.append("   (no sample answer to a question the data teaches)")
@@ -281,7 +284,7 @@ def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str
         lines.append(f"     after, {label}: {after}")
     lines.append(f"     the data's answer: {pick['taught']}")
     lines.append(f"   The answer now has {pick['after_words']} of the {pick['of_words']} words of the data's answer "
-                 f"(before training: {pick['before_words']}); every prompt's answers are in results/{done[0][0]}.json.")
+                 f"(before training: {pick['before_words']})" + (f"; every prompt's answers: {where}." if where else "."))
     return "\n".join(lines)
 
 
@@ -291,6 +294,7 @@ def main():
     p.add_argument("--batch-size", default=None)
     p.add_argument("--seq-len", default=None)
     p.add_argument("--num-layers", default=None)
+    p.add_argument("--steps", default=None, help="steps 4a and 4b: optimizer steps (default 12)")
     p.add_argument("--skip-kernel-tests", action="store_true",
                    help="leave out step 2 (the kernel test files), e.g. right after `make test` ran them")
     p.add_argument("--kernel-tests", default=",".join(registry.KERNEL_NAMES), metavar="NAMES",
@@ -304,10 +308,11 @@ def main():
     unknown = [k for k in kernel_tests if k not in registry.KERNEL_NAMES]
     if unknown:
         p.error(f"--kernel-tests: unknown {', '.join(unknown)} (known: {', '.join(registry.KERNEL_NAMES)})")
-    if args.real_model_steps is not None and args.real_model_steps < 0:
-        p.error(f"--real-model-steps {args.real_model_steps}: give 0 or more")
+    if args.real_model_steps is not None and (args.real_model_steps < 0 or args.real_model_steps == 1):
+        p.error(f"--real-model-steps {args.real_model_steps}: give 0 (leave step 4d out) or 2 or more (one step is "
+                "not timed)")
     workload, desc, lesson = default_workload()
-    for flag in ("model", "batch_size", "seq_len", "num_layers"):  # the user's choices win
+    for flag in ("model", "batch_size", "seq_len", "num_layers", "steps"):  # the user's choices win
         value = getattr(args, flag)
         if value is not None:
             workload = _replace(workload, "--" + flag.replace("_", "-"), str(value))
@@ -342,9 +347,9 @@ def main():
                f"The test files of all ten kernel lessons are part of `make test` ({others} included).")
     else:
         banner("Step 2: the kernels and their tests",
-               f"The test files of the kernels that patch the model ({', '.join(kernel_tests)}), one after another.\n"
-               f"The other lessons act outside the model's modules ({others}): `make test` runs them, and\n"
-               "each runs as a script too, e.g. `python adamw_test.py`.")
+               f"The test files of the kernels that patch the model, one after another:\n{', '.join(kernel_tests)}.\n"
+               f"The other lessons act outside the model's modules: {others}.\n"
+               "`make test` runs them, and each runs as a script too, e.g. `python adamw_test.py`.")
     for i, name in enumerate(() if args.skip_kernel_tests else kernel_tests):
         kernel_test(name, py, letter=chr(ord("a") + i))
 
@@ -371,9 +376,9 @@ def main():
     model_kernels = [k for k in registry.DEFAULT_KERNELS if k in registry.KERNEL_NAMES]
     step("Step 4b: fine-tune, optimized",
          ("The same loop, seed and data with the default kernels: "
-          + (f"{', '.join(model_kernels)} and the Triton AdamW (adamw).\n" if gpu else
-             f"{', '.join(model_kernels)} (the Triton AdamW of the\ndefault set runs on a GPU only: PyTorch's "
-             "AdamW here; lora joins with --lora-r).\n"))
+          + (f"{', '.join(model_kernels)}\nand the Triton AdamW (adamw).\n" if gpu else
+             f"{', '.join(model_kernels)}\n(the Triton AdamW of the default set runs on a GPU only: PyTorch's AdamW "
+             "here; lora joins with --lora-r).\n"))
          + ("Look at the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down."
             if gpu else "The loss must follow the baseline's. The kernels run in Triton's interpreter here, so tokens/s\n"
             "fall far below the baseline's: on a CPU the loss is the result, not the speed."),
@@ -405,24 +410,27 @@ def main():
         banner("Step 4d: a real model learns: skipped (--real-model-steps 0)", "")
     for i, (tag, script, real_args) in enumerate(real):
         kernels = script == "finetune_optimized.py"
-        title = (f"Step 4{'de'[i]}: a real model learns: {REAL_TITLE}" + (", with the kernels" if kernels else ""))
+        title = (f"Step 4d{'' if len(real) == 1 else ' (kernels)' if kernels else ' (baseline)'}: a real model learns: "
+                 f"{REAL_TITLE}" + (", with the kernels" if kernels else ""))
+        prompts = PROMPTS.relative_to(HERE)
         if gpu:
-            explain = ("Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md), fine-tuned "
-                       "on examples/chat.jsonl.\nThe run prints the held-out eval loss before the first step and "
-                       f"after the last, and the model's answers\nto {PROMPTS.relative_to(HERE)} before and after. "
-                       + ("Same run with the kernels: the same losses and answers, faster." if kernels else
-                          "First plain Hugging Face, then the same run with the kernels."))
+            explain = ("Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md), fine-tuned on\n"
+                       "examples/chat.jsonl. The run prints the held-out eval loss before the first step and after the\n"
+                       f"last, and the model's answers to {prompts} before and after.\n"
+                       + ("The same run with the kernels: the same losses and answers, more tokens/s." if kernels else
+                          "First plain Hugging Face; then the same run with the kernels."))
         else:
             explain = (
-                "Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md; converted once, on "
-                "first use).\nThe run prints the held-out eval loss before the first step and after the last, and "
-                f"the model's\nanswers to {PROMPTS.relative_to(HERE)} before and after training. A few minutes on a CPU "
-                "hold a third of a pass\nover the file, at a learning rate (3e-4) high enough for an answer to change "
-                "after one sight of its\nrow. finetune_baseline.py: PyTorch's CPU operators, all 30 layers. The kernels "
-                "are not run on this model\nhere: in Triton's interpreter one step of 2 x 256 tokens took "
-                f"{REAL_CPU_KERNEL_STEP_MIN} min on a 2-core AMD EPYC (finetune_optimized.py\n--model smollm2-135m "
-                "--batch-size 2 --seq-len 256, measured; it estimates its step itself before the first).\n"
-                "Steps 4a-4c compare the kernels with the baseline on llama-tiny instead; a GPU runs both on SmolLM2.")
+                "Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md; converted once,\n"
+                "on first use). The run prints the held-out eval loss before the first step and after the last,\n"
+                f"and the model's answers to {prompts} before and after training.\n"
+                "A few minutes on a CPU hold a third of a pass over the file, at a learning rate (3e-4) high\n"
+                "enough for an answer to change after one sight of its row. finetune_baseline.py runs it in\n"
+                "PyTorch's CPU operators, all 30 layers. The kernels are not run on this model here:\n"
+                f"in Triton's interpreter two steps of 2 x 256 tokens took {REAL_CPU_KERNEL_STEPS} on a 2-core AMD "
+                "EPYC shared with\nother jobs (finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256; "
+                "that script estimates\nits step itself before the first). Steps 4a-4c compare the kernels with the "
+                "baseline on llama-tiny\ninstead; a GPU runs both on SmolLM2.")
         step(title, explain, [py, script, *real_args, "--tag", tag, *overwrite])
         r = load(tag)
         if r is not None:
@@ -437,7 +445,8 @@ def main():
     if real:
         labels = {"finetune_baseline.py": "baseline (finetune_baseline.py)",
                   "finetune_optimized.py": "kernels (finetune_optimized.py)"}
-        print(real_model_report([(labels[script], load(tag)) for tag, script, _ in real], taught_answers()))
+        print(real_model_report([(labels[script], load(tag)) for tag, script, _ in real], taught_answers(),
+                                where=f"results/{real[0][0]}.json"))
     tags = ["baseline", "optimized"] + [t.removeprefix("walkthrough_") for t, _, _ in real]
     curves = [RESULTS / f"walkthrough_{t}.png" for t in tags if (RESULTS / f"walkthrough_{t}.png").is_file()]
     print("Loss curves: " + ", ".join(str(c.relative_to(HERE)) for c in curves))

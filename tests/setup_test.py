@@ -411,17 +411,26 @@ def test_make_goes_on_with_cpu_demo_1(sandbox, tmp_path):
     assert (box / "walkthrough.ran").exists()
 
 
+def _torch_install(make_n: str) -> tuple[str, str]:
+    """(torch spec, index) of the torch install in `make -n` output: the index is asked once
+    (`selfcheck.py --reachable '<index>'`, '' for PyPI), then pip uses whatever that printed."""
+    index = re.search(r"selfcheck\.py --reachable '([^']*)'", make_n)
+    spec = re.search(r"pip install -q (\S+) \$\{index:\+--index-url \"\$index\"\}\n", make_n)
+    assert index and spec, make_n
+    return spec.group(1), index.group(1)
+
+
 def test_makefile_picks_the_index_for_the_gpu(sandbox, tmp_path):
     box, _ = sandbox
     setup = [MAKE, "-n", "-W", "requirements.txt", "setup", "USE_VENV=1", f"PYTHON={sys.executable}"]
     p = _run(setup, _env(fake_smi(tmp_path / "bin"), keep_path=False), cwd=box)
     assert p.returncode == 0, p.stderr
-    assert f"pip install -q torch --index-url {CU130}\n" in p.stdout
+    assert _torch_install(p.stdout) == ("torch", CU130)
     assert p.stdout.splitlines()[-1] == ".venv/bin/python selfcheck.py --setup"  # set-up ends with the check
     p = _run(setup, _env(tmp_path / "empty", keep_path=False), cwd=box)  # no nvidia-smi
     assert p.returncode == 0, p.stderr
     cpu = setup_check.cpu_wheel_index()  # the CPU index on Linux x86_64 / aarch64, else PyPI
-    assert ("pip install -q torch " + (f"--index-url {cpu}" if cpu else "") + "\n") in p.stdout, p.stdout
+    assert _torch_install(p.stdout) == ("torch", cpu or ""), p.stdout
 
 
 def test_makefile_keeps_an_explicit_torch_spec_and_index(sandbox, tmp_path):
@@ -431,12 +440,12 @@ def test_makefile_keeps_an_explicit_torch_spec_and_index(sandbox, tmp_path):
     setup = [MAKE, "-n", "-W", "requirements.txt", "setup", "USE_VENV=1", f"PYTHON={sys.executable}"]
     gpu = _env(fake_smi(tmp_path / "bin"), keep_path=False)
     p = _run(setup + ["TORCH_SPEC=torch==2.13.0", "TORCH_INDEX="], gpu, cwd=box)
-    assert "pip install -q torch==2.13.0 \n" in p.stdout, p.stdout + p.stderr
+    assert _torch_install(p.stdout) == ("torch==2.13.0", ""), p.stdout + p.stderr
     p = _run(setup, {**gpu, "TORCH_SPEC": "torch==2.13.0", "TORCH_INDEX": "https://pypi.org/simple"}, cwd=box)
-    assert "pip install -q torch==2.13.0 --index-url https://pypi.org/simple\n" in p.stdout, p.stdout + p.stderr
+    assert _torch_install(p.stdout) == ("torch==2.13.0", "https://pypi.org/simple"), p.stdout + p.stderr
     no_gpu = _env(tmp_path / "empty", keep_path=False)
     p = _run(setup + ["TORCH_INDEX=https://download.pytorch.org/whl/cu128"], no_gpu, cwd=box)
-    assert "pip install -q torch --index-url https://download.pytorch.org/whl/cu128\n" in p.stdout, p.stdout
+    assert _torch_install(p.stdout) == ("torch", "https://download.pytorch.org/whl/cu128"), p.stdout
 
 
 def test_ci_installs_torch_without_the_cpu_index():

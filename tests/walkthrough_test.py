@@ -199,15 +199,16 @@ def test_steps_carry_the_readme_numbers(monkeypatch, capsys):
 def test_cpu_step_4d_fine_tunes_the_real_model_without_kernels(monkeypatch, capsys):
     said, steps = _walk(monkeypatch, capsys, AFTER_CPU)
     real = [(a, k) for a, k in steps if a[0].startswith("Step 4d")]
-    assert len(real) == 1 and not [a for a, _ in steps if a[0].startswith("Step 4e")]
+    assert len(real) == 1 and real[0][0][0].startswith("Step 4d: ")
     cmd = real[0][0][2]
     assert cmd[1] == "finetune_baseline.py"
     assert cmd[cmd.index("--model") + 1] == "smollm2-135m" and "--num-layers" not in cmd  # all 30 layers
-    assert cmd[cmd.index("--sample-prompts") + 1] == "examples/prompts.txt"
+    assert cmd[cmd.index("--sample-prompts") + 1] == "examples/walkthrough_prompts.txt"
     assert cmd[cmd.index("--dataset") + 1] == "examples/chat.jsonl"
     # why no kernel runs on it here, with the measured figure, and where the comparison is instead
     explain = real[0][0][1]
-    assert "Triton's interpreter" in explain and "an extrapolation" in explain and "llama-tiny" in explain
+    assert f"in Triton's interpreter two steps of 2 x 256 tokens took {walkthrough.REAL_CPU_KERNEL_STEPS}" in explain
+    assert "compare the kernels with the baseline on llama-tiny" in explain
 
 
 def test_the_summary_shows_the_eval_loss_and_an_answer_before_and_after(monkeypatch, capsys):
@@ -217,6 +218,7 @@ def test_the_summary_shows_the_eval_loss_and_an_answer_before_and_after(monkeypa
     assert f"Q: {TAUGHT_Q}" in summary  # the answer that moved toward the data's, not the one that stayed right
     assert "before training: Triton is a mythical creature in Norse mythology." in summary
     assert "after, baseline (finetune_baseline.py): Triton is a language and compiler" in summary
+    assert "every prompt's answers: results/walkthrough_real_baseline.json" in summary
     taught = walkthrough.taught_answers()[TAUGHT_Q]
     assert f"the data's answer: {taught}" in summary
     # and on a CPU no GPU figure and no label that is not true there
@@ -226,9 +228,11 @@ def test_the_summary_shows_the_eval_loss_and_an_answer_before_and_after(monkeypa
 
 def test_gpu_step_4d_runs_the_real_model_with_and_without_kernels(monkeypatch, capsys):
     said, steps = _walk(monkeypatch, capsys, AFTER_GPU, gpu=True)
-    real = [a for a, _ in steps if a[0].startswith(("Step 4d", "Step 4e"))]
+    real = [a for a, _ in steps if a[0].startswith("Step 4d")]
+    assert [a[0].split(":")[0] for a in real] == ["Step 4d (baseline)", "Step 4d (kernels)"]
     assert [a[2][1] for a in real] == ["finetune_baseline.py", "finetune_optimized.py"]
-    assert real[0][2][2:] == real[1][2][2:]  # the same run, the kernels the only difference
+    same = [a[2][2:a[2].index("--tag")] for a in real]
+    assert same[0] == same[1]  # the same run, the kernels the only difference
     assert real[0][2][real[0][2].index("--model") + 1] == "smollm2-135m"
     assert "after, kernels (finetune_optimized.py):" in said
     # beside the 8B timing runs of 4a and 4b
@@ -265,5 +269,5 @@ def test_most_changed_picks_the_answer_that_moved_toward_the_data():
                {"prompt": "Q1", "before": "a magical phenomenon", "after": "a group of threads"},
                {"prompt": "Q3", "before": "x", "after": "y"}]
     pick = walkthrough.most_changed(samples, taught)
-    assert pick["prompt"] == "Q1" and (pick["before_words"], pick["after_words"], pick["of_words"]) == (0, 3, 5)
+    assert pick["prompt"] == "Q1" and (pick["before_words"], pick["after_words"], pick["of_words"]) == (0, 2, 4)
     assert walkthrough.most_changed([{"prompt": "Q3", "before": "x", "after": "y"}], taught) is None
