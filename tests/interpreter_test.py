@@ -73,6 +73,15 @@ def test_heartbeat_says_where_the_step_is(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_offload_activations_on_a_cpu_says_what_it_does_there(capsys):
+    from playbook.models import apply_gradient_checkpointing
+
+    apply_gradient_checkpointing(_tiny(2), offload=True)
+    line = capsys.readouterr().out
+    assert "side stream" not in line and "pinned" not in line, line  # a GPU's words
+    assert "saves nothing there" in line
+
+
 def test_the_cpu_note_names_the_model_it_runs():
     assert setup_check.model_named(["--steps", "2", "--model", "smollm2-135m"]) == "smollm2-135m"
     assert setup_check.model_named(["--model=x.gguf"]) == "x.gguf" and setup_check.model_named([]) is None
@@ -82,8 +91,14 @@ def test_the_cpu_note_names_the_model_it_runs():
 
 
 def _run(*argv) -> subprocess.CompletedProcess:
+    """A script as a user runs it; the summary it writes under results/ (its --tag) is removed afterwards."""
     env = {**os.environ, "PYTHONPATH": str(HERE)}
-    return subprocess.run([sys.executable, *argv], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    tag = argv[list(argv).index("--tag") + 1]
+    try:
+        return subprocess.run([sys.executable, *argv], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        for suffix in (".json", ".png", ".metrics.jsonl"):
+            (HERE / "results" / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 def test_a_real_model_with_kernels_on_a_cpu_is_told_before_the_first_step(tmp_path):
@@ -107,8 +122,6 @@ def test_a_real_model_with_kernels_on_a_cpu_is_told_before_the_first_step(tmp_pa
         assert gpu_only not in table, gpu_only
     assert "adamw" not in out.split("Model:", 1)[1].split("\n")[0] and "the kernels in Triton's interpreter" in out
     assert "the kernels ran in Triton's interpreter" in table
-    for suffix in (".json", ".png", ".metrics.jsonl"):
-        (HERE / "results" / f"cpu_words_probe{suffix}").unlink(missing_ok=True)
 
 
 def test_the_baseline_on_a_cpu_claims_no_interpreter():
@@ -118,5 +131,3 @@ def test_the_baseline_on_a_cpu_claims_no_interpreter():
     note, rest = p.stdout.split("\n", 1)
     assert "this is the CPU demo" in note and "interpreter" not in rest, p.stdout  # the run uses no Triton kernel
     assert "(CPU run: the timings say nothing about a GPU)" in p.stdout
-    for suffix in (".json", ".png", ".metrics.jsonl"):
-        (HERE / "results" / f"cpu_words_base{suffix}").unlink(missing_ok=True)
