@@ -162,6 +162,8 @@ from playbook import gpu_arch
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
 from playbook.model_families import family_classes, model_type
+import rmsnorm_kernel
+from rmsnorm_kernel import _normalize_rows  # RMSNorm's arithmetic, in the producer kernel below too
 import swiglu_kernel
 from swiglu_kernel import _act_grads, halves  # the activation's chain rule, in the kernel below too
 
@@ -349,6 +351,49 @@ def _quantize_rows(
                                   ROUND_IN_SOFTWARE, col_scale, COL_SCALE)
     if COL_MAX:
         tl.store(ColMax + pid * K + cols, col_max, mask=col_ok)
+
+
+@triton.jit
+def _rmsnorm_quantize_rows(
+    X,  # pointer to the norm's input, [M, H], unit stride along H
+    W,  # pointer to the norm's weight, [H]
+    Y,  # pointer to the norm's output, [M, H], contiguous
+    Rstd,  # pointer to the inverse RMS per row, [M] fp32 (what the norm's backward needs)
+    Q,  # pointer to the output's row-quantized copy, [M, H] float8_e4m3fn, contiguous
+    Scale,  # pointer to its row scales, [M] fp32
+    ColMax,  # pointer to this kernel's partial column maxima of |y|, [n_programs, H] fp32
+    stride_x,  # elements between two rows of X
+    M,  # rows (tokens)
+    H,  # hidden size
+    eps,  # the norm's epsilon
+    ROWS: tl.constexpr,  # rows per loop iteration
+    BLOCK_H: tl.constexpr,  # power of two >= H: a program holds whole rows
+    OFFSET: tl.constexpr,  # the norm's weight offset (rmsnorm_kernel.py)
+    CASTING: tl.constexpr,  # the norm's casting mode (rmsnorm_kernel.py)
+    COL_MAX: tl.constexpr,  # also write the column maxima (the consumer's weight needs a gradient)
+    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+):
+    """RMSNorm's forward that also writes its output's FP8 row copy: `_rmsnorm_fwd` and `_quantize_rows`
+    in one kernel. The norm holds whole rows in registers to find their RMS, which is all the row
+    quantization needs (a row's maximum): the row copy is made from the registers, and the output is
+    never read back. Persistent like `_quantize_rows`, for its column maxima."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    col_max = tl.zeros([BLOCK_H], dtype=tl.float32)
+    n_blocks = tl.cdiv(tl.cdiv(M, ROWS) - pid, n_programs)
+    for i in range(0, n_blocks):
+        rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        x = _load_rows(X, rows, cols, col_ok, stride_x, M)
+        y, rstd = _normalize_rows(x, W, cols, col_ok, H, eps, OFFSET, CASTING)
+        y = y.to(Y.dtype.element_ty)  # rounded as stored: the FP8 copy is made of these very values
+        tl.store(Rstd + rows, rstd, mask=row_ok)
+        tl.store(Y + rows[:, None] * H + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+        col_max = _rows_block(Y, Q, Scale, y, rows, cols, col_ok, col_max, M, H, True, COL_MAX, ROUND_IN_SOFTWARE)
+    if COL_MAX:
+        tl.store(ColMax + pid * H + cols, col_max, mask=col_ok)
 
 
 @triton.jit
@@ -645,6 +690,37 @@ def quantize_rows(x2: torch.Tensor, write_rows: bool = True, col_max: bool = Fal
         COL_SCALE=col_scale is not None, num_warps=num_warps,
     )
     return q, scale, (partial.amax(dim=0) if col_max else None)  # a deterministic max over programs
+
+
+def rmsnorm_quantize_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                          casting_mode: str = "llama", col_max: bool = True, out_shape: torch.Size | None = None):
+    """RMSNorm of x2 [M, H] (rmsnorm_kernel.rmsnorm_forward's numerics) and its output's row copy, in one
+    kernel: (y, rstd, q, scale, column maxima or None), each bit for bit what `rmsnorm_forward` and then
+    `quantize_rows(y, col_max=col_max)` give. `out_shape`: allocate y in this shape (M x H elements)."""
+    M, H = x2.shape
+    if not 1 <= H <= MAX_COLS:
+        raise ValueError(f"rows of 1 to {MAX_COLS} elements can be quantized, got {H}")
+    y = torch.empty(out_shape if out_shape is not None else (M, H),
+                    dtype=rmsnorm_kernel._output_dtype(x2.dtype, weight.dtype, casting_mode), device=x2.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
+    q = torch.empty((M, H), dtype=FP8_DTYPE, device=x2.device)
+    scale = torch.empty(M, dtype=torch.float32, device=x2.device)
+    block_h = next_power_of_2(H)
+    if kernel_utils.INTERPRET:
+        rows = max(1, min(256, 16384 // block_h))
+        num_warps, n_programs = 4, 2
+    else:
+        rows, num_warps, n_programs = row_launch(block_h, num_sms(x2.device))
+    n_programs = max(1, min(triton.cdiv(max(M, 1), rows), n_programs))
+    partial = torch.empty((n_programs, H) if col_max else (1, 1), dtype=torch.float32, device=x2.device)
+    if M == 0:
+        return y, rstd, q, scale, (torch.zeros(H, dtype=torch.float32, device=x2.device) if col_max else None)
+    _rmsnorm_quantize_rows[(n_programs,)](
+        x2, weight, y, rstd, q, scale, partial, x2.stride(0), M, H, eps,
+        ROWS=rows, BLOCK_H=block_h, OFFSET=float(offset), CASTING=casting_mode, COL_MAX=col_max,
+        ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
+    )
+    return y, rstd, q, scale, (partial.amax(dim=0) if col_max else None)
 
 
 def quantize_cols(x2: torch.Tensor, col_max: torch.Tensor):
@@ -1074,6 +1150,9 @@ class Fp8Handoff:
     grad_maxima   the row and column maxima of an output gradient, from the kernel that wrote it (the
                   SwiGLU backward of `swiglu_joined_fp8`): the layer whose backward receives that very
                   gradient makes both of its FP8 copies in one read (`quantize_both`).
+    input_rows    the row-quantized copy of an input (rows, scales, column maxima), from the kernel that
+                  wrote that input: an RMSNorm linked by `link_norms` (`RMSNormFp8Function`). The FP8
+                  layer that reads that very tensor next skips its row pass.
 
     A forward empties backward's slots and a backward the forward's, so no value (nor the tensor it
     came from) outlives the pass that made it. A copy or pickle of a model gets an empty hand-off.
@@ -1081,6 +1160,7 @@ class Fp8Handoff:
 
     def __init__(self):
         self.shared_rows, self.shared_cols, self.grad_maxima = HandoffSlot(), HandoffSlot(), HandoffSlot()
+        self.input_rows = HandoffSlot()
 
     def offer_grad(self, dy: torch.Tensor, maxima: tuple) -> None:
         """Hand (row maxima [M], column maxima [N]) of |dy| for dy [M, N] to the next FP8 layer whose
@@ -1093,9 +1173,23 @@ class Fp8Handoff:
 
     def start_backward(self) -> None:
         self.shared_rows.clear()
+        self.input_rows.clear()
 
     def is_empty(self) -> bool:
-        return all(s.tensor is None for s in (self.shared_rows, self.shared_cols, self.grad_maxima))
+        return all(s.tensor is None for s in (self.shared_rows, self.shared_cols, self.grad_maxima, self.input_rows))
+
+    def rmsnorm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A linked norm's forward (rmsnorm_kernel.TritonRMSNorm with `fp8_handoff` set: `link_norms`):
+        RMSNorm that also leaves its output's FP8 row copy in `input_rows`. Where the launchers cannot run
+        (torch.compile tracing, a meta tensor, a dispatch mode) it is the norm's own forward."""
+        from playbook.kernel_utils import direct_launch
+
+        rmsnorm_kernel._check_inputs(x, norm.weight, norm.offset, norm.casting_mode)
+        if not direct_launch(x, norm.weight) or x.shape[-1] > MAX_COLS:
+            return rmsnorm_kernel.rmsnorm(x, norm.weight, norm.variance_epsilon, offset=norm.offset,
+                                          casting_mode=norm.casting_mode, in_place=norm.in_place)
+        return RMSNormFp8Function.apply(x, norm.weight, float(norm.variance_epsilon), float(norm.offset),
+                                        norm.casting_mode, bool(norm.in_place), self, torch.is_grad_enabled())
 
     def swiglu_joined(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """The fused SwiGLU MLP's FP8 hook (swiglu_kernel.swiglu_mlp_forward): `swiglu_joined_fp8` with
@@ -1156,8 +1250,13 @@ class Float8LinearFunction(torch.autograd.Function):
         share = handoff is not None and not keep_fp8_input
         if handoff is not None:
             handoff.start_forward()
+        made = handoff.input_rows.take(x2) if handoff is not None else None  # from the norm that wrote x
         hit = handoff.shared_rows.get(x2) if share else None
-        if hit is not None and (hit[2] is not None or not need_weight_grad):
+        if made is not None and (made[2] is not None or not need_weight_grad):
+            xq, sx, xmax = made
+            if share:
+                handoff.shared_rows.put(x2, made)
+        elif hit is not None and (hit[2] is not None or not need_weight_grad):
             xq, sx, xmax = hit
         else:
             xq, sx, xmax = _quant_rows(x2, True, need_weight_grad, ops)
@@ -1432,6 +1531,26 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
         dgu, row_max, col_max = swiglu_joined_backward_maxima(as_rows(dh), *halves(gate_up), ctx.activation)
         ctx.handoff.offer_grad(dgu, (row_max, col_max))
         return dgu, None, None
+
+
+class RMSNormFp8Function(rmsnorm_kernel._RMSNormFunction):
+    """rmsnorm_kernel.rmsnorm (eager) whose forward also leaves its output's FP8 row copy in the
+    hand-off (`Fp8Handoff.input_rows`) for the FP8 layer that reads that output next; the backward is
+    the norm's own. The row copy needs no pass of its own (`_rmsnorm_quantize_rows`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place, handoff, col_max):
+        x2, weight = as_rows(x), weight.contiguous()
+        y, rstd, q, scale, maxima = rmsnorm_quantize_rows(x2, weight, eps, offset, casting_mode, col_max, x.shape)
+        handoff.input_rows.put(as_rows(y), (q, scale, maxima))
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
+        ctx.x_shape = x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*rmsnorm_kernel._RMSNormFunction.backward(ctx, dy), None, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1969,6 +2088,39 @@ def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE, sizes: str = "al
     return sum(isinstance(getattr(owner, name), Float8Linear) for owner, name in _projections(model))
 
 
+# A norm and the FP8 layer that reads its output: (the norm's attribute on the decoder layer, the block
+# holding the readers, the readers that take the row copy: joined or first of their group)
+NORM_READERS = (("input_layernorm", "self_attn", ("q_proj", "qkv_proj")),
+                ("post_attention_layernorm", "mlp", ("gate_proj", "gate_up_proj")))
+
+
+def link_norms(model: nn.Module) -> int:
+    """Let each decoder layer's RMSNorm write the FP8 row copy of its output for the FP8 projection that
+    reads it (`Fp8Handoff.input_rows`): input_layernorm for q/k/v, post_attention_layernorm for gate/up.
+    Linked only where that is exactly the model's data flow and the copy will be taken: the norm is a
+    TritonRMSNorm (rmsnorm_kernel.py), the reader a Float8Linear of a row-wise recipe with a hand-off and
+    a trained bf16 weight, and the decoder layer has no other norm in between (Gemma 2's
+    pre_feedforward_layernorm: there post_attention_layernorm's output goes to the residual stream).
+    Call it after every step that replaces modules (kernels, FP8, LoRA). A copy nobody takes would be
+    work for nothing, never a wrong result: the reader takes it only for that very tensor, unchanged.
+    Returns how many norms are linked; again: the same count."""
+    linked = 0
+    for layer in model.modules():
+        if not isinstance(layer, family_classes("DecoderLayer")) or hasattr(layer, "pre_feedforward_layernorm"):
+            continue
+        for norm_name, block_name, readers in NORM_READERS:
+            norm, block = getattr(layer, norm_name, None), getattr(layer, block_name, None)
+            reader = next((getattr(block, r) for r in readers if hasattr(block, r)), None) if block else None
+            if not (isinstance(norm, rmsnorm_kernel.TritonRMSNorm) and isinstance(reader, Float8Linear)):
+                continue
+            if (reader.fp8_handoff is None or reader.stores_fp8() or not reader.weight.requires_grad
+                    or get_recipe(reader.recipe).scaling != "row"):
+                continue
+            norm.fp8_handoff = reader.fp8_handoff
+            linked += 1
+    return linked
+
+
 def store_frozen_weights(model: nn.Module) -> int:
     """Keep the frozen weight of every Float8Linear of `model` in FP8 (`Float8Linear.store_fp8_weight`),
     once: call it after peft has wrapped the layers and frozen their weights (`playbook.models.prepare_model`
@@ -2020,6 +2172,13 @@ def ideal_bytes(n_rows: int, n_cols: int, dtype: torch.dtype, layouts: str = "ro
     rows = n * (e + 1) + 4 * n_rows
     cols = n * (e + 1) + 4 * n_cols
     return {"rows": rows, "cols": cols, "both": rows + cols}[layouts]
+
+
+def rmsnorm_rows_ideal_bytes(n_rows: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes `rmsnorm_quantize_rows` moves for an [n_rows, hidden] input of `dtype`: the norm's
+    (rmsnorm_kernel.ideal_bytes: read x and the weight, write y) plus the row copy and its scales, and
+    no read of y: `dtype.itemsize` bytes per element fewer than the norm and the row pass apart."""
+    return rmsnorm_kernel.ideal_bytes(n_rows, hidden, dtype) + n_rows * hidden + 4 * n_rows
 
 
 # ------------------------------------------------------------------------------------------------

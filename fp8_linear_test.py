@@ -890,6 +890,104 @@ def test_hand_off_goes_only_to_the_same_unchanged_tensor():
     record("FP8 hand-off: only to the same, unchanged tensor, once", 0.0, 0.0, True)
 
 
+NORM_SHAPES = [(37, 96, "llama", 0.0), (5, 4096, "llama", 0.0), (19, 200, "gemma", 1.0), (9, 64, "none", 0.0)] + (
+    [(8192, 4096, "llama", 0.0)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("rows, hidden, casting, offset", NORM_SHAPES)
+def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
+    """RMSNorm that writes its output's FP8 row copy (one kernel) against the pair it replaces, the norm
+    (rmsnorm_kernel.rmsnorm_forward) and then the row quantizer reading that output: the output, the
+    inverse RMS, the FP8 rows, their scales and the column maxima all equal bit for bit, in every
+    casting mode; without column maxima (no weight gradient) the same rows. Inputs of mixed magnitudes,
+    one row of zeros (its scale is the floor's) and one NaN (it poisons its own row, as in the pair).
+    (LLaMA 3.1 8B's 8192 x 4096 on a GPU.)"""
+    import rmsnorm_kernel
+
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, torch.bfloat16)
+    x[rows // 2] = 0
+    x[-1, 1] = float("nan")
+    w = (1.0 - offset + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, torch.bfloat16)
+    tag = f"RMSNorm + FP8 rows [{rows}, {hidden}] {casting}"
+    ours = fp8_linear_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting)
+    y, rstd = rmsnorm_kernel.rmsnorm_forward(x, w, 1e-6, offset, casting)
+    pair = (y, rstd, *quantize_rows(y, True, True))
+    for what, o, e in zip(("output", "rstd", "q", "row scales", "column maxima"), ours, pair):
+        _same_bits(f"{tag}: {what}", o, e)
+    rows_only = fp8_linear_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting, col_max=False)
+    assert rows_only[4] is None
+    _same_bits(f"{tag}: q without column maxima", rows_only[2], pair[2])
+
+
+def test_rmsnorm_producer_bytes():
+    """The bytes the producer saves, counted: the pair reads x and writes y (the norm), then reads y and
+    writes q (the quantizer): 7 bytes per bf16 element; the producer 5, without the read of y."""
+    import rmsnorm_kernel
+
+    m, h = 8192, 4096
+    pair = rmsnorm_kernel.ideal_bytes(m, h, torch.bfloat16) + ideal_bytes(m, h, torch.bfloat16, "rows")
+    fused = fp8_linear_kernel.rmsnorm_rows_ideal_bytes(m, h, torch.bfloat16)
+    assert pair - fused == 2 * m * h, (pair, fused)
+    record(f"RMSNorm + FP8 rows at 8192 x 4096: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
+
+
+def test_linked_norms_change_no_bit_and_skip_the_row_pass(monkeypatch):
+    """A tiny LLaMA with the default kernels and FP8 layers, its norms linked to the projections that
+    read them (`link_norms`: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up): the loss
+    and every gradient equal those of the unlinked model bit for bit, each linked norm's row copy is
+    taken (counted), and the FP8 layers quantize two activations per layer fewer per row."""
+    from playbook import registry
+    from playbook.testkit import batch, loss_and_grads, tiny_model
+
+    base = tiny_model("llama").to(torch.bfloat16)
+    registry.apply_kernels(base, ("rmsnorm", "swiglu", "rope", "projections"))
+    patch_model(base)
+    n_layers = base.config.num_hidden_layers
+    ids, labels = batch()
+    results = {}
+    for linked in (False, True):
+        model = copy.deepcopy(base)
+        assert fp8_linear_kernel.link_norms(model) == 2 * n_layers if linked else True
+        handoff = model.fp8_handoff
+        weights = {p.data_ptr() for p in model.parameters()}
+        with monkeypatch.context() as m:
+            calls = _count_quantizations(m, lambda x: x.data_ptr() not in weights)
+            results[linked] = (*loss_and_grads(model, ids, labels), dict(calls), handoff.input_rows.taken)
+        assert handoff.input_rows.tensor is None  # taken, or cleared by backward: nothing outlives the step
+    (loss, grads, c0, t0), (loss_l, grads_l, c1, t1) = results[False], results[True]
+    exactly("linked norms: loss", loss_l, loss)
+    for name, g in grads.items():
+        exactly(f"linked norms: {name}.grad", grads_l[name], g)
+    assert (t0, t1) == (0, 2 * n_layers), (t0, t1)
+    exactly("row quantizations saved", torch.tensor(c0["rows"] - c1["rows"]), torch.tensor(2 * n_layers))
+    assert fp8_linear_kernel.link_norms(model) == 2 * n_layers  # again: the same count
+
+
+def test_norms_are_linked_only_to_fp8_readers():
+    """link_norms links nothing where the reader is not a trained FP8 layer of a row-wise recipe: a
+    bf16 model, a tensor-wise recipe, a frozen FP8 weight (LoRA's base); and nothing in Gemma 2, whose
+    post_attention_layernorm feeds the residual stream."""
+    from playbook import registry
+    from playbook.testkit import tiny_model
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
+    assert fp8_linear_kernel.link_norms(model) == 0  # no FP8 layers
+    tensorwise = copy.deepcopy(model)
+    patch_model(tensorwise, "tensorwise")
+    assert fp8_linear_kernel.link_norms(tensorwise) == 0
+    patch_model(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert fp8_linear_kernel.link_norms(model) == 0
+    gemma2 = tiny_model("gemma2").to(torch.bfloat16)
+    registry.apply_kernels(gemma2, ("rmsnorm",))
+    patch_model(gemma2)
+    assert fp8_linear_kernel.link_norms(gemma2) == 0
+    record("link_norms: nothing without a trained row-wise FP8 reader, nothing in Gemma 2", 0.0, 0.0, True)
+
+
 def test_swiglu_maxima_op_passes_opcheck():
     gate_up = _gate_up(6, 64, seed=0).nan_to_num()
     dh = random_like_grad(gate_up[:, :64])

@@ -101,6 +101,39 @@ MAX_HIDDEN = 65536  # one row must fit in one program's registers (64 fp32 value
 # like `tl.arange(0, BLOCK_H)` are whole blocks of numbers that Triton spreads over the threads
 # of the program; every arithmetic line below works on a block at once.
 @triton.jit
+def _normalize_rows(x, W, cols, col_ok, H, eps, OFFSET: tl.constexpr, CASTING: tl.constexpr):
+    """(y, rstd) of a loaded block of whole rows x [BLOCK_M, BLOCK_H]: y in fp32, to be stored in the
+    output dtype, and the fp32 inverse RMS per row. One function for the forward kernel below and for
+    fp8_linear_kernel.py's RMSNorm that also writes its output's FP8 copy, so both compute the same bits."""
+    xf = x.to(tl.float32)  # accumulate in fp32 whatever the input dtype
+    mean_sq = tl.sum(xf * xf, axis=1) / H  # [BLOCK_M]: a reduction along the row
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    if CASTING == "none":
+        rstd = rstd.to(x.dtype).to(tl.float32)  # the input dtype throughout: round every step
+
+    if CASTING == "gemma":
+        # GemmaRMSNorm: the weight multiply in fp32 too, one rounding at the end.
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + OFFSET
+        y = xf * rstd[:, None] * w[None, :]
+    else:
+        # Hugging Face's LLaMA order of operations: normalise in fp32, round to the input dtype,
+        # *then* multiply by the weight. Rounding first keeps our output bit-compatible with
+        # LlamaRMSNorm. ("none" rounds the weight and the product to the input dtype as well.)
+        x_hat = (xf * rstd[:, None]).to(x.dtype)
+        w = tl.load(W + cols, mask=col_ok, other=0.0)
+        if CASTING == "none":
+            w = w.to(x.dtype)
+        if OFFSET != 0.0:
+            w = w.to(tl.float32) + OFFSET
+            if CASTING == "none":
+                w = w.to(x.dtype)
+        y = x_hat.to(tl.float32) * w.to(tl.float32)[None, :]
+        if CASTING == "none":
+            y = y.to(x.dtype)
+    return y, rstd
+
+
+@triton.jit
 def _rmsnorm_fwd(
     X,  # pointer to the input, [n_rows, H], unit stride along H
     W,  # pointer to the weight, [H]
@@ -129,32 +162,8 @@ def _rmsnorm_fwd(
     mask = row_ok[:, None] & col_ok[None, :]
 
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    xf = x.to(tl.float32)  # accumulate in fp32 whatever the input dtype
-    mean_sq = tl.sum(xf * xf, axis=1) / H  # [BLOCK_M]: a reduction along the row
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    if CASTING == "none":
-        rstd = rstd.to(x.dtype).to(tl.float32)  # the input dtype throughout: round every step
+    y, rstd = _normalize_rows(x, W, cols, col_ok, H, eps, OFFSET, CASTING)
     tl.store(Rstd + rows, rstd, mask=row_ok)  # 4 bytes per row, kept for the backward pass
-
-    if CASTING == "gemma":
-        # GemmaRMSNorm: the weight multiply in fp32 too, one rounding at the end.
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + OFFSET
-        y = xf * rstd[:, None] * w[None, :]
-    else:
-        # Hugging Face's LLaMA order of operations: normalise in fp32, round to the input dtype,
-        # *then* multiply by the weight. Rounding first keeps our output bit-compatible with
-        # LlamaRMSNorm. ("none" rounds the weight and the product to the input dtype as well.)
-        x_hat = (xf * rstd[:, None]).to(x.dtype)
-        w = tl.load(W + cols, mask=col_ok, other=0.0)
-        if CASTING == "none":
-            w = w.to(x.dtype)
-        if OFFSET != 0.0:
-            w = w.to(tl.float32) + OFFSET
-            if CASTING == "none":
-                w = w.to(x.dtype)
-        y = x_hat.to(tl.float32) * w.to(tl.float32)[None, :]
-        if CASTING == "none":
-            y = y.to(x.dtype)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -578,7 +587,13 @@ class TritonRMSNorm(nn.Module):
         """`from_module` with LlamaRMSNorm's numerics (offset 0, "llama" casting, out of place)."""
         return cls.from_module(module)
 
+    # Set by fp8_linear_kernel.link_norms when the layer that reads this norm's output is an FP8 layer:
+    # the model's `Fp8Handoff`, whose `rmsnorm` also writes the output's FP8 row copy for that layer.
+    fp8_handoff = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_handoff is not None:
+            return self.fp8_handoff.rmsnorm(self, x)
         return rmsnorm(x, self.weight, self.variance_epsilon, offset=self.offset, casting_mode=self.casting_mode,
                        in_place=self.in_place)
 
@@ -586,6 +601,7 @@ class TritonRMSNorm(nn.Module):
         extra = f", offset={self.offset}" if self.offset else ""
         extra += f", casting_mode={self.casting_mode!r}" if self.casting_mode != "llama" else ""
         extra += ", in_place=True" if self.in_place else ""
+        extra += ", writes the next layer's FP8 row copy" if self.fp8_handoff is not None else ""
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{extra}"
 
 

@@ -361,6 +361,18 @@ def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = Fals
 # ------------------------------------------------------------------------------------------------
 # prepare_model: one step per function, each switched by one field of the RunConfig
 # ------------------------------------------------------------------------------------------------
+def link_fp8_norms(model: nn.Module) -> int:
+    """--fp8: each decoder layer's fused RMSNorm also writes the FP8 row copy of its output for the FP8
+    projection that reads it (fp8_linear_kernel.link_norms), which then skips that pass: one read of the
+    norm's output fewer per norm. Not with a tiled MLP (its chunks are other tensors) or torch.compile."""
+    import fp8_linear_kernel
+
+    linked = fp8_linear_kernel.link_norms(model)
+    if linked:
+        log(f"FP8: {linked} RMSNorms write their output's FP8 row copy for the projection that reads it")
+    return linked
+
+
 def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload: bool = False,
                                  keep_attention: bool = False) -> tuple[int, ...]:
     """--gradient-checkpointing / --checkpoint-layers SPEC: the decoder layers SPEC names are recomputed in
@@ -512,6 +524,7 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
                                                peft (it gives new adapters its base weight's dtype)
       5. tiled MLP (cfg.mlp_chunk_tokens)      after the kernels, FP8 and LoRA, which replace the MLP's
                                                forward or its projections: each chunk runs the final one
+         FP8 norms linked (cfg.fp8)            once the readers of each norm are final (link_fp8_norms)
       6. saved activations                     hooks around the finished layers' forwards (after checkpointing,
          (cfg.recompute_norms,                 whose layers they leave alone, and after LoRA and the tiled
          offload_layers)                       MLP, whose saved tensors they see)
@@ -551,6 +564,8 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
             apply_fp8_base(model)
     if cfg.mlp_chunk_tokens:
         apply_tiled_mlp(model, cfg.mlp_chunk_tokens)
+    if cfg.fp8 and cfg.fp8_backend == "playbook" and not cfg.compile and not cfg.mlp_chunk_tokens:
+        link_fp8_norms(model)
     if cfg.recompute_norms or cfg.offload_layers:
         apply_saved_activations(model, cfg.recompute_norms, cfg.offload_layers)
     if cfg.compile:
