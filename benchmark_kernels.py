@@ -1263,6 +1263,55 @@ def fp8_crossover(recipes=("rowwise", "tensorwise")) -> int:
     return 0
 
 
+# ---- FP8 producers: a kernel that writes a tensor also writes its FP8 row copy ---------------------
+PRODUCER_TOKENS = (8192, 16384)  # LLaMA 3.1 8B's 4 x 2048 and 8 x 2048 tokens
+
+
+def fp8_producers() -> int:
+    """Time each FP8 producer against the pair it replaces (the kernel that writes the tensor, then the
+    row quantizer that reads it back), at LLaMA 3.1 8B's width, as CUDA graph replays; with the bytes
+    each moves (the `*_ideal_bytes` counts) and the rate that implies. Prints the table and saves
+    results/fp8_producers_<gpu>.json."""
+    import json
+
+    import fp8_linear_kernel as f8
+    import rmsnorm_kernel
+
+    gpu = torch.cuda.get_device_name()
+    copy = copy_bandwidth_gbs()
+    rows = []
+    print(f"{gpu}: device-to-device copy {copy:.0f} GB/s; CUDA graph replays, us per call (median)")
+    print(f"{'producer':<28} {'tokens':>7} {'width':>6} {'pair us':>9} {'fused us':>9} {'saved':>7} "
+          f"{'pair GB/s':>10} {'fused GB/s':>11}")
+    for m in PRODUCER_TOKENS:
+        h = 4096
+        g = _generator(m, h)
+        x = torch.randn(m, h, generator=g).to(DEVICE, torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE, torch.bfloat16)
+
+        def pair():
+            y, _ = rmsnorm_kernel.rmsnorm_forward(x, w, 1e-5)
+            f8.quantize_rows(y, True, True)
+
+        def fused():
+            f8.rmsnorm_quantize_rows(x, w, 1e-5)
+
+        pair_b = rmsnorm_kernel.ideal_bytes(m, h, torch.bfloat16) + f8.ideal_bytes(m, h, torch.bfloat16, "rows")
+        fused_b = f8.rmsnorm_rows_ideal_bytes(m, h, torch.bfloat16)
+        (pair_us, _, _), _ = timed_graph(pair)
+        (fused_us, _, _), _ = timed_graph(fused)
+        row = dict(producer="rmsnorm -> fp8 rows", tokens=m, width=h, pair_us=pair_us, fused_us=fused_us,
+                   pair_bytes=pair_b, fused_bytes=fused_b)
+        rows.append(row)
+        print(f"{row['producer']:<28} {m:>7} {h:>6} {pair_us:>9.1f} {fused_us:>9.1f} {pair_us - fused_us:>7.1f} "
+              f"{pair_b / pair_us / 1e3:>10.0f} {fused_b / fused_us / 1e3:>11.0f}", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"fp8_producers_{gpu.replace(' ', '_')}.json"
+    path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_gbs=copy, rows=rows), indent=1) + "\n")
+    print(f"Saved {path.relative_to(RESULTS.parent)}")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", type=kernel_list, default=KERNEL_NAMES, metavar="NAMES",
@@ -1276,7 +1325,14 @@ def main():
     p.add_argument("--tune", action="store_true", help="sweep our kernels' launch settings at LLaMA shapes")
     p.add_argument("--fp8-crossover", action="store_true",
                    help="time one projection in bf16 and in FP8 over widths from SmolLM2's to LLaMA 8B's (GPU)")
+    p.add_argument("--fp8-producers", action="store_true",
+                   help="time each kernel that also writes its output's FP8 row copy against the pair it replaces (GPU)")
     args = p.parse_args()
+    if args.fp8_producers:
+        if not ON_GPU:
+            print("--fp8-producers times kernels at LLaMA 3.1 8B's sizes, which need a CUDA GPU", file=sys.stderr)
+            return 2
+        return fp8_producers()
     if args.fp8_crossover:
         if not ON_GPU:
             print("--fp8-crossover times FP8 matmuls, which need a CUDA GPU", file=sys.stderr)
