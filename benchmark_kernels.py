@@ -1265,6 +1265,8 @@ def fp8_crossover(recipes=("rowwise", "tensorwise")) -> int:
 
 # ---- FP8 producers: a kernel that writes a tensor also writes its FP8 row copy ---------------------
 PRODUCER_TOKENS = (8192, 16384)  # LLaMA 3.1 8B's 4 x 2048 and 8 x 2048 tokens
+PRODUCER_PROGRAMS_PER_SM = (4, 2, 8, 16)  # the RMSNorm producer's persistent grid (fp8_linear_kernel's default first)
+SWIGLU_PROGRAMS_PER_SM = (2, 1, 3, 4)  # the SwiGLU producer's (likewise)
 
 
 def fp8_producers() -> int:
@@ -1293,18 +1295,38 @@ def fp8_producers() -> int:
             y, _ = rmsnorm_kernel.rmsnorm_forward(x, w, 1e-5)
             f8.quantize_rows(y, True, True)
 
-        def fused():
-            f8.rmsnorm_quantize_rows(x, w, 1e-5)
-
         pair_b = rmsnorm_kernel.ideal_bytes(m, h, torch.bfloat16) + f8.ideal_bytes(m, h, torch.bfloat16, "rows")
         fused_b = f8.rmsnorm_rows_ideal_bytes(m, h, torch.bfloat16)
         (pair_us, _, _), _ = timed_graph(pair)
-        (fused_us, _, _), _ = timed_graph(fused)
-        row = dict(producer="rmsnorm -> fp8 rows", tokens=m, width=h, pair_us=pair_us, fused_us=fused_us,
-                   pair_bytes=pair_b, fused_bytes=fused_b)
-        rows.append(row)
-        print(f"{row['producer']:<28} {m:>7} {h:>6} {pair_us:>9.1f} {fused_us:>9.1f} {pair_us - fused_us:>7.1f} "
-              f"{pair_b / pair_us / 1e3:>10.0f} {fused_b / fused_us / 1e3:>11.0f}", flush=True)
+        for per_sm in PRODUCER_PROGRAMS_PER_SM:  # the persistent grid's size: the default, then the others
+            (fused_us, _, _), _ = timed_graph(lambda: f8.rmsnorm_quantize_rows(x, w, 1e-5, programs_per_sm=per_sm))
+            row = dict(producer=f"rmsnorm -> fp8 rows, {per_sm}/SM", tokens=m, width=h, pair_us=pair_us,
+                       fused_us=fused_us, pair_bytes=pair_b, fused_bytes=fused_b, programs_per_sm=per_sm)
+            rows.append(row)
+            print(f"{row['producer']:<28} {m:>7} {h:>6} {pair_us:>9.1f} {fused_us:>9.1f} {pair_us - fused_us:>7.1f} "
+                  f"{pair_b / pair_us / 1e3:>10.0f} {fused_b / fused_us / 1e3:>11.0f}", flush=True)
+    import swiglu_kernel
+
+    for m in PRODUCER_TOKENS:
+        width = 14336
+        g = _generator(m, width)
+        gate_up = torch.randn(m, 2 * width, generator=g).to(DEVICE, torch.bfloat16)
+        gate, up = swiglu_kernel.halves(gate_up)
+
+        def pair():
+            h = swiglu_kernel.swiglu_forward(gate, up)
+            f8.quantize_rows(h, True, True)
+
+        pair_b = 3 * m * width * 2 + f8.ideal_bytes(m, width, torch.bfloat16, "rows")
+        fused_b = f8.swiglu_rows_ideal_bytes(m, width, torch.bfloat16)
+        (pair_us, _, _), _ = timed_graph(pair)
+        for per_sm in SWIGLU_PROGRAMS_PER_SM:
+            (fused_us, _, _), _ = timed_graph(lambda: f8.swiglu_quantize_rows(gate, up, programs_per_sm=per_sm))
+            row = dict(producer=f"swiglu -> fp8 rows, {per_sm}/SM", tokens=m, width=width, pair_us=pair_us,
+                       fused_us=fused_us, pair_bytes=pair_b, fused_bytes=fused_b, programs_per_sm=per_sm)
+            rows.append(row)
+            print(f"{row['producer']:<28} {m:>7} {width:>6} {pair_us:>9.1f} {fused_us:>9.1f} {pair_us - fused_us:>7.1f} "
+                  f"{pair_b / pair_us / 1e3:>10.0f} {fused_b / fused_us / 1e3:>11.0f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"fp8_producers_{gpu.replace(' ', '_')}.json"
     path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_gbs=copy, rows=rows), indent=1) + "\n")

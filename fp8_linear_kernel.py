@@ -165,7 +165,7 @@ from playbook.model_families import family_classes, model_type
 import rmsnorm_kernel
 from rmsnorm_kernel import _normalize_rows  # RMSNorm's arithmetic, in the producer kernel below too
 import swiglu_kernel
-from swiglu_kernel import _act_grads, halves  # the activation's chain rule, in the kernel below too
+from swiglu_kernel import _act_grads, _act_out, halves  # the activation and its chain rule, in the kernels below too
 
 import triton
 import triton.language as tl
@@ -394,6 +394,45 @@ def _rmsnorm_quantize_rows(
         col_max = _rows_block(Y, Q, Scale, y, rows, cols, col_ok, col_max, M, H, True, COL_MAX, ROUND_IN_SOFTWARE)
     if COL_MAX:
         tl.store(ColMax + pid * H + cols, col_max, mask=col_ok)
+
+
+@triton.jit
+def _swiglu_quantize_rows(
+    G,  # pointer to the gate, [M, I], unit stride along I (the first half of a joined gate_up)
+    U,  # pointer to up, [M, I], unit stride along I
+    Hout,  # pointer to the output act(gate) * up, [M, I], contiguous
+    Q,  # pointer to the output's row-quantized copy, [M, I] float8_e4m3fn, contiguous
+    Scale,  # pointer to its row scales, [M] fp32
+    ColMax,  # pointer to this kernel's partial column maxima of |h|, [n_programs, I] fp32
+    stride_g,  # elements between two rows of G
+    stride_u,  # elements between two rows of U
+    M,  # rows (tokens)
+    I,  # the MLP width
+    ROWS: tl.constexpr,  # rows per loop iteration
+    BLOCK_I: tl.constexpr,  # power of two >= I: a program holds whole rows
+    ACT: tl.constexpr,  # "silu" or "gelu_tanh" (swiglu_kernel.py)
+    COL_MAX: tl.constexpr,  # also write the column maxima (the consumer's weight needs a gradient)
+    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+):
+    """The SwiGLU forward that also writes its output's FP8 row copy: swiglu_kernel's `_swiglu_fwd`
+    (which tiles a row in blocks of 2048) with whole rows per program, so that a row's maximum is known
+    before it leaves the registers. Persistent, like `_quantize_rows`, for its column maxima."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_I)
+    col_ok = cols < I
+    col_max = tl.zeros([BLOCK_I], dtype=tl.float32)
+    n_blocks = tl.cdiv(tl.cdiv(M, ROWS) - pid, n_programs)
+    for i in range(0, n_blocks):
+        rows = (pid + i * n_programs) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        g = _load_rows(G, rows, cols, col_ok, stride_g, M).to(tl.float32)
+        u = _load_rows(U, rows, cols, col_ok, stride_u, M).to(tl.float32)
+        h = _act_out(g, u, ACT).to(Hout.dtype.element_ty)  # rounded as stored
+        tl.store(Hout + rows[:, None] * I + cols[None, :], h, mask=row_ok[:, None] & col_ok[None, :])
+        col_max = _rows_block(Hout, Q, Scale, h, rows, cols, col_ok, col_max, M, I, True, COL_MAX, ROUND_IN_SOFTWARE)
+    if COL_MAX:
+        tl.store(ColMax + pid * I + cols, col_max, mask=col_ok)
 
 
 @triton.jit
@@ -692,11 +731,16 @@ def quantize_rows(x2: torch.Tensor, write_rows: bool = True, col_max: bool = Fal
     return q, scale, (partial.amax(dim=0) if col_max else None)  # a deterministic max over programs
 
 
+NORM_PROGRAMS_PER_SM = 4  # persistent programs of the RMSNorm producer per SM (benchmark_kernels.py --fp8-producers)
+
+
 def rmsnorm_quantize_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-                          casting_mode: str = "llama", col_max: bool = True, out_shape: torch.Size | None = None):
+                          casting_mode: str = "llama", col_max: bool = True, out_shape: torch.Size | None = None,
+                          programs_per_sm: int | None = None):
     """RMSNorm of x2 [M, H] (rmsnorm_kernel.rmsnorm_forward's numerics) and its output's row copy, in one
     kernel: (y, rstd, q, scale, column maxima or None), each bit for bit what `rmsnorm_forward` and then
-    `quantize_rows(y, col_max=col_max)` give. `out_shape`: allocate y in this shape (M x H elements)."""
+    `quantize_rows(y, col_max=col_max)` give. `out_shape`: allocate y in this shape (M x H elements).
+    `programs_per_sm`: the persistent grid's size per SM (default NORM_PROGRAMS_PER_SM)."""
     M, H = x2.shape
     if not 1 <= H <= MAX_COLS:
         raise ValueError(f"rows of 1 to {MAX_COLS} elements can be quantized, got {H}")
@@ -705,12 +749,14 @@ def rmsnorm_quantize_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, of
     rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
     q = torch.empty((M, H), dtype=FP8_DTYPE, device=x2.device)
     scale = torch.empty(M, dtype=torch.float32, device=x2.device)
-    block_h = next_power_of_2(H)
+    # The norm's own block shape and warps (rmsnorm_kernel._fwd_settings): the sum of squares of a row is
+    # then reduced in the same order as in `rmsnorm_forward`, so the inverse RMS and y are the same bits
+    # (another layout of the block sums in another order: a last-bit difference, measured on an H100).
+    block_h, rows, num_warps = rmsnorm_kernel._fwd_settings(H)
     if kernel_utils.INTERPRET:
-        rows = max(1, min(256, 16384 // block_h))
-        num_warps, n_programs = 4, 2
+        n_programs = 2
     else:
-        rows, num_warps, n_programs = row_launch(block_h, num_sms(x2.device))
+        n_programs = num_sms(x2.device) * (programs_per_sm or NORM_PROGRAMS_PER_SM)
     n_programs = max(1, min(triton.cdiv(max(M, 1), rows), n_programs))
     partial = torch.empty((n_programs, H) if col_max else (1, 1), dtype=torch.float32, device=x2.device)
     if M == 0:
@@ -721,6 +767,46 @@ def rmsnorm_quantize_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, of
         ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
     )
     return y, rstd, q, scale, (partial.amax(dim=0) if col_max else None)
+
+
+SWIGLU_PROGRAMS_PER_SM = 2  # persistent programs of the SwiGLU producer per SM (benchmark_kernels.py --fp8-producers)
+
+
+def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu", col_max: bool = True,
+                         programs_per_sm: int | None = None):
+    """act(gate) * up of g2, u2 [M, I] (swiglu_kernel.swiglu_forward's numerics) and its row copy, in one
+    kernel: (h, q, scale, column maxima or None), each bit for bit what `swiglu_forward` and then
+    `quantize_rows(h, col_max=col_max)` give (element-wise work and maxima: no order of operations to
+    match). `programs_per_sm`: the persistent grid's size per SM (default SWIGLU_PROGRAMS_PER_SM)."""
+    M, I = g2.shape
+    if not 1 <= I <= MAX_COLS:
+        raise ValueError(f"rows of 1 to {MAX_COLS} elements can be quantized, got {I}")
+    h = torch.empty((M, I), dtype=g2.dtype, device=g2.device)
+    q = torch.empty((M, I), dtype=FP8_DTYPE, device=g2.device)
+    scale = torch.empty(M, dtype=torch.float32, device=g2.device)
+    block_i = next_power_of_2(I)
+    if kernel_utils.INTERPRET:
+        rows, num_warps, n_programs = max(1, min(64, 4096 // block_i)), 4, 2
+    else:  # one whole row per iteration, 32 values of each operand per thread at LLaMA's 14336 (16 warps)
+        rows, num_warps = 1, max(4, min(16, block_i // 1024))
+        n_programs = num_sms(g2.device) * (programs_per_sm or SWIGLU_PROGRAMS_PER_SM)
+    n_programs = max(1, min(triton.cdiv(max(M, 1), rows), n_programs))
+    if M == 0:
+        return h, q, scale, (torch.zeros(I, dtype=torch.float32, device=g2.device) if col_max else None)
+    partial = torch.empty((n_programs, I) if col_max else (1, 1), dtype=torch.float32, device=g2.device)
+    _swiglu_quantize_rows[(n_programs,)](
+        g2, u2, h, q, scale, partial, g2.stride(0), u2.stride(0), M, I,
+        ROWS=rows, BLOCK_I=block_i, ACT=activation, COL_MAX=col_max, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
+        num_warps=num_warps,
+    )
+    return h, q, scale, (partial.amax(dim=0) if col_max else None)
+
+
+def swiglu_rows_ideal_bytes(n_rows: int, width: int, dtype: torch.dtype) -> int:
+    """Bytes `swiglu_quantize_rows` moves: read gate and up, write h, its row copy and scales. The pair
+    (swiglu_kernel's forward, then `quantize_rows`) also reads h back: `dtype.itemsize` bytes per element."""
+    n, e = n_rows * width, dtype.itemsize
+    return 3 * n * e + n + 4 * n_rows
 
 
 def quantize_cols(x2: torch.Tensor, col_max: torch.Tensor):
@@ -1191,10 +1277,10 @@ class Fp8Handoff:
         return RMSNormFp8Function.apply(x, norm.weight, float(norm.variance_epsilon), float(norm.offset),
                                         norm.casting_mode, bool(norm.in_place), self, torch.is_grad_enabled())
 
-    def swiglu_joined(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    def swiglu_joined(self, gate_up: torch.Tensor, activation: str = "silu", down: nn.Module | None = None):
         """The fused SwiGLU MLP's FP8 hook (swiglu_kernel.swiglu_mlp_forward): `swiglu_joined_fp8` with
-        this hand-off, so the SwiGLU file need not import this one."""
-        return swiglu_joined_fp8(gate_up, activation, self)
+        this hand-off, so the SwiGLU file need not import this one; `down`: the MLP's down projection."""
+        return swiglu_joined_fp8(gate_up, activation, self, down)
 
     def __reduce__(self):  # copy.deepcopy and pickle: a fresh, empty hand-off
         return (Fp8Handoff, ())
@@ -1517,10 +1603,14 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
     cannot carry the hand-off (`swiglu_joined_fp8` runs the plain operator there)."""
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, activation: str, handoff: Fp8Handoff):
+    def forward(ctx, gate_up: torch.Tensor, activation: str, handoff: Fp8Handoff, rows: bool, col_max: bool):
         ctx.save_for_backward(gate_up)  # the matmul that made gate_up keeps it alive anyway
         ctx.activation, ctx.handoff = activation, handoff
-        return swiglu_kernel.swiglu_forward(*halves(gate_up), activation)
+        if not rows:
+            return swiglu_kernel.swiglu_forward(*halves(gate_up), activation)
+        h, q, scale, maxima = swiglu_quantize_rows(*halves(gate_up), activation, col_max)
+        handoff.input_rows.put(h, (q, scale, maxima))  # for the down projection, which reads h next
+        return h
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
@@ -1530,7 +1620,7 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         dgu, row_max, col_max = swiglu_joined_backward_maxima(as_rows(dh), *halves(gate_up), ctx.activation)
         ctx.handoff.offer_grad(dgu, (row_max, col_max))
-        return dgu, None, None
+        return dgu, None, None, None, None
 
 
 class RMSNormFp8Function(rmsnorm_kernel._RMSNormFunction):
@@ -1892,15 +1982,19 @@ def fp8_frozen_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return y if bias is None else y + bias.to(out_dtype)
 
 
-def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", handoff: Fp8Handoff | None = None):
+def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", handoff: Fp8Handoff | None = None,
+                      down: nn.Module | None = None):
     """`swiglu_kernel.swiglu_joined` (act(gate) * up from gate_up [..., 2I]) for an MLP whose gate/up
     projection is an FP8 layer holding `handoff`: backward also takes d gate_up's row and column
     maxima and hands them to that layer, which then quantizes d gate_up in one read instead of two.
+    When `down`, the layer that reads the output next, takes FP8 row copies (`takes_rows`), the forward
+    also writes the output's row copy for it (`swiglu_quantize_rows`: one read of h fewer).
     Without a hand-off, and while torch.compile traces, it is `swiglu_joined` itself."""
     if handoff is None or torch.compiler.is_compiling():
         return swiglu_kernel.swiglu_joined(gate_up, activation)
     swiglu_kernel._check_joined(gate_up, activation)
-    h = SwigluJoinedFp8Function.apply(as_rows(gate_up), activation, handoff)
+    rows = down is not None and takes_rows(down, handoff)
+    h = SwigluJoinedFp8Function.apply(as_rows(gate_up), activation, handoff, rows, torch.is_grad_enabled())
     return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
@@ -2094,6 +2188,14 @@ NORM_READERS = (("input_layernorm", "self_attn", ("q_proj", "qkv_proj")),
                 ("post_attention_layernorm", "mlp", ("gate_proj", "gate_up_proj")))
 
 
+def takes_rows(reader: nn.Module, handoff: Fp8Handoff) -> bool:
+    """Whether `reader` takes an FP8 row copy of its input from `handoff.input_rows`: a Float8Linear of a
+    row-wise recipe sharing that hand-off, with a trained bf16 weight (a frozen FP8 weight, LoRA's base,
+    has its own forward)."""
+    return (isinstance(reader, Float8Linear) and reader.fp8_handoff is handoff and handoff is not None
+            and not reader.stores_fp8() and reader.weight.requires_grad and get_recipe(reader.recipe).scaling == "row")
+
+
 def link_norms(model: nn.Module) -> int:
     """Let each decoder layer's RMSNorm write the FP8 row copy of its output for the FP8 projection that
     reads it (`Fp8Handoff.input_rows`): input_layernorm for q/k/v, post_attention_layernorm for gate/up.
@@ -2111,10 +2213,8 @@ def link_norms(model: nn.Module) -> int:
         for norm_name, block_name, readers in NORM_READERS:
             norm, block = getattr(layer, norm_name, None), getattr(layer, block_name, None)
             reader = next((getattr(block, r) for r in readers if hasattr(block, r)), None) if block else None
-            if not (isinstance(norm, rmsnorm_kernel.TritonRMSNorm) and isinstance(reader, Float8Linear)):
-                continue
-            if (reader.fp8_handoff is None or reader.stores_fp8() or not reader.weight.requires_grad
-                    or get_recipe(reader.recipe).scaling != "row"):
+            if not (isinstance(norm, rmsnorm_kernel.TritonRMSNorm) and isinstance(reader, Float8Linear)
+                    and takes_rows(reader, reader.fp8_handoff)):
                 continue
             norm.fp8_handoff = reader.fp8_handoff
             linked += 1

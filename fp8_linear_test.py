@@ -932,36 +932,69 @@ def test_rmsnorm_producer_bytes():
     record(f"RMSNorm + FP8 rows at 8192 x 4096: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
 
 
-def test_linked_norms_change_no_bit_and_skip_the_row_pass(monkeypatch):
-    """A tiny LLaMA with the default kernels and FP8 layers, its norms linked to the projections that
-    read them (`link_norms`: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up): the loss
-    and every gradient equal those of the unlinked model bit for bit, each linked norm's row copy is
-    taken (counted), and the FP8 layers quantize two activations per layer fewer per row."""
+def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
+    """A tiny LLaMA with the default kernels and FP8 layers, with and without the FP8 producers: the
+    norms linked to the projections that read them (`link_norms`: input_layernorm -> q/k/v,
+    post_attention_layernorm -> gate/up) and the SwiGLU writing h's row copy for down_proj. The loss and
+    every gradient equal bit for bit, each producer's row copy is taken (counted: 3 per decoder layer),
+    and the FP8 layers run 3 row quantizations of activations per layer fewer."""
     from playbook import registry
     from playbook.testkit import batch, loss_and_grads, tiny_model
 
-    base = tiny_model("llama").to(torch.bfloat16)
-    registry.apply_kernels(base, ("rmsnorm", "swiglu", "rope", "projections"))
-    patch_model(base)
-    n_layers = base.config.num_hidden_layers
     ids, labels = batch()
     results = {}
-    for linked in (False, True):
-        model = copy.deepcopy(base)
-        assert fp8_linear_kernel.link_norms(model) == 2 * n_layers if linked else True
+    for on in (False, True):
+        model = tiny_model("llama").to(torch.bfloat16)  # the same weights each time (seeded); not a deep copy,
+        registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))  # which unjoins the projections
+        patch_model(model)
+        n_layers = model.config.num_hidden_layers
         handoff = model.fp8_handoff
         weights = {p.data_ptr() for p in model.parameters()}
         with monkeypatch.context() as m:
+            if on:
+                assert fp8_linear_kernel.link_norms(model) == 2 * n_layers
+            else:
+                m.setattr(fp8_linear_kernel, "takes_rows", lambda reader, handoff: False)
             calls = _count_quantizations(m, lambda x: x.data_ptr() not in weights)
-            results[linked] = (*loss_and_grads(model, ids, labels), dict(calls), handoff.input_rows.taken)
+            results[on] = (*loss_and_grads(model, ids, labels), dict(calls), handoff.input_rows.taken)
         assert handoff.input_rows.tensor is None  # taken, or cleared by backward: nothing outlives the step
-    (loss, grads, c0, t0), (loss_l, grads_l, c1, t1) = results[False], results[True]
-    exactly("linked norms: loss", loss_l, loss)
+    (loss, grads, c0, t0), (loss_on, grads_on, c1, t1) = results[False], results[True]
+    exactly("FP8 producers: loss", loss_on, loss)
     for name, g in grads.items():
-        exactly(f"linked norms: {name}.grad", grads_l[name], g)
-    assert (t0, t1) == (0, 2 * n_layers), (t0, t1)
-    exactly("row quantizations saved", torch.tensor(c0["rows"] - c1["rows"]), torch.tensor(2 * n_layers))
+        exactly(f"FP8 producers: {name}.grad", grads_on[name], g)
+    assert (t0, t1) == (0, 3 * n_layers), (t0, t1)
+    exactly("row quantizations saved", torch.tensor(c0["rows"] - c1["rows"]), torch.tensor(3 * n_layers))
     assert fp8_linear_kernel.link_norms(model) == 2 * n_layers  # again: the same count
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows, width", SWIGLU_SHAPES)
+def test_swiglu_producer_gives_the_pair_bits(rows, width, activation):
+    """The SwiGLU forward that writes its output's FP8 row copy (one kernel) against the pair it replaces,
+    swiglu_kernel's forward and then the row quantizer reading h: h, the FP8 rows, their scales and the
+    column maxima equal bit for bit; without column maxima the same rows. A NaN stays in its own row.
+    (LLaMA 3.1 8B's width, 14336, on a GPU.)"""
+    import swiglu_kernel
+
+    gate, up = swiglu_kernel.halves(_gate_up(rows, width, seed=rows + 1))
+    tag = f"SwiGLU + FP8 rows {activation} [{rows}, {width}]"
+    ours = fp8_linear_kernel.swiglu_quantize_rows(gate, up, activation)
+    h = swiglu_kernel.swiglu_forward(gate, up, activation)
+    for what, o, e in zip(("h", "q", "row scales", "column maxima"), ours, (h, *quantize_rows(h, True, True))):
+        _same_bits(f"{tag}: {what}", o, e)
+    rows_only = fp8_linear_kernel.swiglu_quantize_rows(gate, up, activation, col_max=False)
+    assert rows_only[3] is None
+    _same_bits(f"{tag}: q without column maxima", rows_only[1], ours[1])
+
+
+def test_swiglu_producer_bytes():
+    """The pair reads gate and up and writes h (6 bytes per element), then reads h and writes q (3); the
+    producer moves 7: 2 bytes per element of the MLP width fewer."""
+    m, width = 8192, 14336
+    pair = (3 * m * width * 2) + ideal_bytes(m, width, torch.bfloat16, "rows")
+    fused = fp8_linear_kernel.swiglu_rows_ideal_bytes(m, width, torch.bfloat16)
+    assert pair - fused == 2 * m * width, (pair, fused)
+    record(f"SwiGLU + FP8 rows at 8192 x 14336: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
 
 
 def test_norms_are_linked_only_to_fp8_readers():

@@ -487,7 +487,7 @@ def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if gu is not None:  # --- the FP8 hook (--fp8; fp8_linear_kernel.py) ---
         handoff = getattr(mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj, "fp8_handoff", None)
         if handoff is not None:
-            return down(handoff.swiglu_joined(gu, activation))  # fp8_linear_kernel.Fp8Handoff
+            return down(handoff.swiglu_joined(gu, activation, down))  # fp8_linear_kernel.Fp8Handoff
     return down(swiglu(g, u, activation) if gu is None else swiglu_joined(gu, activation))
 
 
