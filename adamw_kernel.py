@@ -53,8 +53,17 @@ so and each thread moves 16 bytes per access; otherwise it still runs, with narr
 Tensors are walked as flat memory, so a parameter must be dense (contiguous in some dimension order)
 and its gradient and states must have its strides; a gradient laid out differently is copied into
 the parameter's layout first (one extra read and write of that gradient; autograd's gradients follow
-their parameter's layout, only hand-made `.grad` tensors may not). Sharded (DTensor) parameters are
-refused: FSDP2 runs keep PyTorch's fused AdamW.
+their parameter's layout, only hand-made `.grad` tensors may not).
+
+Sharded parameters (FSDP2, `torchrun`): AdamW is element-wise, so each process updating its own shard
+is the whole update, exactly. A DTensor parameter's optimizer states are DTensors sharded as it is
+(`torch.zeros_like(p)` makes one), which is what torch.distributed.checkpoint's
+`get_optimizer_state_dict` / `set_optimizer_state_dict` gather and scatter; the kernel is handed their
+local shards (`to_local()`: the very memory FSDP2 all-gathers from, updated in place), one table and
+one launch per group as before, and never communicates. A gradient, state or buffer that is not
+sharded as its parameter (another mesh or placements, a `Partial` gradient not yet reduced) is refused.
+The one difference from an unsharded run is stochastic rounding's random bits, which are drawn per
+shard (each shard has its own salt; see `_shard_index`): as unbiased, not the same bits.
 
 Numerics: every value is read in its storage dtype, the update runs in fp32 with correctly rounded
 division and square root (`div_rn`, `sqrt_rn`), in the order PyTorch's single-tensor AdamW writes
@@ -139,6 +148,7 @@ model, not the step), so there is nothing for a registered operator to describe.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -394,16 +404,60 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 def _check_param(p: torch.Tensor) -> None:
     """What the kernel cannot update: refused when the parameter's state is created, and again when a
-    table is built (a state loaded from a checkpoint skips the first)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support has no sharded parameters
-        DTensor = ()
-    if isinstance(p, DTensor):
-        raise TypeError("TritonAdamW: sharded (DTensor, FSDP2) parameters are not supported; use torch.optim.AdamW "
-                        "(fused=True) for sharded training")
+    table is built (a state loaded from a checkpoint skips the first). A sharded parameter is checked
+    by its local shard, what the kernel reads."""
+    if _is_dtensor(p):
+        p = p.to_local()
     check_float("parameter", p)
     check_device(p)
+
+
+@functools.cache
+def _dtensor_class() -> type | tuple:
+    """torch.distributed's DTensor, imported once, when a step first asks (an empty tuple, which no
+    tensor is an instance of, in a torch built without distributed support)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return ()
+    return DTensor
+
+
+def _is_dtensor(t) -> bool:
+    """A sharded (or replicated) tensor of torch.distributed (FSDP2's parameters, their gradients and states)."""
+    return isinstance(t, _dtensor_class())
+
+
+def _local(p: torch.Tensor, t: torch.Tensor, name: str) -> torch.Tensor:
+    """What the kernel updates of `t`, parameter p's gradient, state or buffer: t itself for a plain p; for a
+    DTensor p, t's local shard, once t is checked to be sharded exactly as p (same mesh, same placements),
+    so that element i of one local shard is element i of the other. A `Partial` gradient (summed over the
+    ranks only when redistributed) has placements unlike its parameter's and is refused with the rest."""
+    if not _is_dtensor(p):
+        if _is_dtensor(t):
+            raise TypeError(f"TritonAdamW: a plain parameter of shape {tuple(p.shape)} has a sharded (DTensor) {name}")
+        return t
+    if not _is_dtensor(t) or t.device_mesh != p.device_mesh or tuple(t.placements) != tuple(p.placements):
+        got = f"{tuple(t.placements)} on {t.device_mesh}" if _is_dtensor(t) else "a plain tensor"
+        raise ValueError(f"TritonAdamW: the {name} of a sharded parameter of shape {tuple(p.shape)} must be a DTensor "
+                         f"sharded as it is ({tuple(p.placements)} on {p.device_mesh}); got {got}")
+    return t.to_local()
+
+
+def _shard_index(p: torch.Tensor) -> int:
+    """Which shard of its parameter this process holds: 0 for a plain tensor; for a DTensor, its place
+    along the mesh dimensions that shard it (those that replicate it count for nothing: replicas must
+    draw the same random bits, or stochastic rounding would make them differ)."""
+    if not _is_dtensor(p):
+        return 0
+    from torch.distributed.tensor import Shard
+
+    coordinate = p.device_mesh.get_coordinate() or [0] * p.device_mesh.ndim
+    index = 0
+    for placement, size, at in zip(p.placements, p.device_mesh.shape, coordinate):
+        if isinstance(placement, Shard):
+            index = index * size + at
+    return index
 
 
 class TensorTable:
@@ -698,10 +752,14 @@ class TritonAdamW(torch.optim.Optimizer):
     dropped (a stale fp32 master must not come back at a later resume). The fp32 master stays fp32 when
     loaded (PyTorch's loader would cast it to the parameter's dtype).
 
+    Sharded (DTensor, FSDP2) parameters are updated shard by shard, each process its own, with states
+    that are DTensors sharded like their parameter (the module docstring): the same values as an
+    unsharded run, bit for bit (but for stochastic rounding's bits, drawn per shard).
+
     Parameters without a gradient are skipped (their step count stays). Refused, with an error that
-    says so: amsgrad, sparse gradients, complex or integer parameters, sharded (DTensor) parameters,
-    a parameter that is a strided view rather than one block of memory, and an lr on the GPU without
-    capturable=True.
+    says so: amsgrad, sparse gradients, complex or integer parameters, a gradient or state sharded
+    unlike its parameter, a parameter that is a strided view rather than one block of memory, and an
+    lr on the GPU without capturable=True.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
@@ -847,10 +905,13 @@ class TritonAdamW(torch.optim.Optimizer):
                 state["step"] = self._moved_step(state["step"], p.device)
             if rounding != "nearest":
                 _rounding_state(p, state, rounding)
-            entries.append((p, g, state))
+            # What the kernel reads and writes: the tensors themselves, or for a sharded parameter their
+            # local shards (the module docstring); the step count is a plain tensor either way
+            local = {k: v if k == "step" else _local(p, v, k) for k, v in state.items() if isinstance(v, torch.Tensor)}
+            entries.append((_local(p, p, "parameter"), _local(p, g, "gradient"), local, p))
         if not entries:
             return
-        steps = [s["step"] for _, _, s in entries]
+        steps = [s["step"] for _, _, s, _ in entries]
         # Host path: CPU tensors, as in PyTorch's AdamW: no GPU work, no waiting. Capturable: on the
         # device, so that a graph's replay counts its step too.
         torch._foreach_add_(steps, 1.0)
@@ -859,12 +920,13 @@ class TritonAdamW(torch.optim.Optimizer):
         # tensor's own count on the device.
         counts = [None] * len(entries) if capturable else torch.stack(steps).tolist()
         launches = {}
-        for (p, g, s), t in zip(entries, counts):
-            launches.setdefault((p.device, p.dtype, s["exp_avg"].dtype, t), []).append((p, g, s))
+        for entry, t in zip(entries, counts):
+            p, _, s, _ = entry
+            launches.setdefault((p.device, p.dtype, s["exp_avg"].dtype, t), []).append(entry)
         for (_, _, _, t), members in launches.items():
             table = self._table(members, tables, rounding, group.get("seed", 0))
-            table.set_grads([g for _, g, _ in members])
-            step = torch.stack([s["step"] for _, _, s in members]) if capturable else t
+            table.set_grads([g for _, g, _, _ in members])
+            step = torch.stack([s["step"] for _, _, s, _ in members]) if capturable else t
             adamw_multi_tensor_(table, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                                 weight_decay=group["weight_decay"], step=step, maximize=group["maximize"],
                                 rounding=rounding)
@@ -881,21 +943,25 @@ class TritonAdamW(torch.optim.Optimizer):
         return _placed_step(step, device)
 
     def _table(self, members: list, tables: dict, rounding: str = "nearest", seed: int = 0) -> TensorTable:
-        """The TensorTable for these tensors: the last step's if their addresses and sizes are unchanged."""
-        p0, _, s0 = members[0]
+        """The TensorTable for these tensors: the last step's if their addresses and sizes are unchanged.
+        `members`: (parameter, gradient, state) as the kernel sees them (local shards of a sharded
+        parameter), and the parameter itself (for its place in the optimizer)."""
+        p0, _, s0, _ = members[0]
         buffer = _BUFFERS.get(rounding)
         key = (p0.device, p0.dtype, s0["exp_avg"].dtype, rounding, seed,
                tuple((p.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(),
-                      s[buffer].data_ptr() if buffer else 0, p.numel()) for p, _, s in members))
+                      s[buffer].data_ptr() if buffer else 0, p.numel()) for p, _, s, _ in members))
         table = tables.get(key) or self._tables.get(key) or self._graph_tables.get(key)
         if table is None:
             salts = None
-            if rounding == "stochastic":  # each parameter's own, from its place in the optimizer (stable)
+            if rounding == "stochastic":
+                # Each parameter's own, from its place in the optimizer (stable); each shard of a sharded one
+                # its own too (place + shard * n: distinct for every pair, and the unsharded salt for shard 0)
                 place = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-                salts = [_salt(seed, place[p]) for p, _, _ in members]
-            table = TensorTable([p for p, _, _ in members], [s["exp_avg"] for _, _, s in members],
-                                [s["exp_avg_sq"] for _, _, s in members],
-                                buffers=[s[buffer] for _, _, s in members] if buffer else None, salts=salts)
+                salts = [_salt(seed, place[q] + _shard_index(q) * len(place)) for _, _, _, q in members]
+            table = TensorTable([p for p, _, _, _ in members], [s["exp_avg"] for _, _, s, _ in members],
+                                [s["exp_avg_sq"] for _, _, s, _ in members],
+                                buffers=[s[buffer] for _, _, s, _ in members] if buffer else None, salts=salts)
         tables[key] = table
         return table
 

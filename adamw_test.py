@@ -1,5 +1,6 @@
 """Tests of TritonAdamW (adamw_kernel.py): steps against PyTorch's AdamW, one launch per group, state
-dicts and checkpoints, refusals, the training scripts' `--optimizer adamw-triton`, capturable mode
+dicts and checkpoints, refusals, the training scripts' `--optimizer adamw-triton`, sharded parameters
+(FSDP2: two CPU processes under torchrun, bit for bit the unsharded optimizer's values), capturable mode
 (step counts and rate on the device) with the CUDA graphs it exists for, and the roundings that keep
 updates smaller than half a bf16 ulp (stochastic, Kahan, fp32 master: `--optimizer-rounding`,
 `--master-weights`), whose statistical tolerances are derived where they are checked.
@@ -16,7 +17,7 @@ exp_avg_sq underflows to 0 and its updates blow up, which would make any toleran
 meaningless. On a CPU the kernel runs in Triton's interpreter, which is made to round to bf16 as a
 GPU does (see `_round_like_a_gpu`), so the same rule holds there.
 Results that must not depend on rounding at all (a resumed run, a copied gradient, a transposed
-parameter, the in-backward variant, capturable mode against the host path: see
+parameter, the in-backward variant, sharded parameters, capturable mode against the host path: see
 `test_capturable_matches_the_host_path_over_steps`) are checked bitwise.
 """
 
@@ -27,6 +28,8 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 
 import functools
 import io
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -520,22 +523,23 @@ def test_optimizer_in_backward_makes_the_same_updates():
 
 
 def test_command_line_refusals(monkeypatch):
-    """The Trainer builds its own optimizer and FSDP2 shards parameters: adamw-triton refuses both."""
+    """The Trainer builds its own optimizer: adamw-triton refuses it. Under torchrun (FSDP2) it is accepted,
+    with every rounding: each process updates its own shards (test_sharded_steps_match_unsharded)."""
     with pytest.raises(SystemExit) as info:
         _config("--optimizer", "adamw-triton", script="finetune_trainer")
     assert info.value.code == 2
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "localhost")  # as torchrun sets them (parse_config checks)
     monkeypatch.setenv("MASTER_PORT", "29500")
-    with pytest.raises(SystemExit) as info:
-        _config("--optimizer", "adamw-triton")
-    assert info.value.code == 2
-    record("adamw-triton refused for the Trainer and for torchrun (exit code 2)", 0.0, 0.0, True)
+    assert _config("--optimizer", "adamw-triton").optimizer == "adamw-triton"
+    for argv in (["--optimizer-rounding", "stochastic"], ["--optimizer-rounding", "kahan"], ["--master-weights", "fp32"]):
+        assert _config(*argv).optimizer == "adamw-triton", argv
+    record("adamw-triton refused for the Trainer (exit code 2), accepted under torchrun", 0.0, 0.0, True)
 
 
 def test_the_default_set_picks_the_triton_adamw_where_it_runs(monkeypatch):
-    """`adamw` is in the default kernel set: the Triton AdamW on a GPU in the scripts' own loop on one
-    process, PyTorch's AdamW on a CPU, in the Trainer and under torchrun; an --optimizer wins; adamw named
+    """`adamw` is in the default kernel set: the Triton AdamW on a GPU in the scripts' own loop, on one
+    process or under torchrun, PyTorch's AdamW on a CPU and in the Trainer; an --optimizer wins; adamw named
     in --kernels keeps asking for the Triton AdamW (and clashes with another --optimizer)."""
     from playbook.registry import DEFAULT_KERNELS
 
@@ -556,7 +560,7 @@ def test_the_default_set_picks_the_triton_adamw_where_it_runs(monkeypatch):
         "--kernels rmsnorm on a GPU": optimizer("--kernels", "rmsnorm", gpu=True),
     }
     assert got == {"GPU": "adamw-triton", "CPU": "adamw-foreach", "Trainer on a GPU": "adamw-fused",
-                   "torchrun": "adamw-fused", "--optimizer adamw-fused": "adamw-fused",
+                   "torchrun": "adamw-triton", "--optimizer adamw-fused": "adamw-fused",
                    "--kernels default,adamw on a CPU": "adamw-triton", "--kernels rmsnorm on a GPU": "adamw-fused"}, got
     with pytest.raises(SystemExit) as info:
         optimizer("--kernels", "default,adamw", "--optimizer", "adamw-fused", gpu=True)
@@ -943,7 +947,7 @@ def test_rounding_options_on_the_command_line(monkeypatch, capsys):
     assert "give one of them" in refused("--optimizer-rounding", "kahan", "--master-weights", "fp32")
     assert "fp32" in refused("--optimizer-rounding", "stochastic", "--lora-r", "4")
     assert "Trainer" in refused("--optimizer-rounding", "stochastic", script="finetune_trainer")
-    assert "FSDP2" in refused("--master-weights", "fp32", gpu=True, world=2)
+    assert "Trainer" in refused("--master-weights", "fp32", script="finetune_trainer", gpu=True, world=2)
     assert "float32" in refused("--dtype", "float32", "--optimizer-rounding", "kahan", script="distill")
     record("--optimizer-rounding / --master-weights: 8 combinations refused (exit code 2, one line)", 0.0, 0.0, True)
 
@@ -968,6 +972,105 @@ def test_training_script_resumes_a_kahan_run_exactly(tmp_path):
     for i in saved_a:
         for key in saved_a[i]:
             exactly(f"checkpoint-3 optimizer state {i} {key}", saved_b[i][key], saved_a[i][key])
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharded parameters (FSDP2): two processes under torchrun, gloo on the CPU
+# ------------------------------------------------------------------------------------------------
+SHARDED_ROUNDINGS = ("nearest", "kahan", "fp32-master", "stochastic")
+
+
+def _sharded_worker(out: Path) -> int:
+    """Runs under torchrun, called by test_sharded_steps_match_unsharded: for each rounding, one model
+    sharded by FSDP2 (models.shard_model) and an unsharded copy, each with its TritonAdamW. The sharded
+    model's forward and backward make the gradients (each rank its own batch, FSDP2 averaging them); the
+    unsharded copy is given the very same gradients, gathered whole (`full_tensor()`), so that the two
+    optimizers see the same values and any difference is the optimizer's. Rank 0 writes both models'
+    weights and optimizer states, gathered whole, after the steps."""
+    import copy
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    steps = {"stochastic": 1}  # one step: the test's one-ulp bound holds for one rounding, not for a chain of them
+    results = {}
+    for rounding in SHARDED_ROUNDINGS:
+        whole = models.build_preset("llama-tiny", 2, torch.device("cpu"), torch.bfloat16)
+        sharded = models.shard_model(copy.deepcopy(whole))
+        optimizers = [TritonAdamW(training.param_groups(m, 0.1), lr=1e-2, rounding=rounding, seed=3)
+                      for m in (whole, sharded)]
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches, as in training
+        for _ in range(steps.get(rounding, 3)):
+            ids = torch.randint(0, whole.config.vocab_size, (2, 16), generator=gen)
+            sharded(input_ids=ids, labels=ids).loss.backward()
+            for p, q in zip(whole.parameters(), sharded.parameters(), strict=True):
+                p.grad = q.grad.full_tensor()  # a collective: every rank's whole model gets the same gradient
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+        names = [n for n, _ in whole.named_parameters()]
+        got = {"whole": {}, "sharded": {}}
+        for key, model, opt in (("whole", whole, optimizers[0]), ("sharded", sharded, optimizers[1])):
+            for name, p in zip(names, model.parameters(), strict=True):
+                full = {k: v.full_tensor() if adamw_kernel._is_dtensor(v) else v for k, v in opt.state[p].items()}
+                got[key][name] = {"param": p.detach().full_tensor() if key == "sharded" else p.detach(), **full}
+        got["shard_index"] = [adamw_kernel._shard_index(q) for q in sharded.parameters()]
+        results[rounding] = got
+    q = next(sharded.parameters())  # a whole, plain gradient for a sharded parameter: refused, in one line
+    q.grad = torch.zeros(q.shape, dtype=q.dtype)
+    try:
+        TritonAdamW([q]).step()
+        results["refusal"] = None
+    except ValueError as err:
+        results["refusal"] = str(err)
+    if rank == 0:
+        torch.save(results, out / "sharded.pt")
+    (out / f"rank{rank}.txt").write_text(str(results["nearest"]["shard_index"][0]))
+    dist.destroy_process_group()
+    return 0
+
+
+def test_sharded_steps_match_unsharded(tmp_path):
+    """FSDP2, 2 processes: TritonAdamW on sharded parameters (each process its shard, states DTensors shaped like
+    their parameters) leaves the weights and every state bit for bit where the unsharded TritonAdamW leaves them,
+    given the same gradients, after 3 steps, for nearest, Kahan and fp32-master rounding.
+
+    Bitwise, not a tolerance: AdamW is element-wise, so each element of a shard goes through the very
+    operations, in the same order and on the same values, as that element of the whole tensor; only which
+    program of which launch computes it differs. Stochastic rounding draws its bits per shard (its own salt,
+    its own chunks): after one step every weight is one of the two bf16 neighbours of the same exact value,
+    so the two runs lie at most one bf16 ulp apart, and not everywhere equal (the bits are not the same)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(HERE / "adamw_test.py"), "--sharded-worker", str(tmp_path)],
+                         cwd=HERE, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["0", "1"], "each rank holds its own shard"
+    results = torch.load(tmp_path / "sharded.pt")
+    assert "must be a DTensor sharded as it is" in results["refusal"] and "\n" not in results["refusal"], results["refusal"]
+    for rounding in SHARDED_ROUNDINGS:
+        whole, sharded = results[rounding]["whole"], results[rounding]["sharded"]
+        assert whole.keys() == sharded.keys() and len(whole) > 0
+        for name, states in whole.items():
+            assert states.keys() == sharded[name].keys(), (rounding, name)
+            if rounding == "stochastic":
+                continue
+            for key, value in states.items():
+                exactly(f"{rounding}: {name} {key}, sharded vs unsharded", sharded[name][key], value)
+        if rounding != "stochastic":
+            record(f"FSDP2 (2 processes), {rounding}: weights and states == unsharded, bit for bit, 3 steps",
+                   0.0, 0.0, True)
+    whole, sharded = results["stochastic"]["whole"], results["stochastic"]["sharded"]
+    a = torch.cat([whole[n]["param"].float().flatten() for n in whole])
+    b = torch.cat([sharded[n]["param"].float().flatten() for n in whole])
+    ulp = torch.where(a == 0, torch.zeros_like(a), 2.0 ** (torch.floor(torch.log2(a.abs())) - 7))
+    assert bool(((a - b).abs() <= ulp).all()), "stochastic: more than one bf16 ulp apart after one step"
+    assert not torch.equal(a, b), "stochastic: the shards draw their own bits, so some weights differ"
+    record("FSDP2, stochastic rounding: within one bf16 ulp of unsharded after one step, bits drawn per shard",
+           float((a != b).float().mean()), 0.0, True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1228,4 +1331,9 @@ def test_gpu_loads_a_fused_adamw_checkpoint():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--sharded-worker"]:  # one of the two processes of test_sharded_steps_match_unsharded
+        code = _sharded_worker(Path(sys.argv[2]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # without the interpreter's teardown, as tests/checkpoint_test.py's worker (it says why)
     raise SystemExit(run_as_script(__name__, "TritonAdamW: test report"))

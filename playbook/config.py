@@ -376,7 +376,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                    help="AdamW weight decay (matrices only; norms and biases are not decayed)")
     t.add_argument("--optimizer", choices=["adamw-fused", "adamw-foreach", "adamw-triton"], default=None,
                    help="AdamW implementation: PyTorch's fused or foreach, or adamw_kernel.py's (one Triton launch "
-                        "per param group); default fused on a GPU, foreach on a CPU")
+                        "per param group, on each process's shards under torchrun); default adamw-triton on a GPU "
+                        "with the default kernels (adamw-fused with --kernels that leave out adamw, and in "
+                        "finetune_trainer.py), adamw-foreach on a CPU")
     t.add_argument("--optimizer-rounding", choices=["nearest", "stochastic", "kahan"], default=None,
                    help="how the Triton AdamW rounds each updated bf16 weight: to nearest (an update smaller than "
                         "half a bf16 ulp, 2^(floor(log2|w|) - 8), is lost), stochastically (unbiased; no extra "
@@ -455,9 +457,10 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         a.optimizer = "adamw-triton"
     elif "adamw" in kernels and a.optimizer is None:
         # From the default set: the Triton AdamW where it runs best, a GPU (a CPU runs it in Triton's
-        # interpreter), the scripts' own loop (the Trainer builds its optimizer) and one process (FSDP2
-        # shards the parameters); PyTorch's AdamW elsewhere. An --optimizer on the command line wins.
-        if gpu and script != "finetune_trainer" and not sharded:
+        # interpreter), in the scripts' own loop (the Trainer builds its optimizer), on one process or
+        # several (under FSDP2 each process updates its own shard); PyTorch's AdamW elsewhere. An
+        # --optimizer on the command line wins.
+        if gpu and script != "finetune_trainer":
             a.optimizer = "adamw-triton"
     a.fp8 = a.fp8 or "fp8" in kernels
     if a.fp8_backend != "playbook" and not a.fp8:
@@ -528,9 +531,9 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
     if optimizer == "adamw-fused" and not gpu:
         raise usage_error("--optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")
-    if optimizer == "adamw-triton" and (script == "finetune_trainer" or sharded):
-        raise usage_error("--optimizer adamw-triton works in the scripts' own loop on one process: the Trainer builds "
-                          "its own optimizer, and sharded (FSDP2) parameters are not supported; use adamw-fused")
+    if optimizer == "adamw-triton" and script == "finetune_trainer":
+        raise usage_error("--optimizer adamw-triton works in the scripts' own loop: the Trainer builds its own "
+                          "optimizer; use adamw-fused, or finetune_optimized.py")
     rounding = [flag for flag, on in ((f"--optimizer-rounding {a.optimizer_rounding}",
                                        a.optimizer_rounding not in (None, "nearest")),
                                       (f"--master-weights {a.master_weights}", a.master_weights != "none"))
@@ -541,9 +544,9 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if rounding and a.optimizer not in (None, "adamw-triton"):
         raise usage_error(f"{rounding[0]} is the Triton AdamW's (adamw_kernel.py), which --optimizer {a.optimizer} "
                           "contradicts: use --optimizer adamw-triton")
-    if rounding and (script == "finetune_trainer" or sharded):
-        raise usage_error(f"{rounding[0]} needs the Triton AdamW, which runs in the scripts' own loop on one process: "
-                          "the Trainer builds its own optimizer, and sharded (FSDP2) parameters are not supported")
+    if rounding and script == "finetune_trainer":
+        raise usage_error(f"{rounding[0]} needs the Triton AdamW, which runs in the scripts' own loop: the Trainer "
+                          "builds its own optimizer; use finetune_optimized.py")
     if rounding and a.lora_r:
         raise usage_error(f"{rounding[0]} keeps the updates that rounding to bf16 loses; the LoRA adapters' weights "
                           "are fp32, which lose none: drop it, or train without --lora-r")

@@ -142,7 +142,8 @@ OPTIMIZATIONS = (
                  "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
                  "fp8_linear_kernel.py", "fp8_linear_test.py", (), _fp8),
     Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group (also --optimizer adamw-triton)",
-                 "a GPU, the scripts' own loop, one process (elsewhere, in the default set, PyTorch's AdamW)", "1 optimizer",
+                 "a GPU, the scripts' own loop, one process or FSDP2 (elsewhere, in the default set, PyTorch's AdamW)",
+                 "1 optimizer",
                  "adamw_kernel.py", "adamw_test.py", ("adamw",), _adamw),
     Optimization("lora", "lora", "peft's LoRA forward -> base and adapter in one autograd node, bf16 saved inputs",
                  "with --lora-r (peft adapters on the projections)", "1 per adapted projection",
@@ -319,7 +320,7 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_
 
 def in_effect(report: KernelReport, optimizer: str, lora_r: int | None) -> tuple:
     """`report.names` as a run uses them, for its labels: adamw only when the optimizer is the Triton AdamW
-    (the default set leaves PyTorch's AdamW on a CPU, under FSDP2 and in the Trainer), lora only with
+    (the default set leaves PyTorch's AdamW on a CPU and in the Trainer), lora only with
     adapters (--lora-r)."""
     return tuple(n for n in report.names if (n != "adamw" or optimizer == "adamw-triton") and (n != "lora" or lora_r))
 

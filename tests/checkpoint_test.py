@@ -12,7 +12,8 @@ they were; keep_last deletes old checkpoints; bad input gets a one-line error na
 
 Under torchrun (two CPU processes, gloo, the model sharded by FSDP2; one launch of this file as a
 worker): 4 steps straight and 2 steps + save + resume + 2 steps give bitwise the same losses,
-weights and optimizer state, for full fine-tuning and for LoRA; each rank's random state comes back;
+weights and optimizer state, for full fine-tuning (PyTorch's AdamW, the Triton AdamW on the shards, and
+that with fp32 master weights, saved whole and in fp32) and for LoRA; each rank's random state comes back;
 the directory is laid out as one process lays it out and AutoModelForCausalLM.from_pretrained gives
 bitwise the sharded model's logits; a checkpoint of 1 process loads exactly into 2 and one of 2 into 1;
 an error on one rank is raised on both.
@@ -467,6 +468,16 @@ PHASES = {  # the worker's runs, in order: name -> command-line words after RUN 
     "lora_straight": ["--lora-r", "4", "--output-dir", "SCRATCH/lora_straight", "--save-every", "2"],
     "lora_resumed": ["--lora-r", "4", "--output-dir", "SCRATCH/lora_resumed",
                      "--resume", "SCRATCH/lora_straight/checkpoint-2"],
+    # The Triton AdamW on the shards (adamw_kernel.py), and with an fp32 master weight, the state that
+    # torch's loader would cast to the parameter's dtype (TritonAdamW.load_state_dict keeps it fp32)
+    "triton_straight": ["--optimizer", "adamw-triton", "--output-dir", "SCRATCH/triton_straight", "--save-every", "2"],
+    "triton_resumed": ["--optimizer", "adamw-triton", "--output-dir", "SCRATCH/triton_resumed",
+                       "--resume", "SCRATCH/triton_straight/checkpoint-2"],
+    "master_straight": ["--master-weights", "fp32", "--output-dir", "SCRATCH/master_straight", "--save-every", "2"],
+    "master_resumed": ["--master-weights", "fp32", "--output-dir", "SCRATCH/master_resumed",
+                       "--resume", "SCRATCH/master_straight/checkpoint-2"],
+    # "straight" again with plain fully_shard (models.shard_model's prefetch 0): the same losses, bit for bit
+    "unprefetched": ["--output-dir", "SCRATCH/unprefetched"],
 }
 PROBE = tokens(99)  # the input whose logits are compared
 
@@ -529,14 +540,28 @@ def _fsdp2_worker(scratch: Path) -> int:
     real_destroy = torch.distributed.destroy_process_group
     training.save, checkpoint.load_checkpoint = save_and_record, load_and_record
     torch.distributed.destroy_process_group = lambda *args, **kwargs: None
-    losses = {}
+    losses, optimizers = {}, {}
     for phase in PHASES:
-        losses[phase] = training.train(_phase_config(phase, scratch))["losses"]
+        if phase == "unprefetched":
+            os.environ[models.FSDP_PREFETCH_ENV] = "0"
+        summary = training.train(_phase_config(phase, scratch))
+        os.environ.pop(models.FSDP_PREFETCH_ENV, None)
+        losses[phase], optimizers[phase] = summary["losses"], summary["optimizer"]
     training.save, checkpoint.load_checkpoint = real_save, real_load
     torch.distributed.destroy_process_group = real_destroy
 
-    # An error on one rank reaches every rank: disagreeing arguments, then rank 0 failing to write.
+    # shard_model's choices: after a forward the last layer (and the root) keep their weights whole, the
+    # others are sharded again; after the backward every one is.
     model = models.shard_model(models.build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16))
+    layers = models.decoder_layers(model)
+    sharded = {}
+    loss = model(input_ids=PROBE, labels=PROBE).loss
+    sharded["after forward"] = [type(layer.mlp.up_proj.weight).__name__ == "DTensor" for layer in layers]
+    loss.backward()
+    sharded["after backward"] = [type(layer.mlp.up_proj.weight).__name__ == "DTensor" for layer in layers]
+    model.zero_grad(set_to_none=True)
+
+    # An error on one rank reaches every rank: disagreeing arguments, then rank 0 failing to write.
     errors = {}
     for case in ("disagree", "rank 0 cannot write"):
         if case == "rank 0 cannot write" and rank == 0:
@@ -547,7 +572,8 @@ def _fsdp2_worker(scratch: Path) -> int:
         except (ValueError, OSError) as err:
             errors[case] = f"{type(err).__name__}: {err}"
     errors["left in output_dir"] = sorted(p.name for p in (scratch / "errors").iterdir()) if rank == 0 else []
-    (scratch / f"worker-rank{rank}.json").write_text(json.dumps({"losses": losses, "errors": errors}))
+    (scratch / f"worker-rank{rank}.json").write_text(json.dumps({"losses": losses, "optimizers": optimizers,
+                                                                  "sharded": sharded, "errors": errors}))
     torch.distributed.destroy_process_group()
     return 0
 
@@ -605,13 +631,33 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
         losses = ranks[0]["losses"]
 
         # Resuming: the same float arithmetic in the same order, so the same bits.
-        for kind in ("", "lora_"):
+        labels = {"": "", "lora_": " LoRA", "triton_": " Triton AdamW", "master_": " Triton AdamW, fp32 master"}
+        assert losses["unprefetched"] == losses["straight"], (losses["unprefetched"], losses["straight"])
+        record("2 processes: FSDP2 prefetching and resharding choices == plain fully_shard (losses bit for bit)",
+               0.0, 0.0, True)
+        for rank in ranks:
+            assert rank["sharded"] == {"after forward": [True, False], "after backward": [True, True]}, rank["sharded"]
+        assert ranks[0]["optimizers"]["triton_resumed"] == "adamw-triton", ranks[0]["optimizers"]
+        assert ranks[0]["optimizers"]["master_resumed"] == "adamw-triton, fp32 master weights", ranks[0]["optimizers"]
+        for kind, label in labels.items():
             assert len(losses[f"{kind}straight"]) == 4 and losses[f"{kind}resumed"] == losses[f"{kind}straight"], losses
-            record(f"2 processes{' LoRA' if kind else ''}: 4 steps == 2 + resume + 2 (bit for bit)", 0.0, 0.0, True)
-        straight, resumed = tmp_path / "straight" / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4"
-        assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
-        same_tree("optimizer after 4 steps, straight vs resumed",
-                  checkpoint._read_state(straight)["optimizer"], checkpoint._read_state(resumed)["optimizer"])
+            record(f"2 processes{label}: 4 steps == 2 + resume + 2 (bit for bit)", 0.0, 0.0, True)
+        for kind in ("", "triton_", "master_"):
+            straight, resumed = tmp_path / f"{kind}straight" / "checkpoint-4", tmp_path / f"{kind}resumed" / "checkpoint-4"
+            assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes(), kind
+            same_tree(f"{labels[kind] or 'AdamW'}: optimizer after 4 steps, straight vs resumed",
+                      checkpoint._read_state(straight)["optimizer"], checkpoint._read_state(resumed)["optimizer"])
+        # The Triton AdamW's checkpoint of 2 processes holds whole states, as one process's does; the master fp32
+        saved = checkpoint._read_state(tmp_path / "master_straight" / "checkpoint-2")["optimizer"]["state"]
+        whole = load_file(tmp_path / "master_straight" / "checkpoint-2" / "model.safetensors")
+        assert saved.keys() == whole.keys(), (sorted(saved)[:3], sorted(whole)[:3])
+        for name, state in saved.items():
+            assert state["exp_avg"].shape == state["master_param"].shape == whole[name].shape, name
+            assert state["master_param"].dtype == torch.float32 and state["exp_avg"].dtype == whole[name].dtype, name
+            exactly(f"fp32 master rounded == the saved weight: {name}", state["master_param"].to(whole[name].dtype),
+                    whole[name])
+        record("2 processes, Triton AdamW: whole states saved, the fp32 master as fp32", 0.0, 0.0, True)
+        straight = tmp_path / "straight" / "checkpoint-4"
         for r in range(2):  # each rank's generators, right after the save and right after the load
             saved = torch.load(tmp_path / f"straight-saved-2-rank{r}.pt")["draws"]
             loaded = torch.load(tmp_path / f"resumed-loaded-rank{r}.pt")["draws"]
