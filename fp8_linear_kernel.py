@@ -770,6 +770,11 @@ def rmsnorm_quantize_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, of
 
 
 SWIGLU_PROGRAMS_PER_SM = 2  # persistent programs of the SwiGLU producer per SM (benchmark_kernels.py --fp8-producers)
+# Off: measured slower than the pair it replaces (H100, 8192 x 14336: 400-431 us over 1-4 programs per SM
+# against 377 us for swiglu_kernel's forward and the row pass; `benchmark_kernels.py --fp8-producers`). A
+# program holding whole rows of 14336 keeps too few loads in flight; the 2,048-column tiles of the plain
+# SwiGLU kernel stream at 2.8 TB/s where this kernel reaches 2.0.
+SWIGLU_WRITES_ROWS = False
 
 
 def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu", col_max: bool = True,
@@ -1993,7 +1998,7 @@ def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", handoff: 
     if handoff is None or torch.compiler.is_compiling():
         return swiglu_kernel.swiglu_joined(gate_up, activation)
     swiglu_kernel._check_joined(gate_up, activation)
-    rows = down is not None and takes_rows(down, handoff)
+    rows = SWIGLU_WRITES_ROWS and down is not None and takes_rows(down, handoff)
     h = SwigluJoinedFp8Function.apply(as_rows(gate_up), activation, handoff, rows, torch.is_grad_enabled())
     return h.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 

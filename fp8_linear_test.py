@@ -951,6 +951,7 @@ def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
         handoff = model.fp8_handoff
         weights = {p.data_ptr() for p in model.parameters()}
         with monkeypatch.context() as m:
+            m.setattr(fp8_linear_kernel, "SWIGLU_WRITES_ROWS", True)  # off by default (slower), tested here
             if on:
                 assert fp8_linear_kernel.link_norms(model) == 2 * n_layers
             else:
