@@ -112,8 +112,33 @@ gate_up fewer, 2 bytes per element: 469,762,048 B at 8192 tokens of LLaMA 3.1 8B
 bandwidth). The pair moves 10 bytes per element of the SwiGLU width (the SwiGLU backward) and 4 per
 element of d gate_up (read, two FP8 copies): 2,113,929,216 B at 8192 tokens, a floor of 495 us on an
 H200; measured 625.2 us against 802.5 us for the SwiGLU kernel and the two separate passes
-(results/runs/swiglu_fp8_H200.log). The same for the forward (the maxima of h for the down
-projection) measured slower than the separate passes, 401.4 against 370.8 us, and is not done.
+(results/runs/swiglu_fp8_H200.log).
+
+In the forward the producer can do more: write the row copy itself
+-------------------------------------------------------------------
+A row scale needs only the row's maximum, and a kernel that holds whole rows in registers knows it
+before anything leaves them. RMSNorm is such a kernel (it needs the row's sum of squares first), and it
+writes the input of q/k/v and of gate/up. `_rmsnorm_quantize_rows` is the norm and the row pass in one:
+it writes y (which the column pass still reads) and y's row copy with its scales and column maxima, and
+never reads y back. Bytes per element at LLaMA 3.1 8B's hidden size, bf16:
+
+    norm, then row pass      read x 2, write y 2;  read y 2, write q 1     7 bytes
+    the producer             read x 2, write y 2, write q 1                5 bytes
+
+(`rmsnorm_rows_ideal_bytes`.) At 8192 x 4096 that is 67 MB less per norm, two norms per decoder layer.
+`link_norms` gives each decoder layer's norms the model's hand-off, and the FP8 layer that reads that
+very output takes the copy (`Fp8Handoff.input_rows`). The copy is bit for bit the row pass's of the
+same y; y itself may differ from `rmsnorm_forward`'s in the last bit on a GPU (the row's squares are
+added in another order: see fp8_linear_test.py). Measured on an H100 (`benchmark_kernels.py
+--fp8-producers`, CUDA graph replays): 82.3 us against 97.5 us for the pair at 8192 tokens, 143.6
+against 176.3 at 16384. In the 8B step that is 56 norms x 15 us, about 0.8 ms of a ~508 ms FP8 step:
+below what two runs of 12 steps can tell apart (results/runs/fp8_producers_H100/).
+
+The SwiGLU forward, which writes down_proj's input h [tokens, 14336], is the other candidate
+(`_swiglu_quantize_rows`, 2 bytes per element of the MLP width fewer). It must hold whole rows of
+14,336 to know their maxima, where swiglu_kernel.py streams 2,048-column tiles, and at 1 to 4 programs
+per SM it measured 400-431 us against 377 us for the pair (H100, 8192 tokens): fewer loads in flight
+cost more than the bytes saved, so it is off (`SWIGLU_WRITES_ROWS`), and its tests keep it correct.
 
 Why eager mode goes around the custom operators
 -----------------------------------------------
