@@ -1663,9 +1663,7 @@ class RMSNormFp8Function(rmsnorm_kernel._RMSNormFunction):
         x2, weight = as_rows(x), weight.contiguous()
         y, rstd, q, scale, maxima = rmsnorm_quantize_rows(x2, weight, eps, offset, casting_mode, col_max, x.shape)
         handoff.input_rows.put(as_rows(y), (q, scale, maxima))
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
-        ctx.x_shape = x.shape
+        rmsnorm_kernel._RMSNormFunction.keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x.shape)
         return y
 
     @staticmethod

@@ -487,10 +487,15 @@ class _RMSNormFunction(torch.autograd.Function):
         # y is allocated in x's shape, not viewed into it: a view returned by a custom Function may
         # not be modified in place afterwards (autograd refuses), and a caller may well do that
         y, rstd = rmsnorm_forward(x2, weight, eps, offset, casting_mode, out_shape=x.shape)
+        _RMSNormFunction.keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x.shape)
+        return y
+
+    @staticmethod
+    def keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x_shape):
+        """What backward needs (also for fp8_linear_kernel's norm that writes an FP8 copy, same backward)."""
         ctx.save_for_backward(x2, weight, rstd)
         ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
-        ctx.x_shape = x.shape
-        return y
+        ctx.x_shape = x_shape
 
     @staticmethod
     def backward(ctx, dy):

@@ -103,3 +103,17 @@ def test_readme_quotes_the_test_report_as_it_prints():
     source = (HERE / "rmsnorm_test.py").read_text()  # pytest lists the innermost parametrize first: shape
     assert source.index('parametrize("dtype", DTYPES)') < source.index('parametrize("shape"')
     assert readable_name(SimpleNamespace(nodeid="x_test.py::test_plain", callspec=None)) == "test_plain"
+
+
+def test_offload_activations_on_a_cpu_claims_no_pinned_memory(capsys):
+    """--offload-activations on a CPU says what it does there (copies to a second host buffer, saving
+    nothing), not the GPU's pinned-memory wording."""
+    import torch
+
+    from playbook import models
+    from playbook.testkit import tiny_model
+
+    model = tiny_model("llama").to(torch.float32)
+    models.apply_gradient_checkpointing(model, "all", offload=True)
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Gradient checkpointing"))
+    assert "saves nothing there" in line and "pinned" not in line, line
