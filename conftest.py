@@ -30,3 +30,23 @@ def kernel_runs_in_background(request, tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def probe_runs_in_background(request, tmp_path_factory):
+    """tests/probe_test.py's cases (about 50 child processes, four minutes of two cores' work) start
+    here, at the session's start, when the session has any of them selected, in one child process at a
+    lower priority that uses the cores the other tests leave idle (probe_test.start_in_background); the
+    probe tests collect its outcomes (probe_test.outcomes). Yields (process, outcomes file, log file), or
+    None when no probe test is selected."""
+    items = [item for item in request.session.items if "outcomes" in getattr(item, "fixturenames", ())]
+    if not items or items[0].module.SKIP:
+        yield None
+        return
+    child = items[0].module.start_in_background(items, tmp_path_factory.mktemp("probe_cases"))
+    try:
+        yield child
+    finally:
+        if child[0].poll() is None:  # still running only when the session ended first (-x, Ctrl-C)
+            child[0].kill()
+            child[0].wait()

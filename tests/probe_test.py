@@ -26,6 +26,7 @@ models.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -45,7 +46,8 @@ from playbook.common import RESULTS_DIR
 from playbook.testkit import run_as_script
 from robustness_test import interrupt
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the cases are the CPU demo's (the tiny preset, "
+SKIP = torch.cuda.is_available()  # (conftest.py starts no cases then)
+pytestmark = pytest.mark.skipif(SKIP, reason="the cases are the CPU demo's (the tiny preset, "
                                 "the CPU allocator, benchmark_kernels.py refusing to time without a GPU)")
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
@@ -547,15 +549,61 @@ def _last_lines(text: str, n: int = 3) -> str:
     return " | ".join(lines[-n:])[-500:]
 
 
+def _selected(items) -> set | None:
+    """The names of the selected cases; None (every case) when test_summary is selected."""
+    if any(item.name == "test_summary" for item in items):
+        return None
+    specs = [getattr(item, "callspec", None) for item in items]
+    return {spec.params["case"].name for spec in specs if spec is not None and "case" in spec.params}
+
+
+def start_in_background(items, tmp: Path):
+    """Start the selected cases (`items`: the session's tests of this file) in one child process, which
+    runs them as `outcomes` would and writes the outcomes to a file: (process, that file, its log).
+    conftest.py calls this when the session starts; `outcomes` collects them.
+
+    Why: the cases are ~50 processes that each start Python and torch, four minutes of two cores' work,
+    while the rest of the suite mostly keeps one core busy. The child runs at a lower priority (its
+    cases inherit it), so it takes the time the other tests leave idle, in its own process: the
+    environment it passes on is the session's as it started (not one a test has just monkeypatched),
+    and the models some cases build draw from its own random generator, not the tests'."""
+    names = _selected(items)
+    (tmp / "names.json").write_text(json.dumps(None if names is None else sorted(names)))
+    log = tmp / "probe.log"
+    with open(log, "w") as log_file:  # a file, not a pipe: a full pipe would stall the child
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--background", str(tmp)], cwd=HERE,
+                                stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE / "tests")])})
+    with contextlib.suppress(OSError, AttributeError):  # a lower priority (AttributeError: no os.setpriority)
+        os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
+    return proc, tmp / "outcomes.json", log
+
+
+def _background(tmp: Path) -> int:
+    """The child process of `start_in_background`."""
+    names = json.loads((tmp / "names.json").read_text())
+    out = _run_all(tmp / "cases", None if names is None else set(names))
+    (tmp / "outcomes.json").write_text(json.dumps(out))
+    return 0
+
+
 @pytest.fixture(scope="module")
-def outcomes(request, tmp_path_factory) -> dict:
+def outcomes(request, tmp_path_factory, probe_runs_in_background) -> dict:
     """The selected cases run, two at a time (every case when test_summary is selected): {case name:
-    (outcome, why, seconds)}. `pytest tests/probe_test.py -k resume` runs the resume cases alone."""
-    items = request.session.items
-    selected = [getattr(item, "callspec", None) for item in items]
-    names = None if any(item.name == "test_summary" for item in items) else \
-        {spec.params["case"].name for spec in selected if spec is not None and "case" in spec.params}
-    return _run_all(tmp_path_factory.mktemp("probe"), names)
+    (outcome, why, seconds)}. `pytest tests/probe_test.py -k resume` runs the resume cases alone.
+    They were started with the session (conftest.py, `start_in_background`); without that, here."""
+    if probe_runs_in_background is None:
+        return _run_all(tmp_path_factory.mktemp("probe"), _selected(request.session.items))
+    proc, out, log = probe_runs_in_background
+    try:
+        proc.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.returncode != 0 or not out.is_file():
+        pytest.fail(f"the probe cases' child process failed (exit code {proc.returncode}): "
+                    f"{log.read_text()[-3000:]}")
+    return {name: tuple(o) for name, o in json.loads(out.read_text()).items()}
 
 
 def _run_all(root: Path, names: set | None = None) -> dict:
@@ -620,4 +668,6 @@ def test_summary(outcomes, capsys):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--background"]:  # start_in_background's child
+        sys.exit(_background(Path(sys.argv[2])))
     sys.exit(run_as_script(__name__, "Bad input to every script, as a user gives it: probe report"))
