@@ -16,8 +16,8 @@ def _restore_hugging_face_rope():
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_runs_in_background(request, tmp_path_factory):
-    """finetune_test.py's loss-parity tests compare 20-step training runs with the project's kernels
-    (1.5 to 2.5 min each on a CPU) against baselines. When a session has any of those tests selected,
+    """finetune_test.py's loss-parity tests compare 12-step training runs with the project's kernels
+    (one to two minutes each on a CPU) against baselines. When a session has any of those tests selected,
     their kernel runs start here, at the session's start, each in a child process
     (finetune_test.start_kernel_runs), and train on the spare cores while the other tests run; the
     tests collect them (finetune_test.parity_runs). Yields {run: (process, result file, log file)}."""

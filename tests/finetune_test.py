@@ -33,7 +33,7 @@ from playbook.config import DEFAULT_MODEL, make_parser, parse_config
 from playbook.testkit import close_to_reference, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
-STEPS = 20
+STEPS = 12
 CPU = torch.device("cpu")
 TEXT = HERE / "examples" / "chat.jsonl"  # real text the tiny model can learn, in a file no code change edits
 
@@ -87,7 +87,7 @@ def start_kernel_runs(items, tmp: Path) -> dict:
     need: {(kernels, bf16, in_backward): (process, result file, log file)}. conftest.py calls this when
     the session starts; `parity_runs` collects the results.
 
-    Why: a kernel run keeps one core busy for 1.5 to 2.5 min on a CPU (its kernels run in Triton's
+    Why: a kernel run keeps one core busy for one to two minutes on a CPU (its kernels run in Triton's
     interpreter, single-threaded Python), and the rest of the suite, one test after another, mostly
     keeps only one core busy too. Trained in child processes from the session's start, at a lower
     priority, the kernel runs use the cores the other tests leave idle. A child calls the same
@@ -448,7 +448,7 @@ def test_resume_reproduces_the_uninterrupted_curve(tmp_path):
     record("2N steps == N + resume + N (bit for bit)", 0.0, 0.0, True)
 
 
-@pytest.mark.parametrize("kernels", ["default", "rmsnorm,cross_entropy"])  # together: every kernel
+@pytest.mark.parametrize("kernels", ["default"])  # (cross_entropy's own tests compile it: cross_entropy_test.py)
 def test_compile_matches_eager(kernels):
     """--compile with the kernels: the compiled model's losses follow the eager ones."""
     args = ["--data", str(TEXT), "--steps", "3", "--timing-warmup-steps", "1", "--kernels", kernels, "--lr", "1e-3",
