@@ -236,7 +236,9 @@ CTRL_C_AROUND_OTHER_OUTPUT = [  # runs whose stderr holds more than the closing 
     (("finetune_trainer.py", "--dataset", "examples/chat.jsonl", "--steps", "100000", "--output-dir", "{tmp}"),
      "Trainer:"),  # (the Trainer makes its folder as it starts: one of the test's, not out/ in the clone)
     (("walkthrough.py", "--skip-kernel-tests", "--seq-len", "64"), "Step 1"),
-    (("selfcheck.py",), None),
+    # selfcheck.py once it runs: at start-up (Ctrl-C 0.5 s after the process starts) it sometimes ran to
+    # the end and exited 0 on a loaded 2-core machine (2 of 3 full suites); the cause is not found
+    (("selfcheck.py",), "selfcheck: this machine"),
 ]
 
 
