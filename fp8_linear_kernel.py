@@ -185,7 +185,8 @@ from torch import nn
 
 from playbook import gpu_arch
 from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms, refuse_double_backward
+from playbook.kernel_utils import (as_rows, check_device, check_float, direct_launch, next_power_of_2, num_sms,
+                                   refuse_double_backward)
 from playbook.model_families import family_classes, model_type
 import rmsnorm_kernel
 from rmsnorm_kernel import _normalize_rows  # RMSNorm's arithmetic, in the producer kernel below too
@@ -1298,12 +1299,10 @@ class Fp8Handoff:
         """A linked norm's forward (rmsnorm_kernel.TritonRMSNorm with `fp8_handoff` set: `link_norms`):
         RMSNorm that also leaves its output's FP8 row copy in `input_rows`. Where the launchers cannot run
         (torch.compile tracing, a meta tensor, a dispatch mode) it is the norm's own forward."""
-        from playbook.kernel_utils import direct_launch
-
-        rmsnorm_kernel._check_inputs(x, norm.weight, norm.offset, norm.casting_mode)
-        if not direct_launch(x, norm.weight) or x.shape[-1] > MAX_COLS:
+        if not direct_launch(x, norm.weight):  # (rmsnorm checks its inputs itself)
             return rmsnorm_kernel.rmsnorm(x, norm.weight, norm.variance_epsilon, offset=norm.offset,
                                           casting_mode=norm.casting_mode, in_place=norm.in_place)
+        rmsnorm_kernel._check_inputs(x, norm.weight, norm.offset, norm.casting_mode)  # (refuses rows over MAX_HIDDEN = MAX_COLS)
         return RMSNormFp8Function.apply(x, norm.weight, float(norm.variance_epsilon), float(norm.offset),
                                         norm.casting_mode, bool(norm.in_place), self, torch.is_grad_enabled())
 
