@@ -14,6 +14,8 @@ of the largest quantizer compiled for sm_120 by Triton's own compiler (no GPU ne
 """
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -369,20 +371,19 @@ def test_persistent_grids_fit_consumer_blackwell():
         assert programs // sms * warps <= min(MAX_WARPS.values()), ("rmsnorm backward", hidden, warps, programs)
 
 
-def test_largest_quantizer_fits_consumer_blackwell_shared_memory(monkeypatch):
-    """Triton's compiler (no GPU needed) compiles the transposing quantizer, the kernel with the most
-    shared memory per program (fp8_linear_kernel.py: 32 KB at its 128 x 128 tile), for sm_120: it
-    must fit the 99 KB per block of consumer Blackwell. Compiled as launched: 16-byte aligned
-    pointers and sizes, the launch's block and warps."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
+def _shared_memory_of_largest_quantizer_for_sm120():
+    """Bytes of shared memory per program of the transposing quantizer compiled for sm_120, as launched:
+    16-byte aligned pointers and sizes, the launch's block and warps. Raises what Triton raises where it
+    cannot compile for sm_120 (no bundled ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    # The module's kernels are the interpreter's; compile their Python functions instead.
-    monkeypatch.setattr(fp8, "_quantize_block", JITFunction(fp8._quantize_block.fn))
-    kernel = JITFunction(fp8._quantize_cols_transposed.fn)
+    # Under TRITON_INTERPRET the module's kernels are the interpreter's; compile their Python functions.
+    fp8._quantize_block = JITFunction(getattr(fp8._quantize_block, "fn", fp8._quantize_block))
+    fn = fp8._quantize_cols_transposed
+    kernel = JITFunction(getattr(fn, "fn", fn))
     pointers = {"X": "*bf16", "QT": "*fp8e4nv", "Scale": "*fp32", "ColMax": "*fp32"}
     sizes = {"stride_x": "i32", "M": "i32", "M_pad": "i32", "K": "i32"}
     consts = {"BLOCK_M": fp8.COL_BLOCK_M, "BLOCK_K": fp8.COL_BLOCK_K, "ROUND_IN_SOFTWARE": False, "ROWS_TOO": False,
@@ -391,13 +392,38 @@ def test_largest_quantizer_fits_consumer_blackwell_shared_memory(monkeypatch):
     source = ASTSource(fn=kernel, signature={**pointers, **sizes, **{n: "constexpr" for n in consts}},
                        constexprs={(index(n),): v for n, v in consts.items()},
                        attrs={(index(n),): [["tt.divisibility", 16]] for n in (*pointers, *sizes)})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 120, 32),
+                              options={"num_warps": fp8.COL_NUM_WARPS, "enable_fp_fusion": True})
+    return compiled.metadata.shared
+
+
+# Run in a process of its own: Triton's interpreter can leave triton.language patched after a kernel
+# (a device function called through it patches the language without restoring it), and the real
+# compiler then fails on the interpreter's objects ("'value' object has no attribute 'dtype'").
+_COMPILE_IN_CHILD = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import blackwell_test
+try:
+    print("shared", blackwell_test._shared_memory_of_largest_quantizer_for_sm120())
+except (RuntimeError, FileNotFoundError, OSError) as err:  # no bundled ptxas on this platform
+    print("cannot", str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+"""
+
+
+def test_largest_quantizer_fits_consumer_blackwell_shared_memory():
+    """Triton's compiler (no GPU needed) compiles the transposing quantizer, the kernel with the most
+    shared memory per program (fp8_linear_kernel.py: 32 KB at its 128 x 128 tile), for sm_120: it
+    must fit the 99 KB per block of consumer Blackwell."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_IN_CHILD, str(HERE), str(HERE / "tests")], cwd=HERE,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said, _, value = out.stdout.strip().splitlines()[-1].partition(" ")
+    if said == "cannot":
+        pytest.skip(f"Triton cannot compile for sm_120 here: {value}")
+    shared = int(value)
     family = gpu_arch.arch_family(RTX5090)
-    try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 120, 32),
-                                  options={"num_warps": fp8.COL_NUM_WARPS, "enable_fp_fusion": True})
-    except (RuntimeError, FileNotFoundError, OSError) as err:  # no bundled ptxas on this platform
-        pytest.skip(f"Triton cannot compile for sm_120 here: {str(err).splitlines()[0][:200]}")
-    shared = compiled.metadata.shared
     record("transposing quantizer on sm_120: shared memory per program (KB)", shared / 1024, 99.0,
            0 < shared <= SMEM_PER_BLOCK[family])
     assert 0 < shared <= SMEM_PER_BLOCK[family], shared
