@@ -142,6 +142,9 @@ def preset_params(name: str, num_layers: int | None = None) -> int:
     return embeddings + (num_layers or c["num_hidden_layers"]) * layer + h
 
 
+LAYERS_FLAG = {"--model": "--num-layers", "--teacher": "--teacher-layers", "--student": "--student-layers"}
+
+
 def check_preset_fits(cfg, dtype: torch.dtype, trains: bool = True, flag: str = "--model") -> None:
     """Refuse (exit code 2), before building it, a preset that cannot fit this machine's memory on a CPU:
     its weights, and for a full fine-tune their gradients and AdamW's two states, in `dtype`."""
@@ -161,7 +164,7 @@ def check_preset_fits(cfg, dtype: torch.dtype, trains: bool = True, flag: str = 
     raise usage_error(f"{flag} {cfg.model} on a CPU: its {n / 1e9:.2f} B parameters need at least {need / 1e9:.1f} GB "
                       f"({what} in {str(dtype).removeprefix('torch.')}, before activations), and this machine allows "
                       f"{limit / 1e9:.1f} GB. On a CPU run {flag} llama-tiny (the CPU demo), fewer layers with "
-                      f"--num-layers{lora}; the full model trains on a GPU")
+                      f"{LAYERS_FLAG.get(flag, '--num-layers')}{lora}; the full model trains on a GPU")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -236,7 +239,8 @@ def load_model(cfg, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") 
                 f"preset {name} (random weights; {DEFAULT_MODEL} unavailable)")
     if cfg.num_layers:
         if cfg.num_layers > len(model.model.layers):
-            raise usage_error(f"--num-layers {cfg.num_layers}: the model has only {len(model.model.layers)} layers")
+            raise usage_error(f"{LAYERS_FLAG.get(flag, '--num-layers')} {cfg.num_layers}: {flag} {cfg.model} has only "
+                              f"{len(model.model.layers)} layers")
         model.model.layers = model.model.layers[: cfg.num_layers]
         model.config.num_hidden_layers = cfg.num_layers
     return model.to(cfg.device), cfg.model, desc

@@ -85,6 +85,28 @@ def _script(*argv, timeout=300):
     return subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def test_a_local_model_with_too_few_layers_names_the_option_that_asked(tmp_path, capsys):
+    """A model directory has fewer layers than asked: the error names the option that asked for them, which
+    for distill.py's teacher and student is --teacher-layers / --student-layers, not --num-layers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from playbook import models
+
+    arch = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(arch).save_pretrained(tmp_path / "two_layers")
+    model = str(tmp_path / "two_layers")
+    cfg = parse_config(make_parser("test"), "test", ["--model", model, "--num-layers", "3"])
+    capsys.readouterr()
+    for flag, option in (("--model", "--num-layers"), ("--teacher", "--teacher-layers"),
+                         ("--student", "--student-layers")):
+        with pytest.raises(SystemExit) as err:
+            models.load_model(cfg, torch.float32, flag=flag)
+        said = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.value.code == 2 and said == f"error: {option} 3: {flag} {model} has only 2 layers", said
+
+
 def test_errors_found_after_loading_the_model():
     """What only the model knows: its positions and layers. One line, exit code 2, before training."""
     longer = ["--seq-len", "2080", "--batch-size", "1", "--steps", "2", "--timing-warmup-steps", "1",  # 32 positions
