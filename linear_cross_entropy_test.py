@@ -217,6 +217,24 @@ def test_under_autocast():
     close_to_reference("autocast dW", outs[0][2], outs[1][2], ref[2] / 3, torch.bfloat16, n=40)
 
 
+def test_meta_device_gives_shapes():
+    """A patched model built on the meta device (to count its sizes before loading weights) runs its loss:
+    there is no autocast on the meta device, so the autocast check must not ask for it, and the
+    operators' fake functions give the loss's and the gradients' shapes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=176, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    assert linear_cross_entropy_kernel.patch_model(model) == 1
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert (loss.device.type, loss.shape, model.lm_head.weight.grad.shape) == ("meta", (), (512, 64))
+
+
 def test_batch_and_sequence_dims():
     B, T, H, V = 2, 7, 16, 130
     x, w, t = _inputs(B * T, H, V, torch.float32, seed=7, ignore=(0,))
