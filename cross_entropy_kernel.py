@@ -535,9 +535,17 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.Te
         return out
     grad_output = grad_output.reshape(-1) if grad_output.dim() else grad_output.reshape(1)
     stride_go = 0 if grad_output.numel() == 1 else grad_output.stride(0)
-    block_v, num_warps = _launch_settings(V, None, None)
-    _scale_rows[(N,)](grad, out, grad_output, grad.stride(0), out.stride(0), stride_go, V,
-                      IN_PLACE=out is grad, BLOCK_V=block_v, num_warps=num_warps)
+    in_place, rows, out_rows = out is grad, grad, out
+    # One factor for every element of contiguous tensors: the row length is free, so short rows (the
+    # lm_head's [V, H] gradient at a small H) are launched as fewer, longer ones: the largest power of
+    # two up to BLOCK_V that divides the size. The same products; fewer programs (each one costs the
+    # interpreter ~10 ms, whatever its length).
+    width = math.gcd(N * V, BLOCK_V)
+    if stride_go == 0 and 0 < V < width and grad.is_contiguous() and out.is_contiguous():
+        rows, out_rows = grad.view(-1, width), out.view(-1, width)
+    block_v, num_warps = _launch_settings(rows.shape[1], None, None)
+    _scale_rows[(rows.shape[0],)](rows, out_rows, grad_output, rows.stride(0), out_rows.stride(0), stride_go,
+                                  rows.shape[1], IN_PLACE=in_place, BLOCK_V=block_v, num_warps=num_warps)
     return out
 
 

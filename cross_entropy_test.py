@@ -31,7 +31,7 @@ import cross_entropy_kernel
 from cross_entropy_kernel import (TritonCrossEntropyLoss, cross_entropy, cross_entropy_forward, cross_entropy_ref,
                                   ideal_bytes, scale_gradient_, z_loss_ref)
 from playbook.kernel_utils import DEVICE
-from playbook.testkit import close_to_reference, expect_error, exactly, record, run_as_script
+from playbook.testkit import ULP, close_to_reference, expect_error, exactly, record, run_as_script
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ON_GPU = DEVICE.type == "cuda"
@@ -578,6 +578,58 @@ def test_bad_options_give_clear_errors(options, words):
                for k, v in options.items()}
     message = expect_error(ValueError, lambda: cross_entropy(_logits(4, 30, torch.float32), _targets(4, 30), **options))
     assert words in message
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_scale_gradient_is_the_product_in_every_layout(monkeypatch, dtype):
+    """scale_gradient_ (the backward's `grad * grad_output`) is the fp32 product rounded once: in place
+    and into another tensor, with one factor or one per row, on contiguous and strided rows; a factor of
+    exactly 1 in place leaves the tensor as it was. One factor over contiguous rows is launched as fewer,
+    longer rows (the lm_head's [512, 64] gradient: 2 programs, not 512), with the same bits as the
+    launch of one program per row (the same factor given per row).
+
+    Against PyTorch: bitwise on a GPU; in Triton's interpreter within one ulp in bf16, whose fp32 ->
+    bf16 conversion does not round to nearest-even as a GPU and PyTorch do (adamw_kernel.py,
+    `_round_like_a_gpu`)."""
+    spy = _LaunchSpy(cross_entropy_kernel._scale_rows)
+    monkeypatch.setattr(cross_entropy_kernel, "_scale_rows", spy)
+    gen = torch.Generator().manual_seed(5)
+    cases = [((512, 64), "one", True, 2), ((512, 64), "one", False, 2), ((7, 30), "one", True, 7),
+             ((512, 64), "rows", True, 512), ((64, 512), "one, strided", True, 64), ((3, 5), "rows", False, 3)]
+    ulps = 1 if dtype == torch.bfloat16 and DEVICE.type == "cpu" else 0
+    for shape, factor, in_place, programs in cases:
+        base = torch.randn(shape, generator=gen).to(dtype)
+        grad = base.clone()
+        if factor == "one, strided":  # the same values in rows that are parts of longer ones
+            grad = torch.zeros(shape[0], shape[1] + 88, dtype=dtype)[:, :shape[1]]
+            grad.copy_(base)
+        go = (torch.rand(shape[0], generator=gen) + 0.5) if factor == "rows" else torch.tensor(0.37)
+        want = base.float() * (go.view(-1, 1) if factor == "rows" else go)
+        out = None if in_place else torch.full_like(base, float("nan")).to(DEVICE)
+        got = scale_gradient_(grad.to(DEVICE), go.to(DEVICE), out).cpu()
+        err = ((got.float() - want) / (want.abs() * ULP[dtype])).abs().max().item()  # in ulps of each value
+        record(f"{factor} x {shape}, {'in place' if in_place else 'into out'}: ulps from the fp32 product",
+               err, ulps, err <= ulps)
+        assert err <= ulps and spy.grids[-1] == (programs,), (shape, factor, err, spy.grids[-1])
+        if factor == "one" and in_place:
+            per_row = scale_gradient_(base.clone().to(DEVICE), go.expand(shape[0]).contiguous().to(DEVICE))
+            assert spy.grids[-1] == (shape[0],)
+            exactly(f"one factor x {shape}: longer rows == a program per row", got, per_row)
+    untouched = torch.randn(512, 64, generator=gen).to(dtype).to(DEVICE)
+    before = untouched.clone()
+    scale_gradient_(untouched, torch.tensor(1.0, device=DEVICE))
+    exactly("a factor of 1 in place: unchanged", untouched, before)
 
 
 def test_meta_tensors_give_shapes():

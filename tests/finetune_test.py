@@ -484,7 +484,7 @@ def test_trainer_uses_the_fused_loss(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(lce, "linear_cross_entropy", lambda *a, **k: calls.append(a[0].shape) or fused(*a, **k))
     rows = _trainer_rows(tmp_path)
     trainer, metrics = finetune_trainer.main(["--dataset", str(rows), "--steps", "6", "--lr", "3e-3", "--seq-len", "64",
-                                              "--batch-size", "4", "--log-every", "1", "--output-dir", str(tmp_path / "o")])
+                                              "--batch-size", "2", "--log-every", "1", "--output-dir", str(tmp_path / "o")])
     printed = capsys.readouterr().out
     assert "18 rows: 18 kept whole" in printed and "17 train, 1 eval" in printed, printed  # the real split (5% held out)
     assert "1 process" in printed, printed
@@ -584,7 +584,7 @@ def test_trainer_builds_its_model_through_prepare_model(tmp_path, monkeypatch):
     prepare = models.prepare_model
     monkeypatch.setattr(models, "prepare_model", lambda cfg, **kw: calls.append(kw) or prepare(cfg, **kw))
     trainer, _ = finetune_trainer.main(["--dataset", str(_trainer_rows(tmp_path)), "--steps", "4", "--lr", "1e-2",
-                                        "--seq-len", "64", "--batch-size", "4", "--log-every", "1",
+                                        "--seq-len", "64", "--batch-size", "2", "--log-every", "1",
                                         "--eval-fraction", "0", "--lora-r", "4", "--gradient-checkpointing",
                                         "--output-dir", str(tmp_path / "o")])
     assert calls == [{"shard": False}], calls
