@@ -86,7 +86,11 @@ def load(name: str, device):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    import torch
+    from playbook import exit_on_ctrl_c_while_importing
+
+    with exit_on_ctrl_c_while_importing("nothing was written"):  # torch's import can swallow a KeyboardInterrupt
+        import torch
+        import transformers  # noqa: F401  (loaded here, under the guard, for load() below)
 
     from playbook import generate
     from playbook.common import log

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from playbook import gpu_arch, setup_check
+import playbook  # imports no torch
+
+if __name__ == "__main__":  # Ctrl-C while it starts: one line, exit code 130
+    playbook.exit_on_ctrl_c_while_starting("the self-check stopped before its verdict")
+
+from playbook import gpu_arch, setup_check  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -141,10 +146,9 @@ def machine_facts(report: setup_check.SmiReport) -> list[tuple[str, str]]:
     """(label, value) pairs describing this machine; torch's view of the GPU where it has one."""
     facts = []
     try:
-        import torch
+        with playbook.exit_on_ctrl_c_while_importing("the self-check stopped before its verdict"):
+            import torch
     except Exception as e:  # reported; the set-up check says what to do
-        import playbook
-
         if playbook.interrupted():  # Ctrl-C during the import, turned into another error: run_main's line
             raise
         torch = None
@@ -301,6 +305,4 @@ if __name__ == "__main__":
         sys.exit(setup_check.main(["--reachable", args.reachable]))
     if args.setup or args.index_url:
         sys.exit(setup_check.main(["--index-url"] if args.index_url else []))
-    import playbook
-
     sys.exit(playbook.run_main(main, "the self-check stopped before its verdict"))

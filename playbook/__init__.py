@@ -61,13 +61,7 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
     process inherited as ignored, or a handler of the caller's own, is left as it is."""
     import signal
 
-    def handler(signum, _frame):
-        ctrl_c = signum == signal.SIGINT
-        sys.stderr.write(f"\n{'interrupted (Ctrl-C)' if ctrl_c else 'terminated (SIGTERM)'} while starting: {what}\n")
-        sys.stderr.flush()
-        os._exit(130 if ctrl_c else 143)  # no exception to travel through the import in progress
-
-    handler.while_starting = True  # what `started()` looks for
+    handler = _exit_at_once(what)
     for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
         if signal.getsignal(signum) is not default:
             continue
@@ -75,6 +69,54 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
             signal.signal(signum, handler)
         except ValueError:  # not the main thread: signal handlers can only be set there
             pass
+
+
+def _exit_at_once(what: str):
+    """The signal handler of a process that is starting: one line, then the process ends at once."""
+    import signal
+
+    def handler(signum, _frame):
+        ctrl_c = signum == signal.SIGINT
+        sys.stderr.write(f"\n{'interrupted (Ctrl-C)' if ctrl_c else 'terminated (SIGTERM)'} while starting: {what}\n")
+        sys.stderr.flush()
+        os._exit(130 if ctrl_c else 143)  # no exception to travel through the import in progress
+
+    handler.while_starting = True  # what `started()` looks for
+    return handler
+
+
+class exit_on_ctrl_c_while_importing:
+    """`with exit_on_ctrl_c_while_importing(what): import torch`, in a script that is already running
+    (`run_main`): during the import, Ctrl-C and SIGTERM end the process at once, with the line of
+    `exit_on_ctrl_c_while_starting`. A KeyboardInterrupt raised inside an import can be caught by the
+    library being imported: torch's import sometimes swallows it and completes, and the script then goes
+    on as if no key had been pressed. Afterwards the handlers are the ones before (`started()`'s)."""
+
+    def __init__(self, what: str = "nothing was run"):
+        self.what, self.before = what, {}
+
+    def __enter__(self):
+        import signal
+
+        handler = _exit_at_once(self.what)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(signum)
+            if current in (signal.SIG_IGN, None):  # ignored (inherited), or set outside Python: left as it is
+                continue
+            try:
+                signal.signal(signum, handler)
+                self.before[signum] = current
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for signum, handler in self.before.items():
+            signal.signal(signum, handler)
+        self.before = {}
+        return False
 
 
 # Ctrl-C once the script runs. Python raises KeyboardInterrupt wherever the main thread is, and some
