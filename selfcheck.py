@@ -145,12 +145,10 @@ def _dist_version(*names: str) -> str:
 def machine_facts(report: setup_check.SmiReport) -> list[tuple[str, str]]:
     """(label, value) pairs describing this machine; torch's view of the GPU where it has one."""
     facts = []
-    try:
+    try:  # Ctrl-C during the import ends the process at once (no error to tell from a broken torch)
         with playbook.exit_on_ctrl_c_while_importing("the self-check stopped before its verdict"):
             import torch
     except Exception as e:  # reported; the set-up check says what to do
-        if playbook.interrupted():  # Ctrl-C during the import, turned into another error: run_main's line
-            raise
         torch = None
         facts.append(("torch", f"cannot be imported: {setup_check.first_line(str(e))}"))
     on_gpu = torch is not None and torch.cuda.is_available()

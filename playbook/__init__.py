@@ -72,7 +72,8 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
 
 
 def _exit_at_once(what: str):
-    """The signal handler of a process that is starting: one line, then the process ends at once."""
+    """The handler while a process starts or imports: one line, then the process ends at once (no
+    exception to travel through an import in progress)."""
     import signal
 
     def handler(signum, _frame):
