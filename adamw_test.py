@@ -907,11 +907,13 @@ def test_rounding_refusals():
 
 
 def test_rounding_options_on_the_command_line(monkeypatch, capsys):
-    """--optimizer-rounding and --master-weights: the default unchanged (nearest, and PyTorch's AdamW on a CPU);
-    either one asks for the Triton AdamW and reaches it through make_optimizer (in backward, with a seed per
-    parameter); a combination that makes no sense is refused with one line and exit code 2."""
+    """--optimizer-rounding and --master-weights: the default unchanged (nearest, and PyTorch's AdamW: its fused
+    form on a GPU, its foreach form on a CPU); either one asks for the Triton AdamW and reaches it through
+    make_optimizer (in backward, with a seed per parameter); a combination that makes no sense is refused with
+    one line and exit code 2."""
     cfg = _config()
-    assert (cfg.optimizer_rounding, cfg.master_weights, cfg.optimizer) == ("nearest", "none", "adamw-foreach")
+    pytorchs = "adamw-fused" if torch.cuda.is_available() else "adamw-foreach"
+    assert (cfg.optimizer_rounding, cfg.master_weights, cfg.optimizer) == ("nearest", "none", pytorchs)
     model = models.build_preset("llama-tiny", 1, DEVICE, torch.bfloat16)
     for argv, rounding in ((["--optimizer-rounding", "stochastic"], "stochastic"),
                            (["--optimizer-rounding", "kahan", "--optimizer", "adamw-triton"], "kahan"),

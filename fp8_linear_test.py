@@ -1179,7 +1179,8 @@ def test_tile_ops_pass_opcheck():
     for mode, rows, cols in (("tensor", True, True), ("act", True, False), ("act", False, True), ("tile", True, True)):
         xx = x if mode != "tile" else _spread((128, 256), torch.bfloat16, seed=61)
         torch.library.opcheck(fp8_linear_kernel.fp8_tiles_op, (xx, mode, rows, cols, None))
-    q, s, _, _ = fp8_linear_kernel.quantize_tiles(x, "tensor")
+    # the product's operands at 48 rows: on a GPU torch._scaled_mm (cuBLASLt) takes widths that are multiples of 16
+    q, s, _, _ = fp8_linear_kernel.quantize_tiles(_spread((48, 256), torch.bfloat16, seed=62), "tensor")
     torch.library.opcheck(fp8_linear_kernel.fp8_scaled_mm_tiles_op, (q, s, q, s, False, True),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     record("opcheck: fp8_quantize_tiles (x4), fp8_scaled_mm_tiles", 0.0, 0.0, True)

@@ -362,9 +362,49 @@ def _problem(report: SmiReport) -> str | None:
     try:
         torch.ones(4, device="cuda").add_(1).sum().item()
     except RuntimeError as e:
+        if any(s in str(e).lower() for s in BUSY_ERRORS):  # the GPU is full or held: torch is fine
+            return busy_gpu_message(where, first_line(str(e)))
         return (f"setup: {where} is present, but {build} (CUDA {torch.version.cuda}) fails to run on it: "
                 f"{first_line(str(e))}\n" + _fixes(report, gpu))
     return None
+
+
+# What CUDA says when the GPU works but has no room for this process (its memory taken by others), or is
+# held by another process in exclusive compute mode: nothing a reinstall of torch changes.
+BUSY_ERRORS = ("out of memory", "busy or unavailable", "cudaerrordevicesunavailable")
+
+
+def gpu_memory_and_holders() -> tuple[str | None, list[str]]:
+    """('used X of Y MiB on GPU 0', ['pid 123 python 70000 MiB', ...]) from nvidia-smi; None / [] where it
+    cannot say (inside a container nvidia-smi often lists no processes of other containers)."""
+    rc, out = _run_smi(["--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"])
+    memory = None
+    parts = [p.strip() for p in out.splitlines()[0].split(",")] if rc == 0 and out else []
+    if len(parts) == 2 and all(p.isdigit() for p in parts):
+        used, total = int(parts[0]), int(parts[1])
+        memory = f"{total - used:,} MiB free of {total:,} MiB on GPU 0"
+    rc, out = _run_smi(["--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"])
+    holders = []
+    for line in out.splitlines() if rc == 0 else []:
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3 and fields[0].isdigit():
+            holders.append(f"pid {fields[0]} ({fields[1]}): {fields[2]} MiB")
+    return memory, holders
+
+
+def busy_gpu_message(where: str, error: str) -> str:
+    """The GPU works, but other processes hold its memory (or hold it in exclusive mode): who, and how much."""
+    memory, holders = gpu_memory_and_holders()
+    lines = [f"setup: {where} is present and torch can use it, but it is busy: {error}"]
+    if memory:
+        lines.append(f"  memory: {memory}")
+    if holders:
+        lines.append("  held by: " + "; ".join(holders))
+    else:
+        lines.append("  nvidia-smi lists no process holding it here (processes of other containers are not listed)")
+    lines.append("Wait for those processes to end, or stop them (nvidia-smi lists them), or choose another GPU with "
+                 "CUDA_VISIBLE_DEVICES. torch itself is installed correctly: do not reinstall it.")
+    return "\n".join(lines)
 
 
 _cpu_note_printed = False

@@ -113,7 +113,7 @@ def test_offload_activations_on_a_cpu_claims_no_pinned_memory(capsys):
     from playbook import models
     from playbook.testkit import tiny_model
 
-    model = tiny_model("llama").to(torch.float32)
+    model = tiny_model("llama").to("cpu", torch.float32)  # a model on the CPU, on any machine
     models.apply_gradient_checkpointing(model, "all", offload=True)
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Gradient checkpointing"))
     assert "saves nothing there" in line and "pinned" not in line, line

@@ -327,6 +327,32 @@ def test_cuda_that_does_not_start_or_run_is_reported(gpu_machine):
     assert "fails to run on it: CUDA error: no kernel image" in setup_check.torch_gpu_problem()
 
 
+def test_a_busy_gpu_is_not_called_a_broken_install(tmp_path, monkeypatch):
+    """CUDA out of memory (or a GPU held in exclusive mode) at the first launch: the free and total memory and
+    the processes holding it, from nvidia-smi, and no advice to reinstall torch. Only an error of the build
+    itself (no kernel image) gets the reinstall advice (test_cuda_that_does_not_start_or_run_is_reported)."""
+    folder = fake_smi(tmp_path / "bin")
+    smi = folder / "nvidia-smi"
+    smi.write_text(smi.read_text().replace(
+        "  *) echo", "  *--query-gpu=memory.used,memory.total*) echo \"140800, 143771\" ;;\n"
+        "  *--query-compute-apps=*) echo \"4242, python3, 98000\"; echo \"4343, /usr/bin/trainer, 42800\" ;;\n  *) echo", 1))
+    monkeypatch.setenv("PATH", str(folder) + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CPU_DEMO", raising=False)
+    for error in ("CUDA error: out of memory\nCUDA kernel errors might be reported asynchronously",
+                  "CUDA error: CUDA-capable device(s) is/are busy or unavailable"):
+        monkeypatch.setitem(sys.modules, "torch", StandInTorch(cuda="13.0", available=True, arches=("sm_100",),
+                                                               run_error=error))
+        msg = setup_check.torch_gpu_problem()
+        assert msg.startswith("setup: NVIDIA GB300") and "is busy: " + error.splitlines()[0] in msg, msg
+        assert "2,971 MiB free of 143,771 MiB on GPU 0" in msg, msg
+        assert "pid 4242 (python3): 98000 MiB; pid 4343 (/usr/bin/trainer): 42800 MiB" in msg, msg
+        assert "pip uninstall" not in msg and "index-url" not in msg and "do not reinstall" in msg, msg
+    # nvidia-smi that lists no processes (another container's): said so, still no reinstall advice
+    smi.write_text(smi.read_text().replace('echo \"4242, python3, 98000\"; echo \"4343, /usr/bin/trainer, 42800\"', "true"))
+    msg = setup_check.torch_gpu_problem()
+    assert "lists no process holding it" in msg and "pip uninstall" not in msg, msg
+
+
 def test_importing_setup_check_does_not_import_torch():
     p = _run([sys.executable, "-c", "import sys, selfcheck; from playbook import setup_check; print('torch' in sys.modules)"], _env(None))
     assert p.stdout.strip() == "False", p.stderr
