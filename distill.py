@@ -292,7 +292,7 @@ def run_mode(mode: str, cfg, teacher, data) -> dict:
                           f"teacher ({d.teacher}) {teacher.config.vocab_size}: distillation needs one vocabulary")
     optimizer = make_optimizer(student, cfg)  # --optimizer, --weight-decay as in the fine-tuning scripts
     out = dict(losses=[], ce=[], jsd=[], step_times_s=[], tokens_per_s=None, peak_memory_gb=None, error=None)
-    tokens = cfg.batch_size * cfg.seq_len
+    tokens = cfg.batch_size * cfg.seq_len  # text windows or synthetic ids: no padding, every token is text
     try:
         for step in range(cfg.steps):
             if step == cfg.warmup_steps and cfg.device.type == "cuda":

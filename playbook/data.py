@@ -691,7 +691,8 @@ class TrainData:
         self.rows: dict | None = None  # dataset: [N, T] tensors of the training rows
         self.eval_rows: dict | None = None
         self.tokenizer_name = "UTF-8 bytes"
-        self._epoch_cache: tuple[int, torch.Tensor] | None = None
+        self._epoch_cache: tuple[int, torch.Tensor] | None = None  # (epoch, its shuffle of every row)
+        self._row_tokens: torch.Tensor | None = None  # each training row's tokens that are not padding
         self.repeat_batches: int | None = None  # batch(i) is batch(i mod N): the first N batches, cycled
         # right-padded rows without their [B, T] padding mask: see `causal_padding` in the module docstring
         self.causal_padding = False
@@ -734,15 +735,32 @@ class TrainData:
             return [self._rows_batch(self.eval_rows, torch.arange(i, min(i + B, n)), device) for i in range(0, n, B)]
         return []
 
-    def _epoch_shard(self, epoch: int) -> torch.Tensor:
-        """This rank's training rows for one epoch: a shuffle seeded by (seed, epoch), the same on every
-        rank, dealt round-robin; every rank keeps the same number (the remainder waits for the next shuffle)."""
+    def _epoch_shard(self, epoch: int, rank: int | None = None) -> torch.Tensor:
+        """A rank's training rows for one epoch (this rank's by default): a shuffle seeded by (seed, epoch),
+        the same on every rank, dealt round-robin; every rank keeps the same number (the remainder waits
+        for the next shuffle)."""
+        n = self.rows["input_ids"].shape[0]
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
-            n = self.rows["input_ids"].shape[0]
-            order = torch.randperm(n, generator=_generator("epoch", self.seed, epoch))
-            per_rank = n // self.world_size
-            self._epoch_cache = (epoch, order[self.rank:: self.world_size][:per_rank])
-        return self._epoch_cache[1]
+            self._epoch_cache = (epoch, torch.randperm(n, generator=_generator("epoch", self.seed, epoch)))
+        rank = self.rank if rank is None else rank
+        return self._epoch_cache[1][rank:: self.world_size][: n // self.world_size]
+
+    def text_tokens(self, index: int) -> int:
+        """The job's tokens in batch `index` that are not padding, summed over every rank's batch of that
+        index: input tokens, prompts included (what the model reads; only padding is left out). Counted
+        on the host from the rows, which every rank holds, so a step pays no device sync and no
+        collective for it. Synthetic and text batches hold no padding: batch_size x seq_len a rank."""
+        B, T = self.batch_size, self.seq_len
+        if self.rows is None:
+            return B * T * self.world_size
+        if self._row_tokens is None:
+            filled = self.rows["segments"] >= 0 if self.packing else self.rows["attention_mask"] > 0
+            self._row_tokens = filled.sum(dim=1)
+        if self.repeat_batches:
+            index %= self.repeat_batches
+        epoch, step = divmod(index, self.batches_per_epoch)
+        return sum(int(self._row_tokens[self._epoch_shard(epoch, r)[step * B: (step + 1) * B]].sum())
+                   for r in range(self.world_size))
 
     def _rows_batch(self, rows: dict, picks: torch.Tensor, device) -> dict:
         out = {"input_ids": rows["input_ids"][picks], "labels": rows["labels"][picks]}

@@ -285,6 +285,8 @@ class RunResult:
     # step: how long the host needs to queue the step's work. Close to the step time on a GPU means
     # host-bound: a faster GPU would wait for the host (docs/troubleshooting.md).
     host_queue_s: list = field(default_factory=list)
+    # the job's tokens that are not padding in each timed step (TrainData.text_tokens), beside step_times_s
+    text_tokens: list = field(default_factory=list)
     samples: list = field(default_factory=list)  # --sample-prompts: {"prompt", "before", "after"} each
     cuda_graphs: str = ""  # how the steps were queued: "replayed from step N" (and when that ended), or "off (why)"
     peak_memory_gb: float | None = None
@@ -293,12 +295,18 @@ class RunResult:
 
     @property
     def tokens_per_step(self) -> int:
+        """The job's tokens per step, padding included."""
         return self.batch_size * self.seq_len * self.grad_accum * self.world_size
 
     def summary(self, bf16_peak: float | None, flops_per_token: float) -> dict:
+        """tokens/s, TFLOP/s and MFU count the tokens that are not padding: the mean text tokens of a
+        timed step over the median step time. "tokens/s with padding (job)" counts every token."""
         t = self.step_times_s
         median = statistics.median(t) if t else None
-        tps = self.tokens_per_step / median if median else None
+        padded = self.tokens_per_step / median if median else None
+        text_share = (statistics.fmean(self.text_tokens) / self.tokens_per_step if self.text_tokens
+                      else 1.0)  # a result without the counts (no timed step): nothing to scale
+        tps = padded * text_share if padded else None
         achieved = tps * flops_per_token / 1e12 if tps else None
         return {
             "step time mean (ms)": statistics.fmean(t) * 1e3 if t else None,
@@ -309,6 +317,8 @@ class RunResult:
                                        if self.host_queue_s and median else None),
             "step mode": self.cuda_graphs or None,
             "tokens/s (job)": tps,
+            "tokens/s with padding (job)": padded,
+            "padding (% of tokens)": 100 * (1 - text_share),
             "tokens/s per GPU": tps / self.world_size if tps else None,
             "model TFLOP/s per GPU": achieved / self.world_size if achieved else None,
             "MFU (% of bf16 peak)": 100 * achieved / self.world_size / bf16_peak if achieved and bf16_peak else None,
@@ -323,6 +333,20 @@ class RunResult:
 # Summary rows that only a GPU fills: the CPU's table leaves them out (the JSON keeps every key).
 GPU_ONLY_ROWS = ("host queue median (ms)", "host queue (% of step)", "tokens/s per GPU", "model TFLOP/s per GPU",
                  "MFU (% of bf16 peak)", "peak GPU memory (GB)")
+PADDING_ROWS = ("tokens/s with padding (job)", "padding (% of tokens)")  # left out of the table without padding
+
+
+def table_rows(summary: dict, on_gpu: bool) -> list:
+    """The summary's rows as printed: a CPU leaves out GPU_ONLY_ROWS, batches without padding PADDING_ROWS."""
+    padded = bool(summary.get("padding (% of tokens)"))
+    return [(k, format_value(k, v)) for k, v in summary.items()
+            if (on_gpu or k not in GPU_ONLY_ROWS) and (padded or k not in PADDING_ROWS)]
+
+
+def throughput(text_tokens: int, tokens: int, seconds: float) -> str:
+    """'47,012 tokens/s (text), 314,385 with padding'; one figure when nothing is padding."""
+    said = f"{text_tokens / seconds:,.0f} tokens/s"
+    return said + (f" (text), {tokens / seconds:,.0f} with padding" if text_tokens < tokens else "")
 
 
 def format_value(key: str, v) -> str:
@@ -802,6 +826,7 @@ def _train(cfg) -> dict:
                 torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
             lr = schedule.apply(step)
             batches = [data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
+            n_text = sum(data.text_tokens(step * cfg.grad_accum + i) for i in range(cfg.grad_accum))  # on the host
             log_now = (step + 1) % cfg.log_every == 0 or step == steps - 1
             if blocker is None and graphed is None:
                 graphed = cuda_graph.GraphedStep(
@@ -833,22 +858,23 @@ def _train(cfg) -> dict:
             if step >= timed_from:
                 result.step_times_s.append(dt)
                 result.host_queue_s.append(queued)
+                result.text_tokens.append(n_text)
             eval_loss = None
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1:
                 eval_loss = evaluate(model, data.eval_batches(cfg.device))
                 if eval_loss is not None:
                     result.eval_losses.append((step + 1, eval_loss))
-            tokens_s = result.tokens_per_step / dt
             mem = cuda_graph.peak_bytes(graphed) / 1e9 if cfg.on_gpu else None
             metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
-                          grad_norm=float(norm) if norm is not None else None, tokens_per_s=tokens_s,
+                          grad_norm=float(norm) if norm is not None else None, tokens_per_s=n_text / dt,
+                          padded_tokens_per_s=result.tokens_per_step / dt,
                           step_ms=dt * 1e3, host_queue_ms=queued * 1e3, peak_memory_gb=mem)
             bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
             if log_now or eval_loss is not None:
                 line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"
                         + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
                         + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
-                        + f"  {dt * 1e3:8.1f} ms  {tokens_s:,.0f} tokens/s")
+                        + f"  {dt * 1e3:8.1f} ms  {throughput(n_text, result.tokens_per_step, dt)}")
                 if bar.disable:
                     log(line)
                 else:
@@ -901,13 +927,15 @@ def _train(cfg) -> dict:
     summary = result.summary(gpu_bf16_peak_tflops(cfg.device), flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
     payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if is_main():
-        rows = [(k, format_value(k, v)) for k, v in summary.items() if cfg.on_gpu or k not in GPU_ONLY_ROWS]
+        rows = table_rows(summary, cfg.on_gpu)
         unit = "GPUs" if cfg.on_gpu else "processes"
         print(tabulate(rows, headers=[f"{cfg.script}: {model_name}, {cfg.batch_size}x{cfg.seq_len}"
                                       + (f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else "")
                                       + (f" x {size} {unit}" if size > 1 else ""), ""], tablefmt="github"))
         if size > 1:
             print("(tokens/s counts every process's tokens; the loss is the job's mean over its target tokens)")
+        if summary["padding (% of tokens)"]:
+            print("(tokens/s, TFLOP/s and MFU count the tokens that are not padding; 'with padding' counts them all)")
         if not cfg.on_gpu:
             print("(CPU run: " + ("the kernels ran in Triton's interpreter; " if in_effect(kernel_report, cfg.optimizer,
                                                                                           cfg.lora_r) else "")

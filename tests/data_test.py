@@ -416,6 +416,21 @@ def test_rank_shards_are_disjoint(world_size, packing):
     record(f"{world_size} ranks, {shards[0].batches_per_epoch} batches each, disjoint", 0, 0, True)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_text_tokens_are_every_rank_s_tokens_that_are_not_padding(packing):
+    """TrainData.text_tokens(i), what the throughput figures count: the tokens of batch i that are not
+    padding, summed over every rank's batch i (each rank counts all of them alone: no collective), in
+    a later epoch's shuffle too. The oracle: the byte tokenizer's padding id, which no example holds."""
+    shards = [_dataset(ROWS, batch_size=2, seq_len=40, rank=r, world_size=2, packing=packing) for r in range(2)]
+    for i in (0, 3, shards[0].batches_per_epoch + 1):
+        want = sum(int((d.batch(i, "cpu")["input_ids"] != TOK.pad_token_id).sum()) for d in shards)
+        assert 0 < want < 2 * 2 * 40, "the batches must hold padding for the test to mean anything"
+        assert [d.text_tokens(i) for d in shards] == [want, want], (i, want)
+    synthetic = data.make_data(None, "synthetic", None, 300, 3, 50, 7, rank=1, world_size=2)
+    assert synthetic.text_tokens(4) == 2 * 3 * 50, "synthetic batches hold no padding"
+    record(f"packing={packing}: text_tokens = every rank's tokens that are not padding", 0, 0, True)
+
+
 def test_eval_split_is_held_out():
     d = _dataset(ROWS, batch_size=4, seq_len=32, eval_fraction=0.1)
     train = set(_seen(d, 0)) | set(_seen(d, 1)) | set(_seen(d, 2))

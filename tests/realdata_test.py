@@ -1,11 +1,14 @@
 """Tests of what real data and real models need from the scripts: the fast path for padded chat rows, the
-FP8 size rule, the eval loss before training and the sample answers in the run's summary.
+FP8 size rule, the eval loss before training and the sample answers in the run's summary, and throughput
+that counts the tokens that are not padding.
 
     $ pytest tests/realdata_test.py
 """
 
 import dataclasses
 import json
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ from playbook import kernel_utils  # noqa: F401  (before anything imports triton
 from playbook import cuda_graph
 from playbook.config import make_parser, parse_config
 from playbook.registry import DEFAULT_KERNELS
+from playbook.testkit import record
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -105,22 +109,29 @@ def test_real_models_train_in_float32_on_cpus_without_bf16_matmuls(monkeypatch):
 
 
 def test_a_run_reports_eval_loss_before_and_after_and_the_sample_answers(tmp_path):
-    """One short CPU run (llama-tiny, plain PyTorch): the summary has the eval loss before the first step
-    and after the last, and each sample prompt's answer before and after training."""
+    """One short CPU run (llama-tiny, plain PyTorch) on right-padded chat rows: the summary has the eval
+    loss before the first step and after the last, and each sample prompt's answer before and after
+    training; every throughput figure counts the tokens that are not padding, the padded one is named."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is a warp?\n")
+    rows = tmp_path / "short.jsonl"  # chats of about 34 tokens: about half of each 64-token row is padding
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i} + 1?"},
+                                                     {"role": "assistant", "content": f"{i + 1}."}]}) + "\n"
+                            for i in range(40)))
     tag = "test_realdata_summary"
-    out = subprocess.run([sys.executable, "finetune_baseline.py", "--model", "llama-tiny", "--dataset",
-                          "examples/chat.jsonl", "--seq-len", "64", "--steps", "3", "--lr", "1e-2",
+    argv = ["--model", "llama-tiny", "--dataset", str(rows), "--seq-len", "64", "--steps", "3", "--lr", "1e-2"]
+    out = subprocess.run([sys.executable, "finetune_baseline.py", *argv,
                           "--sample-prompts", str(prompts), "--tag", tag, "--overwrite"],
                          cwd=HERE, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     path = HERE / "results" / f"{tag}.json"
     try:
         payload = json.loads(path.read_text())
+        steps = [json.loads(line) for line in path.with_suffix(".metrics.jsonl").read_text().splitlines()]
     finally:
         for p in (HERE / "results").glob(f"{tag}*"):
             p.unlink()
+    _throughput_counts_text(argv, payload, steps, out.stdout)
     summary = payload["summary"]
     assert summary["eval loss before"] is not None and summary["final eval loss"] is not None
     assert payload["eval_losses"][0][0] == 0 and payload["eval_losses"][-1][0] == 3
@@ -128,3 +139,55 @@ def test_a_run_reports_eval_loss_before_and_after_and_the_sample_answers(tmp_pat
     (sample,) = payload["samples"]
     assert sample["prompt"] == "What is a warp?" and "before" in sample and "after" in sample
     assert "eval loss before training" in out.stdout and "Sample answers (greedy):" in out.stdout
+
+
+def _throughput_counts_text(argv, payload, steps, stdout):
+    """The run's tokens/s against its batches rebuilt here: the tokens of step i that are not padding are
+    the sum of its batch's attention mask (the baseline keeps the mask), the padded ones batch x seq."""
+    from playbook import training
+
+    cfg = _cfg("finetune_baseline", *argv)
+    model = type("Model", (), {"config": type("Config", (), {"vocab_size": 512})()})()  # llama-tiny's vocabulary
+    data = training.make_run_data(cfg, model, training.run_tokenizer(cfg, cfg.model))
+    text = [int(data.batch(i, "cpu")["attention_mask"].sum()) for i in range(len(steps))]
+    padded = cfg.batch_size * cfg.seq_len
+    assert all(0 < n < padded for n in text), (text, "the rows must hold padding for the test to mean anything")
+    # each figure is tokens / the same step time: equal to a float division's rounding (1e-9 relative)
+    for row, n in zip(steps, text):
+        assert row["tokens_per_s"] * row["step_ms"] / 1e3 == pytest.approx(n, rel=1e-9), (row, n)
+        assert row["padded_tokens_per_s"] * row["step_ms"] / 1e3 == pytest.approx(padded, rel=1e-9), row
+    summary, timed = payload["summary"], text[cfg.warmup_steps:]
+    assert payload["text_tokens"] == timed
+    median = statistics.median(payload["step_times_s"])
+    assert summary["tokens/s (job)"] == pytest.approx(statistics.fmean(timed) / median, rel=1e-9), summary
+    assert summary["tokens/s with padding (job)"] == pytest.approx(padded / median, rel=1e-9), summary
+    assert summary["padding (% of tokens)"] == pytest.approx(100 * (1 - statistics.fmean(timed) / padded), rel=1e-9)
+    last = next(line for line in stdout.splitlines() if f"step {len(steps):5d}/" in line)
+    said = re.search(r"([\d,]+) tokens/s \(text\), ([\d,]+) with padding", last)
+    assert said is not None, last
+    for figure, key in zip(said.groups(), ("tokens_per_s", "padded_tokens_per_s")):  # one value, printed to the unit
+        assert abs(float(figure.replace(",", "")) - steps[-1][key]) <= 0.5, (last, steps[-1])
+    assert "| tokens/s with padding (job)" in stdout and "| padding (% of tokens)" in stdout
+    record(f"padded chat rows: tokens/s counts {sum(text)} of {padded * len(text)} tokens, the padded figure named",
+           0.0, 0.0, True)
+
+
+def test_batches_without_padding_print_one_throughput_figure():
+    """Synthetic batches hold no padding: one tokens/s figure in the step line and in the table, where a
+    padded batch names its padded figure beside the text one."""
+    from playbook import training
+
+    assert training.throughput(4096, 4096, 0.5) == "8,192 tokens/s"
+    assert training.throughput(1024, 4096, 0.5) == "2,048 tokens/s (text), 8,192 with padding"
+    result = training.RunResult(script="s", model="m", kernels=[], gpu="g", world_size=2, batch_size=4, seq_len=512,
+                                grad_accum=1, steps=3, optimizer="o", params=1, trainable_params=1,
+                                step_times_s=[0.5, 0.25, 1.0], text_tokens=[4096] * 3)
+    full = result.summary(None, 1.0)
+    assert full["tokens/s (job)"] == full["tokens/s with padding (job)"] == 8192 and full["padding (% of tokens)"] == 0
+    assert [k for k, _ in training.table_rows(full, True) if "tokens/s" in k] == ["tokens/s (job)", "tokens/s per GPU"]
+    result.text_tokens = [1024, 2048, 3072]  # half of them padding on average
+    half = result.summary(None, 1.0)
+    assert half["tokens/s (job)"] == 4096 and half["tokens/s per GPU"] == 2048 and half["padding (% of tokens)"] == 50
+    assert half["model TFLOP/s per GPU"] == 2048 / 1e12, "FLOPs count the tokens that are not padding"
+    shown = dict(training.table_rows(half, True))
+    assert shown["tokens/s with padding (job)"] == "8,192" and shown["padding (% of tokens)"] == "50.0"
