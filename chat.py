@@ -22,8 +22,8 @@ from pathlib import Path
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    intro, _, rest = __doc__.partition("\n\n")  # the first paragraph whole, then the examples and notes
+    p = argparse.ArgumentParser(description=intro, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
     p.add_argument("question", nargs="*", help="the question (several words are joined)")
     p.add_argument("--model", required=True, help="model id, directory, .gguf file, smollm2-135m, checkpoint or adapter")
     p.add_argument("--prompt", action="append", default=[], help="a question (may be given several times)")

@@ -10,7 +10,7 @@
 Prints the GPU (name, compute capability, memory), the driver and its CUDA version, the versions of
 torch (and its CUDA), Triton and transformers, bf16 support, and whether results/ already holds
 figures from this GPU family. Then runs three checks, each timed and marked PASS or FAIL:
-  1. set-up        setup_check.py: torch can use the GPU (or there is none)
+  1. set-up        python selfcheck.py --setup (playbook/setup_check.py): torch can use the GPU (or there is none)
   2. kernel test   python -m pytest -q rmsnorm_test.py
   3. fine-tune     python finetune_optimized.py --model llama-3.1-8b --batch-size 1 --seq-len 1024 --steps 3
                    --timing-warmup-steps 1 (the LLaMA 3.1 8B architecture, random weights, all kernels)
@@ -259,7 +259,7 @@ def main() -> int:
               "(their times say nothing about a GPU).")
     checks = plan(gpu)
     for i, check in enumerate(checks, 1):
-        shown = "python setup_check.py" if check.cmd is None else shlex.join(["python"] + check.cmd[1:])
+        shown = "python selfcheck.py --setup" if check.cmd is None else shlex.join(["python"] + check.cmd[1:])
         print(f"\n[{i}/{len(checks)}] {check.name}\n$ {shown}", flush=True)
         if i > 1 and checks[0].result != "PASS":
             check.detail = "set-up failed"

@@ -526,8 +526,9 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
         warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
     if steps is not None and warmup_steps >= steps and script != "profile_baseline":
-        raise usage_error(f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup_steps}; "
-                          "give more steps or fewer warm-up steps")
+        raise usage_error(f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup_steps}: give "
+                          f"--steps {warmup_steps + 1} or more, or fewer warm-up steps (--timing-warmup-steps "
+                          f"{max(steps - 1, 0)})")
     optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
     if optimizer == "adamw-fused" and not gpu:
         raise usage_error("--optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")

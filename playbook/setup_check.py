@@ -232,8 +232,14 @@ def reachable_index(url: str) -> str:
     why = index_reachable(url)
     if why is None:
         return url
-    print(f"setup: {url} does not answer ({why}): installing torch from PyPI instead (on Linux x86_64 a CUDA "
-          "build, ~4 GB more; TORCH_INDEX=... chooses another index)", file=sys.stderr, flush=True)
+    if url.rstrip("/").endswith("/cpu"):  # no CPU build on PyPI for Linux: say what comes instead, and its size
+        print(f"setup: {url}, the index of torch's CPU build, does not answer ({why}): installing torch from PyPI "
+              "instead, on Linux x86_64 its CUDA build with the nvidia-* libraries (.venv ~6 GB instead of ~2.5 GB, "
+              "and a CUDA warning at each start); TORCH_INDEX=<a CPU index you can reach> avoids it",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"setup: {url} does not answer ({why}): installing torch from PyPI instead (on Linux x86_64 its CUDA "
+              "build; TORCH_INDEX=... chooses another index)", file=sys.stderr, flush=True)
     return ""
 
 

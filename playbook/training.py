@@ -790,9 +790,10 @@ def _train(cfg) -> dict:
         if start >= steps:
             raise resume_error(cfg, f"the checkpoint is at step {start}, and this run has only {steps} steps; give "
                                     f"more --steps (or --epochs) to continue it")
-    from playbook import interpreter  # a CPU running the kernels on a real model: say so, estimate, heartbeat
+    from playbook import interpreter  # the checkpoints' disk; a CPU running the kernels on a real model: estimate, heartbeat
 
-    interpreter.before_training(cfg, model, in_effect(kernel_report, cfg.optimizer, cfg.lora_r), data, start + 1)
+    interpreter.before_training(cfg, model, in_effect(kernel_report, cfg.optimizer, cfg.lora_r), data, start + 1,
+                                steps)
     if start == 0:  # held-out loss before any update, the baseline of the run's gain
         eval_before = evaluate(model, data.eval_batches(cfg.device))
         if eval_before is not None:

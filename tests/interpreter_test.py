@@ -55,6 +55,104 @@ def test_estimate_times_one_layer_and_leaves_the_model_as_it_was():
     assert torch.equal(torch.random.get_rng_state(), state)  # the run's random numbers are untouched
 
 
+class _Tick(torch.autograd.Function):
+    """Identity whose backward moves the stand-in clock."""
+
+    @staticmethod
+    def forward(ctx, x, clock, seconds):
+        ctx.clock, ctx.seconds = clock, seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.clock[0] += ctx.seconds
+        return g, None, None
+
+
+def _interpreter_costs(model, clock, layer_fwd, layer_bwd, rest_fwd, rest_bwd):
+    """Make the model cost stand-in seconds as the interpreter does: per program, so per pass through a module
+    whatever its rows (a decoder layer's forward and backward, the embedding and the rest's)."""
+    def tick(seconds_fwd, seconds_bwd):
+        def hook(module, args, out):
+            clock[0] += seconds_fwd
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            if torch.is_grad_enabled() and y.requires_grad:
+                y = _Tick.apply(y, clock, seconds_bwd)
+                return (y, *out[1:]) if isinstance(out, (tuple, list)) else y
+            return out
+        return hook
+
+    for layer in model.model.layers:
+        layer.register_forward_hook(tick(layer_fwd, layer_bwd))
+    model.model.embed_tokens.register_forward_hook(tick(rest_fwd, rest_bwd))
+
+
+def test_the_whole_run_estimate_is_within_2x_of_the_run_on_a_stand_in_clock(capsys):
+    """Steps, eval passes and sample answers, estimated from the two probes, against the same work run on a
+    clock that moves as the interpreter's costs do (per pass through a module, not per token). 2x: the goal's
+    bound for a prediction a user plans by; the stand-in costs make the arithmetic exact up to what the probes
+    cannot see (the answers' prompt forward, counted as one token more)."""
+    from playbook.training import evaluate
+
+    clock = [0.0]
+    model = _tiny(4)
+    _interpreter_costs(model, clock, layer_fwd=3.0, layer_bwd=6.0, rest_fwd=2.0, rest_bwd=1.0)
+    now = lambda: clock[0]  # noqa: E731
+    torch.manual_seed(0)
+    train = [{"input_ids": (ids := torch.randint(0, 512, (2, 16))), "labels": ids} for _ in range(3)]
+    held_out = [{"input_ids": (ids := torch.randint(0, 512, (2, 16))), "labels": ids} for _ in range(2)]
+    data = SimpleNamespace(batch=lambda i, device: train[i % 3], eval_batches=lambda device: held_out)
+    cfg = SimpleNamespace(on_gpu=False, model="/some/model", device="cpu", optimizer_in_backward=False, grad_accum=1,
+                          eval_every=2,
+                          sample_prompts=None, output_dir=None, save_every=0)
+    steps, prompts, new_tokens = 4, 3, 5
+    plan = interpreter.run_plan(cfg, data, 0, steps, prompts)
+    assert (plan["steps"], plan["evals"], plan["eval_batches"], plan["answers"]) == (4, 3, 2, 6)  # evals: 0, 2, 4
+    est = interpreter.estimate_step_seconds(model, train[0], 1, clock=now)
+    token_s = interpreter.estimate_token_seconds(model, train[0], clock=now)
+    predicted = interpreter.run_seconds(est, token_s, plan, new_tokens)
+
+    t0 = now()  # the run, as training.py does it
+    evaluate(model, held_out)
+    for step in range(steps):
+        model(**train[step % 3]).loss.backward()
+        if (step + 1) % cfg.eval_every == 0 or step == steps - 1:
+            evaluate(model, held_out)
+    model.eval()
+    for _ in range(plan["answers"]):  # the KV-cached decoding of generate.greedy, every token decoded
+        model.generate(input_ids=train[0]["input_ids"][:1, :8], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, use_cache=True, pad_token_id=0)
+    measured = now() - t0
+    assert measured / 2 <= predicted["total"] <= 2 * measured, (predicted, measured)
+    assert predicted["evals"] > 0 and predicted["answers"] > 0  # each part counted, not only the steps
+
+    # and before_training says it before the first step, with each part
+    interpreter.before_training(cfg, model, ("rmsnorm",), data, 1, steps, clock=now)
+    out = capsys.readouterr().out
+    assert "estimated time of the whole run here: ~" in out and "3 eval pass(es) of 2 batch(es)" in out
+
+
+def test_checkpoint_size_is_said_before_the_first_save(tmp_path, capsys):
+    """The size printed before the first save is within 2x of what save_checkpoint writes (2x: the files' own
+    headers, the tokenizer-free folder, the random state; weights and optimizer state dominate)."""
+    from playbook.checkpoint import save_checkpoint
+
+    model = _tiny(2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 512, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    cfg = SimpleNamespace(output_dir=tmp_path / "out", save_every=0, save_total_limit=None)
+    interpreter.saves_note(cfg, model, {"saves": 1})
+    line = capsys.readouterr().out
+    said = interpreter.checkpoint_bytes(model)
+    assert line.startswith("Checkpoints: 1 to ") and "optimizer state" in line
+    path = save_checkpoint(cfg.output_dir, 1, model, None, optimizer, None, {})
+    written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    total = said["weights"] + said["optimizer"]
+    assert written / 2 <= total <= 2 * written, (said, written)
+
+
 def test_heartbeat_says_where_the_step_is(capsys):
     model = _tiny(3)
     ticks = iter(range(0, 10_000, 100))  # a clock that moves 100 s per reading

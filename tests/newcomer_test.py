@@ -5,7 +5,9 @@ package index that does not answer costs one line, and the README quotes what th
     $ pytest tests/newcomer_test.py
 """
 
+import contextlib
 import http.server
+import io
 import re
 import shutil
 import subprocess
@@ -117,3 +119,95 @@ def test_offload_activations_on_a_cpu_claims_no_pinned_memory(capsys):
     models.apply_gradient_checkpointing(model, "all", offload=True)
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Gradient checkpointing"))
     assert "saves nothing there" in line and "pinned" not in line, line
+
+
+# ---------------------------------------------------------------- every README command, in the reader's form
+
+
+def readme_commands() -> list[list[str]]:
+    """The `python SCRIPT ...` lines of the README's bash blocks (continuations joined, comments dropped), each
+    with the code block it stands in; lines with `...` (an elision) are left out."""
+    import shlex
+
+    found = []
+    for i, block in enumerate(re.findall(r"```bash\n(.*?)```", README, flags=re.S)):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["python"] and "..." not in words:
+                found.append((i, words[1:]))
+    return found
+
+
+GPU_ONLY = ("llama-3.1-8b", "meta-llama/Llama-3.1-8B")  # models a CPU run refuses (exit 2) or cannot hold
+SAME_LOOP = {"finetune_optimized.py": "finetune_baseline.py"}  # one training loop: on a CPU, without the kernels
+
+
+def test_every_readme_command_has_a_cpu_form_beside_it():
+    commands = readme_commands()
+    assert len(commands) >= 15, commands
+    for block, argv in commands:
+        if any(m in argv for m in GPU_ONLY):
+            script = SAME_LOOP.get(argv[0], argv[0])
+            cpu = [a for b, a in commands
+                   if b == block and SAME_LOOP.get(a[0], a[0]) == script and not any(m in a for m in GPU_ONLY)]
+            assert cpu, f"README: `python {' '.join(argv)}` names a GPU model and its block has no CPU form"
+
+
+class _Parsed(BaseException):
+    """Raised where a script has parsed and checked its arguments, before it loads a model."""
+
+
+def test_every_readme_command_parses_its_arguments(monkeypatch):
+    """Each README command's arguments, through its script's own parser and checks, all in this process (no
+    model is loaded, nothing runs): an option renamed or a value refused is caught here. my_chats.jsonl (the
+    reader's file) stands for examples/chat.jsonl."""
+    import argparse
+    import runpy
+
+    import playbook
+    from playbook import config, setup_check
+
+    real_parse_config, real_parse_args = config.parse_config, argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(playbook, "exit_on_ctrl_c_while_starting", lambda *a, **k: None)
+    monkeypatch.setattr(playbook, "run_main", lambda main, kept: main())
+    monkeypatch.setattr(setup_check, "check_or_exit", lambda *a, **k: None)
+    monkeypatch.setattr(config, "parse_config", lambda *a, **k: (_ for _ in ()).throw(_Parsed(real_parse_config(*a, **k))))
+    monkeypatch.chdir(HERE)
+    for _, argv in readme_commands():
+        argv = ["examples/chat.jsonl" if a == "my_chats.jsonl" else a for a in argv]
+        script = argv[0]
+        own_parser = "parse_config" not in (HERE / script).read_text()
+        with monkeypatch.context() as m:
+            if own_parser:  # the script's argparse, and what it checks right after
+                m.setattr(argparse.ArgumentParser, "parse_args",
+                          lambda self, args=None, ns=None: (_ for _ in ()).throw(_Parsed(real_parse_args(self, args, ns))))
+            m.setattr(sys, "argv", argv)
+            try:
+                if script == "chat.py":
+                    import chat
+
+                    chat.parse(argv[1:])
+                else:
+                    runpy.run_path(str(HERE / script), run_name="__main__")
+            except _Parsed:
+                continue
+            except SystemExit as e:
+                pytest.fail(f"README: `python {' '.join(argv)}` is refused by its parser (exit {e.code})")
+
+
+def test_what_the_scripts_say_of_themselves_is_whole_and_true():
+    """chat.py --help gives its first paragraph whole (it stopped at "...greedy decoding with"); selfcheck's
+    set-up step shows a command that exists; make run / make test say what they take before they start."""
+    import chat
+
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+        chat.parse(["--help"])
+    intro = out.getvalue().split("\n\n")[1]
+    assert intro.rstrip().endswith("(playbook/generate.py)."), intro
+    selfcheck = (HERE / "selfcheck.py").read_text()
+    assert '"python selfcheck.py --setup" if check.cmd is None' in selfcheck and "python setup_check.py" not in selfcheck
+    for target, figure in (("run", "45 min on a 2-core CPU"), ("test", "9 min on one H200")):
+        recipe = MAKEFILE.split(f"\n{target}: check\n", 1)[1].split("\n\n", 1)[0]
+        first = recipe.splitlines()[0]
+        assert first.lstrip().startswith("@echo") and f"$({target.upper()}_TIME)" in first, first
+        assert figure in MAKEFILE and figure.split(" on ")[0] in README
