@@ -60,9 +60,12 @@ run: check
 	@echo "make run: the walkthrough, $$($(RUN_TIME))$(if $(WALKTHROUGH_ARGS), for the full one; less with WALKTHROUGH_ARGS)"
 	$(PY) walkthrough.py $(WALKTHROUGH_ARGS)
 
+# On a GPU with pytest-xdist installed (the NGC container has it) the tests run in 8 processes that share the GPU
+# (each test's models are small); PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS="-k rmsnorm".
+TEST_WORKERS = $(GPU_HERE) && $(PY) -c "import xdist" >/dev/null 2>&1 && echo "-n 8"
 test: check
 	@echo "make test: the test suite, $$($(TEST_TIME))"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $$($(TEST_WORKERS)) $(PYTEST_ARGS)
 
 setup: check
 
