@@ -179,6 +179,14 @@ class DistillConfig:
                    teacher_layers=a.teacher_layers, student_layers=a.student_layers, dtype=a.dtype,
                    alpha=a.alpha, beta=a.beta, temperature=a.temperature)
 
+    def plan_models(self) -> list:
+        """The models the memory plan counts (playbook/memory_plan.py): (name, layers, trains, config or None,
+        loss) of the frozen teacher and the student; the loss of the mode that needs more ("full" logits in
+        the baseline, "fused" chunks)."""
+        loss = "distill-full" if self.mode in ("baseline", "both") else "distill-fused"
+        return [(self.teacher, self.teacher_layers, False, STUDENTS.get(self.teacher), None),
+                (self.student, self.student_layers, True, STUDENTS.get(self.student), loss)]
+
 
 def _default(parser: argparse.ArgumentParser, dest: str, default, help: str) -> None:
     """This script's default for a shared option, and the help line that says so."""

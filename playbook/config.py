@@ -416,6 +416,8 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                         "(examples/prompts.txt)")
     o.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
     o.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
+    t.add_argument("--ignore-memory-plan", action="store_true",
+                   help="run even when the memory plan printed at start-up says the run does not fit")
     o.add_argument("--report-to", choices=["none", "tensorboard"], default="none",
                    help="also log to TensorBoard (under --output-dir or results/tensorboard)")
     if extra is not None:
@@ -610,7 +612,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
                               "GPU: Triton then compiles for a GPU, and the kernels cannot run here; unset "
                               "TRITON_INTERPRET (on a CPU the kernels run in Triton's interpreter), or run without "
                               "them (--kernels none)")
-    return RunConfig(
+    cfg = RunConfig(
         script=script, device=device, model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"),
         model_explicit=a.model is not None, num_layers=a.num_layers,
         batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
@@ -633,3 +635,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
         merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
         report_to=a.report_to, sample_prompts=sample_prompts, extra=extra)
+    from playbook.memory_plan import check  # the peak memory this run needs, before any model is built
+
+    check(cfg, enforce=not a.ignore_memory_plan)
+    return cfg

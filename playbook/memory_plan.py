@@ -1,0 +1,699 @@
+"""The memory plan: the peak memory a run will need, estimated from the model's config before it is built.
+
+    $ python finetune_optimized.py --model llama-3.1-8b --batch-size 8
+    Memory plan (estimated from the config, before the model is built; docs/memory.md#the-memory-plan):
+      weights            16.06 GB  bf16, 8.03 B parameters
+      gradients          16.06 GB  bf16, every parameter (freed after each step)
+      optimizer states   32.12 GB  AdamW's two moments in bf16
+      activations        58.05 GB  32 plain layers x 1.81 GB, 8 x 2048 tokens
+      loss                4.30 GB  fused linear cross-entropy: 1 chunk of 16,384 tokens, the head's gradient
+      peak              111.08 GB  at the loss: weights, optimizer states, activations, loss
+      free               84.93 GB  NVIDIA H100 80GB HBM3: does not fit
+    error: the plan needs 111.1 GB at its peak and the GPU has 84.9 GB free; ...
+
+    $ python -m playbook.memory_plan --table results/runs/*.json     # estimate against measured
+
+Everything here is arithmetic on the config's numbers (hidden size, MLP width, layers, heads, vocabulary)
+and the run's options: no model is built, no GPU memory is touched. `estimate(shape, setup)` is the pure
+function; `check(cfg)` is what the scripts call once the command line is parsed (config.parse_config).
+
+Where the peak comes from. A training step holds, besides the weights and AdamW's moments:
+  - at the loss, the end of forward: every layer's saved activations and the loss's buffers;
+  - in backward, layer by layer from the last: the gradients made so far, the saved activations of the
+    layers below, and the working set of the layer in hand (a checkpointed layer's recompute, the
+    gradients of its MLP's [N, I] tensors);
+  - at the optimizer step: every gradient.
+`estimate` walks these points and reports the largest. The bytes each layer keeps (docs/memory.md's
+table) are counted per token from the config; three constants are fitted to measured peaks
+(results/runs/, the table of `--table`), each named below with what it stands for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+GB = 1e9  # the scripts' summaries count GB as 10^9 bytes
+FREE_MEMORY_ENV = "PLAYBOOK_FREE_MEMORY_GB"  # a stand-in for the free memory (tests, or planning for another GPU)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Fitted to the measured peaks (docs/memory.md#the-memory-plan):
+MISC_BYTES_PER_TOKEN = 880  # per layer and token, beyond the tensors counted by name (RoPE's tables, small buffers)
+FP8_WEIGHT_BYTES = 0.17  # per FP8 projection weight: the FP8 copies and scales a step keeps (full fine-tune)
+FP8_TOKEN_BYTES = 0.5  # per token and hidden unit, in each FP8 layer: the inputs' FP8 copies and scales
+HOST_LINK_BYTES = 9e9  # what --offload-layers moves to the host during a forward (H100, PCIe; docs/memory.md)
+
+# Counted, not fitted:
+OFFLOADED_INPUTS_ON_GPU = 3  # --offload-activations: the input in use, the one being fetched, the one being sent
+PREFETCH_LAYERS = 3  # memory.PREFETCH_LAYERS: offloaded layers brought back ahead of backward
+FLCE_CHUNK_BYTES = 512 * 2**20  # linear_cross_entropy_kernel.CHUNK_BYTES
+DISTILL_FULL_BYTES = 56  # per logit: distill.py's baseline loss, counted op by op (distill.py's docstring)
+HF_LOSS_BYTES = 12  # per logit: Hugging Face's fp32 log-softmax, its gradient and the gradient of the logits
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # bitsandbytes NF4: 4 bits, an 8-bit scale per 64, an fp32 one per 256 of those
+FP8_MIN_WIDTH = 1536  # fp8_linear_kernel.FP8_MIN_WIDTH (not imported: that file loads Triton)
+LORA_DEFAULT_RANK = 16
+
+
+# ------------------------------------------------------------------------------------------------
+# The model's numbers and the run's options
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a LLaMA-family config that decide its memory."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config, num_layers: int | None = None) -> "Shape":
+        """From a Hugging Face config (an object or its dict); `num_layers` keeps the first N layers."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        layers = int(get("num_hidden_layers"))
+        return cls(vocab=int(get("vocab_size")), hidden=hidden, intermediate=int(get("intermediate_size")),
+                   layers=min(num_layers, layers) if num_layers else layers, heads=heads,
+                   kv_heads=int(get("num_key_value_heads") or heads),
+                   head_dim=int(get("head_dim") or hidden // heads), tied=bool(get("tie_word_embeddings", False)))
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def projection_sizes(self) -> dict:
+        """(in, out) of each of a layer's seven projections."""
+        h, i, q, kv = self.hidden, self.intermediate, self.q, self.kv
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def projection_params(self) -> int:  # per layer
+        return sum(a * b for a, b in self.projection_sizes().values())
+
+    @property
+    def params(self) -> int:
+        layer = self.projection_params + 2 * self.hidden  # and the two norms
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer + self.hidden
+
+    def lora_params(self, r: int, targets) -> int:
+        return self.layers * sum(r * (a + b) for name, (a, b) in self.projection_sizes().items() if name in targets)
+
+    def fp8_params(self, rule: str) -> int:
+        """Projection weights per layer that FP8 converts: with rule 'auto', the groups that share an input
+        (q/k/v, gate/up) and the others of harmonic width in x out / (in + out) >= FP8_MIN_WIDTH."""
+        h, i, q, kv = self.hidden, self.intermediate, self.q, self.kv
+        groups = ((h, q + 2 * kv), (q, h), (h, 2 * i), (i, h))
+        return sum(a * b for a, b in groups if rule == "all" or a * b / (a + b) >= FP8_MIN_WIDTH)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The options of a run that decide its memory (`setup_from`: from a RunConfig or a saved summary)."""
+
+    batch: int
+    seq: int
+    grad_accum: int = 1
+    lora_r: int = 0
+    lora_targets: tuple = PROJECTIONS
+    load_in_4bit: bool = False
+    fp8: bool = False
+    fp8_rule: str = "auto"  # --fp8-layers
+    fp8_end_layers: int = 0  # the recipe's bf16 end layers (rowwise-bf16-ends: 2 at each end)
+    layer_kinds: tuple = ()  # per decoder layer: "plain", "checkpointed" or "offloaded" (--offload-layers)
+    offload_activations: bool = False
+    keep_attention: bool = False
+    recompute_norms: bool = False
+    mlp_chunk: int = 0
+    optimizer: str = "adamw-fused"
+    rounding: str = "nearest"  # "nearest", "stochastic", "kahan" or "fp32-master"
+    in_backward: bool = False
+    kernels: str = "playbook"  # "playbook" (this project's kernels), "liger" (a peer's), "hf" (none)
+    loss: str = "fused"  # "fused" (linear cross-entropy), "chunked" (cross-entropy kernel), "full" (fp32 logits)
+    world: int = 1
+    weight_bytes: int = 2  # bf16; 4 where a CPU trains in fp32
+    trains: bool = True
+    partial_kernels: bool = False  # a kernel set between none and the default one: estimated from the nearest
+
+    @property
+    def tokens(self) -> int:  # per micro-batch
+        return self.batch * self.seq
+
+
+@dataclass
+class Plan:
+    """What `estimate` found: the parts in bytes, the peak, where it comes, and notes on the approximations."""
+
+    parts: dict  # name -> (bytes, what)
+    peak: float
+    where: str
+    notes: list = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------
+# The estimate
+# ------------------------------------------------------------------------------------------------
+def layer_bytes(shape: Shape, s: Setup) -> dict:
+    """Bytes per token one decoder layer keeps or works with (docs/memory.md's table, from the config).
+
+    plain        what a layer that is not checkpointed saves for backward
+    input        a checkpointed layer's input
+    kept         --keep-attention: attention's output and softmax statistics
+    mlp          the part of `plain` that the tiled MLP keeps per chunk instead ([N, 2I] gate and up)
+    mlp_backward the MLP's backward: the gradients of its [N, I] tensors
+    attention_backward  attention's backward: dq, dk, dv, the gradients of its output and the residual
+    """
+    h, i, q, kv, heads, w = shape.hidden, shape.intermediate, shape.q, shape.kv, shape.heads, s.weight_bytes
+    lora = s.lora_r > 0
+    if s.kernels == "playbook" or (s.kernels == "liger" and not lora):
+        norms = 2 * w * h * (1 if s.recompute_norms else 2)  # each norm's input, and its output the projections read
+        attention = w * (q + 2 * kv) + w * q + 4 * heads  # q, k, v; the output; the softmax statistics (fp32)
+        mlp = 2 * w * i  # gate and up
+    else:  # Hugging Face's modules, op by op
+        if lora:  # frozen norm weights and projections save nothing; peft casts each adapter's input to fp32
+            fused = s.kernels == "liger"  # Liger's norms keep their input, its SwiGLU gate and up
+            norms = 2 * (w if fused else 4) * h
+            sizes = shape.projection_sizes()
+            casts = sum(4 * sizes[t][0] for t in s.lora_targets)
+            attention = w * (2 * q + 2 * kv) + 4 * heads + casts
+            mlp = (2 if fused else 3) * w * i
+        else:  # each norm: its fp32 input, the normalized bf16 tensor, its output; o_proj's and down_proj's inputs
+            norms = 2 * (4 * h + 2 * w * h)
+            attention = w * (2 * q + 2 * kv) + w * q + 4 * heads
+            mlp = 4 * w * i
+    fp8 = FP8_TOKEN_BYTES * h if s.fp8 and not lora else 0
+    plain = norms + attention + mlp + fp8 + MISC_BYTES_PER_TOKEN
+    return {"plain": plain, "input": w * h, "kept": (w * q + 4 * heads) if s.keep_attention else 0, "mlp": mlp,
+            "mlp_backward": 3 * w * i, "attention_backward": w * (2 * q + 2 * kv + 2 * h)}
+
+
+def loss_bytes(shape: Shape, s: Setup) -> tuple[float, str]:
+    """The loss's buffers at their peak, and what they are."""
+    n, v, h, w = s.tokens, shape.vocab, shape.hidden, s.weight_bytes
+    head_trains = s.trains and not s.lora_r
+    if s.loss == "full":
+        return HF_LOSS_BYTES * n * v, f"fp32 logits of {n:,} tokens x {v:,}, their log-softmax and gradients"
+    if s.loss == "distill-full":
+        return DISTILL_FULL_BYTES * n * v, f"both models' fp32 logits of {n:,} tokens x {v:,} and the JSD's tensors"
+    if s.loss == "distill-fused":  # the cross-entropy's pass, then the JSD's with the teacher's chunk beside it
+        ce, _ = loss_bytes(shape, replace(s, loss="fused"))
+        chunk = min(n, max(128, FLCE_CHUNK_BYTES // (v * 2) // 128 * 128))
+        return 2 * ce + chunk * v * 2, "fused cross-entropy and JSD, a chunk of the teacher's logits beside"
+    if s.loss == "chunked":
+        return 2 * n * v * 2 + n * h * w, f"the logits of {n:,} tokens x {v:,} and their gradient"
+    acc = v * h * 4 if head_trains else 0
+    if n * v * 2 <= FLCE_CHUNK_BYTES + acc:
+        chunk, acc = n, 0
+    else:
+        chunk = min(n, max(128, FLCE_CHUNK_BYTES // (v * 2) // 128 * 128))
+    total = n * h * w + chunk * v * 2 + acc + (v * h * w if head_trains else 0)
+    chunks = math.ceil(n / chunk)
+    what = (f"fused linear cross-entropy: {chunks} chunk{'s' if chunks > 1 else ''} of {chunk:,} tokens"
+            + (", the head's gradient" if head_trains else "") + (" and its fp32 sum" if acc else ""))
+    return total, what
+
+
+def estimate(shape: Shape, s: Setup) -> Plan:
+    """The plan of one run: every part in bytes and the peak over the step's points (module docstring)."""
+    n, w, L = s.tokens, s.weight_bytes, shape.layers
+    kinds = s.layer_kinds or ("plain",) * L
+    notes = []
+    # weights
+    lora = s.lora_r > 0 and s.trains
+    if lora:
+        base_proj = shape.projection_params * L
+        if s.load_in_4bit:
+            proj_bytes, kind = base_proj * NF4_BYTES, "the projections in NF4"
+        elif s.fp8:
+            fp8_layers = max(0, L - 2 * s.fp8_end_layers)
+            per_layer = shape.fp8_params("all")
+            proj_bytes = fp8_layers * per_layer * 1 + (base_proj - fp8_layers * per_layer) * w
+            kind = f"the projections of {fp8_layers} layers in FP8"
+        else:
+            proj_bytes, kind = base_proj * w, ""
+        adapters = shape.lora_params(s.lora_r, s.lora_targets)
+        weights = (shape.params - base_proj) * w + proj_bytes + adapters * 4
+        trained, state_bytes = adapters, 4  # the adapters train in fp32
+        what = f"{_dtype(w)} base{', ' + kind if kind else ''}; {adapters / 1e6:,.1f} M adapter parameters in fp32"
+    else:
+        weights, trained, state_bytes = shape.params * w, shape.params, w
+        what = f"{_dtype(w)}, {shape.params / 1e9:.2f} B parameters"
+        if s.fp8 and s.trains:
+            fp8_layers = max(0, L - 2 * s.fp8_end_layers)
+            weights += FP8_WEIGHT_BYTES * fp8_layers * shape.fp8_params(s.fp8_rule)
+            what += f", FP8 copies for {fp8_layers} layers"
+    if not s.trains:
+        trained = 0
+    grads = trained * state_bytes
+    states = 2 * trained * state_bytes
+    states_what = f"AdamW's two moments in {_dtype(state_bytes)}"
+    if s.rounding == "kahan":
+        states += trained * 2
+        states_what += ", the Kahan compensation in bf16"
+    elif s.rounding == "fp32-master":
+        states += trained * 4
+        states_what += ", the fp32 master weights"
+    world = max(1, s.world)
+    if world > 1:  # FSDP2 shards all three; a layer's weights are gathered whole while it runs
+        weights, grads, states = weights / world, grads / world, states / world
+        gathered = 2 * (shape.projection_params + 2 * shape.hidden) * w + shape.vocab * shape.hidden * w
+        weights += gathered
+        what += f", 1/{world} of them per GPU and 2 layers and the head gathered whole"
+    static = weights + states
+    layer_grads = (shape.projection_params + 2 * shape.hidden) * w / world if not lora else 0
+    head_grads = (grads - L * layer_grads) if not lora else grads
+    if s.in_backward:  # each gradient is used and dropped as backward makes it
+        layer_grads_kept, head_kept = 0, 0
+    else:
+        layer_grads_kept, head_kept = layer_grads, head_grads
+    persistent = grads if s.grad_accum > 1 else 0  # the micro-batches after the first add to the kept gradients
+
+    # activations: per layer, what stays on the GPU from forward to backward
+    b = layer_bytes(shape, s)
+    tiled = s.mlp_chunk and s.mlp_chunk < n
+    plain = b["plain"] - (b["mlp"] if tiled else 0)
+    kept = {"plain": plain * n, "checkpointed": (b["input"] + b["kept"]) * n, "offloaded": plain * n}
+    on_gpu = [kept[k] for k in kinds]
+    checkpointed = [j for j, k in enumerate(kinds) if k == "checkpointed"]
+    offloaded = [j for j, k in enumerate(kinds) if k == "offloaded"]
+    if s.offload_activations and checkpointed:  # their inputs wait in host memory, but for a few
+        for j in checkpointed:
+            on_gpu[j] = b["kept"] * n
+        resident_inputs = min(len(checkpointed), OFFLOADED_INPUTS_ON_GPU) * b["input"] * n
+    else:
+        resident_inputs = 0
+    moved = min(sum(on_gpu[j] for j in offloaded), HOST_LINK_BYTES)
+    activations = sum(on_gpu) + resident_inputs - moved
+    chunk = min(n, s.mlp_chunk) if tiled else n
+    mlp_work = (b["mlp_backward"] + (b["mlp"] if tiled else 0)) * chunk
+    if tiled and not lora:
+        mlp_work += 4 * 3 * shape.hidden * shape.intermediate  # the MLP's weight gradients summed in fp32
+    work = max(mlp_work, b["attention_backward"] * n)
+    loss, loss_what = loss_bytes(shape, s)
+    grad_out = n * shape.hidden * w  # the gradient flowing down the residual stream
+
+    points = {"at the loss": static + persistent + activations + loss}
+    if s.trains:
+        # backward, layer i from the last: gradients made so far, the layers below, the layer in hand
+        for i in reversed(range(L)):
+            below = sum(on_gpu[:i])
+            if offloaded:  # offloaded layers below come back a few layers ahead
+                below -= sum(on_gpu[j] for j in offloaded if j < i - PREFETCH_LAYERS)
+            own = plain * n if kinds[i] != "checkpointed" else plain * n - b["kept"] * n + on_gpu[i]
+            made = max(persistent, head_kept + (L - 1 - i) * layer_grads_kept) + layer_grads
+            points[f"in backward, layer {i}"] = static + made + below + resident_inputs + own + work + grad_out
+        step_extra = grads if s.optimizer == "adamw-foreach" and not s.in_backward else 0  # foreach's temporaries
+        points["at the optimizer step"] = static + (grads if not s.in_backward else layer_grads) + step_extra
+    where = max(points, key=points.get)
+    peak = points[where]
+    if where.startswith("in backward"):
+        where = "in backward" + (" (the last layer first)" if where.endswith(f"layer {L - 1}") else
+                                 " (the first layers, with the gradients of the others)")
+    parts = {"weights": (weights, what)}
+    if s.trains:
+        parts["gradients"] = (grads, _grads_what(s, lora, state_bytes))
+        parts["optimizer states"] = (states, states_what)
+    parts["activations"] = (activations, _activations_what(shape, s, kinds, plain * n))
+    parts["loss"] = (loss, loss_what)
+    if s.kernels == "liger" or s.partial_kernels:
+        notes.append("estimated for this kernel set from the nearest one measured (docs/memory.md)")
+    return Plan(parts=parts, peak=peak, where=where, notes=notes)
+
+
+def _dtype(nbytes: int) -> str:
+    return {1: "fp8", 2: "bf16", 4: "fp32"}.get(nbytes, f"{nbytes}-byte")
+
+
+def _grads_what(s: Setup, lora: bool, nbytes: int) -> str:
+    what = f"{_dtype(nbytes)}, " + ("the adapters only" if lora else "every parameter")
+    if s.in_backward:
+        return what + " (--optimizer-in-backward: one at a time)"
+    return what + (" (kept across the micro-batches)" if s.grad_accum > 1 else " (freed after each step)")
+
+
+def _activations_what(shape: Shape, s: Setup, kinds, plain_bytes: float) -> str:
+    counts = {k: kinds.count(k) for k in ("plain", "checkpointed", "offloaded") if kinds.count(k)}
+    text = ", ".join(f"{c} {k}" for k, c in counts.items()) + " layers"
+    if counts.get("plain") == len(kinds):
+        text = f"{len(kinds)} plain layers x {plain_bytes / GB:.2f} GB"
+    extras = [flag for flag, on in (("inputs on the host", s.offload_activations), ("attention kept", s.keep_attention),
+                                    ("norms recomputed", s.recompute_norms),
+                                    (f"MLP in chunks of {s.mlp_chunk:,}", s.mlp_chunk)) if on]
+    return text + (f" ({', '.join(extras)})" if extras else "") + f", {s.batch} x {s.seq} tokens"
+
+
+# ------------------------------------------------------------------------------------------------
+# Options that would fit
+# ------------------------------------------------------------------------------------------------
+def suggestions(shape: Shape, s: Setup, free: float) -> list[tuple[str, float]]:
+    """(options, estimated peak) for changes to this run that bring its peak under `free`, fewest changes
+    first: each option alone, the memory options together where none alone fits, the largest batch that fits."""
+    L = shape.layers
+    single = []
+    if s.rounding == "kahan":
+        single.append(("--optimizer-rounding stochastic instead of kahan", replace(s, rounding="stochastic")))
+    if s.rounding == "fp32-master":
+        single.append(("--optimizer-rounding stochastic instead of --master-weights fp32",
+                       replace(s, rounding="stochastic")))
+    if "plain" in s.layer_kinds or not s.layer_kinds:
+        single.append(("--gradient-checkpointing", replace(s, layer_kinds=("checkpointed",) * L)))
+    elif not s.offload_activations:
+        single.append(("--offload-activations", replace(s, offload_activations=True)))
+    if s.keep_attention:
+        single.append(("no --keep-attention", replace(s, keep_attention=False)))
+    if not s.mlp_chunk and s.tokens > 16384:
+        single.append(("--mlp-chunk-tokens 16384", replace(s, mlp_chunk=16384)))
+    if s.kernels == "playbook" and not s.recompute_norms and "plain" in (s.layer_kinds or ("plain",)):
+        single.append(("--recompute-norms", replace(s, recompute_norms=True)))
+    if not s.lora_r and not s.in_backward and s.grad_accum == 1 and s.world == 1:
+        single.append(("--optimizer-in-backward", replace(s, in_backward=True)))
+    if not s.lora_r:
+        single.append((f"--lora-r {LORA_DEFAULT_RANK}", replace(s, lora_r=LORA_DEFAULT_RANK, rounding="nearest",
+                                                               in_backward=False)))
+    elif not s.load_in_4bit and not s.fp8:
+        single.append(("--fp8 (the frozen projections in FP8)", replace(s, fp8=True)))
+        single.append(("--load-in-4bit", replace(s, load_in_4bit=True)))
+    if s.kernels != "playbook" or s.loss != "fused":
+        single.append(("finetune_optimized.py's kernels (--kernels default)",
+                       replace(s, kernels="playbook", loss="fused")))
+    found = [(text, estimate(shape, t).peak) for text, t in single]
+    fits = [(text, peak) for text, peak in found if peak <= free]
+    if not [f for f in fits if not f[0].startswith(("--lora-r", "--load-in-4bit", "--fp8", "finetune_optimized"))]:
+        # the memory options together (not the ones that change what trains)
+        together = s
+        names = []
+        for text, t in single:
+            if text.startswith(("--lora-r", "--load-in-4bit", "--fp8", "finetune_optimized")) or (
+                    text == "--recompute-norms" and "--gradient-checkpointing" in names):  # (no plain layer left)
+                continue
+            together = replace(together, **{k: getattr(t, k) for k in ("rounding", "layer_kinds", "offload_activations",
+                                                                        "keep_attention", "mlp_chunk",
+                                                                        "recompute_norms", "in_backward")
+                                            if getattr(t, k) != getattr(s, k)})
+            names.append(text)
+        if len(names) > 1:
+            peak = estimate(shape, together).peak
+            if peak <= free:
+                fits.append(("together: " + ", ".join(names), peak))
+    for batch in _smaller(s.batch):
+        peak = estimate(shape, replace(s, batch=batch)).peak
+        if peak <= free:
+            accum = s.grad_accum * s.batch // batch
+            fits.append((f"--batch-size {batch}" + (f" --grad-accum {accum}" if s.batch % batch == 0 else ""), peak))
+            break
+    else:
+        for seq in _smaller(s.seq):
+            peak = estimate(shape, replace(s, batch=1, seq=seq)).peak
+            if peak <= free:
+                fits.append((f"--batch-size 1 --seq-len {seq}" if s.batch > 1 else f"--seq-len {seq}", peak))
+                break
+    return sorted(fits, key=lambda f: -f[1])  # the closest to this run first
+
+
+def _smaller(n: int):
+    while n > 1:
+        n //= 2
+        yield n
+
+
+# ------------------------------------------------------------------------------------------------
+# From a run's configuration
+# ------------------------------------------------------------------------------------------------
+def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2, trains: bool = True) -> Setup:
+    """A Setup from a RunConfig's fields (`cfg.as_dict()`, or the `config` of a saved summary)."""
+    from playbook.memory import parse_layers
+
+    kernels = tuple(values.get("kernels") or ())
+    L = shape.layers
+
+    def layers(spec):
+        if not spec:
+            return set()
+        try:
+            return set(parse_layers(spec, L))
+        except ValueError:  # (the command line checked the SPEC against --num-layers, the model does later)
+            return set()
+
+    checkpointed = layers(values.get("checkpoint_layers") or ("all" if values.get("gradient_checkpointing") else None))
+    offloaded = layers(values.get("offload_layers"))
+    kinds = tuple("checkpointed" if j in checkpointed else "offloaded" if j in offloaded else "plain" for j in range(L))
+    if "liger" in kernels:
+        layer_kind = "liger"
+    else:
+        layer_kind = "hf" if not ({"rmsnorm", "swiglu"} & set(kernels)) else "playbook"
+    loss = ("fused" if "linear_cross_entropy" in kernels or "liger" in kernels else
+            "chunked" if "cross_entropy" in kernels else "full")
+    recipe = values.get("fp8_recipe") or ""
+    rounding = "fp32-master" if values.get("master_weights") == "fp32" else (values.get("optimizer_rounding") or "nearest")
+    from playbook.lora import parse_targets
+
+    lora_r = int(values.get("lora_r") or 0)
+    return Setup(
+        batch=int(values["batch_size"]), seq=int(values["seq_len"]), grad_accum=int(values.get("grad_accum") or 1),
+        lora_r=lora_r, lora_targets=tuple(parse_targets(values.get("lora_targets") or "all")),
+        load_in_4bit=bool(values.get("load_in_4bit")), fp8=bool(values.get("fp8")),
+        fp8_rule=values.get("fp8_layers") or "auto", fp8_end_layers=2 if recipe.endswith("-ends") else 0,
+        layer_kinds=kinds, offload_activations=bool(values.get("offload_activations")),
+        keep_attention=bool(values.get("keep_attention")), recompute_norms=bool(values.get("recompute_norms")),
+        mlp_chunk=int(values.get("mlp_chunk_tokens") or 0), optimizer=values.get("optimizer") or "adamw-fused",
+        rounding=rounding, in_backward=bool(values.get("optimizer_in_backward")), kernels=layer_kind, loss=loss,
+        world=world, weight_bytes=weight_bytes, trains=trains,
+        partial_kernels=bool(kernels) and "liger" not in kernels and not _full_set(kernels))
+
+
+def _full_set(kernels) -> bool:
+    return {"rmsnorm", "linear_cross_entropy", "swiglu"} <= set(kernels)
+
+
+def model_shape(name: str, num_layers: int | None = None) -> Shape | None:
+    """The Shape of --model NAME from what is on this machine (a preset, a local directory, a GGUF file,
+    the Hugging Face cache); None where its config is not here yet (it comes with the weights)."""
+    from playbook.models import PRESETS
+
+    if name in PRESETS:
+        return Shape.from_config(PRESETS[name], num_layers)
+    try:
+        from playbook import pretrained
+
+        if pretrained.is_pretrained_name(name):
+            folder = pretrained.cached_directory(name)
+            if (folder / "config.json").is_file():
+                return Shape.from_config(json.loads((folder / "config.json").read_text()), num_layers)
+            return _gguf_shape(pretrained.gguf_file(name), num_layers)
+        local = Path(name).expanduser()
+        if local.is_dir():
+            return Shape.from_config(json.loads((local / "config.json").read_text()), num_layers)
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            return Shape.from_config(json.loads(Path(cached).read_text()), num_layers)
+    except (OSError, ValueError, KeyError, TypeError, SystemExit, ImportError):
+        return None
+    return None
+
+
+def _gguf_shape(path: Path, num_layers: int | None) -> Shape | None:
+    """A GGUF file's architecture from its metadata (the gguf package reads the header, not the weights)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def value(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.parts[f.data[0]].tolist()[0]
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    hidden, heads = value(f"{arch}.embedding_length"), value(f"{arch}.attention.head_count")
+    return Shape.from_config({
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data), "hidden_size": hidden,
+        "intermediate_size": value(f"{arch}.feed_forward_length"), "num_hidden_layers": value(f"{arch}.block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": value(f"{arch}.attention.head_count_kv"),
+        "head_dim": value(f"{arch}.attention.key_length") or hidden // heads,
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}, num_layers)
+
+
+def free_memory(device) -> tuple[float, str]:
+    """(bytes free, where): the GPU's free memory (torch.cuda.mem_get_info), the host's MemAvailable on a
+    CPU, or the stand-in of PLAYBOOK_FREE_MEMORY_GB."""
+    import torch
+
+    if os.environ.get(FREE_MEMORY_ENV):
+        return float(os.environ[FREE_MEMORY_ENV]) * GB, f"{FREE_MEMORY_ENV}={os.environ[FREE_MEMORY_ENV]}"
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free on {torch.cuda.get_device_name(device)}"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024, "available on the host (MemAvailable)"
+    except OSError:
+        pass
+    return math.inf, "on the host (unknown)"
+
+
+def format_plan(plan: Plan, free: float, where_free: str) -> str:
+    lines = ["Memory plan (estimated from the config, before the model is built; docs/memory.md#the-memory-plan):"]
+    width = max(len(name) for name in plan.parts)
+    for name, (nbytes, what) in plan.parts.items():
+        lines.append(f"  {name:<{width}} {nbytes / GB:8.2f} GB  {what}")
+    lines.append(f"  {'peak':<{width}} {plan.peak / GB:8.2f} GB  {plan.where}")
+    if math.isfinite(free):
+        verdict = (f"fits, {(free - plan.peak) / GB:.2f} GB to spare" if plan.peak <= free else "does not fit")
+        lines.append(f"  {'free':<{width}} {free / GB:8.2f} GB  {where_free}: {verdict}")
+    lines += [f"  ({note})" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
+    """(title, Shape, Setup) of each model the run holds at once: the model it fine-tunes, or distill.py's
+    teacher and student (its section's `plan_models()`); [] when a config is not on this machine yet."""
+    import torch
+
+    from playbook.common import world
+    from playbook.models import PRESETS, weights_dtype
+
+    values = cfg.as_dict()
+    models = (cfg.extra.plan_models() if hasattr(cfg.extra, "plan_models")
+              else [(cfg.model, cfg.num_layers, True, None, None)])
+    out = []
+    for name, num_layers, trains, config, loss in models:
+        shape = Shape.from_config(config, num_layers) if config is not None else model_shape(name, num_layers)
+        if shape is None and name == cfg.model and not cfg.model_explicit:
+            shape = Shape.from_config(PRESETS["llama-3.1-8b"], num_layers)  # load_model's fallback
+        if shape is None:
+            return []
+        role = dict(values, model=name)
+        wbytes = 2 if name in PRESETS or config is not None else weights_dtype(replace_model(cfg, name),
+                                                                                torch.bfloat16).itemsize
+        if not trains:  # a frozen teacher: its weights, one forward without saved activations
+            role.update(lora_r=0, load_in_4bit=False, fp8=False, gradient_checkpointing=False, checkpoint_layers=None)
+        setup = setup_from(role, shape, world=world()[1], weight_bytes=wbytes, trains=trains)
+        out.append((name, shape, replace(setup, loss=loss) if loss else setup))
+    return out
+
+
+def replace_model(cfg, name):
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=name)
+
+
+def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
+    """One plan for the models a run holds at once (distill.py: a frozen teacher beside the student)."""
+    if len(plans) == 1:
+        return estimate(plans[0][1], plans[0][2])
+    frozen = [(name, estimate(shape, s)) for name, shape, s in plans if not s.trains]
+    trained = [(name, estimate(shape, s)) for name, shape, s in plans if s.trains]
+    held = {name: s.tokens * shape.hidden * s.weight_bytes for name, shape, s in plans if not s.trains}
+    base = sum(p.parts["weights"][0] + held[name] for name, p in frozen)
+    parts = {f"{name} weights (frozen)": p.parts["weights"] for name, p in frozen}
+    peak, where = 0.0, ""
+    for name, p in trained:
+        parts.update({f"{name} {k}": v for k, v in p.parts.items()})
+        if p.peak + base > peak:
+            peak, where = p.peak + base, f"{name}: {p.where}"
+    return Plan(parts=parts, peak=peak, where=where, notes=[n for _, p in trained for n in p.notes])
+
+
+def check(cfg, enforce: bool = True) -> Plan | None:
+    """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would.
+    Called once the command line is parsed, before any model is built."""
+    from playbook.common import is_main, log
+    from playbook.config import usage_error
+
+    plans = run_plans(cfg)
+    if not plans:
+        log(f"Memory plan: none before loading (the config of {cfg.model} is not on this machine yet)")
+        return None
+    plan = combine(plans)
+    free, where_free = free_memory(cfg.device)
+    if is_main():
+        log(format_plan(plan, free, where_free))
+    if plan.peak <= free or not enforce:
+        return plan
+    memory = "the GPU" if cfg.on_gpu and FREE_MEMORY_ENV not in where_free else "this machine"
+    fits = suggestions(plans[-1][1], plans[-1][2], free - (plan.peak - estimate(plans[-1][1], plans[-1][2]).peak))
+    way = ("; options that fit (estimated peak): " + "; ".join(f"{text} ({peak / GB:.1f} GB)" for text, peak in fits)
+           if fits else "; no single option brings it under; see docs/memory.md, or use several GPUs (torchrun)")
+    raise usage_error(f"--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}: the plan needs {plan.peak / GB:.1f} GB "
+                      f"at its peak and {memory} has {free / GB:.1f} GB{way}; --ignore-memory-plan runs it anyway")
+
+
+# ------------------------------------------------------------------------------------------------
+# Estimate against measured, for the runs under results/
+# ------------------------------------------------------------------------------------------------
+def measured_run(path: Path) -> tuple[Shape, Setup, float, str] | None:
+    """(Shape, Setup, measured peak in bytes, label) of a saved summary with a peak; None for other files."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    config, peak = data.get("config") if isinstance(data, dict) else None, (data or {}).get("peak_memory_gb")
+    if not config or not peak or "batch_size" not in config or data.get("script") == "distill":
+        return None
+    from playbook.models import PRESETS
+
+    if config.get("model") not in PRESETS and not str(config.get("model")).startswith("smollm2"):
+        return None
+    name = config["model"]
+    shape = model_shape(name, config.get("num_layers"))
+    if shape is None:
+        return None
+    setup = setup_from(config, shape, world=int(data.get("world_size") or 1))
+    return shape, setup, peak * GB, data.get("gpu", ""), _caveat(config, setup)
+
+
+def _caveat(config: dict, setup: Setup) -> str:
+    """What the estimate does not model in a saved run, for the table's last column."""
+    if config.get("warmup_steps") == 0 and not setup.lora_r:
+        return "peak of the first step: AdamW's moments are made at its end"
+    if config.get("compile") and setup.kernels == "hf":
+        return "torch.compile frees what the estimate counts"
+    if setup.partial_kernels:
+        return "a partial kernel set"
+    if config.get("packing"):
+        return "packed rows"
+    return ""
+
+
+def table(paths) -> str:
+    rows = []
+    for path in paths:
+        found = measured_run(Path(path))
+        if found is None:
+            continue
+        shape, setup, measured, gpu, caveat = found
+        est = estimate(shape, setup).peak
+        rows.append((str(path), gpu.split(" (")[0].replace("NVIDIA ", ""), f"{setup.batch} x {setup.seq}",
+                     f"{est / GB:.1f}", f"{measured / GB:.1f}", f"{100 * (est - measured) / measured:+.1f}%", caveat))
+    head = ("run", "GPU", "tokens", "estimated (GB)", "measured (GB)", "error", "not modelled")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = "| " + " | ".join(f"{{:{'<' if i < 3 or i == 6 else '>'}{w}}}" for i, w in enumerate(widths)) + " |"
+    return "\n".join([fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [fmt.format(*r) for r in rows])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="The memory plan's estimate against the peaks measured by saved runs.")
+    p.add_argument("--table", nargs="+", metavar="RUN.json", required=True,
+                   help="saved summaries (results/*.json) with a peak GPU memory; others are skipped")
+    a = p.parse_args(argv)
+    print(table(a.table))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
