@@ -536,12 +536,20 @@ def free_memory(device) -> tuple[float, str]:
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free on {torch.cuda.get_device_name(device)}"
+    from playbook.common import host_memory_limit
+
+    limit = host_memory_limit()  # a container's or job's cgroup limit, where lower than the RAM
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024, "available on the host (MemAvailable)"
+                available = float(line.split()[1]) * 1024
+                if limit is not None and limit < available:
+                    return float(limit), "this process's memory limit (cgroup)"
+                return available, "available on the host (MemAvailable)"
     except OSError:
         pass
+    if limit is not None:
+        return float(limit), "this process's memory limit"
     return math.inf, "on the host (unknown)"
 
 
@@ -629,6 +637,8 @@ def check(cfg, enforce: bool = True) -> Plan | None:
     fits = suggestions(plans[-1][1], plans[-1][2], free - (plan.peak - estimate(plans[-1][1], plans[-1][2]).peak))
     way = ("; options that fit (estimated peak): " + "; ".join(f"{text} ({peak / GB:.1f} GB)" for text, peak in fits)
            if fits else "; no single option brings it under; see docs/memory.md, or use several GPUs (torchrun)")
+    if not cfg.on_gpu and cfg.model != "llama-tiny":
+        way += "; on a CPU, --model llama-tiny runs the CPU demo"
     raise usage_error(f"--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}: the plan needs {plan.peak / GB:.1f} GB "
                       f"at its peak and {memory} has {free / GB:.1f} GB{way}; --ignore-memory-plan runs it anyway")
 
