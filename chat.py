@@ -10,15 +10,32 @@ the model's chat template (playbook/generate.py).
 smollm2-135m) and the directories they write (checkpoint-N/, merged/). A LoRA adapter directory
 names its base model in adapter_config.json; that base is loaded, then the adapter. The same
 question to the same model always gets the same answer (greedy), so two checkpoints can be compared.
+--prompts-file reads text (a question a line), JSON Lines ({"prompt": ...} a line) or a JSON array
+of strings. Answers go to stdout, everything else to stderr. A question that is empty, not UTF-8, or
+longer than the model's context is refused (never cut).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+
+def refuse(message: str) -> SystemExit:
+    """A bad argument: one line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _not_utf8(text: str) -> str | None:
+    """The first byte of an argument that was not UTF-8 (Python keeps such bytes as lone surrogates)."""
+    bad = next((c for c in text if "\udc80" <= c <= "\udcff"), None)
+    return None if bad is None else f"0x{ord(bad) - 0xdc00:02x}"
 
 
 def parse(argv=None):
@@ -27,61 +44,141 @@ def parse(argv=None):
     p.add_argument("question", nargs="*", help="the question (several words are joined)")
     p.add_argument("--model", required=True, help="model id, directory, .gguf file, smollm2-135m, checkpoint or adapter")
     p.add_argument("--prompt", action="append", default=[], help="a question (may be given several times)")
-    p.add_argument("--prompts-file", type=Path, default=None, help="questions, one per line (or .jsonl of {\"prompt\"})")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="questions: text, one per line; .jsonl of {\"prompt\": ...}; or a .json array of strings")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length limit in tokens (default 48)")
     p.add_argument("--json", action="store_true", help="print [{\"prompt\", \"answer\"}] as JSON")
     a = p.parse_args(argv)
     if a.max_new_tokens is not None and a.max_new_tokens < 1:
         p.error(f"--max-new-tokens {a.max_new_tokens}: give a positive number")
-    if a.prompts_file is not None and not a.prompts_file.is_file():
+    if a.prompts_file is not None and not a.prompts_file.exists():
         p.error(f"--prompts-file {a.prompts_file}: no such file")
     if not (a.question or a.prompt or a.prompts_file):
         p.error("ask something: a question after the options, --prompt, or --prompts-file")
+    if not a.model.strip():
+        raise refuse("--model '': no model named (an unset shell variable?); give a checkpoint, a model directory, "
+                     "a .gguf file, smollm2-135m or a Hugging Face id")
+    for where, text in ([("the question", " ".join(a.question))] if a.question else []) + \
+            [(f"--prompt {i + 1}" if len(a.prompt) > 1 else "--prompt", t) for i, t in enumerate(a.prompt)]:
+        byte = _not_utf8(text)
+        if byte is not None:
+            raise refuse(f"{where} is not UTF-8 text (byte {byte}); write it in UTF-8 (a file of questions can be "
+                         "converted: iconv -f latin1 -t utf-8 FILE, then --prompts-file)")
+        if not text.strip():
+            raise refuse(f"{where} is empty; ask something")
     return a
 
 
+def _adapter_base(name: str, folder: Path) -> str:
+    """The base model an adapter names, checked: a directory that exists, a converted pretrained model, or a
+    Hugging Face id."""
+    from playbook import pretrained
+    from playbook.models import PRESETS, looks_like_path
+
+    where = folder / "adapter_config.json"
+    try:
+        saved = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise refuse(f"--model {name}: {where} cannot be read as JSON ({err}); the adapter folder is damaged: "
+                     "give another checkpoint, or restore the file") from None
+    base = saved.get("base_model_name_or_path") if isinstance(saved, dict) else None
+    if not isinstance(base, str) or not base:
+        raise refuse(f"--model {name}: {where} names no base model (base_model_name_or_path); set it to the "
+                     "model the adapter was trained on")
+    if base in PRESETS:
+        raise refuse(f"--model {name}: the adapter was trained on {base}, a random-weight preset: it has nothing to "
+                     "say; chat with an adapter trained on real weights (--model smollm2-135m, a Hugging Face id)")
+    if pretrained.is_pretrained_name(base):
+        return str(pretrained.local_directory(base))
+    if (looks_like_path(base) or Path(base).is_absolute()) and not Path(base).expanduser().is_dir():
+        raise refuse(f"--model {name}: the adapter's base model {base} (base_model_name_or_path in {where}) no "
+                     "longer exists; restore it, or point base_model_name_or_path at a copy of it")
+    return base
+
+
 def load(name: str, device):
-    """(model, tokenizer, description) for a model name, a checkpoint, a merged folder or an adapter."""
+    """(model, tokenizer, description) for a model name, a checkpoint, a merged folder or an adapter. Anything
+    that cannot be loaded is one line naming --model and exit code 2."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from playbook import pretrained
     from playbook.data import make_tokenizer
+    from playbook.models import PRESETS, looks_like_path
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     folder = Path(name).expanduser()
+    if name in PRESETS or name.lower() in PRESETS:
+        raise refuse(f"--model {name} is a random-weight preset (for timing and memory runs): it has nothing to say; "
+                     "ask a model with real weights: --model smollm2-135m, a fine-tuned checkpoint-N folder, or a "
+                     "Hugging Face id")
     if pretrained.is_pretrained_name(name):
-        folder, what = pretrained.local_directory(name), pretrained.describe(name, pretrained.local_directory(name))
+        folder = pretrained.local_directory(name)
+        what = pretrained.describe(name, folder)
     elif folder.is_dir():
         what = str(folder)
-    elif name.startswith(("/", "./", "../", "~")):
-        raise SystemExit(f"error: --model {name}: no such directory")
+    elif folder.exists():
+        raise refuse(f"--model {name} is not a directory or a .gguf file: --model takes a checkpoint-N folder, a "
+                     "model directory, a .gguf file, smollm2-135m or a Hugging Face id")
+    elif looks_like_path(name):
+        raise refuse(f"--model {name}: no such directory")
     else:
         folder, what = None, name  # a Hugging Face id
-    adapter = folder is not None and (folder / "adapter_config.json").is_file()
-    try:
-        if adapter:
-            saved = json.loads((folder / "adapter_config.json").read_text())
-            base = saved.get("base_model_name_or_path")
-            if not base or not (Path(base).is_dir() or "/" in base):
-                raise SystemExit(f"error: --model {name}: the adapter names no loadable base model "
-                                 f"(base_model_name_or_path {base!r}; {saved.get('base_model_note', '')})".rstrip("; )") + ")")
-            from playbook.lora import load_adapter
-
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-            model = load_adapter(model, folder)
-            what = f"{folder} (LoRA adapter on {base})"
-            tok_source = folder if (folder / "tokenizer_config.json").is_file() else base
+    base = None
+    if folder is not None:
+        if (folder / "adapter_config.json").is_file():
+            base = _adapter_base(name, folder)
+            weights = folder / "adapter_model.safetensors"
+        elif (folder / "config.json").is_file():
+            weights = folder / "model.safetensors"
         else:
-            model = AutoModelForCausalLM.from_pretrained(folder or name, dtype=dtype)
-            tok_source = folder or name
-    except OSError as err:
-        raise SystemExit(f"error: --model {name}: could not be loaded ({str(err).splitlines()[0][:300]})") from None
+            raise refuse(f"--model {name}: no model in this directory (neither config.json nor adapter_config.json); "
+                         "give a checkpoint-N folder, a merged/ folder or a Hugging Face model directory")
+        damage = pretrained.safetensors_damage(weights) if weights.is_file() else None
+        if damage:
+            raise refuse(f"--model {name}: {damage}; the folder is damaged: give another checkpoint")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base or folder or name, dtype=dtype)
+    except Exception as err:  # noqa: BLE001  (a hub id that cannot be reached, a directory transformers refuses)
+        said = " ".join(str(err).split())[:300]
+        raise refuse(f"--model {name}: {'its base model ' + base + ' ' if base else ''}could not be loaded "
+                     f"({type(err).__name__}: {said})") from None
+    tok_source = folder or name
+    if base is not None:
+        from playbook.lora import load_adapter
+
+        try:
+            model = load_adapter(model, folder)
+        except (RuntimeError, ValueError, KeyError) as err:
+            said = " ".join(str(err).split())[:200]
+            raise refuse(f"--model {name}: the adapter does not fit its base model {base} (trained on another "
+                         f"model? {type(err).__name__}: {said})") from None
+        what = f"{folder} (LoRA adapter on {base})"
+        tok_source = folder if (folder / "tokenizer_config.json").is_file() else base
     try:
         tokenizer = make_tokenizer(str(tok_source), preset=False)
     except RuntimeError as err:
-        raise SystemExit(f"error: --model {name}: {err}") from None
+        raise refuse(f"--model {name}: {err}") from None
     return model.to(device).eval(), tokenizer, what
+
+
+def _write(text: str) -> int:
+    """The answers to stdout. A reader that went away (`| head`) ends the run quietly, as Unix tools do
+    (exit code 141, 128 + SIGPIPE); a full disk or another write error is one line."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no flush at exit into the closed pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as err:
+        print(f"error: writing the answers to standard output failed ({err.strerror or err})",
+              file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0
 
 
 def main(argv=None) -> int:
@@ -93,23 +190,29 @@ def main(argv=None) -> int:
         import transformers  # noqa: F401  (loaded here, under the guard, for load() below)
 
     from playbook import generate
-    from playbook.common import log
 
-    prompts = ([" ".join(a.question)] if a.question else []) + a.prompt
+    prompts = ([" ".join(a.question).strip()] if a.question else []) + [p.strip() for p in a.prompt]
+    sources = (["the question"] if a.question else []) + \
+        [f"--prompt {i + 1}" if len(a.prompt) > 1 else "--prompt" for i in range(len(a.prompt))]
     if a.prompts_file is not None:
-        prompts += generate.read_prompts(a.prompts_file)
+        from_file = generate.read_prompts(a.prompts_file, flag="--prompts-file")
+        prompts += from_file
+        sources += [f"--prompts-file {a.prompts_file}, prompt {i + 1}" for i in range(len(from_file))]
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     t0 = time.perf_counter()
-    model, tokenizer, what = load(a.model, device)
-    log(f"Model: {what}, on {device.type.upper()}, loaded in {time.perf_counter() - t0:.1f} s")
-    limit = a.max_new_tokens or generate.MAX_NEW_TOKENS
-    replies = generate.answers(model, tokenizer, prompts, device, max_new_tokens=limit)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the log to stderr: stdout holds only the answers
+            model, tokenizer, what = load(a.model, device)
+            print(f"Model: {what}, on {device.type.upper()}, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+            limit = a.max_new_tokens or generate.MAX_NEW_TOKENS
+            replies = generate.answers(model, tokenizer, prompts, device, max_new_tokens=limit, sources=sources)
+    except SystemExit as err:
+        if isinstance(err.code, str):  # the model cache's errors (playbook/pretrained.py): a bad --model here
+            raise refuse(err.code.removeprefix("error: ")) from None
+        raise
     if a.json:
-        print(json.dumps([{"prompt": p, "answer": r} for p, r in zip(prompts, replies)], indent=1))
-    else:
-        for p, r in zip(prompts, replies):
-            print(f"> {p}\n{r}\n")
-    return 0
+        return _write(json.dumps([{"prompt": p, "answer": r} for p, r in zip(prompts, replies)], indent=1) + "\n")
+    return _write("".join(f"> {p}\n{r}\n\n" for p, r in zip(prompts, replies)))
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ UNUSED = {
     "eval_fraction": None, "eval_every": None, "epochs": None, "grad_accum": None, "lr_schedule": None,
     "lr_warmup_steps": None, "warmup_ratio": None, "optimizer_in_backward": None, "max_grad_norm": None,
     "output_dir": None, "save_every": None, "resume": None, "merge_lora": None, "log_every": "every step is logged",
-    "report_to": None,
+    "report_to": None, "sample_prompts": "the student and teacher are compared on losses, not answers",
 }
 
 

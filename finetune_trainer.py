@@ -99,6 +99,9 @@ def main(argv=None):
     if cfg.cuda_graphs != "auto":
         raise usage_error("--cuda-graphs belongs to the scripts' own loop: the Trainer runs its steps eagerly, "
                           "whatever it says")
+    if cfg.sample_prompts is not None:
+        raise usage_error("--sample-prompts belongs to the scripts' own loop: the Trainer answers no prompts; use "
+                          "finetune_optimized.py, or chat.py --prompts-file on the saved checkpoint")
     resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)

@@ -411,9 +411,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     o.add_argument("--resume", type=_path, default=None, help="a checkpoint directory (or --output-dir) to continue")
     o.add_argument("--log-every", type=positive_int, default=5, help="print a log line every N steps")
     o.add_argument("--sample-prompts", type=Path, default=None, metavar="FILE",
-                   help="answer these prompts (one per line, or a .jsonl of {\"prompt\": ...}) greedily with the "
-                        "model's chat template before and after training; printed and kept in the run's JSON "
-                        "(examples/prompts.txt)")
+                   help="answer these prompts (one per line, a .jsonl of {\"prompt\": ...}, or a .json array) "
+                        "greedily with the model's chat template before and after training; printed and kept in the "
+                        "run's JSON (examples/prompts.txt)")
     o.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
     o.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
     t.add_argument("--ignore-memory-plan", action="store_true",
@@ -592,9 +592,6 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         raise usage_error("--merge-lora works in one process (the merge needs each whole weight): under torchrun the "
                           "checkpoints hold the adapter; merge it afterwards on one process (lora.load_adapter, "
                           "lora.merge_and_save)")
-    sample_prompts = getattr(a, "sample_prompts", None)
-    if sample_prompts is not None and not sample_prompts.is_file():
-        raise usage_error(f"--sample-prompts {sample_prompts}: no such file")
     if a.resume is not None and not a.resume.is_dir():
         raise usage_error(f"--resume {a.resume}: no such checkpoint directory")
     if a.report_to == "tensorboard":
@@ -604,6 +601,11 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
             raise usage_error("--report-to tensorboard needs the tensorboard package (pip install tensorboard)") from None
     dataset = a.dataset is not None
     extra = a.extra_section.from_args(a, parser) if a.extra_section is not None else None
+    sample_prompts = getattr(a, "sample_prompts", None)
+    if sample_prompts is not None:  # read now, as training.py will: a bad file is refused before the model loads
+        from playbook.generate import read_prompts
+
+        read_prompts(sample_prompts)
     if not gpu and (kernels or optimizer == "adamw-triton" or getattr(extra, "mode", "baseline") != "baseline"):
         from playbook.kernel_utils import interpreting
 

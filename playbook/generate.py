@@ -12,6 +12,7 @@ it trains with (the kernels, FP8, LoRA adapters).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,32 +21,96 @@ import torch
 from playbook.common import log
 
 MAX_NEW_TOKENS = 48
+PROGRESS_EVERY_S = 5  # with several prompts: a line with the count and the time left, this often
 
 
-def read_prompts(path) -> list[str]:
-    """Prompts from a text file (one per line; blank lines and lines starting with # skipped) or a .jsonl
-    file of {"prompt": ...} objects."""
+def refuse(message: str) -> SystemExit:
+    """A bad prompt or prompts file: one line on stderr, exit code 2 (a bad argument, as argparse says it)."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def prompts_format(path: Path, text: str) -> str:
+    """How a prompts file is read: "text" (a prompt a line), "jsonl" (a {"prompt": ...} object a line) or
+    "json" (an array of strings). The suffix decides, in any case (.txt, .jsonl / .ndjson, .json); without
+    one of those, the content: a whole file that parses as a JSON array is one, a first line that parses as
+    a JSON object starts JSON Lines, anything else is text."""
+    suffix = path.suffix.lower()
+    if suffix in (".txt", ".jsonl", ".ndjson", ".json"):
+        return {".txt": "text", ".json": "json"}.get(suffix, "jsonl")
+    body = text.lstrip()
+    if body.startswith("["):
+        try:
+            if isinstance(json.loads(body), list):
+                return "json"
+        except ValueError:
+            pass
+    if body.startswith("{"):
+        try:
+            if isinstance(json.loads(body.splitlines()[0]), dict):
+                return "jsonl"
+        except ValueError:
+            pass
+    return "text"
+
+
+def read_prompts(path, flag: str = "--sample-prompts") -> list[str]:
+    """Prompts from a file, read by what it is (`prompts_format`): text, one prompt a line (blank lines and
+    lines starting with # skipped); JSON Lines of {"prompt": ...}; or a JSON array of strings. Text that is
+    not UTF-8, an empty prompt or a file without one is refused in one line naming `flag`, the option that
+    named the file."""
     path = Path(path)
+    where = f"{flag} {path}"
+    if path.is_dir():
+        raise refuse(f"{where} is a directory: give a file of prompts")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise SystemExit(f"error: --sample-prompts {path}: cannot read it ({err})") from None
+        data = path.read_bytes()
+    except OSError as err:
+        raise refuse(f"{where}: cannot read it ({err.strerror or err})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise refuse(f"{where}, line {line}: not UTF-8 text (byte 0x{data[err.start]:02x}); convert the file, "
+                     f"e.g. iconv -f latin1 -t utf-8 {path}") from None
+    kind = prompts_format(path, text)
     prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or (line.startswith("#") and path.suffix != ".jsonl"):
-            continue
-        if path.suffix == ".jsonl":
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise SystemExit(f"error: --sample-prompts {path}, line {number}: not JSON") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise SystemExit(f"error: --sample-prompts {path}, line {number}: needs a \"prompt\" string")
-            line = row["prompt"]
-        prompts.append(line)
+    if kind == "json":
+        try:
+            rows = json.loads(text)
+        except ValueError as err:
+            raise refuse(f"{where}: not JSON ({err}); a .json prompts file is an array of strings "
+                         "([\"First?\", \"Second?\"]); .jsonl holds a {\"prompt\": ...} object a line") from None
+        if not isinstance(rows, list):
+            raise refuse(f"{where}: a JSON {type(rows).__name__}, not an array; a .json prompts file is an array "
+                         "of strings ([\"First?\", \"Second?\"])")
+        for number, row in enumerate(rows, 1):
+            prompt = row.get("prompt") if isinstance(row, dict) else row
+            if not isinstance(prompt, str):
+                raise refuse(f"{where}, item {number}: {json.dumps(row)[:60]} is not a string (nor a "
+                             "{\"prompt\": ...} object)")
+            if not prompt.strip():
+                raise refuse(f"{where}, item {number}: an empty prompt")
+            prompts.append(prompt.strip())
+    else:
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or (line.startswith("#") and kind == "text"):
+                continue
+            if kind == "jsonl":
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    raise refuse(f"{where}, line {number}: not JSON (a JSON Lines file holds one "
+                                 "{\"prompt\": ...} object a line)") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise refuse(f"{where}, line {number}: needs a \"prompt\" string")
+                if not row["prompt"].strip():
+                    raise refuse(f"{where}, line {number}: an empty prompt")
+                line = row["prompt"].strip()
+            prompts.append(line)
     if not prompts:
-        raise SystemExit(f"error: --sample-prompts {path}: no prompt in it")
+        raise refuse(f"{where}: no prompt in it")
     return prompts
 
 
@@ -69,12 +134,25 @@ def stop_ids(tokenizer, model) -> set[int]:
     return ids
 
 
+def context_length(model) -> int | None:
+    """The most positions the model reads (prompt and answer together), from its config; None: unknown."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 @torch.no_grad()
-def greedy(model, tokenizer, prompt: str, device, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
-    """One prompt's greedy answer. Hugging Face's generate with its KV cache (each new token runs only
-    itself through the model); a model whose forward cannot take the cache runs the whole sequence at
-    every token instead, which gives the same tokens, more slowly."""
-    ids = torch.tensor([prompt_ids(tokenizer, prompt)], dtype=torch.long, device=device)
+def greedy(model, tokenizer, prompt: str | list, device, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+    """One prompt's greedy answer (`prompt`: the text, or its `prompt_ids`). Hugging Face's generate with
+    its KV cache (each new token runs only itself through the model); a model whose forward cannot take
+    the cache runs the whole sequence at every token instead, which gives the same tokens, more slowly.
+    The answer stops at the model's context length."""
+    ids = prompt_ids(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+    limit = context_length(model)
+    if limit is not None:
+        max_new_tokens = min(max_new_tokens, limit - len(ids))
+    if max_new_tokens < 1:
+        return ""
+    ids = torch.tensor([ids], dtype=torch.long, device=device)
     stops = stop_ids(tokenizer, model)
     new = None
     if hasattr(model, "generate"):
@@ -94,7 +172,7 @@ def greedy(model, tokenizer, prompt: str, device, max_new_tokens: int = MAX_NEW_
 
 
 def _greedy_uncached(model, tokens, stops, max_new_tokens):
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    limit = context_length(model) or 1 << 30
     new: list[int] = []
     for _ in range(max_new_tokens):
         if tokens.shape[1] >= limit:
@@ -107,17 +185,46 @@ def _greedy_uncached(model, tokens, stops, max_new_tokens):
     return new
 
 
+def checked_prompt_ids(model, tokenizer, prompts: list[str], sources: list[str] | None = None) -> list[list[int]]:
+    """Each prompt's `prompt_ids`, after refusing (one line, exit code 2) an empty prompt and one that
+    leaves no room for an answer in the model's context: a prompt is never cut, and the model never
+    runs past its positions. `sources`: where each prompt came from, as the errors name it."""
+    sources = sources or [f"--sample-prompts, prompt {i + 1}" for i in range(len(prompts))]
+    limit = context_length(model)
+    out = []
+    for prompt, where in zip(prompts, sources):
+        if not prompt.strip():
+            raise refuse(f"{where}: an empty prompt; ask something")
+        ids = prompt_ids(tokenizer, prompt)
+        if limit is not None and len(ids) >= limit:
+            raise refuse(f"{where}: the prompt is {len(ids):,} tokens (with the chat template) and the model reads "
+                         f"at most {limit:,} positions, prompt and answer together; shorten it to at most "
+                         f"{limit - 1:,} tokens (it is not cut)")
+        out.append(ids)
+    return out
+
+
 def answers(model, tokenizer, prompts: list[str], device, when: str = "",
-            max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
-    """Each prompt's greedy answer, the model in eval mode meanwhile (dropout off), then back as it was."""
+            max_new_tokens: int = MAX_NEW_TOKENS, sources: list[str] | None = None) -> list[str]:
+    """Each prompt's greedy answer, the model in eval mode meanwhile (dropout off), then back as it was.
+    Every prompt is checked before the first is answered (`checked_prompt_ids`); with several, a line
+    every few seconds gives the count and the time left."""
     if tokenizer is None:
         raise SystemExit("error: --sample-prompts needs the model's tokenizer (a preset has only the byte tokenizer "
                          "of --dataset runs)")
+    all_ids = checked_prompt_ids(model, tokenizer, prompts, sources)
     was_training = model.training
     model.eval()
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
+    out = []
     try:
-        out = [greedy(model, tokenizer, p, device, max_new_tokens) for p in prompts]
+        for done, ids in enumerate(all_ids, 1):
+            out.append(greedy(model, tokenizer, ids, device, max_new_tokens))
+            now = time.perf_counter()
+            if done < len(all_ids) and (done == 1 or now - last >= PROGRESS_EVERY_S):
+                left = (now - t0) / done * (len(all_ids) - done)
+                log(f"  answered {done} of {len(all_ids)} prompts, about {left:.0f} s left")
+                last = now
     finally:
         model.train(was_training)
     log(f"Answered {len(prompts)} prompt(s){' ' + when if when else ''} in {time.perf_counter() - t0:.1f} s "

@@ -208,7 +208,7 @@ def load_model(cfg, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") 
     dtype = weights_dtype(cfg, dtype)
     source, desc = cfg.model, cfg.model
     if pretrained.is_pretrained_name(cfg.model):  # smollm2-135m, or a .gguf file: converted once, then a directory
-        folder = pretrained.local_directory(cfg.model)
+        folder = pretrained.local_directory(cfg.model, flag)
         source, desc = str(folder), pretrained.describe(cfg.model, folder)
     elif looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
         raise SystemExit(f"error: {flag} {cfg.model}: no such local directory")

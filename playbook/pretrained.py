@@ -7,7 +7,10 @@
 A GGUF file is converted once into a plain Hugging Face directory (config.json, model.safetensors in
 bf16, the tokenizer with its chat template) under the model cache, and every later run loads that
 directory like any other. The cache is `$PLAYBOOK_MODEL_CACHE`, else `$XDG_CACHE_HOME/kernel-playbook/models`,
-else `~/.cache/kernel-playbook/models`; each run prints where the weights came from.
+else `~/.cache/kernel-playbook/models`; each run prints where the weights came from. The cache writes
+only into folders it made and marked (converted-from.json, which records each file's size and the
+checksums of the small ones), converts into a temporary folder beside the final one, and converts again,
+saying why, a marked folder whose files are missing, damaged or not those it wrote (`local_directory`).
 
 What the weights are: transformers dequantizes GGUF's 4-bit blocks (Q4_1: 32 weights share a scale and
 a minimum) into floats, so the converted model is the quantized model, a little below the original
@@ -22,6 +25,7 @@ with importlib.util.find_spec, which reads the package's location without runnin
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -73,7 +77,7 @@ def _missing(what: str, install: str) -> SystemExit:
     return SystemExit(f"error: {what} is not installed; install it with: {install}")
 
 
-def packaged_file(name: str) -> Path:
+def packaged_file(name: str, flag: str = "--model") -> Path:
     """The GGUF file of a packaged model, found without importing its package."""
     spec = PACKAGED[name]
     try:
@@ -81,20 +85,20 @@ def packaged_file(name: str) -> Path:
     except (ImportError, ValueError):
         found = None
     if found is None or not found.submodule_search_locations:
-        raise _missing(f"--model {name} needs the package {spec.package.replace('_', '-')}, which", spec.install)
+        raise _missing(f"{flag} {name} needs the package {spec.package.replace('_', '-')}, which", spec.install)
     path = Path(list(found.submodule_search_locations)[0]) / spec.file
     if not path.is_file():
-        raise SystemExit(f"error: --model {name}: {path} is missing from the installed package; reinstall it: "
+        raise SystemExit(f"error: {flag} {name}: {path} is missing from the installed package; reinstall it: "
                          f"{spec.install} --force-reinstall")
     return path
 
 
-def gguf_file(name: str) -> Path:
+def gguf_file(name: str, flag: str = "--model") -> Path:
     if name in PACKAGED:
-        return packaged_file(name)
+        return packaged_file(name, flag)
     path = Path(name).expanduser()
     if not path.is_file():
-        raise SystemExit(f"error: --model {name}: no such GGUF file")
+        raise SystemExit(f"error: {flag} {name}: no such GGUF file")
     return path.resolve()
 
 
@@ -103,34 +107,205 @@ def _source_identity(path: Path) -> dict:
     return {"file": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def cached_directory(name: str) -> Path:
+def cached_directory(name: str, flag: str = "--model") -> Path:
     """Where the converted directory of `name` lives (it may not exist yet)."""
     if name in PACKAGED:
         return cache_root() / name
-    path = gguf_file(name)
+    path = gguf_file(name, flag)
     # one directory per file: its stem and the size, so two files of the same name do not share one
     return cache_root() / f"gguf-{path.stem}-{path.stat().st_size}"
 
 
-def _is_current(folder: Path, source: dict) -> bool:
+# What a conversion writes, and how the cache tells its own folders from anyone else's
+MADE_BY = "kernel-playbook: converted from GGUF"  # the marker's first field: the folder is this project's
+PARTIAL = ".partial-"  # <folder>.partial-<pid>: a conversion in progress, renamed to <folder> when complete
+OLD = ".old-"  # <folder>.old-<pid>: a marked folder being replaced by a new conversion, deleted next
+IN_PROGRESS = "conversion-in-progress"  # written first into a .partial folder, removed before the rename
+OUTPUTS = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "chat_template.jinja", CONVERTED_MARK}  # all a conversion writes
+NEEDED = ("config.json", "model.safetensors", "tokenizer_config.json")  # without one of them nothing loads
+HASHED_BELOW = 64 << 20  # files smaller than this are recorded by SHA-256 (config, tokenizer); larger by size
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record(folder: Path) -> dict:
+    """What the marker keeps of each written file: its size, and the SHA-256 of the small ones."""
+    files = {}
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.name != CONVERTED_MARK:
+            size = f.stat().st_size
+            files[f.name] = {"bytes": size, **({"sha256": _sha256(f)} if size < HASHED_BELOW else {})}
+    return files
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """Why a .safetensors file cannot be read (truncated, or not one), or None: its header is read and its
+    tensors' byte ranges checked against the file's size, without loading them."""
+    try:
+        with open(path, "rb") as f:
+            size = path.stat().st_size
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is {size} bytes, too short for a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} is truncated ({size:,} bytes, its header alone says {n + 8:,})"
+            header = json.loads(f.read(n))
+    except OSError as err:
+        return f"{path.name} cannot be read ({err.strerror})"
+    except ValueError:
+        return f"{path.name} is not a safetensors file (its header is not JSON)"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2]
+    if len(ends) != len([k for k in header if k != "__metadata__"]):
+        return f"{path.name} is not a safetensors file (its header lists no byte ranges)"
+    if 8 + n + max(ends, default=0) > size:
+        return f"{path.name} is truncated ({size:,} bytes of {8 + n + max(ends, default=0):,})"
+    return None
+
+
+def _read_mark(folder: Path) -> dict | None:
+    """The folder's marker, when it is one this project wrote (None: a folder that is not the cache's)."""
     try:
         saved = json.loads((folder / CONVERTED_MARK).read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("source"), dict):
+        return None
+    return saved
+
+
+def _why_stale(folder: Path, saved: dict, source: dict) -> str | None:
+    """Why a marked converted folder must be converted again (another source file, files missing, damaged or
+    not those it recorded), or None when it can be read as it is. Reads only the small files and the
+    weights' header."""
+    if saved.get("source") != source:
+        return f"{source['file']} is not the file it was converted from (size or time differ)"
+    recorded = saved.get("files")
+    if not isinstance(recorded, dict):
+        return "it was written by an earlier version, which recorded no checksums of its files"
+    for name in sorted(set(NEEDED) | set(recorded)):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        damage = safetensors_damage(path) if name.endswith(".safetensors") else None
+        if damage:
+            return damage
+        want = recorded.get(name, {})
+        if path.stat().st_size != want.get("bytes"):
+            return (f"{name} is not the file the conversion wrote ({path.stat().st_size:,} bytes, not "
+                    f"{want.get('bytes')})")
+        if "sha256" in want and _sha256(path) != want["sha256"]:
+            return f"{name} is not the file the conversion wrote (its checksum differs)"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    return saved.get("source") == source
+    except (PermissionError, OSError):
+        return True  # another user's process: alive
+    return True
 
 
-def convert(gguf: Path, folder: Path) -> None:
+def _remove_leftovers(folder: Path) -> None:
+    """Remove what killed conversions left beside `folder` (their process is gone), with a line each:
+    <folder>.partial-<pid> holding nothing but what a conversion writes, and <folder>.old-<pid>, a marked
+    folder being replaced. Anything else is left alone."""
+    for prefix, what in ((PARTIAL, "an unfinished conversion"), (OLD, "a replaced conversion")):
+        try:
+            leftovers = sorted(folder.parent.glob(folder.name + prefix + "*"))
+        except OSError:
+            return
+        for partial in leftovers:
+            pid = partial.name[len(folder.name + prefix):]
+            if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)) or not partial.is_dir():
+                continue
+            try:
+                names = {f.name for f in partial.iterdir()}
+                ours = _read_mark(partial) is not None if prefix == OLD else IN_PROGRESS in names or names <= OUTPUTS
+                if not ours:
+                    continue
+                shutil.rmtree(partial)
+            except OSError:
+                continue  # a read-only cache: left as it is
+            log(f"Removed {partial}: {what} (its process {pid} is gone)")
+
+
+def _foreign(folder: Path, flag: str, name: str) -> SystemExit:
+    what = "a file" if not folder.is_dir() else "a folder this project did not make (no converted-from.json in it)"
+    return SystemExit(f"error: {flag} {name}: the model cache's place for it, {folder}, is {what}; it is left as it "
+                      "is: move it away, or set PLAYBOOK_MODEL_CACHE to another folder")
+
+
+def _start_partial(folder: Path) -> Path:
+    """The temporary folder beside `folder` that a conversion writes into: made now, before the conversion
+    runs, so that a cache that cannot be written is found at once."""
+    partial = folder.with_name(folder.name + PARTIAL + str(os.getpid()))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # this process's own, from an earlier call
+        partial.mkdir()
+        (partial / IN_PROGRESS).write_text(f"a conversion into {folder} by process {os.getpid()}\n")
+    except OSError as err:
+        raise SystemExit(f"error: cannot write into the model cache {folder.parent} ({err.strerror or err}); "
+                         "set PLAYBOOK_MODEL_CACHE to a writable folder") from None
+    return partial
+
+
+def _install(partial: Path, folder: Path, source: dict) -> None:
+    """Mark the complete conversion in `partial` and rename it to `folder`. A folder already there is
+    replaced only when it is this project's (marked): renamed aside, then deleted."""
+    (partial / IN_PROGRESS).unlink()
+    (partial / CONVERTED_MARK).write_text(json.dumps({"made_by": MADE_BY, "source": source,
+                                                      "files": _record(partial)}, indent=1) + "\n")
+    old = None
+    if folder.exists() or folder.is_symlink():
+        if _read_mark(folder) is None:  # made meanwhile by someone else: never replaced
+            raise SystemExit(f"error: {folder} appeared during the conversion and is not this project's: it is "
+                             "left as it is; move it away, or set PLAYBOOK_MODEL_CACHE to another folder")
+        old = folder.with_name(folder.name + OLD + str(os.getpid()))
+        os.replace(folder, old)
+    os.replace(partial, folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(gguf: Path, folder: Path, flag: str = "--model") -> None:
     """Dequantize `gguf` into a Hugging Face directory at `folder` (written beside it, then renamed)."""
     if importlib.util.find_spec("gguf") is None:
         raise _missing("the gguf package (transformers reads GGUF files through it)", "pip install gguf")
+    partial = _start_partial(folder)
+    try:
+        t0 = time.perf_counter()
+        log(f"Converting {gguf.name} ({gguf.stat().st_size / 1e6:,.0f} MB) once into {folder} "
+            "(bf16 safetensors and the tokenizer; set PLAYBOOK_MODEL_CACHE to keep converted models elsewhere) ...")
+        model, tokenizer = _read_gguf(gguf, flag)
+        try:
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+            _install(partial, folder, _source_identity(gguf))
+        except Exception as err:  # noqa: BLE001  (OSError, or safetensors' own error for a full disk)
+            said = getattr(err, "strerror", None) or " ".join(str(err).split())[:200]
+            raise SystemExit(f"error: {flag} {gguf}: writing the converted model into {partial.parent} failed "
+                             f"({said}); free some space there, or set PLAYBOOK_MODEL_CACHE to another "
+                             "folder") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone once renamed; what is left of a failed conversion
+    log(f"Converted in {time.perf_counter() - t0:.0f} s: {folder}")
+
+
+def _read_gguf(gguf: Path, flag: str):
+    """(a plain bf16 model, its tokenizer) from a GGUF file, through transformers."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    t0 = time.perf_counter()
-    log(f"Converting {gguf.name} ({gguf.stat().st_size / 1e6:,.0f} MB) once into {folder} "
-        "(bf16 safetensors and the tokenizer; set PLAYBOOK_MODEL_CACHE to keep converted models elsewhere) ...")
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     try:
@@ -139,7 +314,7 @@ def convert(gguf: Path, folder: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as err:
             said = " ".join(str(err).split())[:300]
-            raise SystemExit(f"error: --model {gguf}: transformers could not read this GGUF file "
+            raise SystemExit(f"error: {flag} {gguf}: transformers could not read this GGUF file "
                              f"({type(err).__name__}: {said})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -154,37 +329,34 @@ def convert(gguf: Path, folder: Path) -> None:
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise SystemExit(f"error: --model {gguf}: the converted weights do not match the architecture "
+        raise SystemExit(f"error: {flag} {gguf}: the converted weights do not match the architecture "
                          f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
     if tied:
         fresh.tie_weights()
-    fresh = fresh.to(torch.bfloat16)
-    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        fresh.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        (partial / CONVERTED_MARK).write_text(json.dumps({"source": _source_identity(gguf)}, indent=1) + "\n")
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(partial, folder)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    log(f"Converted in {time.perf_counter() - t0:.0f} s: {folder}")
+    return fresh.to(torch.bfloat16), tokenizer
 
 
-def local_directory(name: str) -> Path:
-    """The converted directory of a packaged model name or a .gguf path, converting it on first use."""
-    gguf = gguf_file(name)
-    folder = cached_directory(name)
-    if not _is_current(folder, _source_identity(gguf)):
-        try:
-            folder.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise SystemExit(f"error: cannot create the model cache {folder.parent} ({err.strerror}); "
-                             "set PLAYBOOK_MODEL_CACHE to a writable folder") from None
-        convert(gguf, folder)
+def local_directory(name: str, flag: str = "--model") -> Path:
+    """The converted directory of a packaged model name or a .gguf path, converting it on first use.
+
+    The cache's rules: it writes only into folders it made and marked (converted-from.json); a folder of
+    anyone else's under its name is refused with its path; a conversion writes into <folder>.partial-<pid>
+    and renames it when complete, and leftovers of a killed one are removed by the next run; a marked
+    folder that would not load, or whose files are not those its marker recorded, is converted again, with
+    a line saying why. `flag`: the option that named the model, as the errors call it."""
+    gguf = gguf_file(name, flag)
+    folder = cached_directory(name, flag)
+    source = _source_identity(gguf)
+    _remove_leftovers(folder)
+    if folder.exists() or folder.is_symlink():
+        saved = _read_mark(folder) if folder.is_dir() else None
+        if saved is None:
+            raise _foreign(folder, flag, name)
+        why = _why_stale(folder, saved, source)
+        if why is None:
+            return folder
+        log(f"Converting {folder} again: {why}")
+    convert(gguf, folder, flag)
     return folder
 
 

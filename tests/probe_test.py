@@ -21,7 +21,8 @@ tests/probe_test.py -k resume` runs the cases whose names match.
 The `part` of a case says where its fix lives: "probe" (the scripts, playbook/config.py,
 common.py, kernel_utils.py), "runs" (output directories, checkpoints and resume: training.py,
 checkpoint.py), "data" (the formats and files users bring: data.py), "lora" (adapters: lora.py,
-models.py).
+models.py), "chat" (chat.py, prompts files and the model cache: generate.py, pretrained.py). A grouped
+case may have a set-up: it runs in the parent, before the group starts.
 """
 
 from __future__ import annotations
@@ -163,6 +164,58 @@ def _one_line(result, folder) -> str | None:
     return None if len(lines) == 1 else f"{len(lines)} lines on stderr after Ctrl-C: {' | '.join(lines)[-300:]}"
 
 
+def _copy_model(damage: Callable | None = None) -> Callable:
+    """A copy of the full fixture's last checkpoint (a llama-tiny model with its tokenizer) at {tmp}/m,
+    damaged by `damage(folder)`: chat.py's stand-in for a model with weights."""
+    def setup(folder: Path):
+        shutil.copytree(FIXTURES["full"] / "checkpoint-2", folder / "m")
+        if damage is not None:
+            damage(folder / "m")
+    return setup
+
+
+def _adapter(base: str = "", text: str | None = None) -> Callable:
+    """A copy of the LoRA fixture's adapter at {tmp}/ad whose adapter_config.json names `base` ({tmp} and
+    {full} filled in; {tmp}/other is built: another width), or holds `text`."""
+    def setup(folder: Path):
+        shutil.copytree(FIXTURES["lora"] / "checkpoint-2", folder / "ad")
+        config = folder / "ad" / "adapter_config.json"
+        if text is not None:
+            config.write_text(text)
+            return
+        saved = json.loads(config.read_text())
+        saved["base_model_name_or_path"] = base.replace("{tmp}", str(folder)).replace("{full}", str(FIXTURES["full"]))
+        config.write_text(json.dumps(saved))
+        if base == "{tmp}/other":
+            _other_model(folder)
+    return setup
+
+
+def _chat_into(stdout: str) -> Callable:
+    """{tmp}/run.py: chat.py with its stdout a pipe whose reader is gone ("pipe") or a full disk ("full")."""
+    def setup(folder: Path):
+        opened = ("r, w = os.pipe()\nos.close(r)\nsys.stdout = os.fdopen(w, 'w')\n" if stdout == "pipe"
+                  else "sys.stdout = open('/dev/full', 'w')\n")
+        (folder / "run.py").write_text(
+            "import os, runpy, sys\n" + opened
+            + f"sys.argv = ['chat.py', '--model', {str(FIXTURES['full'] / 'checkpoint-2')!r}, '--max-new-tokens', '2', "
+              "'--prompt', 'Hi', '--prompt', 'Bye']\n"
+            "runpy.run_path('chat.py', run_name='__main__')\n")
+    return setup
+
+
+def _answered(*prompts) -> Callable:
+    """chat.py's output holds an answer to each of `prompts`, and no prompt that is a JSON bracket."""
+    def check(result, folder) -> str | None:
+        asked = re.findall(r"^> (.*)$", result["text"], re.MULTILINE)
+        return None if asked == list(prompts) else f"the prompts answered were {asked}, not {list(prompts)}"
+    return check
+
+
+def _quiet(result, folder) -> str | None:
+    return "an error line for a reader that went away" if "error" in result["text"].lower() else None
+
+
 SHELL_INTERRUPT = "interrupted"
 # The README's order of the kernel API, after `import triton` (transformers and peft import it too): the
 # registry, a model built by transformers, apply_kernels, a training step; on a CPU, in Triton's interpreter.
@@ -185,6 +238,7 @@ OOM_AT_BUILD = ("import runpy, sys\n"
                 "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 FT = ("finetune_baseline.py", "finetune_optimized.py")
+ASK = ["chat.py", "--max-new-tokens", "2"]  # chat.py, answers of two tokens (the stand-in model has nothing to say)
 CASES = [
     # ---- numbers, paths and combinations refused by argparse or the configuration (grouped) ----
     *[Case(f"{s} --steps {BIG}", [s, "--steps", BIG], "too large", grouped=True)
@@ -428,6 +482,64 @@ CASES = [
          "adapter", codes=(2,), part="lora"),
     Case("a saved adapter names its base model", ["-c", "pass"], "", codes=(0,), part="lora",
          check=_adapter_names_its_base),
+    # ---- chat.py and the prompts files (chat): one line, exit code 2, the flag the user typed ----
+    *[Case(f"chat --model {what}", [*ASK, "--model", model, "Hi"], mentions, part="chat", grouped=True, setup=setup)
+      for what, model, mentions, setup in (
+          ("a folder without a model", "examples", "no model in this directory", None),
+          ("README.md", "README.md", "not a directory or a .gguf file", None),
+          ("llama-tiny", "llama-tiny", "random-weight preset.*nothing to say", None),
+          ("with model.safetensors truncated", "{tmp}/m", "model.safetensors is truncated",
+           _copy_model(lambda m: _truncate(m / "model.safetensors"))),
+          ("an adapter whose adapter_config.json is not JSON", "{tmp}/ad", "adapter_config.json.*JSON",
+           _adapter(text="{oops")),
+          ("an adapter whose base was deleted", "{tmp}/ad", "base model .*/gone.* no longer exists",
+           _adapter("{tmp}/gone")),
+          ("an adapter whose base has other shapes", "{tmp}/ad", "does not fit its base model",
+           _adapter("{tmp}/other")),
+      )],
+    Case("chat: an adapter on its base", [*ASK, "--model", "{tmp}/ad", "Hi"], "LoRA adapter on", codes=(0,),
+         part="chat", grouped=True, setup=_adapter("{full}/checkpoint-2"), check=_answered("Hi")),
+    *[Case(f"chat: {what}", [*ASK, "--model", "{full}/checkpoint-2", *args], mentions, part="chat", grouped=True,
+           setup=setup)
+      for what, args, mentions, setup in (
+          ("an empty question", [""], "the question is empty", None),
+          ("a blank --prompt", ["--prompt", "  \t"], "--prompt is empty", None),
+          ("a question that is not UTF-8", ["caf\udce9"], "not UTF-8.*0xe9", None),
+          ("a question that is not UTF-8, --json", ["--json", "caf\udce9"], "not UTF-8.*0xe9", None),
+          ("a question longer than the context", ["word " * 2100], r"[\d,]+ tokens .*at most 2,048 positions", None),
+          ("a prompts file that is not UTF-8", ["--prompts-file", "{tmp}/p.txt"], "--prompts-file .*line 2.*UTF-8",
+           _write("p.txt", "Hello?\ncaf\xe9?\n".encode("latin-1"))),
+          ("a prompts file with a bad JSON line", ["--prompts-file", "{tmp}/p.jsonl"], "--prompts-file .*line 1",
+           _write("p.jsonl", "{oops\n")),
+          ("an empty prompt in a JSON array", ["--prompts-file", "{tmp}/p.json"], "--prompts-file .*item 2.*empty",
+           _write("p.json", '["Hi?", " "]')),
+      )],
+    *[Case(f"chat: a prompts file, {what}",
+           [*ASK, "--model", "{full}/checkpoint-2", "--prompts-file", f"{{tmp}}/{name}"],
+           r"answered 1 of 2 prompts, about \d+ s left", codes=(0,), part="chat", grouped=True,
+           setup=_write(name, text), check=_answered("First?", "Second?"))
+      for what, name, text in (("a JSON array", "p.json", '[\n "First?",\n "Second?"\n]\n'),
+                               ("a JSON array without a suffix", "prompts", '["First?", "Second?"]'),
+                               (".JSONL in capitals", "p.JSONL", '{"prompt": "First?"}\n{"prompt": "Second?"}\n'),
+                               ("text", "p.txt", "# two questions\nFirst?\n\nSecond?\n"))],
+    Case("chat: a reader that goes away (| head)", ["{tmp}/run.py"], "", codes=(141,), part="chat", grouped=True,
+         setup=_chat_into("pipe"), check=_quiet),
+    Case("chat: stdout on a full disk", ["{tmp}/run.py"], "writing the answers .*failed.*No space left", codes=(1,),
+         part="chat", grouped=True, setup=_chat_into("full")),
+    *[Case(f"{s} --sample-prompts", [s, *more, "--sample-prompts", "examples/prompts.txt"],
+           "does not use --sample-prompts|--sample-prompts belongs", part="chat", grouped=True)
+      for s, more in (("distill.py", []), ("profile_baseline.py", []),
+                      ("finetune_trainer.py", ["--dataset", "examples/chat.jsonl"]))],
+    *[Case(f"--sample-prompts {what}", ["finetune_baseline.py", "--sample-prompts", f"{{tmp}}/{name}"], mentions,
+           part="chat", grouped=True, setup=_write(name, text))
+      for what, name, text, mentions in (
+          ("a JSON object", "p.json", '{"prompt": "Hi?"}', "--sample-prompts .*not an array"),
+          (".JSONL in capitals with a bad line", "p.JSONL", '{"prompt": "Hi?"}\n[1]\n', "line 2: needs a \"prompt\""),
+          ("not UTF-8", "p.txt", "caf\xe9?\n".encode("latin-1"), "--sample-prompts .*line 1.*UTF-8"),
+      )],
+    Case("distill --teacher: a truncated .gguf", ["distill.py", "--teacher", "{tmp}/t.gguf", "--steps", "2"],
+         r"--teacher .*t\.gguf: transformers could not read", codes=(1,), part="chat", grouped=True,
+         setup=_write("t.gguf", b"GGUF\x03\x00\x00\x00" + b"\x00" * 20)),
 ]
 
 # The fixtures: two short runs whose checkpoints the resume cases start from (a --dataset run and a LoRA run).
@@ -453,6 +565,9 @@ def too_long(*_):
     raise TimeoutError('probe: the case ran past 60 s')
 signal.signal(signal.SIGALRM, too_long)
 for argv in cases:
+    if argv is None:  # its set-up failed
+        out.append([None, ''])
+        continue
     text = io.StringIO()
     sys.argv = list(argv)
     signal.alarm(60)
@@ -513,14 +628,24 @@ def _run(case: Case, folder: Path, index: int) -> dict:
 def _run_group(cases: list, folder: Path) -> list:
     folder.mkdir(parents=True, exist_ok=True)
     argvs = [_argv(c, folder / f"g{i}", i) for i, c in enumerate(cases)]
+    failed = {}  # a case whose set-up failed: reported as its outcome, not run
+    for i, c in enumerate(cases):
+        if c.setup is not None:
+            (folder / f"g{i}").mkdir(parents=True, exist_ok=True)
+            try:
+                c.setup(folder / f"g{i}")
+            except Exception as err:  # noqa: BLE001
+                failed[i] = f"probe: the set-up failed: {type(err).__name__}: {err}"
+                argvs[i] = None  # the runner skips it
     (folder / "cases.json").write_text(json.dumps(argvs))
     out = subprocess.run([sys.executable, "-c", _GROUP_RUNNER, str(folder / "cases.json"), str(folder / "out.json")],
                          cwd=HERE, capture_output=True, text=True, timeout=600, env=_env())
     if out.returncode != 0 or not (folder / "out.json").is_file():
         return [{"argv": a, "code": None, "text": f"the group runner failed: {out.stderr[-2000:]}", "seconds": 0}
                 for a in argvs]
-    return [{"argv": a, "code": code, "text": text, "seconds": 0}
-            for a, (code, text) in zip(argvs, json.loads((folder / "out.json").read_text()))]
+    argvs = [a or [] for a in argvs]
+    return [{"argv": a, "code": None if i in failed else code, "text": failed.get(i, text), "seconds": 0}
+            for i, (a, (code, text)) in enumerate(zip(argvs, json.loads((folder / "out.json").read_text())))]
 
 
 def classify(case: Case, result: dict, folder: Path) -> tuple[str, str]:
