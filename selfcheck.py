@@ -298,7 +298,14 @@ if __name__ == "__main__":
     which.add_argument("--reachable", metavar="URL",
                        help="print URL when this package index answers within 5 s; else print nothing (pip then "
                             "uses PyPI) and say so in one line on stderr")
+    which.add_argument("--memory-table", nargs="+", metavar="RUN.json",
+                       help="the memory plan's estimate against the peak each saved run measured (results/runs/*.json)")
     args = parser.parse_args()
+    if args.memory_table:
+        from playbook.memory_plan import table
+
+        print(table(args.memory_table))
+        sys.exit(0)
     if args.reachable is not None:
         sys.exit(setup_check.main(["--reachable", args.reachable]))
     if args.setup or args.index_url:

@@ -11,7 +11,7 @@
       free               84.93 GB  NVIDIA H100 80GB HBM3: does not fit
     error: the plan needs 111.1 GB at its peak and the GPU has 84.9 GB free; ...
 
-    $ python -m playbook.memory_plan --table results/runs/*.json     # estimate against measured
+    $ python selfcheck.py --memory-table results/runs/*.json     # estimate against measured
 
 Everything here is arithmetic on the config's numbers (hidden size, MLP width, layers, heads, vocabulary)
 and the run's options: no model is built, no GPU memory is touched. `estimate(shape, setup)` is the pure
@@ -481,7 +481,7 @@ def _full_set(kernels) -> bool:
 def model_shape(name: str, num_layers: int | None = None) -> Shape | None:
     """The Shape of --model NAME from what is on this machine (a preset, a local directory, a GGUF file,
     the Hugging Face cache); None where its config is not here yet (it comes with the weights)."""
-    from playbook.models import PRESETS
+    from playbook.presets import PRESETS
 
     if name in PRESETS:
         return Shape.from_config(PRESETS[name], num_layers)
@@ -572,7 +572,7 @@ def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
     import torch
 
     from playbook.common import world
-    from playbook.models import PRESETS, weights_dtype
+    from playbook.presets import PRESETS, weights_dtype
 
     values = cfg.as_dict()
     models = (cfg.extra.plan_models() if hasattr(cfg.extra, "plan_models")
@@ -621,7 +621,6 @@ def check(cfg, enforce: bool = True) -> Plan | None:
     """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would.
     Called once the command line is parsed, before any model is built."""
     from playbook.common import is_main, log
-    from playbook.config import usage_error
 
     plans = run_plans(cfg)
     if not plans:
@@ -639,8 +638,9 @@ def check(cfg, enforce: bool = True) -> Plan | None:
            if fits else "; no single option brings it under; see docs/memory.md, or use several GPUs (torchrun)")
     if not cfg.on_gpu and cfg.model != "llama-tiny":
         way += "; on a CPU, --model llama-tiny runs the CPU demo"
-    raise usage_error(f"--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}: the plan needs {plan.peak / GB:.1f} GB "
-                      f"at its peak and {memory} has {free / GB:.1f} GB{way}; --ignore-memory-plan runs it anyway")
+    print(f"error: --batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}: the plan needs {plan.peak / GB:.1f} GB "
+          f"at its peak and {memory} has {free / GB:.1f} GB{way}; --ignore-memory-plan runs it anyway", file=sys.stderr)
+    raise SystemExit(2)  # a usage error, as config.usage_error gives (this module stays below config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -655,7 +655,7 @@ def measured_run(path: Path) -> tuple[Shape, Setup, float, str] | None:
     config, peak = data.get("config") if isinstance(data, dict) else None, (data or {}).get("peak_memory_gb")
     if not config or not peak or "batch_size" not in config or data.get("script") == "distill":
         return None
-    from playbook.models import PRESETS
+    from playbook.presets import PRESETS
 
     if config.get("model") not in PRESETS and not str(config.get("model")).startswith("smollm2"):
         return None
@@ -695,15 +695,3 @@ def table(paths) -> str:
     fmt = "| " + " | ".join(f"{{:{'<' if i < 3 or i == 6 else '>'}{w}}}" for i, w in enumerate(widths)) + " |"
     return "\n".join([fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
                      + [fmt.format(*r) for r in rows])
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="The memory plan's estimate against the peaks measured by saved runs.")
-    p.add_argument("--table", nargs="+", metavar="RUN.json", required=True,
-                   help="saved summaries (results/*.json) with a peak GPU memory; others are skipped")
-    a = p.parse_args(argv)
-    print(table(a.table))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -129,6 +129,5 @@ def test_distill_plans_the_teacher_beside_the_student(capsys):
 
 
 def test_the_table_of_estimate_against_measured(capsys):
-    memory_plan.main(["--table", str(RUNS / "finetune_H200_optimized.json"), str(RUNS / "benchmark_H200_adamw.json")])
-    out = capsys.readouterr().out.splitlines()
+    out = memory_plan.table([RUNS / "finetune_H200_optimized.json", RUNS / "benchmark_H200_adamw.json"]).splitlines()
     assert len(out) == 3 and "finetune_H200_optimized.json" in out[2] and "80.6" in out[2], out  # the benchmark skipped
