@@ -371,6 +371,8 @@ def test_full_circle_gguf_finetune_export_chat(tmp_path, tiny_run, capsys, monke
         for suffix in (".json", ".png", ".metrics.jsonl"):
             (HERE / "results" / f"{tag}{suffix}").unlink(missing_ok=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and all("  left " in line for line in steps), steps  # (goal 4: time left)
     checkpoint = tmp_path / "out" / "checkpoint-3"
     assert export.main([str(tmp_path / "out"), "--type", "f16"]) == 0  # the output dir: its latest checkpoint
     said = capsys.readouterr().out
