@@ -264,7 +264,12 @@ def chat_style(tokenizer, add_bos: bool):
         bos = tokenizer.bos_token or ""
         return text[len(bos):] if add_bos and bos and text.startswith(bos) else text  # llama.cpp adds that bos
 
-    plain = jinja(PROBE)
+    from jinja2 import TemplateError
+
+    try:
+        plain, with_system = jinja(PROBE), jinja([{"role": "system", "content": PROBE_SYSTEM}, *PROBE])
+    except (TemplateError, ValueError, TypeError, KeyError) as err:  # a template that refuses a system turn
+        return None, None, f"the chat template did not render a sample conversation ({str(err)[:80]})"
     style = next((s for s in CHAT_STYLES if s.turn_marker in plain), None)
     if style is None:
         return None, None, "the chat template is neither ChatML nor LLaMA 3's"
@@ -272,8 +277,7 @@ def chat_style(tokenizer, add_bos: bool):
     default = None
     if plain.startswith(opening):  # a system prompt the template adds by itself
         default = plain[len(opening):plain.index(style.close_turn)]
-    same = (style.render(default, PROBE) == plain
-            and style.render(PROBE_SYSTEM, PROBE) == jinja([{"role": "system", "content": PROBE_SYSTEM}, *PROBE]))
+    same = style.render(default, PROBE) == plain and style.render(PROBE_SYSTEM, PROBE) == with_system
     if not same:
         return None, None, f"the chat template is {style.name}-like but lays turns out its own way"
     return style, default, None
@@ -344,7 +348,9 @@ def llama3_rope_factors(theta: float, head_dim: int, s: dict):
 
 
 def tensors(model, kind: str, arch: str, permute: bool, weight_type: str):
-    """(GGUF name, Hugging Face name, float32 tensor, ggml type name) of every weight, in the model's order."""
+    """(GGUF name, Hugging Face name, tensor, ggml type name, heads) of every weight, in the model's order; heads:
+    the head count to re-order its rows by for llama.cpp's rope, or None. The tensors are the model's own:
+    each is converted only as it is written (as_ggml), so that no float32 copy of the whole model is made."""
     import gguf
 
     config = model.config
@@ -359,35 +365,39 @@ def tensors(model, kind: str, arch: str, permute: bool, weight_type: str):
         mapped = names.get_name(stem)
         if mapped is None:
             raise Refused(f"the {kind} model has a weight GGUF has no name for: {hf_name}")
-        w = param.detach().to("cpu").float()
+        heads = None
         if permute and stem.endswith("self_attn.q_proj"):
-            w = permute_for_gguf_rope(w, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif permute and stem.endswith("self_attn.k_proj"):
-            w = permute_for_gguf_rope(w, config.num_key_value_heads)
-        if w.dim() < 2:
+            heads = config.num_key_value_heads
+        if param.dim() < 2:
             kind_here = "f32"  # norms and biases: llama.cpp keeps them in f32
         elif weight_type == "q4_0" and mapped in ("token_embd", "output"):
             kind_here = "q8_0"  # the embeddings and the output projection in 8 bits, as llama.cpp's Q4_0 files have them
         else:
             kind_here = weight_type
-        out.append((f"{mapped}.{suffix}", hf_name, w, kind_here))
+        out.append((f"{mapped}.{suffix}", hf_name, param.detach(), kind_here, heads))
     return out
 
 
 def check_widths(weights, weight_type: str) -> None:
-    for gguf_name, hf_name, w, kind in weights:
+    for gguf_name, hf_name, w, kind, _ in weights:
         if kind in ("q8_0", "q4_0") and w.shape[-1] % BLOCK:
             raise Refused(f"--type {weight_type}: {hf_name} has rows {w.shape[-1]} values wide, not a multiple of "
                           f"{BLOCK} (the {kind} block); export this model with --type f16 or --type bf16")
-        if kind == "f16" and not bool(w.abs().max() <= 65504):
+        if kind == "f16" and not bool(w.abs().amax() <= 65504):
             raise Refused(f"--type f16: {hf_name} holds values beyond f16's range (65,504); use --type bf16")
 
 
-def as_ggml(w, kind: str):
-    """(numpy array, ggml type) of a float32 tensor in `kind`."""
+def as_ggml(w, kind: str, heads: int | None):
+    """(numpy array, ggml type) of a weight in `kind`, its rows re-ordered for llama.cpp's rope when `heads`."""
     import gguf
     import numpy as np
+    import torch
 
+    w = w.to("cpu", torch.float32)
+    if heads is not None:
+        w = permute_for_gguf_rope(w, heads)
     array = w.numpy()
     if kind == "f32":
         return array.astype(np.float32), gguf.GGMLQuantizationType.F32
@@ -404,6 +414,14 @@ def as_ggml(w, kind: str):
 FILE_TYPES = {"f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
 
 
+def refuse_family(kind) -> None:
+    if kind in NOT_EXPORTED:
+        raise Refused(f"a {kind} model: export.py does not write the {kind} family ({NOT_EXPORTED[kind]}); "
+                      f"it writes {', '.join(ARCHITECTURES)}")
+    if kind not in ARCHITECTURES:
+        raise Refused(f"a {kind} model: not a family this project supports; export.py writes {', '.join(ARCHITECTURES)}")
+
+
 def GGUFWriter(path, arch):  # noqa: N802  (the gguf package's writer; tests put a stand-in here)
     import gguf
 
@@ -417,11 +435,7 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
 
     config = model.config
     kind = getattr(config, "model_type", None)
-    if kind in NOT_EXPORTED:
-        raise Refused(f"a {kind} model: export.py does not write the {kind} family ({NOT_EXPORTED[kind]}); "
-                      f"it writes {', '.join(ARCHITECTURES)}")
-    if kind not in ARCHITECTURES:
-        raise Refused(f"a {kind} model: not a family this project supports; export.py writes {', '.join(ARCHITECTURES)}")
+    refuse_family(kind)
     arch, permute = ARCHITECTURES[kind]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     theta, scaling = rope_metadata(config, head_dim)
@@ -465,7 +479,7 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
             for key in ("factor", "low_freq_factor", "high_freq_factor"):
                 w.add_float32(f"{arch}.rope.scaling.llama3.{key}", scaling[key])
             weights.append(("rope_freqs.weight", "(llama 3 rope scaling)",
-                            llama3_rope_factors(theta, head_dim, scaling), "f32"))
+                            llama3_rope_factors(theta, head_dim, scaling), "f32", None))
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(vocab["pre"])
         w.add_token_list(vocab["tokens"])
@@ -483,8 +497,8 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
         w.add_add_eos_token(vocab["add_eos"])
         if getattr(tokenizer, "chat_template", None):
             w.add_chat_template(tokenizer.chat_template)
-        for gguf_name, _, tensor, kind_here in weights:
-            array, qtype = as_ggml(tensor, kind_here)
+        for gguf_name, _, tensor, kind_here, heads in weights:
+            array, qtype = as_ggml(tensor, kind_here, heads)
             w.add_tensor(gguf_name, array, raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -521,6 +535,8 @@ def export(run: str, weight_type: str = "q8_0", output: Path | None = None, base
            name: str | None = None) -> dict:
     """Export a run; returns {"gguf", "modelfile", "name", "bytes", ...}. Raises Refused for bad input."""
     folder = resolve_run(run)
+    if (folder / "config.json").is_file():  # a family it does not write: refused before the weights load
+        refuse_family(json.loads((folder / "config.json").read_text()).get("model_type"))
     output = Path(output) if output is not None else default_output(folder, weight_type)
     if not output.parent.is_dir():
         raise Refused(f"--output {output}: the folder {output.parent} does not exist")
