@@ -16,7 +16,8 @@ number that matters.
   4b  finetune_optimized.py                   the same loop with the Triton kernels
   4c  profile_baseline.py --kernels default   what the kernels changed in the step
   4d  --model smollm2-135m                    a real pretrained model (SmolLM2-135M-Instruct) learns from the
-                                              example data: eval loss and answers before and after
+                                              example data: eval loss and answers before and after; then
+      export.py                               its checkpoint as one GGUF file, with the Ollama command to run it
   then a summary: 4a and 4b side by side, and what the real model learned.
 
 Without a GPU, steps 1 and 4a-4c run the llama-tiny preset (kernels through Triton's interpreter:
@@ -75,6 +76,10 @@ REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4"
 # interpreter) took 5.9 and 14.3 minutes, 10.9 min of CPU time in all; its own estimate before the first step
 # (playbook/interpreter.py) said 8.1 (results/runs/finetune_CPU_smollm2_kernels.log).
 REAL_CPU_KERNEL_STEPS = "5.9 and 14.3 min"
+# The end of step 4d: the last real-model run's checkpoint, exported for llama.cpp and Ollama (export.py).
+REAL_OUTPUT = "out/walkthrough_smollm2"  # (git-ignored)
+REAL_GGUF = REAL_OUTPUT + ".q8_0.gguf"
+REAL_OLLAMA_NAME = "smollm2-walkthrough"
 
 
 def default_workload():
@@ -430,13 +435,25 @@ def main():
                 "EPYC shared with\nother jobs (finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256; "
                 "that script estimates\nits step itself before the first). Steps 4a-4c compare the kernels with the "
                 "baseline on llama-tiny\ninstead; a GPU runs both on SmolLM2.")
-        step(title, explain, [py, script, *real_args, "--tag", tag, *overwrite])
+        saved = ["--output-dir", REAL_OUTPUT, "--overwrite-output-dir"] if i == len(real) - 1 else []  # (exported below)
+        step(title, explain, [py, script, *real_args, "--tag", tag, *overwrite, *saved])
         r = load(tag)
         if r is not None:
             s = r["summary"]
             print(f"-> the number: eval loss {s.get('eval loss before') or float('nan'):.4f} -> "
                   f"{s.get('final eval loss') or float('nan'):.4f}"
                   + (f", {s['tokens/s (job)']:,.0f} tokens/s" if gpu and s.get("tokens/s (job)") else ""))
+
+    if real:
+        step("Step 4d, exported: the fine-tuned model for llama.cpp and Ollama",
+             f"The checkpoint of the last run above as one GGUF file (q8_0: 8 bits a weight), with its tokenizer, chat\n"
+             "template and end-of-turn token, and an Ollama Modelfile beside it. Nothing here runs Ollama or llama.cpp;\n"
+             "the command to do so follows (docs/export.md). tests/export_test.py reads such files back through\n"
+             "transformers' own GGUF reader and checks that they answer as the checkpoint does.",
+             [py, "export.py", REAL_OUTPUT, "--output", REAL_GGUF, "--name", REAL_OLLAMA_NAME])
+        modelfile = REAL_GGUF.removesuffix(".gguf") + ".Modelfile"
+        print(f"-> the file: {REAL_GGUF}; to run it:\n   ollama create {REAL_OLLAMA_NAME} -f {modelfile}  &&  "
+              f"ollama run {REAL_OLLAMA_NAME}")
 
     banner("Summary", "Steps 4a and 4b side by side, what the real model learned in step 4d, and where the loss "
                       "curves are.")

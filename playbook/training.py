@@ -794,8 +794,13 @@ def _train(cfg) -> dict:
 
     interpreter.before_training(cfg, model, in_effect(kernel_report, cfg.optimizer, cfg.lora_r), data, start + 1,
                                 steps)
+    from playbook.time_left import TimeLeft
+
+    left = TimeLeft(steps, start, cfg.eval_every, cfg.save_every, cfg.output_dir is not None,
+                    answers=cfg.sample_prompts is not None)
     if start == 0:  # held-out loss before any update, the baseline of the run's gain
-        eval_before = evaluate(model, data.eval_batches(cfg.device))
+        with left.measure("eval"):
+            eval_before = evaluate(model, data.eval_batches(cfg.device))
         if eval_before is not None:
             result.eval_losses.insert(0, (0, eval_before))
             log(f"eval loss before training: {eval_before:.4f} (mean over the held-out target tokens)")
@@ -804,8 +809,9 @@ def _train(cfg) -> dict:
         from playbook import generate
 
         prompts = generate.read_prompts(cfg.sample_prompts)
-        result.samples = [{"prompt": p, "before": a} for p, a in
-                          zip(prompts, generate.answers(model, tokenizer, prompts, cfg.device, "before training"))]
+        with left.measure("answers"):
+            result.samples = [{"prompt": p, "before": a} for p, a in
+                              zip(prompts, generate.answers(model, tokenizer, prompts, cfg.device, "before training"))]
     timed_from = start + cfg.warmup_steps
     result.cuda_graphs = "" if blocker is None else f"off ({blocker})"
     log(f"Training: steps {start + 1}-{steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
@@ -820,6 +826,7 @@ def _train(cfg) -> dict:
     terminated = None  # the step after which a SIGTERM stopped the run
     graphed = None  # the step to capture (cuda_graph.GraphedStep); captured after the first step of the run
     playbook.defer_sigterm(True)  # a scheduler's SIGTERM: the step in progress ends, is saved, and the run stops
+    left.begin()
     try:
         for step in bar:
             if step == timed_from and cfg.on_gpu:
@@ -862,7 +869,8 @@ def _train(cfg) -> dict:
                 result.text_tokens.append(n_text)
             eval_loss = None
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == steps - 1:
-                eval_loss = evaluate(model, data.eval_batches(cfg.device))
+                with left.measure("eval"):
+                    eval_loss = evaluate(model, data.eval_batches(cfg.device))
                 if eval_loss is not None:
                     result.eval_losses.append((step + 1, eval_loss))
             mem = cuda_graph.peak_bytes(graphed) / 1e9 if cfg.on_gpu else None
@@ -871,18 +879,20 @@ def _train(cfg) -> dict:
                           padded_tokens_per_s=result.tokens_per_step / dt,
                           step_ms=dt * 1e3, host_queue_ms=queued * 1e3, peak_memory_gb=mem)
             bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
+            left.step_done(step + 1)
             if log_now or eval_loss is not None:
                 line = (f"step {step + 1:5d}/{steps}  loss {loss_value:.4f}"
                         + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
                         + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
-                        + f"  {dt * 1e3:8.1f} ms  {throughput(n_text, result.tokens_per_step, dt)}")
+                        + f"  {dt * 1e3:8.1f} ms  {throughput(n_text, result.tokens_per_step, dt)}" + left.text(step + 1))
                 if bar.disable:
                     log(line)
                 else:
                     bar.write(line)
             if cfg.output_dir is not None and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step == steps - 1):
                 try:
-                    path = save(cfg, step + 1, model, tokenizer, optimizer, schedule, result, settings)
+                    with left.measure("save"):
+                        path = save(cfg, step + 1, model, tokenizer, optimizer, schedule, result, settings)
                 except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a file size limit,
                     # permissions (safetensors' own error for a failed write): the summary is still written
                     stopped = (f"error: the checkpoint of step {step + 1} could not be written to {cfg.output_dir} "
@@ -926,6 +936,7 @@ def _train(cfg) -> dict:
         if is_main():
             print(generate.format_samples(result.samples))
     summary = result.summary(gpu_bf16_peak_tflops(cfg.device), flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
+    summary.update(left.summary())  # the end estimated at step 10, against the real one
     payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if is_main():
         rows = table_rows(summary, cfg.on_gpu)

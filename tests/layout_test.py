@@ -20,7 +20,7 @@ from playbook.testkit import record, run_as_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"profile_baseline.py", "benchmark_kernels.py", "finetune_baseline.py", "finetune_optimized.py",
-           "finetune_trainer.py", "distill.py", "walkthrough.py", "selfcheck.py", "chat.py"}
+           "finetune_trainer.py", "distill.py", "walkthrough.py", "selfcheck.py", "chat.py", "export.py"}
 EVIDENCE = {".log", ".json", ".csv", ".png", ".txt", ".md", ".jsonl"}
 
 

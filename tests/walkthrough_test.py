@@ -198,7 +198,7 @@ def test_steps_carry_the_readme_numbers(monkeypatch, capsys):
 
 def test_cpu_step_4d_fine_tunes_the_real_model_without_kernels(monkeypatch, capsys):
     said, steps = _walk(monkeypatch, capsys, AFTER_CPU)
-    real = [(a, k) for a, k in steps if a[0].startswith("Step 4d")]
+    real = [(a, k) for a, k in steps if a[0].startswith("Step 4d") and a[2][1] != "export.py"]
     assert len(real) == 1 and real[0][0][0].startswith("Step 4d: ")
     cmd = real[0][0][2]
     assert cmd[1] == "finetune_baseline.py"
@@ -228,7 +228,7 @@ def test_the_summary_shows_the_eval_loss_and_an_answer_before_and_after(monkeypa
 
 def test_gpu_step_4d_runs_the_real_model_with_and_without_kernels(monkeypatch, capsys):
     said, steps = _walk(monkeypatch, capsys, AFTER_GPU, gpu=True)
-    real = [a for a, _ in steps if a[0].startswith("Step 4d")]
+    real = [a for a, _ in steps if a[0].startswith("Step 4d") and a[2][1] != "export.py"]
     assert [a[0].split(":")[0] for a in real] == ["Step 4d (baseline)", "Step 4d (kernels)"]
     assert [a[2][1] for a in real] == ["finetune_baseline.py", "finetune_optimized.py"]
     same = [a[2][2:a[2].index("--tag")] for a in real]
@@ -238,6 +238,18 @@ def test_gpu_step_4d_runs_the_real_model_with_and_without_kernels(monkeypatch, c
     # beside the 8B timing runs of 4a and 4b
     assert [a[2][a[2].index("--model") + 1] for a, _ in steps if a[0].startswith(("Step 4a", "Step 4b"))] == \
         ["llama-3.1-8b", "llama-3.1-8b"]
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["CPU", "GPU"])
+def test_step_4d_ends_with_the_export_and_the_ollama_command(monkeypatch, capsys, gpu):
+    said, steps = _walk(monkeypatch, capsys, AFTER_GPU if gpu else AFTER_CPU, gpu=gpu)
+    *tuned, exported = [a for a, _ in steps if a[0].startswith("Step 4d")]
+    saved = ["--output-dir", walkthrough.REAL_OUTPUT, "--overwrite-output-dir"]
+    assert [a[2][-3:] == saved for a in tuned] == [False] * (len(tuned) - 1) + [True]  # the last run's checkpoint
+    assert exported[2][1:] == ["export.py", walkthrough.REAL_OUTPUT, "--output", walkthrough.REAL_GGUF,
+                               "--name", walkthrough.REAL_OLLAMA_NAME]
+    assert ("ollama create smollm2-walkthrough -f out/walkthrough_smollm2.q8_0.Modelfile  &&  "
+            "ollama run smollm2-walkthrough") in said.split("Summary", 1)[0]
 
 
 def test_real_model_steps_option(monkeypatch, capsys):

@@ -1,0 +1,106 @@
+"""The time a run has left: the steps still to come at the recent step time, plus the evals, checkpoint
+saves and sample answers still to come at the time each took last.
+
+    >>> left = TimeLeft(steps=100, start=0, eval_every=20, save_every=50, saving=True)
+    >>> with left.measure("eval"):                  # the eval before training, and each one after
+    ...     evaluate(model, batches)
+    >>> left.begin()                                # just before the first step
+    >>> left.step_done(1); left.text(1)             # after each step (and its eval), before its save
+    '  left 3m 12s'
+    >>> left.summary()                              # the end estimated at step 10, against the real end
+    {'end estimated at step 10': '14:02:10 (312 s after step 10)', 'end': '14:02:30 (...; estimate 6% short)'}
+
+A step's time is the wall time from the end of one step to the end of the next, less the evals and
+saves measured in between, so that the data loading and logging between steps count, and a save does
+not make the step after it look slow. The recent step time is the median of the last 20 steps: the first
+steps (compilation, warm-up) leave it within a few steps. An eval or a save not yet measured counts as
+nothing until it is (the first checkpoint of a run without --save-every is its last).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import deque
+
+ESTIMATE_STEP = 10  # the step of the run whose estimate the summary holds against the real end
+RECENT = 20  # steps in the median step time
+
+
+def duration(seconds: float) -> str:
+    """'42 s', '5m 12s', '1h 02m'."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+
+
+class TimeLeft:
+    def __init__(self, steps: int, start: int, eval_every: int | None, save_every: int | None, saving: bool,
+                 answers: bool = False, clock=time.monotonic, wall=time.time):
+        self.steps, self.start = steps, start
+        self.eval_every, self.save_every, self.saving, self.answers = eval_every, save_every, saving, answers
+        self.clock, self.wall = clock, wall
+        self.took: dict[str, float] = {}  # the last duration of each kind: eval, save, answers
+        self.recent: deque[float] = deque(maxlen=RECENT)
+        self._mark = None  # the clock at the end of the last step
+        self._between = 0.0  # evals and saves measured since then
+        self.estimate = None  # (step, estimated end on the wall clock, wall clock at that step)
+
+    @contextlib.contextmanager
+    def measure(self, kind: str):
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.took[kind] = self.clock() - t0
+            self._between += self.took[kind]
+
+    def begin(self) -> None:
+        self._mark, self._between = self.clock(), 0.0
+
+    def step_done(self, step: int) -> None:
+        now = self.clock()
+        self.recent.append(now - self._mark - self._between)
+        self._mark, self._between = now, 0.0
+        if step == self.start + ESTIMATE_STEP and step < self.steps:
+            wall = self.wall()
+            self.estimate = (step, wall + self.seconds(step), wall)
+
+    def _count(self, every: int | None, first: int) -> int:
+        """Steps k in [first, steps] at which a periodic event falls (every `every` steps, and the last)."""
+        if first > self.steps:
+            return 0
+        periodic = (self.steps // every - (first - 1) // every) if every else 0
+        return periodic + (0 if every and self.steps % every == 0 else 1)
+
+    def seconds(self, step: int) -> float:
+        """Seconds left after `step` finished its training and its eval, before its checkpoint save."""
+        per_step = statistics.median(self.recent) if self.recent else 0.0
+        left = (self.steps - step) * per_step
+        left += self._count(self.eval_every, step + 1) * self.took.get("eval", 0.0)
+        if self.saving:
+            left += self._count(self.save_every, step) * self.took.get("save", 0.0)
+        if self.answers:
+            left += self.took.get("answers", 0.0)  # the sample answers after training, as long as those before
+        return left
+
+    def text(self, step: int) -> str:
+        return f"  left {duration(self.seconds(step))}"
+
+    def summary(self) -> dict:
+        """The end estimated at step 10 of the run against the real end (now), as summary rows; none for a
+        run of 10 steps or fewer."""
+        if self.estimate is None:
+            return {}
+        step, estimated, at = self.estimate
+        end = self.wall()
+        real, said = end - at, estimated - at
+        off = "on time" if round(said) == round(real) else (
+            f"estimate {abs(real - said) / max(real, 1e-9):.0%} {'short' if said < real else 'long'}")
+        return {f"end estimated at step {step}": f"{time.strftime('%H:%M:%S', time.localtime(estimated))} "
+                                                 f"({duration(said)} after step {step})",
+                "end": f"{time.strftime('%H:%M:%S', time.localtime(end))} ({duration(real)} after step {step}; {off})"}
