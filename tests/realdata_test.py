@@ -95,16 +95,16 @@ def test_the_size_rule_keeps_narrow_projections_in_bf16(monkeypatch, capsys):
 
 
 def test_real_models_train_in_float32_on_cpus_without_bf16_matmuls(monkeypatch):
-    from playbook import models
+    from playbook import models, presets  # weights_dtype asks presets.cpu_has_native_bf16
 
     cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cpu"))
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
     assert models.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.float32
     assert models.weights_dtype(dataclasses.replace(cfg, model="llama-tiny")) == torch.bfloat16  # presets as before
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: True)
     assert models.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.bfloat16
     gpu = dataclasses.replace(cfg, model="smollm2-135m", device=torch.device("cuda"))
-    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
     assert models.weights_dtype(gpu) == torch.bfloat16  # a GPU trains in bf16 whatever the CPU
 
 
