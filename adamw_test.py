@@ -42,7 +42,8 @@ from playbook import training
 from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
 from playbook.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
-from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
+from playbook.testkit import (close_to_reference, exactly, expect_error, record, run_as_script, two_process_device,
+                              two_process_env)
 
 ON_GPU = DEVICE.type == "cuda"
 HERE = Path(__file__).resolve().parent
@@ -977,7 +978,8 @@ def test_training_script_resumes_a_kahan_run_exactly(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Sharded parameters (FSDP2): two processes under torchrun, gloo on the CPU
+# Sharded parameters (FSDP2): two processes under torchrun, one GPU each (NCCL) where the machine has two,
+# else on the CPU (gloo; testkit.two_process_env)
 # ------------------------------------------------------------------------------------------------
 SHARDED_ROUNDINGS = ("nearest", "kahan", "fp32-master", "stochastic")
 
@@ -993,18 +995,19 @@ def _sharded_worker(out: Path) -> int:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    device = two_process_device()
+    models.init_distributed(device)  # NCCL on this rank's GPU, or gloo on the CPU
     rank = dist.get_rank()
     steps = {"stochastic": 1}  # one step: the test's one-ulp bound holds for one rounding, not for a chain of them
     results = {}
     for rounding in SHARDED_ROUNDINGS:
-        whole = models.build_preset("llama-tiny", 2, torch.device("cpu"), torch.bfloat16)
+        whole = models.build_preset("llama-tiny", 2, device, torch.bfloat16)
         sharded = models.shard_model(copy.deepcopy(whole))
         optimizers = [TritonAdamW(training.param_groups(m, 0.1), lr=1e-2, rounding=rounding, seed=3)
                       for m in (whole, sharded)]
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches, as in training
         for _ in range(steps.get(rounding, 3)):
-            ids = torch.randint(0, whole.config.vocab_size, (2, 16), generator=gen)
+            ids = torch.randint(0, whole.config.vocab_size, (2, 16), generator=gen).to(device)
             sharded(input_ids=ids, labels=ids).loss.backward()
             for p, q in zip(whole.parameters(), sharded.parameters(), strict=True):
                 p.grad = q.grad.full_tensor()  # a collective: every rank's whole model gets the same gradient
@@ -1020,7 +1023,7 @@ def _sharded_worker(out: Path) -> int:
         got["shard_index"] = [adamw_kernel._shard_index(q) for q in sharded.parameters()]
         results[rounding] = got
     q = next(sharded.parameters())  # a whole, plain gradient for a sharded parameter: refused, in one line
-    q.grad = torch.zeros(q.shape, dtype=q.dtype)
+    q.grad = torch.zeros(q.shape, dtype=q.dtype, device=device)
     try:
         TritonAdamW([q]).step()
         results["refusal"] = None
@@ -1034,8 +1037,8 @@ def _sharded_worker(out: Path) -> int:
 
 
 def test_sharded_steps_match_unsharded(tmp_path):
-    """FSDP2, 2 processes: TritonAdamW on sharded parameters (each process its shard, states DTensors shaped like
-    their parameters) leaves the weights and every state bit for bit where the unsharded TritonAdamW leaves them,
+    """FSDP2, 2 processes (testkit.two_process_env): TritonAdamW on sharded parameters (each process its shard,
+    states DTensors shaped like their parameters) leaves the weights and every state bit for bit where the unsharded TritonAdamW leaves them,
     given the same gradients, after 3 steps, for nearest, Kahan and fp32-master rounding.
 
     Bitwise, not a tolerance: AdamW is element-wise, so each element of a shard goes through the very
@@ -1048,10 +1051,10 @@ def test_sharded_steps_match_unsharded(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(HERE / "adamw_test.py"), "--sharded-worker", str(tmp_path)],
                          cwd=HERE, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)})
+                         env=two_process_env(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["0", "1"], "each rank holds its own shard"
-    results = torch.load(tmp_path / "sharded.pt")
+    results = torch.load(tmp_path / "sharded.pt", map_location="cpu")
     assert "must be a DTensor sharded as it is" in results["refusal"] and "\n" not in results["refusal"], results["refusal"]
     for rounding in SHARDED_ROUNDINGS:
         whole, sharded = results[rounding]["whole"], results[rounding]["sharded"]

@@ -14,17 +14,50 @@ def _restore_hugging_face_rope():
         family_module(f).apply_rotary_pos_emb = fn
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): under pytest-xdist with --dist loadgroup, the tests "
+                                       "of one group run in one worker")
+    # pytest -n N (xdist's default, --dist load) spreads tests one by one: send each xdist_group to one
+    # worker instead (loadgroup is load for every unmarked test), so that the parity tests' kernel runs
+    # are started by one worker only (kernel_runs_in_background).
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+    # A worker reads --dist from the command line it was given, not from the controller's options: it
+    # names its tests by group (test@group, which loadgroup schedules by) when told so here.
+    if getattr(config, "workerinput", {}).get("dist") == "loadgroup":
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, called on the controller for each worker it starts
+def pytest_configure_node(node):
+    node.workerinput["dist"] = node.config.getoption("dist")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_runs_in_background(request, tmp_path_factory):
     """finetune_test.py's loss-parity tests compare 12-step training runs with the project's kernels
     (one to two minutes each on a CPU) against baselines. When a session has any of those tests selected,
     their kernel runs start here, at the session's start, each in a child process
     (finetune_test.start_kernel_runs), and train on the spare cores while the other tests run; the
-    tests collect them (finetune_test.parity_runs). Yields {run: (process, result file, log file)}."""
+    tests collect them (finetune_test.parity_runs).
+
+    Under pytest-xdist every worker collects every test, but only one runs the parity tests (they share
+    an xdist_group, which pytest_configure above makes count): there the runs start when the first parity
+    test asks for them, and the other workers start none.
+
+    Yields a function that starts the runs once and returns {run: (process, result file, log file)}."""
     items = [item for item in request.session.items if "parity_runs" in getattr(item, "fixturenames", ())]
-    children = items[0].module.start_kernel_runs(items, tmp_path_factory.mktemp("parity_runs")) if items else {}
+    children = {}
+
+    def start() -> dict:
+        if items and not children:
+            children.update(items[0].module.start_kernel_runs(items, tmp_path_factory.mktemp("parity_runs")))
+        return children
+
+    if not hasattr(request.config, "workerinput"):  # not an xdist worker: start now
+        start()
     try:
-        yield children
+        yield start
     finally:
         for proc, _, _ in children.values():  # still running only when the session ended first (-x, Ctrl-C)
             if proc.poll() is None:

@@ -280,3 +280,32 @@ def _device():
     from playbook.kernel_utils import DEVICE
 
     return DEVICE
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes under torchrun (the FSDP2 and data-parallel tests)
+# ------------------------------------------------------------------------------------------------
+def two_process_env(**extra: str) -> dict:
+    """The environment for a test's `torchrun --nproc-per-node 2`: this process's, plus `extra`.
+
+    With two GPUs or more, each process takes the GPU of its LOCAL_RANK and they meet through NCCL, as
+    a run on a GPU machine does. With one GPU, NCCL cannot put two ranks on the one device, so the GPU
+    is hidden from the two processes (CUDA_VISIBLE_DEVICES=""; CPU_DEMO=1 tells the scripts' set-up
+    check that this is meant): they run as on a machine without a GPU, on the CPU through gloo, the
+    kernels in Triton's interpreter; the same sharding code, as in CI. Without a GPU nothing changes."""
+    env = {**os.environ, **extra}
+    if torch.cuda.is_available() and not two_processes_on_gpus():
+        env.update(CUDA_VISIBLE_DEVICES="", CPU_DEMO="1")
+    return env
+
+
+def two_processes_on_gpus() -> bool:
+    """Whether the two processes of two_process_env run on GPUs (one each), not on the CPU."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def two_process_device() -> torch.device:
+    """Inside one of those processes: its GPU (cuda:LOCAL_RANK) where it sees one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -33,7 +33,8 @@ from torch import nn
 from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
 from playbook import checkpoint
 from playbook.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from playbook.testkit import exactly, expect_error, record, run_as_script
+from playbook.testkit import (exactly, expect_error, record, run_as_script, two_process_device, two_process_env,
+                              two_processes_on_gpus)
 
 VOCAB = 512
 
@@ -459,14 +460,18 @@ def test_adapter_config_names_the_base(tmp_path):
 # Two processes (torchrun, FSDP2, gloo on the CPU)
 # ------------------------------------------------------------------------------------------------
 HERE = Path(__file__).resolve().parent.parent  # the repository root
-RUN = ["--steps", "4", "--timing-warmup-steps", "1", "--seq-len", "32", "--kernels", "none", "--lr", "1e-3", "--lr-schedule",
-       "cosine", "--lr-warmup-steps", "2", "--weight-decay", "0.1", "--log-every", "100", "--overwrite"]
+# the model, batch and optimizer named: the defaults differ on a GPU (the 8B, batch 4, adamw-fused), and a
+# checkpoint's optimizer state crosses between one process and two only into the same kind of AdamW
+RUN = ["--model", "llama-tiny", "--batch-size", "2", "--steps", "4", "--timing-warmup-steps", "1", "--seq-len", "32",
+       "--kernels", "none", "--lr", "1e-3", "--lr-schedule", "cosine", "--lr-warmup-steps", "2", "--weight-decay", "0.1",
+       "--log-every", "100", "--overwrite"]
+TORCH_ADAMW = ["--optimizer", "adamw-foreach"]  # PyTorch's AdamW, on the CPU and on a GPU
 PHASES = {  # the worker's runs, in order: name -> command-line words after RUN (SCRATCH: the test's folder)
-    "straight": ["--output-dir", "SCRATCH/straight", "--save-every", "2"],
-    "resumed": ["--output-dir", "SCRATCH/resumed", "--resume", "SCRATCH/straight/checkpoint-2"],
-    "from_one": ["--output-dir", "SCRATCH/from_one", "--resume", "SCRATCH/one/checkpoint-2"],
-    "lora_straight": ["--lora-r", "4", "--output-dir", "SCRATCH/lora_straight", "--save-every", "2"],
-    "lora_resumed": ["--lora-r", "4", "--output-dir", "SCRATCH/lora_resumed",
+    "straight": [*TORCH_ADAMW, "--output-dir", "SCRATCH/straight", "--save-every", "2"],
+    "resumed": [*TORCH_ADAMW, "--output-dir", "SCRATCH/resumed", "--resume", "SCRATCH/straight/checkpoint-2"],
+    "from_one": [*TORCH_ADAMW, "--output-dir", "SCRATCH/from_one", "--resume", "SCRATCH/one/checkpoint-2"],
+    "lora_straight": [*TORCH_ADAMW, "--lora-r", "4", "--output-dir", "SCRATCH/lora_straight", "--save-every", "2"],
+    "lora_resumed": [*TORCH_ADAMW, "--lora-r", "4", "--output-dir", "SCRATCH/lora_resumed",
                      "--resume", "SCRATCH/lora_straight/checkpoint-2"],
     # The Triton AdamW on the shards (adamw_kernel.py), and with an fp32 master weight, the state that
     # torch's loader would cast to the parameter's dtype (TritonAdamW.load_state_dict keeps it fp32)
@@ -509,6 +514,7 @@ def _fsdp2_worker(scratch: Path) -> int:
     from playbook import training
 
     rank = int(os.environ["RANK"])
+    device = two_process_device()
     real_save, real_load = training.save, checkpoint.load_checkpoint
     phase = None
 
@@ -520,7 +526,7 @@ def _fsdp2_worker(scratch: Path) -> int:
         draws = {"torch": torch.rand(4), "python": random.random()}  # what the generators give right after the save
         model.eval()
         with torch.no_grad():
-            logits = model(input_ids=PROBE).logits  # the sharded model's own forward
+            logits = model(input_ids=PROBE.to(device)).logits  # the sharded model's own forward
         model.train()
         torch.save({"logits": logits, "draws": draws}, scratch / f"{phase}-saved-{step}-rank{rank}.pt")
 
@@ -546,7 +552,7 @@ def _fsdp2_worker(scratch: Path) -> int:
     torch.distributed.destroy_process_group = real_destroy
 
     # An error on one rank reaches every rank: disagreeing arguments, then rank 0 failing to write.
-    model = models.shard_model(models.build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16))
+    model = models.shard_model(models.build_preset("llama-tiny", None, device, torch.bfloat16))
     errors = {}
     for case in ("disagree", "rank 0 cannot write"):
         if case == "rank 0 cannot write" and rank == 0:
@@ -594,7 +600,12 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
     """torchrun --nproc-per-node 2 (FSDP2, gloo): 4 steps straight == 2 + save + resume + 2, bit for bit,
     for full fine-tuning and for LoRA; every rank's random state comes back; the checkpoint has the
     one-process layout and loads with AutoModelForCausalLM.from_pretrained, giving the sharded model's
-    logits; checkpoints cross between 1 and 2 processes exactly; an error on one rank stops both."""
+    logits; checkpoints cross between 1 and 2 processes exactly; an error on one rank stops both.
+
+    The two processes take one GPU each where there are two (testkit.two_process_env). With one GPU they
+    run on the CPU, and so must the one-process side of the comparisons (a preset's random weights are
+    drawn on its device: a CPU's and a GPU's differ), so this test then runs whole in a child process
+    that sees no GPU, as on a machine without one."""
     import json
     import subprocess
 
@@ -602,15 +613,26 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    if torch.cuda.is_available() and not two_processes_on_gpus():
+        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist",
+                                f"{Path(__file__).resolve()}::test_fsdp2_save_and_resume"],
+                               cwd=HERE, capture_output=True, text=True, timeout=600,
+                               env={k: v for k, v in two_process_env().items() if k != "PYTEST_ADDOPTS"})
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+        record("1 GPU: the two processes and the one-process side on the CPU (a child process without the GPU)",
+               0.0, 0.0, True)
+        return
+    where = two_process_device()  # the device of rank 0, and of this process's side of the comparisons
     tags = ["test_ckpt_one", "test_ckpt_to_one", "test_ckpt_dataset"] + [f"test_ckpt_{p}" for p in PHASES]
     try:
         # A one-process run first: the reference layout, and a checkpoint for two processes to resume.
-        training.train(_config(*RUN, "--tag", "test_ckpt_one", "--output-dir", str(tmp_path / "one"),
+        training.train(_config(*RUN, *TORCH_ADAMW, "--tag", "test_ckpt_one", "--output-dir", str(tmp_path / "one"),
                                "--save-every", "2"))
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                               str(HERE / "tests" / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)],
                              cwd=HERE, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)})  # one thread each (see the logits below); the repository root on the path
+                             # one thread each (see the logits below); the repository root on the path
+                             env=two_process_env(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         ranks = [json.loads((tmp_path / f"worker-rank{r}.json").read_text()) for r in range(2)]
         losses = ranks[0]["losses"]
@@ -651,16 +673,17 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
             sorted(p.name for p in (tmp_path / "one" / "checkpoint-2").iterdir())
         assert (tmp_path / "straight" / "latest").read_text() == "checkpoint-4\n"
         assert json.loads((straight / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-        loaded = AutoModelForCausalLM.from_pretrained(straight, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-        sharded = torch.load(tmp_path / "straight-saved-4-rank0.pt")["logits"]
+        loaded = AutoModelForCausalLM.from_pretrained(straight, dtype=torch.bfloat16, attn_implementation="sdpa")
+        loaded = loaded.to(where).eval()
+        sharded = torch.load(tmp_path / "straight-saved-4-rank0.pt", map_location=where)["logits"]
         threads = torch.get_num_threads()
-        # bitwise: the same weights and input, and one thread as in the torchrun processes, so the
-        # same CPU kernels sum in the same order
+        # bitwise: the same weights and input on rank 0's device, and on a CPU one thread as in the torchrun
+        # processes, so the same kernels sum in the same order
         torch.set_num_threads(1)
         try:
             with torch.no_grad():
                 exactly("logits: from_pretrained(checkpoint) vs the sharded model",
-                        loaded(input_ids=PROBE).logits, sharded)
+                        loaded(input_ids=PROBE.to(where)).logits, sharded)
         finally:
             torch.set_num_threads(threads)
 
@@ -668,7 +691,7 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
         one = tmp_path / "one" / "checkpoint-2"
         got = torch.load(tmp_path / "from_one-loaded.pt")
         same_tree("1 -> 2 processes: weights", got["weights"], load_file(one / "model.safetensors"))
-        cfg = _config(*RUN, "--tag", "test_ckpt_to_one")
+        cfg = _config(*RUN, *TORCH_ADAMW, "--tag", "test_ckpt_to_one")
         model, optimizer, schedule = _one_process(cfg)
         load_checkpoint(one, model, optimizer, schedule)
         same_tree("1 -> 2 processes: optimizer", got["optimizer"], _gathered_names(model, optimizer))
@@ -698,7 +721,8 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
         assert len(got) == len(adapter) > 0
         for name, t in got.items():
             exactly(f"LoRA loaded into 2 processes: {name}", t, adapter[name.replace(".default.", ".")])
-        model, optimizer, schedule = _one_process(_config(*RUN, "--tag", "test_ckpt_to_one", "--lora-r", "4"))
+        model, optimizer, schedule = _one_process(_config(*RUN, *TORCH_ADAMW, "--tag", "test_ckpt_to_one",
+                                                          "--lora-r", "4"))
         load_checkpoint(lora, model, optimizer, schedule)  # the base fingerprint of 2 shards == that of 1 process
         from peft import get_peft_model_state_dict
 

@@ -105,7 +105,8 @@ def test_the_lora_fusion_follows_its_registry_name(monkeypatch):
     monkeypatch.setattr(lora, "lora_from_config", lambda model, cfg, fuse: seen.append(fuse) or model)
     parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
     for words, fused in ((["--kernels", "default"], True), (["--kernels", "rmsnorm"], False)):
-        cfg = parse_config(parser, "finetune_optimized", ["--lora-r", "4", "--num-layers", "1", *words])
+        cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--lora-r", "4", "--num-layers", "1",
+                                                          *words])
         models.prepare_model(cfg)
         assert seen[-1] is fused, (words, seen)
     record("LoRA fused with 'lora' selected, peft's own forward without", 0.0, 0.0, True)
