@@ -83,3 +83,14 @@ def probe_runs_in_background(request, tmp_path_factory):
         if child[0].poll() is None:  # still running only when the session ended first (-x, Ctrl-C)
             child[0].kill()
             child[0].wait()
+
+
+def pytest_runtest_logreport(report):
+    """PYTEST_FAILURES_FILE=path: each failure's report is appended to that file as it happens (the end-of-run
+    summary of a run stopped by a time limit, or of many worker processes, is never printed)."""
+    import os
+
+    path = os.environ.get("PYTEST_FAILURES_FILE")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
