@@ -1048,7 +1048,7 @@ def test_sharded_steps_match_unsharded(tmp_path):
     so the two runs lie at most one bf16 ulp apart, and not everywhere equal (the bits are not the same)."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(HERE / "adamw_test.py"), "--sharded-worker", str(tmp_path)],
                          cwd=HERE, capture_output=True, text=True, timeout=600,
                          env=two_process_env(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))

@@ -15,6 +15,8 @@ def _restore_hugging_face_rope():
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "big_gpu_memory: on a GPU, the test takes tens of GB; such tests run one "
+                                       "at a time across pytest-xdist's workers (_gpu_memory_taken_in_turn)")
     config.addinivalue_line("markers", "xdist_group(name): under pytest-xdist with --dist loadgroup, the tests "
                                        "of one group run in one worker")
     # pytest -n N (xdist's default, --dist load) spreads tests one by one: send each xdist_group to one
@@ -93,4 +95,35 @@ def pytest_runtest_logreport(report):
     path = os.environ.get("PYTEST_FAILURES_FILE")
     if path and report.failed:
         with open(path, "a") as f:
-            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+            for name, content in report.sections:  # what the test printed: its stdout, stderr and log
+                f.write(f"---- {name}\n{content[-4000:]}\n")
+            f.write("\n")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_taken_in_turn(request):
+    """On a GPU shared by pytest-xdist's workers: a test marked big_gpu_memory (a 131,072-token row, a
+    LLaMA-sized vocabulary, offsets past 2^31) waits for the others so marked to finish (a lock file), and
+    every test gives its cached GPU memory back when it ends, so what one worker keeps cached is not what
+    another's big test runs out of. Without a GPU (or before torch is imported) nothing happens."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    gpu = torch is not None and torch.cuda.is_available()
+    lock = None
+    if gpu and request.node.get_closest_marker("big_gpu_memory") is not None:
+        import fcntl
+        import tempfile
+        from pathlib import Path
+
+        lock = open(Path(tempfile.gettempdir()) / "playbook-big-gpu-memory-tests.lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if gpu and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        if lock is not None:
+            lock.close()  # (closing the file releases the lock)
+

@@ -1059,6 +1059,7 @@ def test_ideal_bytes_match_the_docstring():
 
 
 # ---------------------------------------------------------------------------- GPU-only, full size
+@pytest.mark.big_gpu_memory
 @pytest.mark.skipif(not ON_GPU, reason="LLaMA's 128256 vocabulary needs a GPU (the interpreter is slow)")
 @pytest.mark.parametrize("inplace", [False, True])
 def test_llama_vocabulary(inplace):
@@ -1067,6 +1068,7 @@ def test_llama_vocabulary(inplace):
     _check(f"{n} tokens x V={V}", logits, targets, "mean", inplace=inplace)
 
 
+@pytest.mark.big_gpu_memory
 @pytest.mark.skipif(not ON_GPU, reason="LLaMA's 128256 vocabulary needs a GPU (the interpreter is slow)")
 def test_llama_vocabulary_with_every_option():
     """Every option and extra at LLaMA's vocabulary, compiled, in place (blocks of 8192: the launch
@@ -1088,6 +1090,7 @@ def test_llama_vocabulary_with_every_option():
             torch.where(targets == -100, -1, logits.argmax(-1)))
 
 
+@pytest.mark.big_gpu_memory
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU with ~12 GB free")
 def test_offsets_past_int32():
     """N x V > 2^31: row offsets must be int64. Check the rows that live past the 2^31 mark."""

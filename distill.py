@@ -68,7 +68,7 @@ from playbook.common import (describe_gpu, is_out_of_memory, log, result_path, s
 from cross_entropy_kernel import causal_targets  # noqa: E402
 from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
-from playbook import config  # noqa: E402
+from playbook import config, memory_plan  # noqa: E402
 from playbook.models import PRESETS, count_params, load_model, prepare_model  # noqa: E402
 from playbook.config import positive_float, positive_int, usage_error  # noqa: E402
 
@@ -378,6 +378,7 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     d = cfg.extra
+    memory_plan.check(cfg)  # the teacher beside the student, before either is built
     teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
     data = make_batches(cfg, teacher.config.vocab_size)
     modes = MODES if d.mode == "both" else (d.mode,)

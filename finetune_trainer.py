@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
 
+from playbook import memory_plan
 from playbook.registry import DEFAULT_KERNELS
 from playbook.common import log
 from playbook.config import make_parser, parse_config, usage_error
@@ -103,6 +104,7 @@ def main(argv=None):
         raise usage_error("--sample-prompts belongs to the scripts' own loop: the Trainer answers no prompts; use "
                           "finetune_optimized.py, or chat.py --prompts-file on the saved checkpoint")
     resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
+    memory_plan.check(cfg)  # before the model is built
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
     train_set, eval_set = build_datasets(cfg, tokenizer, model.config.vocab_size)

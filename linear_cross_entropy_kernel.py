@@ -410,8 +410,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
                    lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
                    return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens)
     device_type = x.device.type if isinstance(x, torch.Tensor) else "cpu"
-    if isinstance(x, torch.Tensor) and torch.amp.is_autocast_available(device_type) \
-            and torch.is_autocast_enabled(device_type):  # (no autocast on the meta device)
+    # (the devices with autocast, named: the meta device has none, and torch.compile of torch 2.11 cannot
+    # trace torch.amp.is_autocast_available)
+    if isinstance(x, torch.Tensor) and device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         # Under autocast (fp32 weights, bf16 compute) the head's matmul would run in the autocast
         # dtype, as nn.Linear does; cast the inputs once (autograd casts the gradients back) and
         # run the chunked loop with autocast off, so its out= matmuls see one dtype.

@@ -752,6 +752,7 @@ def test_ideal_bytes_and_flops_match_the_docstring():
 
 
 # ---------------------------------------------------------------------------- GPU-only, full size
+@pytest.mark.big_gpu_memory
 @pytest.mark.skipif(not ON_GPU, reason="LLaMA's 4096 x 128256 head needs a GPU (the interpreter is slow)")
 def test_llama_head_without_host_syncs():
     """4096 tokens through LLaMA 3.1 8B's head in 2 chunks, in bf16, with host syncs made errors."""

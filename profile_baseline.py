@@ -46,7 +46,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
-from playbook import cuda_graph
+from playbook import cuda_graph, memory_plan
 from playbook.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
                              write_atomic)
 from playbook.models import prepare_model
@@ -154,6 +154,7 @@ def main():
         return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
     try:
+        memory_plan.check(cfg)  # before the model is built
         model, model_name, desc, kernel_report = prepare_model(cfg)
         data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
         blocker = cuda_graph.graph_blocker(cfg, data)

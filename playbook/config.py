@@ -109,6 +109,7 @@ class RunConfig:
     overwrite: bool
     report_to: str
     sample_prompts: Path | None = None  # a file of prompts answered (greedy) before and after training
+    ignore_memory_plan: bool = False  # run even where the memory plan (playbook/memory_plan.py) says it will not fit
 
     # a script's own section (a frozen dataclass), from the `extra` of make_parser
     extra: object = None
@@ -636,8 +637,5 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         save_total_limit=a.save_total_limit, overwrite_output_dir=a.overwrite_output_dir,
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
         merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
-        report_to=a.report_to, sample_prompts=sample_prompts, extra=extra)
-    from playbook.memory_plan import check  # the peak memory this run needs, before any model is built
-
-    check(cfg, enforce=not a.ignore_memory_plan)
+        report_to=a.report_to, sample_prompts=sample_prompts, ignore_memory_plan=a.ignore_memory_plan, extra=extra)
     return cfg

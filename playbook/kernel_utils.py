@@ -16,6 +16,7 @@ one would stop with "Cannot call @triton.jit'd outside of the scope of a kernel"
 then run the way the interpreter runs its own (`_interpret_early_helpers`).
 """
 
+import inspect
 import os
 import sys
 
@@ -60,6 +61,28 @@ def _interpret_early_helpers() -> None:
 
 if INTERPRET and TRITON_IMPORTED_BEFORE:
     _interpret_early_helpers()
+
+
+def _interpret_loaded_scalars_as_indices() -> None:
+    """Triton 3.6's interpreter holds a scalar loaded from memory as a 1-element array, and its `__index__`
+    (a loop bound such as `range(0, n // BLOCK)` in adamw_kernel.py) then fails under numpy 2 ("only
+    0-dimensional arrays can be converted to Python scalars"); later releases squeeze the array first. Where
+    the interpreter patches tensors without that squeeze, add it after each patching."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or "squeeze" in inspect.getsource(patch):
+        return
+
+    def patched(tensor, scope, *args, **kwargs):
+        patch(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _interpret_loaded_scalars_as_indices()
 
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -478,6 +478,19 @@ def _full_set(kernels) -> bool:
     return {"rmsnorm", "linear_cross_entropy", "swiglu"} <= set(kernels)
 
 
+# The real model's shape as its GGUF header gives it (tests/memory_plan_test.py checks the two agree where the
+# file is installed): a plan for it before the file is installed or converted.
+KNOWN_SHAPES = {"smollm2-135m": dict(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3,
+                                     head_dim=64, tied=True)}
+
+
+def _known_shape(name: str, num_layers: int | None) -> Shape | None:
+    known = KNOWN_SHAPES.get(name.lower())
+    if known is None:
+        return None
+    return replace(Shape(**known), layers=min(num_layers or known["layers"], known["layers"]))
+
+
 def model_shape(name: str, num_layers: int | None = None) -> Shape | None:
     """The Shape of --model NAME from what is on this machine (a preset, a local directory, a GGUF file,
     the Hugging Face cache); None where its config is not here yet (it comes with the weights)."""
@@ -492,7 +505,10 @@ def model_shape(name: str, num_layers: int | None = None) -> Shape | None:
             folder = pretrained.cached_directory(name)
             if (folder / "config.json").is_file():
                 return Shape.from_config(json.loads((folder / "config.json").read_text()), num_layers)
-            return _gguf_shape(pretrained.gguf_file(name), num_layers)
+            try:
+                return _gguf_shape(pretrained.gguf_file(name), num_layers)
+            except (OSError, ValueError, KeyError, TypeError, SystemExit, ImportError):
+                return _known_shape(name, num_layers)  # its file is not installed here (yet)
         local = Path(name).expanduser()
         if local.is_dir():
             return Shape.from_config(json.loads((local / "config.json").read_text()), num_layers)
@@ -617,9 +633,12 @@ def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
     return Plan(parts=parts, peak=peak, where=where, notes=[n for _, p in trained for n in p.notes])
 
 
-def check(cfg, enforce: bool = True) -> Plan | None:
-    """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would.
-    Called once the command line is parsed, before any model is built."""
+def check(cfg, enforce: bool | None = None) -> Plan | None:
+    """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would
+    (enforce: by default unless --ignore-memory-plan). Each script calls it as its run starts, before any
+    model is built (training.train, finetune_trainer.py, profile_baseline.py, distill.py)."""
+    if enforce is None:
+        enforce = not getattr(cfg, "ignore_memory_plan", False)
     from playbook.common import is_main, log
 
     plans = run_plans(cfg)

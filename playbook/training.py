@@ -32,6 +32,7 @@ import playbook
 from playbook.common import (RESULTS_DIR, describe_gpu, gpu_bf16_peak_tflops, interactive, is_main, is_out_of_memory, log,
                     oom_message, result_path, synchronize, versions, world, write_atomic)
 from playbook.models import PRESETS, count_params, flops_per_token, prepare_model
+from playbook import memory_plan
 from playbook.registry import in_effect
 
 IGNORE_INDEX = -100
@@ -698,6 +699,7 @@ def _train(cfg) -> dict:
 
     check_output_folders(cfg)
     info = read_resume(cfg) if cfg.resume is not None else None
+    memory_plan.check(cfg)  # the peak it needs against the free memory, before the model is built
     model, model_name, desc, kernel_report = prepare_model(cfg)
     if cfg.lora_r:
         from playbook.lora import name_base_model

@@ -628,7 +628,7 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
         # A one-process run first: the reference layout, and a checkpoint for two processes to resume.
         training.train(_config(*RUN, *TORCH_ADAMW, "--tag", "test_ckpt_one", "--output-dir", str(tmp_path / "one"),
                                "--save-every", "2"))
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                               str(HERE / "tests" / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)],
                              cwd=HERE, capture_output=True, text=True, timeout=300,
                              # one thread each (see the logits below); the repository root on the path

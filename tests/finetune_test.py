@@ -517,7 +517,7 @@ def test_trainer_under_torchrun_two_processes(tmp_path):
     import subprocess
 
     rows = _trainer_rows(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "finetune_trainer.py",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "finetune_trainer.py",
                           "--model", "llama-tiny", "--dataset", str(rows), "--steps", "2", "--timing-warmup-steps", "0", "--seq-len", "64", "--batch-size", "2",
                           "--eval-fraction", "0", "--output-dir", str(tmp_path / "o")],
                          cwd=HERE, capture_output=True, text=True, timeout=600, env=two_process_env())
@@ -682,7 +682,7 @@ def test_fsdp2_two_processes():
     import subprocess
 
     tag = "test_fsdp2_two"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "finetune_optimized.py", "--model", "llama-tiny", "--steps", "3", "--timing-warmup-steps", "1",
                           "--grad-accum", "2", "--batch-size", "2", "--seq-len", "32", "--tag", tag, "--overwrite"],
                          cwd=HERE, capture_output=True, text=True, timeout=600, env=two_process_env())

@@ -229,3 +229,36 @@ def test_the_baseline_on_a_cpu_claims_no_interpreter():
     note, rest = p.stdout.split("\n", 1)
     assert "this is the CPU demo" in note and "interpreter" not in rest, p.stdout  # the run uses no Triton kernel
     assert "(CPU run: the timings say nothing about a GPU)" in p.stdout
+
+
+def test_a_loaded_scalar_is_a_loop_bound_in_older_interpreters(monkeypatch):
+    """Triton 3.6's interpreter (the GPU machines' Triton, run with the GPU hidden) gave a scalar loaded from
+    memory the shape (1,) and an `__index__` that fails on it under numpy 2, so `range(0, n // BLOCK)` in the
+    Triton AdamW stopped; kernel_utils adds the squeeze later releases have, only where it is missing."""
+    import types
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from playbook import kernel_utils
+
+    class Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    def old_patch(tensor, scope):  # as Triton 3.6 sets it
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    tensor = type("Tensor", (), {})
+    loaded = tensor()
+    loaded.handle = types.SimpleNamespace(data=np.array([7], dtype=np.int32))
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", old_patch)
+    old_patch(tensor, Scope())
+    with pytest.raises(TypeError):
+        range(0, loaded)
+    kernel_utils._interpret_loaded_scalars_as_indices()
+    interpreter._patch_lang_tensor(tensor, Scope())
+    assert list(range(0, loaded)) == list(range(7))
+    patched = interpreter._patch_lang_tensor
+    kernel_utils._interpret_loaded_scalars_as_indices()  # a release that squeezes (this one now) is left as it is
+    assert interpreter._patch_lang_tensor is patched

@@ -391,6 +391,7 @@ def test_chunked_loss_matches_unchunked(dtype):
 # GPU: the real length
 # ------------------------------------------------------------------------------------------------
 @needs_gpu
+@pytest.mark.big_gpu_memory
 def test_gpu_rope_over_131072_positions():
     """One sequence of 131,072 tokens, 8B shapes, bf16: the patched RoPE against Hugging Face's formula,
     both against the fp32 rotation by the same tables (testkit rule, n = 2), forward and gradient.
@@ -447,6 +448,7 @@ def _flce_reference(x, w, targets, chunk):
 
 
 @needs_gpu
+@pytest.mark.big_gpu_memory
 def test_gpu_linear_cross_entropy_over_131072_rows():
     """LLaMA 3.1 8B's head over one 131,072-token sequence, bf16: hidden 4096, vocabulary 128,256.
 
@@ -478,6 +480,7 @@ def test_gpu_linear_cross_entropy_over_131072_rows():
 
 
 @needs_gpu
+@pytest.mark.big_gpu_memory
 def test_gpu_small_model_trains_on_131072_tokens():
     """A 2-layer LLaMA (hidden 256, 4 heads of 64, LLaMA 3.1's rope scaling) in bf16,
     forward and backward on one sequence of 131,072 tokens, with the default kernels and without.

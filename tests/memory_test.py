@@ -664,6 +664,7 @@ def _peak_above_start(step) -> int:
 
 
 @GPU
+@pytest.mark.big_gpu_memory
 def test_gpu_tiled_mlp_lowers_the_peak():
     """LLaMA 3.1 8B's MLP (4096 -> 14336 -> 4096, bf16, weights trained) on 32,768 tokens, forward and
     backward: untiled it keeps gate, up, act(gate) and their product (4 x 0.94 GB) and makes their
@@ -698,6 +699,7 @@ def test_gpu_tiled_mlp_lowers_the_peak():
 
 
 @GPU
+@pytest.mark.big_gpu_memory
 def test_gpu_offload_lowers_the_peak():
     """12 decoder layers of the 8B's shape (bf16, frozen; the input requires a gradient) on 16,384
     tokens, every layer checkpointed: without offload the GPU holds 11 layer inputs (128 MiB each; the
@@ -737,6 +739,7 @@ def test_gpu_offload_lowers_the_peak():
 
 
 @GPU
+@pytest.mark.big_gpu_memory
 def test_gpu_offload_is_bitwise_the_checkpoint():
     """The tiny model on the GPU (fp32, eager attention: deterministic kernels): copies on the side
     stream, pinned buffers and events change nothing in the result."""
@@ -753,6 +756,7 @@ def test_gpu_offload_is_bitwise_the_checkpoint():
 
 
 @GPU
+@pytest.mark.big_gpu_memory
 def test_gpu_saved_activations_lower_the_peak_bitwise():
     """8 decoder layers of the 8B's shape (bf16, trained weights, the default kernels) on 8,192 tokens, the
     8B's batch: --recompute-norms must lower the peak by more than 3 of the 8 layers' norm output pairs

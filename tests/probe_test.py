@@ -368,7 +368,9 @@ CASES = [
     Case("finetune: memory runs out building the model", ["-c", OOM_AT_BUILD, "finetune_baseline.py", *RUN],
          "out of memory", codes=(1,), part="runs"),
     # ---- Ctrl-C: one line, exit 130 (probe; the fine-tuning loop's: training.train, runs) ----
-    Case("Ctrl-C: distill mid-step", ["distill.py", "--steps", "100000"], SHELL_INTERRUPT, codes=(130,), ctrl_c="step", check=_one_line),
+    # (mid-step: after a step's own log line, "/100000"; the memory plan printed before names "the optimizer step")
+    Case("Ctrl-C: distill mid-step", ["distill.py", "--steps", "100000"], SHELL_INTERRUPT, codes=(130,), ctrl_c="/100000",
+         check=_one_line),
     Case("Ctrl-C: distill at start-up", ["distill.py"], SHELL_INTERRUPT, codes=(130,), ctrl_c=True, check=_one_line),
     Case("Ctrl-C: benchmark mid-run", ["benchmark_kernels.py", "--smoke"], SHELL_INTERRUPT, codes=(130,),
          ctrl_c=" done", check=_one_line),
@@ -377,7 +379,7 @@ CASES = [
     Case("Ctrl-C: profile mid-step", ["profile_baseline.py", "--steps", "100000"], SHELL_INTERRUPT, codes=(130,),
          ctrl_c="Warm-up", check=_one_line),
     Case("Ctrl-C: finetune mid-step", ["finetune_baseline.py", "--steps", "100000", "--log-every", "1"],
-         SHELL_INTERRUPT, codes=(130,), ctrl_c="step", part="runs", check=_one_line),
+         SHELL_INTERRUPT, codes=(130,), ctrl_c="/100000", part="runs", check=_one_line),
     # ---- the kernel API ----
     Case("kernel API: triton imported first, then the README's order", ["-c", ANY_IMPORT_ORDER],
          r"kernels applied: rmsnorm x3, linear_cross_entropy x1, swiglu x1, rope x1", codes=(0,)),

@@ -347,7 +347,7 @@ def test_sigterm_saves_the_step_done_and_exits_143(tmp_path):
     out = tmp_path / "out"
     code, err = interrupt("finetune_baseline.py", "--model", "llama-tiny", "--steps", "100000", "--log-every", "1",
                           "--output-dir", str(out),
-                          "--tag", "test_robust_sigterm", ready="step", sig=signal.SIGTERM)
+                          "--tag", "test_robust_sigterm", ready="/100000 ", sig=signal.SIGTERM)  # a step's log line
     (common.RESULTS_DIR / "test_robust_sigterm.metrics.jsonl").unlink(missing_ok=True)
     lines = [line for line in err.splitlines()[1:] if line.strip() and not line.startswith("checkpoint: ")]
     assert code == 143 and "Traceback" not in err and len(lines) == 1, (code, err[-2000:])
@@ -386,7 +386,7 @@ def test_models_refused_before_they_are_built(monkeypatch, capsys):
     memory cannot hold it (the memory plan, as the command line is read): one line, exit code 2, before
     anything is built or fetched. (The 8B shapes still build on the meta device: finetune_test.py's preset
     and fallback tests.)"""
-    from playbook import models
+    from playbook import memory_plan, models
 
     monkeypatch.setattr(common, "host_memory_limit", lambda: 16 * 10**9)  # the 16 GB a container allowed
     monkeypatch.delenv("PLAYBOOK_FREE_MEMORY_GB", raising=False)
@@ -399,6 +399,7 @@ def test_models_refused_before_they_are_built(monkeypatch, capsys):
         with pytest.raises(SystemExit) as info:
             cfg = parse_config(make_parser("t", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized",
                                [*argv, "--batch-size", "2", "--seq-len", "64"])
+            memory_plan.check(cfg)  # as a run starts, before the model is built
             models.load_model(cfg)
         err = capsys.readouterr().err
         assert info.value.code == 2 and mentions in err and len(err.strip().splitlines()) == 1, err
