@@ -42,6 +42,7 @@ from playbook import training
 from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
 from playbook.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
+from playbook import testkit
 from playbook.testkit import (close_to_reference, exactly, expect_error, record, run_as_script, two_process_device,
                               two_process_env)
 
@@ -1048,8 +1049,7 @@ def test_sharded_steps_match_unsharded(tmp_path):
     so the two runs lie at most one bf16 ulp apart, and not everywhere equal (the bits are not the same)."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(HERE / "adamw_test.py"), "--sharded-worker", str(tmp_path)],
+    out = subprocess.run(testkit.torchrun(str(HERE / "adamw_test.py"), "--sharded-worker", str(tmp_path)),
                          cwd=HERE, capture_output=True, text=True, timeout=600,
                          env=two_process_env(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

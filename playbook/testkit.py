@@ -299,6 +299,18 @@ def two_process_env(**extra: str) -> dict:
     return env
 
 
+def torchrun(script: str, *args: str) -> list[str]:
+    """The command line of `torchrun --nproc-per-node 2 SCRIPT ARGS`, its rendezvous on a port free now (tests
+    running side by side, under pytest-xdist, would otherwise meet on torchrun's default 29500 and one fail)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), script, *args]
+
+
 def two_processes_on_gpus() -> bool:
     """Whether the two processes of two_process_env run on GPUs (one each), not on the CPU."""
     return torch.cuda.is_available() and torch.cuda.device_count() >= 2

@@ -33,6 +33,7 @@ from torch import nn
 from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
 from playbook import checkpoint
 from playbook.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from playbook import testkit
 from playbook.testkit import (exactly, expect_error, record, run_as_script, two_process_device, two_process_env,
                               two_processes_on_gpus)
 
@@ -628,8 +629,7 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
         # A one-process run first: the reference layout, and a checkpoint for two processes to resume.
         training.train(_config(*RUN, *TORCH_ADAMW, "--tag", "test_ckpt_one", "--output-dir", str(tmp_path / "one"),
                                "--save-every", "2"))
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(HERE / "tests" / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)],
+        out = subprocess.run(testkit.torchrun(str(HERE / "tests" / "checkpoint_test.py"), "--fsdp2-worker", str(tmp_path)),
                              cwd=HERE, capture_output=True, text=True, timeout=300,
                              # one thread each (see the logits below); the repository root on the path
                              env=two_process_env(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))

@@ -31,6 +31,7 @@ from playbook import training
 from rmsnorm_kernel import TritonRMSNorm
 from playbook.config import DEFAULT_MODEL, make_parser, parse_config
 from playbook.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
+from playbook import testkit
 from playbook.testkit import close_to_reference, record, run_as_script, two_process_env
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
@@ -517,9 +518,9 @@ def test_trainer_under_torchrun_two_processes(tmp_path):
     import subprocess
 
     rows = _trainer_rows(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "finetune_trainer.py",
+    out = subprocess.run(testkit.torchrun("finetune_trainer.py",
                           "--model", "llama-tiny", "--dataset", str(rows), "--steps", "2", "--timing-warmup-steps", "0", "--seq-len", "64", "--batch-size", "2",
-                          "--eval-fraction", "0", "--output-dir", str(tmp_path / "o")],
+                          "--eval-fraction", "0", "--output-dir", str(tmp_path / "o")),
                          cwd=HERE, capture_output=True, text=True, timeout=600, env=two_process_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 processes" in out.stdout, out.stdout[-3000:]
@@ -682,9 +683,8 @@ def test_fsdp2_two_processes():
     import subprocess
 
     tag = "test_fsdp2_two"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "finetune_optimized.py", "--model", "llama-tiny", "--steps", "3", "--timing-warmup-steps", "1",
-                          "--grad-accum", "2", "--batch-size", "2", "--seq-len", "32", "--tag", tag, "--overwrite"],
+    out = subprocess.run(testkit.torchrun("finetune_optimized.py", "--model", "llama-tiny", "--steps", "3", "--timing-warmup-steps", "1",
+                          "--grad-accum", "2", "--batch-size", "2", "--seq-len", "32", "--tag", tag, "--overwrite"),
                          cwd=HERE, capture_output=True, text=True, timeout=600, env=two_process_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     path = common.RESULTS_DIR / f"{tag}.json"
