@@ -37,6 +37,12 @@ def is_main() -> bool:
     return world()[0] == 0
 
 
+def usage_error(message: str) -> SystemExit:
+    """A bad argument found after parsing: one line on stderr, exit code 2 (as argparse does)."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def log(*a, **k):
     if is_main():
         print(*a, **k, flush=True)

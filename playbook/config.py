@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from playbook.common import usage_error  # noqa: F401  (config.usage_error: the name the scripts import)
 from playbook.registry import DEFAULT_KERNELS, NAMES, PEERS, parse_kernels
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
@@ -426,12 +427,6 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     return p
 
 
-def usage_error(message: str) -> SystemExit:
-    """A bad argument found after parsing: one line on stderr, exit code 2 (as argparse does)."""
-    print(f"error: {message}", file=sys.stderr)
-    return SystemExit(2)
-
-
 def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> RunConfig:
     """Parse, check and complete the arguments; exit with code 2 and one line for anything wrong."""
     a = parser.parse_args(argv)
@@ -615,7 +610,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
                               "GPU: Triton then compiles for a GPU, and the kernels cannot run here; unset "
                               "TRITON_INTERPRET (on a CPU the kernels run in Triton's interpreter), or run without "
                               "them (--kernels none)")
-    cfg = RunConfig(
+    return RunConfig(
         script=script, device=device, model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"),
         model_explicit=a.model is not None, num_layers=a.num_layers,
         batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
@@ -638,4 +633,3 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
         merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
         report_to=a.report_to, sample_prompts=sample_prompts, ignore_memory_plan=a.ignore_memory_plan, extra=extra)
-    return cfg

@@ -12,22 +12,15 @@ it trains with (the kernels, FP8, LoRA adapters).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from playbook.common import log
+from playbook.common import log, usage_error
 
 MAX_NEW_TOKENS = 48
 PROGRESS_EVERY_S = 5  # with several prompts: a line with the count and the time left, this often
-
-
-def refuse(message: str) -> SystemExit:
-    """A bad prompt or prompts file: one line on stderr, exit code 2 (a bad argument, as argparse says it)."""
-    print(f"error: {message}", file=sys.stderr)
-    return SystemExit(2)
 
 
 def prompts_format(path: Path, text: str) -> str:
@@ -62,16 +55,16 @@ def read_prompts(path, flag: str = "--sample-prompts") -> list[str]:
     path = Path(path)
     where = f"{flag} {path}"
     if path.is_dir():
-        raise refuse(f"{where} is a directory: give a file of prompts")
+        raise usage_error(f"{where} is a directory: give a file of prompts")
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise refuse(f"{where}: cannot read it ({err.strerror or err})") from None
+        raise usage_error(f"{where}: cannot read it ({err.strerror or err})") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise refuse(f"{where}, line {line}: not UTF-8 text (byte 0x{data[err.start]:02x}); convert the file, "
+        raise usage_error(f"{where}, line {line}: not UTF-8 text (byte 0x{data[err.start]:02x}); convert the file, "
                      f"e.g. iconv -f latin1 -t utf-8 {path}") from None
     kind = prompts_format(path, text)
     prompts = []
@@ -79,18 +72,18 @@ def read_prompts(path, flag: str = "--sample-prompts") -> list[str]:
         try:
             rows = json.loads(text)
         except ValueError as err:
-            raise refuse(f"{where}: not JSON ({err}); a .json prompts file is an array of strings "
+            raise usage_error(f"{where}: not JSON ({err}); a .json prompts file is an array of strings "
                          "([\"First?\", \"Second?\"]); .jsonl holds a {\"prompt\": ...} object a line") from None
         if not isinstance(rows, list):
-            raise refuse(f"{where}: a JSON {type(rows).__name__}, not an array; a .json prompts file is an array "
+            raise usage_error(f"{where}: a JSON {type(rows).__name__}, not an array; a .json prompts file is an array "
                          "of strings ([\"First?\", \"Second?\"])")
         for number, row in enumerate(rows, 1):
             prompt = row.get("prompt") if isinstance(row, dict) else row
             if not isinstance(prompt, str):
-                raise refuse(f"{where}, item {number}: {json.dumps(row)[:60]} is not a string (nor a "
+                raise usage_error(f"{where}, item {number}: {json.dumps(row)[:60]} is not a string (nor a "
                              "{\"prompt\": ...} object)")
             if not prompt.strip():
-                raise refuse(f"{where}, item {number}: an empty prompt")
+                raise usage_error(f"{where}, item {number}: an empty prompt")
             prompts.append(prompt.strip())
     else:
         for number, line in enumerate(text.splitlines(), 1):
@@ -101,16 +94,16 @@ def read_prompts(path, flag: str = "--sample-prompts") -> list[str]:
                 try:
                     row = json.loads(line)
                 except ValueError:
-                    raise refuse(f"{where}, line {number}: not JSON (a JSON Lines file holds one "
+                    raise usage_error(f"{where}, line {number}: not JSON (a JSON Lines file holds one "
                                  "{\"prompt\": ...} object a line)") from None
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                    raise refuse(f"{where}, line {number}: needs a \"prompt\" string")
+                    raise usage_error(f"{where}, line {number}: needs a \"prompt\" string")
                 if not row["prompt"].strip():
-                    raise refuse(f"{where}, line {number}: an empty prompt")
+                    raise usage_error(f"{where}, line {number}: an empty prompt")
                 line = row["prompt"].strip()
             prompts.append(line)
     if not prompts:
-        raise refuse(f"{where}: no prompt in it")
+        raise usage_error(f"{where}: no prompt in it")
     return prompts
 
 
@@ -194,10 +187,10 @@ def checked_prompt_ids(model, tokenizer, prompts: list[str], sources: list[str] 
     out = []
     for prompt, where in zip(prompts, sources):
         if not prompt.strip():
-            raise refuse(f"{where}: an empty prompt; ask something")
+            raise usage_error(f"{where}: an empty prompt; ask something")
         ids = prompt_ids(tokenizer, prompt)
         if limit is not None and len(ids) >= limit:
-            raise refuse(f"{where}: the prompt is {len(ids):,} tokens (with the chat template) and the model reads "
+            raise usage_error(f"{where}: the prompt is {len(ids):,} tokens (with the chat template) and the model reads "
                          f"at most {limit:,} positions, prompt and answer together; shorten it to at most "
                          f"{limit - 1:,} tokens (it is not cut)")
         out.append(ids)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from playbook.common import is_main, log
+from playbook.time_left import periodic_steps
 
 HEARTBEAT_S = 30.0  # at most one progress line per this many seconds
 HEARTBEAT_FROM_S = 60.0  # steps estimated shorter than this get no heartbeat
@@ -148,15 +149,11 @@ def run_plan(cfg, data, start: int, steps: int, prompts: int) -> dict:
     """How often each part of the run happens (training.py's rules): {"steps", "evals" (eval passes),
     "eval_batches" (per pass), "answers" (prompts answered, before and after), "saves"}."""
     eval_batches = len(data.eval_batches("cpu")) if hasattr(data, "eval_batches") else 0
-    todo = range(start, steps)
-    evals = 0
-    if eval_batches:
-        evals = (start == 0) + sum(1 for s in todo if (cfg.eval_every and (s + 1) % cfg.eval_every == 0) or s == steps - 1)
-    saves = 0
-    if getattr(cfg, "output_dir", None) is not None:
-        saves = sum(1 for s in todo if (cfg.save_every and (s + 1) % cfg.save_every == 0) or s == steps - 1)
-    return {"steps": len(todo), "evals": evals, "eval_batches": eval_batches,
-            "answers": prompts * ((start == 0) + 1) if prompts and len(todo) else 0, "saves": saves}
+    todo = steps - start
+    evals = (start == 0) + periodic_steps(cfg.eval_every, start + 1, steps) if eval_batches else 0
+    saves = periodic_steps(cfg.save_every, start + 1, steps) if getattr(cfg, "output_dir", None) is not None else 0
+    return {"steps": max(todo, 0), "evals": evals, "eval_batches": eval_batches,
+            "answers": prompts * ((start == 0) + 1) if prompts and todo > 0 else 0, "saves": saves}
 
 
 def run_seconds(est: dict, token_s: float, plan: dict, max_new_tokens: int) -> dict:

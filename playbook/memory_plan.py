@@ -30,11 +30,9 @@ table) are counted per token from the config; three constants are fitted to meas
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -639,7 +637,7 @@ def check(cfg, enforce: bool | None = None) -> Plan | None:
     model is built (training.train, finetune_trainer.py, profile_baseline.py, distill.py)."""
     if enforce is None:
         enforce = not getattr(cfg, "ignore_memory_plan", False)
-    from playbook.common import is_main, log
+    from playbook.common import is_main, log, usage_error
 
     plans = run_plans(cfg)
     if not plans:
@@ -657,9 +655,8 @@ def check(cfg, enforce: bool | None = None) -> Plan | None:
            if fits else "; no single option brings it under; see docs/memory.md, or use several GPUs (torchrun)")
     if not cfg.on_gpu and cfg.model != "llama-tiny":
         way += "; on a CPU, --model llama-tiny runs the CPU demo"
-    print(f"error: --batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}: the plan needs {plan.peak / GB:.1f} GB "
-          f"at its peak and {memory} has {free / GB:.1f} GB{way}; --ignore-memory-plan runs it anyway", file=sys.stderr)
-    raise SystemExit(2)  # a usage error, as config.usage_error gives (this module stays below config)
+    raise usage_error(f"--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}: the plan needs {plan.peak / GB:.1f} "
+                      f"GB at its peak and {memory} has {free / GB:.1f} GB{way}; --ignore-memory-plan runs it anyway")
 
 
 # ------------------------------------------------------------------------------------------------

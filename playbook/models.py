@@ -25,7 +25,7 @@ from playbook import kernel_utils  # noqa: F401  (selects Triton's interpreter o
 from playbook import pretrained
 from playbook.common import is_out_of_memory, log, world
 from playbook.config import DEFAULT_MODEL, usage_error
-from playbook.presets import PRESETS, cpu_has_native_bf16, weights_dtype  # noqa: F401  (models.PRESETS: the names scripts know)
+from playbook.presets import PRESETS, weights_dtype  # models.PRESETS: the names the scripts know
 
 def init_distributed(device: torch.device) -> None:
     rank, size = world()

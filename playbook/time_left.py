@@ -38,6 +38,15 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
 
 
+def periodic_steps(every: int | None, first: int, last: int) -> int:
+    """How many of the steps first..last (counted from 1) run an event that training.py runs every `every`
+    steps (0 or None: never) and after the last step: an eval pass, a checkpoint save."""
+    if first > last:
+        return 0
+    periodic = (last // every - (first - 1) // every) if every else 0
+    return periodic + (0 if every and last % every == 0 else 1)
+
+
 class TimeLeft:
     def __init__(self, steps: int, start: int, eval_every: int | None, save_every: int | None, saving: bool,
                  answers: bool = False, clock=time.monotonic, wall=time.time):
@@ -70,20 +79,13 @@ class TimeLeft:
             wall = self.wall()
             self.estimate = (step, wall + self.seconds(step), wall)
 
-    def _count(self, every: int | None, first: int) -> int:
-        """Steps k in [first, steps] at which a periodic event falls (every `every` steps, and the last)."""
-        if first > self.steps:
-            return 0
-        periodic = (self.steps // every - (first - 1) // every) if every else 0
-        return periodic + (0 if every and self.steps % every == 0 else 1)
-
     def seconds(self, step: int) -> float:
         """Seconds left after `step` finished its training and its eval, before its checkpoint save."""
         per_step = statistics.median(self.recent) if self.recent else 0.0
         left = (self.steps - step) * per_step
-        left += self._count(self.eval_every, step + 1) * self.took.get("eval", 0.0)
+        left += periodic_steps(self.eval_every, step + 1, self.steps) * self.took.get("eval", 0.0)
         if self.saving:
-            left += self._count(self.save_every, step) * self.took.get("save", 0.0)
+            left += periodic_steps(self.save_every, step, self.steps) * self.took.get("save", 0.0)
         if self.answers:
             left += self.took.get("answers", 0.0)  # the sample answers after training, as long as those before
         return left
