@@ -343,8 +343,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                    help="instruction data: a .jsonl / .json / .parquet file or a `datasets` hub id; rows in chat "
                         "(messages), prompt/completion, Alpaca or text form (default: synthetic tokens)")
     d.add_argument("--data", type=_path, default=None, help="a raw text file, cut into windows (throughput runs)")
-    d.add_argument("--packing", action="store_true",
-                   help="pack several examples per sequence (positions restart, no attention across examples)")
+    d.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --dataset (the default there): pack several examples per sequence (positions restart "
+                        "at each, no attention across examples); --no-packing: one example per row, right-padded")
     d.add_argument("--train-on-prompt", action="store_true", help="also train on prompt tokens (default: masked)")
     d.add_argument("--drop-long", action="store_true",
                    help="drop examples longer than --seq-len (default: cut them to --seq-len, prompt kept whole)")
@@ -500,8 +501,8 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         raise usage_error(f"--data {a.data} is not a regular file (a device or a pipe): give a text file")
     if a.data is not None and not a.data.is_file():
         raise usage_error(f"--data {a.data}: no such file")
-    if (a.packing or a.train_on_prompt or a.eval_fraction or a.epochs) and a.dataset is None:
-        raise usage_error("--packing, --train-on-prompt, --eval-fraction and --epochs need --dataset")
+    if (a.packing is not None or a.train_on_prompt or a.eval_fraction or a.epochs) and a.dataset is None:
+        raise usage_error("--packing/--no-packing, --train-on-prompt, --eval-fraction and --epochs need --dataset")
     if (a.drop_long or a.eval_dataset is not None) and a.dataset is None:
         raise usage_error("--drop-long and --eval-dataset need --dataset")
     if a.eval_every and a.dataset is None:
@@ -625,7 +626,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
         keep_attention=a.keep_attention, recompute_norms=a.recompute_norms, offload_layers=a.offload_layers,
         mlp_chunk_tokens=a.mlp_chunk_tokens, compile=a.compile,
-        kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.packing, train_on_prompt=a.train_on_prompt,
+        kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.dataset is not None and a.packing is not False, train_on_prompt=a.train_on_prompt,
         drop_long=a.drop_long, eval_dataset=a.eval_dataset,
         eval_fraction=a.eval_fraction if a.eval_fraction is not None else (0.05 if dataset and a.eval_dataset is None else 0.0),
         eval_every=a.eval_every, repeat_batches=a.repeat_batches, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,

@@ -8,9 +8,10 @@ launch: forward, backward, gradient clipping and the optimizer, for every micro-
 
 What a graph needs, and what this module checks before it captures (`graph_blocker`):
   - fixed shapes and addresses: the batches are copied into static input tensors before each replay;
-    synthetic, text and packed batches are [B, T] every step. Right-padded rows are not: Hugging Face
-    reads their 2-D padding mask on the host to pick the attention path (a host sync, which a graph
-    cannot hold), so they run eagerly; --packing gives fixed rows the graph takes.
+    synthetic, text and packed batches are [B, T] every step (packed rows' example boundaries have one
+    length for the whole run: playbook/packed_attention.py). Right-padded rows with their padding mask
+    are not: Hugging Face reads the 2-D mask on the host to pick the attention path (a host sync, which a
+    graph cannot hold), so they run eagerly.
   - no host synchronisation inside the step: the loop's `.item()` happens after the replay.
   - an optimizer that keeps its step count and learning rate on the GPU: PyTorch's AdamW or the Triton
     AdamW (adamw_kernel.py) with `capturable=True` and the rate as a tensor, which `LRSchedule` fills in
@@ -54,6 +55,9 @@ def graph_blocker(cfg, data=None) -> str | None:
         return "--offload-layers copies to host memory under the host's control"
     if cfg.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
+    if getattr(data, "packing", False) and getattr(data, "packed_attention", None) == "boundaries" \
+            and not getattr(data, "packed_kernel", None):
+        return "packed rows' attention falls back to one SDPA call per example, which reads the boundaries on the host"
     rows = getattr(data, "rows", None)
     if rows is not None and "attention_mask" in rows and not getattr(data, "causal_padding", False):  # with its mask
         return ("right-padded rows: Hugging Face reads their padding mask on the host to choose the attention "

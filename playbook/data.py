@@ -696,6 +696,12 @@ class TrainData:
         self.repeat_batches: int | None = None  # batch(i) is batch(i mod N): the first N batches, cycled
         # right-padded rows without their [B, T] padding mask: see `causal_padding` in the module docstring
         self.causal_padding = False
+        # packed rows: "mask", a dense [B, 1, T, T] mask; "boundaries", each example's offsets for
+        # playbook/packed_attention.py (the model's attention must be that module's)
+        self.packed_attention = "mask"
+        self.packed_kernel: str | None = None  # with "boundaries": the fused kernel, None for the host-side fallback
+        self._row_runs: dict[int, dict[int, list[int]]] = {}  # id(rows) -> row -> its examples' lengths
+        self._bounds_size: int | None = None
 
     # ---- sizes ----
     @property
@@ -769,9 +775,37 @@ class TrainData:
                 out["attention_mask"] = rows["attention_mask"][picks]
             return self._to(out, device)
         out["position_ids"] = rows["position_ids"][picks]
+        if self.packed_attention == "boundaries":
+            from playbook import packed_attention
+
+            lengths = [self._runs(rows, int(i)) for i in picks]
+            bounds = packed_attention.boundaries(lengths, self.seq_len, self.boundaries_size())
+            out["attention_mask"] = packed_attention.as_mask(bounds)
+            return self._to(out, device)
         out = self._to(out, device)
         out["attention_mask"] = packed_attention_mask(rows["segments"][picks].to(device))  # built on the device
         return out
+
+    def _runs(self, rows: dict, i: int) -> list[int]:
+        """The lengths of the examples of packed row i, its padding tail as one more (they sum to seq_len)."""
+        cache = self._row_runs.setdefault(id(rows), {})
+        if i not in cache:
+            cache[i] = torch.unique_consecutive(rows["segments"][i], return_counts=True)[1].tolist()
+        return cache[i]
+
+    def boundaries_size(self) -> int:
+        """The length of every batch's boundaries: the most examples one batch can hold, plus one (fixed for
+        the run, so that a CUDA graph replays every batch)."""
+        if self._bounds_size is None:
+            most = 1
+            for rows in (self.rows, self.eval_rows):
+                if rows is not None and rows["segments"].numel():
+                    seg = rows["segments"]
+                    starts = torch.ones_like(seg, dtype=torch.bool)
+                    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+                    most = max(most, int(starts.sum(dim=1).max()))
+            self._bounds_size = self.batch_size * most + 1
+        return self._bounds_size
 
     @staticmethod
     def _to(batch: dict, device) -> dict:

@@ -441,7 +441,29 @@ def make_run_data(cfg, model, tokenizer=None):
     except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
         raise bad_data_exit(err) from None
     data.causal_padding = causal_padding(cfg)
+    if data.packing:
+        use_packed_attention(cfg, model, data)
     return data
+
+
+def use_packed_attention(cfg, model, data) -> None:
+    """Packed rows' attention: the optimized scripts give the model playbook/packed_attention.py's function and
+    the batches their examples' boundaries; the baseline keeps SDPA with a dense [B, 1, T, T] mask, as plain
+    Hugging Face training does. Says which, in one line."""
+    from playbook import packed_attention
+
+    config = model.config
+    why = "the baseline: Hugging Face's SDPA" if cfg.script == "finetune_baseline" else \
+        packed_attention.unsupported(config)
+    if why:
+        log(f"attention on packed rows: SDPA with a dense [batch, 1, seq, seq] mask ({why})")
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = model.get_input_embeddings().weight.dtype
+    packed_attention.install(model)
+    data.packed_attention = "boundaries"
+    data.packed_kernel = packed_attention.kernel(torch.device(cfg.device), dtype, head_dim)
+    log(packed_attention.describe(torch.device(cfg.device), dtype, head_dim))
 
 
 def needs_tokenizer(cfg) -> bool:
