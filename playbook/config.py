@@ -544,6 +544,9 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if rounding and a.optimizer not in (None, "adamw-triton"):
         raise usage_error(f"{rounding[0]} is the Triton AdamW's (adamw_kernel.py), which --optimizer {a.optimizer} "
                           "contradicts: use --optimizer adamw-triton")
+    if a.packing and script == "finetune_trainer":
+        raise usage_error("--packing: the Trainer takes one example per row, right-padded (its collator); pack with "
+                          "finetune_optimized.py or finetune_baseline.py, where packing is the default with --dataset")
     if rounding and script == "finetune_trainer":
         raise usage_error(f"{rounding[0]} needs the Triton AdamW, which runs in the scripts' own loop: the Trainer "
                           "builds its own optimizer; use finetune_optimized.py")

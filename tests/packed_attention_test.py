@@ -184,3 +184,15 @@ def test_packing_is_the_default_with_a_dataset():
     with pytest.raises(SystemExit) as info:
         cfg("--no-packing")
     assert info.value.code == 2
+
+
+def test_the_trainer_refuses_packing_it_would_not_do():
+    """finetune_trainer.py pads one example per row (the Trainer's collator): an explicit --packing is refused in
+    one line, not ignored; without it the Trainer's rows stay padded."""
+    from playbook import registry as ak
+    from playbook.config import make_parser, parse_config
+
+    with pytest.raises(SystemExit) as info:
+        parse_config(make_parser("test", kernels_default=ak.DEFAULT_KERNELS), "finetune_trainer",
+                     ["--model", "llama-tiny", "--dataset", "examples/chat.jsonl", "--packing"])
+    assert info.value.code == 2

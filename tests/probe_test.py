@@ -403,9 +403,9 @@ CASES = [
          "loss.*checkpoint", codes=(1,), part="runs"),
     # ---- resume: the run that was saved, or what differs (runs) ----
     # five settings changed at once, in one run: each must be named (a line each, tests/runs_test.py)
-    Case("resume with another --batch-size, --grad-accum, --packing, --train-on-prompt and --seq-len",
+    Case("resume with another --batch-size, --grad-accum, --no-packing, --train-on-prompt and --seq-len",
          ["finetune_baseline.py", *CHAT, "--steps", "3", "--resume", "{full}", "--batch-size", "1", "--grad-accum", "2",
-          "--packing", "--train-on-prompt", "--seq-len", "64"],
+          "--no-packing", "--train-on-prompt", "--seq-len", "64"],
          "--batch-size", part="runs", before_training=True,
          check=lambda r, f: next((f"{flag} is not named" for flag in
                                   ("--grad-accum", "--packing", "--train-on-prompt", "--seq-len")

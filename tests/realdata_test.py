@@ -119,7 +119,8 @@ def test_a_run_reports_eval_loss_before_and_after_and_the_sample_answers(tmp_pat
                                                      {"role": "assistant", "content": f"{i + 1}."}]}) + "\n"
                             for i in range(40)))
     tag = "test_realdata_summary"
-    argv = ["--model", "llama-tiny", "--dataset", str(rows), "--seq-len", "64", "--steps", "3", "--lr", "1e-2"]
+    argv = ["--model", "llama-tiny", "--dataset", str(rows), "--no-packing", "--seq-len", "64", "--steps", "3",
+            "--lr", "1e-2"]
     out = subprocess.run([sys.executable, "finetune_baseline.py", *argv,
                           "--sample-prompts", str(prompts), "--tag", tag, "--overwrite"],
                          cwd=HERE, capture_output=True, text=True, timeout=600)
