@@ -28,6 +28,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 
 import functools
 import io
+import math
 import os
 import sys
 from pathlib import Path
@@ -492,14 +493,19 @@ def test_state_dict_has_torch_adamw_structure_and_loads_both_ways():
 
 
 def test_training_script_saves_and_resumes(tmp_path):
-    """finetune_optimized --optimizer adamw-triton: trains, checkpoints (playbook/checkpoint.py), resumes bit for bit."""
+    """finetune_optimized --optimizer adamw-triton: trains, checkpoints (playbook/checkpoint.py), resumes bit for bit,
+    with the rounding the run chose (memory_plan.choose_rounding: kahan on a GPU, where the tiny model fits;
+    stochastic on a CPU, where the plan does not decide), recorded in the summary."""
     out = tmp_path / "ckpt"
     args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer", "adamw-triton", "--data", str(TEXT),
             "--steps", "4", "--timing-warmup-steps", "1", "--lr", "3e-3", "--weight-decay", "0.1", "--lr-schedule", "cosine",
             "--kernels", "none", "--batch-size", "2", "--seq-len", "32", "--output-dir", str(out)]
     whole = _run(*args, "--save-every", "2", tag="test_adamw_whole")
     resumed = _run(*args, "--resume", str(out / "checkpoint-2"), tag="test_adamw_resumed")
-    assert whole["optimizer"] == "adamw-triton"
+    chosen = "kahan" if DEVICE.type == "cuda" else "stochastic"
+    assert whole["config"]["optimizer_rounding"] == resumed["config"]["optimizer_rounding"] == chosen, whole["config"]
+    assert whole["optimizer"] == {"kahan": "adamw-triton, Kahan-compensated",
+                                  "stochastic": "adamw-triton, stochastic rounding"}[chosen], whole["optimizer"]
     assert resumed["losses"] == whole["losses"], (resumed["losses"], whole["losses"])
     record("4 steps == 2 + resume + 2 (bit for bit)", 0.0, 0.0, True)
 
@@ -956,9 +962,48 @@ def test_rounding_options_on_the_command_line(monkeypatch, capsys):
     record("--optimizer-rounding / --master-weights: 8 combinations refused (exit code 2, one line)", 0.0, 0.0, True)
 
 
-def test_training_script_resumes_a_kahan_run_exactly(tmp_path):
+def test_the_default_rounding_is_left_to_the_run_start(monkeypatch):
+    """No --optimizer-rounding and no --master-weights: a full fine-tune whose bf16 weights the Triton AdamW
+    updates leaves its rounding "auto", which memory_plan.start settles (tests/memory_plan_test.py: kahan where
+    it fits, else stochastic); every other run keeps rounding to nearest, which is all its optimizer does or
+    all its fp32 weights need; a rounding on the command line is kept as given. An optimizer made from a
+    RunConfig no run start settled rounds to nearest."""
+    import distill
+
+    from playbook.registry import DEFAULT_KERNELS
+
+    def rounding(*argv, script="finetune_optimized", gpu=True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        if script == "distill":
+            cfg = distill.parse_args(list(argv))
+        else:
+            cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv))
+        return cfg.optimizer, cfg.optimizer_rounding, training.weight_rounding(cfg)
+
+    assert rounding() == ("adamw-triton", "auto", "nearest")  # the GPU default: chosen as the run starts
+    assert rounding("--optimizer-in-backward", "--fp8") == ("adamw-triton", "auto", "nearest")
+    assert rounding("--optimizer", "adamw-triton", gpu=False) == ("adamw-triton", "auto", "nearest")
+    assert rounding("--optimizer", "adamw-triton", script="distill", gpu=False)[1] == "auto"
+    got = {
+        "CPU": rounding(gpu=False), "--lora-r 16": rounding("--lora-r", "16"),
+        "--kernels rmsnorm": rounding("--kernels", "rmsnorm"),
+        "Trainer": rounding(script="finetune_trainer"),
+        "distill --dtype float32": rounding("--dtype", "float32", "--optimizer", "adamw-triton", script="distill",
+                                            gpu=False),
+    }
+    assert all(r == "nearest" and w == "nearest" for _, r, w in got.values()), got
+    assert rounding("--optimizer-rounding", "nearest") == ("adamw-triton", "nearest", "nearest")
+    assert rounding("--optimizer-rounding", "kahan") == ("adamw-triton", "kahan", "kahan")
+    assert rounding("--optimizer-rounding", "stochastic", gpu=False) == ("adamw-triton", "stochastic", "stochastic")
+    assert rounding("--master-weights", "fp32") == ("adamw-triton", "nearest", "fp32-master")
+    record("the default rounding: 'auto' for a full fine-tune with the Triton AdamW, nearest elsewhere", 0.0, 0.0, True)
+
+
+def test_training_script_resumes_a_kahan_run_exactly(tmp_path, capsys):
     """finetune_optimized --optimizer-rounding kahan: 3 steps straight == 1 step, a checkpoint (playbook/checkpoint.py)
-    and a resumed run of 2, bit for bit: weights, losses and optimizer state, the compensation included."""
+    and a resumed run of 2, bit for bit: weights, losses and optimizer state, the compensation included. The
+    same checkpoint resumed without the flag takes the rounding its run start chooses, and says so where it
+    differs from the checkpoint's."""
     from playbook import checkpoint
 
     args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer-rounding", "kahan", "--steps", "3",
@@ -976,6 +1021,17 @@ def test_training_script_resumes_a_kahan_run_exactly(tmp_path):
     for i in saved_a:
         for key in saved_a[i]:
             exactly(f"checkpoint-3 optimizer state {i} {key}", saved_b[i][key], saved_a[i][key])
+    capsys.readouterr()
+    plain = [w for w in args if w not in ("--optimizer-rounding", "kahan")] + ["--optimizer", "adamw-triton"]
+    plain[plain.index("--steps") + 1] = "2"  # one step after the checkpoint
+    default = _run(*plain, "--resume",
+                   str(tmp_path / "whole" / "checkpoint-1"), tag="test_adamw_kahan_default")
+    chosen = "kahan" if DEVICE.type == "cuda" else "stochastic"  # (memory_plan_test.py: the choice itself)
+    out = capsys.readouterr().out
+    assert default["config"]["optimizer_rounding"] == chosen and f"Optimizer rounding: {chosen} (" in out, out
+    assert len(default["losses"]) == 2 and default["losses"][0] == whole["losses"][0], default["losses"]
+    assert all(math.isfinite(loss) for loss in default["losses"])
+    assert (chosen == "kahan") == ("The checkpoint's run rounded its weights with 'kahan'" not in out), out
 
 
 # ------------------------------------------------------------------------------------------------

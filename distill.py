@@ -378,7 +378,7 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     d = cfg.extra
-    memory_plan.check(cfg)  # the teacher beside the student, before either is built
+    cfg = memory_plan.start(cfg)  # the teacher beside the student, before either is built
     teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
     data = make_batches(cfg, teacher.config.vocab_size)
     modes = MODES if d.mode == "both" else (d.mode,)

@@ -154,7 +154,7 @@ def main():
         return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
     try:
-        memory_plan.check(cfg)  # before the model is built
+        cfg = memory_plan.start(cfg)  # before the model is built (and the default rounding chosen)
         model, model_name, desc, kernel_report = prepare_model(cfg)
         data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
         blocker = cuda_graph.graph_blocker(cfg, data)

@@ -93,7 +93,9 @@ class RunConfig:
     warmup_ratio: float
     weight_decay: float
     optimizer: str
-    optimizer_rounding: str  # how adamw-triton rounds each new bf16 weight: "nearest", "stochastic" or "kahan"
+    optimizer_rounding: str  # how adamw-triton rounds each new bf16 weight: "nearest", "stochastic" or "kahan";
+    # "auto" (neither --optimizer-rounding nor --master-weights given, a full fine-tune with adamw-triton): chosen
+    # as the run starts, from the memory plan (memory_plan.choose_rounding: kahan where it fits, else stochastic)
     master_weights: str  # "fp32": adamw-triton updates an fp32 copy of each weight; "none": the bf16 weight itself
     optimizer_in_backward: bool
     max_grad_norm: float | None
@@ -384,15 +386,19 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                         "finetune_trainer.py), adamw-foreach on a CPU")
     t.add_argument("--optimizer-rounding", choices=["nearest", "stochastic", "kahan"], default=None,
                    help="how the Triton AdamW rounds each updated bf16 weight: to nearest (an update smaller than "
-                        "half a bf16 ulp, 2^(floor(log2|w|) - 8), is lost), stochastically (unbiased; no extra "
-                        "memory), or to nearest keeping the rounding error in a bf16 Kahan buffer (2 bytes per "
-                        "weight); implies --optimizer adamw-triton; adamw_kernel.py explains. Default nearest; for a "
-                        "full fine-tune of real weights at lr <= 2e-5, kahan kept 97-100%% of what fp32 master "
-                        "weights gain over nearest on SmolLM2, for 3.2%% of an 8B step (docs/quality.md)")
+                        "half a bf16 ulp of the weight, 2^(floor(log2|w|) - 8), rounds away: at lr 1e-5 most "
+                        "weights stop moving), stochastically (unbiased; no extra memory), or to nearest keeping "
+                        "the rounding error in a bf16 Kahan buffer (2 bytes per weight); implies --optimizer "
+                        "adamw-triton; adamw_kernel.py explains. Default, for a full fine-tune with the Triton "
+                        "AdamW: kahan where the memory plan shows its buffer fits the free memory, else stochastic "
+                        "(also on a CPU and with --ignore-memory-plan, where the plan cannot say); the run names "
+                        "its choice in one line. On SmolLM2, kahan kept 97-100%% of what fp32 master weights gain "
+                        "over nearest at lr 1e-5 and 2e-5 (docs/quality.md)")
     t.add_argument("--master-weights", choices=["none", "fp32"], default="none",
                    help="fp32: the Triton AdamW updates an fp32 copy of each weight (4 bytes per weight) and writes "
                         "it, rounded to nearest, into the bf16 weight every step: the reference for "
-                        "--optimizer-rounding; implies --optimizer adamw-triton")
+                        "--optimizer-rounding; implies --optimizer adamw-triton. Default none (with the default "
+                        "--optimizer-rounding, which keeps as much for half the memory where it fits)")
     t.add_argument("--optimizer-in-backward", action="store_true",
                    help="step each parameter's AdamW inside backward as soon as its gradient exists")
     t.add_argument("--max-grad-norm", type=positive_float, default=None, help="clip gradients to this global norm")
@@ -426,6 +432,17 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     if extra is not None:
         extra.add_arguments(p)
     return p
+
+
+def default_rounding(optimizer: str, master_weights: str, lora_r: int, extra=None) -> str:
+    """--optimizer-rounding where the command line gives none: "auto" (memory_plan.choose_rounding picks kahan
+    or stochastic as the run starts) where the Triton AdamW updates bf16 weights of a full fine-tune without
+    --master-weights; "nearest" elsewhere (PyTorch's AdamW, LoRA's fp32 adapters, distill.py --dtype float32),
+    where there is nothing to choose."""
+    if (optimizer != "adamw-triton" or master_weights != "none" or lora_r
+            or getattr(extra, "dtype", "bfloat16") != "bfloat16"):
+        return "nearest"
+    return "auto"
 
 
 def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> RunConfig:
@@ -623,7 +640,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio, fp8=a.fp8,
         fp8_backend=a.fp8_backend, fp8_layers=a.fp8_layers or "auto", fp8_recipe=a.fp8_recipe or (FP8_DEFAULT_RECIPE if a.fp8_backend == "playbook" else "rowwise"),
         weight_decay=a.weight_decay, optimizer=optimizer,
-        optimizer_rounding=a.optimizer_rounding or "nearest",
+        optimizer_rounding=a.optimizer_rounding or default_rounding(optimizer, a.master_weights, a.lora_r, extra),
         master_weights=a.master_weights, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs or ("off" if script == "finetune_baseline" else "auto"), gradient_checkpointing=checkpoint_layers is not None,
         checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,

@@ -361,11 +361,14 @@ def suggestions(shape: Shape, s: Setup, free: float) -> list[tuple[str, float]]:
     first: each option alone, the memory options together where none alone fits, the largest batch that fits."""
     L = shape.layers
     single = []
-    if s.rounding == "kahan":
-        single.append(("--optimizer-rounding stochastic instead of kahan", replace(s, rounding="stochastic")))
+    # The roundings that keep small updates, each in less memory than the run's (the default's order: kahan
+    # where it fits, else stochastic, which needs none)
     if s.rounding == "fp32-master":
+        single.append(("--optimizer-rounding kahan instead of --master-weights fp32", replace(s, rounding="kahan")))
         single.append(("--optimizer-rounding stochastic instead of --master-weights fp32",
                        replace(s, rounding="stochastic")))
+    if s.rounding == "kahan":
+        single.append(("--optimizer-rounding stochastic instead of kahan", replace(s, rounding="stochastic")))
     if "plain" in s.layer_kinds or not s.layer_kinds:
         single.append(("--gradient-checkpointing", replace(s, layer_kinds=("checkpointed",) * L)))
     elif not s.offload_activations:
@@ -394,7 +397,8 @@ def suggestions(shape: Shape, s: Setup, free: float) -> list[tuple[str, float]]:
         together = s
         names = []
         for text, t in single:
-            if text.startswith(("--lora-r", "--load-in-4bit", "--fp8", "finetune_optimized")) or (
+            if text.startswith(("--lora-r", "--load-in-4bit", "--fp8", "finetune_optimized",
+                                "--optimizer-rounding kahan")) or (  # (stochastic, named too, needs less)
                     text == "--recompute-norms" and "--gradient-checkpointing" in names):  # (no plain layer left)
                 continue
             together = replace(together, **{k: getattr(t, k) for k in ("rounding", "layer_kinds", "offload_activations",
@@ -456,6 +460,8 @@ def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2
             "chunked" if "cross_entropy" in kernels else "full")
     recipe = values.get("fp8_recipe") or ""
     rounding = "fp32-master" if values.get("master_weights") == "fp32" else (values.get("optimizer_rounding") or "nearest")
+    if rounding == "auto":  # not settled by a run start (start): as training.weight_rounding reads it
+        rounding = "nearest"
     from playbook.lora import parse_targets
 
     lora_r = int(values.get("lora_r") or 0)
@@ -609,9 +615,7 @@ def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
 
 
 def replace_model(cfg, name):
-    import dataclasses
-
-    return dataclasses.replace(cfg, model=name)
+    return replace_config(cfg, model=name)
 
 
 def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
@@ -631,10 +635,80 @@ def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
     return Plan(parts=parts, peak=peak, where=where, notes=[n for _, p in trained for n in p.notes])
 
 
-def check(cfg, enforce: bool | None = None) -> Plan | None:
+def start(cfg):
+    """What each script calls as its run starts, before any model is built: the default rounding chosen where
+    the command line left it open (cfg.optimizer_rounding "auto": choose_rounding, one log line), then the plan
+    printed and checked (check). Returns the RunConfig the run goes on with, holding the rounding it uses."""
+    line = None
+    if getattr(cfg, "optimizer_rounding", None) == "auto":
+        rounding, line = choose_rounding(cfg)
+        cfg = replace_config(cfg, optimizer_rounding=rounding)
+    check(cfg, note=line)
+    return cfg
+
+
+KAHAN_BYTES = 2  # per trained weight: the Kahan compensation, in bf16 (adamw_kernel.py)
+
+
+def choose_rounding(cfg) -> tuple[str, str | None]:
+    """The rounding of a run that left --optimizer-rounding open (config.default_rounding: a full fine-tune
+    whose bf16 weights the Triton AdamW updates), and the log line that says why:
+      kahan       where the plan with its buffer (2 bytes per weight) fits the free memory: the GPU's, or the
+                  stand-in of PLAYBOOK_FREE_MEMORY_GB. On SmolLM2 it closed 97-100 % of the gap between rounding
+                  to nearest and fp32 master weights, in half the memory of the master (docs/quality.md);
+      stochastic  where it does not fit, and where the plan cannot say: no GPU (and no stand-in),
+                  --ignore-memory-plan (the run is told not to go by the plan), a model whose config comes
+                  with its weights. It needs no memory, and closed 83 % of that gap at lr 1e-5 (at 2e-5 it
+                  ended worse than nearest: docs/quality.md);
+      nearest     (no line) where the weights turn out fp32 (a real model on a CPU without bf16 matmuls):
+                  rounding to bf16 loses nothing there.
+    Under torchrun each process judges its own GPU's free memory."""
+    plans = run_plans(replace_config(cfg, optimizer_rounding="kahan"))
+    if plans and plans[-1][2].weight_bytes != 2:
+        return "nearest", None
+    choose = "--optimizer-rounding kahan or nearest to choose"
+    if not plans:
+        return "stochastic", (f"Optimizer rounding: stochastic (no memory plan before {cfg.model} is loaded, so the "
+                              f"Kahan buffer, {KAHAN_BYTES} bytes per weight, cannot be checked against the free "
+                              f"memory; stochastic rounding needs none; {choose})")
+    plan = combine(plans)
+    buffer = plan_part(plan, "optimizer states") - plan_part(
+        combine(run_plans(replace_config(cfg, optimizer_rounding="stochastic"))), "optimizer states")
+    if getattr(cfg, "ignore_memory_plan", False):
+        return "stochastic", (f"Optimizer rounding: stochastic (--ignore-memory-plan: the run does not go by the "
+                              f"plan, so it takes the rounding that needs no memory; kahan would add "
+                              f"{buffer / GB:.1f} GB; {choose})")
+    free, where_free = free_memory(cfg.device)
+    if not cfg.on_gpu and FREE_MEMORY_ENV not in where_free:
+        return "stochastic", (f"Optimizer rounding: stochastic (no GPU: kahan is chosen where the memory plan fits "
+                              f"it in a GPU's free memory, or in {FREE_MEMORY_ENV}; stochastic rounding needs no "
+                              f"memory; {choose})")
+    if plan.peak <= free:
+        return "kahan", (f"Optimizer rounding: kahan (fits: the plan's peak with its {buffer / GB:.1f} GB buffer is "
+                         f"{plan.peak / GB:.1f} GB of {free / GB:.1f} GB free; stochastic where it does not fit; "
+                         f"--optimizer-rounding nearest to turn off)")
+    return "stochastic", (f"Optimizer rounding: stochastic (kahan does not fit: the plan's peak with its "
+                          f"{buffer / GB:.1f} GB buffer would be {plan.peak / GB:.1f} GB, {free / GB:.1f} GB free; "
+                          f"stochastic rounding needs no memory; --optimizer-rounding nearest to turn off)")
+
+
+def plan_part(plan: Plan, name: str) -> float:
+    """The bytes of one part of a plan, summed over its models ("optimizer states", "student optimizer states")."""
+    return sum(nbytes for key, (nbytes, _) in plan.parts.items() if key == name or key.endswith(" " + name))
+
+
+def replace_config(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
+
+
+def check(cfg, enforce: bool | None = None, note: str | None = None) -> Plan | None:
     """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would
     (enforce: by default unless --ignore-memory-plan). Each script calls it as its run starts, before any
-    model is built (training.train, finetune_trainer.py, profile_baseline.py, distill.py)."""
+    model is built (training.train, profile_baseline.py and distill.py through start; finetune_trainer.py, whose
+    Trainer builds its own optimizer, directly).
+    note: a line printed after the plan (start's choice of rounding)."""
     if enforce is None:
         enforce = not getattr(cfg, "ignore_memory_plan", False)
     from playbook.common import is_main, log, usage_error
@@ -642,11 +716,15 @@ def check(cfg, enforce: bool | None = None) -> Plan | None:
     plans = run_plans(cfg)
     if not plans:
         log(f"Memory plan: none before loading (the config of {cfg.model} is not on this machine yet)")
+        if note:
+            log(note)
         return None
     plan = combine(plans)
     free, where_free = free_memory(cfg.device)
     if is_main():
         log(format_plan(plan, free, where_free))
+        if note:
+            log(note)
     if plan.peak <= free or not enforce:
         return plan
     memory = "the GPU" if cfg.on_gpu and FREE_MEMORY_ENV not in where_free else "this machine"

@@ -54,10 +54,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def weight_rounding(cfg) -> str:
     """How the optimizer rounds each new bf16 weight: TritonAdamW's `rounding` (adamw_kernel.ROUNDINGS),
-    from --optimizer-rounding and --master-weights."""
+    from --optimizer-rounding and --master-weights. "auto" (none given) is chosen as a run starts
+    (memory_plan.start); an optimizer made from a RunConfig that no run start settled rounds to nearest."""
     if getattr(cfg, "master_weights", "none") == "fp32":
         return "fp32-master"
-    return getattr(cfg, "optimizer_rounding", "nearest")
+    rounding = getattr(cfg, "optimizer_rounding", "nearest")
+    return "nearest" if rounding == "auto" else rounding
 
 
 def describe_optimizer(cfg) -> str:
@@ -705,23 +707,26 @@ def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
     playbook.started()  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
+    started = [cfg]  # the RunConfig as the run goes on with it (memory_plan.start chooses a default rounding)
     try:
-        return _train(cfg)
+        return _train(cfg, started)
     except (KeyboardInterrupt, Exception) as err:
         if not playbook.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
             if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
-                raise SystemExit(oom_message(cfg, err)) from None
+                raise SystemExit(oom_message(started[-1], err)) from None
             raise
     raise playbook.interrupted_exit("the run stopped before its summary; checkpoints already written under "
                                     "--output-dir are complete") from None
 
 
-def _train(cfg) -> dict:
+def _train(cfg, started: list | None = None) -> dict:
     from tabulate import tabulate
 
     check_output_folders(cfg)
     info = read_resume(cfg) if cfg.resume is not None else None
-    memory_plan.check(cfg)  # the peak it needs against the free memory, before the model is built
+    cfg = memory_plan.start(cfg)  # the peak it needs against the free memory, before the model is built
+    if started is not None:
+        started.append(cfg)
     model, model_name, desc, kernel_report = prepare_model(cfg)
     if cfg.lora_r:
         from playbook.lora import name_base_model

@@ -467,6 +467,7 @@ RUN = ["--model", "llama-tiny", "--batch-size", "2", "--steps", "4", "--timing-w
        "--kernels", "none", "--lr", "1e-3", "--lr-schedule", "cosine", "--lr-warmup-steps", "2", "--weight-decay", "0.1",
        "--log-every", "100", "--overwrite"]
 TORCH_ADAMW = ["--optimizer", "adamw-foreach"]  # PyTorch's AdamW, on the CPU and on a GPU
+TRITON_NEAREST = ["--optimizer", "adamw-triton", "--optimizer-rounding", "nearest"]
 PHASES = {  # the worker's runs, in order: name -> command-line words after RUN (SCRATCH: the test's folder)
     "straight": [*TORCH_ADAMW, "--output-dir", "SCRATCH/straight", "--save-every", "2"],
     "resumed": [*TORCH_ADAMW, "--output-dir", "SCRATCH/resumed", "--resume", "SCRATCH/straight/checkpoint-2"],
@@ -474,10 +475,11 @@ PHASES = {  # the worker's runs, in order: name -> command-line words after RUN 
     "lora_straight": [*TORCH_ADAMW, "--lora-r", "4", "--output-dir", "SCRATCH/lora_straight", "--save-every", "2"],
     "lora_resumed": [*TORCH_ADAMW, "--lora-r", "4", "--output-dir", "SCRATCH/lora_resumed",
                      "--resume", "SCRATCH/lora_straight/checkpoint-2"],
-    # The Triton AdamW on the shards (adamw_kernel.py), and with an fp32 master weight, the state that
+    # The Triton AdamW on the shards (adamw_kernel.py), rounding to nearest (named: without it the run starts by
+    # choosing kahan or stochastic, memory_plan.choose_rounding), and with an fp32 master weight, the state that
     # torch's loader would cast to the parameter's dtype (TritonAdamW.load_state_dict keeps it fp32)
-    "triton_straight": ["--optimizer", "adamw-triton", "--output-dir", "SCRATCH/triton_straight", "--save-every", "2"],
-    "triton_resumed": ["--optimizer", "adamw-triton", "--output-dir", "SCRATCH/triton_resumed",
+    "triton_straight": [*TRITON_NEAREST, "--output-dir", "SCRATCH/triton_straight", "--save-every", "2"],
+    "triton_resumed": [*TRITON_NEAREST, "--output-dir", "SCRATCH/triton_resumed",
                        "--resume", "SCRATCH/triton_straight/checkpoint-2"],
     "master_straight": ["--master-weights", "fp32", "--output-dir", "SCRATCH/master_straight", "--save-every", "2"],
     "master_resumed": ["--master-weights", "fp32", "--output-dir", "SCRATCH/master_resumed",

@@ -4,6 +4,7 @@ printed at start-up, and the stop, before any model is built, of a run that does
     $ python -m pytest -q tests/memory_plan_test.py
 """
 
+from dataclasses import replace
 from pathlib import Path
 
 import importlib.util
@@ -151,3 +152,121 @@ def test_the_real_models_shape_is_known_before_its_file_is_installed(monkeypatch
     monkeypatch.setattr(pretrained, "gguf_file", lambda name: (_ for _ in ()).throw(SystemExit("not installed")))
     assert memory_plan.model_shape("smollm2-135m") == known and memory_plan.model_shape("smollm2-135m", 2).layers == 2
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The default rounding of a full fine-tune with the Triton AdamW (memory_plan.choose_rounding): kahan where
+# the plan with its buffer fits, stochastic where it does not or where the plan cannot say
+# ------------------------------------------------------------------------------------------------
+BIG = ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--optimizer", "adamw-triton"]
+
+
+def _parsed(*argv, script="finetune_optimized"):
+    if script == "distill":
+        import distill
+
+        return distill.parse_args(list(argv))
+    return parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv))
+
+
+def _peak(rounding: str) -> float:
+    return estimate(LLAMA_8B, memory_plan.setup_from(dict(_parsed(*BIG).as_dict(), optimizer_rounding=rounding),
+                                                     LLAMA_8B)).peak
+
+
+def _started(cfg, capsys):
+    """memory_plan.start(cfg) and its one line on the rounding (None where it printed none)."""
+    started = memory_plan.start(cfg)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Optimizer rounding:")]
+    assert len(lines) <= 1, lines
+    return started, (lines[0] if lines else None)
+
+
+def _units_on_every_number(line: str) -> bool:
+    import re
+
+    numbers = re.findall(r"(?<![\w.-])(\d+(?:\.\d+)?)(?![\w.-])( GB| bytes)?", line)  # (not in a name: llama-3.1-8b)
+    return bool(numbers) and all(unit for _, unit in numbers)
+
+
+def test_the_default_rounding_is_kahan_where_it_fits_and_says_so(monkeypatch, capsys):
+    cfg = _parsed(*BIG)
+    assert cfg.optimizer_rounding == "auto"  # left to the run start
+    kahan, stochastic = _peak("kahan"), _peak("stochastic")
+    assert kahan - stochastic == pytest.approx(2 * LLAMA_8B.params, rel=0.01)  # its bf16 buffer, nothing else
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(kahan + 1 * GB) / GB:.3f}")
+    started, line = _started(cfg, capsys)
+    assert started.optimizer_rounding == "kahan" and started.as_dict()["optimizer_rounding"] == "kahan"
+    assert line == (f"Optimizer rounding: kahan (fits: the plan's peak with its {2 * LLAMA_8B.params / GB:.1f} GB "
+                    f"buffer is {kahan / GB:.1f} GB of {(kahan + 1 * GB) / GB:.1f} GB free; stochastic where it does "
+                    "not fit; --optimizer-rounding nearest to turn off)"), line
+    assert _units_on_every_number(line), line
+
+
+def test_the_default_rounding_is_stochastic_where_kahan_does_not_fit(monkeypatch, capsys):
+    kahan, stochastic = _peak("kahan"), _peak("stochastic")
+    free = (kahan + stochastic) / 2  # stochastic fits, kahan does not
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{free / GB:.3f}")
+    started, line = _started(_parsed(*BIG), capsys)  # (fits: no exit)
+    assert started.optimizer_rounding == "stochastic", line
+    assert line.startswith("Optimizer rounding: stochastic (kahan does not fit: ") and f"{kahan / GB:.1f} GB" in line
+    assert f"{free / GB:.1f} GB free" in line and _units_on_every_number(line), line
+    # Neither fits: the run stops with the options that would fit; none of them is a rounding that needs more
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(stochastic - 1 * GB) / GB:.3f}")
+    with pytest.raises(SystemExit) as info:
+        memory_plan.start(_parsed(*BIG))
+    captured = capsys.readouterr()
+    assert info.value.code == 2 and "Optimizer rounding: stochastic (kahan does not fit" in captured.out
+    assert "--gradient-checkpointing" in captured.err and "kahan" not in captured.err, captured.err
+
+
+def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
+    """No GPU and no stand-in for its free memory, --ignore-memory-plan, no config before loading: stochastic
+    (no memory to fit), each saying why; fp32 weights (a real model on a CPU without bf16 matmuls): nearest."""
+    from playbook import presets
+
+    monkeypatch.delenv(memory_plan.FREE_MEMORY_ENV, raising=False)
+    started, line = _started(_parsed("--optimizer", "adamw-triton"), capsys)  # this CPU: llama-tiny
+    assert started.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # kahan would fit; the run is told not to go by the plan
+    started, line = _started(_parsed(*BIG, "--ignore-memory-plan"), capsys)
+    assert started.optimizer_rounding == "stochastic" and "(--ignore-memory-plan: " in line, line
+    assert _units_on_every_number(line), line
+    monkeypatch.setattr(memory_plan, "model_shape", lambda *a, **k: None)  # its config comes with its weights
+    started, line = _started(_parsed(*BIG), capsys)
+    assert started.optimizer_rounding == "stochastic" and "no memory plan before llama-3.1-8b is loaded" in line, line
+    assert _units_on_every_number(line), line
+    monkeypatch.undo()
+    monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)  # SmolLM2 then trains in fp32 on this CPU
+    cfg = _parsed("--model", "smollm2-135m", "--optimizer", "adamw-triton")
+    assert cfg.optimizer_rounding == "auto" and memory_plan.choose_rounding(cfg) == ("nearest", None)
+
+
+def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatch, capsys):
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")
+    for argv, rounding, master in ((["--optimizer-rounding", "nearest"], "nearest", "none"),
+                                   (["--optimizer-rounding", "stochastic"], "stochastic", "none"),
+                                   (["--optimizer-rounding", "kahan"], "kahan", "none"),
+                                   (["--master-weights", "fp32"], "nearest", "fp32"),
+                                   (["--lora-r", "16"], "nearest", "none"),
+                                   (["--optimizer", "adamw-foreach"], "nearest", "none")):
+        argv = [w for w in BIG if w not in ("--optimizer", "adamw-triton")] + argv
+        cfg = _parsed(*argv)
+        started, line = _started(cfg, capsys)
+        assert (started.optimizer_rounding, started.master_weights, line) == (rounding, master, None), argv
+    cfg = _parsed("--dtype", "float32", "--optimizer", "adamw-triton", script="distill")  # the student in fp32
+    assert cfg.optimizer_rounding == "nearest"
+    cfg = _parsed("--optimizer", "adamw-triton", script="distill")  # a bf16 student: chosen as distill.py starts
+    assert cfg.optimizer_rounding == "auto" and memory_plan.start(cfg).optimizer_rounding == "kahan"
+
+
+def test_suggestions_name_the_roundings_that_need_less_memory():
+    s = Setup(batch=4, seq=2048, rounding="fp32-master", optimizer="adamw-triton")
+    kahan = estimate(LLAMA_8B, replace(s, rounding="kahan")).peak
+    found = dict(suggestions(LLAMA_8B, s, kahan + 1 * GB))  # kahan fits, the master does not
+    assert estimate(LLAMA_8B, s).peak > kahan + 1 * GB
+    assert found["--optimizer-rounding kahan instead of --master-weights fp32"] == kahan
+    assert "--optimizer-rounding stochastic instead of --master-weights fp32" in found
+    tight = suggestions(LLAMA_8B, s, 60 * GB)  # the options together take the rounding that needs none
+    assert not any("rounding kahan" in text for text, _ in tight), tight
+    assert all("kahan" not in text for text, _ in suggestions(LLAMA_8B, replace(s, rounding="stochastic"), 60 * GB))
