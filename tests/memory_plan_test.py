@@ -226,7 +226,13 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     from playbook import presets
 
     monkeypatch.delenv(memory_plan.FREE_MEMORY_ENV, raising=False)
-    started, line = _started(_parsed("--optimizer", "adamw-triton"), capsys)  # this CPU: llama-tiny
+    import dataclasses
+
+    import torch
+
+    # a machine without a GPU (this one, or the GPU machine's run as it would be there): llama-tiny on the CPU
+    on_cpu = dataclasses.replace(_parsed("--optimizer", "adamw-triton", "--model", "llama-tiny"), device=torch.device("cpu"))
+    started, line = _started(on_cpu, capsys)
     assert started.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # kahan would fit; the run is told not to go by the plan
     started, line = _started(_parsed(*BIG, "--ignore-memory-plan"), capsys)

@@ -236,7 +236,7 @@ playbook.exit_on_ctrl_c_while_starting()
 import time
 from playbook import training
 
-def _train(cfg):
+def _train(cfg, *started):
     print("ready", flush=True)
     try:
         time.sleep(60)
