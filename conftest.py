@@ -14,6 +14,24 @@ def _restore_hugging_face_rope():
         family_module(f).apply_rotary_pos_emb = fn
 
 
+@pytest.fixture(autouse=True)
+def _restore_hugging_face_masks():
+    """`--compile` installs cuda_graph.install_causal_skip for the rest of its process (transformers' SDPA mask
+    function wrapped, its packed-sequence detection off); a test that compiles in-process must not change what
+    the tests after it in the same worker see. Undo it after each test."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    mapping = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    saved = (dict(mapping), masking_utils.find_packed_sequence_indices)
+    yield
+    mapping.clear()
+    mapping.update(saved[0])
+    masking_utils.find_packed_sequence_indices = saved[1]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "big_gpu_memory: on a GPU, the test takes tens of GB; such tests run one "
                                        "at a time across pytest-xdist's workers (_gpu_memory_taken_in_turn)")
