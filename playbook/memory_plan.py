@@ -697,6 +697,32 @@ def plan_part(plan: Plan, name: str) -> float:
     return sum(nbytes for key, (nbytes, _) in plan.parts.items() if key == name or key.endswith(" " + name))
 
 
+ROUNDING_ORDER = ("nearest", "stochastic", "kahan")  # a process's choice, least memory first
+
+
+def agree_on_rounding(cfg):
+    """Under torchrun, after the process group starts: each process chose its default rounding from its own GPU's
+    free memory, and near the limit they may differ. Every process takes the choice that fits on all of them
+    (the first of ROUNDING_ORDER that any chose), with one line where that changes this one's. Returns the
+    RunConfig to go on with; one process, or no process group: unchanged."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return cfg
+    device = cfg.device if dist.get_backend() == "nccl" else "cpu"
+    choice = torch.tensor([ROUNDING_ORDER.index(cfg.optimizer_rounding)], device=device)
+    dist.all_reduce(choice, op=dist.ReduceOp.MIN)
+    agreed = ROUNDING_ORDER[int(choice.item())]
+    if agreed == cfg.optimizer_rounding:
+        return cfg
+    from playbook.common import log
+
+    log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.optimizer_rounding}; another "
+        f"process's free memory did not fit it)")
+    return replace_config(cfg, optimizer_rounding=agreed)
+
+
 def replace_config(cfg, **changes):
     import dataclasses
 

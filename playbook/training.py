@@ -724,10 +724,13 @@ def _train(cfg, started: list | None = None) -> dict:
 
     check_output_folders(cfg)
     info = read_resume(cfg) if cfg.resume is not None else None
+    auto = cfg.optimizer_rounding == "auto"
     cfg = memory_plan.start(cfg)  # the peak it needs against the free memory, before the model is built
     if started is not None:
         started.append(cfg)
     model, model_name, desc, kernel_report = prepare_model(cfg)
+    if auto:  # torchrun: every process the same rounding (each chose from its own GPU's free memory)
+        cfg = memory_plan.agree_on_rounding(cfg)
     if cfg.lora_r:
         from playbook.lora import name_base_model
 

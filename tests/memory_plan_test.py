@@ -276,3 +276,34 @@ def test_suggestions_name_the_roundings_that_need_less_memory():
     tight = suggestions(LLAMA_8B, s, 60 * GB)  # the options together take the rounding that needs none
     assert not any("rounding kahan" in text for text, _ in tight), tight
     assert all("kahan" not in text for text, _ in suggestions(LLAMA_8B, replace(s, rounding="stochastic"), 60 * GB))
+
+
+def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
+    """Under torchrun each process chooses from its own GPU's free memory; after the process group starts they
+    take the choice that fits on all (here another process could only fit stochastic), with one line saying so.
+    Alone, or already agreed, nothing changes and nothing is said."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    cfg = dataclasses.replace(_parsed("--model", "llama-tiny", "--optimizer", "adamw-triton"), device=torch.device("cpu"),
+                              optimizer_rounding="kahan")
+    assert memory_plan.agree_on_rounding(cfg) is cfg  # no process group
+    others = {"value": memory_plan.ROUNDING_ORDER.index("stochastic")}
+
+    def all_reduce(t, op):  # the other process's choice, reduced as dist.all_reduce(MIN) would
+        assert op == dist.ReduceOp.MIN
+        t.fill_(min(int(t), others["value"]))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    capsys.readouterr()
+    agreed = memory_plan.agree_on_rounding(cfg)
+    said = capsys.readouterr().out
+    assert agreed.optimizer_rounding == "stochastic" and said.count("\n") == 1
+    assert said.startswith("Optimizer rounding: stochastic on every process (this one's plan chose kahan"), said
+    others["value"] = memory_plan.ROUNDING_ORDER.index("kahan")
+    assert memory_plan.agree_on_rounding(cfg) is cfg and capsys.readouterr().out == ""
