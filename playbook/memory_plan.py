@@ -662,7 +662,8 @@ def choose_rounding(cfg) -> tuple[str, str | None]:
                   ended worse than nearest: docs/quality.md);
       nearest     (no line) where the weights turn out fp32 (a real model on a CPU without bf16 matmuls):
                   rounding to bf16 loses nothing there.
-    Under torchrun each process judges its own GPU's free memory."""
+    Under torchrun each process judges its own GPU's free memory; agree_on_rounding then gives every process the
+    choice that fits on all of them."""
     plans = run_plans(replace_config(cfg, optimizer_rounding="kahan"))
     if plans and plans[-1][2].weight_bytes != 2:
         return "nearest", None
