@@ -115,9 +115,13 @@ def _per_example(q, k, v, bounds: torch.Tensor, scale: float | None) -> torch.Te
     return torch.cat(parts) if parts else q.new_empty(q.shape)
 
 
+@torch.compiler.disable
 def document_attention(q, k, v, bounds: torch.Tensor, max_len: int, scale: float | None = None) -> torch.Tensor:
     """Causal attention within each example: q [N, H, D], k and v [N, Hkv, D] (Hkv divides H), bounds [E + 1]
-    int32 offsets into the N tokens (the last entries may repeat N). Returns [N, H, D]."""
+    int32 offsets into the N tokens (the last entries may repeat N). Returns [N, H, D].
+
+    Runs as written under torch.compile (`--compile`): the fallback reads the boundaries on the host, whose
+    data-dependent shapes Inductor cannot compile, and the fused path is one kernel pair already."""
     if kernel(q.device, q.dtype, q.shape[-1]):
         return _FlashVarlen.apply(q, k, v, bounds, max_len, scale)
     return _per_example(q, k, v, bounds, scale)
