@@ -58,24 +58,30 @@ def boundaries(row_lengths: list[list[int]], seq_len: int, size: int) -> torch.T
     return torch.tensor(out, dtype=torch.int32)
 
 
+def _fallback_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashAttention's varlen kernels cannot take these inputs (a clause), or None where they can."""
+    if device.type != "cuda":
+        return "no GPU"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).replace('torch.', '')} weights"
+    if head_dim > MAX_HEAD_DIM or head_dim % 8:
+        return f"head size {head_dim}"
+    if torch.cuda.get_device_capability(device)[0] < 8 or not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return "this GPU has no flash attention"
+    return None
+
+
 def kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """The name of the fused kernel that runs packed attention for these inputs, or None (the fallback)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > MAX_HEAD_DIM or head_dim % 8:
-        return None
-    if torch.cuda.get_device_capability(device)[0] < 8 or not hasattr(torch.ops.aten, "_flash_attention_forward"):
-        return None
-    return "FlashAttention-2 varlen"
+    return None if _fallback_reason(device, dtype, head_dim) else "FlashAttention-2 varlen"
 
 
 def describe(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """One line for the log: how packed rows are attended on this machine."""
-    name = kernel(device, dtype, head_dim)
-    if name:
-        return (f"attention on packed rows: {name} (each example attends only to itself; boundaries on the GPU, "
-                "memory linear in the tokens)")
-    why = "no GPU" if device.type != "cuda" else f"{str(dtype).replace('torch.', '')} weights" \
-        if dtype not in (torch.bfloat16, torch.float16) else f"head size {head_dim}" if head_dim > MAX_HEAD_DIM or \
-        head_dim % 8 else "this GPU has no flash attention"
+    why = _fallback_reason(device, dtype, head_dim)
+    if why is None:
+        return (f"attention on packed rows: {kernel(device, dtype, head_dim)} (each example attends only to itself; "
+                "boundaries on the GPU, memory linear in the tokens)")
     return (f"attention on packed rows: SDPA once per example ({why}: the fallback, exact, memory linear in the "
             "tokens; it reads the boundaries on the host, so the step is not captured as a CUDA graph)")
 
