@@ -153,8 +153,8 @@ import math
 
 import torch
 
-from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import INTERPRET, check_device, check_float
+from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.core.kernel_utils import INTERPRET, check_device, check_float
 
 import triton
 import triton.language as tl

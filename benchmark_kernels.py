@@ -91,8 +91,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from playbook.gpu_arch import describe as describe_arch, device_capability  # noqa: E402
-from playbook import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
+from playbook.core.gpu_arch import describe as describe_arch, device_capability  # noqa: E402
+from playbook.core import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
 import adamw_kernel  # noqa: E402
 import cross_entropy_kernel  # noqa: E402
 import distillation_kernel  # noqa: E402
@@ -104,7 +104,7 @@ import swiglu_kernel  # noqa: E402
 from playbook.registry import BY_NAME, KERNEL_NAMES  # noqa: E402
 from playbook.common import is_out_of_memory  # noqa: E402
 from cross_entropy_kernel import cross_entropy  # noqa: E402
-from playbook.kernel_utils import DEVICE  # noqa: E402
+from playbook.core.kernel_utils import DEVICE  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from rmsnorm_kernel import rmsnorm, rmsnorm_backward, rmsnorm_forward, rmsnorm_ref  # noqa: E402
 from rope_kernel import rope, rope_ref  # noqa: E402
@@ -1190,7 +1190,7 @@ def token_counts(spec: str) -> list:
 
 def gpu_arch() -> str:
     """'Hopper, sm_90', 'Blackwell, datacenter, sm_103': the architecture and compute capability of the
-    current GPU (the family from playbook.gpu_arch, which tells a GB300 from an RTX 5090)."""
+    current GPU (the family from playbook.core.gpu_arch, which tells a GB300 from an RTX 5090)."""
     major, minor = device_capability(torch.cuda.current_device())
     older = {(7, 0): "Volta", (7, 5): "Turing", (8, 9): "Ada"}.get((major, minor)) or {8: "Ampere"}.get(major)
     return f"{older}, sm_{major}{minor}" if older else describe_arch((major, minor))

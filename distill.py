@@ -62,7 +62,7 @@ if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from playbook import kernel_utils  # noqa: F401,E402  (selects Triton's interpreter on machines without a GPU)
+from playbook.core import kernel_utils  # noqa: F401,E402  (selects Triton's interpreter on machines without a GPU)
 from playbook.common import (describe_gpu, is_out_of_memory, log, result_path, synchronize, versions,  # noqa: E402
                              write_atomic)
 from cross_entropy_kernel import causal_targets  # noqa: E402

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 
 import torch  # noqa: E402
 
-from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
+from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
 
 from playbook import memory_plan
 from playbook.registry import DEFAULT_KERNELS

@@ -183,11 +183,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from playbook import gpu_arch
-from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import (as_rows, check_device, check_float, direct_launch, next_power_of_2, num_sms,
+from playbook.core import gpu_arch
+from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.core.kernel_utils import (as_rows, check_device, check_float, direct_launch, next_power_of_2, num_sms,
                                    refuse_double_backward)
-from playbook.model_families import family_classes, model_type
+from playbook.core.model_families import family_classes, model_type
 import rmsnorm_kernel
 from rmsnorm_kernel import _normalize_rows  # RMSNorm's arithmetic, in the producer kernel below too
 import swiglu_kernel
@@ -2087,7 +2087,7 @@ class Float8Linear(nn.Linear):
         if get_recipe(self.recipe).scaling != "row":
             raise ValueError(f"a weight kept in FP8 has one scale per row; recipe {self.recipe} scales "
                              f"{get_recipe(self.recipe).scaling}-wise (use a row-wise recipe)")
-        from playbook.checkpoint import fingerprint
+        from playbook.core.tensors import fingerprint
 
         self.base_fingerprints = {"weight": fingerprint(self.weight)}
         q, scale = frozen_weight(self.weight)
@@ -2172,7 +2172,7 @@ def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE, sizes: str = "al
     `sizes`: "all" converts every projection the recipe takes; "auto" keeps in bf16 those too small for
     FP8 to gain (`size_reason`, the measured crossover), named in one log line.
     """
-    from playbook.common import log
+    from playbook.core.process import log
 
     r = get_recipe(recipe)
     model_type(model)
@@ -2255,7 +2255,7 @@ def store_frozen_weights(model: nn.Module) -> int:
     so an FP8 weight before peft would give FP8 adapters. Layers whose weight is trained, or whose recipe
     has no row scales, keep their bf16 weight (re-quantized every step), named in one log line. Returns
     how many layers keep their weight in FP8; calling it twice changes nothing."""
-    from playbook.common import log
+    from playbook.core.process import log
 
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
     kept = []

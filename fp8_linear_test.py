@@ -42,7 +42,7 @@ import pytest
 import torch
 from torch import nn
 
-from playbook import gpu_arch
+from playbook.core import gpu_arch
 from playbook import registry as ak
 from playbook import common
 import fp8_linear_kernel
@@ -52,7 +52,7 @@ from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, Flo
                                check_fp8_device, compiled_graph_trusted, expected_patches, fp8_cols_op, fp8_linear,
                                fp8_rows_op, fp8_scaled_mm_op, ideal_bytes, padded, patch_model, quantize,
                                quantize_cols_ref, quantize_rows, quantize_rows_ref)
-from playbook.kernel_utils import DEVICE
+from playbook.core.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
 from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 

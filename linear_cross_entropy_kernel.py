@@ -109,13 +109,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from cross_entropy_kernel import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
                                   check_targets_and_reduction, cross_entropy_forward, cross_entropy_ref,
                                   hf_reduction, loss_output, reduce_loss, scale_grad, scale_gradient_,
                                   target_weight_sum)
-from playbook.kernel_utils import check_device, check_float
-from playbook.model_families import model_type
+from playbook.core.kernel_utils import check_device, check_float
+from playbook.core.model_families import model_type
 
 # Memory budget of the reused logits buffer. 512 MiB holds 2048 tokens of a 128256-entry
 # vocabulary in bf16 (2048 x 128256 x 2 B = 525 MB): matmuls of 2048 x 4096 x 128256 are large

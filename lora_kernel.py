@@ -36,9 +36,9 @@ import types
 import torch
 from torch import nn
 
-from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: the interpreter switch)
+from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: the interpreter switch)
 import swiglu_kernel  # its operators (torch.ops.playbook.swiglu_fwd / swiglu_bwd) and the fused MLP forward
-from playbook.common import is_peft_model
+from playbook.core.process import is_peft_model
 
 
 def _peft_lora_layers(model: nn.Module) -> tuple:

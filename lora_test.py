@@ -24,8 +24,8 @@ import pytest
 import torch
 from torch import nn
 
-from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
-from playbook.kernel_utils import DEVICE
+from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
+from playbook.core.kernel_utils import DEVICE
 from playbook import lora
 import lora_kernel
 from playbook import testkit

@@ -36,9 +36,9 @@ functional API -> the HF drop-in and `patch_model` / `unpatch_model` -> referenc
 
 import torch
 
-from playbook import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.kernel_utils import check_device, check_float, next_power_of_2, refuse_double_backward
-from playbook.model_families import family_module, model_type
+from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.core.kernel_utils import check_device, check_float, next_power_of_2, refuse_double_backward
+from playbook.core.model_families import family_module, model_type
 
 import triton
 import triton.language as tl

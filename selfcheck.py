@@ -37,7 +37,8 @@ import playbook  # imports no torch
 if __name__ == "__main__":  # Ctrl-C while it starts: one line, exit code 130
     playbook.exit_on_ctrl_c_while_starting("the self-check stopped before its verdict")
 
-from playbook import gpu_arch, setup_check  # noqa: E402
+from playbook import setup_check  # noqa: E402
+from playbook.core import gpu_arch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -65,6 +65,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from playbook.core.tensors import sum_and_norm
+
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
 PREFIX = "checkpoint-"
@@ -297,34 +299,6 @@ def _is_peft(model) -> bool:
     return is_peft_model(model)
 
 
-_FINGERPRINT_CHUNK = 1 << 24  # elements of an integer weight widened to float64 at a time (128 MB)
-
-
-def _sum_and_norm(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (sum, L2 norm) of a tensor's values. Floating tensors are reduced as they are; an
-    integer one (QLoRA's NF4 weights, packed two 4-bit codes to a uint8) by its byte values, widened
-    to float64 a chunk at a time, so that no full-size copy of a weight is made."""
-    if t.is_floating_point() or t.is_complex():
-        return torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)
-    flat = t.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    squares = torch.zeros((), dtype=torch.float64, device=t.device)
-    for chunk in flat.split(_FINGERPRINT_CHUNK):
-        wide = chunk.to(torch.float64)
-        total += wide.sum()
-        squares += wide.square().sum()
-    return total, squares.sqrt()
-
-
-def fingerprint(t: torch.Tensor) -> tuple[float, float]:
-    """(float64 sum, float64 L2 norm) of one whole tensor, as `_base_fingerprint` records it (a sync).
-    A module that replaces a frozen weight by another form of it (fp8_linear_kernel's weight kept in
-    FP8) records its original's here, in `module.base_fingerprints` {attribute name: fingerprint}."""
-    with torch.no_grad():
-        total, norm = _sum_and_norm(t)
-    return total.item(), norm.item()
-
-
 def _base_fingerprint(model) -> dict:
     """name -> (float64 sum, float64 L2 norm) of every frozen parameter: tells the base a LoRA run
     started from apart from any other, without storing it. No copy of a floating weight is made (an
@@ -344,10 +318,10 @@ def _base_fingerprint(model) -> dict:
                 out[name] = tuple(recorded)
                 continue
             if _is_sharded(p):
-                total, norm = _sum_and_norm(p.to_local())
+                total, norm = sum_and_norm(p.to_local())
                 partial[name] = torch.stack([total, norm ** 2])
             else:
-                total, norm = _sum_and_norm(p)
+                total, norm = sum_and_norm(p)
                 out[name] = (total.item(), norm.item())
         if partial:
             sums = torch.stack(list(partial.values()))

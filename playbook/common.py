@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from playbook.core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 # Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
@@ -29,23 +31,10 @@ BF16_PEAK_TFLOPS = {
 # ------------------------------------------------------------------------------------------------
 # Processes (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK)
 # ------------------------------------------------------------------------------------------------
-def world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def is_main() -> bool:
-    return world()[0] == 0
-
-
 def usage_error(message: str) -> SystemExit:
     """A bad argument found after parsing: one line on stderr, exit code 2 (as argparse does)."""
     print(f"error: {message}", file=sys.stderr)
     return SystemExit(2)
-
-
-def log(*a, **k):
-    if is_main():
-        print(*a, **k, flush=True)
 
 
 def interactive() -> bool:
@@ -216,9 +205,3 @@ def result_path(tag: str, suffix: str = ".json", overwrite: bool = False, folder
         path = folder / f"{tag}-{n}{suffix}"
         n += 1
     return path
-
-
-def is_peft_model(model) -> bool:
-    """Whether `model` is a peft model (peft is not imported to find out: no peft loaded, no peft model)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)

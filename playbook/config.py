@@ -624,7 +624,7 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
 
         read_prompts(sample_prompts)
     if not gpu and (kernels or optimizer == "adamw-triton" or getattr(extra, "mode", "baseline") != "baseline"):
-        from playbook.kernel_utils import interpreting
+        from playbook.core.kernel_utils import interpreting
 
         if os.environ.get("TRITON_INTERPRET") is not None and not interpreting():  # =0, false, off: kept as set
             raise usage_error(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} on a machine without a CUDA "

@@ -242,7 +242,7 @@ def not_applicable(name: str, model) -> str | None:
     only the loss and receives capped logits; the fused lm_head + loss never builds the logits, so
     it applies only in a version that takes the cap (a `softcap` argument).
     """
-    from playbook.model_families import final_logit_softcap
+    from playbook.core.model_families import final_logit_softcap
 
     cap = final_logit_softcap(model.config)
     if name == "linear_cross_entropy" and cap is not None:
@@ -286,7 +286,7 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_
     if names and names[0] in PEERS:
         report = KernelReport(replaced={}, peer=apply_peer(model, names[0]))
     else:
-        from playbook.model_families import model_type
+        from playbook.core.model_families import model_type
 
         # a clear error for an unsupported family, before anything is patched
         kind = model_type(model) if names else None

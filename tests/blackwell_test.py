@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import fp8_linear_kernel as fp8
-from playbook import cuda_graph, gpu_arch, models, setup_check
+from playbook import cuda_graph, models, setup_check
+from playbook.core import gpu_arch
 from playbook import registry as ak
 from playbook.config import make_parser, parse_config
 from playbook.testkit import expect_error, record, run_as_script

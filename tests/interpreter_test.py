@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
+from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import interpreter, setup_check
 from playbook.models import preset_config
 
@@ -240,7 +240,7 @@ def test_a_loaded_scalar_is_a_loop_bound_in_older_interpreters(monkeypatch):
     import numpy as np
     from triton.runtime import interpreter
 
-    from playbook import kernel_utils
+    from playbook.core import kernel_utils
 
     class Scope:
         def set_attr(self, obj, name, value):

@@ -36,10 +36,10 @@ import pytest
 import torch
 import torch.utils._python_dispatch
 
-from playbook import kernel_utils  # noqa: F401  (before transformers and peft import triton)
+from playbook.core import kernel_utils  # noqa: F401  (before transformers and peft import triton)
 from playbook import memory, models
 from playbook.config import make_parser, parse_config
-from playbook.kernel_utils import DEVICE
+from playbook.core.kernel_utils import DEVICE
 from playbook.registry import DEFAULT_KERNELS
 from playbook.testkit import (BATCH, FACTOR, N_TERMS, SEQ, ULP, batch, loss_and_grads, record, run_as_script,
                               tiny_model)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
+from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import generate, pretrained
 
 HERE = Path(__file__).resolve().parent.parent
@@ -305,7 +305,7 @@ def test_fused_head_sends_its_gradient_into_the_tied_embedding(smol_dir):
 
     from playbook.registry import apply_kernels
 
-    from playbook.kernel_utils import DEVICE as device  # the kernels run where the model is: the GPU when there is one
+    from playbook.core.kernel_utils import DEVICE as device  # the kernels run where the model is: the GPU when there is one
     model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).to(device)
     model.model.layers = model.model.layers[:1]
     model.config.num_hidden_layers = 1

@@ -365,7 +365,7 @@ def test_environment_that_contradicts_the_run_is_one_line(monkeypatch, capsys):
     with what to do (exit code 2) before anything is built."""
     if common.torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET=0 is the GPU's normal setting")
-    from playbook import kernel_utils  # noqa: F401  (imported with the interpreter on, before the variable changes)
+    from playbook.core import kernel_utils  # noqa: F401  (imported with the interpreter on, before the variable changes)
 
     parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
     for env, mentions in (({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "start the run with torchrun"),

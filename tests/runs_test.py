@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
+from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
 from playbook import checkpoint, common, training
 from playbook import registry as ak
 from playbook.config import make_parser, parse_config
-from playbook.kernel_utils import DEVICE
+from playbook.core.kernel_utils import DEVICE
 from playbook.testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root

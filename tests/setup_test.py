@@ -368,8 +368,9 @@ def sandbox(tmp_path):
     triton on PYTHONPATH (importing them takes no time, whatever torch is installed)."""
     box = tmp_path / "box"
     box.mkdir()
-    (box / "playbook").mkdir()
-    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "playbook/gpu_arch.py",
+    (box / "playbook" / "core").mkdir(parents=True)
+    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "playbook/core/__init__.py",
+                 "playbook/core/gpu_arch.py",
                  "requirements.txt", "pytest.ini"):
         shutil.copy(HERE / name, box / name)
     (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")
