@@ -110,9 +110,9 @@ import torch
 from torch import nn
 
 from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from cross_entropy_kernel import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
-                                  check_targets_and_reduction, cross_entropy_forward, cross_entropy_ref,
-                                  hf_reduction, loss_output, reduce_loss, scale_grad, scale_gradient_,
+from cross_entropy_kernel import cross_entropy_forward, cross_entropy_ref, scale_grad, scale_gradient_
+from playbook.core.losses import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
+                                  check_targets_and_reduction, hf_reduction, loss_output, reduce_loss,
                                   target_weight_sum)
 from playbook.core.kernel_utils import check_device, check_float
 from playbook.core.model_families import model_type
