@@ -653,10 +653,11 @@ def test_benchmark_entry_checks_and_measures():
     """benchmark_kernels.py's adamw entry at its smoke size: every implementation passes the check
     against float64 and is measured; the byte count is this module's."""
     import benchmark_kernels as bk
+    from playbook.benchmark_specs import adamw_shapes
 
     spec = bk.SPECS["adamw"]
     case = spec.smoke[0]
-    assert sum(torch.Size(s).numel() for s in bk._adamw_shapes(case["n_params"])) == case["n_params"]
+    assert sum(torch.Size(s).numel() for s in adamw_shapes(case["n_params"])) == case["n_params"]
     rows = bk._measure_impls(spec, case, torch.bfloat16, spec.impls())
     assert [r["impl"].split(" +")[0] for r in rows] == ["ours", "torch-fused", "torch-foreach"]
     assert all(r["fwd_bytes"] == ideal_bytes(case["n_params"], torch.bfloat16) for r in rows)

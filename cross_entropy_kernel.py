@@ -29,8 +29,8 @@ The fused kernel reads each bf16 logit once (2 bytes) and writes its bf16 gradie
 int64 targets (8 bytes a row) and the fp32 per-row losses (4 bytes a row); `ideal_bytes()` counts it:
     forward only (the loss):   16384 * 128256 * 2 + 16384 * (8 + 4) = 4,202,889,216 B
     forward + backward:    2 * 16384 * 128256 * 2 + 16384 * (8 + 4) = 8,405,581,824 B
-Floor at N = 16384 on an H200 (measured copy bandwidth ~4.27 TB/s, bytes read + written):
-    8.41 GB / 4.27 TB/s -> 1969 us for the loss and its gradient.
+The floor is those bytes at the GPU's copy bandwidth (bytes read + written, which
+`benchmark_kernels.py` measures before it times anything; docs/kernels.md gives the H200's).
 
 How one pass can do both: the online softmax
 --------------------------------------------
@@ -107,13 +107,15 @@ N x V than eager mode, the default, which pays nothing for `loss.backward()`.
 Layout of this file, one ladder: kernels -> checked launchers -> custom ops (fake implementations
 registered) -> one autograd.Function over them (the in-place gradient keeps autograd out of the
 ops; the comment above it says why) -> `cross_entropy` -> `TritonCrossEntropyLoss`, a drop-in for
-`torch.nn.CrossEntropyLoss` -> `patch_model` for Hugging Face models -> `cross_entropy_ref`.
+`torch.nn.CrossEntropyLoss` -> `patch_model` for Hugging Face models -> `cross_entropy_ref`. What
+every loss of the playbook shares (the options, the checks, the reductions, `CrossEntropyOutput`,
+Hugging Face's label shift) is in playbook/core/losses.py; the names are importable from here too.
 
     $ python cross_entropy_test.py   # every check against PyTorch in float64, as a short report
 """
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -121,6 +123,10 @@ from torch import nn
 from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 # direct_launch: eager calls skip the operators' dispatch (step 1 says why)
 from playbook.core.kernel_utils import as_rows, check_device, check_float, direct_launch, next_power_of_2
+# the conventions every loss of the playbook shares (options, checks, reductions, outputs, Hugging Face's shift)
+from playbook.core.losses import (PLAIN, REDUCTIONS, CrossEntropyOutput, LossOptions, causal_targets,  # noqa: F401
+                                  check_first_order, check_options, check_targets_and_reduction, hf_reduction,
+                                  loss_output, reduce_loss, target_weight_sum)
 from playbook.core.model_families import model_type
 
 import triton
@@ -194,170 +200,47 @@ def _cross_entropy_fwd(
     Off the L2, the floor is 2 * V * e + 12: 513 KB a row at LLaMA's V = 128256 in bf16. Class
     weights add V * 4 bytes a row that every row shares (they stay in L2).
     """
-    # The options are compile-time flags: with all of them off, every `if` on them below vanishes
-    # and this is the plain kernel, instruction for instruction.
+    # The options are compile-time flags: with all of them off, every `if` on them below and in the
+    # helpers vanishes and this is the plain kernel, instruction for instruction.
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride exceeds 2^31 past ~16.7k rows
     logits_row = Logits + row * stride_l
     grad_row = Grad + row * stride_g
-    cols0 = tl.arange(0, BLOCK_V)
-    n_blocks = tl.cdiv(V, BLOCK_V)
 
     target = tl.load(Targets + row * stride_t).to(tl.int64)
     if target == ignore_index:
-        # Ignored row: loss 0 and a gradient row of exact zeros. The zeros must be *stored*
-        # (the gradient buffer is uninitialised, or holds logits when in place).
-        tl.store(Loss + row, 0.0)
-        if Z_LOSS:
-            tl.store(ZLoss + row, 0.0)
-        if ARGMAX:
-            tl.store(Pred + row, -1)  # no prediction is scored on an ignored row
-        if COMPUTE_GRAD:
-            for b in range(0, n_blocks):
-                cols = b * BLOCK_V + cols0
-                tl.store(grad_row + cols, tl.zeros([BLOCK_V], tl.float32).to(Grad.dtype.element_ty), mask=cols < V)
+        _store_ignored_row(grad_row, Loss + row, ZLoss + row, Pred + row, V, Z_LOSS, ARGMAX, COMPUTE_GRAD, BLOCK_V)
     else:
-        # ---- sweep 1: running max and running sum of exp(x - max), kept *per lane* -------------
-        # Every lane (position in the block) keeps its own max m and sum s over the values it has
-        # seen. A lane sees x and either adds exp(x - m) (x <= m), or makes x its new max and
-        # rescales: s * exp(m - x) + 1 (x > m). Both cases need exp(-|x - m|): one exp per
-        # element, and no reduction across the block inside the loop. Reductions synchronise all
-        # the warps of a program, which would stall the loads; here they happen once, after it.
-        # The lanes start at a finite MIN_START rather than -inf, so that x - m is never
-        # -inf - (-inf) = NaN: a -inf logit (or the masked tail) then adds exp(-inf) = 0.
-        # Each iteration also *prefetches* the next block: its load is in flight while this block
-        # is computed, which doubles the bytes each warp has on the way (a loop that loads, waits
-        # and computes reached only a third of the memory bandwidth).
-        m_lane = tl.full([BLOCK_V], MIN_START, tl.float32)
-        s_lane = tl.zeros([BLOCK_V], tl.float32)
-        if SMOOTHING:
-            # The smoothing term needs sum_c w_c * (lse - z_c) (w_c = 1 without class weights).
-            # Each lane sums w_c * (z_c - z_target) and w_c; measuring from the target's logit
-            # keeps the sum as small as the logits' spread even when they all sit near 1000.
-            z_ref = tl.load(logits_row + target, mask=(target >= 0) & (target < V), other=float("nan")).to(tl.float32)
-            if SOFTCAP:
-                z_ref = _softcap(z_ref, softcap)[0]
-            zsum_lane = tl.zeros([BLOCK_V], tl.float32)
-            if HAS_WEIGHT:
-                wsum_lane = tl.zeros([BLOCK_V], tl.float32)
-        if ARGMAX:
-            # Each lane keeps the first column holding its largest *raw* logit (x > max, strictly).
-            # The cap is monotonic, so this is the capped logits' argmax too, free of tanh rounding.
-            xmax_lane = tl.full([BLOCK_V], MIN_START, tl.float32)
-            arg_lane = tl.zeros([BLOCK_V], tl.int32)
-        x_next = tl.load(logits_row + cols0, mask=cols0 < V, other=-float("inf"))
-        for b in range(0, n_blocks):
-            x = x_next.to(tl.float32)
-            cols = (b + 1) * BLOCK_V + cols0  # the next block (all masked off after the last)
-            x_next = tl.load(logits_row + cols, mask=cols < V, other=-float("inf"))
-            if ARGMAX:
-                arg_lane = tl.where(x > xmax_lane, cols - BLOCK_V, arg_lane)
-                xmax_lane = tl.maximum(xmax_lane, x)
-            if SOFTCAP:
-                # the tail must stay -inf (a capped -inf is -softcap, a real logit's value)
-                x = tl.where(cols - BLOCK_V < V, _softcap(x, softcap)[0], -float("inf"))
-            e = tl.exp2(tl.abs(x - m_lane) * -LOG2E)  # exp(-|x - m|); exp2 is the native unit
-            s_lane = tl.where(x > m_lane, s_lane * e + 1.0, s_lane + e)
-            m_lane = tl.maximum(m_lane, x)
-            if SMOOTHING:
-                in_row = cols - BLOCK_V < V
-                if HAS_WEIGHT:
-                    w = tl.load(ClassWeight + cols - BLOCK_V, mask=in_row, other=0.0)
-                    zsum_lane += w * tl.where(in_row, x - z_ref, 0.0)
-                    wsum_lane += w
-                else:
-                    zsum_lane += tl.where(in_row, x - z_ref, 0.0)
-        m = tl.max(m_lane, axis=0)  # the row max; bring every lane's sum to it and add them up
-        s = tl.sum(s_lane * tl.exp2((m_lane - m) * LOG2E), axis=0)  # lanes that saw nothing: 0
-        # log-sum-exp = m + log(s). Keep m and log(s) apart: m may be ~1000, and their rounded sum
-        # would carry an absolute error of ~1e-4 into every exponent below.
-        log2_s = tl.log2(s)
-
+        m, log2_s, smooth, w_all, pred = _row_max_and_sum(logits_row, ClassWeight, target, V, softcap, HAS_WEIGHT,
+                                                          SMOOTHING, SOFTCAP, ARGMAX, BLOCK_V)
         in_range = (target >= 0) & (target < V)
         # An out-of-range target never reads memory: it gets NaN, which poisons loss and gradient.
         x_target = tl.load(logits_row + target, mask=in_range, other=float("nan")).to(tl.float32)
+        dcap_target = 1.0
         if SOFTCAP:
             x_target, dcap_target = _softcap(x_target, softcap)
         # loss = lse - x_target (NaN for an all -inf row, as in PyTorch)
         loss = (m - x_target) + log2_s / LOG2E
+        w_target = 1.0
         if HAS_WEIGHT:
             w_target = tl.load(ClassWeight + target, mask=in_range, other=float("nan"))
             loss = w_target * loss
         if SMOOTHING:
-            # sum_c w_c (lse - z_c) = W * (lse - z_target) - sum_c w_c (z_c - z_target), W = sum_c w_c
-            if HAS_WEIGHT:
-                w_all = tl.sum(wsum_lane, axis=0)
-            else:
-                w_all = V * 1.0
-            smooth = w_all * ((m - z_ref) + log2_s / LOG2E) - tl.sum(zsum_lane, axis=0)
             loss = (1.0 - label_smoothing) * loss + (label_smoothing / V) * smooth
         tl.store(Loss + row, loss)
+        lse = 0.0
         if Z_LOSS:
             lse = m + log2_s / LOG2E
             tl.store(ZLoss + row, lse_square_scale * lse * lse)
         if ARGMAX:
-            # the first column among the lanes that hold the row's maximum, as torch.argmax
-            xmax = tl.max(xmax_lane, axis=0)
-            tl.store(Pred + row, tl.min(tl.where(xmax_lane == xmax, arg_lane, V), axis=0).to(tl.int64))
+            tl.store(Pred + row, pred)
 
         # ---- sweep 2 (backwards, for L2 reuse): gradient = (softmax - onehot) * scale ----------
         if COMPUTE_GRAD:
-            scale = 1.0
-            if MEAN:
-                # The count lives on the GPU; reading it here avoids a host sync. max(., 1): an
-                # all-ignored batch never reaches this branch, but stay safe against 1/0.
-                n_valid = tl.load(NValid).to(tl.float32)
-                scale = 1.0 / tl.maximum(n_valid, 1.0)
-            # With the options, the gradient of a row is
-            #   d loss / d z_j = p_j * coef_p - coef_s * w_j - [j = target] * coef_t
-            # with p = softmax(z), coef_t = scale * (1 - eps) * w_target, coef_s = scale * eps / V,
-            # coef_p = coef_t + coef_s * W (the weights of the target distribution add up to that)
-            # plus the z-loss's 2 * lse_square_scale * lse, and then, through the cap,
-            # d loss / d x_j = d loss / d z_j * (1 - tanh^2). Without options: p_j - [j = target].
-            if Z_LOSS:
-                z_scale = scale  # the z-loss is a mean over tokens, unweighted
-            if HAS_WEIGHT:
-                if MEAN:
-                    # mean over the targets' weights, as PyTorch; a zero sum counts as 1
-                    w_valid = tl.load(WeightSum)
-                    scale = 1.0 / tl.where(w_valid != 0.0, w_valid, 1.0)
-            scale = tl.where(in_range, scale, float("nan"))
-            coef_p = scale
-            if HAS_WEIGHT:
-                coef_p = coef_p * w_target
-            if SMOOTHING:
-                coef_s = scale * (label_smoothing / V)
-                coef_t = coef_p * (1.0 - label_smoothing)
-                coef_p = coef_t + coef_s * w_all
-            else:
-                coef_t = coef_p
-            if Z_LOSS:
-                coef_p += z_scale * (2.0 * lse_square_scale) * lse
-            # softmax * scale = exp(x - m) / s * scale = exp2((x - m) * log2(e) - log2(s)) * scale:
-            # a subtraction, a fused multiply-add, one exp2 and a multiply per element. x - m comes
-            # first (two nearby numbers: exact enough); folding m into the fused multiply-add would
-            # subtract large numbers and lose ~1e-4 of relative precision at logits ~ 1000.
-            cols = (n_blocks - 1) * BLOCK_V + cols0
-            x_next = tl.load(logits_row + cols, mask=cols < V, other=-float("inf"))
-            for i in range(0, n_blocks):
-                x = x_next.to(tl.float32)
-                mask = cols < V
-                cols_next = cols - BLOCK_V  # prefetch the block before; none after the first
-                x_next = tl.load(logits_row + cols_next, mask=(cols_next >= 0) & (cols_next < V), other=-float("inf"))
-                if SOFTCAP:
-                    x, dcap = _softcap(x, softcap)
-                g = tl.exp2((x - m) * LOG2E - log2_s) * coef_p
-                if SMOOTHING:
-                    if HAS_WEIGHT:
-                        g -= coef_s * tl.load(ClassWeight + cols, mask=mask, other=0.0)
-                    else:
-                        g -= coef_s
-                if SOFTCAP:
-                    g *= dcap
-                # evict_first: the gradient is not read again here, so its lines leave L2 before the
-                # logits this sweep still re-reads (16384 x 128256 bf16 on an H200, in place: 2583.6 ->
-                # 2524.8 us; results/runs/ce_evict_H200.log, where hints on the loads did no better)
-                tl.store(grad_row + cols, g.to(Grad.dtype.element_ty), mask=mask, eviction_policy="evict_first")
-                cols = cols_next
+            coef_p, coef_s, coef_t, scale = _gradient_coefficients(
+                NValid, WeightSum, in_range, w_target, w_all, lse, label_smoothing, lse_square_scale, V,
+                MEAN, HAS_WEIGHT, SMOOTHING, Z_LOSS)
+            _gradient_sweep(logits_row, grad_row, ClassWeight, V, m, log2_s, coef_p, coef_s, softcap,
+                            HAS_WEIGHT, SMOOTHING, SOFTCAP, BLOCK_V)
             # The one-hot part touches a single element: fix it up after the sweep instead of
             # comparing every column with the target. The barrier makes the sweep's store of that
             # element (by some other thread of this program) land before this one.
@@ -375,6 +258,173 @@ def _cross_entropy_fwd(
             else:
                 g_target = (p_target - 1.0) * scale
             tl.store(grad_row + target, g_target.to(Grad.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def _store_ignored_row(grad_row, loss, z_loss, pred, V, Z_LOSS: tl.constexpr, ARGMAX: tl.constexpr,
+                       COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """An ignored row: loss 0 and a gradient row of exact zeros. The zeros must be *stored* (the
+    gradient buffer is uninitialised, or holds logits when in place)."""
+    tl.store(loss, 0.0)
+    if Z_LOSS:
+        tl.store(z_loss, 0.0)
+    if ARGMAX:
+        tl.store(pred, -1)  # no prediction is scored on an ignored row
+    if COMPUTE_GRAD:
+        cols0 = tl.arange(0, BLOCK_V)
+        for b in range(0, tl.cdiv(V, BLOCK_V)):
+            cols = b * BLOCK_V + cols0
+            tl.store(grad_row + cols, tl.zeros([BLOCK_V], tl.float32).to(grad_row.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
+def _row_max_and_sum(logits_row, ClassWeight, target, V, softcap, HAS_WEIGHT: tl.constexpr,
+                     SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Sweep 1 over a row: (m, log2_s, smooth, w_all, pred), the row's max m and log2 of
+    s = sum(exp(x - m)); with SMOOTHING, smooth = sum_c w_c (lse - z_c) and w_all = sum_c w_c;
+    with ARGMAX, pred = the row's argmax. What an option does not ask for is returned as 0."""
+    # Every lane (position in the block) keeps its own max m and sum s over the values it has
+    # seen. A lane sees x and either adds exp(x - m) (x <= m), or makes x its new max and
+    # rescales: s * exp(m - x) + 1 (x > m). Both cases need exp(-|x - m|): one exp per
+    # element, and no reduction across the block inside the loop. Reductions synchronise all
+    # the warps of a program, which would stall the loads; here they happen once, after it.
+    # The lanes start at a finite MIN_START rather than -inf, so that x - m is never
+    # -inf - (-inf) = NaN: a -inf logit (or the masked tail) then adds exp(-inf) = 0.
+    # Each iteration also *prefetches* the next block: its load is in flight while this block
+    # is computed, which doubles the bytes each warp has on the way (a loop that loads, waits
+    # and then computes leaves the memory system idle while it computes).
+    cols0 = tl.arange(0, BLOCK_V)
+    m_lane = tl.full([BLOCK_V], MIN_START, tl.float32)
+    s_lane = tl.zeros([BLOCK_V], tl.float32)
+    if SMOOTHING:
+        # The smoothing term needs sum_c w_c * (lse - z_c) (w_c = 1 without class weights).
+        # Each lane sums w_c * (z_c - z_target) and w_c; measuring from the target's logit
+        # keeps the sum as small as the logits' spread even when they all sit near 1000.
+        z_ref = tl.load(logits_row + target, mask=(target >= 0) & (target < V), other=float("nan")).to(tl.float32)
+        if SOFTCAP:
+            z_ref = _softcap(z_ref, softcap)[0]
+        zsum_lane = tl.zeros([BLOCK_V], tl.float32)
+        if HAS_WEIGHT:
+            wsum_lane = tl.zeros([BLOCK_V], tl.float32)
+    if ARGMAX:
+        # Each lane keeps the first column holding its largest *raw* logit (x > max, strictly).
+        # The cap is monotonic, so this is the capped logits' argmax too, free of tanh rounding.
+        xmax_lane = tl.full([BLOCK_V], MIN_START, tl.float32)
+        arg_lane = tl.zeros([BLOCK_V], tl.int32)
+    x_next = tl.load(logits_row + cols0, mask=cols0 < V, other=-float("inf"))
+    for b in range(0, tl.cdiv(V, BLOCK_V)):
+        x = x_next.to(tl.float32)
+        cols = (b + 1) * BLOCK_V + cols0  # the next block (all masked off after the last)
+        x_next = tl.load(logits_row + cols, mask=cols < V, other=-float("inf"))
+        if ARGMAX:
+            arg_lane = tl.where(x > xmax_lane, cols - BLOCK_V, arg_lane)
+            xmax_lane = tl.maximum(xmax_lane, x)
+        if SOFTCAP:
+            # the tail must stay -inf (a capped -inf is -softcap, a real logit's value)
+            x = tl.where(cols - BLOCK_V < V, _softcap(x, softcap)[0], -float("inf"))
+        e = tl.exp2(tl.abs(x - m_lane) * -LOG2E)  # exp(-|x - m|); exp2 is the native unit
+        s_lane = tl.where(x > m_lane, s_lane * e + 1.0, s_lane + e)
+        m_lane = tl.maximum(m_lane, x)
+        if SMOOTHING:
+            in_row = cols - BLOCK_V < V
+            if HAS_WEIGHT:
+                w = tl.load(ClassWeight + cols - BLOCK_V, mask=in_row, other=0.0)
+                zsum_lane += w * tl.where(in_row, x - z_ref, 0.0)
+                wsum_lane += w
+            else:
+                zsum_lane += tl.where(in_row, x - z_ref, 0.0)
+    m = tl.max(m_lane, axis=0)  # the row max; bring every lane's sum to it and add them up
+    s = tl.sum(s_lane * tl.exp2((m_lane - m) * LOG2E), axis=0)  # lanes that saw nothing: 0
+    # log-sum-exp = m + log(s). Keep m and log(s) apart: m may be ~1000, and their rounded sum
+    # would carry an absolute error of ~1e-4 into every exponent below.
+    log2_s = tl.log2(s)
+    smooth = 0.0
+    w_all = 0.0
+    if SMOOTHING:
+        # sum_c w_c (lse - z_c) = W * (lse - z_target) - sum_c w_c (z_c - z_target), W = sum_c w_c
+        if HAS_WEIGHT:
+            w_all = tl.sum(wsum_lane, axis=0)
+        else:
+            w_all = V * 1.0
+        smooth = w_all * ((m - z_ref) + log2_s / LOG2E) - tl.sum(zsum_lane, axis=0)
+    pred = 0
+    if ARGMAX:
+        # the first column among the lanes that hold the row's maximum, as torch.argmax
+        xmax = tl.max(xmax_lane, axis=0)
+        pred = tl.min(tl.where(xmax_lane == xmax, arg_lane, V), axis=0).to(tl.int64)
+    return m, log2_s, smooth, w_all, pred
+
+
+@triton.jit
+def _gradient_coefficients(NValid, WeightSum, in_range, w_target, w_all, lse, label_smoothing, lse_square_scale, V,
+                           MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
+                           Z_LOSS: tl.constexpr):
+    """(coef_p, coef_s, coef_t, scale) of a row's gradient. With the options, it is
+        d loss / d z_j = p_j * coef_p - coef_s * w_j - [j = target] * coef_t
+    with p = softmax(z), coef_t = scale * (1 - eps) * w_target, coef_s = scale * eps / V,
+    coef_p = coef_t + coef_s * W (the weights of the target distribution add up to that)
+    plus the z-loss's 2 * lse_square_scale * lse, and then, through the cap,
+    d loss / d x_j = d loss / d z_j * (1 - tanh^2). Without options: (p_j - [j = target]) * scale."""
+    scale = 1.0
+    if MEAN:
+        # The count lives on the GPU; reading it here avoids a host sync. max(., 1): an
+        # all-ignored batch never reaches this branch, but stay safe against 1/0.
+        n_valid = tl.load(NValid).to(tl.float32)
+        scale = 1.0 / tl.maximum(n_valid, 1.0)
+    z_scale = scale  # the z-loss is a mean over tokens, unweighted
+    if HAS_WEIGHT:
+        if MEAN:
+            # mean over the targets' weights, as PyTorch; a zero sum counts as 1
+            w_valid = tl.load(WeightSum)
+            scale = 1.0 / tl.where(w_valid != 0.0, w_valid, 1.0)
+    scale = tl.where(in_range, scale, float("nan"))
+    coef_p = scale
+    if HAS_WEIGHT:
+        coef_p = coef_p * w_target
+    coef_s = 0.0
+    if SMOOTHING:
+        coef_s = scale * (label_smoothing / V)
+        coef_t = coef_p * (1.0 - label_smoothing)
+        coef_p = coef_t + coef_s * w_all
+    else:
+        coef_t = coef_p
+    if Z_LOSS:
+        coef_p += z_scale * (2.0 * lse_square_scale) * lse
+    return coef_p, coef_s, coef_t, scale
+
+
+@triton.jit
+def _gradient_sweep(logits_row, grad_row, ClassWeight, V, m, log2_s, coef_p, coef_s, softcap,
+                    HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Sweep 2 over a row, from its last block back to its first (those read last in sweep 1 are
+    still in L2): writes p_j * coef_p - coef_s * w_j, through the cap; the one-hot part is the caller's."""
+    # softmax * scale = exp(x - m) / s * scale = exp2((x - m) * log2(e) - log2(s)) * scale:
+    # a subtraction, a fused multiply-add, one exp2 and a multiply per element. x - m comes
+    # first (two nearby numbers: exact enough); folding m into the fused multiply-add would
+    # subtract large numbers and lose ~1e-4 of relative precision at logits ~ 1000.
+    n_blocks = tl.cdiv(V, BLOCK_V)
+    cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    x_next = tl.load(logits_row + cols, mask=cols < V, other=-float("inf"))
+    for i in range(0, n_blocks):
+        x = x_next.to(tl.float32)
+        mask = cols < V
+        cols_next = cols - BLOCK_V  # prefetch the block before; none after the first
+        x_next = tl.load(logits_row + cols_next, mask=(cols_next >= 0) & (cols_next < V), other=-float("inf"))
+        if SOFTCAP:
+            x, dcap = _softcap(x, softcap)
+        g = tl.exp2((x - m) * LOG2E - log2_s) * coef_p
+        if SMOOTHING:
+            if HAS_WEIGHT:
+                g -= coef_s * tl.load(ClassWeight + cols, mask=mask, other=0.0)
+            else:
+                g -= coef_s
+        if SOFTCAP:
+            g *= dcap
+        # evict_first: the gradient is not read again here, so its lines leave L2 before the
+        # logits this sweep still re-reads (docs/kernels.md has the measurement, in place at 16384 x
+        # 128256; eviction hints on the loads did no better)
+        tl.store(grad_row + cols, g.to(grad_row.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+        cols = cols_next
 
 
 @triton.jit
@@ -408,21 +458,6 @@ def _scale_rows(
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
-_REDUCTIONS = ("mean", "sum", "none")
-
-
-class LossOptions(NamedTuple):
-    """What a loss computes beyond plain cross-entropy; the defaults select the plain kernel."""
-
-    weight: Optional[torch.Tensor] = None  # class weights [V], fp32, contiguous (see check_options)
-    label_smoothing: float = 0.0  # eps in [0, 1]
-    lse_square_scale: float = 0.0  # z-loss coefficient
-    softcap: Optional[float] = None  # cap the logits at +-softcap with tanh
-
-
-PLAIN = LossOptions()
-
-
 def _launch_settings(V: int, block_v: int | None, num_warps: int | None, lane_state: bool = False):
     """Block and warps of a launch. `lane_state`: options that keep more per-lane values through
     the sweep (label smoothing's sums, the argmax, the cap's temporaries) get half the block with
@@ -439,14 +474,6 @@ def _launch_settings(V: int, block_v: int | None, num_warps: int | None, lane_st
 def rows_overlap(rows: torch.Tensor) -> bool:
     """True when two rows of a [N, V] matrix (unit column stride) share memory (stride 0, expand)."""
     return rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]
-
-
-def target_weight_sum(targets: torch.Tensor, ignore_index: int, weight: torch.Tensor) -> torch.Tensor:
-    """The weighted mean's divisor: the sum of weight[target] over the non-ignored rows, as PyTorch
-    divides by. A 0-d fp32 tensor computed on the device (no sync); out-of-range targets add 0."""
-    V = weight.shape[0]
-    counted = (targets != ignore_index) & (targets >= 0) & (targets < V)
-    return torch.where(counted, weight[targets.clamp(0, V - 1)], 0.0).sum()
 
 
 def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_grad, inplace_grad,
@@ -507,25 +534,6 @@ def cross_entropy_forward(logits2, targets, ignore_index, reduction, compute_gra
     return reduce_loss(loss_rows, reduction, n_valid, z_rows, weight_sum), grad
 
 
-def reduce_loss(loss_rows: torch.Tensor, reduction: str, n_valid: torch.Tensor | None,
-                z_rows: torch.Tensor | None = None, weight_sum: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-row losses -> the requested reduction (mean over non-ignored rows; 0.0 when none are).
-
-    With class weights the mean divides by `weight_sum` (the non-ignored targets' weights) instead,
-    as PyTorch does; a sum of 0 counts as 1. The z-loss rows `z_rows` are added, averaged over the
-    non-ignored rows (the z-loss is a property of a token's logits, not of its target's class).
-    """
-    if reduction == "none":
-        return loss_rows if z_rows is None else loss_rows + z_rows
-    if reduction == "sum":
-        return loss_rows.sum() if z_rows is None else loss_rows.sum() + z_rows.sum()
-    if weight_sum is None:
-        loss = loss_rows.sum() / n_valid.clamp(min=1)
-    else:
-        loss = loss_rows.sum() / torch.where(weight_sum != 0, weight_sum, 1.0)
-    return loss if z_rows is None else loss + z_rows.sum() / n_valid.clamp(min=1)
-
-
 def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out = grad * grad_output (a scalar, or one value per row) without a host sync; in place
     (the default, out=grad) rows whose factor is exactly 1 cost nothing."""
@@ -538,8 +546,8 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.Te
     in_place, rows, out_rows = out is grad, grad, out
     # One factor for every element of contiguous tensors: the row length is free, so short rows (the
     # lm_head's [V, H] gradient at a small H) are launched as fewer, longer ones: the largest power of
-    # two up to BLOCK_V that divides the size. The same products; fewer programs (each one costs the
-    # interpreter ~10 ms, whatever its length).
+    # two up to BLOCK_V that divides the size. The same products; fewer programs (the interpreter
+    # pays a fixed cost per program, whatever its length).
     width = math.gcd(N * V, BLOCK_V)
     if stride_go == 0 and 0 < V < width and grad.is_contiguous() and out.is_contiguous():
         rows, out_rows = grad.view(-1, width), out.view(-1, width)
@@ -547,41 +555,6 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, out: torch.Te
     _scale_rows[(rows.shape[0],)](rows, out_rows, grad_output, rows.stride(0), out_rows.stride(0), stride_go,
                                   rows.shape[1], IN_PLACE=in_place, BLOCK_V=block_v, num_warps=num_warps)
     return out
-
-
-def check_targets_and_reduction(targets, reduction: str) -> None:
-    """The checks every loss of this playbook makes on its targets and reduction."""
-    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
-        got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
-        raise TypeError(f"targets must be an int64 (or int32) tensor of class indices, got {got}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-
-
-def check_options(vocab: int, device: torch.device, weight=None, label_smoothing=0.0, lse_square_scale=0.0,
-                  softcap=None, weight_name: str = "weight") -> LossOptions:
-    """Check the loss options (Python numbers, and a [vocab] float tensor of class weights on
-    `device`); returns them as the kernel takes them, the weights as fp32 and contiguous."""
-    if weight is not None:
-        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-            got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"{weight_name} (class weights) must be a floating-point tensor, got {got}")
-        if tuple(weight.shape) != (vocab,):
-            raise ValueError(f"{weight_name} (class weights) must have shape [{vocab}] (one per class), "
-                             f"got {tuple(weight.shape)}")
-        if weight.device != device:
-            raise ValueError(f"{weight_name} (class weights) is on {weight.device}, the logits on {device}")
-        weight = weight.detach().to(torch.float32).contiguous()
-    label_smoothing, lse_square_scale = float(label_smoothing), float(lse_square_scale)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not (math.isfinite(lse_square_scale) and lse_square_scale >= 0):
-        raise ValueError(f"lse_square_scale must be a finite number >= 0, got {lse_square_scale}")
-    if softcap is not None:
-        softcap = float(softcap)
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be a finite number > 0 (or None for no cap), got {softcap}")
-    return LossOptions(weight, label_smoothing, lse_square_scale, softcap)
 
 
 def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> None:
@@ -729,44 +702,6 @@ def scale_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # Autograd over the custom ops, and the functional API
 # ------------------------------------------------------------------------------------------------
-class CrossEntropyOutput(NamedTuple):
-    """What a loss returns when any `return_*` flag is set; None for what is not asked for.
-
-    loss: as without the flags (differentiable). z_loss: the z-loss term alone, reduced like the
-    loss (already included in `loss`). token_accuracy: a 0-d fp32 fraction of the non-ignored
-    tokens whose argmax is their target (0.0 when all are ignored), whatever the reduction.
-    predicted_tokens: each token's argmax (int64, the targets' shape), -1 on ignored tokens.
-    None of the extras is differentiable.
-    """
-
-    loss: torch.Tensor
-    z_loss: Optional[torch.Tensor] = None
-    token_accuracy: Optional[torch.Tensor] = None
-    predicted_tokens: Optional[torch.Tensor] = None
-
-
-def loss_output(loss, z, pred, targets, ignore_index, return_z_loss, return_token_accuracy,
-                return_predicted_tokens, shape) -> CrossEntropyOutput:
-    """Assemble the extras: `pred` holds each row's argmax (-1 where ignored); `shape` is the
-    per-token shape (reduction="none" losses and the predicted tokens take it)."""
-    accuracy = None
-    if return_token_accuracy:
-        scored = targets != ignore_index
-        accuracy = ((pred == targets) & scored).sum() / scored.sum().clamp(min=1)
-    return CrossEntropyOutput(loss, z.view(loss.shape) if return_z_loss else None, accuracy,
-                              pred.view(shape) if return_predicted_tokens else None)
-
-
-def check_first_order(what: str) -> None:
-    """Refuse `backward(create_graph=True)`: a fused loss's gradient is a buffer, not a function
-    PyTorch can differentiate again, and a silent constant would make second derivatives zero."""
-    # Autograd runs backward in grad mode only for create_graph=True. A compiled graph is traced in
-    # grad mode whatever the caller does, and AOTAutograd refuses double backward itself.
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        raise RuntimeError(f"the {what} has no second derivative: backward with create_graph=True "
-                           "(double backward, gradient penalties) is not supported")
-
-
 # Autograd is one torch.autograd.Function over the launchers (eager) or the custom ops (traced), not
 # torch.library.register_autograd on the forward op, because of the in-place gradient. That op
 # writes the gradient into the logits, so it declares the mutation (mutates_args=("logits2",)), and
@@ -936,8 +871,8 @@ class TritonCrossEntropyLoss(nn.Module):
                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                  inplace_grad: bool = False):
         super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if weight is not None and not (isinstance(weight, torch.Tensor) and weight.dim() == 1):
             got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise ValueError(f"weight (class weights) must be a 1-D tensor [V], got {got}")
@@ -988,27 +923,6 @@ def _class_last(input, target) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------
 # Hugging Face drop-in: the causal-LM loss
 # ------------------------------------------------------------------------------------------------
-def causal_targets(labels: torch.Tensor | None, ignore_index: int = -100,
-                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
-    """HF's causal shift without copying logits or hidden states: targets[t] = labels[t + 1], last ignored."""
-    if shift_labels is None:
-        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
-    return shift_labels
-
-
-def hf_reduction(loss_with, num_items_in_batch):
-    """HF's causal-LM reduction: the mean over non-ignored tokens, or, under gradient accumulation,
-    the sum divided by `num_items_in_batch` (the token count of the whole accumulated batch).
-    `loss_with(reduction)` computes the loss with "mean" or "sum"."""
-    if num_items_in_batch is None:
-        return loss_with("mean")
-    loss = loss_with("sum")
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
-
-
 def fused_causal_lm_loss(inplace_grad: bool = True):
     """A drop-in for Hugging Face's `ForCausalLMLoss` that calls the fused cross-entropy.
 

@@ -63,8 +63,8 @@ The two gradients alone take 1,185 MB, so 1.5 GB above what was live leaves ~315
 everything else: a chunk of at most ~1,200 tokens and *no* fp32 accumulator. At fp32 accuracy no
 chunking reaches it; the accumulator is the cost (and the vocabulary walk above, which needs none,
 costs a third more matmul work instead). Smaller chunks save only C x V x 2 bytes and make every
-dW product shorter (K = C) while its fp32 output is read and written once per chunk: at N = 8192 on
-an H200, chunks of 1024 measured 43.8 ms against 41.9 ms for 2048 (results/runs/flce_chunks_H200.log).
+dW product shorter (K = C) while its fp32 output is read and written once per chunk, so they are
+slower (results/runs/flce_chunks_H200.log times both at N = 8192).
 So the default stays at 2048-token chunks with the fp32 accumulator, and `accumulate_fp32=False,
 chunk=1024` is the setting that fits 1.5 GB, at one bf16 rounding of the dW sum per chunk.
 
@@ -110,9 +110,9 @@ import torch
 from torch import nn
 
 from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from cross_entropy_kernel import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
-                                  check_targets_and_reduction, cross_entropy_forward, cross_entropy_ref,
-                                  hf_reduction, loss_output, reduce_loss, scale_grad, scale_gradient_,
+from cross_entropy_kernel import cross_entropy_forward, cross_entropy_ref, scale_grad, scale_gradient_
+from playbook.core.losses import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
+                                  check_targets_and_reduction, hf_reduction, loss_output, reduce_loss,
                                   target_weight_sum)
 from playbook.core.kernel_utils import check_device, check_float
 from playbook.core.model_families import model_type
@@ -132,9 +132,8 @@ def chunk_tokens(n: int, vocab: int, dtype: torch.dtype, budget_bytes: int | Non
     none. So when the whole batch's logits fit in the buffer budget plus that accumulator, the batch
     is one chunk: no more memory than chunking would take, one large matmul per product instead of
     several, and no fp32 sum to read and write back per chunk. LLaMA 3.1 8B at 4 x 2048 tokens:
-    8192 x 128256 x 2 B = 2.1 GB of logits <= 0.54 GB + 2.1 GB, so one chunk (on one H200 that
-    measured 37.8 ms and 2371 MB of extra peak memory for forward + backward, against 41.9 ms and
-    2895 MB in chunks of 2048: results/runs/flce_chunks_H200.log).
+    8192 x 128256 x 2 B = 2.1 GB of logits <= 0.54 GB + 2.1 GB, so one chunk, which is both faster
+    and smaller at its peak than chunks of 2048 (docs/kernels.md gives the figures).
     """
     budget_bytes = CHUNK_BYTES if budget_bytes is None else budget_bytes
     per_token = vocab * torch.empty((), dtype=dtype).element_size()

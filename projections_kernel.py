@@ -230,8 +230,8 @@ def _member_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if why is None:
             q, *others = joined_linear(x, group.members).split(group.sizes, dim=-1)
             # k and v as copies of their own: a view would keep the whole joined output alive as long as
-            # attention keeps v for backward (the pre-RoPE q and k too: 2.7 GB at 8192 tokens of LLaMA 3.1
-            # 8B, measured), for 2 x 16 MB copied per layer.
+            # attention keeps v for backward (the pre-RoPE q and k too, in every layer), which costs far more
+            # than the 2 x 16 MB copied per layer (LLaMA 3.1 8B at 8192 tokens).
             others = [t.contiguous() for t in others]
             group.waiting = (x, group.versions(x), dict(zip(group.members[1:], others)))
             return q

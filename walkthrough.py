@@ -63,23 +63,21 @@ REAL_TITLE = "SmolLM2-135M-Instruct"
 # On a GPU: docs/quality.md's runs (8 x 512 padded rows, 60 steps, lr 1e-4), baseline and kernels.
 REAL_GPU = ["--batch-size", "8", "--seq-len", "512", "--steps", "60", "--lr", "1e-4", "--log-every", "10"]
 # On a CPU: finetune_baseline.py, in PyTorch's CPU operators (the model loads in float32 on a CPU without bf16
-# matmuls). A step of 2 x 256 packed tokens costs ~19 s of CPU time on a 2-core AMD EPYC, so a few minutes
-# hold 12 steps: a third of one pass over the file, at a learning rate high enough (3e-4) for answers to
-# change after one sight of their rows. On that machine (results/runs/walkthrough_CPU_smollm2.log): eval loss
-# 3.5572 -> 2.9101, and the answers to examples/walkthrough_prompts.txt moved toward the data's ("What is the
-# KV cache?": from "a type of cache used in the KVM kernel" to "A KV cache stores the keys and values ...").
+# matmuls). 12 steps of 2 x 256 packed tokens are what a few minutes of a small CPU hold: a third of one pass
+# over the file, so the learning rate is high enough (3e-4) for answers to change after one sight of their
+# rows. What such a run learned is in README.md (Step 4d) and results/runs/walkthrough_CPU_smollm2.log.
 REAL_CPU_STEPS = 12
 REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4", "--log-every", "2",
             "--timing-warmup-steps", "1"]  # (the lesson is the loss and the answers, not the timing)
-# Why step 4d runs no kernel on a CPU, measured on the same machine (shared with other jobs): the two steps of
-# finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256 --steps 2 (kernels in Triton's
-# interpreter) took 5.9 and 14.3 minutes, 10.9 min of CPU time in all; its own estimate before the first step
-# (playbook/interpreter.py) said 8.1 (results/runs/finetune_CPU_smollm2_kernels.log).
+# Why step 4d runs no kernel on a CPU: in Triton's interpreter a step of this model takes minutes. The figure
+# step 4d prints is the run of finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256 --steps 2
+# in results/runs/finetune_CPU_smollm2_kernels.log (results/README.md describes it).
 REAL_CPU_KERNEL_STEPS = "5.9 and 14.3 min"
 # The end of step 4d: the last real-model run's checkpoint, exported for llama.cpp and Ollama (export.py).
 REAL_OUTPUT = "out/walkthrough_smollm2"  # (git-ignored)
 REAL_GGUF = REAL_OUTPUT + ".q8_0.gguf"
 REAL_OLLAMA_NAME = "smollm2-walkthrough"
+OVERWRITE = ["--overwrite"]  # every step writes its results afresh
 
 
 def default_workload():
@@ -292,7 +290,8 @@ def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str
     return "\n".join(lines)
 
 
-def main():
+def _arguments() -> tuple[argparse.Namespace, list[str]]:
+    """The command line, checked: (args, the kernels whose test files step 2 runs)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="steps 1 and 4a-4c: the model (default: chosen for this machine)")
     p.add_argument("--batch-size", default=None)
@@ -315,6 +314,11 @@ def main():
     if args.real_model_steps is not None and (args.real_model_steps < 0 or args.real_model_steps == 1):
         p.error(f"--real-model-steps {args.real_model_steps}: give 0 (leave step 4d out) or 2 or more (one step is "
                 "not timed)")
+    return args, kernel_tests
+
+
+def _workload(args: argparse.Namespace) -> list[str]:
+    """The arguments of steps 1 and 4a-4c: this machine's default, with the user's choices over it."""
     workload, desc, lesson = default_workload()
     for flag in ("model", "batch_size", "seq_len", "num_layers", "steps"):  # the user's choices win
         value = getattr(args, flag)
@@ -326,12 +330,10 @@ def main():
         name = torch.cuda.get_device_name(0)
         if not any(k in name for k in KNOWN_GPUS):
             print(f"Note: results/ holds no figures from a {name} yet: what you see here will be the first.")
-    py = sys.executable
-    gpu = torch.cuda.is_available()
-    overwrite = ["--overwrite"]
-    prof = [py, "profile_baseline.py", *[w for i, w in enumerate(workload) if w != "--steps" and
-                                         (i == 0 or workload[i - 1] != "--steps")], *overwrite]
+    return workload
 
+
+def _profile_baseline(prof: list[str], gpu: bool) -> None:
     step("Step 1: profile the baseline",
          ("One training step of plain Hugging Face under torch.profiler, GPU time by category. Look at the\n"
           "category table: matrix multiplies lead (they are the model's real work), then attention and the\n"
@@ -344,9 +346,11 @@ def main():
          prof + ["--tag", "walkthrough_profile_baseline"])
     print(f"-> the number: {profile_line('walkthrough_profile_baseline')}")
 
-    RESULTS.mkdir(exist_ok=True)
+
+def _kernel_tests(skip: bool, kernel_tests: list[str], py: str) -> None:
+    """Step 2: each named kernel's test file, or a banner saying it was left out."""
     others = ", ".join(OTHER_TESTS)
-    if args.skip_kernel_tests:
+    if skip:
         banner("Step 2: the kernel tests: skipped (--skip-kernel-tests); `make test` runs them",
                f"The test files of all ten kernel lessons are part of `make test` ({others} included).")
     else:
@@ -354,22 +358,18 @@ def main():
                f"The test files of the kernels that patch the model, one after another:\n{', '.join(kernel_tests)}.\n"
                f"The other lessons act outside the model's modules: {others}.\n"
                "`make test` runs them, and each runs as a script too, e.g. `python adamw_test.py`.")
-    for i, name in enumerate(() if args.skip_kernel_tests else kernel_tests):
+    for i, name in enumerate(() if skip else kernel_tests):
         kernel_test(name, py, letter=chr(ord("a") + i))
 
-    banner("Step 3: how close to the hardware? (not run by the walkthrough)",
-           "benchmark_kernels.py times each kernel against eager PyTorch, torch.compile and Liger-Kernel at the 8B\n"
-           "shapes, with the floor of this GPU; a few minutes per kernel on a GPU, and on a CPU its timings would be\n"
-           "the interpreter's. Run it yourself (README, Step 3):\n"
-           "$ python benchmark_kernels.py                 # every kernel, on a GPU\n"
-           "$ python benchmark_kernels.py --smoke         # tiny sizes, also on a CPU: checks, not timings")
 
+def _fine_tune_both(workload: list[str], py: str, gpu: bool) -> tuple[dict | None, dict]:
+    """Steps 4a and 4b: the baseline, then the default kernels, on the same loop, seed and data."""
     base_ok = step("Step 4a: fine-tune, baseline",
                    "Plain Hugging Face + PyTorch on real text (examples/chat.jsonl, prompts masked from the loss).\n"
                    + ("Look at the loss falling from line to line, then at tokens/s and peak memory in the summary."
                       if gpu else "Look at the loss falling from line to line (tokens/s are the CPU's; there is "
                       "no GPU memory to measure)."),
-                   [py, "finetune_baseline.py", *workload, "--tag", "walkthrough_baseline", *overwrite],
+                   [py, "finetune_baseline.py", *workload, "--tag", "walkthrough_baseline", *OVERWRITE],
                    may_fail_with="out of GPU memory")
     base = load("walkthrough_baseline") if base_ok else None
     if base:
@@ -386,7 +386,7 @@ def main():
          + ("Look at the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down."
             if gpu else "The loss must follow the baseline's. The kernels run in Triton's interpreter here, so tokens/s\n"
             "fall far below the baseline's: on a CPU the loss is the result, not the speed."),
-         [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized", *overwrite])
+         [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized", *OVERWRITE])
     opt = load("walkthrough_optimized")
     s = opt["summary"]
     if not gpu:  # interpreter speed says nothing: the loss is the number here
@@ -398,7 +398,10 @@ def main():
               + (f" ({s['tokens/s (job)'] / base['summary']['tokens/s (job)']:.2f}x the baseline)" if base else
                  " (the baseline did not fit)")
               + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s.get("peak GPU memory (GB)") else ""))
+    return base, opt
 
+
+def _profile_again(prof: list[str], gpu: bool) -> None:
     step("Step 4c: profile again with the kernels",
          "The same profile with every kernel; the table after it sets each category beside step 1's. On a GPU\n"
          "the RMSNorm, loss, SwiGLU and element-wise rows shrink (the logits are never built), leaving mostly\n"
@@ -409,34 +412,41 @@ def main():
           f"{profile_line('walkthrough_profile_baseline')})")
     print(category_changes("walkthrough_profile_baseline", "walkthrough_profile_optimized"))
 
-    real = [] if args.real_model_steps == 0 else real_model_runs(gpu, args.real_model_steps)
+
+def _real_model_explained(gpu: bool, kernels: bool) -> str:
+    """What step 4d's run does, on a GPU (baseline and kernels) or on a CPU (baseline only)."""
+    prompts = PROMPTS.relative_to(HERE)
+    if gpu:
+        return ("Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md), fine-tuned on\n"
+                "examples/chat.jsonl. The run prints the held-out eval loss before the first step and after the\n"
+                f"last, and the model's answers to {prompts} before and after.\n"
+                + ("The same run with the kernels: the same losses and answers, more tokens/s." if kernels else
+                   "First plain Hugging Face; then the same run with the kernels."))
+    return (
+        "Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md; converted once,\n"
+        "on first use). The run prints the held-out eval loss before the first step and after the last,\n"
+        f"and the model's answers to {prompts} before and after training.\n"
+        "A few minutes on a CPU hold a third of a pass over the file, at a learning rate (3e-4) high\n"
+        "enough for an answer to change after one sight of its row. finetune_baseline.py runs it in\n"
+        "PyTorch's CPU operators, all 30 layers. The kernels are not run on this model here:\n"
+        f"in Triton's interpreter two steps of 2 x 256 tokens took {REAL_CPU_KERNEL_STEPS} on a 2-core AMD "
+        "EPYC shared with\nother jobs (finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256; "
+        "that script estimates\nits step itself before the first). Steps 4a-4c compare the kernels with the "
+        "baseline on llama-tiny\ninstead; a GPU runs both on SmolLM2.")
+
+
+def _real_model(steps: int | None, py: str, gpu: bool) -> list[tuple[str, str, list[str]]]:
+    """Step 4d: the real model fine-tuned (baseline, and with the kernels on a GPU), then exported; returns
+    the runs made, as real_model_runs lists them."""
+    real = [] if steps == 0 else real_model_runs(gpu, steps)
     if not real:
         banner("Step 4d: a real model learns: skipped (--real-model-steps 0)", "")
     for i, (tag, script, real_args) in enumerate(real):
         kernels = script == "finetune_optimized.py"
         title = (f"Step 4d{'' if len(real) == 1 else ' (kernels)' if kernels else ' (baseline)'}: a real model learns: "
                  f"{REAL_TITLE}" + (", with the kernels" if kernels else ""))
-        prompts = PROMPTS.relative_to(HERE)
-        if gpu:
-            explain = ("Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md), fine-tuned on\n"
-                       "examples/chat.jsonl. The run prints the held-out eval loss before the first step and after the\n"
-                       f"last, and the model's answers to {prompts} before and after.\n"
-                       + ("The same run with the kernels: the same losses and answers, more tokens/s." if kernels else
-                          "First plain Hugging Face; then the same run with the kernels."))
-        else:
-            explain = (
-                "Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md; converted once,\n"
-                "on first use). The run prints the held-out eval loss before the first step and after the last,\n"
-                f"and the model's answers to {prompts} before and after training.\n"
-                "A few minutes on a CPU hold a third of a pass over the file, at a learning rate (3e-4) high\n"
-                "enough for an answer to change after one sight of its row. finetune_baseline.py runs it in\n"
-                "PyTorch's CPU operators, all 30 layers. The kernels are not run on this model here:\n"
-                f"in Triton's interpreter two steps of 2 x 256 tokens took {REAL_CPU_KERNEL_STEPS} on a 2-core AMD "
-                "EPYC shared with\nother jobs (finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256; "
-                "that script estimates\nits step itself before the first). Steps 4a-4c compare the kernels with the "
-                "baseline on llama-tiny\ninstead; a GPU runs both on SmolLM2.")
         saved = ["--output-dir", REAL_OUTPUT, "--overwrite-output-dir"] if i == len(real) - 1 else []  # (exported below)
-        step(title, explain, [py, script, *real_args, "--tag", tag, *overwrite, *saved])
+        step(title, _real_model_explained(gpu, kernels), [py, script, *real_args, "--tag", tag, *OVERWRITE, *saved])
         r = load(tag)
         if r is not None:
             s = r["summary"]
@@ -454,7 +464,10 @@ def main():
         modelfile = REAL_GGUF.removesuffix(".gguf") + ".Modelfile"
         print(f"-> the file: {REAL_GGUF}; to run it:\n   ollama create {REAL_OLLAMA_NAME} -f {modelfile}  &&  "
               f"ollama run {REAL_OLLAMA_NAME}")
+    return real
 
+
+def _summary(base: dict | None, opt: dict, real: list) -> None:
     banner("Summary", "Steps 4a and 4b side by side, what the real model learned in step 4d, and where the loss "
                       "curves are.")
     side_by_side(base, opt)
@@ -466,6 +479,28 @@ def main():
     tags = ["baseline", "optimized"] + [t.removeprefix("walkthrough_") for t, _, _ in real]
     curves = [RESULTS / f"walkthrough_{t}.png" for t in tags if (RESULTS / f"walkthrough_{t}.png").is_file()]
     print("Loss curves: " + ", ".join(str(c.relative_to(HERE)) for c in curves))
+
+
+def main():
+    args, kernel_tests = _arguments()
+    workload = _workload(args)
+    py = sys.executable
+    gpu = torch.cuda.is_available()
+    prof = [py, "profile_baseline.py", *[w for i, w in enumerate(workload) if w != "--steps" and
+                                         (i == 0 or workload[i - 1] != "--steps")], *OVERWRITE]
+    _profile_baseline(prof, gpu)
+    RESULTS.mkdir(exist_ok=True)
+    _kernel_tests(args.skip_kernel_tests, kernel_tests, py)
+    banner("Step 3: how close to the hardware? (not run by the walkthrough)",
+           "benchmark_kernels.py times each kernel against eager PyTorch, torch.compile and Liger-Kernel at the 8B\n"
+           "shapes, with the floor of this GPU; a few minutes per kernel on a GPU, and on a CPU its timings would be\n"
+           "the interpreter's. Run it yourself (README, Step 3):\n"
+           "$ python benchmark_kernels.py                 # every kernel, on a GPU\n"
+           "$ python benchmark_kernels.py --smoke         # tiny sizes, also on a CPU: checks, not timings")
+    base, opt = _fine_tune_both(workload, py, gpu)
+    _profile_again(prof, gpu)
+    real = _real_model(args.real_model_steps, py, gpu)
+    _summary(base, opt, real)
 
 
 if __name__ == "__main__":

@@ -224,13 +224,11 @@ def loss_bytes(shape: Shape, s: Setup) -> tuple[float, str]:
     return total, what
 
 
-def estimate(shape: Shape, s: Setup) -> Plan:
-    """The plan of one run: every part in bytes and the peak over the step's points (module docstring)."""
-    n, w, L = s.tokens, s.weight_bytes, shape.layers
-    kinds = s.layer_kinds or ("plain",) * L
-    notes = []
-    # weights
-    lora = s.lora_r > 0 and s.trains
+def _weights(shape: Shape, s: Setup, lora: bool) -> tuple[float, int, int, str]:
+    """(weight bytes, trained parameters, bytes of one parameter's gradient and of each optimizer moment, what
+    the weights are): the whole model in its dtype, or a LoRA run's frozen base (NF4 or FP8 projections where
+    asked) with its fp32 adapters; FP8 training adds its weight copies."""
+    w, L = s.weight_bytes, shape.layers
     if lora:
         base_proj = shape.projection_params * L
         if s.load_in_4bit:
@@ -253,6 +251,16 @@ def estimate(shape: Shape, s: Setup) -> Plan:
             fp8_layers = max(0, L - 2 * s.fp8_end_layers)
             weights += FP8_WEIGHT_BYTES * fp8_layers * shape.fp8_params(s.fp8_rule)
             what += f", FP8 copies for {fp8_layers} layers"
+    return weights, trained, state_bytes, what
+
+
+def estimate(shape: Shape, s: Setup) -> Plan:
+    """The plan of one run: every part in bytes and the peak over the step's points (module docstring)."""
+    n, w, L = s.tokens, s.weight_bytes, shape.layers
+    kinds = s.layer_kinds or ("plain",) * L
+    notes = []
+    lora = s.lora_r > 0 and s.trains
+    weights, trained, state_bytes, what = _weights(shape, s, lora)
     if not s.trains:
         trained = 0
     grads = trained * state_bytes

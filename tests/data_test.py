@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
-from playbook import data
+from playbook import data, data_files
 from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
@@ -722,7 +722,7 @@ def test_a_byte_order_mark_is_read_past(tmp_path):
     rows = [{"text": "first row"}, {"text": "second row"}]
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
-    assert data._read_jsonl(path) == rows
+    assert data_files._read_jsonl(path) == rows
     (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9")
     message = expect_error(data.DataError, data.read_utf8, tmp_path / "bad.txt")
     assert "byte 6 (line 1, value 0xe9)" in message, message
