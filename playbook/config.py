@@ -365,6 +365,15 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     """
     p = _Parser(description=description, formatter_class=_HelpFormatter)
     p.set_defaults(extra_section=extra)
+    _add_model_arguments(p, kernels_default)
+    _add_data_arguments(p)
+    _add_output_arguments(p, training=_add_training_arguments(p))
+    if extra is not None:
+        extra.add_arguments(p)
+    return p
+
+
+def _add_model_arguments(p: argparse.ArgumentParser, kernels_default: tuple | None) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help=f"Hugging Face id, local directory, GGUF file, smollm2-135m (real weights, offline: "
@@ -428,6 +437,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     m.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA: the frozen projections in NF4 through bitsandbytes (needs --lora-r)")
 
+
+
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data")
     d.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per micro-batch (per GPU); default 4 on a GPU, 2 on a CPU")
@@ -452,6 +464,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                    help="train on the first N batches over and over (step i takes batch i mod N): a memorization "
                         "test, whose loss falls far below the data's entropy where precision allows")
 
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     t = p.add_argument_group("training")
     t.add_argument("--steps", "--max-steps", dest="steps", type=positive_int, default=None,
                    help="optimizer steps in all (the first --timing-warmup-steps are not timed); default 12 on a GPU, "
@@ -500,7 +515,12 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                         "mask, FSDP2, --offload-activations) says why and runs eagerly. off: always eager. Default: "
                         "auto; off in finetune_baseline.py, which runs the step as plain PyTorch does")
     t.add_argument("--seed", type=nonnegative_int, default=0)
+    return t
 
+
+def _add_output_arguments(p: argparse.ArgumentParser, training: argparse._ArgumentGroup) -> None:
+    """The output group; `training`: the training group, which --ignore-memory-plan joins (after --overwrite
+    on the usage line)."""
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", type=_path, default=None, help="where checkpoints (safetensors) are written")
     o.add_argument("--save-every", type=nonnegative_int, default=0,
@@ -517,13 +537,10 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                         "run's JSON (examples/prompts.txt)")
     o.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
     o.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
-    t.add_argument("--ignore-memory-plan", action="store_true",
-                   help="run even when the memory plan printed at start-up says the run does not fit")
+    training.add_argument("--ignore-memory-plan", action="store_true",
+                          help="run even when the memory plan printed at start-up says the run does not fit")
     o.add_argument("--report-to", choices=["none", "tensorboard"], default="none",
                    help="also log to TensorBoard (under --output-dir or results/tensorboard)")
-    if extra is not None:
-        extra.add_arguments(p)
-    return p
 
 
 def default_rounding(optimizer: str, master_weights: str, lora_r: int, extra=None) -> str:
