@@ -201,7 +201,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> config.RunConfig:
     """The run's RunConfig; its distillation section is `cfg.extra`. A bad value exits with code 2."""
-    return config.parse_config(make_parser(), "distill", argv)
+    return config.parse_config(make_parser(), config.DISTILL, argv)
 
 
 # ------------------------------------------------------------------------------------------------

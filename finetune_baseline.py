@@ -16,11 +16,11 @@ import playbook  # imports no torch: the handler below is set before torch loads
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
     playbook.exit_on_ctrl_c_while_starting()
 
-from playbook.config import make_parser, parse_config  # noqa: E402
+from playbook.config import BASELINE, make_parser, parse_config  # noqa: E402
 from playbook.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)
 
 if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    train(parse_config(make_parser(__doc__.splitlines()[0]), "finetune_baseline"))
+    train(parse_config(make_parser(__doc__.splitlines()[0]), BASELINE))  # eager steps, Hugging Face's attention

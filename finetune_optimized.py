@@ -20,11 +20,11 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
     playbook.exit_on_ctrl_c_while_starting()
 
 from playbook.registry import DEFAULT_KERNELS  # noqa: E402
-from playbook.config import make_parser, parse_config  # noqa: E402
+from playbook.config import OPTIMIZED, make_parser, parse_config  # noqa: E402
 from playbook.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)
 
 if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    train(parse_config(make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS), "finetune_optimized"))
+    train(parse_config(make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS), OPTIMIZED))

@@ -31,7 +31,7 @@ from playbook.core import kernel_utils  # noqa: F401  (before anything imports t
 from playbook import memory_plan
 from playbook.registry import DEFAULT_KERNELS
 from playbook.common import log
-from playbook.config import make_parser, parse_config, usage_error
+from playbook.config import TRAINER, make_parser, parse_config, usage_error
 
 
 class RowsDataset(torch.utils.data.Dataset):
@@ -91,7 +91,7 @@ def main(argv=None):
     from playbook.training import run_tokenizer
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
-    cfg = parse_config(parser, "finetune_trainer", argv)
+    cfg = parse_config(parser, TRAINER, argv)  # its own optimizer, one example per row
     if cfg.dataset is None:
         raise usage_error("finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
     if cfg.overwrite_output_dir:

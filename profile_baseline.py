@@ -50,7 +50,7 @@ from playbook import cuda_graph, memory_plan
 from playbook.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
                              write_atomic)
 from playbook.models import prepare_model
-from playbook.config import make_parser, parse_config, usage_error
+from playbook.config import PROFILE, make_parser, parse_config, usage_error
 from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
 from playbook.registry import in_effect
 
@@ -139,7 +139,7 @@ def main():
 
     check_or_exit()
     cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=(), extra=ProfileSection),
-                       "profile_baseline")
+                       PROFILE)  # its own count of steps: --steps are the recorded ones
     cfg = dataclasses.replace(cfg, steps=cfg.extra.recorded_steps)  # the summary's config says what ran
     gpu, active = cfg.on_gpu, cfg.steps
 

@@ -145,8 +145,8 @@ def memory_hints(cfg) -> list[str]:
         hints.append("--lora-r 16 instead of a full fine-tune")
     elif not cfg.load_in_4bit:
         hints.append("--load-in-4bit (QLoRA: the frozen projections in NF4)")
-    if cfg.script == "finetune_baseline":
-        hints.append("the optimized script (its kernels save activation memory)")
+    if getattr(cfg.defaults, "memory_hint", None):  # the script's own (config.ScriptDefaults)
+        hints.append(cfg.defaults.memory_hint)
     hints.append("fewer layers with --num-layers to measure a slice of the model")
     hints.append("several GPUs with torchrun (FSDP2 shards parameters, gradients and optimizer state)")
     return hints

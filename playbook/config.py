@@ -4,6 +4,15 @@ Every script builds its parser with `make_parser()`, so `--model`, `--batch-size
 rest mean the same thing everywhere. `parse_config()` checks every value before any model is built
 (a bad argument exits with code 2 and one line saying what is wrong) and fills the defaults that
 depend on the machine (a GPU gets the 8B architecture at 4 x 2048 tokens, a CPU the tiny preset).
+
+The RunConfig is made of sections, one small frozen dataclass each, in the order of the command line's
+argument groups: `RunSection` (which script, on what device), `ModelSection`, `DataSection`,
+`TrainingSection` and `OutputSection`. Each section is checked and built by its own function; the
+RunConfig holds every section's fields under their own names (`cfg.batch_size`), and `cfg.section("data")`
+gives one section back whole.
+
+What differs between the scripts is data, not a test of the script's name: each script passes its
+`ScriptDefaults` (BASELINE, OPTIMIZED, TRAINER, PROFILE, DISTILL below) to `parse_config`.
 """
 
 from __future__ import annotations
@@ -13,37 +22,80 @@ import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
 
 from playbook.common import usage_error  # noqa: F401  (config.usage_error: the name the scripts import)
-from playbook.registry import DEFAULT_KERNELS, NAMES, PEERS, parse_kernels
+from playbook.registry import NAMES, PEERS, parse_kernels
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
-# The names of fp8_linear_kernel.RECIPES (not imported here: that file loads Triton), the default first
+# The names of fp8_linear_kernel.RECIPES (not imported here: that file loads Triton)
 FP8_RECIPES = ("rowwise", "rowwise-bf16-dgrad", "rowwise-bf16-ends", "tensorwise", "blockwise", "mxfp8")
-# --fp8's default: the fastest recipe that learned no worse than torchao's row-wise recipe on the
-# memorization task of docs/fp8.md (H200: 16,869 tokens/s; row-wise alone is 17,709 but fell short there)
+# --fp8's default: the fastest recipe whose loss on docs/fp8.md's memorization task is no worse than torchao's
+# row-wise recipe (docs/fp8.md, "Recipes", has the measurements)
 FP8_DEFAULT_RECIPE = "rowwise-bf16-ends"
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")  # a file name inside results/, nothing else
 
 
+# ------------------------------------------------------------------------------------------------
+# What differs between the scripts: each passes its own ScriptDefaults to parse_config
+# ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RunConfig:
-    """One run, fully described: what the scripts, the loop and the summary read (never mutated).
+class ScriptDefaults:
+    """A script's defaults and limits for the shared options. Every behaviour that differs between the
+    scripts is a field here, never a test of `name`, which only names the script in tags, summaries and
+    messages."""
 
-    The fields come in sections, in the order of the command line's argument groups; `extra` holds a
-    script's own section (distill.py's `DistillConfig`), None for the scripts without one.
-    """
+    name: str  # the script, as its tags, summaries and messages name it
+    cuda_graphs: str = "auto"  # --cuda-graphs when not given
+    huggingface_attention: bool = False  # attention as plain Hugging Face training runs it: padded rows keep
+    # their padding mask, packed rows go through SDPA with a dense mask (the baseline the others are compared with)
+    own_optimizer: bool = True  # the script's loop builds the optimizer, so the Triton AdamW can run there
+    # (False: the Hugging Face Trainer builds its own, and --optimizer adamw-triton and its rounding are refused)
+    packing: bool = True  # --packing can be given (False: the Trainer's collator takes one example per row)
+    distillation: bool = False  # --kernels distillation can be given (the losses of distill.py)
+    timed_steps: bool = True  # --steps must leave a timed step after --timing-warmup-steps (False: the script
+    # counts its steps itself, as profile_baseline.py counts the recorded ones)
+    memory_hint: str | None = None  # one more way to need less memory, for the out-of-memory advice
 
-    # run: which script, on what
+
+BASELINE = ScriptDefaults("finetune_baseline", cuda_graphs="off", huggingface_attention=True,
+                          memory_hint="the optimized script (its kernels save activation memory)")
+OPTIMIZED = ScriptDefaults("finetune_optimized")
+TRAINER = ScriptDefaults("finetune_trainer", own_optimizer=False, packing=False)
+PROFILE = ScriptDefaults("profile_baseline", timed_steps=False)
+DISTILL = ScriptDefaults("distill", distillation=True)
+SCRIPTS = {d.name: d for d in (BASELINE, OPTIMIZED, TRAINER, PROFILE, DISTILL)}
+
+
+def script_defaults(script) -> ScriptDefaults:
+    """`script` as ScriptDefaults: given as they are, or a script's name (SCRIPTS; any other name: the defaults
+    of a script with nothing of its own)."""
+    if isinstance(script, ScriptDefaults):
+        return script
+    return SCRIPTS.get(script, ScriptDefaults(script))
+
+
+# ------------------------------------------------------------------------------------------------
+# The RunConfig and its sections
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RunSection:
+    """Which script runs, on what device, from what seed."""
+
     script: str
     device: torch.device
     seed: int
+    defaults: ScriptDefaults | None = None  # the script's ScriptDefaults (not saved: `script` names them)
 
-    # model: what is loaded and what `models.prepare_model` applies to it, one field per step
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """What is loaded and what `models.prepare_model` applies to it, one field per step; LoRA last
+    (lora_r = 0: a full fine-tune, and the other LoRA fields are unused)."""
+
     model: str
     model_explicit: bool  # False: the default model, which may fall back to the 8B preset
     num_layers: int | None
@@ -54,14 +106,12 @@ class RunConfig:
     recompute_norms: bool  # plain layers keep each norm's input, not its output, and run the norm again in backward
     offload_layers: str | None  # the --offload-layers SPEC: plain layers whose saved tensors wait in host memory
     mlp_chunk_tokens: int  # each MLP computed over chunks of this many tokens; 0: in one piece
-    kernels: tuple
+    kernels: tuple  # the registry's names that --kernels selected (fp8 and a named adamw: their own flags)
     fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
     fp8_backend: str  # whose FP8 layers: "playbook" (fp8_linear_kernel.py) or "torchao" (a peer, for comparison)
     fp8_recipe: str  # which scales and which matmuls stay bf16 (fp8_linear_kernel.RECIPES; docs/fp8.md)
     fp8_layers: str  # "auto": projections too small for FP8 to gain stay bf16 (fp8_linear_kernel.size_rule); "all"
     compile: bool
-
-    # LoRA (lora_r = 0: a full fine-tune, and the other LoRA fields are unused)
     lora_r: int
     lora_alpha: float | None
     lora_dropout: float
@@ -69,7 +119,11 @@ class RunConfig:
     merge_lora: bool
     load_in_4bit: bool
 
-    # data
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """What the batches hold."""
+
     batch_size: int
     seq_len: int
     data: Path | None
@@ -82,7 +136,11 @@ class RunConfig:
     eval_every: int
     repeat_batches: int | None  # cycle over the first N batches (None: every step draws a new one)
 
-    # training: steps, optimizer, learning-rate schedule
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSection:
+    """Steps, optimizer, learning-rate schedule, how each step runs."""
+
     grad_accum: int
     steps: int  # optimizer steps in all; the first `warmup_steps` are not timed
     epochs: float | None
@@ -101,7 +159,11 @@ class RunConfig:
     max_grad_norm: float | None
     cuda_graphs: str  # "auto": the whole step as one CUDA graph where it can be (playbook/cuda_graph.py); "off"
 
-    # output: checkpoints, logs, the summary
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSection:
+    """Checkpoints, logs, the summary."""
+
     output_dir: Path | None
     save_every: int
     save_total_limit: int | None  # keep only the newest N checkpoints (None: all)
@@ -114,25 +176,47 @@ class RunConfig:
     sample_prompts: Path | None = None  # a file of prompts answered (greedy) before and after training
     ignore_memory_plan: bool = False  # run even where the memory plan (playbook/memory_plan.py) says it will not fit
 
-    # a script's own section (a frozen dataclass), from the `extra` of make_parser
+
+SECTIONS = {"run": RunSection, "model": ModelSection, "data": DataSection, "training": TrainingSection,
+            "output": OutputSection}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(OutputSection, TrainingSection, DataSection, ModelSection, RunSection):
+    """One run, fully described: what the scripts, the loop and the summary read (never mutated).
+
+    Every section's fields, in the sections' order (run, model, data, training, output), then `extra`:
+    a script's own section (distill.py's `DistillConfig`), None for the scripts without one.
+    """
+
     extra: object = None
+
+    @classmethod
+    def compose(cls, *sections, extra=None) -> "RunConfig":
+        """The RunConfig of these sections (one of each kind)."""
+        values = {f.name: getattr(s, f.name) for s in sections for f in fields(s)}
+        return cls(**values, extra=extra)
+
+    def section(self, name: str):
+        """One section, whole: "run", "model", "data", "training" or "output"."""
+        kind = SECTIONS[name]
+        return kind(**{f.name: getattr(self, f.name) for f in fields(kind)})
 
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
     def as_dict(self) -> dict:
-        """Every field as JSON can hold it (paths and devices as text, `extra` as a nested dict)."""
+        """Every field as JSON can hold it (paths and devices as text, `extra` as a nested dict); the script's
+        defaults are left out (`script` names them)."""
         return _as_dict(self)
 
 
 def _as_dict(section) -> dict:
     return {f.name: (_as_dict(v) if is_dataclass(v) else str(v) if isinstance(v, (Path, torch.device)) else v)
-            for f in fields(section) for v in [getattr(section, f.name)]}
+            for f in fields(section) if f.name != "defaults" for v in [getattr(section, f.name)]}
 
 
-# ------------------------------------------------------------------------------------------------
-# Argument types: a wrong value is refused by argparse itself (exit code 2, usage line)
 # ------------------------------------------------------------------------------------------------
 MAX_INT = 2**31 - 1  # the largest count or size any option takes: a bigger one is a typo, not a run
 
@@ -191,12 +275,22 @@ def _lora_targets(text: str) -> str:
     return text
 
 
+def deprecated(namespace: argparse.Namespace, line: str) -> None:
+    """Note a deprecated spelling the command line used; parse_config prints each note once, as `note: ...`."""
+    notes = getattr(namespace, "deprecations", None)
+    if notes is None:
+        notes = []
+        setattr(namespace, "deprecations", notes)
+    if line not in notes:
+        notes.append(line)
+
+
 class _DeprecatedTimingWarmup(argparse.Action):
     """--warmup-steps, the former name of --timing-warmup-steps: still accepted, with one line saying so."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"note: {option_string} is deprecated: it is --timing-warmup-steps (steps left out of the timing); "
-              "a learning-rate warm-up is --lr-warmup-steps", file=sys.stderr)
+        deprecated(namespace, f"{option_string} is deprecated: it is --timing-warmup-steps (steps left out of the "
+                              "timing); a learning-rate warm-up is --lr-warmup-steps")
         setattr(namespace, self.dest, values)
 
 
@@ -207,16 +301,13 @@ def _kernels(text: str) -> tuple:
         names = _Kernels(parse_kernels(text))
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    names.named_adamw = "adamw" in [w.strip().lower() for w in text.split(",")]
     names.named = tuple(w.strip().lower() for w in text.split(","))
     return names
 
 
 class _Kernels(tuple):
-    """--kernels' names; `named_adamw`: adamw was written out, not only brought in by 'default'; `named`:
-    the words as written."""
+    """--kernels' names; `named`: the words as written (an alias such as fp8 is told apart from the default set)."""
 
-    named_adamw = False
     named = ()
 
 
@@ -250,6 +341,7 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Shows a default only where it is a real value (defaults that depend on the GPU say so in the help)."""
 
@@ -264,7 +356,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def make_parser(description: str, kernels_default: tuple | None = None, extra=None) -> argparse.ArgumentParser:
-    """The parser every script shares. `kernels_default`: None for scripts without --kernels.
+    """The parser every script shares. `kernels_default`: --kernels' default, None for scripts without --kernels.
 
     `extra`: a script's own section of options, a class with two methods: `add_arguments(parser)` adds
     its argument group, and `from_args(args, parser)` checks those values (usage_error for a wrong one,
@@ -273,6 +365,15 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     """
     p = _Parser(description=description, formatter_class=_HelpFormatter)
     p.set_defaults(extra_section=extra)
+    _add_model_arguments(p, kernels_default)
+    _add_data_arguments(p)
+    _add_output_arguments(p, training=_add_training_arguments(p))
+    if extra is not None:
+        extra.add_arguments(p)
+    return p
+
+
+def _add_model_arguments(p: argparse.ArgumentParser, kernels_default: tuple | None) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help=f"Hugging Face id, local directory, GGUF file, smollm2-135m (real weights, offline: "
@@ -283,8 +384,8 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     if kernels_default is not None:
         m.add_argument("--kernels", type=_kernels, default=tuple(kernels_default),
                        help=f"comma-separated names of the registry (docs/optimizations.md): {', '.join(NAMES)}; "
-                            f"'default' (the fastest measured set, below), 'default,fp8,adamw' for more, 'none', "
-                            f"or a peer library ({', '.join(PEERS)})")
+                            f"'default' (the fastest measured set, below), 'none', or a peer library ({', '.join(PEERS)}); "
+                            f"fp8 and adamw have their own switches, --fp8 and --optimizer adamw-triton")
     m.add_argument("--compile", action="store_true", help="torch.compile the model (after the kernels)")
     m.add_argument("--fp8", action="store_true",
                    help="q/k/v/o and gate/up/down projections as FP8 matmuls (--fp8-recipe; GPUs of compute "
@@ -336,6 +437,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
     m.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA: the frozen projections in NF4 through bitsandbytes (needs --lora-r)")
 
+
+
+def _add_data_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data")
     d.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences per micro-batch (per GPU); default 4 on a GPU, 2 on a CPU")
@@ -360,6 +464,9 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                    help="train on the first N batches over and over (step i takes batch i mod N): a memorization "
                         "test, whose loss falls far below the data's entropy where precision allows")
 
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     t = p.add_argument_group("training")
     t.add_argument("--steps", "--max-steps", dest="steps", type=positive_int, default=None,
                    help="optimizer steps in all (the first --timing-warmup-steps are not timed); default 12 on a GPU, "
@@ -408,7 +515,12 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                         "mask, FSDP2, --offload-activations) says why and runs eagerly. off: always eager. Default: "
                         "auto; off in finetune_baseline.py, which runs the step as plain PyTorch does")
     t.add_argument("--seed", type=nonnegative_int, default=0)
+    return t
 
+
+def _add_output_arguments(p: argparse.ArgumentParser, training: argparse._ArgumentGroup) -> None:
+    """The output group; `training`: the training group, which --ignore-memory-plan joins (after --overwrite
+    on the usage line)."""
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", type=_path, default=None, help="where checkpoints (safetensors) are written")
     o.add_argument("--save-every", type=nonnegative_int, default=0,
@@ -425,13 +537,10 @@ def make_parser(description: str, kernels_default: tuple | None = None, extra=No
                         "run's JSON (examples/prompts.txt)")
     o.add_argument("--tag", type=_tag, default=None, help="name of the JSON summary under results/")
     o.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json if it exists")
-    t.add_argument("--ignore-memory-plan", action="store_true",
-                   help="run even when the memory plan printed at start-up says the run does not fit")
+    training.add_argument("--ignore-memory-plan", action="store_true",
+                          help="run even when the memory plan printed at start-up says the run does not fit")
     o.add_argument("--report-to", choices=["none", "tensorboard"], default="none",
                    help="also log to TensorBoard (under --output-dir or results/tensorboard)")
-    if extra is not None:
-        extra.add_arguments(p)
-    return p
 
 
 def default_rounding(optimizer: str, master_weights: str, lora_r: int, extra=None) -> str:
@@ -445,9 +554,19 @@ def default_rounding(optimizer: str, master_weights: str, lora_r: int, extra=Non
     return "auto"
 
 
-def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> RunConfig:
-    """Parse, check and complete the arguments; exit with code 2 and one line for anything wrong."""
+# The registry's entries whose own switch is a flag: named in --kernels, a deprecated spelling of that flag
+KERNEL_ALIASES = {"fp8": "--fp8", "adamw": "--optimizer adamw-triton"}
+
+
+def parse_config(parser: argparse.ArgumentParser, script, argv=None) -> RunConfig:
+    """Parse, check and complete the arguments; exit with code 2 and one line for anything wrong.
+
+    script: the script's ScriptDefaults (BASELINE, OPTIMIZED, ...), or a name from SCRIPTS."""
+    defaults = script_defaults(script)
     a = parser.parse_args(argv)
+    _resolve_aliases(a)
+    for line in getattr(a, "deprecations", ()):  # each once, before anything else is said
+        print(f"note: {line}", file=sys.stderr)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     sharded = int(os.environ.get("WORLD_SIZE", 1)) > 1  # under torchrun: FSDP2
@@ -455,7 +574,53 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
         size = os.environ["WORLD_SIZE"]
         raise usage_error(f"WORLD_SIZE={size} asks for {size} processes, and MASTER_ADDR / MASTER_PORT, which torchrun "
                           f"sets for them to meet, are not set: start the run with torchrun (torchrun --nproc-per-node "
-                          f"{size} {script}.py ...), or unset WORLD_SIZE, RANK and LOCAL_RANK for one process")
+                          f"{size} {defaults.name}.py ...), or unset WORLD_SIZE, RANK and LOCAL_RANK for one process")
+    model = _model_section(a, defaults, gpu, sharded)
+    data = _data_section(a, defaults, gpu)
+    training = _training_section(a, defaults, gpu, sharded, model)
+    output = _output_section(a, sharded)
+    extra = a.extra_section.from_args(a, parser) if a.extra_section is not None else None
+    if training.optimizer_rounding is None:  # the default rounding depends on the script's section too
+        training = replace(training, optimizer_rounding=default_rounding(training.optimizer, training.master_weights,
+                                                                         model.lora_r, extra))
+    if output.sample_prompts is not None:  # read now, as training.py will: a bad file is refused before the model loads
+        from playbook.generate import read_prompts
+
+        read_prompts(output.sample_prompts)
+    if not gpu and (model.kernels or training.optimizer == "adamw-triton"
+                    or getattr(extra, "mode", "baseline") != "baseline"):
+        from playbook.core.kernel_utils import interpreting
+
+        if os.environ.get("TRITON_INTERPRET") is not None and not interpreting():  # =0, false, off: kept as set
+            raise usage_error(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} on a machine without a CUDA "
+                              "GPU: Triton then compiles for a GPU, and the kernels cannot run here; unset "
+                              "TRITON_INTERPRET (on a CPU the kernels run in Triton's interpreter), or run without "
+                              "them (--kernels none)")
+    run = RunSection(script=defaults.name, device=device, seed=a.seed, defaults=defaults)
+    return RunConfig.compose(run, model, data, training, output, extra=extra)
+
+
+def _resolve_aliases(a: argparse.Namespace) -> None:
+    """--kernels fp8 and --kernels ...,adamw, the registry's names of --fp8 and --optimizer adamw-triton: each
+    noted as deprecated (once) and replaced by its flag, so the run is the one the flag gives. `adamw` brought in
+    by 'default' is the default set's, not an alias (the optimizer then follows the script's defaults)."""
+    kernels = getattr(a, "kernels", ())
+    named = [w for w in getattr(kernels, "named", ()) if w in KERNEL_ALIASES]
+    if not named:
+        return
+    for name in named:
+        deprecated(a, f"--kernels {name} is deprecated: it is {KERNEL_ALIASES[name]}")
+    if "adamw" in named:
+        if a.optimizer not in (None, "adamw-triton"):
+            raise usage_error(f"--kernels adamw is the Triton AdamW, which --optimizer {a.optimizer} contradicts")
+        a.optimizer = "adamw-triton"
+    a.fp8 = a.fp8 or "fp8" in named
+    rest = [w for w in kernels.named if w not in named]
+    a.kernels = _Kernels(parse_kernels(rest)) if rest else _Kernels()
+    a.kernels.named = tuple(rest)
+
+
+def _model_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, sharded: bool) -> ModelSection:
     if a.model is not None and not a.model.strip():  # (models.load_model checks the names given)
         raise usage_error("--model '': no model named (an unset shell variable?); give a Hugging Face id, a local "
                           "directory or a preset (llama-tiny, llama-3.1-8b)")
@@ -463,22 +628,8 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if "lora" in getattr(kernels, "named", ()) and not a.lora_r:
         raise usage_error("--kernels lora fuses the forward and backward of LoRA adapters: it needs --lora-r (the "
                           "adapters' rank); without adapters there is nothing for it to do")
-    # fp8 and adamw are registry entries too: named in --kernels, they switch on what --fp8 and
-    # --optimizer adamw-triton do; the distillation losses belong to distill.py
-    if "distillation" in kernels and script != "distill":
+    if "distillation" in kernels and not defaults.distillation:
         raise usage_error("--kernels distillation: the distillation losses run in distill.py (--mode fused)")
-    if "adamw" in kernels and getattr(kernels, "named_adamw", False):  # --kernels ...,adamw: the Triton AdamW
-        if a.optimizer not in (None, "adamw-triton"):
-            raise usage_error(f"--kernels adamw is the Triton AdamW, which --optimizer {a.optimizer} contradicts")
-        a.optimizer = "adamw-triton"
-    elif "adamw" in kernels and a.optimizer is None:
-        # From the default set: the Triton AdamW where it runs best, a GPU (a CPU runs it in Triton's
-        # interpreter), in the scripts' own loop (the Trainer builds its optimizer), on one process or
-        # several (under FSDP2 each process updates its own shard); PyTorch's AdamW elsewhere. An
-        # --optimizer on the command line wins.
-        if gpu and script != "finetune_trainer":
-            a.optimizer = "adamw-triton"
-    a.fp8 = a.fp8 or "fp8" in kernels
     if a.fp8_backend != "playbook" and not a.fp8:
         raise usage_error("--fp8-backend chooses whose FP8 layers --fp8 uses: add --fp8")
     if a.fp8_layers is not None and not a.fp8:
@@ -488,6 +639,46 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if a.fp8_recipe not in (None, "rowwise") and a.fp8_backend != "playbook":
         raise usage_error(f"--fp8-recipe {a.fp8_recipe} is this project's; --fp8-backend {a.fp8_backend} runs "
                           "torchao's row-wise recipe")
+    checkpoint_layers = _check_saved_activations(a)
+    if (a.lora_alpha is not None or a.lora_dropout or a.merge_lora or a.lora_targets != "all"
+            or a.load_in_4bit) and not a.lora_r:
+        raise usage_error("--lora-alpha, --lora-dropout, --lora-targets, --merge-lora and --load-in-4bit need --lora-r")
+    if a.load_in_4bit and a.merge_lora:
+        raise usage_error("--merge-lora with --load-in-4bit would fold the adapters into 4-bit weights; merge them "
+                          "into the original bf16 model instead (lora.load_adapter + lora.merge_and_save)")
+    if a.load_in_4bit and a.fp8:
+        raise usage_error("--load-in-4bit and --fp8 both quantize the frozen base projections: choose one (--fp8 keeps "
+                          "them in FP8, 1 byte per weight, and multiplies in FP8; --load-in-4bit in NF4, half a byte, "
+                          "multiplied in bf16)")
+    if (a.merge_lora and a.lora_r and a.fp8 and a.fp8_backend == "playbook"
+            and (a.fp8_recipe or FP8_DEFAULT_RECIPE).startswith("rowwise")):
+        raise usage_error("--merge-lora with --lora-r and --fp8: the frozen base weights are kept in FP8 while training "
+                          "(docs/lora.md), and the adapters folded into them would carry FP8's rounding of every base "
+                          "weight (up to 2^-4 of it); merge the saved adapter into the original bf16 model instead "
+                          "(lora.load_adapter + lora.merge_and_save; the command is in docs/lora.md)")
+    if a.merge_lora and sharded:
+        raise usage_error("--merge-lora works in one process (the merge needs each whole weight): under torchrun the "
+                          "checkpoints hold the adapter; merge it afterwards on one process (lora.load_adapter, "
+                          "lora.merge_and_save)")
+    if "liger" in kernels and importlib.util.find_spec("liger_kernel") is None:
+        raise usage_error("--kernels liger needs Liger-Kernel: pip install liger-kernel (or use --kernels default, "
+                          "this project's kernels)")
+    if a.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise usage_error("--load-in-4bit needs the bitsandbytes package: pip install bitsandbytes")
+    return ModelSection(
+        model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"), model_explicit=a.model is not None,
+        num_layers=a.num_layers, gradient_checkpointing=checkpoint_layers is not None,
+        checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
+        keep_attention=a.keep_attention, recompute_norms=a.recompute_norms, offload_layers=a.offload_layers,
+        mlp_chunk_tokens=a.mlp_chunk_tokens, kernels=tuple(kernels), fp8=a.fp8, fp8_backend=a.fp8_backend,
+        fp8_recipe=a.fp8_recipe or (FP8_DEFAULT_RECIPE if a.fp8_backend == "playbook" else "rowwise"),
+        fp8_layers=a.fp8_layers or "auto", compile=a.compile, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
+        lora_dropout=a.lora_dropout, lora_targets=a.lora_targets, merge_lora=a.merge_lora,
+        load_in_4bit=a.load_in_4bit)
+
+
+def _check_saved_activations(a: argparse.Namespace) -> str | None:
+    """The checkpointing and saved-activation options, checked together; returns the checkpointed layers' SPEC."""
     if a.gradient_checkpointing and a.checkpoint_layers not in (None, "all"):
         raise usage_error(f"--gradient-checkpointing checkpoints every layer, --checkpoint-layers {a.checkpoint_layers} "
                           "only some: give one of them")
@@ -511,7 +702,10 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
                 parse_layers(spec, a.num_layers)
             except ValueError as err:
                 raise usage_error(f"{flag} {err} (--num-layers {a.num_layers})") from None
-    checkpoint_layers = a.checkpoint_layers or ("all" if a.gradient_checkpointing else None)
+    return a.checkpoint_layers or ("all" if a.gradient_checkpointing else None)
+
+
+def _data_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool) -> DataSection:
     if a.data is not None and a.dataset is not None:
         raise usage_error("choose one of --data (raw text) and --dataset (instruction rows)")
     if a.data is not None and a.data.exists() and not (a.data.is_file() or a.data.is_dir()):
@@ -528,27 +722,67 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if a.eval_every and a.eval_fraction == 0 and a.eval_dataset is None:
         raise usage_error("--eval-every with --eval-fraction 0 has no held-out rows to evaluate on: give "
                           "--eval-fraction (e.g. 0.05) or --eval-dataset")
+    if a.eval_dataset is not None and a.eval_fraction is not None:
+        raise usage_error("choose one of --eval-dataset (a separate eval file) and --eval-fraction (a held-out share)")
+    if a.repeat_batches is not None and a.epochs is not None:
+        raise usage_error("--repeat-batches cycles a few batches for --steps steps; it has no epochs")
+    if a.packing and not defaults.packing:
+        raise usage_error("--packing: the Trainer takes one example per row, right-padded (its collator); pack with "
+                          "finetune_optimized.py or finetune_baseline.py, where packing is the default with --dataset")
+    dataset = a.dataset is not None
+    return DataSection(
+        batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
+        seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
+        data=a.data, dataset=a.dataset, packing=dataset and a.packing is not False, train_on_prompt=a.train_on_prompt,
+        drop_long=a.drop_long, eval_dataset=a.eval_dataset,
+        eval_fraction=a.eval_fraction if a.eval_fraction is not None else (
+            0.05 if dataset and a.eval_dataset is None else 0.0),
+        eval_every=a.eval_every, repeat_batches=a.repeat_batches)
+
+
+def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, sharded: bool,
+                      model: ModelSection) -> TrainingSection:
+    """The training section; its optimizer_rounding None where the default is to be chosen (default_rounding)."""
     if a.lr_warmup_steps and a.warmup_ratio:
         raise usage_error("choose one of --lr-warmup-steps (a number of steps) and --warmup-ratio (a share of the "
                           "run's steps): both set the learning-rate warm-up")
-    if a.eval_dataset is not None and a.eval_fraction is not None:
-        raise usage_error("choose one of --eval-dataset (a separate eval file) and --eval-fraction (a held-out share)")
     if a.steps is not None and a.epochs is not None:
         raise usage_error("choose one of --steps and --epochs")
-    if a.repeat_batches is not None and a.epochs is not None:
-        raise usage_error("--repeat-batches cycles a few batches for --steps steps; it has no epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
     warmup_steps = a.warmup_steps
     if warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
         warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
-    if steps is not None and warmup_steps >= steps and script != "profile_baseline":
+    if steps is not None and warmup_steps >= steps and defaults.timed_steps:
         raise usage_error(f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup_steps}: give "
                           f"--steps {warmup_steps + 1} or more, or fewer warm-up steps (--timing-warmup-steps "
                           f"{max(steps - 1, 0)})")
-    optimizer = a.optimizer or ("adamw-fused" if gpu else "adamw-foreach")
+    optimizer = _optimizer(a, defaults, gpu, model)
+    if a.optimizer_in_backward:
+        clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),
+                                       ("torchrun (FSDP2)", sharded)) if on]
+        if clash:
+            raise usage_error(f"--optimizer-in-backward updates each parameter inside backward, which rules out "
+                              f"{', '.join(clash)}: drop one of them")
+    return TrainingSection(
+        grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=warmup_steps, lr=a.lr,
+        lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio,
+        weight_decay=a.weight_decay, optimizer=optimizer, optimizer_rounding=a.optimizer_rounding,
+        master_weights=a.master_weights, optimizer_in_backward=a.optimizer_in_backward,
+        max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs or defaults.cuda_graphs)
+
+
+def _optimizer(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, model: ModelSection) -> str:
+    """--optimizer, checked, or its default: the Triton AdamW where the default set's adamw is selected and runs
+    best (a GPU; a CPU runs it in Triton's interpreter), in a script that builds its optimizer (the Trainer builds
+    its own), on one process or several (under FSDP2 each process updates its own shard); PyTorch's fused AdamW
+    on other GPUs, its foreach AdamW on a CPU. --optimizer-rounding and --master-weights imply adamw-triton."""
+    optimizer = a.optimizer
+    if optimizer is None and "adamw" in model.kernels and gpu and defaults.own_optimizer:
+        optimizer = "adamw-triton"
+    optimizer = optimizer or ("adamw-fused" if gpu else "adamw-foreach")
     if optimizer == "adamw-fused" and not gpu:
         raise usage_error("--optimizer adamw-fused needs a CUDA GPU; use adamw-foreach")
-    if optimizer == "adamw-triton" and script == "finetune_trainer":
+    if optimizer == "adamw-triton" and not defaults.own_optimizer:
         raise usage_error("--optimizer adamw-triton works in the scripts' own loop: the Trainer builds its own "
                           "optimizer; use adamw-fused, or finetune_optimized.py")
     rounding = [flag for flag, on in ((f"--optimizer-rounding {a.optimizer_rounding}",
@@ -561,54 +795,22 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
     if rounding and a.optimizer not in (None, "adamw-triton"):
         raise usage_error(f"{rounding[0]} is the Triton AdamW's (adamw_kernel.py), which --optimizer {a.optimizer} "
                           "contradicts: use --optimizer adamw-triton")
-    if a.packing and script == "finetune_trainer":
-        raise usage_error("--packing: the Trainer takes one example per row, right-padded (its collator); pack with "
-                          "finetune_optimized.py or finetune_baseline.py, where packing is the default with --dataset")
-    if rounding and script == "finetune_trainer":
+    if rounding and not defaults.own_optimizer:
         raise usage_error(f"{rounding[0]} needs the Triton AdamW, which runs in the scripts' own loop: the Trainer "
                           "builds its own optimizer; use finetune_optimized.py")
-    if rounding and a.lora_r:
+    if rounding and model.lora_r:
         raise usage_error(f"{rounding[0]} keeps the updates that rounding to bf16 loses; the LoRA adapters' weights "
                           "are fp32, which lose none: drop it, or train without --lora-r")
-    if rounding:
-        optimizer = "adamw-triton"
-    if a.optimizer_in_backward:
-        clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),
-                                       ("torchrun (FSDP2)", sharded)) if on]
-        if clash:
-            raise usage_error(f"--optimizer-in-backward updates each parameter inside backward, which rules out "
-                              f"{', '.join(clash)}: drop one of them")
-    if (a.lora_alpha is not None or a.lora_dropout or a.merge_lora or a.lora_targets != "all"
-            or a.load_in_4bit) and not a.lora_r:
-        raise usage_error("--lora-alpha, --lora-dropout, --lora-targets, --merge-lora and --load-in-4bit need --lora-r")
-    if a.load_in_4bit and a.merge_lora:
-        raise usage_error("--merge-lora with --load-in-4bit would fold the adapters into 4-bit weights; merge them "
-                          "into the original bf16 model instead (lora.load_adapter + lora.merge_and_save)")
-    if a.load_in_4bit and a.fp8:
-        raise usage_error("--load-in-4bit and --fp8 both quantize the frozen base projections: choose one (--fp8 keeps "
-                          "them in FP8, 1 byte per weight, and multiplies in FP8; --load-in-4bit in NF4, half a byte, "
-                          "multiplied in bf16)")
-    if (a.merge_lora and a.lora_r and a.fp8 and a.fp8_backend == "playbook"
-            and (a.fp8_recipe or FP8_DEFAULT_RECIPE).startswith("rowwise")):
-        raise usage_error("--merge-lora with --lora-r and --fp8: the frozen base weights are kept in FP8 while training "
-                          "(docs/lora.md), and the adapters folded into them would carry FP8's rounding of every base "
-                          "weight (up to 2^-4 of it); merge the saved adapter into the original bf16 model instead "
-                          "(lora.load_adapter + lora.merge_and_save; the command is in docs/lora.md)")
-    if "liger" in kernels and importlib.util.find_spec("liger_kernel") is None:
-        raise usage_error("--kernels liger needs Liger-Kernel: pip install liger-kernel (or use --kernels default, "
-                          "this project's kernels)")
-    if a.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
-        raise usage_error("--load-in-4bit needs the bitsandbytes package: pip install bitsandbytes")
+    return "adamw-triton" if rounding else optimizer
+
+
+def _output_section(a: argparse.Namespace, sharded: bool) -> OutputSection:
     if (a.save_every or a.merge_lora) and a.output_dir is None:
         raise usage_error("--save-every and --merge-lora need --output-dir")
     if (a.save_total_limit or a.overwrite_output_dir) and a.output_dir is None:
         raise usage_error("--save-total-limit and --overwrite-output-dir need --output-dir")
     if a.output_dir is not None and a.output_dir.exists() and not a.output_dir.is_dir():
         raise usage_error(f"--output-dir {a.output_dir} is a file")
-    if a.merge_lora and sharded:
-        raise usage_error("--merge-lora works in one process (the merge needs each whole weight): under torchrun the "
-                          "checkpoints hold the adapter; merge it afterwards on one process (lora.load_adapter, "
-                          "lora.merge_and_save)")
     if a.resume is not None and not a.resume.is_dir():
         raise usage_error(f"--resume {a.resume}: no such checkpoint directory")
     if a.report_to == "tensorboard":
@@ -616,41 +818,8 @@ def parse_config(parser: argparse.ArgumentParser, script: str, argv=None) -> Run
             import tensorboard  # noqa: F401
         except ImportError:
             raise usage_error("--report-to tensorboard needs the tensorboard package (pip install tensorboard)") from None
-    dataset = a.dataset is not None
-    extra = a.extra_section.from_args(a, parser) if a.extra_section is not None else None
-    sample_prompts = getattr(a, "sample_prompts", None)
-    if sample_prompts is not None:  # read now, as training.py will: a bad file is refused before the model loads
-        from playbook.generate import read_prompts
-
-        read_prompts(sample_prompts)
-    if not gpu and (kernels or optimizer == "adamw-triton" or getattr(extra, "mode", "baseline") != "baseline"):
-        from playbook.core.kernel_utils import interpreting
-
-        if os.environ.get("TRITON_INTERPRET") is not None and not interpreting():  # =0, false, off: kept as set
-            raise usage_error(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} on a machine without a CUDA "
-                              "GPU: Triton then compiles for a GPU, and the kernels cannot run here; unset "
-                              "TRITON_INTERPRET (on a CPU the kernels run in Triton's interpreter), or run without "
-                              "them (--kernels none)")
-    return RunConfig(
-        script=script, device=device, model=a.model or (DEFAULT_MODEL if gpu else "llama-tiny"),
-        model_explicit=a.model is not None, num_layers=a.num_layers,
-        batch_size=a.batch_size if a.batch_size is not None else (4 if gpu else 2),
-        seq_len=a.seq_len if a.seq_len is not None else (2048 if gpu else (256 if dataset else 64)),
-        grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=warmup_steps, lr=a.lr,
-        lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio, fp8=a.fp8,
-        fp8_backend=a.fp8_backend, fp8_layers=a.fp8_layers or "auto", fp8_recipe=a.fp8_recipe or (FP8_DEFAULT_RECIPE if a.fp8_backend == "playbook" else "rowwise"),
-        weight_decay=a.weight_decay, optimizer=optimizer,
-        optimizer_rounding=a.optimizer_rounding or default_rounding(optimizer, a.master_weights, a.lora_r, extra),
-        master_weights=a.master_weights, optimizer_in_backward=a.optimizer_in_backward,
-        max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs or ("off" if script == "finetune_baseline" else "auto"), gradient_checkpointing=checkpoint_layers is not None,
-        checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
-        keep_attention=a.keep_attention, recompute_norms=a.recompute_norms, offload_layers=a.offload_layers,
-        mlp_chunk_tokens=a.mlp_chunk_tokens, compile=a.compile,
-        kernels=tuple(kernels), data=a.data, dataset=a.dataset, packing=a.dataset is not None and a.packing is not False, train_on_prompt=a.train_on_prompt,
-        drop_long=a.drop_long, eval_dataset=a.eval_dataset,
-        eval_fraction=a.eval_fraction if a.eval_fraction is not None else (0.05 if dataset and a.eval_dataset is None else 0.0),
-        eval_every=a.eval_every, repeat_batches=a.repeat_batches, output_dir=a.output_dir, save_every=a.save_every, resume=a.resume,
-        save_total_limit=a.save_total_limit, overwrite_output_dir=a.overwrite_output_dir,
-        lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, lora_targets=a.lora_targets,
-        merge_lora=a.merge_lora, load_in_4bit=a.load_in_4bit, seed=a.seed, log_every=a.log_every, tag=a.tag, overwrite=a.overwrite,
-        report_to=a.report_to, sample_prompts=sample_prompts, ignore_memory_plan=a.ignore_memory_plan, extra=extra)
+    return OutputSection(
+        output_dir=a.output_dir, save_every=a.save_every, save_total_limit=a.save_total_limit,
+        overwrite_output_dir=a.overwrite_output_dir, resume=a.resume, log_every=a.log_every, tag=a.tag,
+        overwrite=a.overwrite, report_to=a.report_to, sample_prompts=getattr(a, "sample_prompts", None),
+        ignore_memory_plan=a.ignore_memory_plan)

@@ -8,8 +8,9 @@ not depend on the weight values):
     llama-tiny     a few small layers, for CPUs (kernels then run in Triton's interpreter)
 
 `prepare_model(cfg)` is the one recipe every script follows (the fine-tuning loop, the profiler, the
-Trainer, both models of distill.py): load, then the kernels, FP8, gradient checkpointing, LoRA, the
-tiled MLP, compile and FSDP2, in that order, each a small function switched by one field of the RunConfig.
+Trainer, both models of distill.py): load, then the registry's entries (the kernels, FP8), gradient
+checkpointing, LoRA, the tiled MLP, compile and FSDP2, in that order, each a small function switched by one
+field of the RunConfig.
 """
 
 from __future__ import annotations
@@ -231,12 +232,10 @@ def shard_model(model: nn.Module) -> nn.Module:
     """FSDP2: shard every decoder layer, then the root (embeddings, final norm, lm_head).
 
     FSDP2's own schedule is kept: each layer's weights are all-gathered before its forward and again
-    before its backward, the next layer's gather overlapping this layer's kernels. Measured on 2 x H100
-    (LLaMA 3.1 8B, 4 x 2048 tokens per GPU; results/runs/fsdp2_H100/): explicit prefetch of the next layer
-    (`set_modules_to_forward_prefetch` / `..._backward_prefetch`, the last layer kept whole to backward)
-    ran 749.2 ms per step against 743.0 ms without, and keeping every layer whole from forward to backward
-    (`reshard_after_forward=False`: one all-gather per layer and step instead of two) 1,152.9 ms at 73 GB
-    of 80, near the memory limit."""
+    before its backward, the next layer's gather overlapping this layer's kernels. Neither explicit
+    prefetch of the next layer nor keeping every layer whole from forward to backward
+    (`reshard_after_forward=False`) is used: both ran slower, the second near the memory limit
+    (docs/multi-gpu.md has the measurements)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
@@ -250,9 +249,9 @@ def decoder_layers(model: nn.Module):
     return base.model.layers
 
 
-# SDPA's backends in the order measured fastest for LLaMA 3.1 8B training on Hopper (H200, 32 layers
-# fwd+bwd at 4 x 2048: cuDNN 37 ms, flash 68 ms; a whole step 672.6 vs 696.5 ms). A backend that cannot
-# take an input (a mask shape, a head size) is skipped for the next one, so the order costs nothing.
+# SDPA's backends in the order measured fastest for LLaMA 3.1 8B training on Hopper (docs/troubleshooting.md,
+# "SDPA backend order"). A backend that cannot take an input (a mask shape, a head size) is skipped for the
+# next one, so the order costs nothing.
 ATTENTION_PRIORITY = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 _attention_order = []  # the sdpa_kernel context kept open for the whole process, once set
 
@@ -484,10 +483,12 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
            runs the processes (the Hugging Face Trainer wraps the model itself).
 
     The steps, in this order, and why:
-      1. kernels (cfg.kernels)                 they replace Hugging Face's modules and functions in place;
-                                               every later step then wraps the patched model
-      2. FP8 (cfg.fp8)                         converts the nn.Linear projections the kernels left, so
-                                               LoRA's adapters wrap FP8 bases, not the other way round
+      1. kernels (cfg.kernels)                 the registry's model entries, each its own `apply`, in registry
+                                               order: they replace Hugging Face's modules and functions in
+                                               place; every later step then wraps the patched model
+      2. FP8 (cfg.fp8)                         the registry's fp8 entry (registry.conversions): converts the
+                                               nn.Linear projections the kernels left, so LoRA's adapters
+                                               wrap FP8 bases, not the other way round
       3. gradient checkpointing                flags on the Hugging Face decoder layers, set before peft
          (cfg.gradient_checkpointing,          wraps the model (apply_gradient_checkpointing); recomputing
          checkpoint_layers,                    a layer runs whatever its modules are by then, adapters
@@ -505,6 +506,7 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
       7. compile (cfg.compile)                 traces the model as it will run, adapters included
       8. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
     """
+    from playbook import registry
     from playbook.registry import apply_kernels
 
     if shard:
@@ -527,13 +529,13 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
     except NotImplementedError as err:  # a model family the kernels do not know, refused before any patch
         raise usage_error(f"--kernels {','.join(cfg.kernels)} on {cfg.model}: {err}; train it with --kernels none "
                           "(finetune_baseline.py), or choose a model of those types") from None
-    if cfg.fp8:
-        apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe, getattr(cfg, "fp8_layers", "all"))
+    for entry in registry.conversions(cfg):  # the fp8 entry with --fp8 (its apply: apply_fp8)
+        entry.apply_to(model, cfg)
     if cfg.gradient_checkpointing:
         apply_gradient_checkpointing(model, cfg.checkpoint_layers or "all", offload=cfg.offload_activations,
                                      keep_attention=cfg.keep_attention)
     if cfg.lora_r:
-        model = apply_lora(model, cfg, fused="lora" in cfg.kernels)  # the registry's lora entry
+        model = apply_lora(model, cfg, fused=registry.BY_NAME["lora"].selected(cfg))
         if cfg.fp8 and cfg.fp8_backend == "playbook":
             apply_fp8_base(model)
     if cfg.mlp_chunk_tokens:

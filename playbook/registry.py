@@ -8,15 +8,17 @@
     >>> report = registry.apply_kernels(model, "rmsnorm,cross_entropy")
 
 The same names go to `--kernels` in `finetune_optimized.py`, `profile_baseline.py`,
-`finetune_trainer.py`, `distill.py` and `benchmark_kernels.py`: `--kernels default,fp8,adamw` is the
-default set plus the FP8 projections and the Triton AdamW (`--fp8` and `--optimizer adamw-triton`
-are the same switches under their own flags). `--kernels none` is plain PyTorch, `--kernels liger`
-Liger-Kernel's own set, a peer to compare with.
+`finetune_trainer.py`, `distill.py` and `benchmark_kernels.py`. Two entries have a switch of their own
+(`flag`): the FP8 projections are `--fp8` and the Triton AdamW `--optimizer adamw-triton`; in a script's
+`--kernels` their names are deprecated spellings of those flags (one line says so). `--kernels none` is
+plain PyTorch, `--kernels liger` Liger-Kernel's own set, a peer to compare with.
 
 Each entry says what it replaces, when it applies, how many replacements to expect, its lesson
-(`kernel`, `test`) and its benchmark (`benchmark_kernels.py --kernels <name>`). Adding a kernel is
-its `<name>_kernel.py` (with `patch_model(model) -> int` and `expected_patches(config) -> int` when
-it patches a model), its `<name>_test.py`, one line in `OPTIMIZATIONS` and one row in
+(`kernel`, `test`), its benchmark (`benchmark_kernels.py --kernels <name>`), whether a run selects it
+(`selected(cfg)`) and what it does to a model (`apply`: the model entries patch it, fp8 converts its
+projections; models.prepare_model applies them in registry order). Adding a kernel is its
+`<name>_kernel.py` (with `patch_model(model) -> int` and `expected_patches(config) -> int` when it
+patches a model), its `<name>_test.py`, one line in `OPTIMIZATIONS` and one row in
 docs/optimizations.md; tests/registry_test.py checks all four.
 
 Where an entry acts (`scope`):
@@ -35,70 +37,48 @@ the other kernels still apply. A family no kernel knows is refused as a whole.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
 
-# Each lesson is imported only when its entry is used (importing a kernel file imports Triton).
-def _rmsnorm():
-    import rmsnorm_kernel
-
-    return rmsnorm_kernel
-
-
-def _cross_entropy():
-    import cross_entropy_kernel
-
-    return cross_entropy_kernel
-
-
-def _linear_cross_entropy():
-    import linear_cross_entropy_kernel
-
-    return linear_cross_entropy_kernel
-
-
-def _swiglu():
-    import swiglu_kernel
-
-    return swiglu_kernel
-
-
-def _rope():
-    import rope_kernel
-
-    return rope_kernel
-
-
-def _projections():
-    import projections_kernel
-
-    return projections_kernel
-
-
+# Each lesson is imported only when its entry is used (importing a kernel file imports Triton): by the
+# module name of its `kernel` file (importlib), or by the entry's own `load`.
 def _fp8():
     import fp8_linear_kernel
 
     return fp8_linear_kernel
 
 
-def _adamw():
-    import adamw_kernel
-
-    return adamw_kernel
+class NotApplicable(Exception):
+    """A model kernel that does not apply to this model (its family's architecture); the message says why."""
 
 
-def _lora():
-    import lora_kernel
+def patch(entry: "Optimization", model, cfg=None) -> int:
+    """A model entry's `apply`: its lesson's patch_model(model), the count checked against expected_patches.
+    Raises NotApplicable, before anything is patched, where the kernel does not apply to this model."""
+    module = entry.module
+    why = not_applicable(entry.name, model)
+    if why is not None:
+        raise NotApplicable(why)
+    try:
+        count = module.patch_model(model)
+    except NotImplementedError as err:  # raised before the kernel patches anything
+        raise NotApplicable(str(err)) from None
+    expected = module.expected_patches(model.config)
+    if count != expected:
+        raise RuntimeError(f"{entry.name}: replaced {count}, expected {expected} for this "
+                           f"{model.config.model_type} model of {model.config.num_hidden_layers} layers")
+    return count
 
-    return lora_kernel
 
+def convert_fp8(entry: "Optimization", model, cfg) -> int:
+    """The fp8 entry's `apply`: the decoder's projections the model kernels left, as FP8 matmuls
+    (models.apply_fp8, with the run's --fp8-backend, --fp8-recipe and --fp8-layers)."""
+    from playbook import models
 
-def _distillation():
-    import distillation_kernel
-
-    return distillation_kernel
+    return models.apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe, getattr(cfg, "fp8_layers", "all"))
 
 
 @dataclass(frozen=True)
@@ -111,51 +91,72 @@ class Optimization:
     kernel: str  # its lesson: the kernel file ...
     test: str  # ... and its test file
     benchmarks: tuple  # benchmark_kernels.py entries that time it; () if the training step is its benchmark
-    load: Callable = field(repr=False, compare=False, default=None)  # imports the kernel file
+    flag: str | None = None  # its own switch on the command line, where it has one (--kernels <name> is then a
+    # deprecated spelling of it); None: --kernels selects it
+    switch: Callable = field(repr=False, compare=False, default=None)  # switch(cfg): whether a run selects it;
+    # None: named in cfg.kernels
+    apply: Callable = field(repr=False, compare=False, default=None)  # apply(entry, model, cfg): what it does to a
+    # model (models.prepare_model applies the model and fp8 entries in registry order); None: it acts elsewhere
+    load: Callable = field(repr=False, compare=False, default=None)  # imports the kernel file; None: by its name
 
     @property
     def module(self):
-        return self.load()
+        return self.load() if self.load is not None else importlib.import_module(self.kernel.removesuffix(".py"))
+
+    def selected(self, cfg) -> bool:
+        """Whether the run `cfg` switches this entry on (by --kernels, or by its own flag)."""
+        return self.switch(cfg) if self.switch is not None else self.name in cfg.kernels
+
+    def apply_to(self, model, cfg=None):
+        """Apply this entry to `model` (its `apply`), for the run `cfg`."""
+        if self.apply is None:
+            raise ValueError(f"{self.name} acts outside the model's modules: {ACTS_ELSEWHERE[self.name]}")
+        return self.apply(self, model, cfg)
 
 
 OPTIMIZATIONS = (
     Optimization("rmsnorm", "model", "every RMSNorm module -> TritonRMSNorm (fused forward, one-pass backward)",
                  "every family", "2 per decoder layer + the final norm (Gemma 2: 4 per layer + 1)",
-                 "rmsnorm_kernel.py", "rmsnorm_test.py", ("rmsnorm",), _rmsnorm),
+                 "rmsnorm_kernel.py", "rmsnorm_test.py", ("rmsnorm",), apply=patch),
     Optimization("cross_entropy", "model", "the loss on the logits -> fused cross-entropy (gradient written into the logits)",
                  "every family; instead of linear_cross_entropy", "1 (the causal LM's loss)",
-                 "cross_entropy_kernel.py", "cross_entropy_test.py", ("cross_entropy",), _cross_entropy),
+                 "cross_entropy_kernel.py", "cross_entropy_test.py", ("cross_entropy",), apply=patch),
     Optimization("linear_cross_entropy", "model", "lm_head + loss -> fused linear cross-entropy (the logits are never built)",
                  "every family (Gemma 2 with its final-logit softcap)", "1 (the causal LM's forward)",
                  "linear_cross_entropy_kernel.py", "linear_cross_entropy_test.py", ("linear_cross_entropy",),
-                 _linear_cross_entropy),
+                 apply=patch),
     Optimization("swiglu", "model", "every MLP -> act(gate) * up fused (SwiGLU, or GeGLU for Gemma), recomputed in backward",
                  "families with a gated MLP", "1 per decoder layer",
-                 "swiglu_kernel.py", "swiglu_test.py", ("swiglu",), _swiglu),
+                 "swiglu_kernel.py", "swiglu_test.py", ("swiglu",), apply=patch),
     Optimization("rope", "model", "the family's apply_rotary_pos_emb -> fused RoPE (forward and backward in one kernel)",
                  "every family (partial rotary too)", "1 (the family module's function)",
-                 "rope_kernel.py", "rope_test.py", ("rope",), _rope),
+                 "rope_kernel.py", "rope_test.py", ("rope",), apply=patch),
     Optimization("projections", "model", "q/k/v and gate/up -> one matmul each (weights placed side by side; same Parameters)",
                  "one process (not under FSDP2)", "2 per decoder layer",
-                 "projections_kernel.py", "projections_test.py", ("projections",), _projections),
-    Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls as --fp8-recipe says (also --fp8)",
+                 "projections_kernel.py", "projections_test.py", ("projections",), apply=patch),
+    Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls as --fp8-recipe says",
                  "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
-                 "fp8_linear_kernel.py", "fp8_linear_test.py", (), _fp8),
-    Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group (also --optimizer adamw-triton)",
+                 "fp8_linear_kernel.py", "fp8_linear_test.py", (),
+                 flag="--fp8", switch=lambda cfg: cfg.fp8, apply=convert_fp8, load=_fp8),
+    Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group",
                  "a GPU, the scripts' own loop, one process or FSDP2 (elsewhere, in the default set, PyTorch's AdamW)",
                  "1 optimizer",
-                 "adamw_kernel.py", "adamw_test.py", ("adamw",), _adamw),
+                 "adamw_kernel.py", "adamw_test.py", ("adamw",),
+                 flag="--optimizer adamw-triton", switch=lambda cfg: cfg.optimizer == "adamw-triton"),
     Optimization("lora", "lora", "peft's LoRA forward -> base and adapter in one autograd node, bf16 saved inputs",
                  "with --lora-r (peft adapters on the projections)", "1 per adapted projection",
-                 "lora_kernel.py", "lora_test.py", (), _lora),
+                 "lora_kernel.py", "lora_test.py", (),
+                 switch=lambda cfg: "lora" in cfg.kernels and bool(cfg.lora_r)),
     Optimization("distillation", "distillation", "teacher/student logits + JSD -> fused linear JSD (no logits built)",
                  "distill.py --mode fused", "the distillation loss",
-                 "distillation_kernel.py", "distillation_test.py", ("jsd", "linear_jsd"), _distillation),
+                 "distillation_kernel.py", "distillation_test.py", ("jsd", "linear_jsd"),
+                 switch=lambda cfg: getattr(cfg.extra, "mode", "baseline") != "baseline"),
 )
 BY_NAME = {o.name: o for o in OPTIMIZATIONS}
 NAMES = tuple(BY_NAME)
 KERNEL_NAMES = tuple(o.name for o in OPTIMIZATIONS if o.scope == "model")  # what apply_kernels patches
 KERNELS = {o.name: o.replaces for o in OPTIMIZATIONS}
+FLAGS = {o.name: o.flag for o in OPTIMIZATIONS if o.flag}  # names whose own switch is a flag (--kernels fp8: --fp8)
 DEFAULT_KERNELS = ("rmsnorm", "linear_cross_entropy", "swiglu", "rope", "projections", "adamw", "lora")  # the fastest measured set
 PEERS = ("liger",)  # other kernel libraries, applied to the same model for side-by-side runs
 EXCLUSIVE = (("cross_entropy", "linear_cross_entropy"),)  # two losses cannot both own the loss
@@ -263,6 +264,12 @@ ACTS_ELSEWHERE = {
 }
 
 
+def conversions(cfg) -> tuple:
+    """The entries beyond the model kernels that have an `apply` and that the run `cfg` selects, in registry
+    order (fp8, with --fp8): models.prepare_model applies them right after apply_kernels."""
+    return tuple(o for o in OPTIMIZATIONS if o.scope != "model" and o.apply is not None and o.selected(cfg))
+
+
 def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_applied: bool = False) -> KernelReport:
     """Patch a Hugging Face causal LM in place with the named kernels; return what was replaced.
 
@@ -291,23 +298,12 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_
         # a clear error for an unsupported family, before anything is patched
         kind = model_type(model) if names else None
         replaced, not_applied = {}, {}
-        for name in (n for n in names if BY_NAME[n].scope == "model"):  # the others act elsewhere (docstring)
-            module = kernel_module(name)
-            why = not_applicable(name, model)
-            if why is None:
-                try:
-                    count = module.patch_model(model)
-                except NotImplementedError as err:
-                    why = str(err)
-            if why is not None:
-                not_applied[name] = why
-                log(f"apply_kernels: {name} not applied to this {kind} model: {why}")
-                continue
-            expected = module.expected_patches(model.config)
-            if count != expected:
-                raise RuntimeError(f"{name}: replaced {count}, expected {expected} for this "
-                                   f"{model.config.model_type} model of {model.config.num_hidden_layers} layers")
-            replaced[name] = count
+        for entry in (BY_NAME[n] for n in names if BY_NAME[n].scope == "model"):  # the others act elsewhere (docstring)
+            try:
+                replaced[entry.name] = entry.apply_to(model)
+            except NotApplicable as err:
+                not_applied[entry.name] = str(err)
+                log(f"apply_kernels: {entry.name} not applied to this {kind} model: {err}")
         report = KernelReport(replaced=replaced, not_applied=not_applied, selected=names)
     if verbose:
         log(f"apply_kernels: {report.describe()}")

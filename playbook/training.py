@@ -427,7 +427,7 @@ def plot_curve(result: RunResult, path) -> None:
 def causal_padding(cfg) -> bool:
     """Right-padded batches without their padding mask (playbook/data.py, `causal_padding`): the optimized
     scripts' default. The baseline passes Hugging Face the mask, as plain Hugging Face training does."""
-    return cfg.script != "finetune_baseline"
+    return not cfg.defaults.huggingface_attention
 
 
 def make_run_data(cfg, model, tokenizer=None):
@@ -455,7 +455,7 @@ def use_packed_attention(cfg, model, data) -> None:
     from playbook import packed_attention
 
     config = model.config
-    why = "the baseline: Hugging Face's SDPA" if cfg.script == "finetune_baseline" else \
+    why = "the baseline: Hugging Face's SDPA" if cfg.defaults.huggingface_attention else \
         packed_attention.unsupported(config)
     if why:
         log(f"attention on packed rows: SDPA with a dense [batch, 1, seq, seq] mask ({why})")

@@ -666,6 +666,25 @@ def test_distill_refuses_bad_arguments(argv, says, capsys):
     assert says in capsys.readouterr().err
 
 
+def test_the_scripts_defaults_decide_never_their_name():
+    """What differs between the scripts is each one's ScriptDefaults: the baseline's eager steps, Hugging Face's
+    attention and its memory hint follow its defaults under any name, and its name alone changes nothing."""
+    import dataclasses
+
+    from playbook.config import BASELINE, ScriptDefaults
+
+    renamed = config(script=dataclasses.replace(BASELINE, name="my_baseline"))
+    assert renamed.script == "my_baseline" and renamed.cuda_graphs == "off"
+    assert training.causal_padding(renamed) is False
+    assert BASELINE.memory_hint in common.memory_hints(renamed)
+    named = config(script=ScriptDefaults("finetune_baseline"))
+    assert named.cuda_graphs == "auto" and training.causal_padding(named) is True
+    assert BASELINE.memory_hint not in common.memory_hints(named)
+    assert config(script="finetune_baseline").defaults == BASELINE  # a name: the project's script of that name
+    record("the baseline's eager steps, attention and memory hint follow its ScriptDefaults, not its name",
+           0.0, 0.0, True)
+
+
 def test_distill_defaults():
     """distill.py's own defaults on the shared command line: 3 steps (1 untimed) and lr 1e-4 on a CPU,
     and at least one timed step whatever --steps is."""

@@ -79,21 +79,80 @@ def test_api_misuse_is_named():
     record("apply_kernels(None), apply_kernels('fp8'), 'none,rmsnorm': refused by name", 0.0, 0.0, True)
 
 
-def test_fp8_and_adamw_names_switch_what_their_flags_do():
-    from playbook.config import make_parser, parse_config
+def _alias_and_flag(capsys, alias: list, flag: list):
+    """The RunConfigs of a deprecated --kernels spelling and of its flag, and the notes each printed."""
+    from playbook.config import OPTIMIZED, make_parser, parse_config
 
     parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
-    cfg = parse_config(parser, "finetune_optimized", ["--kernels", "default,fp8,adamw"])
-    assert cfg.fp8 and cfg.optimizer == "adamw-triton" and "lora" in cfg.kernels
-    cfg = parse_config(parser, "finetune_optimized", ["--kernels", "rmsnorm"])
-    assert not cfg.fp8 and cfg.optimizer != "adamw-triton" and "lora" not in cfg.kernels
+    capsys.readouterr()
+    old = parse_config(parser, OPTIMIZED, alias)
+    old_notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    new = parse_config(parser, OPTIMIZED, flag)
+    new_notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    return old, old_notes, new, new_notes
+
+
+def test_kernels_fp8_is_a_deprecated_spelling_of_the_fp8_flag(capsys):
+    old, notes, new, none = _alias_and_flag(capsys, ["--kernels", "default,fp8"], ["--kernels", "default", "--fp8"])
+    assert notes == ["note: --kernels fp8 is deprecated: it is --fp8"], notes
+    assert not none
+    assert old.fp8 and old == new, (old.as_dict(), new.as_dict())
+    record("--kernels default,fp8: one line saying so, then the run of --fp8", 0.0, 0.0, True)
+
+
+def test_kernels_adamw_is_a_deprecated_spelling_of_the_triton_optimizer(capsys):
+    from playbook.config import make_parser, parse_config
+
+    old, notes, new, none = _alias_and_flag(capsys, ["--kernels", "rmsnorm,adamw"],
+                                            ["--kernels", "rmsnorm", "--optimizer", "adamw-triton"])
+    assert notes == ["note: --kernels adamw is deprecated: it is --optimizer adamw-triton"], notes
+    assert not none
+    assert old.optimizer == "adamw-triton" and old == new, (old.as_dict(), new.as_dict())
+    parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
     with pytest.raises(SystemExit) as err:
         parse_config(parser, "finetune_optimized", ["--kernels", "adamw", "--optimizer", "adamw-foreach"])
     assert err.value.code == 2
+    # adamw brought in by 'default' is the default set's, not the alias: no line, the optimizer as the script says
+    cfg = parse_config(parser, "finetune_optimized", ["--kernels", "default"])
+    assert "note:" not in capsys.readouterr().err and "adamw" in cfg.kernels
+    record("--kernels rmsnorm,adamw: one line saying so, then the run of --optimizer adamw-triton", 0.0, 0.0, True)
+
+
+def test_registry_flags_are_the_aliases_the_scripts_take():
+    from playbook.config import KERNEL_ALIASES
+
+    assert registry.FLAGS == KERNEL_ALIASES == {"fp8": "--fp8", "adamw": "--optimizer adamw-triton"}
+    record("fp8 and adamw: the flags --fp8 and --optimizer adamw-triton", 0.0, 0.0, True)
+
+
+def test_distillation_names_only_in_distill():
+    from playbook.config import make_parser, parse_config
+
+    parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
     with pytest.raises(SystemExit) as err:
         parse_config(parser, "finetune_optimized", ["--kernels", "distillation"])
     assert err.value.code == 2
-    record("--kernels fp8 / adamw = --fp8 / --optimizer adamw-triton; distillation only in distill.py", 0.0, 0.0, True)
+    record("--kernels distillation: only in distill.py", 0.0, 0.0, True)
+
+
+def test_each_entry_says_whether_a_run_selects_it_and_applies_itself():
+    """Every entry with an `apply` applies itself to a model; selected(cfg) follows its one switch."""
+    from playbook.config import make_parser, parse_config
+    from playbook.testkit import tiny_model
+
+    parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
+    cfg = parse_config(parser, "finetune_optimized", ["--kernels", "rmsnorm", "--fp8", "--lora-r", "4"])
+    assert [o.name for o in registry.OPTIMIZATIONS if o.selected(cfg)] == ["rmsnorm", "fp8"]
+    assert [o.name for o in registry.conversions(cfg)] == ["fp8"]
+    cfg = parse_config(parser, "finetune_optimized", ["--lora-r", "4", "--optimizer", "adamw-triton"])
+    assert {"lora", "adamw"} <= {o.name for o in registry.OPTIMIZATIONS if o.selected(cfg)}
+    assert registry.conversions(cfg) == ()
+    model = tiny_model("llama")
+    entry = registry.BY_NAME["rmsnorm"]
+    assert entry.apply_to(model) == entry.module.expected_patches(model.config)
+    assert "acts outside" in expect_error(ValueError, registry.BY_NAME["adamw"].apply_to, model)
+    assert all(o.apply is not None for o in registry.OPTIMIZATIONS if o.scope in ("model", "fp8"))
+    record("selected(cfg) per entry; rmsnorm applies itself with its count checked", 0.0, 0.0, True)
 
 
 def test_the_lora_fusion_follows_its_registry_name(monkeypatch):
