@@ -1,6 +1,15 @@
-"""Shared pytest fixtures (pytest loads this file for every test module, in script mode too)."""
+"""Shared pytest fixtures (pytest loads this file for every test module, in script mode too).
 
-import pytest
+The tests start as every script does (playbook.startup.start): the environment defaults and, without a
+GPU, Triton's interpreter, before pytest imports a test module and with it the kernel files. Ctrl-C is
+left to pytest.
+"""
+
+from playbook.startup import start
+
+start(None)
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -118,7 +118,6 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 # direct_launch: eager calls skip the operators' dispatch (step 1 says why)
 from playbook.core.kernel_utils import as_rows, check_device, check_float, direct_launch, next_power_of_2
 from playbook.core.model_families import model_type
