@@ -219,5 +219,5 @@ if __name__ == "__main__":
     from playbook.signals import run_main
     from playbook.startup import start
 
-    start(None, kernels=False)  # (no kernel runs here; torch loads in main(), under run_main's handling)
+    start(kernels=False)  # (no kernel runs here; torch loads in main(), under run_main's handling)
     sys.exit(run_main(main, "nothing was written"))

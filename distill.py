@@ -58,7 +58,7 @@ from playbook import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
-    start()
+    start("nothing was run")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -17,7 +17,7 @@ attention's rotary embedding with fused kernels. docs/optimizations.md lists eve
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    start()
+    start("nothing was run")
 
 from playbook.registry import DEFAULT_KERNELS  # noqa: E402
 from playbook.config import make_parser, parse_config  # noqa: E402

@@ -23,7 +23,7 @@ from playbook import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    start()
+    start("nothing was run")
 
 import torch  # noqa: E402
 

@@ -41,7 +41,7 @@ from playbook import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    start(kernels=False)
+    start("nothing was run", kernels=False)
 
 import torch  # noqa: E402
 

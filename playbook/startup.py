@@ -3,7 +3,10 @@
     from playbook.startup import start
 
     if __name__ == "__main__":
-        start()          # first, before the imports of torch and of the kernel files
+        start("nothing was run")   # first, before the imports of torch and of the kernel files
+
+Code of your own that uses the kernels (`registry.apply_kernels`, a lesson's functions) calls `start()`
+first too: the environment defaults and Triton's interpreter without a GPU, its Ctrl-C left as it is.
 
 Importing a playbook module or a kernel file changes no environment variable, signal handler or
 third-party function; `start()` does, in this order:
@@ -23,9 +26,10 @@ third-party function; `start()` does, in this order:
    - HF_HUB_DISABLE_PROGRESS_BARS=1 when stderr is not a terminal: in a piped log (the walkthrough's
      steps, CI, a scheduler's output file) each redraw of a progress bar is a line of noise. Read when
      huggingface_hub and transformers are imported.
-2. Ctrl-C and SIGTERM while the script starts: one line saying `while_starting`, exit code 130 or
-   143 (`playbook.signals.exit_on_ctrl_c_while_starting`), until `signals.run_main` (or `started()`)
-   takes over. None leaves the handlers as they are (pytest's own, under conftest.py).
+2. With `while_starting`, Ctrl-C and SIGTERM while the script starts: one line saying it, exit code
+   130 or 143 (`playbook.signals.exit_on_ctrl_c_while_starting`), until `signals.run_main` (or
+   `started()`) takes over. Without it (None) the handlers stay as they are (pytest's own, under
+   conftest.py; an interactive session's).
 3. With `kernels`, Triton's interpreter on a machine without a CUDA GPU
    (`playbook.core.kernel_utils.use_interpreter_without_gpu`): this imports torch and triton, under
    the handlers of 2. A script that runs no kernel in its own process, or that must run before torch
@@ -55,7 +59,7 @@ def set_env_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
-def start(while_starting: str | None = "nothing was run", *, kernels: bool = True) -> None:
+def start(while_starting: str | None = None, *, kernels: bool = True) -> None:
     """Start a script (module docstring): environment defaults, then Ctrl-C and SIGTERM as one line
     saying `while_starting` until the script's own handling takes over (None: handlers left as they are),
     then, with `kernels`, Triton's interpreter where there is no CUDA GPU. Call it first, before torch and

@@ -306,7 +306,7 @@ def test_the_launch_queue_and_the_allocator_are_set_before_cuda_starts():
     import sys
 
     names = ("CUDA_SCALE_LAUNCH_QUEUES", "PYTORCH_CUDA_ALLOC_CONF")
-    code = f"import os; from playbook.startup import start; start(None, kernels=False); print(*(os.environ.get(n) for n in {names!r}))"
+    code = f"import os; from playbook.startup import start; start(kernels=False); print(*(os.environ.get(n) for n in {names!r}))"
     env = {k: v for k, v in os.environ.items() if k not in names}
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
     mine = dict(env, CUDA_SCALE_LAUNCH_QUEUES="2x", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")

@@ -24,7 +24,7 @@ from pathlib import Path
 from playbook.startup import start
 
 if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
-    start(None)
+    start()
 
 import pytest
 import torch

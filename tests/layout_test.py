@@ -289,9 +289,9 @@ import triton  # imported first, by another library: the interpreter's fix-up of
 from triton.runtime.jit import JITFunction
 gpu_call = JITFunction.__call__
 from playbook.startup import start
-start(None)
+start()
 handlers = [repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)]
-start(None)  # again: nothing more
+start()  # again: nothing more
 call = JITFunction.__call__
 from playbook.core import kernel_utils
 import rmsnorm_kernel, torch
@@ -327,7 +327,7 @@ def test_start_does_what_importing_used_to():
     assert got["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True", got
     assert kept["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False", kept
     assert got["env"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and kept["env"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
-    assert got["handlers_kept"] and got["while_starting"], got  # start(None) leaves them; start(what) sets them
+    assert got["handlers_kept"] and got["while_starting"], got  # start() leaves them; start(what) sets them
     if got["gpu"]:
         assert not got["interpret"] and got["env"]["TRITON_INTERPRET"] is None, got
     else:
@@ -340,7 +340,7 @@ def test_start_does_what_importing_used_to():
 def test_start_keeps_a_user_switch_and_refuses_a_lesson_imported_before_it():
     """TRITON_INTERPRET=0 set by the user is kept; without a GPU, a lesson imported before start() holds
     kernels made for the GPU: its first launch on CPU tensors, or start() itself, says to call start() first."""
-    code = ("import os; from playbook.startup import start; start(None); "
+    code = ("import os; from playbook.startup import start; start(); "
             "from playbook.core import kernel_utils; print(os.environ['TRITON_INTERPRET'], kernel_utils.INTERPRET)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"),
                          capture_output=True, text=True, timeout=600)
@@ -351,7 +351,7 @@ def test_start_keeps_a_user_switch_and_refuses_a_lesson_imported_before_it():
         pytest.skip("a lesson imported before start() is what a GPU runs")
     bare = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for code in ("import torch, rmsnorm_kernel; rmsnorm_kernel.rmsnorm(torch.ones(2, 8), torch.ones(8))",
-                 "import rmsnorm_kernel; from playbook.startup import start; start(None)"):
+                 "import rmsnorm_kernel; from playbook.startup import start; start()"):
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=bare, capture_output=True, text=True,
                              timeout=600)
         last = out.stderr.strip().splitlines()[-1]

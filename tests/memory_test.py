@@ -35,7 +35,7 @@ import weakref
 from playbook.startup import start
 
 if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
-    start(None)
+    start()
 
 import pytest
 import torch

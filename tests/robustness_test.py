@@ -232,7 +232,7 @@ def test_ctrl_c_is_one_line_exit_130(argv, ready):
 # with the Ctrl-C line, not that error's traceback.
 _CONVERTED_CTRL_C = """
 from playbook.startup import start
-start()
+start("nothing was run")
 import time
 from playbook import training
 
