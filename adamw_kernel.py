@@ -153,7 +153,6 @@ import math
 
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from playbook.core.kernel_utils import INTERPRET, check_device, check_float
 
 import triton

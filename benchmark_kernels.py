@@ -68,22 +68,17 @@ overwrites the files of a full one. Files are written to a temporary name and re
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook import signals
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting("nothing was measured")
-
-# Graph pools and 8-25 GB peers fragment the caching allocator; expandable segments let freed
-# memory be reused by the next size (set before torch touches the GPU).
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    start("nothing was measured")
 
 import torch  # noqa: E402
 
 from playbook.core.gpu_arch import describe as describe_arch, device_capability  # noqa: E402
-from playbook.core import kernel_utils  # noqa: F401,E402  (selects the interpreter on machines without a GPU)
 import cross_entropy_kernel  # noqa: E402
 import rmsnorm_kernel  # noqa: E402
 from playbook.registry import BY_NAME, KERNEL_NAMES  # noqa: E402
@@ -446,5 +441,5 @@ def _liger_version():
 
 
 if __name__ == "__main__":
-    sys.exit(playbook.run_main(main, "the kernels measured before it are in results/benchmark_*; the one running "
+    sys.exit(signals.run_main(main, "the kernels measured before it are in results/benchmark_*; the one running "
                                      "was not saved"))

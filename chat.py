@@ -183,7 +183,7 @@ def _write(text: str) -> int:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from playbook import exit_on_ctrl_c_while_importing
+    from playbook.signals import exit_on_ctrl_c_while_importing
 
     with exit_on_ctrl_c_while_importing("nothing was written"):  # torch's import can swallow a KeyboardInterrupt
         import torch
@@ -216,6 +216,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from playbook import run_main
+    from playbook.signals import run_main
+    from playbook.startup import start
 
+    start(kernels=False)  # (no kernel runs here; torch loads in main(), under run_main's handling)
     sys.exit(run_main(main, "nothing was written"))

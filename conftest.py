@@ -1,6 +1,15 @@
-"""Shared pytest fixtures (pytest loads this file for every test module, in script mode too)."""
+"""Shared pytest fixtures (pytest loads this file for every test module, in script mode too).
 
-import pytest
+The tests start as every script does (playbook.startup.start): the environment defaults and, without a
+GPU, Triton's interpreter, before pytest imports a test module and with it the kernel files. Ctrl-C is
+left to pytest.
+"""
+
+from playbook import startup
+
+startup.start()
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +65,7 @@ def pytest_configure_node(node):
 @pytest.fixture(scope="session", autouse=True)
 def kernel_runs_in_background(request, tmp_path_factory):
     """finetune_test.py's loss-parity tests compare 12-step training runs with the project's kernels
-    (one to two minutes each on a CPU) against baselines. When a session has any of those tests selected,
+    (minutes each on a CPU: longer than any other test) against baselines. When a session has any of those tests selected,
     their kernel runs start here, at the session's start, each in a child process
     (finetune_test.start_kernel_runs), and train on the spare cores while the other tests run; the
     tests collect them (finetune_test.parity_runs).
@@ -87,7 +96,7 @@ def kernel_runs_in_background(request, tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def probe_runs_in_background(request, tmp_path_factory):
-    """tests/probe_test.py's cases (about 50 child processes, four minutes of two cores' work) start
+    """tests/probe_test.py's cases (a child process each, minutes of work in all on a CPU) start
     here, at the session's start, when the session has any of them selected, in one child process at a
     lower priority that uses the cores the other tests leave idle (probe_test.start_in_background); the
     probe tests collect its outcomes (probe_test.outcomes). Yields (process, outcomes file, log file), or

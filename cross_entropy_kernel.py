@@ -120,7 +120,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 # direct_launch: eager calls skip the operators' dispatch (step 1 says why)
 from playbook.core.kernel_utils import as_rows, check_device, check_float, direct_launch, next_power_of_2
 # the conventions every loss of the playbook shares (options, checks, reductions, outputs, Hugging Face's shift)

@@ -14,10 +14,10 @@ module, TritonCrossEntropyLoss, against torch.nn.CrossEntropyLoss built with the
 every reduction, ignore_index, label smoothing, class weights, [B, T, V] and non-contiguous input.
 """
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting("no test was run")
+    start("no test was run")
 
 import math
 import re

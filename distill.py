@@ -54,15 +54,15 @@ import sys
 import time
 from dataclasses import dataclass
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook import signals
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting()
+    start("nothing was run")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from playbook.core import kernel_utils  # noqa: F401,E402  (selects Triton's interpreter on machines without a GPU)
 from playbook.common import (describe_gpu, is_out_of_memory, log, result_path, synchronize, versions,  # noqa: E402
                              write_atomic)
 from cross_entropy_kernel import causal_targets  # noqa: E402
@@ -404,4 +404,4 @@ if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    playbook.run_main(main, "the run stopped before its summary; nothing was written")
+    signals.run_main(main, "the run stopped before its summary; nothing was written")

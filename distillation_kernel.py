@@ -98,7 +98,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from cross_entropy_kernel import scale_grad
 from playbook.core.losses import check_first_order
 from playbook.core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward

@@ -569,7 +569,7 @@ def export(run: str, weight_type: str = "q8_0", output: Path | None = None, base
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from playbook import exit_on_ctrl_c_while_importing
+    from playbook.signals import exit_on_ctrl_c_while_importing
 
     with exit_on_ctrl_c_while_importing("nothing was written"):  # torch's import can swallow a KeyboardInterrupt
         import torch  # noqa: F401
@@ -597,7 +597,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from playbook import exit_on_ctrl_c_while_starting, run_main
+    from playbook.signals import run_main
+    from playbook.startup import start
 
-    exit_on_ctrl_c_while_starting("nothing was written")
+    start("nothing was written", kernels=False)  # (no kernel runs here; torch loads in main())
     sys.exit(run_main(main, "nothing was written (a partly written file is removed)"))

@@ -11,10 +11,10 @@ flag of finetune_optimized.py except --kernels: both run the very same loop (tra
 the two summaries compare the kernels and nothing else.
 """
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting()
+    start("nothing was run")
 
 from playbook.config import BASELINE, make_parser, parse_config  # noqa: E402
 from playbook.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)

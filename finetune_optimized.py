@@ -14,10 +14,10 @@ The same loop as finetune_baseline.py (training.train) from the same seed and da
 attention's rotary embedding with fused kernels. docs/optimizations.md lists every optimization (playbook/registry.py).
 """
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting()
+    start("nothing was run")
 
 from playbook.registry import DEFAULT_KERNELS  # noqa: E402
 from playbook.config import OPTIMIZED, make_parser, parse_config  # noqa: E402

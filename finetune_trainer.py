@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook import signals
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting()
+    start("nothing was run")
 
 import torch  # noqa: E402
 
-from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the interpreter switch on CPUs)
 
 from playbook import memory_plan
 from playbook.registry import DEFAULT_KERNELS
@@ -149,5 +149,5 @@ if __name__ == "__main__":
     from playbook.setup_check import check_or_exit
 
     check_or_exit()
-    playbook.run_main(main, "the run stopped before its metrics; the Trainer's checkpoints already written "
-                            "under --output-dir (--save-every) are complete")
+    signals.run_main(main, "the run stopped before its metrics; the Trainer's checkpoints already written "
+                           "under --output-dir (--save-every) are complete")

@@ -27,10 +27,10 @@ bf16, so each of its roundings is 16x larger than bf16's, and an FP8 model may b
 from an fp32 model as the bf16 model is.
 """
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting("no test was run")
+    start("no test was run")
 
 import contextlib
 import copy

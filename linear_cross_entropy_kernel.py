@@ -109,7 +109,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from cross_entropy_kernel import cross_entropy_forward, cross_entropy_ref, scale_grad, scale_gradient_
 from playbook.core.losses import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
                                   check_targets_and_reduction, hf_reduction, loss_output, reduce_loss,

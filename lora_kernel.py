@@ -36,7 +36,6 @@ import types
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: the interpreter switch)
 import swiglu_kernel  # its operators (torch.ops.playbook.swiglu_fwd / swiglu_bwd) and the fused MLP forward
 from playbook.core.process import is_peft_model
 

@@ -11,10 +11,10 @@ B matrices are set to random values in most tests: peft starts them at zero, and
 would make every comparison pass whatever the adapter code did.
 """
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting("no test was run")
+    start("no test was run")
 
 import math
 import sys
@@ -24,7 +24,6 @@ import pytest
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
 from playbook.core.kernel_utils import DEVICE
 from playbook import lora
 import lora_kernel

@@ -38,10 +38,11 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook import signals
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting()
+    start("nothing was run")
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
@@ -198,8 +199,8 @@ def main():
                     wall.append(time.perf_counter() - start)
                 prof.step()
     except (KeyboardInterrupt, Exception) as err:  # (a Ctrl-C may reach here as another error)
-        if playbook.is_ctrl_c(err):
-            raise playbook.interrupted_exit("nothing was recorded") from None
+        if signals.is_ctrl_c(err):
+            raise signals.interrupted_exit("nothing was recorded") from None
         if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (an allocator failing: model, data, a step)
             raise SystemExit(oom_message(cfg, err)) from None
         raise
@@ -368,5 +369,5 @@ def _short(name: str, width: int = 70) -> str:
 
 
 if __name__ == "__main__":
-    playbook.started()  # from here on, Ctrl-C raises KeyboardInterrupt (main's own handling)
+    signals.started()  # from here on, Ctrl-C raises KeyboardInterrupt (main's own handling)
     main()

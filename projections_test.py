@@ -12,10 +12,10 @@ a cached k/v output never handed to a call it does not belong to, a clear one-li
 weights stop being side by side, FP8, LoRA, torch.compile, and Phi-3 (joined already) refused.
 """
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting("no test was run")
+    start("no test was run")
 
 import copy
 

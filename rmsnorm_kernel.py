@@ -82,7 +82,6 @@ import math
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
 from playbook.core.kernel_utils import (as_rows, check_device, check_float, direct_launch, next_power_of_2, num_sms,
                                    refuse_double_backward)
 from playbook.core.model_families import family, family_classes

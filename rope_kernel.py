@@ -36,7 +36,7 @@ functional API -> the HF drop-in and `patch_model` / `unpatch_model` -> referenc
 
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.core import kernel_utils
 from playbook.core.kernel_utils import check_device, check_float, next_power_of_2, refuse_double_backward
 from playbook.core.model_families import family_module, model_type
 

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import playbook  # imports no torch
+from playbook import signals
+from playbook.startup import start  # imports no torch
 
 if __name__ == "__main__":  # Ctrl-C while it starts: one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting("the self-check stopped before its verdict")
+    start("the self-check stopped before its verdict", kernels=False)
 
 from playbook import setup_check  # noqa: E402
 from playbook.core import gpu_arch  # noqa: E402
@@ -147,7 +148,7 @@ def machine_facts(report: setup_check.SmiReport) -> list[tuple[str, str]]:
     """(label, value) pairs describing this machine; torch's view of the GPU where it has one."""
     facts = []
     try:  # Ctrl-C during the import ends the process at once (no error to tell from a broken torch)
-        with playbook.exit_on_ctrl_c_while_importing("the self-check stopped before its verdict"):
+        with signals.exit_on_ctrl_c_while_importing("the self-check stopped before its verdict"):
             import torch
     except Exception as e:  # reported; the set-up check says what to do
         torch = None
@@ -311,4 +312,4 @@ if __name__ == "__main__":
         sys.exit(setup_check.main(["--reachable", args.reachable]))
     if args.setup or args.index_url:
         sys.exit(setup_check.main(["--index-url"] if args.index_url else []))
-    sys.exit(playbook.run_main(main, "the self-check stopped before its verdict"))
+    sys.exit(signals.run_main(main, "the self-check stopped before its verdict"))

@@ -55,7 +55,7 @@ import types
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from playbook.core import kernel_utils
 from playbook.core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
 from playbook.core.model_families import family_classes, mlp_activation, model_type
 

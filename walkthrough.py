@@ -37,10 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook import signals
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting()
+    start("nothing was run", kernels=False)
 
 import torch  # noqa: E402
 
@@ -505,4 +506,4 @@ def main():
 
 if __name__ == "__main__":
     # Ctrl-C reaches the running step too, which stops in its own way first
-    playbook.run_main(main, "the walkthrough stopped; the steps that finished saved their results under results/")
+    signals.run_main(main, "the walkthrough stopped; the steps that finished saved their results under results/")

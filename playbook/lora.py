@@ -40,10 +40,6 @@ TARGET_SETS = {"all": ALL_TARGETS, "attention": ATTENTION_TARGETS}
 
 
 def _peft():
-    # peft imports triton; on a machine without a GPU the kernels need Triton's interpreter, which is
-    # switched on only if kernel_utils is imported before triton is (Triton reads the switch once)
-    from playbook.core import kernel_utils  # noqa: F401
-
     try:
         import peft
     except ImportError:

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from playbook.core import gpu_arch
-from playbook.core import kernel_utils  # noqa: F401  (selects Triton's interpreter on machines without a GPU)
 from playbook import pretrained
 from playbook.common import is_out_of_memory, log, world
 from playbook.config import DEFAULT_MODEL, usage_error

@@ -1,5 +1,7 @@
 """The registry: every optimization a user can switch on, in one table, by the name every script takes.
 
+    >>> from playbook.startup import start
+    >>> start()                                                  # first: Triton's interpreter without a GPU
     >>> from playbook import registry
     >>> [o.name for o in registry.OPTIMIZATIONS]
     ['rmsnorm', 'cross_entropy', 'linear_cross_entropy', 'swiglu', 'rope', 'projections', 'fp8', 'adamw',

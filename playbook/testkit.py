@@ -41,7 +41,7 @@ import time
 import pytest
 import torch
 
-import playbook
+from playbook import signals
 
 FACTOR = 2.0
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 2.0**-52}
@@ -139,9 +139,9 @@ class _Report:
         self.first = len(_records)
 
     # Ctrl-C raises KeyboardInterrupt wherever the test happens to be, and some code turns it into
-    # another error (playbook.started's note), so the run would go on: stop after this test.
+    # another error (signals.started's note), so the run would go on: stop after this test.
     def pytest_runtest_teardown(self, item):
-        if playbook.interrupted():
+        if signals.interrupted():
             item.session.shouldstop = "interrupted (Ctrl-C)"
 
     def pytest_runtest_logreport(self, report):
@@ -210,12 +210,12 @@ def run_as_script(module_name: str, title: str) -> int:
         doc = (module.__doc__ or "").strip().splitlines()
         print(doc[0] if doc else "", "\n", flush=True)
         start = time.perf_counter()
-        playbook.started()  # Ctrl-C from here on stops pytest, which reports it as INTERRUPTED
+        signals.started()  # Ctrl-C from here on stops pytest, which reports it as INTERRUPTED
         code = pytest.main([module.__file__, "-s", "-p", "no:cacheprovider", "-p", "no:terminal"], plugins=[plugin])
         seconds = time.perf_counter() - start
         c = plugin.counts
         counts = f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
-        if code == pytest.ExitCode.INTERRUPTED or playbook.interrupted():  # not a result: say so, on the screen
+        if code == pytest.ExitCode.INTERRUPTED or signals.interrupted():  # not a result: say so, on the screen
             print(f"\ninterrupted (Ctrl-C) after {seconds:.1f} s: {counts}; the other tests were not run",
                   file=sys.__stderr__, flush=True)
             return 130

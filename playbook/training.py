@@ -28,11 +28,10 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-import playbook
 from playbook.common import (RESULTS_DIR, describe_gpu, gpu_bf16_peak_tflops, interactive, is_main, is_out_of_memory, log,
                     oom_message, result_path, synchronize, versions, world, write_atomic)
 from playbook.models import PRESETS, count_params, flops_per_token, prepare_model
-from playbook import memory_plan
+from playbook import memory_plan, signals
 from playbook.registry import in_effect
 
 IGNORE_INDEX = -100
@@ -706,17 +705,17 @@ def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str
 
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
-    playbook.started()  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
+    signals.started()  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
     started = [cfg]  # the RunConfig as the run goes on with it (memory_plan.start chooses a default rounding)
     try:
         return _train(cfg, started)
     except (KeyboardInterrupt, Exception) as err:
-        if not playbook.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
+        if not signals.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
             if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
                 raise SystemExit(oom_message(started[-1], err)) from None
             raise
-    raise playbook.interrupted_exit("the run stopped before its summary; checkpoints already written under "
-                                    "--output-dir are complete") from None
+    raise signals.interrupted_exit("the run stopped before its summary; checkpoints already written under "
+                                   "--output-dir are complete") from None
 
 
 def _train(cfg, started: list | None = None) -> dict:
@@ -857,7 +856,7 @@ def _train(cfg, started: list | None = None) -> dict:
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
     terminated = None  # the step after which a SIGTERM stopped the run
     graphed = None  # the step to capture (cuda_graph.GraphedStep); captured after the first step of the run
-    playbook.defer_sigterm(True)  # a scheduler's SIGTERM: the step in progress ends, is saved, and the run stops
+    signals.defer_sigterm(True)  # a scheduler's SIGTERM: the step in progress ends, is saved, and the run stops
     left.begin()
     try:
         for step in bar:
@@ -947,7 +946,7 @@ def _train(cfg, started: list | None = None) -> dict:
                 terminated = step + 1
                 break
     finally:  # out of memory in a step: train() turns it into its one-line message
-        playbook.defer_sigterm(False)
+        signals.defer_sigterm(False)
         bar.close()
         metrics.close()
     if terminated is not None:
@@ -956,7 +955,7 @@ def _train(cfg, started: list | None = None) -> dict:
             lambda: save(cfg, terminated, model, tokenizer, optimizer, schedule, result, settings))
         if size > 1:
             torch.distributed.destroy_process_group()
-        raise playbook.interrupted_exit(kept, "SIGTERM")
+        raise signals.interrupted_exit(kept, "SIGTERM")
     if cfg.on_gpu:
         result.peak_memory_gb = cuda_graph.peak_bytes(graphed) / 1e9  # the captured step's footprint included
     if prompts is not None and stopped is None:
@@ -1004,9 +1003,9 @@ def _train(cfg, started: list | None = None) -> dict:
 
 
 def sigterm_stops(cfg) -> bool:
-    """Whether a SIGTERM came during the loop (playbook.defer_sigterm) to any process: every process then
+    """Whether a SIGTERM came during the loop (signals.defer_sigterm) to any process: every process then
     stops after the same step, the one whose checkpoint they write together."""
-    pending = playbook.sigterm_pending()
+    pending = signals.sigterm_pending()
     if world()[1] > 1:
         flag = torch.tensor(int(pending), device=cfg.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # a sync point, once per step

@@ -18,6 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import pytest
 import torch
 

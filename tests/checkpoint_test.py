@@ -30,7 +30,6 @@ import pytest
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
 from playbook import checkpoint
 from playbook.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from playbook import testkit

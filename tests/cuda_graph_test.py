@@ -298,7 +298,7 @@ if __name__ == "__main__":
 
 
 def test_the_launch_queue_and_the_allocator_are_set_before_cuda_starts():
-    """playbook sets CUDA_SCALE_LAUNCH_QUEUES=4x at import (a replayed LoRA step overflowed the default
+    """playbook.startup.start() sets CUDA_SCALE_LAUNCH_QUEUES=4x (a replayed LoRA step overflowed the default
     command buffer, and the replay call waited for the GPU) and PyTorch's expandable segments (the 8B full
     fine-tune at 4 x 2048 fits an 80 GB H100 with them only); values the user set are kept."""
     import os
@@ -306,11 +306,11 @@ def test_the_launch_queue_and_the_allocator_are_set_before_cuda_starts():
     import sys
 
     names = ("CUDA_SCALE_LAUNCH_QUEUES", "PYTORCH_CUDA_ALLOC_CONF")
-    code = f"import os, playbook; print(*(os.environ.get(n) for n in {names!r}))"
+    code = f"import os; from playbook.startup import start; start(kernels=False); print(*(os.environ.get(n) for n in {names!r}))"
     env = {k: v for k, v in os.environ.items() if k not in names}
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
     mine = dict(env, CUDA_SCALE_LAUNCH_QUEUES="2x", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
     kept = subprocess.run([sys.executable, "-c", code], env=mine, capture_output=True, text=True, check=True).stdout.split()
     assert got == ["4x", "expandable_segments:True"], got
     assert kept == ["2x", "expandable_segments:False"], kept
-    record(f"after importing playbook: {' '.join(got)} (a user's {' '.join(kept)} kept)", 0.0, 0.0, True)
+    record(f"after playbook.startup.start(): {' '.join(got)} (a user's {' '.join(kept)} kept)", 0.0, 0.0, True)

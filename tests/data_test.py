@@ -20,7 +20,6 @@ from unittest import mock
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import data, data_files
 from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
 

@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
 from playbook.testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent

@@ -25,6 +25,11 @@ partial rotary (partial_rotary_factor 0.5: the first half of each head rotates).
 import copy
 import inspect
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import pytest
 import torch
 

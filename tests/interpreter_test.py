@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import interpreter, setup_check
 from playbook.models import preset_config
 

@@ -33,10 +33,14 @@ import json
 import tempfile
 from pathlib import Path
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import data, registry
 from playbook.core.kernel_utils import DEVICE
 from playbook.models import PRESETS

@@ -32,11 +32,15 @@ import sys
 import types
 import weakref
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import pytest
 import torch
 import torch.utils._python_dispatch
 
-from playbook.core import kernel_utils  # noqa: F401  (before transformers and peft import triton)
 from playbook import memory, models
 from playbook.config import make_parser, parse_config
 from playbook.core.kernel_utils import DEVICE

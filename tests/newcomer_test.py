@@ -165,12 +165,11 @@ def test_every_readme_command_parses_its_arguments(monkeypatch):
     import argparse
     import runpy
 
-    import playbook
-    from playbook import config, setup_check
+    from playbook import config, setup_check, signals
 
     real_parse_config, real_parse_args = config.parse_config, argparse.ArgumentParser.parse_args
-    monkeypatch.setattr(playbook, "exit_on_ctrl_c_while_starting", lambda *a, **k: None)
-    monkeypatch.setattr(playbook, "run_main", lambda main, kept: main())
+    monkeypatch.setattr(signals, "exit_on_ctrl_c_while_starting", lambda *a, **k: None)
+    monkeypatch.setattr(signals, "run_main", lambda main, kept: main())
     monkeypatch.setattr(setup_check, "check_or_exit", lambda *a, **k: None)
     # the arguments, not this machine's memory: the memory plan (part of parse_config) plans for a large GPU
     monkeypatch.setenv("PLAYBOOK_FREE_MEMORY_GB", "10000")

@@ -9,7 +9,6 @@ the attention is FlashAttention-2's varlen kernel, the path a training run takes
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import packed_attention as pa
 from playbook.data import IGNORE_INDEX, Example, TrainData, pack_examples, pad_examples
 from playbook.core.kernel_utils import DEVICE

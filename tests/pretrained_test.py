@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import generate, pretrained
 
 HERE = Path(__file__).resolve().parent.parent

@@ -218,8 +218,11 @@ def _quiet(result, folder) -> str | None:
 
 SHELL_INTERRUPT = "interrupted"
 # The README's order of the kernel API, after `import triton` (transformers and peft import it too): the
-# registry, a model built by transformers, apply_kernels, a training step; on a CPU, in Triton's interpreter.
+# start-up, the registry, a model built by transformers, apply_kernels, a training step; on a CPU, in Triton's
+# interpreter.
 ANY_IMPORT_ORDER = ("import torch, triton\n"
+                    "from playbook.startup import start\n"
+                    "start()\n"
                     "from playbook import registry\n"
                     "from transformers import LlamaConfig, LlamaForCausalLM\n"
                     "model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, "
@@ -592,8 +595,8 @@ json.dump(out, open(out_file, 'w'))
 
 
 def _env():
-    """A user's environment: without the TRITON_INTERPRET=1 that this test process inherits once any
-    kernel module is imported (the scripts set it themselves; the kernel-API case must not find it set)."""
+    """A user's environment: without the TRITON_INTERPRET=1 that conftest.py's start-up sets in this test
+    process (the scripts set it themselves; the kernel-API case must not find it set)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return {**env, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(HERE)}
 

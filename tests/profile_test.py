@@ -13,6 +13,11 @@ own kernels are read from the kernel files: every Triton kernel a file launches.
 import re
 from pathlib import Path
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import pytest
 
 import adamw_kernel

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before anything imports triton: the CPU interpreter)
 from playbook import cuda_graph
 from playbook.config import make_parser, parse_config
 from playbook.registry import DEFAULT_KERNELS

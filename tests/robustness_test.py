@@ -231,8 +231,8 @@ def test_ctrl_c_is_one_line_exit_130(argv, ready):
 # parse kernel sources): the KeyboardInterrupt comes out as a SystemError. The loop must still end
 # with the Ctrl-C line, not that error's traceback.
 _CONVERTED_CTRL_C = """
-import playbook
-playbook.exit_on_ctrl_c_while_starting()
+from playbook.startup import start
+start("nothing was run")
 import time
 from playbook import training
 
@@ -295,11 +295,11 @@ while time.time() < end:
 """
 _RUNNING_SCRIPT = """
 import sys
-import playbook
+from playbook import signals
 
-playbook.started()  # as run_main does: Ctrl-C from here on raises KeyboardInterrupt
+signals.started()  # as run_main does: Ctrl-C from here on raises KeyboardInterrupt
 if sys.argv[1] == "guarded":
-    with playbook.exit_on_ctrl_c_while_importing("nothing was written"):
+    with signals.exit_on_ctrl_c_while_importing("nothing was written"):
         import swallows_ctrl_c
 else:
     import swallows_ctrl_c
@@ -365,8 +365,6 @@ def test_environment_that_contradicts_the_run_is_one_line(monkeypatch, capsys):
     with what to do (exit code 2) before anything is built."""
     if common.torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET=0 is the GPU's normal setting")
-    from playbook.core import kernel_utils  # noqa: F401  (imported with the interpreter on, before the variable changes)
-
     parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
     for env, mentions in (({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "start the run with torchrun"),
                           ({"TRITON_INTERPRET": "0"}, "unset TRITON_INTERPRET")):

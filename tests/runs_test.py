@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook.core import kernel_utils  # noqa: F401  (before peft, which imports triton: see lora._peft)
 from playbook import checkpoint, common, training
 from playbook import registry as ak
 from playbook.config import make_parser, parse_config

@@ -1,19 +1,20 @@
 """Small helpers shared by the kernel files: where kernels run, how inputs are checked, and how a
 backward operator refuses a second derivative.
 
-Without a CUDA GPU this module switches Triton to its interpreter (`TRITON_INTERPRET=1`), which runs
-every kernel on CPU tensors with NumPy: slow, but close enough to test every kernel on a laptop or in
-CI. One difference to know: the interpreter converts fp32 to bf16 by truncation, where a GPU rounds to
-nearest even, so bf16 results on a CPU can be 1 ulp off from the same kernel on a GPU (the tests'
-tolerance allows for it).
+Without a CUDA GPU, `use_interpreter_without_gpu()` switches Triton to its interpreter
+(`TRITON_INTERPRET=1`), which runs every kernel on CPU tensors with NumPy: slow, but close enough to test
+every kernel on a laptop or in CI. One difference to know: the interpreter converts fp32 to bf16 by
+truncation, where a GPU rounds to nearest even, so bf16 results on a CPU can be 1 ulp off from the same
+kernel on a GPU (the tests' tolerance allows for it).
 
-Any import order works. Triton reads the variable each time `@triton.jit` decorates a function, so
-the kernel files, which import this module before their own kernels are defined, always get
-interpreted kernels. Triton's own `@triton.jit` helpers (the combine functions behind `tl.sum`,
-`tl.max`, ...) are made when `triton` is first imported: by another library (transformers, peft) or
-the user before this module, they were made for the GPU, and a kernel in the interpreter that calls
-one would stop with "Cannot call @triton.jit'd outside of the scope of a kernel". Such a helper is
-then run the way the interpreter runs its own (`_interpret_early_helpers`).
+Importing this module changes nothing: the switch is a call, made by `playbook.startup.start()` (every
+script, and conftest.py for the tests) before any kernel file is imported. Triton reads the variable when
+`@triton.jit` decorates a function, so a kernel file imported before the switch holds kernels made for the
+GPU, and `check_device` refuses CPU tensors there with the fix. Triton's own `@triton.jit` helpers (the
+combine functions behind `tl.sum`, `tl.max`, ...) are made when `triton` is first imported: by another
+library (transformers, peft) or the user before the switch, they were made for the GPU, and a kernel in
+the interpreter that calls one would stop with "Cannot call @triton.jit'd outside of the scope of a
+kernel". Such a helper is then run the way the interpreter runs its own (`_interpret_early_helpers`).
 """
 
 import inspect
@@ -22,31 +23,67 @@ import sys
 
 import torch
 
-TRITON_IMPORTED_BEFORE = "triton" in sys.modules  # by another library or the user (module docstring)
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # a value already set (TRITON_INTERPRET=0) is kept
-
-import triton  # noqa: E402  (after the interpreter switch above)
+_TRUE = ("1", "true", "on", "yes", "y")  # what Triton reads as a true TRITON_INTERPRET
 
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter now: TRITON_INTERPRET, read as Triton reads it."""
-    knobs = getattr(triton, "knobs", None)  # Triton 3.4 and later
-    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)  # Triton 3.4 and later, once imported
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
 
 
-INTERPRET = interpreting()
+INTERPRET = interpreting()  # the kernels run in the interpreter; use_interpreter_without_gpu() sets it again
+START_UP_FIX = ("call playbook.startup.start() (or set TRITON_INTERPRET=1) before importing the kernel files, "
+                "to run them on the CPU in Triton's interpreter")
+
+
+def use_interpreter_without_gpu() -> bool:
+    """Without a CUDA GPU, switch Triton to its interpreter: TRITON_INTERPRET=1 (a value already set, such
+    as TRITON_INTERPRET=0, is kept), and the interpreter's fix-ups below. Call it before any kernel file is
+    imported (`playbook.startup.start()` does); a kernel file imported before is refused here with the fix.
+    Returns whether the kernels run in the interpreter; calling it again changes nothing."""
+    global INTERPRET
+
+    triton_imported_before = "triton" in sys.modules  # by another library or the user (module docstring)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton  # noqa: F401  (after the switch: Triton's own helpers are made for the interpreter)
+
+    INTERPRET = interpreting()
+    if INTERPRET:
+        if triton_imported_before:
+            _refuse_kernels_made_for_the_gpu()
+            _interpret_early_helpers()
+        _interpret_loaded_scalars_as_indices()
+    return INTERPRET
+
+
+def _refuse_kernels_made_for_the_gpu() -> None:
+    """A kernel file (`<name>_kernel`) imported before the switch holds kernels made for the GPU, which the
+    interpreter cannot launch: say which, and the fix."""
+    from triton.runtime.jit import JITFunction
+
+    early = sorted(name for name, module in list(sys.modules.items())
+                   if name.endswith("_kernel") and "." not in name
+                   and any(isinstance(v, JITFunction) for v in vars(module).values()))
+    if early:
+        raise RuntimeError(f"{', '.join(early)} imported before Triton's interpreter was switched on: its kernels "
+                           f"were made for the GPU, and this machine has none; {START_UP_FIX}")
 
 
 def _interpret_early_helpers() -> None:
     """Run a `@triton.jit` function made before the interpreter was switched on (Triton's helpers, when
     `triton` was imported first) as the interpreter runs a device function: `triton.jit` in interpreter
     mode would have made it an InterpretedFunction, whose call runs the Python body on the
-    interpreter's tensors. Outside the interpreter such a call raises, as before."""
+    interpreter's tensors. Outside the interpreter such a call raises, as before. Done once."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     gpu_call = JITFunction.__call__
+    if getattr(gpu_call, "interprets_early_helpers", False):
+        return
 
     def call(self, *args, **kwargs):
         if not interpreting():
@@ -56,18 +93,15 @@ def _interpret_early_helpers() -> None:
             interpreted = self.__dict__["_interpreted"] = InterpretedFunction(self.fn)
         return interpreted(*args, **kwargs)
 
+    call.interprets_early_helpers = True
     JITFunction.__call__ = call
-
-
-if INTERPRET and TRITON_IMPORTED_BEFORE:
-    _interpret_early_helpers()
 
 
 def _interpret_loaded_scalars_as_indices() -> None:
     """Triton 3.6's interpreter holds a scalar loaded from memory as a 1-element array, and its `__index__`
     (a loop bound such as `range(0, n // BLOCK)` in adamw_kernel.py) then fails under numpy 2 ("only
     0-dimensional arrays can be converted to Python scalars"); later releases squeeze the array first. Where
-    the interpreter patches tensors without that squeeze, add it after each patching."""
+    the interpreter patches tensors without that squeeze, add it after each patching (once)."""
     from triton.runtime import interpreter
 
     patch = getattr(interpreter, "_patch_lang_tensor", None)
@@ -79,10 +113,6 @@ def _interpret_loaded_scalars_as_indices() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET:
-    _interpret_loaded_scalars_as_indices()
 
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -114,8 +144,8 @@ def check_device(t: torch.Tensor, *others: torch.Tensor) -> None:
         return
     if t.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(
-            f"tensors are on {t.device}, but Triton compiles for the GPU here; move them to "
-            "CUDA, or set TRITON_INTERPRET=1 before importing triton to run on the CPU"
+            f"tensors are on {t.device}, but Triton compiles for the GPU here; move them to CUDA, or "
+            + START_UP_FIX
         )
 
 
@@ -133,7 +163,8 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of 2 >= n (1 for n <= 1), as triton.next_power_of_2."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def refuse_double_backward(op, kernel: str) -> None:

@@ -1,0 +1,174 @@
+"""Ctrl-C and SIGTERM in the scripts: one line and a shell's exit code, never a traceback.
+
+While a script starts (`exit_on_ctrl_c_while_starting`, set by `playbook.startup.start`), Ctrl-C ends the
+process at once with one line and exit code 130 (SIGTERM: 143); `run_main` then runs the script's main()
+with Ctrl-C as one line and exit code 130, SIGTERM (a scheduler's pre-emption) as one line and exit code
+143; the training loop defers a SIGTERM to the end of its step (`defer_sigterm`). Nothing here runs at
+import: a handler is set only when one of these functions is called.
+"""
+
+import os
+import sys
+
+
+# Ctrl-C while a script starts. Importing torch, transformers and the kernels takes seconds, and a
+# KeyboardInterrupt raised there surfaces wherever the import happens to be: as a traceback, or
+# wrapped by Python in another error (an exception raised in a class's __set_name__ becomes a
+# RuntimeError). Until the script's own handling takes over (`started()`), Ctrl-C prints one line
+# and ends the process at once with exit code 130: nothing has been run or written yet.
+
+
+def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
+    """From here until `started()`, Ctrl-C is one line ("interrupted (Ctrl-C) while starting: <what>")
+    and exit code 130; SIGTERM the same, "terminated (SIGTERM) ...", exit code 143. A signal that the
+    process inherited as ignored, or a handler of the caller's own, is left as it is."""
+    import signal
+
+    handler = _exit_at_once(what)
+    for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(signum) is not default:
+            continue
+        try:
+            signal.signal(signum, handler)
+        except ValueError:  # not the main thread: signal handlers can only be set there
+            pass
+
+
+def _exit_at_once(what: str):
+    """The handler while a process starts or imports: one line, then the process ends at once (no
+    exception to travel through an import in progress)."""
+    import signal
+
+    def handler(signum, _frame):
+        ctrl_c = signum == signal.SIGINT
+        sys.stderr.write(f"\n{'interrupted (Ctrl-C)' if ctrl_c else 'terminated (SIGTERM)'} while starting: {what}\n")
+        sys.stderr.flush()
+        os._exit(130 if ctrl_c else 143)  # no exception to travel through the import in progress
+
+    handler.while_starting = True  # what `started()` looks for
+    return handler
+
+
+class exit_on_ctrl_c_while_importing:
+    """`with exit_on_ctrl_c_while_importing(what): import torch`, in a script that is already running
+    (`run_main`): during the import, Ctrl-C and SIGTERM end the process at once, with the line of
+    `exit_on_ctrl_c_while_starting`. A KeyboardInterrupt raised inside an import can be caught by the
+    library being imported: torch's import sometimes swallows it and completes, and the script then goes
+    on as if no key had been pressed. Afterwards the handlers are the ones before (`started()`'s)."""
+
+    def __init__(self, what: str = "nothing was run"):
+        self.what, self.before = what, {}
+
+    def __enter__(self):
+        import signal
+
+        handler = _exit_at_once(self.what)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(signum)
+            if current in (signal.SIG_IGN, None):  # ignored (inherited), or set outside Python: left as it is
+                continue
+            try:
+                signal.signal(signum, handler)
+                self.before[signum] = current
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for signum, handler in self.before.items():
+            signal.signal(signum, handler)
+        self.before = {}
+        return False
+
+
+# Ctrl-C once the script runs. Python raises KeyboardInterrupt wherever the main thread is, and some
+# code on the way up turns it into another error: CPython's parser, which Triton's JIT and its CPU
+# interpreter call, reports an interrupt inside it as "SystemError: AST constructor recursion depth
+# mismatch". So the handler also remembers the key press, and a script that sees an error after it
+# (`interrupted()`) reports the Ctrl-C, not the error.
+_CTRL_C = {"pressed": False, "signal": "SIGINT"}
+
+
+def _on_ctrl_c(*_):
+    _CTRL_C["pressed"] = True
+    raise KeyboardInterrupt
+
+
+# SIGTERM is how a scheduler (Slurm, Kubernetes, a cloud's spot instance) stops a job, with SIGKILL after
+# a grace period. It is handled as Ctrl-C is (a KeyboardInterrupt, remembered for `interrupted()`), with
+# exit code 143 (128 + SIGTERM) and its own word; except while `defer_sigterm(True)` holds, when it is only
+# noted (`sigterm_pending()`): the training loop finishes the step in progress, saves a checkpoint there,
+# and stops, so that the pre-empted job resumes. A second SIGTERM does not wait.
+_SIGTERM = {"defer": False, "pending": False}
+
+
+def _on_sigterm(*_):
+    if _SIGTERM["defer"] and not _SIGTERM["pending"]:
+        _SIGTERM["pending"] = True
+        return
+    _CTRL_C["pressed"], _CTRL_C["signal"] = True, "SIGTERM"
+    raise KeyboardInterrupt
+
+
+def started() -> None:
+    """From here on Ctrl-C and SIGTERM raise KeyboardInterrupt (after `exit_on_ctrl_c_while_starting`,
+    instead of ending the process) and are remembered for `interrupted()`. A signal ignored, or a handler
+    of the caller's own, is left as it is."""
+    import signal
+
+    for signum, default, handler in ((signal.SIGINT, signal.default_int_handler, _on_ctrl_c),
+                                     (signal.SIGTERM, signal.SIG_DFL, _on_sigterm)):
+        current = signal.getsignal(signum)
+        if current is default or getattr(current, "while_starting", False):
+            try:
+                signal.signal(signum, handler)
+            except ValueError:  # not the main thread
+                pass
+
+
+def defer_sigterm(on: bool) -> None:
+    """While on, a first SIGTERM is noted, not raised: the code asks `sigterm_pending()` where it can
+    stop cleanly (the training loop: after each step). Turning it on clears an earlier note."""
+    _SIGTERM["defer"] = bool(on)
+    if on:
+        _SIGTERM["pending"] = False
+
+
+def sigterm_pending() -> bool:
+    """Whether a SIGTERM came while deferred (`defer_sigterm`) and waits to be acted on."""
+    return _SIGTERM["pending"]
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C (or SIGTERM) came since `started()` (whatever error it turned into on its way up)."""
+    return _CTRL_C["pressed"]
+
+
+def interrupted_exit(kept: str, signal_name: str | None = None) -> SystemExit:
+    """Print the one line of an interrupted run, "interrupted (Ctrl-C): <kept>" or "terminated (SIGTERM):
+    <kept>", and return the SystemExit to raise: exit code 130 or 143, as a shell reports either."""
+    name = signal_name or _CTRL_C["signal"]
+    line = "terminated (SIGTERM)" if name == "SIGTERM" else "interrupted (Ctrl-C)"
+    print(f"\n{line}: {kept}", file=sys.stderr, flush=True)
+    return SystemExit(143 if name == "SIGTERM" else 130)
+
+
+def is_ctrl_c(err: BaseException) -> bool:
+    """Whether `err`, caught by a script's outermost handler, is a Ctrl-C (or a SIGTERM): a
+    KeyboardInterrupt, or any error raised after the key press (`interrupted()`)."""
+    return isinstance(err, KeyboardInterrupt) or interrupted()
+
+
+def run_main(main, kept: str):
+    """Run a script's `main()` and return what it returns; Ctrl-C from here on ends it with one line,
+    "interrupted (Ctrl-C): <kept>" (say what was kept), and exit code 130; SIGTERM with "terminated
+    (SIGTERM): <kept>" and exit code 143."""
+    started()
+    try:
+        return main()
+    except (KeyboardInterrupt, Exception) as err:
+        if not is_ctrl_c(err):
+            raise  # an error of its own, not a Ctrl-C turned into one on its way up
+    raise interrupted_exit(kept) from None
