@@ -232,7 +232,6 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     log(f"--overwrite-output-dir: deleted {', '.join(p.name for p in others)} from {out} before training")
 
 
-
 def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, capturable: bool) -> int:
     """Load the --resume checkpoint into the model, the optimizer and the schedule, and its losses into
     `result`; returns the step it is at (the run goes on from the next). capturable: the optimizer is

@@ -112,6 +112,9 @@ def evaluate(model, batches) -> float | None:
     return float(loss_sum / max(n_sum, 1))
 
 
+# ------------------------------------------------------------------------------------------------
+# The run's data
+# ------------------------------------------------------------------------------------------------
 def causal_padding(cfg) -> bool:
     """Right-padded batches without their padding mask (playbook/data.py, `causal_padding`): the optimized
     scripts' default. The baseline passes Hugging Face the mask, as plain Hugging Face training does."""
@@ -177,31 +180,6 @@ def total_steps(cfg, data) -> int:
     return steps
 
 
-def weights_finite(model) -> bool:
-    """Whether every trainable parameter is finite (a sync point; all processes agree)."""
-    with torch.no_grad():
-        flags = [torch.isfinite(p.to_local() if type(p).__name__ == "DTensor" else p).all()
-                 for p in model.parameters() if p.requires_grad]
-        ok = torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)
-        if world()[1] > 1:
-            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-        return bool(ok)
-
-
-def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str:
-    """What stops a run whose loss is NaN or inf: the step, the likely causes, the last good checkpoint."""
-    if last_good is not None:
-        where = f"The last good checkpoint (finite weights): {last_good[1]} (step {last_good[0]})."
-    elif cfg.output_dir is None:
-        where = "No checkpoint was written (no --output-dir)."
-    else:
-        where = "No checkpoint with finite weights was written before it."
-    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: the learning rate (--lr {cfg.lr:g}: "
-            "try a lower one, a warm-up with --lr-warmup-steps, or --max-grad-norm 1.0); the data (an example of "
-            "this step with broken tokens or labels); or overflow in reduced precision (fp16 / bf16 / --fp8 "
-            f"activations out of range: compare with --kernels none, without --fp8). {where}")
-
-
 # ------------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------------
@@ -221,15 +199,11 @@ def train(cfg) -> dict:
 
 
 def _train(cfg, started: list | None = None) -> dict:
+    """train() less its answers to Ctrl-C and to memory running out: start_run, the steps, end_run."""
     run = start_run(cfg, started)
     cfg = run.cfg
-    runner = StepRunner(lambda mb, grad_norm=False, zero_grad=True: training_step(
-                            run.model, run.optimizer, mb, cfg.max_grad_norm, grad_norm=grad_norm, zero_grad=zero_grad),
-                        lambda: gradient_norm(run.model), run.optimizer, cfg.device, run.blocker, compiled=cfg.compile)
-    from tqdm import tqdm
-
-    bar = tqdm(range(run.start, run.steps), desc=cfg.script, unit="step", disable=not (is_main() and interactive()),
-               dynamic_ncols=True)
+    runner = step_runner(run)
+    bar = progress_bar(run)
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
     terminated = None  # the step after which a SIGTERM stopped the run
     playbook.defer_sigterm(True)  # a scheduler's SIGTERM: the step in progress ends, is saved, and the run stops
@@ -253,6 +227,26 @@ def _train(cfg, started: list | None = None) -> dict:
     if isinstance(ending, SystemExit):
         raise ending
     return ending
+
+
+def step_runner(run: Run) -> StepRunner:
+    """The run's StepRunner around training_step (looked up at each step, so that a test may replace it)."""
+    cfg = run.cfg
+
+    def step_fn(micro_batches, grad_norm=False, zero_grad=True):
+        return training_step(run.model, run.optimizer, micro_batches, cfg.max_grad_norm, grad_norm=grad_norm,
+                             zero_grad=zero_grad)
+
+    return StepRunner(step_fn, lambda: gradient_norm(run.model), run.optimizer, cfg.device, run.blocker,
+                      compiled=cfg.compile)
+
+
+def progress_bar(run: Run):
+    """The steps still to run, as a tqdm bar on an interactive terminal of the main process (else silent)."""
+    from tqdm import tqdm
+
+    return tqdm(range(run.start, run.steps), desc=run.cfg.script, unit="step",
+                disable=not (is_main() and interactive()), dynamic_ncols=True)
 
 
 @dataclass
@@ -421,12 +415,7 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
         result.step_times_s.append(dt)
         result.host_queue_s.append(queued)
         result.text_tokens.append(n_text)
-    eval_loss = None
-    if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == run.steps - 1:
-        with run.left.measure("eval"):
-            eval_loss = evaluate(run.model, run.data.eval_batches(cfg.device))
-        if eval_loss is not None:
-            result.eval_losses.append((step + 1, eval_loss))
+    eval_loss = eval_when_due(run, step + 1)
     mem = runner.peak_bytes() / 1e9 if cfg.on_gpu else None
     run.metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
                       grad_norm=float(norm) if norm is not None else None, tokens_per_s=n_text / dt,
@@ -445,6 +434,19 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
     if stop is None:
         runner.after(step, run.steps)
     return stop
+
+
+def eval_when_due(run: Run, done: int) -> float | None:
+    """The held-out loss after `done` steps, every --eval-every steps and after the last (kept in the result);
+    None when no eval is due or there is no held-out data."""
+    cfg = run.cfg
+    if not ((cfg.eval_every and done % cfg.eval_every == 0) or done == run.steps):
+        return None
+    with run.left.measure("eval"):
+        eval_loss = evaluate(run.model, run.data.eval_batches(cfg.device))
+    if eval_loss is not None:
+        run.result.eval_losses.append((done, eval_loss))
+    return eval_loss
 
 
 def save_when_due(run: Run, done: int) -> str | None:
@@ -536,3 +538,28 @@ def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None
     if path is not None:
         log(f"checkpoint: {path}")
     return path
+
+
+def weights_finite(model) -> bool:
+    """Whether every trainable parameter is finite (a sync point; all processes agree)."""
+    with torch.no_grad():
+        flags = [torch.isfinite(p.to_local() if type(p).__name__ == "DTensor" else p).all()
+                 for p in model.parameters() if p.requires_grad]
+        ok = torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)
+        if world()[1] > 1:
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        return bool(ok)
+
+
+def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str:
+    """What stops a run whose loss is NaN or inf: the step, the likely causes, the last good checkpoint."""
+    if last_good is not None:
+        where = f"The last good checkpoint (finite weights): {last_good[1]} (step {last_good[0]})."
+    elif cfg.output_dir is None:
+        where = "No checkpoint was written (no --output-dir)."
+    else:
+        where = "No checkpoint with finite weights was written before it."
+    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: the learning rate (--lr {cfg.lr:g}: "
+            "try a lower one, a warm-up with --lr-warmup-steps, or --max-grad-norm 1.0); the data (an example of "
+            "this step with broken tokens or labels); or overflow in reduced precision (fp16 / bf16 / --fp8 "
+            f"activations out of range: compare with --kernels none, without --fp8). {where}")
