@@ -1,10 +1,11 @@
 """The whole training step as one CUDA graph: the host queues a step in about a millisecond, not hundreds.
 
 Why: an eager step of the 8B model launches a few thousand kernels, and for each one Python walks the
-module, the autograd engine and the launcher. On an H200 the host needs ~60% of the step's GPU time
-just to queue it (the "host queue" figure of every run's summary); a GPU 2.5x faster (GB300-class)
-would then wait for its host. A CUDA graph records the step's kernels once and replays them with one
-launch: forward, backward, gradient clipping and the optimizer, for every micro-batch of the step.
+module, the autograd engine and the launcher. A step takes at least the time its host needs to queue it
+(the "host queue" figure of every run's summary), whatever the GPU: the larger that share of the step, the
+less a faster GPU helps (docs/troubleshooting.md, "Is the step host-bound?", has the H200's figures). A CUDA
+graph records the step's kernels once and replays them with one launch: forward, backward, gradient
+clipping and the optimizer, for every micro-batch of the step.
 
 What a graph needs, and what this module checks before it captures (`graph_blocker`):
   - fixed shapes and addresses: the batches are copied into static input tensors before each replay;
@@ -91,12 +92,10 @@ def install_causal_skip():
     transformers counts a CUDA stream capture as tracing (masking_utils.is_tracing in 5.x), and its
     SDPA mask function then builds a full [B, 1, T, T] causal mask instead of answering None (SDPA's
     is_causal=True), which also turns off SDPA's own grouped-query path (k and v are repeated to every
-    head): on an H200 at 4 x 2048 tokens, attention forward and backward ran about 3x slower. Dynamo's
-    tracing counts as tracing too (transformers 5.17): a torch.compile'd 8B step spent 122.2 ms in attention
-    against 44.4 without torch.compile (profile_baseline.py on an H200: in results/runs/,
-    profile_H200_graph_compile_masked.log and profile_H200_graph_default_pair.log); `models.apply_compile`
-    installs it. The check exists because a padding mask would have to be read on the host, which a capture
-    or a trace cannot do.
+    head): attention forward and backward then run SDPA's slower masked path. Dynamo's tracing counts as
+    tracing too (transformers 5.17), so `models.apply_compile` installs it as well (results/README.md lists
+    the profile of a torch.compile'd step without it, against the step without torch.compile). The check
+    exists because a padding mask would have to be read on the host, which a capture or a trace cannot do.
     `graph_blocker` keeps padded rows eager, so under our capture a causal mask without a padding mask
     is the only case answered here, and it is answered as an eager step would be: None. Every other
     call (a padding mask, sliding windows, packed sequences, custom mask functions) goes to transformers."""
