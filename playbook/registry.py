@@ -112,10 +112,16 @@ class Optimization:
     test: str  # ... and its test file
     benchmarks: tuple  # benchmark_kernels.py entries that time it; () if the training step is its benchmark
     load: Callable = field(repr=False, compare=False, default=None)  # imports the kernel file
+    more: tuple = ()  # further lessons of the entry, (kernel file, test file) each, built on the first
 
     @property
     def module(self):
         return self.load()
+
+    @property
+    def lessons(self) -> tuple:
+        """Every (kernel file, test file) pair of the entry: its own, then `more`."""
+        return ((self.kernel, self.test), *self.more)
 
 
 OPTIMIZATIONS = (
@@ -140,7 +146,9 @@ OPTIMIZATIONS = (
                  "projections_kernel.py", "projections_test.py", ("projections",), _projections),
     Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls as --fp8-recipe says (also --fp8)",
                  "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
-                 "fp8_linear_kernel.py", "fp8_linear_test.py", (), _fp8),
+                 "fp8_linear_kernel.py", "fp8_linear_test.py", (), _fp8,
+                 more=(("fp8_recipes_kernel.py", "fp8_recipes_test.py"),
+                       ("fp8_producers_kernel.py", "fp8_producers_test.py"), ("fp8_lora_kernel.py", "fp8_lora_test.py"))),
     Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group (also --optimizer adamw-triton)",
                  "a GPU, the scripts' own loop, one process or FSDP2 (elsewhere, in the default set, PyTorch's AdamW)",
                  "1 optimizer",
