@@ -61,8 +61,9 @@ forward, of dy in backward), so a layer never reads a tensor more than twice, an
 and x only once each. `ideal_bytes(n_rows, n_cols, dtype, layouts)` is that count (plus the fp32
 scales, without the partial column maxima, an implementation detail).
 
-docs/fp8.md ("The bytes of the quantizations") sets these counts against the matmul time they save
-at 8192 tokens of LLaMA 3.1 8B.
+At 8192 tokens of LLaMA 3.1 8B (hidden 4096) that is 100,696,064 B per row (`ideal_bytes(8192, 4096,
+bf16, "rows")`) and 201,375,744 B for both layouts ("both"); docs/fp8.md ("The bytes of the
+quantizations") sets them against the matmul time they save.
 
 What backward keeps, per token and decoder layer (LLaMA 3.1 8B: H = 4096, I = 14336)
 --------------------------------------------------------------------------------------
@@ -434,10 +435,9 @@ def scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum: bool) -> torch.Tensor
 # ------------------------------------------------------------------------------------------------
 # Custom ops: what torch.compile and opcheck see
 # ------------------------------------------------------------------------------------------------
-# Each launcher is one opaque node for torch.compile (Dynamo never traces the Triton launch code);
-# `register_fake` gives its outputs' shapes and dtypes. Quantization has no gradient: the
-# autograd.Functions below call these ops only inside their forward and backward, where autograd is
-# off, and only while torch.compile traces (eager mode calls the launchers: see the Functions).
+# Each launcher is one opaque node for torch.compile (Dynamo never traces the Triton launch code); `register_fake`
+# gives its outputs' shapes and dtypes. Quantization has no gradient: the autograd.Functions call these ops only
+# inside their forward and backward, where autograd is off, and only while torch.compile traces.
 @torch.library.custom_op("playbook::fp8_quantize_rows", mutates_args=())
 def fp8_rows_op(x: torch.Tensor, write_rows: bool, col_max: bool,
                 col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -623,9 +623,8 @@ class Float8LinearFunction(torch.autograd.Function):
 # Checks, and the functional API
 # ------------------------------------------------------------------------------------------------
 def check_fp8_device(device: torch.device, recipe: str = DEFAULT_RECIPE) -> None:
-    """Refuse, in one line, a device that cannot run this row-wise recipe: the per-GPU gates of
-    `playbook.core.fp8_support.check_device`, and once per GPU `probe_scaled_mm`. ValueError for a recipe
-    of other scales (fp8_recipes_kernel.check_fp8_device checks every recipe)."""
+    """Refuse, in one line, a device that cannot run this row-wise recipe (fp8_support.check_device, with
+    `probe_scaled_mm`); ValueError for another scaling (fp8_recipes_kernel.check_fp8_device takes all)."""
     if get_recipe(recipe).scaling != "row":
         raise ValueError(f"recipe {recipe} is not row-wise: fp8_recipes_kernel.check_fp8_device checks it")
     fp8_support.check_device(device, recipe, probe_scaled_mm)
@@ -640,9 +639,8 @@ def probe_scaled_mm(device: torch.device, scaling: str = "row") -> None:
         scaled_mm_launch(a, torch.ones(ALIGN, device=device), a, torch.ones(ALIGN, device=device), flag)
 
 
-# The quantizers that store a tensor transposed, as (what, function of x, its plain-PyTorch reference),
-# checked once per GPU at set-up (fp8_support.check_copies says why): the column kernel alone and with the
-# row copy (`quantize_both`). fp8_recipes_kernel.py checks its tile kernel.
+# The quantizers that store a tensor transposed, as (what, function of x, its plain-PyTorch reference), checked
+# once per GPU at set-up (fp8_support.check_copies says why); fp8_recipes_kernel.py checks its tile kernel.
 TRANSPOSING = (
     ("quantize_cols", lambda x: (None, None) + quantize_cols(x, abs_max(x.float(), 0)),
      lambda x: (*quantize_rows_ref(x), *quantize_cols_ref(x))),
@@ -733,7 +731,6 @@ class Float8Linear(nn.Linear):
     fp8_handoff = None
     recipe: str = DEFAULT_RECIPE
     scalings = ("row",)
-    linear = staticmethod(fp8_linear)
     check_device = staticmethod(check_fp8_device)
 
     @classmethod
@@ -757,7 +754,11 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.weight, self.bias, self.keep_fp8_input, self.fp8_handoff, self.recipe)
+        return self.linear(x, self.weight, self.bias, self.keep_fp8_input, self.fp8_handoff)
+
+    def linear(self, x, weight, bias, keep_fp8_input: bool, handoff) -> torch.Tensor:
+        """The layer's recipe on these operands (`fp8_linear`); a joined group passes its joined weight."""
+        return fp8_linear(x, weight, bias, keep_fp8_input, handoff, self.recipe)
 
     def stores_fp8(self) -> bool:
         """Whether the weight is kept in FP8 (fp8_lora_kernel.store_fp8_weight: LoRA's frozen base)."""
@@ -768,7 +769,7 @@ class Float8Linear(nn.Linear):
         """A group of FP8 layers joined by projections_kernel.py (q/k/v, gate/up) as one FP8 layer that
         keeps only the FP8 copy of x for backward (the group is x's one consumer), sharing the layers'
         hand-off."""
-        return members[0].linear(x, weight, bias, True, members[0].fp8_handoff, members[0].recipe)
+        return members[0].linear(x, weight, bias, True, members[0].fp8_handoff)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8 {self.recipe}, keep_fp8_input={self.keep_fp8_input}"

@@ -480,8 +480,10 @@ class Float8ScaledLinear(Float8Linear):
     """Float8Linear for the tensor-wise, block-wise and MX recipes (`fp8_linear` above)."""
 
     scalings = ("tensor", "block", "mx")
-    linear = staticmethod(fp8_linear)
     check_device = staticmethod(check_fp8_device)
+
+    def linear(self, x, weight, bias, keep_fp8_input: bool, handoff) -> torch.Tensor:
+        return fp8_linear(x, weight, bias, keep_fp8_input, handoff, self.recipe)
 
 
 def layer_class(recipe: str) -> type:
