@@ -117,6 +117,7 @@ from playbook.core.fp8_support import (ALIGN, DEFAULT_RECIPE, FP8_MIN_WIDTH, MAX
                                        unsupported_reason)
 from playbook.core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
 from playbook.core.model_families import family_classes, model_type
+from playbook.core.process import log
 
 import triton
 import triton.language as tl
@@ -731,15 +732,17 @@ class Float8Linear(nn.Linear):
     fp8_handoff = None
     recipe: str = DEFAULT_RECIPE
     scalings = ("row",)
-    check_device = staticmethod(check_fp8_device)
+
+    @staticmethod
+    def check_device(device: torch.device, recipe: str) -> None:  # (a lookup at call time, so tests can patch it)
+        check_fp8_device(device, recipe)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, keep_fp8_input: bool = True, handoff=None,
                     recipe: str = DEFAULT_RECIPE) -> "Float8Linear":
         """Wrap an existing nn.Linear, *sharing* its weight and bias Parameters (no copy)."""
         if get_recipe(recipe).scaling not in cls.scalings:
-            raise ValueError(f"{cls.__name__} runs {', '.join(cls.scalings)} scales, not recipe {recipe} "
-                             "(fp8_recipes_kernel.layer_class(recipe) names the layer that runs it)")
+            raise ValueError(f"{cls.__name__} runs {', '.join(cls.scalings)} scales, not recipe {recipe}")
         reason = unsupported_reason(linear.in_features, linear.out_features, recipe)
         if reason:
             raise ValueError(f"cannot run this layer in FP8: {reason}")
@@ -805,15 +808,12 @@ def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE, sizes: str = "al
     as it is and is named in one log line. Refuses (RuntimeError) a GPU without FP8 matmuls. Returns
     how many projections now run in FP8; patching twice changes nothing.
 
-    `handoff`: an `Fp8Handoff` (fp8_producers_kernel.py) every layer converted here shares, so that q/k/v
-    and gate/up quantize their common input once, or None. `recipe`: a name of `RECIPES` whose scaling
-    `layer` runs (ValueError otherwise). `keep`: ids of the attention and MLP blocks whose projections stay
-    nn.Linear, not counted (fp8_recipes_kernel.bf16_layers: the recipe rowwise-bf16-ends).
+    `handoff`: an `Fp8Handoff` (fp8_producers_kernel.py) every converted layer shares (q/k/v and gate/up then
+    quantize their common input once), or None. `recipe`: a name of `RECIPES` whose scaling `layer` runs.
+    `keep`: ids of the blocks whose projections stay nn.Linear (fp8_recipes_kernel.bf16_layers).
     `sizes`: "all" converts every projection the recipe takes; "auto" keeps in bf16 those too small for
     FP8 to gain (`size_reason`, the measured crossover), named in one log line.
     """
-    from playbook.core.process import log
-
     r = get_recipe(recipe)
     if r.scaling not in layer.scalings:
         raise ValueError(f"{layer.__name__} runs {', '.join(layer.scalings)} scales, not recipe {recipe}: "

@@ -480,7 +480,10 @@ class Float8ScaledLinear(Float8Linear):
     """Float8Linear for the tensor-wise, block-wise and MX recipes (`fp8_linear` above)."""
 
     scalings = ("tensor", "block", "mx")
-    check_device = staticmethod(check_fp8_device)
+
+    @staticmethod
+    def check_device(device: torch.device, recipe: str) -> None:
+        check_fp8_device(device, recipe)
 
     def linear(self, x, weight, bias, keep_fp8_input: bool, handoff) -> torch.Tensor:
         return fp8_linear(x, weight, bias, keep_fp8_input, handoff, self.recipe)
