@@ -81,7 +81,7 @@ better for the input depends on who else holds it, so `patch_model` chooses per 
     down (h)             nothing                        2I = 28,672 B     FP8 kept: I = 14,336 B
 
 With stock nn.Linear layers that is 45,056 B per token and layer (plus o's shared input), 30,720 B
-with FP8; docs/fp8.md ("Memory") sets this against the fused SwiGLU, which keeps no h for a bf16 down_proj.
+with FP8; docs/fp8.md ("The bytes of the quantizations") sets it against the fused SwiGLU's bf16 MLP.
 
 q, k and v read one tensor, and so do gate and up: the layers that keep their bf16 input quantize it
 once for all of them, per row in the forward and per column in backward (through the model's
