@@ -61,8 +61,8 @@ import triton
 import triton.language as tl
 
 
-# A frozen weight kept in FP8 is multiplied column-major in backward (dx = dy W: the section "A frozen
-# weight kept in FP8" below): its bytes, transposed. One [BLOCK_N, BLOCK_K] tile per program, read with
+# A frozen weight kept in FP8 is multiplied column-major in backward (dx = dy W: the module
+# docstring): its bytes, transposed. One [BLOCK_N, BLOCK_K] tile per program, read with
 # the input's rows contiguous and written with the output's rows contiguous: 1 byte read and 1 written
 # per element. (PyTorch's general strided copy, `q.t().contiguous()`, walks one side a column at a
 # time, one byte per 32-byte memory sector unless the cache keeps the rest; the two are not compared on
@@ -81,15 +81,6 @@ def _transpose_bytes(
     tile = tl.load(Q + rows[:, None] * K + cols[None, :], mask=(rows < N)[:, None] & (cols < K)[None, :])
     # Triton moves the tile through shared memory, so that both the loads and the stores stay coalesced
     tl.store(QT + cols[:, None] * N + rows[None, :], tl.trans(tile), mask=(cols < K)[:, None] & (rows < N)[None, :])
-
-
-# The SwiGLU backward of a joined gate/up projection (`swiglu_kernel._swiglu_bwd`, packed), which also
-# takes both maxima of the gradient it writes, d gate_up [N, 2I], for that projection's FP8 backward.
-# A scale is the largest |value| of its row or column, so quantizing a tensor someone else wrote takes
-# two reads (maxima and rows, then columns); with the maxima from the kernel that wrote it, one read
-# makes both copies (`quantize_both`). The maxima are those of the values after rounding to bf16, so
-# they are exactly the written tensor's. Each program covers a stripe of STRIPE_ROWS rows x BLOCK
-# columns, in blocks of SUB_ROWS rows, and writes its partial maxima (per row of its columns; per
 
 
 TRANSPOSE_BLOCK, TRANSPOSE_WARPS = 128, 4  # the transposing quantizer's tile and warps; not swept on its own
@@ -116,7 +107,7 @@ def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
 
 def frozen_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A frozen weight W [N, K] as it is stored: (q [N, K] float8_e4m3fn, scale [N] fp32) with
-    W ~= q * scale[:, None], the row quantization (`quantize_rows`) every forward above makes of W."""
+    W ~= q * scale[:, None], the row quantization (`quantize_rows`) every forward of fp8_linear_kernel.py makes of W."""
     with torch.no_grad():
         q, scale, _ = quantize_rows(as_rows(weight.detach()))
     return q, scale
@@ -139,7 +130,7 @@ def frozen_forward(x2: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, handoff
 
 def frozen_input_grad(dy2: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bf16_dgrad: bool = False,
                       ops: bool = False) -> torch.Tensor:
-    """dx = dy W, bf16 [M, K], from dy [M, N] and a stored FP8 weight (section comment above): dy times
+    """dx = dy W, bf16 [M, K], from dy [M, N] and a stored FP8 weight (module docstring): dy times
     the weight's row scales, quantized per row, times q, transposed for the matmul (a copy freed after
     it; unit scales along K). `bf16_dgrad` (the recipe rowwise-bf16-dgrad): a bf16 matmul with the
     weight dequantized instead, one weight's bf16 copy at a time."""

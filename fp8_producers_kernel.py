@@ -40,7 +40,7 @@ never reads y back. Bytes per element at LLaMA 3.1 8B's hidden size, bf16:
 `link_norms` gives each decoder layer's norms the model's hand-off, and the FP8 layer that reads that
 very output takes the copy (`Fp8Handoff.input_rows`). The copy is bit for bit the row pass's of the
 same y; y itself may differ from `rmsnorm_forward`'s in the last bit on a GPU (the row's squares are
-added in another order: see fp8_linear_test.py). Measured on an H100 (`benchmark_kernels.py
+added in another order: see fp8_producers_test.py). Measured on an H100 (`benchmark_kernels.py
 --fp8-producers`, CUDA graph replays): 82.3 us against 97.5 us for the pair at 8192 tokens, 143.6
 against 176.3 at 16384. In the 8B step that is 56 norms x 15 us, about 0.8 ms of a ~508 ms FP8 step:
 below what two runs of 12 steps can tell apart (results/runs/fp8_producers_H100/).
@@ -48,6 +48,8 @@ below what two runs of 12 steps can tell apart (results/runs/fp8_producers_H100/
 The SwiGLU forward, which writes down_proj's input h [tokens, 14336], is the other candidate
 (`_swiglu_quantize_rows`, 2 bytes per element of the MLP width fewer). It must hold whole rows of
 14,336 to know their maxima, where swiglu_kernel.py streams 2,048-column tiles, and at 1 to 4 programs
+per SM it measured 400-431 us against 377 us for the pair (H100, 8192 tokens): fewer loads in flight
+cost more than the bytes saved, so it is off (`SWIGLU_WRITES_ROWS`), and its tests keep it correct.
 
 Layout of this file: kernels -> launchers -> custom op -> the hand-off -> the autograd.Functions ->
 the producer modules -> linking them, and `apply`.
@@ -97,7 +99,7 @@ def _rmsnorm_quantize_rows(
     OFFSET: tl.constexpr,  # the norm's weight offset (rmsnorm_kernel.py)
     CASTING: tl.constexpr,  # the norm's casting mode (rmsnorm_kernel.py)
     COL_MAX: tl.constexpr,  # also write the column maxima (the consumer's weight needs a gradient)
-    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+    ROUND_IN_SOFTWARE: tl.constexpr,  # fp8_linear_kernel.ROUND_IN_SOFTWARE
 ):
     """RMSNorm's forward that also writes its output's FP8 row copy: `_rmsnorm_fwd` and `_quantize_rows`
     in one kernel. The norm holds whole rows in registers to find their RMS, which is all the row
@@ -138,7 +140,7 @@ def _swiglu_quantize_rows(
     BLOCK_I: tl.constexpr,  # power of two >= I: a program holds whole rows
     ACT: tl.constexpr,  # "silu" or "gelu_tanh" (swiglu_kernel.py)
     COL_MAX: tl.constexpr,  # also write the column maxima (the consumer's weight needs a gradient)
-    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+    ROUND_IN_SOFTWARE: tl.constexpr,  # fp8_linear_kernel.ROUND_IN_SOFTWARE
 ):
     """The SwiGLU forward that also writes its output's FP8 row copy: swiglu_kernel's `_swiglu_fwd`
     (which tiles a row in blocks of 2048) with whole rows per program, so that a row's maximum is known
@@ -162,7 +164,7 @@ def _swiglu_quantize_rows(
 
 
 
-# The SwiGLU backward of a joined gate/up projection (`swiglu_kernel._swiglu_bwd`, packed), which also
+# The SwiGLU backward of a joined gate/up projection (swiglu_kernel.py's backward kernel, packed), which also
 # takes both maxima of the gradient it writes, d gate_up [N, 2I], for that projection's FP8 backward.
 # A scale is the largest |value| of its row or column, so quantizing a tensor someone else wrote takes
 # two reads (maxima and rows, then columns); with the maxima from the kernel that wrote it, one read

@@ -6,7 +6,8 @@ them (`Float8ScaledLinear`), and MXFP8's reference quantizer; on top of fp8_line
 layer. What you learn: how the place of a scale (per tensor, per block, per row) trades precision for
 passes over memory, and which GPU runs which scaled matmul.
 
-fp8_linear_kernel.py is the default recipe, `rowwise`. `RECIPES` names the others (`--fp8-recipe`;
+fp8_linear_kernel.py is the default recipe, `rowwise`, and its two row-wise variants. `RECIPES`
+(playbook/core/fp8_support.py) names them all (`--fp8-recipe`;
 docs/fp8.md compares them): `rowwise-bf16-dgrad` (dx = dy W as a bf16 matmul), `rowwise-bf16-ends`
 (the first and last 2 decoder layers left as nn.Linear), `tensorwise` (one scale per tensor),
 `blockwise` (DeepSeek-V3's 1x128 blocks of activations and gradients, 128x128 tiles of weights) and
@@ -18,7 +19,6 @@ once, finds its maxima per row, per column or over the tile, and writes both FP8
 scales: a block-scaled tensor costs one read where a row-and-column-scaled one costs two. One scale
 per tensor needs the tensor's maximum first (the row kernel's column maxima: one read), then the same
 tile kernel.
-
 
 `fp8_linear`, `check_fp8_device` and `patch_model` below take every recipe: the row-wise ones go to
 fp8_linear_kernel.py, the others run here.
