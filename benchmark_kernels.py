@@ -249,6 +249,7 @@ def fp8_crossover(recipes=("rowwise", "tensorwise")) -> int:
     import json
 
     import fp8_linear_kernel as f8
+    import fp8_recipes_kernel
 
     gpu = torch.cuda.get_device_name()
     rows = []
@@ -264,7 +265,7 @@ def fp8_crossover(recipes=("rowwise", "tensorwise")) -> int:
         row = dict(tokens=m, in_features=k, out_features=n, width=f8.harmonic_width(k, n))
         (row["bf16_us"], _, _), _ = timed_graph(lambda: base(x).backward(dy), grads=(x, base.weight))
         for r in recipes:
-            layer = f8.Float8Linear.from_linear(base, recipe=r)
+            layer = fp8_recipes_kernel.layer_class(r).from_linear(base, recipe=r)
             (us, _, _), _ = timed_graph(lambda: layer(x).backward(dy), grads=(x, base.weight))
             row[f"{r}_us"] = us
         rows.append(row)
@@ -279,7 +280,7 @@ def fp8_crossover(recipes=("rowwise", "tensorwise")) -> int:
 
 # ---- FP8 producers: a kernel that writes a tensor also writes its FP8 row copy ---------------------
 PRODUCER_TOKENS = (8192, 16384)  # LLaMA 3.1 8B's 4 x 2048 and 8 x 2048 tokens
-PRODUCER_PROGRAMS_PER_SM = (4, 2, 8, 16)  # the RMSNorm producer's persistent grid (fp8_linear_kernel's default first)
+PRODUCER_PROGRAMS_PER_SM = (4, 2, 8, 16)  # the RMSNorm producer's persistent grid (fp8_producers_kernel's default first)
 SWIGLU_PROGRAMS_PER_SM = (2, 1, 3, 4)  # the SwiGLU producer's (likewise)
 
 
@@ -291,6 +292,7 @@ def fp8_producers() -> int:
     import json
 
     import fp8_linear_kernel as f8
+    import fp8_producers_kernel as f8p
     import rmsnorm_kernel
 
     gpu = torch.cuda.get_device_name()
@@ -310,10 +312,10 @@ def fp8_producers() -> int:
             f8.quantize_rows(y, True, True)
 
         pair_b = rmsnorm_kernel.ideal_bytes(m, h, torch.bfloat16) + f8.ideal_bytes(m, h, torch.bfloat16, "rows")
-        fused_b = f8.rmsnorm_rows_ideal_bytes(m, h, torch.bfloat16)
+        fused_b = f8p.rmsnorm_rows_ideal_bytes(m, h, torch.bfloat16)
         (pair_us, _, _), _ = timed_graph(pair)
         for per_sm in PRODUCER_PROGRAMS_PER_SM:  # the persistent grid's size: the default, then the others
-            (fused_us, _, _), _ = timed_graph(lambda: f8.rmsnorm_quantize_rows(x, w, 1e-5, programs_per_sm=per_sm))
+            (fused_us, _, _), _ = timed_graph(lambda: f8p.rmsnorm_quantize_rows(x, w, 1e-5, programs_per_sm=per_sm))
             row = dict(producer=f"rmsnorm -> fp8 rows, {per_sm}/SM", tokens=m, width=h, pair_us=pair_us,
                        fused_us=fused_us, pair_bytes=pair_b, fused_bytes=fused_b, programs_per_sm=per_sm)
             rows.append(row)
@@ -332,10 +334,10 @@ def fp8_producers() -> int:
             f8.quantize_rows(h, True, True)
 
         pair_b = 3 * m * width * 2 + f8.ideal_bytes(m, width, torch.bfloat16, "rows")
-        fused_b = f8.swiglu_rows_ideal_bytes(m, width, torch.bfloat16)
+        fused_b = f8p.swiglu_rows_ideal_bytes(m, width, torch.bfloat16)
         (pair_us, _, _), _ = timed_graph(pair)
         for per_sm in SWIGLU_PROGRAMS_PER_SM:
-            (fused_us, _, _), _ = timed_graph(lambda: f8.swiglu_quantize_rows(gate, up, programs_per_sm=per_sm))
+            (fused_us, _, _), _ = timed_graph(lambda: f8p.swiglu_quantize_rows(gate, up, programs_per_sm=per_sm))
             row = dict(producer=f"swiglu -> fp8 rows, {per_sm}/SM", tokens=m, width=width, pair_us=pair_us,
                        fused_us=fused_us, pair_bytes=pair_b, fused_bytes=fused_b, programs_per_sm=per_sm)
             rows.append(row)

@@ -16,8 +16,8 @@ saved for backward per token, per layer of LLaMA 3.1 8B (hidden 4096, intermedia
     fused:  x in bf16 (the tensor the previous op produced, not a copy) and r values of x A^T; the
             MLP keeps gate and up (saved anyway by SwiGLU) and rebuilds h in backward
 
-A base layer whose frozen weight is kept in FP8 (`--lora-r --fp8`: fp8_linear_kernel.py's
-`Float8Linear.store_fp8_weight`) takes the same path: its x W^T and dy W run as that layer's FP8
+A base layer whose frozen weight is kept in FP8 (`--lora-r --fp8`: fp8_lora_kernel.py's
+`Float8FrozenLinear`) takes the same path: its x W^T and dy W run as that layer's FP8
 matmuls (`frozen_forward`, `frozen_input_grad`) inside these functions, as a 4-bit base is
 dequantized inside them.
 
@@ -144,7 +144,7 @@ def _fusable(layer, x, args, kwargs) -> str | None:
 
 
 def _is_fp8_base(module) -> bool:
-    """A layer whose frozen weight is kept in FP8 (fp8_linear_kernel.Float8Linear.store_fp8_weight)."""
+    """A layer whose frozen weight is kept in FP8 (fp8_lora_kernel.Float8FrozenLinear)."""
     stores = getattr(module, "stores_fp8", None)
     return callable(stores) and stores()
 

@@ -100,10 +100,10 @@ MAX_HIDDEN = 65536  # one row must fit in one program's registers (64 fp32 value
 # like `tl.arange(0, BLOCK_H)` are whole blocks of numbers that Triton spreads over the threads
 # of the program; every arithmetic line below works on a block at once.
 @triton.jit
-def _normalize_rows(x, W, cols, col_ok, H, eps, OFFSET: tl.constexpr, CASTING: tl.constexpr):
+def normalize_rows(x, W, cols, col_ok, H, eps, OFFSET: tl.constexpr, CASTING: tl.constexpr):
     """(y, rstd) of a loaded block of whole rows x [BLOCK_M, BLOCK_H]: y in fp32, to be stored in the
     output dtype, and the fp32 inverse RMS per row. One function for the forward kernel below and for
-    fp8_linear_kernel.py's RMSNorm that also writes its output's FP8 copy, so both compute the same bits."""
+    fp8_producers_kernel.py's RMSNorm that also writes its output's FP8 copy, so both compute the same bits."""
     xf = x.to(tl.float32)  # accumulate in fp32 whatever the input dtype
     mean_sq = tl.sum(xf * xf, axis=1) / H  # [BLOCK_M]: a reduction along the row
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
@@ -161,7 +161,7 @@ def _rmsnorm_fwd(
     mask = row_ok[:, None] & col_ok[None, :]
 
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    y, rstd = _normalize_rows(x, W, cols, col_ok, H, eps, OFFSET, CASTING)
+    y, rstd = normalize_rows(x, W, cols, col_ok, H, eps, OFFSET, CASTING)
     tl.store(Rstd + rows, rstd, mask=row_ok)  # 4 bytes per row, kept for the backward pass
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -269,7 +269,7 @@ def _num_warps(elements: int, values_per_thread: int = 16) -> int:
     return max(1, min(32, elements // (32 * values_per_thread)))
 
 
-def _output_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting_mode: str) -> torch.dtype:
+def output_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting_mode: str) -> torch.dtype:
     """"llama": the dtype `weight * x` would give; "gemma" and "none": the input's."""
     return torch.promote_types(x_dtype, w_dtype) if casting_mode == "llama" else x_dtype
 
@@ -277,7 +277,7 @@ def _output_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, casting_mode: str)
 # The launch decisions depend only on the hidden size (and the device, for the persistent grid), so
 # they are made once per size and remembered: a training step calls the norm 65 times with one H.
 @functools.lru_cache(maxsize=None)
-def _fwd_settings(H: int) -> tuple[int, int, int]:
+def fwd_settings(H: int) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_M, num_warps) of the forward kernel for rows of H values."""
     block_h = next_power_of_2(H)
     block_m = _block_rows(block_h, FWD_TARGET_ELEMENTS)
@@ -305,13 +305,13 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
     the caller can return y itself rather than a view of it."""
     n_rows, H = x2.shape
     y = torch.empty(out_shape if out_shape is not None else (n_rows, H),
-                    dtype=_output_dtype(x2.dtype, weight.dtype, casting_mode), device=x2.device)
+                    dtype=output_dtype(x2.dtype, weight.dtype, casting_mode), device=x2.device)
     y2 = y.view(n_rows, H) if out_shape is not None else y
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     if n_rows == 0:
         return y, rstd
     if block_m is None and num_warps is None:
-        block_h, block_m, num_warps = _fwd_settings(H)
+        block_h, block_m, num_warps = fwd_settings(H)
     else:  # settings chosen by the caller (benchmark_kernels.py --tune)
         block_h = next_power_of_2(H)
         block_m = block_m or _block_rows(block_h, FWD_TARGET_ELEMENTS)
@@ -364,7 +364,7 @@ def rmsnorm_backward(dy2, x2, weight, rstd, need_dw: bool, offset: float = 0.0, 
 CASTING_MODES = ("llama", "gemma", "none")
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, offset: float = 0.0, casting_mode: str = "llama") -> None:
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, offset: float = 0.0, casting_mode: str = "llama") -> None:
     check_float("x", x)
     check_float("weight", weight)
     check_device(x, weight)
@@ -401,7 +401,7 @@ def rmsnorm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
 
 @rmsnorm_fwd_op.register_fake
 def _(x, weight, eps, offset=0.0, casting_mode="llama", in_place=False):
-    y = x.new_empty(x.shape, dtype=_output_dtype(x.dtype, weight.dtype, casting_mode))
+    y = x.new_empty(x.shape, dtype=output_dtype(x.dtype, weight.dtype, casting_mode))
     return y, x.new_empty(x.shape[0], dtype=torch.float32)
 
 
@@ -476,7 +476,7 @@ refuse_double_backward(rmsnorm_bwd_op, "rmsnorm")  # (the in-place one only runs
 # which calls the launchers directly, and only a traced call (torch.compile, opcheck, a fake or
 # functional tensor, any dispatch mode) uses the operators, which tracing needs. Both run the same
 # kernels with the same launch settings, so their results are bitwise equal (rmsnorm_test.py).
-class _RMSNormFunction(torch.autograd.Function):
+class RMSNormFunction(torch.autograd.Function):
     # It takes x in its own shape and flattens it inside: a view taken outside (x.reshape(-1, H),
     # y.view(x.shape)) would add an autograd node on each side, which the backward pass then has to
     # run, two more steps of host work per call for nothing.
@@ -486,12 +486,12 @@ class _RMSNormFunction(torch.autograd.Function):
         # y is allocated in x's shape, not viewed into it: a view returned by a custom Function may
         # not be modified in place afterwards (autograd refuses), and a caller may well do that
         y, rstd = rmsnorm_forward(x2, weight, eps, offset, casting_mode, out_shape=x.shape)
-        _RMSNormFunction.keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x.shape)
+        RMSNormFunction.keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x.shape)
         return y
 
     @staticmethod
     def keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x_shape):
-        """What backward needs (also for fp8_linear_kernel's norm that writes an FP8 copy, same backward)."""
+        """What backward needs (also for fp8_producers_kernel's norm that writes an FP8 copy, same backward)."""
         ctx.save_for_backward(x2, weight, rstd)
         ctx.offset, ctx.casting_mode, ctx.in_place = offset, casting_mode, in_place
         ctx.x_shape = x_shape
@@ -540,9 +540,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset:
         the lm_head) receives a fresh gradient and can run in place; `patch_model(in_place=True)`
         does so for exactly those norms.
     """
-    _check_inputs(x, weight, offset, casting_mode)
+    check_inputs(x, weight, offset, casting_mode)
     if direct_launch(x, weight):
-        return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, bool(in_place))
+        return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, bool(in_place))
     y, _ = rmsnorm_fwd_op(as_rows(x), weight, float(eps), float(offset), casting_mode, bool(in_place))
     return y.view(x.shape)
 
@@ -591,13 +591,7 @@ class TritonRMSNorm(nn.Module):
         """`from_module` with LlamaRMSNorm's numerics (offset 0, "llama" casting, out of place)."""
         return cls.from_module(module)
 
-    # Set by fp8_linear_kernel.link_norms when the layer that reads this norm's output is an FP8 layer:
-    # the model's `Fp8Handoff`, whose `rmsnorm` also writes the output's FP8 row copy for that layer.
-    fp8_handoff = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_handoff is not None:
-            return self.fp8_handoff.rmsnorm(self, x)
         return rmsnorm(x, self.weight, self.variance_epsilon, offset=self.offset, casting_mode=self.casting_mode,
                        in_place=self.in_place)
 
@@ -605,7 +599,6 @@ class TritonRMSNorm(nn.Module):
         extra = f", offset={self.offset}" if self.offset else ""
         extra += f", casting_mode={self.casting_mode!r}" if self.casting_mode != "llama" else ""
         extra += ", in_place=True" if self.in_place else ""
-        extra += ", writes the next layer's FP8 row copy" if self.fp8_handoff is not None else ""
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{extra}"
 
 

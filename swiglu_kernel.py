@@ -43,8 +43,8 @@ there instead of keeping it alive from the forward pass.
 
 Under --fp8 the MLP's backward runs a variant of `_swiglu_bwd` that also takes the row and column
 maxima of the gradient it writes, so that the FP8 gate/up projection quantizes it in one read instead
-of two. That variant is FP8 code and lives in fp8_linear_kernel.py (`swiglu_joined_fp8`); this file
-reaches it through one marked hook in `swiglu_mlp_forward`.
+of two. That variant is FP8 code: fp8_producers_kernel.py builds its MLP forward from this file's
+public pieces (`gate_and_up`, `mlp_down`, `swiglu_joined`).
 
 Layout of this file: kernels -> launchers -> custom ops (PyTorch operators, with their autograd)
 -> functional API -> the MLP drop-in and `patch_model` -> reference.
@@ -85,7 +85,7 @@ def _gelu_tanh_arg(g):
 
 
 @triton.jit
-def _act_out(g, u, ACT: tl.constexpr):
+def act_out(g, u, ACT: tl.constexpr):
     """act(g) * u from fp32 g and u, in fp32 (rounded once, by the caller's store)."""
     if ACT == "gelu_tanh":
         return g * tl.sigmoid(_gelu_tanh_arg(g)) * u
@@ -93,7 +93,7 @@ def _act_out(g, u, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_grads(dh, g, u, ACT: tl.constexpr):
+def act_grads(dh, g, u, ACT: tl.constexpr):
     """(dg, du) in fp32 from fp32 dh, g and u: the chain rule through act(g) * u."""
     if ACT == "gelu_tanh":
         t = _gelu_tanh_arg(g)
@@ -126,7 +126,7 @@ def _swiglu_fwd(
     row, cols, mask = _tile(n_rows, I, ROWS, BLOCK)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(H + row * I + cols, _act_out(g, u, ACT).to(H.dtype.element_ty), mask=mask)
+    tl.store(H + row * I + cols, act_out(g, u, ACT).to(H.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def _swiglu_bwd(
     dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    dg, du = _act_grads(dh, g, u, ACT)
+    dg, du = act_grads(dh, g, u, ACT)
     tl.store(DU + row * stride_d + cols, du.to(DU.dtype.element_ty), mask=mask)
     tl.store(DG + row * stride_d + cols, dg.to(DG.dtype.element_ty), mask=mask)
 
@@ -424,7 +424,7 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, acti
     return out.view(*gate.shape[:-1], weight.shape[0])
 
 
-def _check_joined(gate_up: torch.Tensor, activation: str) -> None:
+def check_joined(gate_up: torch.Tensor, activation: str) -> None:
     check_float("gate_up", gate_up)
     check_device(gate_up)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
@@ -435,13 +435,13 @@ def _check_joined(gate_up: torch.Tensor, activation: str) -> None:
 
 def swiglu_joined(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(gate) * up where gate and up are the two halves of gate_up's last dimension ([..., 2I] -> [..., I])."""
-    _check_joined(gate_up, activation)
+    check_joined(gate_up, activation)
     return swiglu_joined_fwd_op(as_rows(gate_up), activation).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def swiglu_down_joined(gate_up: torch.Tensor, weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """`swiglu_down` on the two halves of gate_up [..., 2I]; its gradient comes back as one [..., 2I] tensor."""
-    _check_joined(gate_up, activation)
+    check_joined(gate_up, activation)
     width = gate_up.shape[-1] // 2
     _check_down_weight(weight, gate_up, width)
     out = swiglu_down_joined_fwd_op(as_rows(gate_up), weight, activation)
@@ -452,42 +452,46 @@ def swiglu_down_joined(gate_up: torch.Tensor, weight: torch.Tensor, activation: 
 # The Hugging Face drop-in and patching a model
 # ------------------------------------------------------------------------------------------------
 def swiglu_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A gated MLP, `down_proj(act(gate) * up)`, with the fused activation.
-
-    gate and up come as one [..., 2I] output when one matmul computes both: Phi-3's `gate_up_proj`,
-    or `gate_proj` and `up_proj` joined by projections_kernel.py (their weights side by side in
-    memory). Otherwise they come from `gate_proj` and `up_proj`, one matmul each. The activation is
-    `mlp.fused_activation` ("silu" unless patch_model set it).
+    """A gated MLP, `down_proj(act(gate) * up)`, with the fused activation: `mlp_down` of `gate_and_up`.
 
     A plain bias-free nn.Linear down_proj is folded into `swiglu_down` (h not stored); any other
     down_proj (a bias, an adapter wrapper, an FP8 layer) is called as a module on the fused
     activation. Under torch.autocast the projections return the autocast dtype while the weights
     keep theirs: the down-projection weight is then cast as autocast would cast it for nn.Linear.
-
-    The one FP8 hook: a joined gate/up projection that is an FP8 layer of a patched model (it holds
-    the model's `fp8_handoff`) gets the activation from the hand-off (`Fp8Handoff.swiglu_joined`, in
-    fp8_linear_kernel.py), whose backward also hands that layer the maxima of d gate_up.
+    The activation is `mlp.fused_activation` ("silu" unless patch_model set it).
     """
+    return mlp_down(mlp, x, *gate_and_up(mlp, x))
+
+
+def gate_and_up(mlp: nn.Module, x: torch.Tensor):
+    """(gate, up, None) from `gate_proj` and `up_proj`, one matmul each; or (None, None, gate_up [..., 2I])
+    when one matmul computes both: Phi-3's `gate_up_proj`, or `gate_proj` and `up_proj` joined by
+    projections_kernel.py (their weights side by side in memory)."""
     import projections_kernel
 
-    activation = getattr(mlp, "fused_activation", "silu")
     if hasattr(mlp, "gate_up_proj"):
-        gu = mlp.gate_up_proj(x)
-    else:
-        gu = projections_kernel.joined_output(mlp, x)  # None unless gate and up are joined
+        return None, None, mlp.gate_up_proj(x)
+    gu = projections_kernel.joined_output(mlp, x)  # None unless gate and up are joined
     if gu is None:
-        g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        return mlp.gate_proj(x), mlp.up_proj(x), None
+    return None, None, gu
+
+
+def folds_down(down: nn.Module) -> bool:
+    """Whether `mlp_down` folds this down projection into `swiglu_down` (a plain bias-free nn.Linear)."""
+    return type(down) is nn.Linear and down.bias is None
+
+
+def mlp_down(mlp: nn.Module, x: torch.Tensor, g, u, gu) -> torch.Tensor:
+    """down_proj(act(gate) * up) from what `gate_and_up` returned (`swiglu_mlp_forward`); x: the MLP's input."""
+    activation = getattr(mlp, "fused_activation", "silu")
     down = mlp.down_proj
-    if type(down) is nn.Linear and down.bias is None:
+    if folds_down(down):
         weight = down.weight
         dtype = g.dtype if gu is None else gu.dtype
         if weight.dtype != dtype and torch.is_autocast_enabled(x.device.type):
             weight = weight.to(dtype)
         return swiglu_down(g, u, weight, activation) if gu is None else swiglu_down_joined(gu, weight, activation)
-    if gu is not None:  # --- the FP8 hook (--fp8; fp8_linear_kernel.py) ---
-        handoff = getattr(mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj, "fp8_handoff", None)
-        if handoff is not None:
-            return down(handoff.swiglu_joined(gu, activation, down))  # fp8_linear_kernel.Fp8Handoff
     return down(swiglu(g, u, activation) if gu is None else swiglu_joined(gu, activation))
 
 

@@ -16,6 +16,7 @@ field of the RunConfig.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -283,68 +284,9 @@ def prefer_fast_attention(device) -> str:
            f"{major}.{minor})"
 
 
-def apply_torchao_fp8(model: nn.Module, compiled: bool) -> int:
-    """--fp8 --fp8-backend torchao: torchao's float8 training (row-wise scales, as ours) on the same
-    decoder projections, a peer to compare with; returns how many layers it converted."""
-    import fp8_linear_kernel
-
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as err:
-        raise SystemExit(f"error: --fp8-backend torchao needs torchao (pip install torchao): {err}") from None
-    wanted = {id(getattr(owner, name)) for owner, name in fp8_linear_kernel._projections(model)}
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
-                               module_filter_fn=lambda module, fqn: id(module) in wanted)
-    converted = sum(type(getattr(owner, name)).__module__.startswith("torchao")
-                    for owner, name in fp8_linear_kernel._projections(model))
-    log(f"FP8 (torchao, row-wise recipe): {converted} decoder projections converted; lm_head and embeddings stay bf16"
-        + ("" if compiled else "; torchao's casts are meant to be fused by torch.compile: add --compile"))
-    return converted
-
-
-def apply_fp8(model: nn.Module, backend: str = "playbook", compiled: bool = False, recipe: str = "rowwise",
-              layers: str = "all") -> int:
-    """--fp8: the decoder's projections as FP8 matmuls (fp8_linear_kernel.py, --fp8-recipe `recipe`);
-    returns how many. layers: --fp8-layers; "auto" applies the size rule on a GPU (on a CPU nothing is
-    timed, so every projection the recipe takes is converted)."""
-    import fp8_linear_kernel
-
-    if backend == "torchao":
-        return apply_torchao_fp8(model, compiled)
-
-    try:
-        on_gpu = any(p.device.type == "cuda" for p in model.parameters())
-        converted = fp8_linear_kernel.patch_model(model, recipe, sizes="auto" if layers == "auto" and on_gpu else "all")
-    except RuntimeError as err:  # a GPU without the recipe's FP8 matmuls: one line, not a traceback
-        raise SystemExit(f"error: --fp8: {err}") from None
-    r = fp8_linear_kernel.get_recipe(recipe)
-    kept = f"the first and last {r.bf16_end_layers} decoder layers, " if r.bf16_end_layers else ""
-    dgrad = "; input gradients (dx = dy W) in bf16" if r.bf16_dgrad else ""
-    # the denominator counts every decoder projection the matmul takes, those the recipe keeps in bf16 too
-    every = fp8_linear_kernel.expected_patches(model.config, "rowwise")
-    log(f"FP8: {converted} of {every} decoder projections run as FP8 matmuls (recipe {recipe}{dgrad}); "
-        f"{kept}lm_head and embeddings stay bf16")
-    if converted == 0 and r.bf16_end_layers:
-        log(f"warning: --fp8 converted nothing: this model has {model.config.num_hidden_layers} decoder layers, all among "
-            f"the first and last {r.bf16_end_layers} that recipe {recipe} keeps in bf16; --fp8-recipe rowwise converts them")
-    return converted
-
-
 # ------------------------------------------------------------------------------------------------
 # prepare_model: one step per function, each switched by one field of the RunConfig
 # ------------------------------------------------------------------------------------------------
-def link_fp8_norms(model: nn.Module) -> int:
-    """--fp8: each decoder layer's fused RMSNorm also writes the FP8 row copy of its output for the FP8
-    projection that reads it (fp8_linear_kernel.link_norms), which then skips that pass: one read of the
-    norm's output fewer per norm. Not with a tiled MLP (its chunks are other tensors) or torch.compile."""
-    import fp8_linear_kernel
-
-    linked = fp8_linear_kernel.link_norms(model)
-    if linked:
-        log(f"FP8: {linked} RMSNorms write their output's FP8 row copy for the projection that reads it")
-    return linked
-
-
 def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload: bool = False,
                                  keep_attention: bool = False) -> tuple[int, ...]:
     """--gradient-checkpointing / --checkpoint-layers SPEC: the decoder layers SPEC names are recomputed in
@@ -387,36 +329,13 @@ def apply_lora(model: nn.Module, cfg, fused: bool) -> nn.Module:
 
 
 def apply_fp8_base(model: nn.Module) -> int:
-    """--lora-r with --fp8: the frozen projection weights that run in FP8 are kept in FP8 (quantized once,
-    here, after peft wrapped and froze them; their bf16 copies freed: fp8_linear_kernel.store_frozen_weights);
-    returns how many. Under torchrun they stay bf16 (FSDP2 would gather FP8 shards, which is not tried)."""
-    import fp8_linear_kernel
-
-    layers = [m for m in model.modules() if isinstance(m, fp8_linear_kernel.Float8Linear)]
-    if not layers:
+    """After LoRA: frozen FP8 projections (--fp8) keep their weights in FP8, quantized once after peft wrapped and
+    froze them (fp8_lora_kernel.store_frozen_base); returns how many. No FP8 lesson loaded: no FP8 layer."""
+    if "fp8_linear_kernel" not in sys.modules:
         return 0
-    if world()[1] > 1:
-        log("FP8 base: under torchrun the frozen FP8 projections keep their bf16 weights (quantized every step)")
-        return 0
-    was = {m: m.weight.numel() * m.weight.element_size() for m in layers if not m.stores_fp8()}
-    stored = fp8_linear_kernel.store_frozen_weights(model)
-    # The joined q/k/v groups still name the nn.Linear layers the kernels found, which hold the bf16
-    # Parameters: joined again with the current layers now, so that those are freed before the first step.
-    import projections_kernel
+    import fp8_lora_kernel
 
-    projections_kernel.join_now(model)
-    if not stored:  # (store_frozen_weights said why)
-        return 0
-    before = sum(n for m, n in was.items() if m.stores_fp8())
-    after = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in layers if m.stores_fp8())
-
-    def size(n: int) -> str:  # both figures in the unit of the larger
-        return f"{n / 1e9:.2f} GB" if before >= 1e9 else f"{n / 1e6:.3f} MB"
-
-    log(f"FP8 base: {stored} frozen projection weights kept in FP8 (e4m3 and one fp32 scale per row, quantized "
-        f"once): {size(after)} instead of {size(before)}; forward and input-gradient matmuls in FP8, adapters in "
-        "their own dtype")
-    return stored
+    return fp8_lora_kernel.store_frozen_base(model, world()[1])
 
 
 def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
@@ -465,12 +384,6 @@ def apply_compile(model: nn.Module, cfg) -> None:
     cuda_graph.install_causal_skip()
     model.compile()
     log("torch.compile: the model's forward is compiled on the first (warm-up) step")
-    if cfg.fp8 and cfg.fp8_backend == "playbook":
-        import fp8_linear_kernel
-
-        if not fp8_linear_kernel.compiled_graph_trusted(torch.device(cfg.device)):
-            log("torch.compile with --fp8: each FP8 projection runs outside the compiled graph (its compiled "
-                "gradient is not trusted on this device; fp8_linear_kernel.compiled_graph_trusted says why)")
 
 
 def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
@@ -485,9 +398,10 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
       1. kernels (cfg.kernels)                 the registry's model entries, each its own `apply`, in registry
                                                order: they replace Hugging Face's modules and functions in
                                                place; every later step then wraps the patched model
-      2. FP8 (cfg.fp8)                         the registry's fp8 entry (registry.conversions): converts the
-                                               nn.Linear projections the kernels left, so LoRA's adapters
-                                               wrap FP8 bases, not the other way round
+      2. FP8 (cfg.fp8)                         the registry's fp8 entry (registry.conversions, its apply:
+                                               registry.apply_fp8): converts the nn.Linear projections the
+                                               kernels left, so LoRA's adapters wrap FP8 bases, not the other
+                                               way round, and links the norms that write their FP8 copies
       3. gradient checkpointing                flags on the Hugging Face decoder layers, set before peft
          (cfg.gradient_checkpointing,          wraps the model (apply_gradient_checkpointing); recomputing
          checkpoint_layers,                    a layer runs whatever its modules are by then, adapters
@@ -498,7 +412,6 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
                                                peft (it gives new adapters its base weight's dtype)
       5. tiled MLP (cfg.mlp_chunk_tokens)      after the kernels, FP8 and LoRA, which replace the MLP's
                                                forward or its projections: each chunk runs the final one
-         FP8 norms linked (cfg.fp8)            once the readers of each norm are final (link_fp8_norms)
       6. saved activations                     hooks around the finished layers' forwards (after checkpointing,
          (cfg.recompute_norms,                 whose layers they leave alone, and after LoRA and the tiled
          offload_layers)                       MLP, whose saved tensors they see)
@@ -528,19 +441,16 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
     except NotImplementedError as err:  # a model family the kernels do not know, refused before any patch
         raise usage_error(f"--kernels {','.join(cfg.kernels)} on {cfg.model}: {err}; train it with --kernels none "
                           "(finetune_baseline.py), or choose a model of those types") from None
-    for entry in registry.conversions(cfg):  # the fp8 entry with --fp8 (its apply: apply_fp8)
+    for entry in registry.conversions(cfg):  # the fp8 entry with --fp8 (its apply: registry.apply_fp8)
         entry.apply_to(model, cfg)
     if cfg.gradient_checkpointing:
         apply_gradient_checkpointing(model, cfg.checkpoint_layers or "all", offload=cfg.offload_activations,
                                      keep_attention=cfg.keep_attention)
     if cfg.lora_r:
         model = apply_lora(model, cfg, fused=registry.BY_NAME["lora"].selected(cfg))
-        if cfg.fp8 and cfg.fp8_backend == "playbook":
-            apply_fp8_base(model)
+        apply_fp8_base(model)
     if cfg.mlp_chunk_tokens:
         apply_tiled_mlp(model, cfg.mlp_chunk_tokens)
-    if cfg.fp8 and cfg.fp8_backend == "playbook" and not cfg.compile and not cfg.mlp_chunk_tokens:
-        link_fp8_norms(model)
     if cfg.recompute_norms or cfg.offload_layers:
         apply_saved_activations(model, cfg.recompute_norms, cfg.offload_layers)
     if cfg.compile:

@@ -76,11 +76,41 @@ def patch(entry: "Optimization", model, cfg=None) -> int:
 
 
 def convert_fp8(entry: "Optimization", model, cfg) -> int:
-    """The fp8 entry's `apply`: the decoder's projections the model kernels left, as FP8 matmuls
-    (models.apply_fp8, with the run's --fp8-backend, --fp8-recipe and --fp8-layers)."""
-    from playbook import models
+    """The fp8 entry's `apply`: apply_fp8 with the run's --fp8-backend, --fp8-recipe and --fp8-layers, the
+    producers linked as far as --compile, --mlp-chunk-tokens and --lora-r allow."""
+    return apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe, getattr(cfg, "fp8_layers", "all"),
+                     chunked_mlp=bool(cfg.mlp_chunk_tokens), lora=bool(cfg.lora_r))
 
-    return models.apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe, getattr(cfg, "fp8_layers", "all"))
+
+def apply_fp8(model, backend: str = "playbook", compiled: bool = False, recipe: str = "rowwise",
+              layers: str = "all", *, chunked_mlp: bool = False, lora: bool = False) -> int:
+    """--fp8: the decoder's projections as FP8 matmuls; returns how many. fp8_producers_kernel.apply converts
+    them as --fp8-recipe and --fp8-layers say, links the producers (what `compiled`, `chunked_mlp` and `lora`
+    allow) and logs it; --fp8-backend torchao: torchao's float8 training (row-wise scales, as ours) on the
+    same projections, a peer to compare with."""
+    from playbook.core.process import log
+
+    if backend == "torchao":
+        import fp8_linear_kernel
+
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError as err:
+            raise SystemExit(f"error: --fp8-backend torchao needs torchao (pip install torchao): {err}") from None
+        wanted = {id(getattr(owner, name)) for owner, name in fp8_linear_kernel.projections(model)}
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=lambda module, fqn: id(module) in wanted)
+        converted = sum(type(getattr(owner, name)).__module__.startswith("torchao")
+                        for owner, name in fp8_linear_kernel.projections(model))
+        log(f"FP8 (torchao, row-wise recipe): {converted} decoder projections converted; lm_head and embeddings stay "
+            "bf16" + ("" if compiled else "; torchao's casts are meant to be fused by torch.compile: add --compile"))
+        return converted
+    import fp8_producers_kernel
+
+    try:
+        return fp8_producers_kernel.apply(model, recipe, layers, compiled=compiled, chunked_mlp=chunked_mlp, lora=lora)
+    except RuntimeError as err:  # a GPU without the recipe's FP8 matmuls: one line, not a traceback
+        raise SystemExit(f"error: --fp8: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -100,6 +130,7 @@ class Optimization:
     apply: Callable = field(repr=False, compare=False, default=None)  # apply(entry, model, cfg): what it does to a
     # model (models.prepare_model applies the model and fp8 entries in registry order); None: it acts elsewhere
     load: Callable = field(repr=False, compare=False, default=None)  # imports the kernel file; None: by its name
+    more: tuple = ()  # further lessons of the entry, (kernel file, test file) each, built on the first
 
     @property
     def module(self):
@@ -114,6 +145,11 @@ class Optimization:
         if self.apply is None:
             raise ValueError(f"{self.name} acts outside the model's modules: {ACTS_ELSEWHERE[self.name]}")
         return self.apply(self, model, cfg)
+
+    @property
+    def lessons(self) -> tuple:
+        """Every (kernel file, test file) pair of the entry: its own, then `more`."""
+        return ((self.kernel, self.test), *self.more)
 
 
 OPTIMIZATIONS = (
@@ -139,7 +175,9 @@ OPTIMIZATIONS = (
     Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls as --fp8-recipe says",
                  "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
                  "fp8_linear_kernel.py", "fp8_linear_test.py", (),
-                 flag="--fp8", switch=lambda cfg: cfg.fp8, apply=convert_fp8, load=_fp8),
+                 flag="--fp8", switch=lambda cfg: cfg.fp8, apply=convert_fp8, load=_fp8,
+                 more=(("fp8_recipes_kernel.py", "fp8_recipes_test.py"),
+                       ("fp8_producers_kernel.py", "fp8_producers_test.py"), ("fp8_lora_kernel.py", "fp8_lora_test.py"))),
     Optimization("adamw", "optimizer", "torch's AdamW -> one Triton launch per parameter group",
                  "a GPU, the scripts' own loop, one process or FSDP2 (elsewhere, in the default set, PyTorch's AdamW)",
                  "1 optimizer",
@@ -258,7 +296,7 @@ def not_applicable(name: str, model) -> str | None:
 
 # Where the entries that are not model patches act, for a caller of apply_kernels who names one of them.
 ACTS_ELSEWHERE = {
-    "fp8": "playbook.models.apply_fp8(model) converts the projections (the scripts: --fp8)",
+    "fp8": "playbook.registry.apply_fp8(model) converts the projections (the scripts: --fp8)",
     "adamw": "adamw_kernel.TritonAdamW is the optimizer (the scripts: --optimizer adamw-triton)",
     "lora": "playbook.lora.apply_lora(model, r) adds the adapters, then lora_kernel.patch_model(peft_model) fuses "
             "them (the scripts: --lora-r)",

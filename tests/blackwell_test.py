@@ -27,8 +27,9 @@ import pytest
 import torch
 
 import fp8_linear_kernel as fp8
+import fp8_recipes_kernel as recipes
 from playbook import cuda_graph, models, setup_check
-from playbook.core import gpu_arch
+from playbook.core import fp8_support, gpu_arch
 from playbook import registry as ak
 from playbook.config import make_parser, parse_config
 from playbook.testkit import expect_error, record, run_as_script
@@ -58,10 +59,11 @@ def as_gpu(monkeypatch, capability):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(fp8, "_probed", {})
-    monkeypatch.setattr(fp8, "_fast_accum", {})
+    monkeypatch.setattr(fp8_support, "_probed", {})
+    monkeypatch.setattr(fp8_support, "_fast_accum", {})
     probes = []
-    monkeypatch.setattr(fp8, "_probe_scaled_mm", lambda device, scaling: probes.append(scaling))
+    for lesson in (fp8, recipes):
+        monkeypatch.setattr(lesson, "probe_scaled_mm", lambda device, scaling: probes.append(scaling))
     return probes
 
 
@@ -96,9 +98,9 @@ def test_fp8_recipes_per_capability(monkeypatch, capability):
     probes = as_gpu(monkeypatch, capability)
     for recipe, refusal in FP8_GATES[capability].items():
         if refusal is None:
-            fp8.check_fp8_device(CUDA, recipe)
+            recipes.check_fp8_device(CUDA, recipe)
         else:
-            said = expect_error(RuntimeError, fp8.check_fp8_device, CUDA, recipe)
+            said = expect_error(RuntimeError, recipes.check_fp8_device, CUDA, recipe)
             assert refusal in said and len(said.splitlines()) == 1, said
     runs = [r for r, refusal in FP8_GATES[capability].items() if refusal is None]
     assert probes == [fp8.get_recipe(r).scaling for r in runs], probes  # each that runs is probed once
@@ -116,7 +118,7 @@ def test_a_kernel_mismatch_is_reported_as_such(monkeypatch):
     def miscompiled(device, scaling):
         raise fp8.Fp8KernelMismatch("FP8 quantizer (quantize_both, 256 x 256) ... triton-lang/triton#11111 ...")
 
-    monkeypatch.setattr(fp8, "_probe_scaled_mm", miscompiled)
+    monkeypatch.setattr(fp8, "probe_scaled_mm", miscompiled)
     said = expect_error(RuntimeError, fp8.check_fp8_device, CUDA, "rowwise")
     assert said.startswith("FP8 quantizer (quantize_both") and "no usable" not in said, said
 
@@ -126,7 +128,7 @@ def test_transposed_copies_are_checked_bit_for_bit(monkeypatch):
     the real kernels pass (on the CPU through the interpreter, or on this machine's GPU); one foreign byte
     in a transposed copy is caught."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    fp8.check_transposed_copies(device, "row")
+    fp8_support.check_copies(device, fp8.TRANSPOSING)
     real = fp8.quantize_both
 
     def one_foreign_byte(x2, row_max, col_max):
@@ -135,7 +137,7 @@ def test_transposed_copies_are_checked_bit_for_bit(monkeypatch):
         return q, s, qt, st
 
     monkeypatch.setattr(fp8, "quantize_both", one_foreign_byte)
-    said = expect_error(fp8.Fp8KernelMismatch, fp8.check_transposed_copies, device, "row")
+    said = expect_error(fp8.Fp8KernelMismatch, fp8_support.check_copies, device, fp8.TRANSPOSING)
     assert "quantize_both" in said and "triton-lang/triton#11111" in said and "Triton 3." in said, said
     record("transposed FP8 copies: reference bits pass, one foreign byte is refused", 0.0, 0.0, True)
 
@@ -158,7 +160,7 @@ def _spread(rows, cols, seed):
 
 def test_mx_scales_are_powers_of_two_one_per_block_of_32():
     x = _spread(37, 160, seed=1)
-    q, s = fp8.quantize_mx_ref(x)
+    q, s = recipes.quantize_mx_ref(x)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu and s.shape == (37, 160 // 32)
     sf = s.float()
     assert torch.equal(torch.exp2(torch.log2(sf).round()), sf), "every scale is a power of two"
@@ -169,7 +171,7 @@ def test_mx_scales_are_powers_of_two_one_per_block_of_32():
     # block's scale and values, and nothing else.
     spiked = x.clone()
     spiked[7, 2 * 32 + 5] = 1e9
-    q2, s2 = fp8.quantize_mx_ref(spiked)
+    q2, s2 = recipes.quantize_mx_ref(spiked)
     changed = (s2.float() != sf).nonzero().tolist()
     assert changed == [[7, 2]], changed
     other = torch.ones(37, 160, dtype=torch.bool)
@@ -180,9 +182,9 @@ def test_mx_scales_are_powers_of_two_one_per_block_of_32():
 
 def test_mx_round_trip_within_e4m3_rounding():
     x = _spread(29, 96, seed=2)
-    q, s = fp8.quantize_mx_ref(x)
+    q, s = recipes.quantize_mx_ref(x)
     per_value = s.float().repeat_interleave(32, dim=1)
-    err = (fp8.dequantize_blocks(q, s) - x).abs()
+    err = (recipes.dequantize_blocks(q, s) - x).abs()
     bound = U * x.abs() + SUB * per_value  # the two cases above, whichever applies
     worst = (err / bound).max().item()
     normal = x.abs() >= 2.0**-6 * per_value
@@ -194,15 +196,15 @@ def test_mx_round_trip_within_e4m3_rounding():
 def test_mx_reference_matmul_matches_fp32():
     """mx_linear_ref (both operands in 1x32 blocks, dequantized, an fp32 product) against the float64
     product of the unquantized operands: element by element within the worst case of rounding both
-    operands (as fp8_linear_test's `_e4m3_bound`, with a scale per block: |a' - a| <= U|a| + SUB s_a),
+    operands (as fp8_linear_test's `e4m3_bound`, with a scale per block: |a' - a| <= U|a| + SUB s_a),
     and in relative L2 within 2x the expected RMS error of rounding two operands to e4m3: 2^-3 / sqrt(12)
     x 0.736 = 0.0266 per operand (uniform over half a step; sqrt(E[1/m^2]) = 0.736 for mantissas
     spread over a binade), x sqrt(2) for two, x 2 = 0.075."""
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(45, 256, generator=g), torch.randn(72, 256, generator=g)
-    ours = fp8.mx_linear_ref(x, w).double()
+    ours = recipes.mx_linear_ref(x, w).double()
     exact = x.double() @ w.double().t()
-    (xq, sx), (wq, sw) = fp8.quantize_mx_ref(x), fp8.quantize_mx_ref(w)
+    (xq, sx), (wq, sw) = recipes.quantize_mx_ref(x), recipes.quantize_mx_ref(w)
     e_x = SUB * sx.double().repeat_interleave(32, dim=1)
     e_w = SUB * sw.double().repeat_interleave(32, dim=1)
     ax, aw = x.double().abs(), w.double().abs()
@@ -216,20 +218,20 @@ def test_mx_reference_matmul_matches_fp32():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter; a GPU machine "
-                    "runs the MX path where its GPU has one (fp8_linear_test.py)")
+                    "runs the MX path where its GPU has one (fp8_recipes_test.py)")
 def test_mx_reduction_not_a_multiple_of_32_is_refused_clearly():
     """K must hold whole blocks: the quantizer raises, the layer refuses, patch_model leaves it bf16.
     The token dimension (reduced over by dW) needs no such care: it is zero-padded to whole blocks."""
-    said = expect_error(ValueError, fp8.quantize_mx_ref, torch.ones(4, 48))
+    said = expect_error(ValueError, recipes.quantize_mx_ref, torch.ones(4, 48))
     assert "multiple of 32" in said
     assert "multiple of 32" in fp8.unsupported_reason(48, 64, "mxfp8")
     assert fp8.unsupported_reason(64, 96, "mxfp8") is None
-    said = expect_error(ValueError, fp8.fp8_linear, torch.ones(4, 48), torch.ones(64, 48), None, True, None, "mxfp8")
+    said = expect_error(ValueError, recipes.fp8_linear, torch.ones(4, 48), torch.ones(64, 48), None, True, None, "mxfp8")
     assert "multiple of 32" in said and "bf16" in said
     g = torch.Generator().manual_seed(4)
     x = torch.randn(37, 64, generator=g, dtype=torch.float32).to(torch.bfloat16).requires_grad_()  # 37 tokens
     w = torch.randn(32, 64, generator=g).to(torch.bfloat16).requires_grad_()
-    fp8.fp8_linear(x, w, recipe="mxfp8").sum().backward()
+    recipes.fp8_linear(x, w, recipe="mxfp8").sum().backward()
     exact = torch.ones(37, 32, dtype=torch.float64).t() @ x.detach().double()
     rel = (torch.linalg.vector_norm(w.grad.double() - exact) / torch.linalg.vector_norm(exact)).item()
     assert rel <= 0.075, rel  # dW over 37 tokens, padded to 64: within FP8's error of the exact product
@@ -245,7 +247,7 @@ def test_mx_scales_swizzled_as_cublas_reads_them():
     for r, b in ((0, 0), (31, 3), (32, 0), (127, 5), (128, 1), (199, 4), (77, 2)):
         s = torch.zeros(R, B, dtype=torch.uint8)
         s[r, b] = 127  # 2^0 in e8m0
-        flat = fp8.mx_swizzled_scales(s.view(torch.float8_e8m0fnu)).view(torch.uint8)
+        flat = recipes.mx_swizzled_scales(s.view(torch.float8_e8m0fnu)).view(torch.uint8)
         assert flat.numel() == 256 * 8
         want = ((r // 128) * tiles_per_row + b // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + b % 4
         assert flat.nonzero().flatten().tolist() == [want], (r, b)
@@ -254,7 +256,7 @@ def test_mx_scales_swizzled_as_cublas_reads_them():
     except ImportError:
         return
     s = torch.randint(0, 255, (R, B), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
-    assert torch.equal(fp8.mx_swizzled_scales(s.view(torch.float8_e8m0fnu)).view(torch.uint8), to_blocked(s))
+    assert torch.equal(recipes.mx_swizzled_scales(s.view(torch.float8_e8m0fnu)).view(torch.uint8), to_blocked(s))
 
 
 def test_mx_gpu_matmuls_pass_pytorchs_checks():
@@ -264,17 +266,17 @@ def test_mx_gpu_matmuls_pass_pytorchs_checks():
     g = torch.Generator().manual_seed(6)
     x, w, dy = (torch.randn(shape, generator=g) for shape in ((37, 64), (96, 64), (37, 96)))
     (xq, sx, xqt, sxt), (dyq, sdy, dyqt, sdyt), (wq, sw, wqt, swt) = (
-        fp8._quant_operand(t, "mx", t is w, True, True, False) for t in (x, dy, w))
+        recipes.quant_operand(t, "mx", t is w, True, True, False) for t in (x, dy, w))
     for a, sa, bt, sbt, shape in ((xq, sx, wq, sw, (37, 96)), (dyq, sdy, wqt, swt, (37, 64)),
                                   (dyqt, sdyt, xqt, sxt, (96, 64))):
-        y = fp8._scaled_mm_mx_launch(*(t.to("meta") for t in (a, sa, bt, sbt)))
+        y = recipes.scaled_mm_mx_launch(*(t.to("meta") for t in (a, sa, bt, sbt)))
         assert y.shape == shape and y.dtype == torch.bfloat16
 
 
 def test_mx_probe_runs_the_three_matmuls():
     """The set-up probe of mxfp8 (quantize the three matmuls' operands, multiply, compare with the
     dequantized product) on the CPU, where the matmul is the reference."""
-    fp8._probe_scaled_mm(torch.device("cpu"), "mx")
+    recipes.probe_scaled_mm(torch.device("cpu"), "mx")
 
 
 # ------------------------------------------------------------------------------------------------ other gates
@@ -387,7 +389,7 @@ def _shared_memory_of_largest_quantizer_for_sm120():
     from triton.runtime.jit import JITFunction
 
     # Under TRITON_INTERPRET the module's kernels are the interpreter's; compile their Python functions.
-    fp8._quantize_block = JITFunction(getattr(fp8._quantize_block, "fn", fp8._quantize_block))
+    fp8.quantize_block = JITFunction(getattr(fp8.quantize_block, "fn", fp8.quantize_block))
     fn = fp8._quantize_cols_transposed
     kernel = JITFunction(getattr(fn, "fn", fn))
     pointers = {"X": "*bf16", "QT": "*fp8e4nv", "Scale": "*fp32", "ColMax": "*fp32"}

@@ -555,7 +555,7 @@ def test_prepare_model_applies_its_steps_in_order(monkeypatch):
         return step
 
     monkeypatch.setattr(ak, "apply_kernels", spy("kernels", ak.apply_kernels))
-    monkeypatch.setattr(models, "apply_fp8", spy("fp8"))
+    monkeypatch.setattr(ak, "apply_fp8", spy("fp8"))
     monkeypatch.setattr(models, "apply_gradient_checkpointing", spy("gradient_checkpointing",
                                                                     models.apply_gradient_checkpointing))
     monkeypatch.setattr(models, "apply_lora", spy("lora", models.apply_lora))

@@ -24,6 +24,9 @@ import adamw_kernel
 import cross_entropy_kernel
 import distillation_kernel
 import fp8_linear_kernel
+import fp8_lora_kernel
+import fp8_producers_kernel
+import fp8_recipes_kernel
 import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
@@ -41,8 +44,8 @@ def _triton_kernels(module):
 
 
 # A kernel filed apart from the rest of its module: the SwiGLU backward that also takes the maxima the
-# FP8 casts need lives in fp8_linear_kernel.py and is SwiGLU work in a profile.
-# Kernels of fp8_linear_kernel.py that are another kernel's work with an FP8 cast folded in: counted as
+# FP8 casts need lives in fp8_producers_kernel.py and is SwiGLU work in a profile.
+# Kernels of fp8_producers_kernel.py that are another kernel's work with an FP8 cast folded in: counted as
 # that work (the cast they save shows as "FP8 casts" shrinking)
 OWN_CATEGORY = {"_swiglu_joined_bwd_maxima": "SwiGLU", "_rmsnorm_quantize_rows": "RMSNorm",
                 "_swiglu_quantize_rows": "SwiGLU"}
@@ -56,6 +59,9 @@ OWN_CATEGORY = {"_swiglu_joined_bwd_maxima": "SwiGLU", "_rmsnorm_quantize_rows":
     (rope_kernel, "RoPE"),
     (adamw_kernel, "optimizer"),
     (fp8_linear_kernel, "FP8 casts"),
+    (fp8_recipes_kernel, "FP8 casts"),
+    (fp8_producers_kernel, "FP8 casts"),
+    (fp8_lora_kernel, "FP8 casts"),
 ], ids=lambda v: getattr(v, "__name__", v))
 def test_our_triton_kernels_have_their_category(module, expected):
     names = _triton_kernels(module)

@@ -25,8 +25,9 @@ SCRIPTS = ("finetune_optimized.py", "profile_baseline.py", "finetune_trainer.py"
 def test_entry_has_its_lesson_benchmark_and_docs_row(entry):
     import benchmark_kernels
 
-    assert (ROOT / entry.kernel).is_file(), f"{entry.name}: no {entry.kernel}"
-    assert (ROOT / entry.test).is_file(), f"{entry.name}: no {entry.test}"
+    for kernel, test in entry.lessons:
+        assert (ROOT / kernel).is_file(), f"{entry.name}: no {kernel}"
+        assert (ROOT / test).is_file(), f"{entry.name}: no {test}"
     assert entry.module.__file__ == str(ROOT / entry.kernel), (entry.name, entry.module.__file__)
     if entry.scope in ("model", "lora"):  # what patches a model says how many replacements to expect
         assert callable(entry.module.patch_model) and callable(entry.module.expected_patches), entry.name
@@ -35,17 +36,19 @@ def test_entry_has_its_lesson_benchmark_and_docs_row(entry):
     docs = (ROOT / "docs" / "optimizations.md").read_text()
     row = re.search(rf"^\| `{entry.name}` \|(.+)\|$", docs, re.M)
     assert row, f"{entry.name}: no row in docs/optimizations.md"
-    assert entry.kernel in row.group(1) and entry.test in row.group(1), (entry.name, row.group(1))
+    for kernel, test in entry.lessons:
+        assert kernel in row.group(1) and test in row.group(1), (entry.name, row.group(1))
     record(f"{entry.name}: {entry.kernel}, {entry.test}, {len(entry.benchmarks)} benchmark(s), docs row", 0.0, 0.0, True)
 
 
 def test_no_kernel_file_outside_the_registry():
     """A `<name>_kernel.py` that no entry names would be a lesson no script can switch on."""
     files = {p.name for p in ROOT.glob("*_kernel.py")}
-    named = {o.kernel for o in registry.OPTIMIZATIONS}
+    named = {kernel for o in registry.OPTIMIZATIONS for kernel, _ in o.lessons}
     assert files == named, (sorted(files - named), sorted(named - files))
     tests = {p.name for p in ROOT.glob("*_test.py")}
-    assert {o.test for o in registry.OPTIMIZATIONS} == tests, sorted(tests ^ {o.test for o in registry.OPTIMIZATIONS})
+    listed = {test for o in registry.OPTIMIZATIONS for _, test in o.lessons}
+    assert listed == tests, sorted(tests ^ listed)
     record(f"{len(files)} kernel files, {len(tests)} lesson tests, all in the registry", 0.0, 0.0, True)
 
 
