@@ -153,7 +153,7 @@ import math
 
 import torch
 
-from playbook.core.kernel_utils import INTERPRET, check_device, check_float
+from core.kernel_utils import INTERPRET, check_device, check_float
 
 import triton
 import triton.language as tl

@@ -41,7 +41,7 @@ from playbook import common
 from playbook import models
 from playbook import training
 from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
 from playbook import testkit
 from playbook.testkit import (close_to_reference, exactly, expect_error, record, run_as_script, two_process_device,

@@ -78,11 +78,11 @@ if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds):
 
 import torch  # noqa: E402
 
-from playbook.core.gpu_arch import describe as describe_arch, device_capability  # noqa: E402
+from core.gpu_arch import describe as describe_arch, device_capability  # noqa: E402
 import cross_entropy_kernel  # noqa: E402
 import rmsnorm_kernel  # noqa: E402
 from playbook.registry import BY_NAME, KERNEL_NAMES  # noqa: E402
-from playbook.core.kernel_utils import DEVICE  # noqa: E402
+from core.kernel_utils import DEVICE  # noqa: E402
 from rmsnorm_kernel import rmsnorm_backward, rmsnorm_forward  # noqa: E402
 # measuring and reporting (playbook/benchmark.py); the table of kernels (playbook/benchmark_specs.py)
 from playbook.benchmark import (ON_GPU, RESULTS, add_derived, checked, copy_bandwidth_gbs, describe,  # noqa: E402
@@ -204,7 +204,7 @@ def token_counts(spec: str) -> list:
 
 def gpu_arch() -> str:
     """'Hopper, sm_90', 'Blackwell, datacenter, sm_103': the architecture and compute capability of the
-    current GPU (the family from playbook.core.gpu_arch, which tells a GB300 from an RTX 5090)."""
+    current GPU (the family from core.gpu_arch, which tells a GB300 from an RTX 5090)."""
     major, minor = device_capability(torch.cuda.current_device())
     older = {(7, 0): "Volta", (7, 5): "Turing", (8, 9): "Ada"}.get((major, minor)) or {8: "Ampere"}.get(major)
     return f"{older}, sm_{major}{minor}" if older else describe_arch((major, minor))

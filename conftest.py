@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True)
 def _restore_hugging_face_rope():
     """The rope kernel swaps a module-level function of transformers; undo it after each test."""
-    from playbook.core.model_families import SUPPORTED_MODEL_TYPES, family_module
+    from core.model_families import SUPPORTED_MODEL_TYPES, family_module
 
     saved = {f: family_module(f).apply_rotary_pos_emb for f in SUPPORTED_MODEL_TYPES}
     yield

@@ -109,7 +109,7 @@ registered) -> one autograd.Function over them (the in-place gradient keeps auto
 ops; the comment above it says why) -> `cross_entropy` -> `TritonCrossEntropyLoss`, a drop-in for
 `torch.nn.CrossEntropyLoss` -> `patch_model` for Hugging Face models -> `cross_entropy_ref`. What
 every loss of the playbook shares (the options, the checks, the reductions, `CrossEntropyOutput`,
-Hugging Face's label shift) is in playbook/core/losses.py; the names are importable from here too.
+Hugging Face's label shift) is in core/losses.py; the names are importable from here too.
 
     $ python cross_entropy_test.py   # every check against PyTorch in float64, as a short report
 """
@@ -121,12 +121,12 @@ import torch
 from torch import nn
 
 # direct_launch: eager calls skip the operators' dispatch (step 1 says why)
-from playbook.core.kernel_utils import as_rows, check_device, check_float, direct_launch, next_power_of_2
+from core.kernel_utils import as_rows, check_device, check_float, direct_launch, next_power_of_2
 # the conventions every loss of the playbook shares (options, checks, reductions, outputs, Hugging Face's shift)
-from playbook.core.losses import (PLAIN, REDUCTIONS, CrossEntropyOutput, LossOptions, causal_targets,  # noqa: F401
+from core.losses import (PLAIN, REDUCTIONS, CrossEntropyOutput, LossOptions, causal_targets,  # noqa: F401
                                   check_first_order, check_options, check_targets_and_reduction, hf_reduction,
                                   loss_output, reduce_loss, target_weight_sum)
-from playbook.core.model_families import model_type
+from core.model_families import model_type
 
 import triton
 import triton.language as tl

@@ -30,7 +30,7 @@ from torch import nn
 import cross_entropy_kernel
 from cross_entropy_kernel import (TritonCrossEntropyLoss, cross_entropy, cross_entropy_forward, cross_entropy_ref,
                                   ideal_bytes, scale_gradient_, z_loss_ref)
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import ULP, close_to_reference, expect_error, exactly, record, run_as_script
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -99,8 +99,8 @@ import torch
 import torch.nn.functional as F
 
 from cross_entropy_kernel import scale_grad
-from playbook.core.losses import check_first_order
-from playbook.core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
+from core.losses import check_first_order
+from core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
 from linear_cross_entropy_kernel import CHUNK_BYTES, accumulate_grad_weight, tokens_per_chunk
 
 import triton

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 import distillation_kernel
 from distillation_kernel import (jsd, jsd_ideal_bytes, jsd_ref, kl_div, linear_jsd, linear_jsd_flops,
                                  linear_jsd_ideal_bytes, linear_jsd_ref)
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 

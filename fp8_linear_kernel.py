@@ -109,15 +109,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.core import fp8_support
-from playbook.core.fp8_support import (ALIGN, DEFAULT_RECIPE, FP8_MIN_WIDTH, MAX_COLS, RECIPES,  # noqa: F401
+from core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from core import fp8_support
+from core.fp8_support import (ALIGN, DEFAULT_RECIPE, FP8_MIN_WIDTH, MAX_COLS, RECIPES,  # noqa: F401
                                        Fp8KernelMismatch, compiled_graph_trusted, fast_accum_allowed, get_recipe,
                                        expected_patches, harmonic_width, size_reason,
                                        unsupported_reason)
-from playbook.core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
-from playbook.core.model_families import family_classes, model_type
-from playbook.core.process import log
+from core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, num_sms
+from core.model_families import family_classes, model_type
+from core.process import log
 
 import triton
 import triton.language as tl

@@ -44,7 +44,7 @@ from playbook import common
 from playbook import models
 from playbook import training
 from playbook.config import make_parser, parse_config
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, check_fp8_device, compiled_graph_trusted,

@@ -50,10 +50,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.core.fp8_support import DEFAULT_RECIPE, compiled_graph_trusted, get_recipe
-from playbook.core.kernel_utils import as_rows, check_device, check_float, next_power_of_2
-from playbook.core.process import log
+from core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from core.fp8_support import DEFAULT_RECIPE, compiled_graph_trusted, get_recipe
+from core.kernel_utils import as_rows, check_device, check_float, next_power_of_2
+from core.process import log
 from fp8_linear_kernel import (FP8_DTYPE, Float8Linear, check_fp8_device, fast_accum_allowed, quant_rows,  # noqa: F401
                                quantize_rows, scaled_mm)
 
@@ -264,7 +264,7 @@ def store_fp8_weight(layer: Float8Linear) -> None:
     if get_recipe(layer.recipe).scaling != "row":
         raise ValueError(f"a weight kept in FP8 has one scale per row; recipe {layer.recipe} scales "
                          f"{get_recipe(layer.recipe).scaling}-wise (use a row-wise recipe)")
-    from playbook.core.tensors import fingerprint
+    from core.tensors import fingerprint
 
     layer.base_fingerprints = {"weight": fingerprint(layer.weight)}
     q, scale = frozen_weight(layer.weight)

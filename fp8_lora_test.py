@@ -21,7 +21,7 @@ from torch import nn
 from playbook import common
 from playbook import models
 from playbook import training
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 from fp8_linear_kernel import (FP8_DTYPE, Float8Linear, compiled_graph_trusted, patch_model, quantize_rows,
                                quantize_rows_ref)

@@ -62,11 +62,11 @@ import types
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from playbook.core.fp8_support import DEFAULT_RECIPE, compiled_graph_trusted, expected_patches, get_recipe
-from playbook.core.kernel_utils import as_rows, direct_launch, next_power_of_2, num_sms, refuse_double_backward
-from playbook.core.model_families import family_classes
-from playbook.core.process import log
+from core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from core.fp8_support import DEFAULT_RECIPE, compiled_graph_trusted, expected_patches, get_recipe
+from core.kernel_utils import as_rows, direct_launch, next_power_of_2, num_sms, refuse_double_backward
+from core.model_families import family_classes
+from core.process import log
 from fp8_linear_kernel import FP8_DTYPE, MAX_COLS, ROUND_IN_SOFTWARE, Float8Linear, load_rows, rows_block
 import fp8_recipes_kernel
 import rmsnorm_kernel

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import exactly, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import FP8_DTYPE, Float8Linear, Float8LinearFunction, fp8_linear, ideal_bytes, quantize_rows

@@ -7,7 +7,7 @@ layer. What you learn: how the place of a scale (per tensor, per block, per row)
 passes over memory, and which GPU runs which scaled matmul.
 
 fp8_linear_kernel.py is the default recipe, `rowwise`, and its two row-wise variants. `RECIPES`
-(playbook/core/fp8_support.py) names them all (`--fp8-recipe`;
+(core/fp8_support.py) names them all (`--fp8-recipe`;
 docs/fp8.md compares them): `rowwise-bf16-dgrad` (dx = dy W as a bf16 matmul), `rowwise-bf16-ends`
 (the first and last 2 decoder layers left as nn.Linear), `tensorwise` (one scale per tensor),
 `blockwise` (DeepSeek-V3's 1x128 blocks of activations and gradients, 128x128 tiles of weights) and
@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from playbook.core import fp8_support
-from playbook.core.fp8_support import (ALIGN, DEFAULT_RECIPE, RECIPES, compiled_graph_trusted,  # noqa: F401
+from core import fp8_support
+from core.fp8_support import (ALIGN, DEFAULT_RECIPE, RECIPES, compiled_graph_trusted,  # noqa: F401
                                        fast_accum_allowed, get_recipe)
-from playbook.core.kernel_utils import as_rows
-from playbook.core.model_families import family_classes
+from core.kernel_utils import as_rows
+from core.model_families import family_classes
 import fp8_linear_kernel
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ROUND_IN_SOFTWARE, Float8Linear, abs_max, fp8_rows_op,
                                linear_frame, quantize_block, quantize_rows, quantize_with)
@@ -450,7 +450,7 @@ TRANSPOSING = {
 # Every recipe: checks, the functional API, the layer and patching a model
 # ------------------------------------------------------------------------------------------------
 def check_fp8_device(device: torch.device, recipe: str = DEFAULT_RECIPE) -> None:
-    """Refuse, in one line, a device that cannot run the recipe (playbook.core.fp8_support.check_device: the
+    """Refuse, in one line, a device that cannot run the recipe (core.fp8_support.check_device: the
     per-GPU gates, then once per GPU and scaling the recipe's probe): fp8_linear_kernel.check_fp8_device for
     the row-wise recipes, `probe_scaled_mm` for the others."""
     if get_recipe(recipe).scaling == "row":

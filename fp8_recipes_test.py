@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from playbook import registry
-from playbook.core import gpu_arch
-from playbook.core import fp8_support
-from playbook.core.kernel_utils import DEVICE
+from core import gpu_arch
+from core import fp8_support
+from core.kernel_utils import DEVICE
 from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, compiled_graph_trusted, expected_patches,

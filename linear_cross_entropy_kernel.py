@@ -110,11 +110,11 @@ import torch
 from torch import nn
 
 from cross_entropy_kernel import cross_entropy_forward, cross_entropy_ref, scale_grad, scale_gradient_
-from playbook.core.losses import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
+from core.losses import (PLAIN, LossOptions, causal_targets, check_first_order, check_options,
                                   check_targets_and_reduction, hf_reduction, loss_output, reduce_loss,
                                   target_weight_sum)
-from playbook.core.kernel_utils import check_device, check_float
-from playbook.core.model_families import model_type
+from core.kernel_utils import check_device, check_float
+from core.model_families import model_type
 
 # Memory budget of the reused logits buffer. 512 MiB holds 2048 tokens of a 128256-entry
 # vocabulary in bf16 (2048 x 128256 x 2 B = 525 MB): matmuls of 2048 x 4096 x 128256 are large

@@ -29,7 +29,7 @@ from torch import nn
 import linear_cross_entropy_kernel
 from cross_entropy_kernel import z_loss_ref
 from cross_entropy_test import model_close, model_error, model_step, tiny_gemma2, tiny_llama
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from linear_cross_entropy_kernel import (TritonLinearCrossEntropyLoss, causal_lm_forward, chunk_tokens, flops,
                                          ideal_bytes, linear_cross_entropy, linear_cross_entropy_ref)
 from playbook.testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script

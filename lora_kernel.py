@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import swiglu_kernel  # its operators (torch.ops.playbook.swiglu_fwd / swiglu_bwd) and the fused MLP forward
-from playbook.core.process import is_peft_model
+from core.process import is_peft_model
 
 
 def _peft_lora_layers(model: nn.Module) -> tuple:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook import lora
 import lora_kernel
 from playbook import testkit

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from playbook.core.model_families import family_classes, model_type
+from core.model_families import family_classes, model_type
 
 GROUPS = {"Attention": ("q_proj", "k_proj", "v_proj"), "MLP": ("gate_proj", "up_proj")}
 
@@ -186,7 +186,7 @@ _told = set()
 
 def _tell_once(why: str) -> None:
     if why not in _told and not why.startswith("torch.compile"):
-        from playbook.core.process import log
+        from core.process import log
 
         _told.add(why)
         log(f"projections: running q/k/v and gate/up as separate matmuls: {why}")

@@ -82,9 +82,9 @@ import math
 import torch
 from torch import nn
 
-from playbook.core.kernel_utils import (as_rows, check_device, check_float, direct_launch, next_power_of_2, num_sms,
+from core.kernel_utils import (as_rows, check_device, check_float, direct_launch, next_power_of_2, num_sms,
                                    refuse_double_backward)
-from playbook.core.model_families import family, family_classes
+from core.model_families import family, family_classes
 
 import triton
 import triton.language as tl
@@ -606,7 +606,7 @@ def patch_model(model: nn.Module, in_place: bool = False) -> int:
     """Replace every RMSNorm module of a Hugging Face causal LM with a TritonRMSNorm sharing its weight.
 
     Modules are found by class (LlamaRMSNorm, GemmaRMSNorm, ...), never by name; the family table
-    (playbook/core/model_families.py) says how the family's norm computes (Gemma: offset 1, "gemma" casting).
+    (core/model_families.py) says how the family's norm computes (Gemma: offset 1, "gemma" casting).
     `in_place=True` runs the backward in place in every norm except those whose output is added
     to the residual stream (Gemma 2's post-attention and post-feed-forward norms), where it is not
     allowed (see `rmsnorm`). Returns how many norms now run the kernel; patching twice replaces

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import rmsnorm_kernel
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from rmsnorm_kernel import (CASTING_MODES, MAX_HIDDEN, TritonRMSNorm, expected_patches, ideal_bytes, patch_model,
                             rmsnorm, rmsnorm_bwd_in_place_op, rmsnorm_bwd_op, rmsnorm_fwd_op, rmsnorm_ref)
 from playbook.testkit import close_to_reference, expect_error, exactly, random_like_grad, record, run_as_script
@@ -403,7 +403,7 @@ def _tiny_model(kind: str, layers: int = 2):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from playbook.core.model_families import FAMILIES
+    from core.model_families import FAMILIES
 
     config_class = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "gemma": "GemmaConfig",
                     "gemma2": "Gemma2Config", "phi3": "Phi3Config"}[kind]
@@ -429,7 +429,7 @@ def test_patch_model_replaces_every_norm(kind):
     """Every RMSNorm (Qwen3: the q/k norms too) becomes a TritonRMSNorm sharing its weight, with the
     family's offset and casting; the count is what the architecture expects, patching twice changes
     nothing, and the logits match."""
-    from playbook.core.model_families import FAMILIES
+    from core.model_families import FAMILIES
 
     base = _tiny_model(kind)
     ours = copy.deepcopy(base)

@@ -36,9 +36,9 @@ functional API -> the HF drop-in and `patch_model` / `unpatch_model` -> referenc
 
 import torch
 
-from playbook.core import kernel_utils
-from playbook.core.kernel_utils import check_device, check_float, next_power_of_2, refuse_double_backward
-from playbook.core.model_families import family_module, model_type
+from core import kernel_utils
+from core.kernel_utils import check_device, check_float, next_power_of_2, refuse_double_backward
+from core.model_families import family_module, model_type
 
 import triton
 import triton.language as tl

@@ -23,7 +23,7 @@ import torch
 import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from rope_kernel import (MAX_HEAD_TILE, apply_rotary_pos_emb, expected_patches, ideal_bytes, patch_model, rope,
                          rope_bwd_op, rope_fwd_op, rope_ref, unpatch_model)
 from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script

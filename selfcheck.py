@@ -39,7 +39,7 @@ if __name__ == "__main__":  # Ctrl-C while it starts: one line, exit code 130
     start("the self-check stopped before its verdict", kernels=False)
 
 from playbook import setup_check  # noqa: E402
-from playbook.core import gpu_arch  # noqa: E402
+from core import gpu_arch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -55,9 +55,9 @@ import types
 import torch
 from torch import nn
 
-from playbook.core import kernel_utils
-from playbook.core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
-from playbook.core.model_families import family_classes, mlp_activation, model_type
+from core import kernel_utils
+from core.kernel_utils import as_rows, check_device, check_float, next_power_of_2, refuse_double_backward
+from core.model_families import family_classes, mlp_activation, model_type
 
 import triton
 import triton.language as tl

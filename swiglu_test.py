@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import swiglu_kernel
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from swiglu_kernel import (expected_patches, geglu, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
                            swiglu_down_bwd_op, swiglu_down_fwd_op, swiglu_fwd_op, swiglu_mlp_forward, swiglu_ref)
 from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script

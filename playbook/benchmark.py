@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from playbook.common import is_out_of_memory
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 ON_GPU = DEVICE.type == "cuda"

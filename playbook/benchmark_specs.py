@@ -26,7 +26,7 @@ import swiglu_kernel
 from cross_entropy_kernel import cross_entropy
 from linear_cross_entropy_kernel import linear_cross_entropy
 from playbook.benchmark import ON_GPU, compiled, generator, liger
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import close_to_reference
 from rmsnorm_kernel import rmsnorm, rmsnorm_ref
 from rope_kernel import rope, rope_ref

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from playbook.core.tensors import sum_and_norm
+from core.tensors import sum_and_norm
 
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"

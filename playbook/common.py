@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from playbook.core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
+from core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 

@@ -589,7 +589,7 @@ def parse_config(parser: argparse.ArgumentParser, script, argv=None) -> RunConfi
         read_prompts(output.sample_prompts)
     if not gpu and (model.kernels or training.optimizer == "adamw-triton"
                     or getattr(extra, "mode", "baseline") != "baseline"):
-        from playbook.core.kernel_utils import interpreting
+        from core.kernel_utils import interpreting
 
         if os.environ.get("TRITON_INTERPRET") is not None and not interpreting():  # =0, false, off: kept as set
             raise usage_error(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} on a machine without a CUDA "

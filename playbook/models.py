@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from playbook.core import gpu_arch
+from core import gpu_arch
 from playbook import pretrained
 from playbook.common import is_out_of_memory, log, world
 from playbook.config import DEFAULT_MODEL, usage_error

@@ -88,7 +88,7 @@ def apply_fp8(model, backend: str = "playbook", compiled: bool = False, recipe: 
     them as --fp8-recipe and --fp8-layers say, links the producers (what `compiled`, `chunked_mlp` and `lora`
     allow) and logs it; --fp8-backend torchao: torchao's float8 training (row-wise scales, as ours) on the
     same projections, a peer to compare with."""
-    from playbook.core.process import log
+    from core.process import log
 
     if backend == "torchao":
         import fp8_linear_kernel
@@ -283,7 +283,7 @@ def not_applicable(name: str, model) -> str | None:
     only the loss and receives capped logits; the fused lm_head + loss never builds the logits, so
     it applies only in a version that takes the cap (a `softcap` argument).
     """
-    from playbook.core.model_families import final_logit_softcap
+    from core.model_families import final_logit_softcap
 
     cap = final_logit_softcap(model.config)
     if name == "linear_cross_entropy" and cap is not None:
@@ -333,7 +333,7 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_
     if names and names[0] in PEERS:
         report = KernelReport(replaced={}, peer=apply_peer(model, names[0]))
     else:
-        from playbook.core.model_families import model_type
+        from core.model_families import model_type
 
         # a clear error for an unsupported family, before anything is patched
         kind = model_type(model) if names else None

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from playbook.core import gpu_arch
+from core import gpu_arch
 
 SMI_TIMEOUT_S = 15
 IMAGE = "kernel-dev-ft"

@@ -31,7 +31,7 @@ third-party function; `start()` does, in this order:
    `started()`) takes over. Without it (None) the handlers stay as they are (pytest's own, under
    conftest.py; an interactive session's).
 3. With `kernels`, Triton's interpreter on a machine without a CUDA GPU
-   (`playbook.core.kernel_utils.use_interpreter_without_gpu`): this imports torch and triton, under
+   (`core.kernel_utils.use_interpreter_without_gpu`): this imports torch and triton, under
    the handlers of 2. A script that runs no kernel in its own process, or that must run before torch
    is installed (`selfcheck.py --index-url`), passes kernels=False.
 
@@ -68,6 +68,6 @@ def start(while_starting: str | None = None, *, kernels: bool = True) -> None:
     if while_starting is not None:
         signals.exit_on_ctrl_c_while_starting(while_starting)
     if kernels:
-        from playbook.core import kernel_utils
+        from core import kernel_utils
 
         kernel_utils.use_interpreter_without_gpu()

@@ -250,7 +250,7 @@ def tiny_model(kind: str, seed: int = 0, **overrides):
     config = getattr(transformers, CONFIGS[kind])(**options)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    from playbook.core.model_families import FAMILIES as TABLE
+    from core.model_families import FAMILIES as TABLE
 
     offset = TABLE[kind].norm_offset
     generator = torch.Generator().manual_seed(seed + 1)
@@ -277,7 +277,7 @@ def loss_and_grads(model, ids, labels):
 
 
 def _device():
-    from playbook.core.kernel_utils import DEVICE
+    from core.kernel_utils import DEVICE
 
     return DEVICE
 

@@ -29,7 +29,7 @@ import torch
 import fp8_linear_kernel as fp8
 import fp8_recipes_kernel as recipes
 from playbook import cuda_graph, models, setup_check
-from playbook.core import fp8_support, gpu_arch
+from core import fp8_support, gpu_arch
 from playbook import registry as ak
 from playbook.config import make_parser, parse_config
 from playbook.testkit import expect_error, record, run_as_script

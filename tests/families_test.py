@@ -35,8 +35,8 @@ import torch
 
 from playbook import registry as ak
 import rmsnorm_kernel
-from playbook.core.kernel_utils import DEVICE
-from playbook.core.model_families import FAMILIES as TABLE
+from core.kernel_utils import DEVICE
+from core.model_families import FAMILIES as TABLE
 from playbook.testkit import (CONFIGS, FAMILIES, N_TERMS, batch, close_to_reference, exactly, loss_and_grads, record,
                               run_as_script, tiny_model)
 
@@ -111,7 +111,7 @@ def _may_not_apply(kind: str) -> set:
 def test_every_family_is_available():
     """Every family of the table is in this transformers release (5.17 and 5.23 both have them all),
     with the classes and the function the kernels patch."""
-    from playbook.core.model_families import SUPPORTED_MODEL_TYPES, family_classes, family_module
+    from core.model_families import SUPPORTED_MODEL_TYPES, family_classes, family_module
 
     assert SUPPORTED_MODEL_TYPES == FAMILIES == tuple(TABLE)
     for kind in FAMILIES:

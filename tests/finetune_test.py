@@ -35,7 +35,7 @@ from playbook import models
 from playbook import training
 from rmsnorm_kernel import TritonRMSNorm
 from playbook.config import DEFAULT_MODEL, make_parser, parse_config
-from playbook.core.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
+from core.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
 from playbook import testkit
 from playbook.testkit import close_to_reference, record, run_as_script, two_process_env
 

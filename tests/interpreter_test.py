@@ -239,7 +239,7 @@ def test_a_loaded_scalar_is_a_loop_bound_in_older_interpreters(monkeypatch):
     import numpy as np
     from triton.runtime import interpreter
 
-    from playbook.core import kernel_utils
+    from core import kernel_utils
 
     class Scope:
         def set_attr(self, obj, name, value):

@@ -1,15 +1,15 @@
-"""The repository's layout shows its architecture: lessons and scripts on top, the library in playbook/.
+"""The repository's layout shows its architecture: lessons and scripts on top, the training library in playbook/, the ground under the lessons in core/.
 
     $ pytest tests/layout_test.py
 
 - The top level holds what a learner runs or reads: the entry scripts and the kernel lessons
   (`<name>_kernel.py` / `<name>_test.py`, each named by the registry), nothing else.
-- `playbook/` is a library: imported, never run (no `__main__` block), and importing the package
+- `playbook/` and `core/` are libraries: imported, never run (no `__main__` block), and importing the package
   itself imports no torch (the set-up check runs before torch is installed).
 - No import cycles, counting the imports inside functions too: a reader can follow each one down.
-- Layers, arrows pointing down only, inside functions too: `playbook/core/` at the ground, the lessons
-  (`*_kernel.py`) above it (importing playbook.core and each other's public names only), the training
-  library (the rest of `playbook/`) above them, the scripts on top.
+- Layers, arrows pointing down only, inside functions too: `core/` at the ground, the lessons
+  (`*_kernel.py`) above it (importing core and each other's public names only), the training
+  library (`playbook/`) above them, the scripts on top.
 - Importing any playbook module or lesson changes no environment variable, signal handler or third-party
   function; `playbook.startup.start()`, which every script calls first, does.
 - `results/` holds evidence only (logs, JSON, CSV, PNG, text), each file listed in results/README.md.
@@ -43,7 +43,7 @@ def test_top_level_is_scripts_and_lessons():
 
 
 def test_the_library_is_never_run():
-    for path in sorted((ROOT / "playbook").glob("*.py")):
+    for path in sorted([*(ROOT / "playbook").glob("*.py"), *(ROOT / "core").glob("*.py")]):
         tree = ast.parse(path.read_text())
         mains = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
         assert not mains, f"{path.name} has a __main__ block: entry points are top-level scripts"
@@ -57,7 +57,7 @@ def test_the_library_is_never_run():
 def import_graph() -> dict:
     """module -> the project's modules it imports, at module level or inside functions."""
     files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p
-             for p in [*ROOT.glob("*.py"), *(ROOT / "playbook").glob("*.py")]}
+             for p in [*ROOT.glob("*.py"), *(ROOT / "playbook").glob("*.py"), *(ROOT / "core").glob("*.py")]}
     files = {name.removesuffix(".__init__"): p for name, p in files.items()}
     graph = {}
     for name, path in files.items():
@@ -111,12 +111,12 @@ def test_no_import_cycles():
     record(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports, no cycle", 0.0, 0.0, True)
 
 
-CORE, LESSON, LIBRARY, SCRIPT = "playbook.core", "lesson", "the training library", "script"
+CORE, LESSON, LIBRARY, SCRIPT = "core", "lesson", "the training library", "script"
 
 
 def layer_of(module: str, root: Path = ROOT) -> str | None:
     """The layer of a module name (a dotted name by its package), None for what is not the project's."""
-    if module == "playbook.core" or module.startswith("playbook.core."):
+    if module == "core" or module.startswith("core."):
         return CORE
     if module == "playbook" or module.startswith("playbook."):
         return LIBRARY
@@ -157,9 +157,9 @@ def imports_of(path: Path, root: Path = ROOT) -> list:
 
 
 def layering_violations(root: Path = ROOT) -> tuple[list, list]:
-    """(upward imports, uses of another lesson's private names) in playbook/core, the lessons and the rest
+    """(upward imports, uses of another lesson's private names) in core, the lessons and the rest
     of playbook/ under `root`."""
-    files = {f"playbook.core.{p.stem}": p for p in (root / "playbook" / "core").glob("*.py")}
+    files = {f"core.{p.stem}": p for p in (root / "core").glob("*.py")}
     files |= {p.stem: p for p in root.glob("*_kernel.py")}
     files |= {f"playbook.{p.stem}": p for p in (root / "playbook").glob("*.py")}
     allowed = {CORE: {CORE}, LESSON: {CORE, LESSON}, LIBRARY: {CORE, LESSON, LIBRARY}}
@@ -184,22 +184,22 @@ def layering_violations(root: Path = ROOT) -> tuple[list, list]:
 def test_imports_point_down_the_layers():
     upward, _ = layering_violations()
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
-    record("playbook/core, the lessons, the training library: no import from a lower layer to a higher one",
+    record("core, the lessons, the training library: no import from a lower layer to a higher one",
            0.0, 0.0, True)
 
 
 def test_the_layer_check_finds_each_kind_of_upward_import(tmp_path):
     """The check itself, on made-up files: each rule of the layering is caught, inside a function too."""
     cases = {  # (file, source) -> what the check must say
-        ("playbook/core/x.py", "def f():\n    import rmsnorm_kernel\n"): "imports rmsnorm_kernel (lesson)",
-        ("playbook/core/x.py", "from playbook import training\n"): "imports playbook.training (the training library)",
-        ("playbook/core/x.py", "from playbook.models import PRESETS\n"): "imports playbook.models.PRESETS (the",
+        ("core/x.py", "def f():\n    import rmsnorm_kernel\n"): "imports rmsnorm_kernel (lesson)",
+        ("core/x.py", "from playbook import training\n"): "imports playbook.training (the training library)",
+        ("core/x.py", "from playbook.models import PRESETS\n"): "imports playbook.models.PRESETS (the",
         ("rope_kernel.py", "def f():\n    from playbook.common import log\n"): "(the training library)",
         ("rope_kernel.py", "import finetune_optimized\n"): "(script)",
         ("playbook/training.py", "def f():\n    import walkthrough\n"): "(script)",
     }
     stubs = ["rmsnorm_kernel.py", "swiglu_kernel.py", "rope_kernel.py", "playbook/__init__.py", "playbook/models.py",
-             "playbook/training.py", "playbook/common.py", "playbook/core/__init__.py", "playbook/core/kernel_utils.py"]
+             "playbook/training.py", "playbook/common.py", "core/__init__.py", "core/kernel_utils.py"]
     for (made, text), says in cases.items():
         root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
         for stub in stubs:
@@ -210,7 +210,7 @@ def test_the_layer_check_finds_each_kind_of_upward_import(tmp_path):
         assert len(upward) == 1 and says in upward[0], (made, text, upward)
         if made == "rope_kernel.py":  # what a lesson may import
             (root / made).write_text("import torch, triton\nimport rmsnorm_kernel\nfrom rmsnorm_kernel import rmsnorm\n"
-                                     "from playbook.core.kernel_utils import DEVICE\nfrom playbook.core import kernel_utils\n")
+                                     "from core.kernel_utils import DEVICE\nfrom core import kernel_utils\n")
             assert layering_violations(root) == ([], [])
             (root / made).write_text("import rmsnorm_kernel as r\nfrom swiglu_kernel import _act_out\n"
                                      "x = r._normalize_rows\ny = r.__doc__\n")
@@ -220,20 +220,13 @@ def test_the_layer_check_finds_each_kind_of_upward_import(tmp_path):
            0.0, 0.0, True)
 
 
-PRIVATE_NAMES_XFAIL = ("fp8_linear_kernel.py reads private names of rmsnorm_kernel and swiglu_kernel, until it is split "
-                       "into lessons whose shared helpers are public")
-
-
-def test_lessons_use_only_each_others_public_names(request):
+def test_lessons_use_only_each_others_public_names():
     _, private = layering_violations()
-    offenders = {p.split(":")[0] for p in private}
-    if offenders == {"fp8_linear_kernel.py"}:  # the one known offender: expected to fail until it is split
-        request.applymarker(pytest.mark.xfail(strict=False, reason=PRIVATE_NAMES_XFAIL))
     assert not private, "a lesson uses another lesson's private names:\n" + "\n".join(private)
     record("the lessons use each other's public names only", 0.0, 0.0, True)
 
 
-# In a fresh process: import every playbook module and every lesson, and compare what a start-up would
+# In a fresh process: import every module of core/ and playbook/ and every lesson, and compare what a start-up would
 # change (the environment, the SIGINT and SIGTERM handlers, Triton's functions that the interpreter's
 # fix-ups replace, transformers' rotary embedding that the rope lesson patches) before and after.
 _IMPORT_EVERYTHING = """
@@ -253,8 +246,9 @@ def snapshot():
 
 before = snapshot()
 root = Path.cwd()
-names = ["playbook"] + [".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-                        for p in sorted([*(root / "playbook").rglob("*.py"), *root.glob("*_kernel.py")])]
+names = ["playbook", "core"] + [".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+                                for p in sorted([*(root / "core").glob("*.py"), *(root / "playbook").glob("*.py"),
+                                                 *root.glob("*_kernel.py")])]
 for name in names:
     importlib.import_module(name)
 after = snapshot()
@@ -276,7 +270,7 @@ def test_importing_changes_nothing():
     assert after["signals"] == before["signals"], (before["signals"], after["signals"])
     assert after["functions"] == before["functions"], (before["functions"], after["functions"])
     lessons = [n for n in got["imported"] if n.endswith("_kernel")]
-    assert len(lessons) >= 9 and "playbook.core.kernel_utils" in got["imported"], got["imported"]
+    assert len(lessons) >= 9 and "core.kernel_utils" in got["imported"], got["imported"]
     record(f"importing {len(got['imported'])} modules ({len(lessons)} lessons) changes no environment variable, "
            "signal handler or third-party function", 0.0, 0.0, True)
 
@@ -293,7 +287,7 @@ start()
 handlers = [repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM)]
 start()  # again: nothing more
 call = JITFunction.__call__
-from playbook.core import kernel_utils
+from core import kernel_utils
 import rmsnorm_kernel, torch
 names = ("CUDA_SCALE_LAUNCH_QUEUES", "PYTORCH_CUDA_ALLOC_CONF", "HF_HUB_DISABLE_PROGRESS_BARS", "TRITON_INTERPRET")
 out = {"env": {n: os.environ.get(n) for n in names}, "gpu": torch.cuda.is_available(),
@@ -341,7 +335,7 @@ def test_start_keeps_a_user_switch_and_refuses_a_lesson_imported_before_it():
     """TRITON_INTERPRET=0 set by the user is kept; without a GPU, a lesson imported before start() holds
     kernels made for the GPU: its first launch on CPU tensors, or start() itself, says to call start() first."""
     code = ("import os; from playbook.startup import start; start(); "
-            "from playbook.core import kernel_utils; print(os.environ['TRITON_INTERPRET'], kernel_utils.INTERPRET)")
+            "from core import kernel_utils; print(os.environ['TRITON_INTERPRET'], kernel_utils.INTERPRET)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"),
                          capture_output=True, text=True, timeout=600)
     assert out.stdout.split() == ["0", "False"], out.stdout + out.stderr[-2000:]

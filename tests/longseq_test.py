@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from playbook import data, registry
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.models import PRESETS
 from playbook.testkit import (FACTOR, ULP, close_to_reference, exactly, random_like_grad, record, run_as_script,
                               tiny_model)
@@ -348,7 +348,7 @@ def test_chunked_loss_matches_unchunked(dtype):
     terms, dx sums over V, dW over the N rows (across all chunks: its fp32 accumulator is what keeps it
     as exact as one matmul). The upstream gradient is 0.73, not 1. Control (fp32): a mean of each
     chunk's own mean (what a loop that normalised per chunk would give) misses the reference by far.
-    On a CPU, Triton's interpreter converts fp32 to bf16 by truncation (playbook/core/kernel_utils.py), so
+    On a CPU, Triton's interpreter converts fp32 to bf16 by truncation (core/kernel_utils.py), so
     the gradient the kernel writes into its bf16 logits buffer leans toward zero and bf16 dW comes
     closer to its tolerance there (~90%) than rounding to nearest puts it."""
     N, H, V, chunk = 521, 64, 509, 64

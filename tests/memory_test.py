@@ -43,7 +43,7 @@ import torch.utils._python_dispatch
 
 from playbook import memory, models
 from playbook.config import make_parser, parse_config
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.registry import DEFAULT_KERNELS
 from playbook.testkit import (BATCH, FACTOR, N_TERMS, SEQ, ULP, batch, loss_and_grads, record, run_as_script,
                               tiny_model)

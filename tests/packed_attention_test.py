@@ -11,7 +11,7 @@ import torch
 
 from playbook import packed_attention as pa
 from playbook.data import IGNORE_INDEX, Example, TrainData, pack_examples, pad_examples
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import FAMILIES, VOCAB, tiny_model
 
 GPU = DEVICE.type == "cuda"

@@ -304,7 +304,7 @@ def test_fused_head_sends_its_gradient_into_the_tied_embedding(smol_dir):
 
     from playbook.registry import apply_kernels
 
-    from playbook.core.kernel_utils import DEVICE as device  # the kernels run where the model is: the GPU when there is one
+    from core.kernel_utils import DEVICE as device  # the kernels run where the model is: the GPU when there is one
     model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).to(device)
     model.model.layers = model.model.layers[:1]
     model.config.num_hidden_layers = 1

@@ -32,7 +32,7 @@ import torch
 from playbook import checkpoint, common, training
 from playbook import registry as ak
 from playbook.config import make_parser, parse_config
-from playbook.core.kernel_utils import DEVICE
+from core.kernel_utils import DEVICE
 from playbook.testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root

@@ -368,9 +368,10 @@ def sandbox(tmp_path):
     triton on PYTHONPATH (importing them takes no time, whatever torch is installed)."""
     box = tmp_path / "box"
     box.mkdir()
-    (box / "playbook" / "core").mkdir(parents=True)
-    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "playbook/core/__init__.py",
-                 "playbook/core/gpu_arch.py", "playbook/startup.py", "playbook/signals.py",
+    (box / "playbook").mkdir()
+    (box / "core").mkdir()
+    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "core/__init__.py",
+                 "core/gpu_arch.py", "playbook/startup.py", "playbook/signals.py",
                  "requirements.txt", "pytest.ini"):
         shutil.copy(HERE / name, box / name)
     (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")

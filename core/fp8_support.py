@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from playbook.core import gpu_arch
+from core import gpu_arch
 
 ALIGN = 16  # torch._scaled_mm: reduced dimensions and b's columns must be multiples of 16
 MAX_COLS = 65536  # one row must fit in one program's registers (the quantizing kernels hold a whole row)

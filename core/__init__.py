@@ -9,5 +9,5 @@
     fp8_support     the FP8 recipes, what each can run on which GPU, the size rule (the FP8 lessons' ground)
 
 A module here imports torch, triton and the standard library, never a lesson (`*_kernel.py`) or the training
-library above the lessons (the rest of `playbook/`): tests/layout_test.py holds it to that.
+library above the lessons (`playbook/`): tests/layout_test.py holds it to that.
 """
