@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
+from core.fp8_support import RECIPES
 from playbook.common import usage_error  # noqa: F401  (config.usage_error: the name the scripts import)
 from playbook.registry import NAMES, PEERS, parse_kernels
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
-# The names of fp8_linear_kernel.RECIPES (not imported here: that file loads Triton)
-FP8_RECIPES = ("rowwise", "rowwise-bf16-dgrad", "rowwise-bf16-ends", "tensorwise", "blockwise", "mxfp8")
+FP8_RECIPES = tuple(RECIPES)  # core/fp8_support.py: the recipes by name
 # --fp8's default: the fastest recipe whose loss on docs/fp8.md's memorization task is no worse than torchao's
 # row-wise recipe (docs/fp8.md, "Recipes", has the measurements)
 FP8_DEFAULT_RECIPE = "rowwise-bf16-ends"
@@ -109,8 +109,8 @@ class ModelSection:
     kernels: tuple  # the registry's names that --kernels selected (fp8 and a named adamw: their own flags)
     fp8: bool  # the decoder's seven projections in FP8 (fp8_linear_kernel.py)
     fp8_backend: str  # whose FP8 layers: "playbook" (fp8_linear_kernel.py) or "torchao" (a peer, for comparison)
-    fp8_recipe: str  # which scales and which matmuls stay bf16 (fp8_linear_kernel.RECIPES; docs/fp8.md)
-    fp8_layers: str  # "auto": projections too small for FP8 to gain stay bf16 (fp8_linear_kernel.size_rule); "all"
+    fp8_recipe: str  # which scales and which matmuls stay bf16 (core.fp8_support.RECIPES; docs/fp8.md)
+    fp8_layers: str  # "auto": projections too small for FP8 to gain stay bf16 (core.fp8_support.size_reason); "all"
     compile: bool
     lora_r: int
     lora_alpha: float | None
@@ -395,7 +395,7 @@ def _add_model_arguments(p: argparse.ArgumentParser, kernels_default: tuple | No
                         "pip install torchao; meant to run with --compile) as a peer to compare with")
     m.add_argument("--fp8-layers", choices=("auto", "all"), default=None,
                    help="auto (default): on a GPU, projections too small for FP8 to gain (harmonic width below "
-                        "fp8_linear_kernel.FP8_MIN_WIDTH, the measured crossover) stay bf16, each named in the log; "
+                        "core.fp8_support.FP8_MIN_WIDTH, the measured crossover) stay bf16, each named in the log; "
                         "all: every projection the recipe converts, whatever its size")
     m.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="with --fp8: scales per row (rowwise), per tensor (tensorwise), per 1x128 / 128x128 block "

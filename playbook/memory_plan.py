@@ -36,6 +36,8 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from core.fp8_support import FP8_MIN_WIDTH
+
 GB = 1e9  # the scripts' summaries count GB as 10^9 bytes
 FREE_MEMORY_ENV = "PLAYBOOK_FREE_MEMORY_GB"  # a stand-in for the free memory (tests, or planning for another GPU)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -53,7 +55,6 @@ FLCE_CHUNK_BYTES = 512 * 2**20  # linear_cross_entropy_kernel.CHUNK_BYTES
 DISTILL_FULL_BYTES = 56  # per logit: distill.py's baseline loss, counted op by op (distill.py's docstring)
 HF_LOSS_BYTES = 12  # per logit: Hugging Face's fp32 log-softmax, its gradient and the gradient of the logits
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # bitsandbytes NF4: 4 bits, an 8-bit scale per 64, an fp32 one per 256 of those
-FP8_MIN_WIDTH = 1536  # fp8_linear_kernel.FP8_MIN_WIDTH (not imported: that file loads Triton)
 LORA_DEFAULT_RANK = 16
 
 
