@@ -7,10 +7,10 @@ docstring, and the comment below.
     $ pytest fp8_lora_test.py
 """
 
-import playbook  # imports no torch: the handler below is set before torch loads
+from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
-    playbook.exit_on_ctrl_c_while_starting("no test was run")
+    start("no test was run")
 
 import math
 

@@ -91,8 +91,30 @@ class exit_on_ctrl_c_while_importing:
 _CTRL_C = {"pressed": False, "signal": "SIGINT"}
 
 
-def _on_ctrl_c(*_):
+def _on_ctrl_c(signum=None, frame=None):
     _CTRL_C["pressed"] = True
+    _raise_where_it_counts(signum, frame)
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether `frame` runs inside an object's finalizer (`__del__`), called by the garbage collector."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _raise_where_it_counts(signum, frame) -> None:
+    """Raise KeyboardInterrupt in the main thread. A signal can arrive while the garbage collector runs a
+    finalizer (`__del__`), where Python prints an exception and drops it, and the run would go on: there
+    the signal is delivered again a moment later (_thread.interrupt_main), outside the finalizer."""
+    if signum is not None and _in_finalizer(frame):
+        import _thread
+        import threading
+
+        threading.Timer(0.05, _thread.interrupt_main, args=(signum,)).start()
+        return
     raise KeyboardInterrupt
 
 
@@ -104,12 +126,12 @@ def _on_ctrl_c(*_):
 _SIGTERM = {"defer": False, "pending": False}
 
 
-def _on_sigterm(*_):
+def _on_sigterm(signum=None, frame=None):
     if _SIGTERM["defer"] and not _SIGTERM["pending"]:
         _SIGTERM["pending"] = True
         return
     _CTRL_C["pressed"], _CTRL_C["signal"] = True, "SIGTERM"
-    raise KeyboardInterrupt
+    _raise_where_it_counts(signum, frame)
 
 
 def started() -> None:

@@ -19,6 +19,11 @@ bitwise the sharded model's logits; a checkpoint of 1 process loads exactly into
 an error on one rank is raised on both.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import copy
 import os
 import random

@@ -11,6 +11,11 @@ changes every step (warm-up, then linear decay) and batches that differ every st
 a rate not updated or a skipped optimizer step show at once.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import dataclasses
 import sys
 from pathlib import Path

@@ -9,6 +9,11 @@ mismatch. Packing is checked in a tiny LLaMA (fp32, sdpa): an example's logits m
 other examples of its row, and the same check without the boundary handling must fail.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import copy
 import json
 import sys

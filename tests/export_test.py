@@ -19,6 +19,11 @@ export.py -> a LoRA fine-tune by finetune_baseline.py -> export.py (the adapter 
 the exported file answers as chat.py with the checkpoint does.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import errno
 import json
 import os

@@ -15,6 +15,11 @@
 - `results/` holds evidence only (logs, JSON, CSV, PNG, text), each file listed in results/README.md.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import ast
 import json
 import os
@@ -220,6 +225,33 @@ def test_the_layer_check_finds_each_kind_of_upward_import(tmp_path):
            0.0, 0.0, True)
 
 
+def _loads_more_than_the_standard_library(node) -> bool:
+    """Whether an import statement loads more than Python's standard library, pytest and the start-up."""
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    return any(name.split(".")[0] not in sys.stdlib_module_names | {"pytest", "__future__"}
+               and name != "playbook.startup" for name in names)
+
+
+def test_every_test_file_run_as_a_script_starts_up_first():
+    """A test file run as a script (its report: `python rmsnorm_test.py`; a torchrun worker of a two-process
+    test) has no conftest.py to call the start-up: it calls playbook.startup.start() itself, before the
+    kernels load (without it, on a machine without a GPU, the kernels are refused or the interpreter lacks
+    its fix-ups)."""
+    missing = []
+    for path in sorted([*ROOT.glob("*_test.py"), *(ROOT / "tests").glob("*_test.py")]):
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body):
+            continue
+        calls = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)
+                 and "start(" in ast.unparse(n)]
+        first_import = next((n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                             and _loads_more_than_the_standard_library(n)), None)
+        if not calls or (first_import is not None and calls[0].lineno > first_import):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"run as scripts without the start-up first: {missing}"
+    record("every test file run as a script calls the start-up before its imports", 0.0, 0.0, True)
+
+
 def test_lessons_use_only_each_others_public_names():
     _, private = layering_violations()
     assert not private, "a lesson uses another lesson's private names:\n" + "\n".join(private)
@@ -370,4 +402,4 @@ def test_results_hold_evidence_listed_in_the_index():
 
 
 if __name__ == "__main__":
-    run_as_script(sys.modules[__name__])
+    raise SystemExit(run_as_script(__name__, "Repository layout: test report"))

@@ -27,6 +27,11 @@ case may have a set-up: it runs in the parent, before the group starts.
 
 from __future__ import annotations
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import contextlib
 import json
 import os

@@ -7,6 +7,11 @@ docs/optimizations.md: each test below fails when one of them is missing, and wh
 taking a registry name.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import re
 import subprocess
 import sys
@@ -197,4 +202,4 @@ def test_benchmark_takes_the_registry_names():
 
 
 if __name__ == "__main__":
-    run_as_script(sys.modules[__name__])
+    raise SystemExit(run_as_script(__name__, "The optimization registry: test report"))

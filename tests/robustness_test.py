@@ -8,6 +8,11 @@ The kernels' own bad-input tests (strided targets, expanded logits, second-order
 devices and dtypes) live in their `<kernel>_test.py` files.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import os
 import re
 import signal
@@ -405,6 +410,35 @@ def test_models_refused_before_they_are_built(monkeypatch, capsys):
             assert "--model llama-tiny" in err and "16.0 GB" in err, err
         record(f"{' '.join(argv)} -> exit 2 before building", 0.0, 0.0, True)
 
+
+
+def test_ctrl_c_during_a_finalizer_still_stops_the_run():
+    """A signal that arrives while the garbage collector runs a finalizer (`__del__`): an exception raised
+    there is printed and dropped by Python, and the run went on (a Trainer run on a GPU machine, still running
+    60 s after Ctrl-C). The handler delivers it again outside the finalizer: KeyboardInterrupt in the main
+    thread, and interrupted() says so."""
+    import signal as sig
+    import time
+
+    from playbook import signals
+
+    class Held:
+        def __del__(self):  # the handler as Python calls it, with the frame it interrupted
+            signals._on_ctrl_c(sig.SIGINT, sys._getframe())
+
+    before, pressed = sig.getsignal(sig.SIGINT), dict(signals._CTRL_C)
+    sig.signal(sig.SIGINT, signals._on_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            held = Held()
+            del held  # the finalizer runs here: no exception comes out of it
+            assert not signals._in_finalizer(sys._getframe())
+            time.sleep(5)  # the signal, delivered again a moment later, ends this wait
+        assert signals.interrupted()
+    finally:
+        sig.signal(sig.SIGINT, before)
+        signals._CTRL_C.update(pressed)
+    record("Ctrl-C inside a finalizer: delivered again outside it, KeyboardInterrupt", 0.0, 0.0, True)
 
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "Bad input to the scripts: test report"))

@@ -19,6 +19,11 @@ the script itself in a child process. What is checked:
   given as --model says how to use it.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import json
 import os
 import shutil

@@ -7,6 +7,11 @@ The training loop's log lines carry `left ...` (checked on a real run in tests/e
 circle, whose fine-tune logs every step).
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import sys
 import time
 

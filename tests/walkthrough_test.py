@@ -5,6 +5,11 @@ The walkthrough's scripts are not run here (minutes on a CPU): `step` is replace
 profiles and summaries it would read are small stand-ins, so the whole of main() runs in a second.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
+    start()
+
 import os
 import re
 import subprocess
