@@ -44,8 +44,8 @@ from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
 from core.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
 from playbook import testkit
-from playbook.testkit import (close_to_reference, exactly, expect_error, record, run_as_script, two_process_device,
-                              two_process_env)
+from playbook.testkit import (close_to_reference, exactly, expect_error, python_path, record, run_as_script,
+                              two_process_device, two_process_env)
 
 ON_GPU = DEVICE.type == "cuda"
 HERE = Path(__file__).resolve().parent
@@ -1108,7 +1108,7 @@ def test_sharded_steps_match_unsharded(tmp_path):
 
     out = subprocess.run(testkit.torchrun(str(HERE / "adamw_test.py"), "--sharded-worker", str(tmp_path)),
                          cwd=HERE, capture_output=True, text=True, timeout=600,
-                         env=two_process_env(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+                         env=two_process_env(OMP_NUM_THREADS="1", PYTHONPATH=python_path(HERE)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["0", "1"], "each rank holds its own shard"
     results = torch.load(tmp_path / "sharded.pt", map_location="cpu")

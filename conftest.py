@@ -5,7 +5,15 @@ GPU, Triton's interpreter, before pytest imports a test module and with it the k
 left to pytest.
 """
 
-from playbook import startup
+import os
+import tempfile
+
+# Every summary, metrics file, plot and trace a test's run writes goes to one temporary folder of this pytest
+# session (its xdist workers and the scripts they start inherit the variable), never into the tree's results/,
+# which holds evidence only (tests/layout_test.py reads it while other tests run).
+os.environ.setdefault("PLAYBOOK_RESULTS_DIR", tempfile.mkdtemp(prefix="playbook-test-results-"))
+
+from playbook import startup  # noqa: E402
 
 startup.start()
 

@@ -115,6 +115,8 @@ UNUSED = {
     "lr_warmup_steps": None, "warmup_ratio": None, "optimizer_in_backward": None, "max_grad_norm": None,
     "output_dir": None, "save_every": None, "resume": None, "merge_lora": None, "log_every": "every step is logged",
     "report_to": None, "sample_prompts": "the student and teacher are compared on losses, not answers",
+    "load_best_model_at_end": "it keeps no checkpoints", "early_stopping_patience": "it holds out no eval rows",
+    "early_stopping_threshold": None,
 }
 
 

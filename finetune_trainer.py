@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 
 from playbook import memory_plan
+from playbook.best import BestEval
 from playbook.registry import DEFAULT_KERNELS
 from playbook.common import log
 from playbook.config import TRAINER, make_parser, parse_config, usage_error
@@ -84,6 +85,44 @@ def trainer_checkpoint(path: Path) -> str:
                       "finetune_trainer.py writes them into --output-dir with --save-every N")
 
 
+class BestEvalWords:
+    """The Trainer's evals (--eval-every) against the best so far, as the scripts' own loop says them
+    (playbook/best.py): the line when the run starts to memorize, and the best step at the end."""
+
+    def __new__(cls, cfg):
+        from transformers import TrainerCallback
+
+        class Words(TrainerCallback):
+            def __init__(self):
+                self.best, self.window, self.cfg = BestEval(), [], cfg
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs and "eval_loss" not in logs:
+                    self.window.append(float(logs["loss"]))
+
+            def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+                loss = (metrics or {}).get("eval_loss")
+                if loss is None:
+                    return
+                window, self.window = self.window, []
+                if not self.best.warned and self.best.memorizing(loss, window):
+                    self.best.warned = True
+                    keeps = (f"The best checkpoint so far: {state.best_model_checkpoint}; the run ends with its weights "
+                             "(--load-best-model-at-end)." if self.cfg.load_best_model_at_end and
+                             state.best_model_checkpoint else "--load-best-model-at-end with --output-dir keeps the "
+                             "best checkpoint, and --early-stopping-patience N stops such a run.")
+                    log(self.best.memorizing_line(state.global_step, loss, window, keeps))
+                self.best.update(state.global_step, loss, window)
+
+            def said_at_end(self, state):
+                if self.best.step is not None:
+                    log(f"best eval loss: {self.best.loss:.4f} at step {self.best.step} of {state.global_step}"
+                        + (f" (checkpoint {state.best_model_checkpoint}; the model ends with its weights)"
+                           if self.cfg.load_best_model_at_end and state.best_model_checkpoint else ""))
+
+        return Words()
+
+
 def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
@@ -103,6 +142,12 @@ def main(argv=None):
     if cfg.sample_prompts is not None:
         raise usage_error("--sample-prompts belongs to the scripts' own loop: the Trainer answers no prompts; use "
                           "finetune_optimized.py, or chat.py --prompts-file on the saved checkpoint")
+    if cfg.early_stopping_patience and not cfg.load_best_model_at_end:
+        raise usage_error("--early-stopping-patience: the Trainer's EarlyStoppingCallback needs "
+                          "--load-best-model-at-end (and --output-dir) too; the scripts' own loop does not")
+    if cfg.load_best_model_at_end and cfg.save_every and cfg.save_every % cfg.eval_every:
+        raise usage_error(f"--load-best-model-at-end: the Trainer keeps the best of its saved checkpoints, so "
+                          f"--save-every ({cfg.save_every}) must be a multiple of --eval-every ({cfg.eval_every})")
     resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
     memory_plan.check(cfg)  # before the model is built
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
@@ -115,7 +160,9 @@ def main(argv=None):
         gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
         lr_scheduler_type=cfg.lr_schedule if cfg.lr_schedule != "constant" else "constant_with_warmup",
         warmup_steps=cfg.lr_warmup_steps, max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=cfg.log_every,
-        save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
+        save_strategy="steps" if cfg.save_every or cfg.load_best_model_at_end else "no",
+        save_steps=cfg.save_every or (cfg.eval_every if cfg.load_best_model_at_end else 500),
+        load_best_model_at_end=cfg.load_best_model_at_end, metric_for_best_model="eval_loss", greater_is_better=False,
         save_total_limit=cfg.save_total_limit,
         eval_strategy="steps" if eval_set is not None and cfg.eval_every else "no", eval_steps=cfg.eval_every or None,
         bf16=cfg.on_gpu, use_cpu=not cfg.on_gpu, report_to=[] if cfg.report_to == "none" else [cfg.report_to],
@@ -126,12 +173,22 @@ def main(argv=None):
     )
     if cfg.warmup_ratio:
         args.warmup_steps = int(cfg.warmup_ratio * (cfg.steps or 0))
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set)
+    words = BestEvalWords(cfg) if eval_set is not None and cfg.eval_every else None
+    callbacks = [words] if words is not None else []
+    if cfg.early_stopping_patience:
+        from transformers import EarlyStoppingCallback
+
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience,
+                                               early_stopping_threshold=cfg.early_stopping_threshold))
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set, callbacks=callbacks)
     log(f"Trainer: {desc}, kernels {report.describe()}, {len(train_set)} training rows, "
         f"{args.world_size} process{'es' if args.world_size > 1 else ''}")
     if resume is not None:
         log(f"Resuming from {resume}")
     result = trainer.train(resume_from_checkpoint=resume)
+    if words is not None:
+        trainer.remove_callback(words)  # (the eval below is of the model as it ends, not one of the run's)
+        words.said_at_end(trainer.state)
     metrics = dict(result.metrics)
     if eval_set is not None:
         metrics.update(trainer.evaluate())

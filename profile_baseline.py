@@ -97,7 +97,8 @@ UNUSED = {
     "warmup_ratio": None, "output_dir": "nothing but the summary and the trace is written", "save_every": None,
     "resume": None, "merge_lora": None, "save_total_limit": None, "overwrite_output_dir": None,
     "eval_dataset": None, "log_every": "the profile is printed at the end", "report_to": None,
-    "sample_prompts": "a profile measures steps; chat.py answers prompts",
+    "sample_prompts": "a profile measures steps; chat.py answers prompts", "load_best_model_at_end": None,
+    "early_stopping_patience": None, "early_stopping_threshold": None,
 }
 
 

@@ -45,10 +45,10 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 
 import torch  # noqa: E402
 
-from playbook import registry  # noqa: E402
+from playbook import common, registry  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = common.RESULTS_DIR  # results/, or the folder PLAYBOOK_RESULTS_DIR names
 EXAMPLE_DATA = HERE / "examples" / "chat.jsonl"
 PROMPTS = HERE / "examples" / "walkthrough_prompts.txt"
 KNOWN_GPUS = ("H100", "H200")  # GPUs with measured results in results/
@@ -58,11 +58,23 @@ KERNEL_CATEGORIES = ("RMSNorm", "loss", "SwiGLU", "RoPE", "element-wise")
 # (fp8_linear, adamw, lora, distillation): `make test` runs their tests.
 OTHER_TESTS = tuple(o.test for o in registry.OPTIMIZATIONS if o.name not in registry.KERNEL_NAMES)
 
+# The learning rate of every GPU run (4a, 4b, 4d, 4e): the Hugging Face Trainer's default, 5e-5, the top of the
+# peers' range for a full fine-tune (TRL, torchtune and Axolotl use 2e-5), with a warm-up over the first 10 % of
+# the steps and linear decay to 0 (the scripts' default schedule): the walkthrough's runs are a dozen steps, and
+# at 2e-5 SmolLM2's eval loss moved 1.7 % in its three epochs where the same run at 5e-5 moved 6.6 %. At 1e-4
+# the 8B preset's eval loss rose over the first steps before falling (14.06 after step 3, from 12.47)
+# (results/runs/walkthrough_settings_H200/: lr 2e-5, 5e-5 and 1e-4, baseline against the kernels).
+GPU_LR = ["--lr", "5e-5", "--warmup-ratio", "0.1"]
+# Step 4b changes only the kernels: the optimized script's AdamW rounds each new bf16 weight to nearest, as the
+# baseline's (PyTorch's fused AdamW) does. The default rounding keeps the updates that rounding loses: step 4e.
+SAME_OPTIMIZER = ["--optimizer-rounding", "nearest"]
+
 # Step 4d, the real model: SmolLM2-135M-Instruct (real weights, offline: playbook/pretrained.py).
 REAL_MODEL = "smollm2-135m"
 REAL_TITLE = "SmolLM2-135M-Instruct"
-# On a GPU: docs/quality.md's runs (8 x 512 padded rows, 60 steps, lr 1e-4), baseline and kernels.
-REAL_GPU = ["--batch-size", "8", "--seq-len", "512", "--steps", "60", "--lr", "1e-4", "--log-every", "10"]
+# On a GPU: 8 x 512 packed rows for three epochs (12 steps; the peers stop at 3), eval every 2 steps, baseline
+# and kernels; then step 4e's roundings at the same settings.
+REAL_GPU = ["--batch-size", "8", "--seq-len", "512", "--epochs", "3", *GPU_LR, "--eval-every", "2", "--log-every", "2"]
 # On a CPU: finetune_baseline.py, in PyTorch's CPU operators (the model loads in float32 on a CPU without bf16
 # matmuls). 12 steps of 2 x 256 packed tokens are what a few minutes of a small CPU hold: a third of one pass
 # over the file, so the learning rate is high enough (3e-4) for answers to change after one sight of their
@@ -90,7 +102,8 @@ def default_workload():
                 "CPU: llama-tiny preset, 2 x 256 tokens, 12 steps (an interpreter run: timings mean nothing)",
                 "on a CPU both runs learn the same thing: compare the loss columns, not the speed")
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    big = data + ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "12", "--lr", "1e-4"]
+    big = data + ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "12", *GPU_LR,
+                  "--eval-every", "3"]
     if gib >= 120:
         return big, f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens", \
             "the kernels make each step faster and leaner at the same loss"
@@ -102,23 +115,48 @@ def default_workload():
             "at this size the baseline does not fit this GPU and the optimized run does"
     layers = max(2, int(32 * gib / 100))
     return (data + ["--model", "llama-3.1-8b", "--num-layers", str(layers), "--batch-size", "2", "--seq-len", "2048",
-                    "--steps", "12", "--lr", "1e-4"],
+                    "--steps", "12", *GPU_LR, "--eval-every", "3"],
             f"{gib:.0f} GiB GPU: the 8B architecture cut to {layers} layers, 2 x 2048 tokens",
             "a slice of the model, to fit this GPU: the ratios carry over, the absolute figures do not")
 
 
+def real_model_args(steps: int | None = None) -> list[str]:
+    """The arguments of every real-model run on a GPU (steps 4d and 4e); `steps`: N steps instead of three epochs."""
+    args = ["--model", REAL_MODEL, "--dataset", str(EXAMPLE_DATA.relative_to(HERE)),
+            "--sample-prompts", str(PROMPTS.relative_to(HERE))] + REAL_GPU
+    if steps is not None:
+        args = _drop(args, "--epochs") + ["--steps", str(steps)] + (["--timing-warmup-steps", "1"] if steps <= 2 else [])
+    return args
+
+
 def real_model_runs(gpu: bool, steps: int | None = None) -> list[tuple[str, str, list[str]]]:
     """Step 4d: (tag, script, arguments) of each real-model run. `steps`: --real-model-steps, else the default."""
+    if gpu:
+        args = real_model_args(steps)
+        return [("walkthrough_real_baseline", "finetune_baseline.py", args),
+                ("walkthrough_real_optimized", "finetune_optimized.py", args + SAME_OPTIMIZER)]
     common = ["--model", REAL_MODEL, "--dataset", str(EXAMPLE_DATA.relative_to(HERE)),
               "--sample-prompts", str(PROMPTS.relative_to(HERE))]
-    if gpu:
-        args = common + REAL_GPU
-        if steps is not None:
-            args = _replace(args, "--steps", str(steps)) + (["--timing-warmup-steps", "1"] if steps <= 2 else [])
-        return [("walkthrough_real_baseline", "finetune_baseline.py", args),
-                ("walkthrough_real_optimized", "finetune_optimized.py", args)]
     return [("walkthrough_real_baseline", "finetune_baseline.py",
              common + REAL_CPU + ["--steps", str(steps or REAL_CPU_STEPS)])]
+
+
+def rounding_runs(steps: int | None = None) -> list[tuple[str, str, list[str]]]:
+    """Step 4e, on a GPU: the real model with the optimized script's default rounding, and with fp32 master
+    weights, at step 4d's settings (step 4d's kernels' run is the third: rounding to nearest). The default's
+    run keeps its best checkpoint, which step 4e exports."""
+    args = real_model_args(steps)
+    return [("walkthrough_real_default", "finetune_optimized.py",
+             args + ["--output-dir", REAL_OUTPUT, "--overwrite-output-dir", "--load-best-model-at-end"]),
+            ("walkthrough_real_fp32", "finetune_optimized.py", args + ["--master-weights", "fp32"])]
+
+
+def _drop(args: list[str], flag: str) -> list[str]:
+    """args without flag and its value."""
+    if flag not in args:
+        return args
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
 
 
 def _replace(args: list[str], flag: str, value: str) -> list[str]:
@@ -164,16 +202,43 @@ def profile_line(tag: str) -> str:
     return f"{p['ms_per_step']:.1f} ms of {p['unit']} time per step ({top})"
 
 
-def kernel_test(name: str, py: str, letter: str = "") -> None:
-    """Step 2 for one kernel: its test file as a script. The full report (every check) goes to
-    results/walkthrough_tests_<name>.txt; the screen gets testkit's short one (TESTKIT_REPORT)."""
-    report = (RESULTS / f"walkthrough_tests_{name}.txt").relative_to(HERE)
-    step(f"Step 2{letter} ({name}): test the fused {name} kernel",
-         f"{registry.KERNELS[name]}.\nEach check compares the kernel with PyTorch and a float64 reference on the "
-         "same inputs: 'max err'\nmust stay under 'tol' (at most 2x PyTorch's own error). Shown here: the counts, "
-         "any failure with its\nfirst error line, and the check closest to its tolerance.\nEvery check is in "
-         f"{report}.",
-         [py, registry.BY_NAME[name].test], env={"TESTKIT_REPORT": str(report)})
+def kernel_test(name: str, py: str, letter: str = "") -> tuple[str, str, list[str], dict]:
+    """Step 2 for one kernel, as step() takes it: its test file as a script. The full report (every check) goes
+    to results/walkthrough_tests_<name>.txt; the screen gets testkit's short one (TESTKIT_REPORT)."""
+    report = shown(RESULTS / f"walkthrough_tests_{name}.txt")
+    return (f"Step 2{letter} ({name}): test the fused {name} kernel",
+            f"{registry.KERNELS[name]}.\nEach check compares the kernel with PyTorch and a float64 reference on the "
+            "same inputs: 'max err'\nmust stay under 'tol' (at most 2x PyTorch's own error). Shown here: the counts, "
+            "any failure with its\nfirst error line, and the check closest to its tolerance.\nEvery check is in "
+            f"{report}.",
+            [py, registry.BY_NAME[name].test], {"TESTKIT_REPORT": str(report)})
+
+
+def shown(path: Path) -> Path:
+    """A path as the reader finds it: relative to the repository where it is inside it."""
+    return path.relative_to(HERE) if path.is_relative_to(HERE) else path
+
+
+def steps_together(calls: list[tuple[str, str, list[str], dict]]) -> None:
+    """step() for several scripts at once, each started at once and shown in order when it ends (its banner, its
+    output, its time): on a GPU the kernel test files spend most of their time compiling Triton kernels on
+    the host, one core each, and the tests marked big_gpu_memory take the GPU in turn (conftest.py). The first
+    that fails stops the walkthrough, as step() does, once the others have ended."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **env}) for _, _, cmd, env in calls]
+    failed = None
+    for (title, explain, cmd, env), proc in zip(calls, procs):
+        out, err = proc.communicate()
+        banner(title, explain, cmd, env)
+        sys.stdout.write(out)
+        sys.stderr.write(err)
+        print(f"[{title.split(':')[0]} ended {time.perf_counter() - t0:.0f} s after the {len(calls)} started together]",
+              flush=True)
+        if proc.returncode != 0 and failed is None:
+            failed = (cmd, proc.returncode)
+    if failed is not None:
+        raise SystemExit(f"\nwalkthrough: '{' '.join(failed[0][1:])}' failed (exit code {failed[1]}); stopping here.")
 
 
 def category_changes(before_tag: str, after_tag: str) -> str:
@@ -274,9 +339,12 @@ def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str
         s = r["summary"]
         before, after = s.get("eval loss before"), s.get("final eval loss")
         shown = "n/a" if before is None or after is None else f"{before:.4f} -> {after:.4f}"
+        if s.get("best eval step") is not None:
+            shown += f" (best {s['best eval loss']:.4f} at step {s['best eval step']})"
         speed = "" if "CPU" in r["gpu"] or not s.get("tokens/s (job)") else f", {s['tokens/s (job)']:,.0f} tokens/s"
         lines.append(f"   {label:<34} eval loss {shown}{speed}   (held-out conversations of {EXAMPLE_DATA.name})")
-    pick = most_changed(first.get("samples") or [], taught)
+    last_label, last = done[-1]  # (the run exported at the end of step 4d)
+    pick = most_changed(last.get("samples") or [], taught)
     if pick is None:
         lines.append("   (no sample answer to a question the data teaches)")
         return "\n".join(lines)
@@ -286,7 +354,7 @@ def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str
         after = next((s.get("after") for s in r.get("samples") or [] if s.get("prompt") == pick["prompt"]), None)
         lines.append(f"     after, {label}: {after}")
     lines.append(f"     the data's answer: {pick['taught']}")
-    lines.append(f"   The answer now has {pick['after_words']} of the {pick['of_words']} words of the data's answer "
+    lines.append(f"   The answer{'' if len(done) == 1 else f' of the {last_label} run'} now has {pick['after_words']} of the {pick['of_words']} words of the data's answer "
                  f"(before training: {pick['before_words']})" + (f"; every prompt's answers: {where}." if where else "."))
     return "\n".join(lines)
 
@@ -305,8 +373,8 @@ def _arguments() -> tuple[argparse.Namespace, list[str]]:
                    help="the kernels whose test files step 2 runs, comma-separated (default: the six that patch the "
                         "model: %(default)s)")
     p.add_argument("--real-model-steps", type=int, default=None, metavar="N",
-                   help=f"step 4d: fine-tune {REAL_TITLE} for N steps (default: {REAL_CPU_STEPS} on a CPU, "
-                        f"{REAL_GPU[REAL_GPU.index('--steps') + 1]} on a GPU); 0 leaves step 4d out")
+                   help=f"steps 4d and 4e: fine-tune {REAL_TITLE} for N steps (default: {REAL_CPU_STEPS} on a CPU, "
+                        f"{REAL_GPU[REAL_GPU.index('--epochs') + 1]} epochs on a GPU); 0 leaves them out")
     args = p.parse_args()
     kernel_tests = [k for k in args.kernel_tests.split(",") if k]
     unknown = [k for k in kernel_tests if k not in registry.KERNEL_NAMES]
@@ -334,6 +402,16 @@ def _workload(args: argparse.Namespace) -> list[str]:
     return workload
 
 
+TRAINING_ONLY = ("--steps", "--lr", "--warmup-ratio", "--eval-every")  # flags of 4a/4b that a profile refuses
+
+
+def profile_arguments(workload: list[str]) -> list[str]:
+    """Steps 1 and 4c: the workload without the flags of a training run (each with its value)."""
+    for flag in TRAINING_ONLY:
+        workload = _drop(workload, flag)
+    return workload
+
+
 def _profile_baseline(prof: list[str], gpu: bool) -> None:
     step("Step 1: profile the baseline",
          ("One training step of plain Hugging Face under torch.profiler, GPU time by category. Look at the\n"
@@ -356,11 +434,17 @@ def _kernel_tests(skip: bool, kernel_tests: list[str], py: str) -> None:
                f"The test files of all ten kernel lessons are part of `make test` ({others} included).")
     else:
         banner("Step 2: the kernels and their tests",
-               f"The test files of the kernels that patch the model, one after another:\n{', '.join(kernel_tests)}.\n"
+               f"The test files of the kernels that patch the model, "
+               f"{'all started at once (a GPU)' if torch.cuda.is_available() else 'one after another'}:\n"
+               f"{', '.join(kernel_tests)}.\n"
                f"The other lessons act outside the model's modules: {others}.\n"
                "`make test` runs them, and each runs as a script too, e.g. `python adamw_test.py`.")
-    for i, name in enumerate(() if skip else kernel_tests):
-        kernel_test(name, py, letter=chr(ord("a") + i))
+    calls = [kernel_test(name, py, letter=chr(ord("a") + i)) for i, name in enumerate(() if skip else kernel_tests)]
+    if torch.cuda.is_available() and len(calls) > 1:
+        steps_together(calls)  # (a CPU has too few cores to gain: the interpreter keeps each one busy)
+    else:
+        for title, explain, cmd, env in calls:
+            step(title, explain, cmd, env=env)
 
 
 def _fine_tune_both(workload: list[str], py: str, gpu: bool) -> tuple[dict | None, dict]:
@@ -381,15 +465,20 @@ def _fine_tune_both(workload: list[str], py: str, gpu: bool) -> tuple[dict | Non
     model_kernels = [k for k in registry.DEFAULT_KERNELS if k in registry.KERNEL_NAMES]
     step("Step 4b: fine-tune, optimized",
          ("The same loop, seed and data with the default kernels: "
-          + (f"{', '.join(model_kernels)}\nand the Triton AdamW (adamw).\n" if gpu else
+          + (f"{', '.join(model_kernels)}\nand the Triton AdamW (adamw), told to round each new bf16 weight to "
+             "nearest as the baseline's\nPyTorch AdamW does (--optimizer-rounding nearest): one change, the kernels. "
+             "The default rounding\nkeeps the updates that rounding loses: step 4e.\n" if gpu else
              f"{', '.join(model_kernels)}\n(the Triton AdamW of the default set runs on a GPU only: PyTorch's AdamW "
-             "here; lora joins with --lora-r).\n"))
+             "here, as in the baseline; lora joins with --lora-r).\n"))
          + ("Look at the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down."
             if gpu else "The loss must follow the baseline's. The kernels run in Triton's interpreter here, so tokens/s\n"
             "fall far below the baseline's: on a CPU the loss is the result, not the speed."),
-         [py, "finetune_optimized.py", *workload, "--tag", "walkthrough_optimized", *OVERWRITE])
+         [py, "finetune_optimized.py", *workload, *(SAME_OPTIMIZER if gpu else []), "--tag", "walkthrough_optimized",
+          *OVERWRITE])
     opt = load("walkthrough_optimized")
     s = opt["summary"]
+    if base:
+        print(curves_agree(base, opt))
     if not gpu:  # interpreter speed says nothing: the loss is the number here
         print(f"-> the number: loss {s['first loss']:.3f} -> {s['final loss']:.3f}"
               + (f" (baseline: -> {base['summary']['final loss']:.3f})" if base else "")
@@ -400,6 +489,19 @@ def _fine_tune_both(workload: list[str], py: str, gpu: bool) -> tuple[dict | Non
                  " (the baseline did not fit)")
               + (f", peak {s['peak GPU memory (GB)']:.1f} GB" if s.get("peak GPU memory (GB)") else ""))
     return base, opt
+
+
+def curves_agree(base: dict, opt: dict) -> str:
+    """How close two runs of the same data, seed and optimizer arithmetic stayed: their training losses step by
+    step and their eval losses, as relative differences."""
+    steps = [abs(o - b) / abs(b) for b, o in zip(base["losses"], opt["losses"]) if b]
+    evals = [(d, abs(o - b) / abs(b)) for (d, b), (_, o) in zip(base["eval_losses"], opt["eval_losses"]) if b]
+    line = (f"   the two loss curves: {len(steps)} steps, training losses within {100 * max(steps):.2f} % of each other "
+            f"(mean {100 * sum(steps) / len(steps):.2f} %)" if steps else "   no training losses to compare")
+    if evals:
+        worst = max(evals, key=lambda e: e[1])
+        line += f"; eval losses within {100 * worst[1]:.2f} % (after step {worst[0]})"
+    return line
 
 
 def _profile_again(prof: list[str], gpu: bool) -> None:
@@ -419,9 +521,10 @@ def _real_model_explained(gpu: bool, kernels: bool) -> str:
     prompts = PROMPTS.relative_to(HERE)
     if gpu:
         return ("Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md), fine-tuned on\n"
-                "examples/chat.jsonl. The run prints the held-out eval loss before the first step and after the\n"
-                f"last, and the model's answers to {prompts} before and after.\n"
-                + ("The same run with the kernels: the same losses and answers, more tokens/s." if kernels else
+                "examples/chat.jsonl for three epochs (12 steps), lr 5e-5 with warm-up and linear decay, the eval loss\n"
+                f"every 2 steps; the model's answers to {prompts} before and after.\n"
+                + ("The same run with the kernels, its AdamW rounding to nearest as the baseline's: the same losses\n"
+                   "within bf16's noise, more tokens/s." if kernels else
                    "First plain Hugging Face; then the same run with the kernels."))
     return (
         "Real pretrained weights (Apache-2.0, dequantized from a 4-bit GGUF: docs/data.md; converted once,\n"
@@ -436,9 +539,20 @@ def _real_model_explained(gpu: bool, kernels: bool) -> str:
         "baseline on llama-tiny\ninstead; a GPU runs both on SmolLM2.")
 
 
+def eval_line(r: dict, gpu: bool) -> str:
+    """A real-model run's number: its eval loss before -> after, its best, and its speed on a GPU."""
+    s = r["summary"]
+    before, after = s.get("eval loss before"), s.get("final eval loss")
+    line = f"eval loss {before or float('nan'):.4f} -> {after or float('nan'):.4f}"
+    if s.get("best eval step") is not None:
+        line += f" (best {s['best eval loss']:.4f} at step {s['best eval step']})"
+    return line + (f", {s['tokens/s (job)']:,.0f} tokens/s" if gpu and s.get("tokens/s (job)") else "")
+
+
 def _real_model(steps: int | None, py: str, gpu: bool) -> list[tuple[str, str, list[str]]]:
-    """Step 4d: the real model fine-tuned (baseline, and with the kernels on a GPU), then exported; returns
-    the runs made, as real_model_runs lists them."""
+    """Step 4d: the real model fine-tuned (baseline, and with the kernels on a GPU); step 4e on a GPU: the
+    optimizer's roundings; then the last run's checkpoint exported. Returns the runs made, as real_model_runs and
+    rounding_runs list them."""
     real = [] if steps == 0 else real_model_runs(gpu, steps)
     if not real:
         banner("Step 4d: a real model learns: skipped (--real-model-steps 0)", "")
@@ -446,26 +560,96 @@ def _real_model(steps: int | None, py: str, gpu: bool) -> list[tuple[str, str, l
         kernels = script == "finetune_optimized.py"
         title = (f"Step 4d{'' if len(real) == 1 else ' (kernels)' if kernels else ' (baseline)'}: a real model learns: "
                  f"{REAL_TITLE}" + (", with the kernels" if kernels else ""))
-        saved = ["--output-dir", REAL_OUTPUT, "--overwrite-output-dir"] if i == len(real) - 1 else []  # (exported below)
+        saved = ["--output-dir", REAL_OUTPUT, "--overwrite-output-dir"] if not gpu else []  # (exported below)
         step(title, _real_model_explained(gpu, kernels), [py, script, *real_args, "--tag", tag, *OVERWRITE, *saved])
         r = load(tag)
         if r is not None:
-            s = r["summary"]
-            print(f"-> the number: eval loss {s.get('eval loss before') or float('nan'):.4f} -> "
-                  f"{s.get('final eval loss') or float('nan'):.4f}"
-                  + (f", {s['tokens/s (job)']:,.0f} tokens/s" if gpu and s.get("tokens/s (job)") else ""))
-
+            print(f"-> the number: {eval_line(r, gpu)}")
+    if len(real) == 2 and load(real[0][0]) and load(real[1][0]):
+        print(curves_agree(load(real[0][0]), load(real[1][0])))
+    real += _roundings(steps, py, gpu) if real else []
     if real:
+        checkpoint = REAL_OUTPUT
+        best = (load(real[-1][0]) or {}).get("best_eval") or {}
+        if gpu and best.get("checkpoint"):
+            checkpoint = best["checkpoint"]
         step("Step 4d, exported: the fine-tuned model for llama.cpp and Ollama",
-             f"The checkpoint of the last run above as one GGUF file (q8_0: 8 bits a weight), with its tokenizer, chat\n"
+             f"The {'best checkpoint of the default run above' if gpu else 'checkpoint of the run above'} as one GGUF "
+             "file (q8_0: 8 bits a weight), with its tokenizer, chat\n"
              "template and end-of-turn token, and an Ollama Modelfile beside it. Nothing here runs Ollama or llama.cpp;\n"
              "the command to do so follows (docs/export.md). tests/export_test.py reads such files back through\n"
              "transformers' own GGUF reader and checks that they answer as the checkpoint does.",
-             [py, "export.py", REAL_OUTPUT, "--output", REAL_GGUF, "--name", REAL_OLLAMA_NAME])
+             [py, "export.py", checkpoint, "--output", REAL_GGUF, "--name", REAL_OLLAMA_NAME])
         modelfile = REAL_GGUF.removesuffix(".gguf") + ".Modelfile"
         print(f"-> the file: {REAL_GGUF}; to run it:\n   ollama create {REAL_OLLAMA_NAME} -f {modelfile}  &&  "
               f"ollama run {REAL_OLLAMA_NAME}")
     return real
+
+
+def _roundings(steps: int | None, py: str, gpu: bool) -> list[tuple[str, str, list[str]]]:
+    """Step 4e: what the optimizer keeps of each update. On a GPU, the real model again with the optimized
+    script's default rounding and with fp32 master weights, beside step 4d's rounding to nearest; on a CPU the
+    real model's weights are float32, which round nothing away: the step says so and runs nothing."""
+    title = "Step 4e: what the optimizer keeps of an update: rounding to nearest, the default, fp32 master weights"
+    if not gpu:
+        banner(title + " (a GPU's lesson)",
+               "A bf16 weight cannot hold an update smaller than half its last bit: rounding to nearest drops it.\n"
+               "The optimized script's default keeps what rounding drops (Kahan-compensated where its buffer fits\n"
+               "in memory, else stochastic rounding); fp32 master weights are the reference. On this CPU the real\n"
+               "model's weights are float32, which drop nothing, so there is nothing to compare here: on a GPU this\n"
+               "step runs SmolLM2 three ways (docs/quality.md has the figures).")
+        return []
+    runs = rounding_runs(steps)
+    for tag, script, run_args in runs:
+        fp32 = "--master-weights" in run_args
+        step(f"Step 4e{' (fp32 master weights)' if fp32 else ' (the default rounding)'}: what the optimizer keeps "
+             "of an update",
+             ("The same run as step 4d's with the kernels, with fp32 master weights (--master-weights fp32): the\n"
+              "Triton AdamW updates an fp32 copy of every weight (4 bytes each) and rounds it into the bf16 weight:\n"
+              "the reference for what an update should do." if fp32 else
+              "A bf16 weight cannot hold an update smaller than half its last bit: step 4d's runs round to nearest,\n"
+              "which drops it. The optimized script's default keeps it: Kahan compensation (a bf16 buffer of 2 bytes\n"
+              "per weight holding what rounding dropped) where it fits in memory, else stochastic rounding. This\n"
+              "run keeps its best checkpoint (--load-best-model-at-end), which is exported below."),
+             [py, script, *run_args, "--tag", tag, *OVERWRITE])
+        r = load(tag)
+        if r is not None:
+            print(f"-> the number: {eval_line(r, gpu)}")
+    print(rounding_table([("nearest (step 4d)", load("walkthrough_real_optimized")),
+                          ("the default", load(runs[0][0])), ("fp32 master weights", load(runs[1][0]))]))
+    return runs
+
+
+# The memory each rounding adds to AdamW's bf16 moments, per trainable weight (adamw_kernel.py, "Updates that stick")
+EXTRA_BYTES = {"nearest": 0, "stochastic": 0, "kahan": 2, "fp32-master": 4}
+
+
+def rounding_table(runs: list[tuple[str, dict | None]]) -> str:
+    """Step 4e's table: each rounding's eval loss, the memory it adds and the run's peak."""
+    from tabulate import tabulate
+
+    rows = []
+    for label, r in runs:
+        if r is None:
+            continue
+        s, rounding = r["summary"], r["config"].get("optimizer_rounding", "nearest")
+        if r["config"].get("master_weights") == "fp32":
+            rounding = "fp32-master"
+        extra = EXTRA_BYTES.get(rounding, 0) * r["trainable_params"] / 1e9
+        before, after = s.get("eval loss before"), s.get("final eval loss")
+        gain = "n/a" if not before or after is None else f"{100 * (before - after) / before:.1f} %"
+        rows.append((f"{label}: {rounding}", f"{before:.4f}" if before else "n/a",
+                     f"{after:.4f}" if after is not None else "n/a", gain, f"{extra:.2f}",
+                     f"{s['peak GPU memory (GB)']:.2f}" if s.get("peak GPU memory (GB)") else "n/a"))
+    return ("\nStep 4e, the optimizer's rounding (SmolLM2, the same data, seed and learning rate):\n"
+            + tabulate(rows, headers=["rounding", "eval before", "eval after", "fall", "added memory (GB)",
+                                      "peak GPU memory (GB)"], tablefmt="github"))
+
+
+RUN_LABELS = {"walkthrough_real_baseline": "baseline (finetune_baseline.py)",
+              "walkthrough_real_optimized": "kernels, rounding to nearest",
+              "walkthrough_real_default": "kernels, the default rounding",
+              "walkthrough_real_fp32": "kernels, fp32 master weights"}
 
 
 def _summary(base: dict | None, opt: dict, real: list) -> None:
@@ -473,13 +657,11 @@ def _summary(base: dict | None, opt: dict, real: list) -> None:
                       "curves are.")
     side_by_side(base, opt)
     if real:
-        labels = {"finetune_baseline.py": "baseline (finetune_baseline.py)",
-                  "finetune_optimized.py": "kernels (finetune_optimized.py)"}
-        print(real_model_report([(labels[script], load(tag)) for tag, script, _ in real], taught_answers(),
-                                where=f"results/{real[0][0]}.json"))
+        print(real_model_report([(RUN_LABELS[tag], load(tag)) for tag, _, _ in real], taught_answers(),
+                                where=str(shown(RESULTS / f"{real[-1][0]}.json"))))
     tags = ["baseline", "optimized"] + [t.removeprefix("walkthrough_") for t, _, _ in real]
     curves = [RESULTS / f"walkthrough_{t}.png" for t in tags if (RESULTS / f"walkthrough_{t}.png").is_file()]
-    print("Loss curves: " + ", ".join(str(c.relative_to(HERE)) for c in curves))
+    print("Loss curves: " + ", ".join(str(shown(c)) for c in curves))
 
 
 def main():
@@ -487,10 +669,9 @@ def main():
     workload = _workload(args)
     py = sys.executable
     gpu = torch.cuda.is_available()
-    prof = [py, "profile_baseline.py", *[w for i, w in enumerate(workload) if w != "--steps" and
-                                         (i == 0 or workload[i - 1] != "--steps")], *OVERWRITE]
+    prof = [py, "profile_baseline.py", *profile_arguments(workload), *OVERWRITE]
     _profile_baseline(prof, gpu)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     _kernel_tests(args.skip_kernel_tests, kernel_tests, py)
     banner("Step 3: how close to the hardware? (not run by the walkthrough)",
            "benchmark_kernels.py times each kernel against eager PyTorch, torch.compile and Liger-Kernel at the 8B\n"

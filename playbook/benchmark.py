@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from playbook.common import is_out_of_memory
+from playbook.common import RESULTS_DIR, is_out_of_memory
 from core.kernel_utils import DEVICE
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+RESULTS = RESULTS_DIR
 ON_GPU = DEVICE.type == "cuda"
 
 

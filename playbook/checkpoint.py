@@ -398,9 +398,10 @@ def _check_save_arguments(output_dir, step, keep_last, extra) -> tuple[Path, dic
 
 
 def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, scheduler, extra: dict | None,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, keep=None) -> Path:
     """Write output_dir/checkpoint-<step>/ atomically, point output_dir/latest at it, and (keep_last)
-    delete all but the newest `keep_last` checkpoints by step (never the one just written).
+    delete all but the newest `keep_last` checkpoints by step (never the one just written, nor `keep`: the best
+    checkpoint of --load-best-model-at-end).
 
     model: a Hugging Face model (weights saved) or a peft model (adapter saved), sharded by FSDP2 or
     not. tokenizer, optimizer, scheduler: saved when not None (optimizer and scheduler through
@@ -452,7 +453,8 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
             torch.save(state, tmp / STATE_FILE)
         write_text_atomic(output_dir / LATEST_FILE, final.name + "\n")
         if keep_last is not None:
-            others = [p for _, p in list_checkpoints(output_dir) if p.name != final.name]
+            kept = {final.name, Path(keep).name if keep is not None else None}
+            others = [p for _, p in list_checkpoints(output_dir) if p.name not in kept]
             for old in others[: max(0, len(others) - (keep_last - 1))]:
                 shutil.rmtree(old)
 

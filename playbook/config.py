@@ -168,6 +168,9 @@ class OutputSection:
     save_every: int
     save_total_limit: int | None  # keep only the newest N checkpoints (None: all)
     overwrite_output_dir: bool  # delete the checkpoints already in output_dir before training
+    load_best_model_at_end: bool  # keep the checkpoint of the lowest eval loss; end the run with its weights
+    early_stopping_patience: int  # stop after this many evals in a row without a new best (0: never)
+    early_stopping_threshold: float  # a new best must be lower than the old by more than this
     resume: Path | None
     log_every: int
     tag: str | None
@@ -459,7 +462,10 @@ def _add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="a separate eval file or hub id (the --dataset formats), used instead of --eval-fraction")
     d.add_argument("--eval-fraction", type=fraction, default=None,
                    help="held-out share of --dataset for the eval loss; default 0.05 with --dataset")
-    d.add_argument("--eval-every", type=nonnegative_int, default=0, help="eval loss every N steps (0: at the end only)")
+    d.add_argument("--eval-every", "--eval-steps", dest="eval_every", type=nonnegative_int, default=0,
+                   help="eval loss every N steps, and after the last (0: before the first step and after the last "
+                        "only); the run names its best step, and says when the eval loss rises while the training "
+                        "loss falls")
     d.add_argument("--repeat-batches", type=positive_int, default=None, metavar="N",
                    help="train on the first N batches over and over (step i takes batch i mod N): a memorization "
                         "test, whose loss falls far below the data's entropy where precision allows")
@@ -479,9 +485,11 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGro
                    action=_DeprecatedTimingWarmup, help=argparse.SUPPRESS)
     t.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per optimizer step; the loss is the mean over all their target tokens")
-    t.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate")
-    t.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="constant",
-                   help="after the warm-up: constant, or linear / cosine decay to 0 at the last step")
+    t.add_argument("--lr", type=positive_float, default=None,
+                   help=f"peak learning rate; default {FULL_LR:g} for a full fine-tune, {LORA_LR:g} with --lora-r (the "
+                        "peers' rates: docs/options.md#learning-rate)")
+    t.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="linear",
+                   help="after the warm-up: linear (the default) or cosine decay to 0 at the last step, or constant")
     t.add_argument("--lr-warmup-steps", type=nonnegative_int, default=0, help="linear learning-rate warm-up steps")
     t.add_argument("--warmup-ratio", type=fraction, default=0.0, help="learning-rate warm-up as a share of the steps")
     t.add_argument("--weight-decay", type=nonnegative_float, default=0.0,
@@ -529,6 +537,17 @@ def _add_output_arguments(p: argparse.ArgumentParser, training: argparse._Argume
                    help="keep only the newest N checkpoints in --output-dir (older ones are deleted after each save)")
     o.add_argument("--overwrite-output-dir", action="store_true",
                    help="--output-dir holds checkpoints of another run: delete them before the first step")
+    o.add_argument("--load-best-model-at-end", action="store_true",
+                   help="with --eval-every and --output-dir: save a checkpoint at each eval that sets a new lowest "
+                        "eval loss (--save-total-limit never deletes it) and end the run with its weights: the "
+                        "answers after training, the merged LoRA weights and the summary are the best step's, and "
+                        "the log and the summary name its folder")
+    o.add_argument("--early-stopping-patience", type=nonnegative_int, default=0, metavar="N",
+                   help="with --eval-every: stop the run after N evals in a row without a new lowest eval loss "
+                        "(0, the default: never)")
+    o.add_argument("--early-stopping-threshold", type=nonnegative_float, default=0.0, metavar="X",
+                   help="with --early-stopping-patience: an eval loss counts as a new best only when it is lower "
+                        "than the best by more than X (default 0)")
     o.add_argument("--resume", type=_path, default=None, help="a checkpoint directory (or --output-dir) to continue")
     o.add_argument("--log-every", type=positive_int, default=5, help="print a log line every N steps")
     o.add_argument("--sample-prompts", type=Path, default=None, metavar="FILE",
@@ -541,6 +560,13 @@ def _add_output_arguments(p: argparse.ArgumentParser, training: argparse._Argume
                           help="run even when the memory plan printed at start-up says the run does not fit")
     o.add_argument("--report-to", choices=["none", "tensorboard"], default="none",
                    help="also log to TensorBoard (under --output-dir or results/tensorboard)")
+
+
+# The default peak learning rates, as the peers set them (docs/options.md#learning-rate): a full fine-tune at
+# 2e-5 (TRL's SFTConfig, torchtune's and Axolotl's LLaMA 3.1 8B full fine-tunes), LoRA's adapters at 2e-4
+# (Axolotl's and Unsloth's LoRA examples; torchtune's 8B LoRA: 3e-4), with linear decay after the warm-up.
+FULL_LR = 2e-5
+LORA_LR = 2e-4
 
 
 def default_rounding(optimizer: str, master_weights: str, lora_r: int, extra=None) -> str:
@@ -764,7 +790,8 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
             raise usage_error(f"--optimizer-in-backward updates each parameter inside backward, which rules out "
                               f"{', '.join(clash)}: drop one of them")
     return TrainingSection(
-        grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=warmup_steps, lr=a.lr,
+        grad_accum=a.grad_accum, steps=steps, epochs=a.epochs, warmup_steps=warmup_steps,
+        lr=a.lr if a.lr is not None else (LORA_LR if model.lora_r else FULL_LR),
         lr_schedule=a.lr_schedule, lr_warmup_steps=a.lr_warmup_steps, warmup_ratio=a.warmup_ratio,
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_rounding=a.optimizer_rounding,
         master_weights=a.master_weights, optimizer_in_backward=a.optimizer_in_backward,
@@ -813,6 +840,14 @@ def _output_section(a: argparse.Namespace, sharded: bool) -> OutputSection:
         raise usage_error(f"--output-dir {a.output_dir} is a file")
     if a.resume is not None and not a.resume.is_dir():
         raise usage_error(f"--resume {a.resume}: no such checkpoint directory")
+    if a.load_best_model_at_end and not (a.eval_every and a.output_dir is not None):
+        raise usage_error("--load-best-model-at-end keeps the checkpoint of the lowest eval loss: it needs "
+                          "--eval-every N (how often to evaluate) and --output-dir (where the checkpoint goes)")
+    if a.early_stopping_patience and not a.eval_every:
+        raise usage_error(f"--early-stopping-patience {a.early_stopping_patience} counts evals: give --eval-every N "
+                          "(how often to evaluate)")
+    if a.early_stopping_threshold and not a.early_stopping_patience:
+        raise usage_error("--early-stopping-threshold applies to --early-stopping-patience: give both")
     if a.report_to == "tensorboard":
         try:
             import tensorboard  # noqa: F401
@@ -820,6 +855,8 @@ def _output_section(a: argparse.Namespace, sharded: bool) -> OutputSection:
             raise usage_error("--report-to tensorboard needs the tensorboard package (pip install tensorboard)") from None
     return OutputSection(
         output_dir=a.output_dir, save_every=a.save_every, save_total_limit=a.save_total_limit,
-        overwrite_output_dir=a.overwrite_output_dir, resume=a.resume, log_every=a.log_every, tag=a.tag,
+        overwrite_output_dir=a.overwrite_output_dir, load_best_model_at_end=a.load_best_model_at_end,
+        early_stopping_patience=a.early_stopping_patience, early_stopping_threshold=a.early_stopping_threshold,
+        resume=a.resume, log_every=a.log_every, tag=a.tag,
         overwrite=a.overwrite, report_to=a.report_to, sample_prompts=getattr(a, "sample_prompts", None),
         ignore_memory_plan=a.ignore_memory_plan)

@@ -45,6 +45,9 @@ class RunResult:
     peak_memory_gb: float | None = None
     versions: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    best_eval: dict | None = None  # with --eval-every: {"step", "eval loss", "checkpoint"} of the lowest eval loss
+    early_stop: str | None = None  # the line of a run that --early-stopping-patience ended
+    ended_with: str | None = None  # --load-best-model-at-end: whose weights the model ended with
 
     @property
     def tokens_per_step(self) -> int:
@@ -80,6 +83,10 @@ class RunResult:
             "final loss": self.losses[-1] if self.losses else None,
             "eval loss before": self.eval_losses[0][1] if self.eval_losses and self.eval_losses[0][0] == 0 else None,
             "final eval loss": self.eval_losses[-1][1] if self.eval_losses and self.eval_losses[-1][0] > 0 else None,
+            **({} if self.best_eval is None else {
+                "best eval loss": self.best_eval["eval loss"], "best eval step": self.best_eval["step"]}),
+            **({} if self.early_stop is None else {"stopped early at step": len(self.losses)}),
+            **({} if self.ended_with is None else {"model at the end": self.ended_with}),
         }
 
 
@@ -107,6 +114,8 @@ def format_value(key: str, v) -> str:
         return "n/a"
     if isinstance(v, str):
         return v
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
     if "loss" in key:
         return f"{v:.4f}"
     if "tokens/s" in key:

@@ -285,6 +285,12 @@ def _device():
 # ------------------------------------------------------------------------------------------------
 # Two processes under torchrun (the FSDP2 and data-parallel tests)
 # ------------------------------------------------------------------------------------------------
+def python_path(*folders) -> str:
+    """PYTHONPATH for a test's child process: `folders` first, then this process's PYTHONPATH, kept (packages
+    installed there, as on a machine whose site-packages are read-only, must stay importable)."""
+    return os.pathsep.join([*map(str, folders), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def two_process_env(**extra: str) -> dict:
     """The environment for a test's `torchrun --nproc-per-node 2`: this process's, plus `extra`.
 

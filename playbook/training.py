@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from playbook import cuda_graph, memory_plan, signals
+from playbook.best import BestEval
 from playbook.common import (RESULTS_DIR, describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message,
                              result_path, synchronize, versions, world)
 from playbook.models import PRESETS, count_params, prepare_model
@@ -210,7 +211,7 @@ def _train(cfg, started: list | None = None) -> dict:
     try:
         for step in bar:
             stopped = one_step(run, runner, step, bar)
-            if stopped is not None:
+            if stopped is not None or run.early_stop is not None:
                 break
             if step + 1 < run.steps and sigterm_stops(cfg):
                 terminated = step + 1
@@ -270,6 +271,8 @@ class Run:
     last_saved: Path | None = None  # the newest complete checkpoint
     left: TimeLeft | None = None
     prompts: list | None = None  # --sample-prompts
+    best: BestEval | None = None  # the lowest eval loss after a step: --load-best-model-at-end, early stopping
+    early_stop: str | None = None  # the line of a run that early stopping ended
 
     @property
     def timed_from(self) -> int:
@@ -312,10 +315,14 @@ def start_run(cfg, started: list | None = None) -> Run:
                        params=n_params, trainable_params=n_train, data=data_line, versions=versions(),
                        config=cfg.as_dict())
     run = Run(cfg, model, tokenizer, data, steps, optimizer, schedule, result, metrics, summary_path, settings,
-              blocker, kernels)
+              blocker, kernels, best=BestEval(cfg.early_stopping_patience, cfg.early_stopping_threshold))
     if info is not None:
         run.start = load(cfg, info, model, optimizer, schedule, result, steps, capturable=blocker is None)
         run.last_good, run.last_saved = (run.start, info["path"]), info["path"]
+        if cfg.eval_every:  # the resumed run's evals are candidates too (their checkpoints: where one is on disk)
+            for done, loss in result.eval_losses:
+                if done > 0:
+                    judge_eval(run, done, loss, quiet=True)
     before_first_step(run)
     return run
 
@@ -429,10 +436,43 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
             log(line)
         else:
             bar.write(line)
-    stop = save_when_due(run, step + 1)
+    improved = judge_eval(run, step + 1, eval_loss) if eval_loss is not None else False
+    best_due = improved and cfg.load_best_model_at_end
+    stop = save_when_due(run, step + 1, force=best_due or run.best.should_stop)
+    if improved and run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{step + 1}":
+        run.best.checkpoint = run.last_saved
+    if stop is None and run.best.should_stop:
+        run.early_stop = run.best.stop_line(step + 1)
+        log(run.early_stop)
     if stop is None:
         runner.after(step, run.steps)
     return stop
+
+
+def judge_eval(run: Run, done: int, eval_loss: float, quiet: bool = False) -> bool:
+    """A periodic eval (--eval-every) against the best so far: returns whether it is a new best; says once when
+    the run starts to memorize (the eval loss above its best while the training loss fell)."""
+    cfg, best = run.cfg, run.best
+    if not cfg.eval_every:  # one eval after the last step: nothing to compare it with
+        return False
+    since = [s for s, _ in best.history]
+    window = run.result.losses[(since[-1] if since else run.start):done]  # the training losses since the last eval
+    if not quiet and not best.warned and best.memorizing(eval_loss, window):
+        best.warned = True
+        log(best.memorizing_line(done, eval_loss, window, best_kept(run)))
+    return best.update(done, eval_loss, window)
+
+
+def best_kept(run: Run) -> str:
+    """Where the best step's weights are, or how to keep them next time."""
+    cfg, best = run.cfg, run.best
+    on_disk = best.checkpoint or (cfg.output_dir / f"checkpoint-{best.step}" if cfg.output_dir else None)
+    if on_disk is not None and Path(on_disk).is_dir():
+        return (f"The best step's checkpoint: {on_disk}"
+                + ("; the run ends with its weights (--load-best-model-at-end)." if cfg.load_best_model_at_end else "."))
+    advice = "--load-best-model-at-end" + ("" if cfg.output_dir else " with --output-dir")
+    return (f"Step {best.step}'s weights are not kept: {advice} keeps the best checkpoint"
+            + ("" if cfg.early_stopping_patience else ", and --early-stopping-patience N stops such a run") + ".")
 
 
 def eval_when_due(run: Run, done: int) -> float | None:
@@ -448,15 +488,19 @@ def eval_when_due(run: Run, done: int) -> float | None:
     return eval_loss
 
 
-def save_when_due(run: Run, done: int) -> str | None:
-    """The checkpoint after `done` steps, when --output-dir is given and --save-every (or the last step) asks
-    for one. Returns the message that stops the run when it cannot be written, else None."""
+def save_when_due(run: Run, done: int, force: bool = False) -> str | None:
+    """The checkpoint after `done` steps, when --output-dir is given and --save-every, the last step or `force`
+    (a new best eval with --load-best-model-at-end, an early stop) asks for one. Returns the message that stops
+    the run when it cannot be written, else None."""
     cfg = run.cfg
-    if cfg.output_dir is None or not ((cfg.save_every and done % cfg.save_every == 0) or done == run.steps):
+    if cfg.output_dir is None or not (force or (cfg.save_every and done % cfg.save_every == 0) or done == run.steps):
         return None
+    if run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{done}":
+        return None  # (written already: a step that is both a save step and a new best)
     try:
         with run.left.measure("save"):
-            path = save(cfg, done, run.model, run.tokenizer, run.optimizer, run.schedule, run.result, run.settings)
+            path = save(cfg, done, run.model, run.tokenizer, run.optimizer, run.schedule, run.result, run.settings,
+                        keep=run.best.checkpoint if cfg.load_best_model_at_end else None)
     except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a file size limit,
         # permissions (safetensors' own error for a failed write): the summary is still written
         return (f"error: the checkpoint of step {done} could not be written to {cfg.output_dir} "
@@ -480,6 +524,8 @@ def end_run(run: Run, runner: StepRunner, stopped: str | None, terminated: int |
         return signals.interrupted_exit(kept, "SIGTERM")
     if cfg.on_gpu:
         result.peak_memory_gb = runner.peak_bytes() / 1e9  # the captured step's footprint included
+    if stopped is None:
+        end_with_best(run)
     if run.prompts is not None and stopped is None:
         answers_after(result.samples, run.model, run.tokenizer, run.prompts, cfg.device, len(result.losses))
     payload = write_report(cfg, result, run.model, run.left.summary(), stopped, run.summary_path, run.metrics.path,
@@ -489,6 +535,26 @@ def end_run(run: Run, runner: StepRunner, stopped: str | None, terminated: int |
     if cfg.lora_r and cfg.merge_lora and is_main():
         merge_lora(cfg, run.model, run.tokenizer)
     return payload
+
+
+def end_with_best(run: Run) -> None:
+    """After the last step (or an early stop): the best eval named, and with --load-best-model-at-end its weights
+    loaded into the model, so that what follows (answers, report, merged LoRA weights) is the best step's."""
+    cfg, best, result = run.cfg, run.best, run.result
+    result.best_eval = best.as_dict()
+    result.early_stop = run.early_stop
+    if best.step is None:
+        return
+    done = len(result.losses)  # (a resumed run's include the steps before it)
+    log(f"best eval loss: {best.loss:.4f} at step {best.step} of {done}"
+        + (f" (checkpoint {best.checkpoint})" if best.checkpoint is not None else ""))
+    if cfg.load_best_model_at_end and best.checkpoint is not None and best.step != done:
+        from playbook.checkpoint import load_checkpoint
+
+        load_checkpoint(best.checkpoint, run.model)
+        result.ended_with = f"step {best.step}'s weights ({best.checkpoint})"
+        log(f"--load-best-model-at-end: the model ends with step {best.step}'s weights, from {best.checkpoint}; the "
+            f"last checkpoint, {run.last_saved}, holds step {done}'s")
 
 
 def merge_lora(cfg, model, tokenizer) -> None:
@@ -525,15 +591,16 @@ def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
     return kept + f"; saved {path}: resume with --resume {cfg.output_dir}"
 
 
-def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None):
-    """Write checkpoint-<step> (keeping the newest --save-total-limit); `settings`: resume_settings."""
+def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None, keep=None):
+    """Write checkpoint-<step> (keeping the newest --save-total-limit, and `keep`, the best checkpoint);
+    `settings`: resume_settings."""
     from playbook.checkpoint import save_checkpoint
 
     extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
              "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1],
              "settings": settings}
     path = save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra,
-                           keep_last=cfg.save_total_limit)
+                           keep_last=cfg.save_total_limit, keep=keep)
     if path is not None:
         log(f"checkpoint: {path}")
     return path

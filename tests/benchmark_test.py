@@ -23,11 +23,12 @@ import pytest
 import torch
 
 import benchmark_kernels as bk
+from playbook import common
 from playbook.registry import KERNEL_NAMES
 from playbook.testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
-RESULTS = HERE / "results"
+RESULTS = common.RESULTS_DIR  # (the session's temporary folder: conftest.py)
 # One worker runs this file under pytest -n: the smoke run's files in results/ have fixed names, and a second
 # worker's copy of the module fixture would remove them while the first reads them.
 pytestmark = pytest.mark.xdist_group("benchmark_smoke")

@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook.testkit import record, run_as_script
+from playbook import common
+from playbook.testkit import python_path, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
@@ -387,11 +388,11 @@ def test_full_circle_gguf_finetune_export_chat(tmp_path, tiny_run, capsys, monke
         run = subprocess.run([sys.executable, "finetune_baseline.py", "--model", str(start), "--dataset", str(TEXT),
                               "--lora-r", "4", "--lr", "1e-2", "--steps", "3", "--batch-size", "2", "--seq-len", "64",
                               "--output-dir", str(tmp_path / "out"), "--tag", tag, "--overwrite", "--log-every", "1"],
-                             cwd=HERE, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(HERE)},
+                             cwd=HERE, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": python_path(HERE)},
                              timeout=600)
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (HERE / "results" / f"{tag}{suffix}").unlink(missing_ok=True)
+            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("  left " in line for line in steps), steps  # (goal 4: time left)

@@ -37,7 +37,7 @@ from rmsnorm_kernel import TritonRMSNorm
 from playbook.config import DEFAULT_MODEL, make_parser, parse_config
 from core.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
 from playbook import testkit
-from playbook.testkit import close_to_reference, record, run_as_script, two_process_env
+from playbook.testkit import close_to_reference, python_path, record, run_as_script, two_process_env
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 STEPS = 12
@@ -113,7 +113,7 @@ def start_kernel_runs(items, tmp: Path) -> dict:
         with open(log, "w") as log_file:  # a file, not a pipe: a full pipe would stall the child
             proc = subprocess.Popen([sys.executable, "-c", _TRAIN_IN_CHILD, kernels, "1" if in_backward else "0",
                                      str(out)], cwd=HERE, stdout=log_file, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE / "tests")])})
+                                    env={**os.environ, "PYTHONPATH": python_path(HERE, HERE / "tests")})
         _set_nice(proc, 10)  # a lower priority: the run takes only the CPU time the tests leave idle
         children[kernels, torch.bfloat16, in_backward] = (proc, out, log)
     return children

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from playbook import interpreter, setup_check
+from playbook import common, interpreter, setup_check
 from playbook.models import preset_config
+from playbook.testkit import python_path
 
 HERE = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU run says")
@@ -189,13 +190,13 @@ def test_the_cpu_note_names_the_model_it_runs():
 
 def _run(*argv) -> subprocess.CompletedProcess:
     """A script as a user runs it; the summary it writes under results/ (its --tag) is removed afterwards."""
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": python_path(HERE)}
     tag = argv[list(argv).index("--tag") + 1]
     try:
         return subprocess.run([sys.executable, *argv], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (HERE / "results" / f"{tag}{suffix}").unlink(missing_ok=True)
+            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 def test_a_real_model_with_kernels_on_a_cpu_is_told_before_the_first_step(tmp_path):

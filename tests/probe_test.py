@@ -49,7 +49,7 @@ import pytest
 import torch
 
 from playbook.common import RESULTS_DIR
-from playbook.testkit import run_as_script
+from playbook.testkit import python_path, run_as_script
 from robustness_test import interrupt
 
 SKIP = torch.cuda.is_available()  # (conftest.py starts no cases then)
@@ -603,7 +603,7 @@ def _env():
     """A user's environment: without the TRITON_INTERPRET=1 that conftest.py's start-up sets in this test
     process (the scripts set it themselves; the kernel-API case must not find it set)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return {**env, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(HERE)}
+    return {**env, "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path(HERE)}
 
 
 def _argv(case: Case, folder: Path, index: int) -> list:
@@ -712,7 +712,7 @@ def start_in_background(items, tmp: Path):
     with open(log, "w") as log_file:  # a file, not a pipe: a full pipe would stall the child
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--background", str(tmp)], cwd=HERE,
                                 stdout=log_file, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE / "tests")])})
+                                env={**os.environ, "PYTHONPATH": python_path(HERE, HERE / "tests")})
     with contextlib.suppress(OSError, AttributeError):  # a lower priority (AttributeError: no os.setpriority)
         os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
     return proc, tmp / "outcomes.json", log

@@ -27,7 +27,7 @@ import pytest
 from playbook import registry as ak
 from playbook import common
 from playbook.config import make_parser, parse_config
-from playbook.testkit import record, run_as_script
+from playbook.testkit import python_path, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
@@ -319,7 +319,7 @@ def test_ctrl_c_inside_an_import_that_swallows_it_still_stops(tmp_path):
     (tmp_path / "swallows_ctrl_c.py").write_text(_SWALLOWING_IMPORT)
     script = tmp_path / "running.py"
     script.write_text(_RUNNING_SCRIPT)
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE)])}
+    env = {"PYTHONPATH": python_path(tmp_path, HERE)}
     code, err = interrupt(str(script), "guarded", ready="importing", env=env)
     assert code == 130 and one_line_after_ctrl_c(err) and \
         err.strip().splitlines()[-1] == "interrupted (Ctrl-C) while starting: nothing was written", (code, err)
@@ -336,7 +336,7 @@ def test_scripts_that_import_torch_once_running_stop_on_ctrl_c_during_it(argv, t
     torch that cannot be imported; chat parses its arguments first). A torch whose import swallows the
     Ctrl-C (a stand-in on PYTHONPATH) still ends them with one line and exit code 130."""
     (tmp_path / "torch.py").write_text(_SWALLOWING_IMPORT)
-    code, err = interrupt(*argv, ready="importing", env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE)])})
+    code, err = interrupt(*argv, ready="importing", env={"PYTHONPATH": python_path(tmp_path, HERE)})
     last = err.strip().splitlines()[-1]
     assert code == 130 and "Traceback" not in err and last.startswith("interrupted (Ctrl-C) while starting"), \
         (code, err[-2000:])

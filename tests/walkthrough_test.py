@@ -21,6 +21,7 @@ import torch
 
 import walkthrough
 from playbook import models
+from playbook.testkit import python_path
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
@@ -53,7 +54,7 @@ if __name__ == "__main__":
 def test_testkit_short_report_on_screen_full_report_in_the_file(tmp_path):
     (tmp_path / "tiny_test.py").write_text(TINY_TEST)
     full = tmp_path / "full.txt"
-    env = {**os.environ, "PYTHONPATH": str(HERE), "TESTKIT_REPORT": str(full)}
+    env = {**os.environ, "PYTHONPATH": python_path(HERE), "TESTKIT_REPORT": str(full)}
     p = subprocess.run([sys.executable, "tiny_test.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 1, p.stdout + p.stderr  # a test failed
@@ -74,30 +75,45 @@ def test_testkit_short_report_on_screen_full_report_in_the_file(tmp_path):
 def test_testkit_without_the_variable_prints_the_full_report(tmp_path):
     (tmp_path / "tiny_test.py").write_text(TINY_TEST)
     env = {k: v for k, v in os.environ.items() if k != "TESTKIT_REPORT"}
-    p = subprocess.run([sys.executable, "tiny_test.py"], cwd=tmp_path, env={**env, "PYTHONPATH": str(HERE)},
+    p = subprocess.run([sys.executable, "tiny_test.py"], cwd=tmp_path, env={**env, "PYTHONPATH": python_path(HERE)},
                        capture_output=True, text=True, timeout=120)
     assert "PASSED   test_passes" in p.stdout and "ok  far check" in p.stdout and "closest to" not in p.stdout
 
 
 def test_kernel_test_step_writes_a_git_ignored_report(monkeypatch):
-    calls = []
-    monkeypatch.setattr(walkthrough, "step", lambda *a, **k: calls.append((a, k)) or True)
-    walkthrough.kernel_test("rmsnorm", "python")
-    (title, explain, cmd), kw = calls[0]
-    report = kw["env"]["TESTKIT_REPORT"]
+    monkeypatch.setattr(walkthrough, "RESULTS", HERE / "results")  # a user's results/ (the tests write elsewhere)
+    title, explain, cmd, env = walkthrough.kernel_test("rmsnorm", "python")
+    report = env["TESTKIT_REPORT"]
     assert cmd == ["python", "rmsnorm_test.py"] and report == "results/walkthrough_tests_rmsnorm.txt"
     assert report in explain  # the reader is told where every check is
     ignored = subprocess.run(["git", "check-ignore", "-q", report], cwd=HERE)
     assert ignored.returncode == 0, f"{report} is not git-ignored"
 
 
+def test_steps_together_show_each_in_order_and_stop_on_a_failure(capsys):
+    """Step 2 on a GPU: the scripts run at once; each one's banner, output and time are shown in the order given,
+    and a failing one stops the walkthrough after the others have ended (its exit code named)."""
+    slow = [sys.executable, "-c", "import time; time.sleep(0.5); print('first out')"]
+    fails = [sys.executable, "-c", "import sys; print('second out'); sys.exit(3)"]
+    after = [sys.executable, "-c", "print('third out')"]
+    with pytest.raises(SystemExit, match="exit code 3"):
+        walkthrough.steps_together([("Step 2a (x): one", "", slow, {}), ("Step 2b (y): two", "", fails, {}),
+                                    ("Step 2c (z): three", "", after, {})])
+    out = capsys.readouterr().out
+    order = [out.index(s) for s in ("Step 2a (x)", "first out", "Step 2b (y)", "second out", "Step 2c (z)",
+                                    "third out")]
+    assert order == sorted(order), out
+    assert out.count("after the 3 started together]") == 3
+
+
 def _profile(ms: dict) -> dict:
     return {"ms_per_step": sum(ms.values()), "unit": "CPU", "categories_ms_per_step": ms}
 
 
-def _run(summary: dict) -> dict:
+def _run(summary: dict, losses=(6.2, 5.0, 4.4), eval_losses=((0, 6.3), (12, 4.4))) -> dict:
     return {"summary": summary, "model": "llama-tiny", "batch_size": 2, "seq_len": 128,
-            "gpu": "CPU", "kernels": ["rmsnorm"]}
+            "gpu": "CPU", "kernels": ["rmsnorm"], "losses": list(losses), "eval_losses": [list(e) for e in eval_losses],
+            "config": {"optimizer_rounding": "nearest", "master_weights": "none"}, "trainable_params": 134_515_008}
 
 
 SUMMARY = {"step time median (ms)": 80.0, "tokens/s (job)": 3000.0, "MFU (% of bf16 peak)": None,
@@ -117,16 +133,19 @@ REAL_SAMPLES = [
 REAL_SUMMARY = {**SUMMARY, "eval loss before": 3.5572, "final eval loss": 2.9123}
 
 
-def _real_run() -> dict:
-    return {"summary": REAL_SUMMARY, "model": "smollm2-135m", "batch_size": 2, "seq_len": 256, "steps": 12,
-            "gpu": "CPU", "kernels": [], "samples": REAL_SAMPLES}
+def _real_run(rounding: str = "nearest", master: str = "none", final: float = 2.9123) -> dict:
+    return {**_run({**REAL_SUMMARY, "final eval loss": final}, eval_losses=((0, 3.5572), (12, final))),
+            "model": "smollm2-135m", "batch_size": 2, "seq_len": 256, "steps": 12, "kernels": [],
+            "samples": REAL_SAMPLES, "config": {"optimizer_rounding": rounding, "master_weights": master}}
 
 
 def _walk(monkeypatch, capsys, after: dict, argv=("--skip-kernel-tests",), gpu: bool = False) -> tuple[str, list]:
     """main() with its scripts replaced: (everything said, the steps it would have run)."""
     docs = {"walkthrough_profile_baseline": _profile(BEFORE), "walkthrough_profile_optimized": _profile(after),
             "walkthrough_baseline": _run(SUMMARY), "walkthrough_optimized": _run(SUMMARY),
-            "walkthrough_real_baseline": _real_run(), "walkthrough_real_optimized": _real_run()}
+            "walkthrough_real_baseline": _real_run(), "walkthrough_real_optimized": _real_run(),
+            "walkthrough_real_default": _real_run("kahan", final=2.80),
+            "walkthrough_real_fp32": _real_run("nearest", "fp32", final=2.79)}
     steps = []
 
     def step(*a, **k):  # what the step would say, in its place among the banners
@@ -190,11 +209,11 @@ def test_steps_carry_the_readme_numbers(monkeypatch, capsys):
     titles = re.findall(r"^(Step \d[a-z]?|Summary)\b", said, flags=re.M)
     order = list(dict.fromkeys(titles))
     assert order == ["Step 1", "Step 2", "Step 2a", "Step 2b", "Step 2c", "Step 2d", "Step 2e", "Step 2f",
-                     "Step 3", "Step 4a", "Step 4b", "Step 4c", "Step 4d", "Summary"], order
+                     "Step 3", "Step 4a", "Step 4b", "Step 4c", "Step 4d", "Step 4e", "Summary"], order
     readme = (HERE / "README.md").read_text()
     for heading in ("### Step 1:", "### Step 2:", "### Step 3:", "### Step 4:"):
         assert heading in readme, heading
-    for sub in ("4a", "4b", "4c", "4d"):
+    for sub in ("4a", "4b", "4c", "4d", "4e"):
         assert re.search(rf"\b{sub}\b", readme.split("### Step 4:", 1)[1]), f"README's Step 4 does not name {sub}"
     # step 2 says which test files it runs and why not the others; step 3 gives its command, not its own
     assert "fp8_linear_test.py, adamw_test.py, lora_test.py, distillation_test.py" in said
@@ -223,7 +242,7 @@ def test_the_summary_shows_the_eval_loss_and_an_answer_before_and_after(monkeypa
     assert f"Q: {TAUGHT_Q}" in summary  # the answer that moved toward the data's, not the one that stayed right
     assert "before training: Triton is a mythical creature in Norse mythology." in summary
     assert "after, baseline (finetune_baseline.py): Triton is a language and compiler" in summary
-    assert "every prompt's answers: results/walkthrough_real_baseline.json" in summary
+    assert f"every prompt's answers: {walkthrough.RESULTS / 'walkthrough_real_baseline.json'}" in summary
     taught = walkthrough.taught_answers()[TAUGHT_Q]
     assert f"the data's answer: {taught}" in summary
     # and on a CPU no GPU figure and no label that is not true there
@@ -237,9 +256,20 @@ def test_gpu_step_4d_runs_the_real_model_with_and_without_kernels(monkeypatch, c
     assert [a[0].split(":")[0] for a in real] == ["Step 4d (baseline)", "Step 4d (kernels)"]
     assert [a[2][1] for a in real] == ["finetune_baseline.py", "finetune_optimized.py"]
     same = [a[2][2:a[2].index("--tag")] for a in real]
-    assert same[0] == same[1]  # the same run, the kernels the only difference
+    # the same run, the kernels the only difference: the optimized script's AdamW rounds to nearest as the baseline's
+    assert same[1] == same[0] + walkthrough.SAME_OPTIMIZER
     assert real[0][2][real[0][2].index("--model") + 1] == "smollm2-135m"
-    assert "after, kernels (finetune_optimized.py):" in said
+    assert "after, kernels, rounding to nearest:" in said
+    # step 4e: the same settings with the default rounding (its best checkpoint kept) and with fp32 master weights
+    rounding = [a for a, _ in steps if a[0].startswith("Step 4e")]
+    assert [a[2][1] for a in rounding] == ["finetune_optimized.py"] * 2
+    assert rounding[0][2][2:rounding[0][2].index("--tag")] == same[0] + [
+        "--output-dir", walkthrough.REAL_OUTPUT, "--overwrite-output-dir", "--load-best-model-at-end"]
+    assert rounding[1][2][2:rounding[1][2].index("--tag")] == same[0] + ["--master-weights", "fp32"]
+    table = said.split("Step 4e, the optimizer's rounding", 1)[1]
+    for row in ("nearest (step 4d): nearest", "the default: kahan", "fp32 master weights: fp32-master"):
+        assert row in table, row
+    assert "0.27" in table and "0.54" in table  # Kahan's 2 and fp32's 4 bytes per weight of 134.5 M weights, in GB
     # beside the 8B timing runs of 4a and 4b
     assert [a[2][a[2].index("--model") + 1] for a, _ in steps if a[0].startswith(("Step 4a", "Step 4b"))] == \
         ["llama-3.1-8b", "llama-3.1-8b"]
@@ -248,9 +278,12 @@ def test_gpu_step_4d_runs_the_real_model_with_and_without_kernels(monkeypatch, c
 @pytest.mark.parametrize("gpu", [False, True], ids=["CPU", "GPU"])
 def test_step_4d_ends_with_the_export_and_the_ollama_command(monkeypatch, capsys, gpu):
     said, steps = _walk(monkeypatch, capsys, AFTER_GPU if gpu else AFTER_CPU, gpu=gpu)
-    *tuned, exported = [a for a, _ in steps if a[0].startswith("Step 4d")]
+    *tuned, exported = [a for a, _ in steps if a[0].startswith(("Step 4d", "Step 4e"))]
     saved = ["--output-dir", walkthrough.REAL_OUTPUT, "--overwrite-output-dir"]
-    assert [a[2][-3:] == saved for a in tuned] == [False] * (len(tuned) - 1) + [True]  # the last run's checkpoint
+    kept = [a[2][a[2].index("--output-dir"):a[2].index("--output-dir") + 3] == saved if "--output-dir" in a[2] else False
+            for a in tuned]
+    # one run keeps its checkpoint: on a CPU the one run of 4d, on a GPU step 4e's run with the default rounding
+    assert kept == ([False, False, True, False] if gpu else [True])
     assert exported[2][1:] == ["export.py", walkthrough.REAL_OUTPUT, "--output", walkthrough.REAL_GGUF,
                                "--name", walkthrough.REAL_OLLAMA_NAME]
     assert ("ollama create smollm2-walkthrough -f out/walkthrough_smollm2.q8_0.Modelfile  &&  "
