@@ -80,8 +80,10 @@ REAL_GPU = ["--batch-size", "8", "--seq-len", "512", "--epochs", "3", *GPU_LR, "
 # over the file, so the learning rate is high enough (3e-4) for answers to change after one sight of their
 # rows. What such a run learned is in README.md (Step 4d) and results/runs/walkthrough_CPU_smollm2.log.
 REAL_CPU_STEPS = 12
-REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4", "--log-every", "2",
-            "--timing-warmup-steps", "1"]  # (the lesson is the loss and the answers, not the timing)
+# A constant rate: the run ends a third of the way through its first epoch, where a decay to 0 would only
+# shrink the last steps' updates.
+REAL_CPU = ["--packing", "--batch-size", "2", "--seq-len", "256", "--lr", "3e-4", "--lr-schedule", "constant",
+            "--log-every", "2", "--timing-warmup-steps", "1"]  # (the lesson is the loss and the answers, not the timing)
 # Why step 4d runs no kernel on a CPU: in Triton's interpreter a step of this model takes minutes. The figure
 # step 4d prints is the run of finetune_optimized.py --model smollm2-135m --batch-size 2 --seq-len 256 --steps 2
 # in results/runs/finetune_CPU_smollm2_kernels.log (results/README.md describes it).

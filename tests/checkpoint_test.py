@@ -525,11 +525,11 @@ def _fsdp2_worker(scratch: Path) -> int:
     real_save, real_load = training.save, checkpoint.load_checkpoint
     phase = None
 
-    def save_and_record(cfg, step, model, *rest):
+    def save_and_record(cfg, step, model, *rest, **kw):
         if phase == "straight":  # each rank its own generator state (training draws none: this changes nothing else)
             torch.manual_seed(1000 * step + rank)
             random.seed(1000 * step + rank)
-        real_save(cfg, step, model, *rest)
+        real_save(cfg, step, model, *rest, **kw)
         draws = {"torch": torch.rand(4), "python": random.random()}  # what the generators give right after the save
         model.eval()
         with torch.no_grad():

@@ -209,7 +209,7 @@ def test_resume_refuses_other_settings_line_by_line(tmp_path, capsys):
                  "--seed", "1", "--lr-schedule", "cosine", "--resume", str(out / "checkpoint-2"))
     for line in ("--batch-size: checkpoint 2, this run 4", "--seq-len: checkpoint 32, this run 48",
                  "--grad-accum: checkpoint 1, this run 2", "--seed: checkpoint 0, this run 1",
-                 "--lr-schedule: checkpoint constant, this run cosine",
+                 "--lr-schedule: checkpoint linear, this run cosine",
                  f"--data / --dataset: checkpoint {TEXT} ({TEXT.stat().st_size:,} bytes"):
         assert line in said, (line, said)
     assert said.count(": checkpoint ") == 6, said
