@@ -119,6 +119,9 @@ def resolve_run(run: str) -> Path:
         named = latest.read_text(errors="replace").strip() if latest.is_file() else ""
         if named and (folder / named).is_dir():
             return folder / named
+        if latest.is_file():
+            raise Refused(f"{latest} names {named[:60]!r}, which is not a checkpoint folder in {run}; export one of "
+                          "its checkpoint-N folders")
         raise Refused(f"{run} is not a run: it has no config.json (a checkpoint or merged model) nor "
                       "adapter_config.json (a LoRA adapter)")
     return folder

@@ -345,6 +345,10 @@ def test_bad_input_is_one_line(tmp_path, tiny_run, adapter_runs, capsys, monkeyp
     (tmp_path / "empty").mkdir()
     assert "no such folder" in _refused(capsys, [str(tmp_path / "missing")])
     assert "is not a run" in _refused(capsys, [str(tmp_path / "empty")])
+    (tmp_path / "empty" / "latest").write_text("checkpoint-9\n")  # (an --output-dir whose checkpoint is gone)
+    assert _refused(capsys, [str(tmp_path / "empty")]) == (f"error: {tmp_path / 'empty' / 'latest'} names 'checkpoint-9', "
+                                                           f"which is not a checkpoint folder in {tmp_path / 'empty'}; "
+                                                           "export one of its checkpoint-N folders")
     (tmp_path / "file.txt").write_text("x")
     assert "is a file, not a run" in _refused(capsys, [str(tmp_path / "file.txt")])
     adapter = tmp_path / "adapter"
