@@ -10,6 +10,12 @@ The source is what the fine-tuning scripts write: a checkpoint-N/ folder (or the
 `latest` names one), a merged/ folder, or a LoRA adapter folder with its base model (merged on the way).
 Written in pure Python by the `gguf` package; no llama.cpp build is needed.
 
+An adapter is merged into its base as the run held it: with the layers the run kept (--num-layers, as
+its checkpoint records it; an adapter saved without a checkpoint shows them by the layers it covers),
+and only into the base weights it was trained on (the fingerprint its checkpoint records; a run that
+held a float32 base in bf16 is merged into the bf16 rounding of it). Another base is refused, as is a
+model the machine's free memory cannot hold while it is exported (its weights, and the file's).
+
 What the file carries, for llama.cpp to run it as the fine-tune ran:
   the weights     2-D weights in --type; norms (and llama 3's rope factors) in f32, as llama.cpp keeps them.
                   q and k of the llama family are re-ordered for llama.cpp's rope, which rotates adjacent
@@ -23,9 +29,18 @@ What the file carries, for llama.cpp to run it as the fine-tune ran:
                   output.weight (llama.cpp then reuses token_embd.weight).
 
 Families: llama, mistral (llama.cpp's llama architecture), qwen2 and qwen3 export; the others the
-kernels support (gemma, gemma2, phi3) are refused in one line. Every refusal is one line and exit
-code 2, and nothing half-written is left: the file is written beside its final name and renamed
-into place only when complete.
+kernels support (gemma, gemma2, phi3) are refused in one line. Every refusal (a source that cannot
+be read or does not match its checkpoint, a full disk) is one line and exit code 2.
+
+What it writes: the GGUF file and the Modelfile beside it (<output>.Modelfile), each first into a
+hidden temporary file of this export's own, renamed into place when both are complete. A failed
+export leaves the files already there as they were; a killed one's temporary files are removed by
+the next export to the same --output (those of one still running are left alone). A GGUF file at
+--output is replaced, and the export says so. A Modelfile already there that differs from the one
+this export writes (one its user edited) is kept as it is, and the export says so;
+--replace-modelfile writes the new one in its place. Once the files are complete the export exits 0,
+even when its report cannot be printed: a reader that went away (`| head`) gets nothing more, and a
+full disk under standard output gets one line on standard error.
 """
 
 from __future__ import annotations
@@ -33,11 +48,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import glob
 import json
 import os
 import re
+import secrets
+import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
@@ -76,6 +95,9 @@ def parse(argv=None):
     p.add_argument("--output", type=Path, default=None,
                    help="the .gguf file to write (default: beside the run, <run>.<type>.gguf)")
     p.add_argument("--name", default=None, help="the model's name in the Ollama command (default: the run's folder name)")
+    p.add_argument("--replace-modelfile", action="store_true",
+                   help="replace a Modelfile beside --output that differs from the one this export writes (one its "
+                        "user edited, say); without it such a file is kept as it is, and the export says so")
     a = p.parse_args(argv)
     if a.output is not None and a.output.suffix.lower() != ".gguf":
         p.error(f"--output {a.output}: give a file name ending in .gguf")
@@ -94,38 +116,186 @@ def resolve_run(run: str) -> Path:
         raise Refused(f"{run} is a file, not a run; give the folder a fine-tuning script wrote (checkpoint-N/, merged/)")
     if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         latest = folder / "latest"
-        if latest.is_file() and (folder / latest.read_text().strip()).is_dir():
-            return folder / latest.read_text().strip()
+        named = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        if named and (folder / named).is_dir():
+            return folder / named
+        if latest.is_file():
+            raise Refused(f"{latest} names {named[:60]!r}, which is not a checkpoint folder in {run}; export one of "
+                          "its checkpoint-N folders")
         raise Refused(f"{run} is not a run: it has no config.json (a checkpoint or merged model) nor "
                       "adapter_config.json (a LoRA adapter)")
     return folder
 
 
-def load_run(run: str, base: str | None):
-    """(model on the CPU, tokenizer, what it is) of a saved run; an adapter is merged into its base."""
+def read_json(path: Path) -> dict:
+    """A config file of a run (config.json, adapter_config.json) as a dict, or one line saying what is wrong."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise Refused(f"{path} cannot be read ({err.strerror or err}); make it readable, or export another "
+                      "checkpoint") from None
+    except ValueError as err:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise Refused(f"{path} is not JSON ({str(err).splitlines()[0][:120]}): the file is damaged; restore it, "
+                      "or export another checkpoint") from None
+    if not isinstance(saved, dict):
+        raise Refused(f"{path} holds {json.dumps(saved)[:40]}, not the object of settings it should: the file is "
+                      "damaged; restore it, or export another checkpoint")
+    return saved
+
+
+def check_weights(folder: Path, adapter: bool) -> None:
+    """Refuse weight files that cannot be read (empty, truncated, not safetensors), before anything is loaded."""
+    from playbook.pretrained import safetensors_damage
+
+    index = folder / "model.safetensors.index.json"
+    if adapter:
+        files = [folder / "adapter_model.safetensors"]
+        if not files[0].is_file():
+            raise Refused(f"{folder} is a LoRA adapter without its weights (adapter_model.safetensors); export the "
+                          "checkpoint folder the run wrote")
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    elif index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise Refused(f"{index} lists no weight_map: the file is damaged; restore it, or export another checkpoint")
+        files = [folder / str(f) for f in sorted(set(map(str, weight_map.values())))]
+    else:
+        return  # (weights in another format, or none: transformers says what it finds)
+    for f in files:
+        damage = safetensors_damage(f) if f.is_file() else f"{f.name} is missing"
+        if damage:
+            raise Refused(f"{folder}/{damage}: the weights cannot be read; restore the file, or export another "
+                          "checkpoint")
+
+
+def recorded(folder: Path) -> dict | None:
+    """What a checkpoint of the fine-tuning scripts records of the run that trained the adapter, from its
+    trainer_state.pt (playbook/checkpoint.py): {"model": its --model, "num_layers": its --num-layers (None: all),
+    "load_in_4bit", "fingerprint": name -> (sum, norm) of each frozen base weight}; None for an adapter saved
+    without one (playbook.lora.save_adapter, the Trainer's checkpoints)."""
     import torch
+
+    from playbook.checkpoint import STATE_FILE
+
+    file = folder / STATE_FILE
+    if not file.is_file():
+        return None
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        extra = state.get("extra") or {}
+        settings = extra.get("settings") or extra.get("config") or {}
+        record = {"model": settings.get("model"), "num_layers": settings.get("num_layers"),
+                  "load_in_4bit": bool(settings.get("load_in_4bit")), "fingerprint": state.get("base_fingerprint")}
+        layers = record["num_layers"]
+        if layers is not None and (type(layers) is not int or layers < 1):
+            raise ValueError(f"num_layers {layers!r}")
+        if not isinstance(record["fingerprint"], (dict, type(None))):
+            raise ValueError(f"base_fingerprint of type {type(record['fingerprint']).__name__}")
+    except Exception as err:  # noqa: BLE001  (a truncated zip, another format, a disallowed type, odd values)
+        raise Refused(f"{file} cannot be read ({str(err).splitlines()[0][:160]}); it records the layers and the "
+                      "base model the adapter was trained on: restore it, or export another checkpoint") from None
+    return record
+
+
+def adapter_layers(folder: Path, saved: dict) -> int | None:
+    """For an adapter without a trainer_state.pt: the number of decoder layers it was trained on, k when its
+    weights are those of layers 0 to k-1 (a run with --num-layers k; the project's adapters cover every layer
+    of the model they were trained on), or None when they do not say."""
+    from safetensors import safe_open
+
+    if saved.get("layers_to_transform") is not None:
+        return None  # an adapter on chosen layers: its layers say nothing of the model's
+    with safe_open(folder / "adapter_model.safetensors", "pt") as f:
+        found = {int(m.group(1)) for k in f.keys() for m in [re.search(r"\.layers\.(\d+)\.", k)] if m}
+    return max(found) + 1 if found and found == set(range(max(found) + 1)) else None
+
+
+# What a value takes in memory: a model's weights in their dtype, and the file's weights in each --type, which
+# the gguf writer holds until it writes the file (q8_0 and q4_0: 32 values and their f16 scale per block)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+TYPE_BYTES = {"f16": 2, "bf16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def config_dtype(config: dict) -> str:
+    """The dtype transformers loads a saved model in (`dtype="auto"`): its config's, float32 when it names none."""
+    named = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return named if named in DTYPE_BYTES else "float32"
+
+
+def check_memory(what: str, shape, dtype: str, weight_type: str) -> None:
+    """Refuse, before it is built, a model this machine cannot hold while exporting it: its weights in `dtype` and
+    the file's weights in --type. `shape`: its memory_plan.Shape (None: unknown until it is downloaded)."""
+    from playbook.memory_plan import FREE_MEMORY_ENV, GB, free_memory
+
+    if shape is None:
+        return
+    n, embeddings = shape.params, shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    weights = n * DTYPE_BYTES[dtype]
+
+    def file_bytes(kind: str) -> float:  # q4_0 keeps the embeddings and the output layer in q8_0 (tensors below)
+        return (n - embeddings) * TYPE_BYTES[kind] + embeddings * TYPE_BYTES["q8_0" if kind == "q4_0" else kind]
+
+    try:
+        free, where = free_memory("cpu")
+    except (ValueError, SystemExit):  # (a stand-in that is not a number)
+        raise Refused(f"{FREE_MEMORY_ENV}={os.environ.get(FREE_MEMORY_ENV)!r}: not a number of GB; set it to the free "
+                      "memory in GB (for example 16), or unset it to use the machine's") from None
+    need = weights + file_bytes(weight_type)
+    if need <= free:
+        return
+
+    def size(nbytes: float) -> str:
+        return f"{nbytes / GB:.1f} GB" if nbytes >= GB / 10 else f"{nbytes / 1e6:.1f} MB"
+
+    smaller = [t for t in ("q8_0", "q4_0")
+               if file_bytes(t) < file_bytes(weight_type) and weights + file_bytes(t) <= free]
+    way = (f"--type {smaller[0]} needs {size(weights + file_bytes(smaller[0]))}" if smaller else
+           f"export it on a machine with {size(need)} of free memory, or close the programs holding it")
+    raise Refused(f"{what}: exporting it on the CPU needs about {size(need)} of memory ({n / 1e9:.2f} B parameters: "
+                  f"{size(weights)} in {dtype}, and {size(file_bytes(weight_type))} of {weight_type} weights for the "
+                  f"file), and {size(free)} is free ({where}); {way}")
+
+
+def load_run(run: str, base: str | None, weight_type: str = "q8_0"):
+    """(model on the CPU, tokenizer, what it is) of a saved run; an adapter is merged into its base, built as
+    the run that trained it held it: its layers, the base weights its checkpoint records."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from playbook.data import make_tokenizer
+    from playbook.memory_plan import Shape
 
     folder = resolve_run(run)
     hf_logging.set_verbosity_error()  # (the GGUF reader's progress bars and notes)
     adapter = (folder / "adapter_config.json").is_file()
     if adapter:
-        saved = json.loads((folder / "adapter_config.json").read_text())
+        saved = read_json(folder / "adapter_config.json")
+        check_weights(folder, adapter=True)
+        record = recorded(folder)
+        note = None if base else saved.get("base_model_note")  # (what the adapter says of the base it names)
         base = base or saved.get("base_model_name_or_path")
-        model = load_base(run, base, saved.get("base_model_note"))
-        from playbook.lora import load_adapter
-
-        with torch.no_grad():
-            model = load_adapter(model, folder).merge_and_unload()
-        what = f"{folder} (LoRA adapter merged into {base})"
+        if base is not None and not isinstance(base, str):
+            raise Refused(f"{folder / 'adapter_config.json'}: base_model_name_or_path is {json.dumps(base)[:40]}, not "
+                          "a model's name; pass the base model with --base")
+        layers = record["num_layers"] if record is not None else adapter_layers(folder, saved)
+        model, cut = load_base(run, base, note, layers, weight_type)
+        model, rounded = merge_adapter(run, folder, model, base, record)
+        held = " and ".join(n for n in (cut, rounded) if n)
+        what = f"{folder} (LoRA adapter merged into {base}" + (f": {held}, as the run held it)" if held else ")")
         tok_source = folder if (folder / "tokenizer_config.json").is_file() else base
     else:
+        config = read_json(folder / "config.json")
+        check_weights(folder, adapter=False)
+        try:
+            shape = Shape.from_config(config)
+        except (TypeError, ValueError, KeyError):
+            shape = None  # (a config without these numbers: transformers says what is wrong with it below)
+        check_memory(str(run), shape, config_dtype(config), weight_type)
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             raise Refused(f"{run}: transformers could not load it ({str(err).splitlines()[0][:200]})") from None
         what, tok_source = str(folder), folder
     try:
@@ -135,29 +305,157 @@ def load_run(run: str, base: str | None):
     return model.eval(), tokenizer, what
 
 
-def load_base(run: str, base: str | None, note: str | None):
-    """The base model an adapter was trained on: a preset of this project, smollm2-135m or a .gguf, a local
-    folder, or a Hugging Face id."""
+def load_base(run: str, base: str | None, note: str | None, layers: int | None, weight_type: str):
+    """(the base model an adapter was trained on, how its layers were cut): a preset of this project,
+    smollm2-135m or a .gguf, a local folder, or a Hugging Face id; `layers`: the decoder layers the run kept
+    (its --num-layers), None for all. The memory it needs is checked first, from its config."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from playbook import pretrained
-    from playbook.models import PRESETS, build_preset
+    from playbook.memory_plan import model_shape
+    from playbook.models import PRESETS, build_preset, looks_like_path
 
     if not base:
         raise Refused(f"{run} is a LoRA adapter whose adapter_config.json names no base model; pass it with --base")
+    said = f"the base {base}"
+    if base not in PRESETS and base.lower() in PRESETS:
+        raise Refused(f"--base {base}: the preset is spelled --base {base.lower()}")
     if base in PRESETS:
-        return build_preset(base, None, torch.device("cpu"), torch.float32)
-    source = str(pretrained.local_directory(base)) if pretrained.is_pretrained_name(base) else base
-    if base.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().is_dir():
-        raise Refused(f"{run} is a LoRA adapter and its base {base} is not there; pass the base model with --base")
+        full = PRESETS[base]["num_hidden_layers"]
+        if layers and layers > full:
+            raise Refused(f"{run}: the adapter was trained on {layers} decoder layers and {said} has {full}; pass the "
+                          "base it was trained on with --base")
+        check_memory(f"{run}: {said}", model_shape(base, layers), "float32", weight_type)
+        # built with the run's layer count: the preset's weights are drawn in order, and with fewer layers the
+        # output layer's are other ones than in the full model
+        model = build_preset(base, layers, torch.device("cpu"), torch.float32)
+        return model, (f"its first {layers} of {full} layers" if layers and layers < full else "")
+    local = Path(base).expanduser()
+    if pretrained.is_pretrained_name(base):
+        if pretrained.is_gguf(base) and local.is_file():
+            with open(local, "rb") as f:
+                if f.read(4) != b"GGUF":  # (before the model cache sets out to convert it)
+                    raise Refused(f"--base {base} is not a GGUF file (it does not start with GGUF's magic bytes); pass "
+                                  "the base model the adapter was trained on")
+        check_memory(f"{run}: {said}", model_shape(base, layers), "bfloat16", weight_type)  # (converted in bf16)
+        try:
+            source = pretrained.local_directory(base, "--base")
+        except SystemExit as err:  # (its one line, "error: --base ...", with a refusal's exit code)
+            raise Refused(str(err).removeprefix("error: ")) from None
+    elif local.is_dir():
+        if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+            raise Refused(f"{run}: the base {base} is a LoRA adapter itself; pass the model it was trained on with "
+                          "--base")
+        config = read_json(local / "config.json") if (local / "config.json").is_file() else None
+        if config is not None:
+            check_weights(local, adapter=False)
+            check_memory(f"{run}: {said}", model_shape(str(local), layers), config_dtype(config), weight_type)
+        source = local
+    elif looks_like_path(base) or local.exists():
+        raise Refused(f"{run} is a LoRA adapter and its base {base} is not there (nor a model folder); pass the base "
+                      "model with --base")
+    else:  # a Hugging Face id: its config, when the Hub's cache holds it
+        shape = model_shape(base, layers)
+        if shape is not None:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(base, "config.json")
+            dtype = config_dtype(json.loads(Path(cached).read_text())) if isinstance(cached, str) else "float32"
+            check_memory(f"{run}: {said}", shape, dtype, weight_type)
+        source = base
     try:
-        return AutoModelForCausalLM.from_pretrained(Path(source).expanduser() if Path(source).expanduser().is_dir()
-                                                    else source, dtype="auto")
-    except (OSError, ValueError) as err:
-        said = f" ({note})" if note else f" ({str(err).splitlines()[0][:160]})"
-        raise Refused(f"{run} is a LoRA adapter and its base model {base} could not be loaded{said}; "
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        why = f" ({note})" if note else f" ({str(err).splitlines()[0][:160]})"
+        raise Refused(f"{run} is a LoRA adapter and its base model {base} could not be loaded{why}; "
                       "pass the base model with --base") from None
+    full = model.config.num_hidden_layers
+    if layers and layers > full:
+        raise Refused(f"{run}: the adapter was trained on {layers} decoder layers and {said} has {full}; pass the "
+                      "base it was trained on with --base")
+    if layers and layers < full:  # as playbook.models.load_model keeps the first --num-layers
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:layers]
+        return model, f"its first {layers} of {full} layers"
+    return model, ""
+
+
+def merge_adapter(run: str, folder: Path, model, base: str, record: dict | None):
+    """(the base with the adapter of `folder` merged in, a note on its weights). Before the merge, the base is
+    checked against the fingerprint the checkpoint recorded of the weights it was trained on."""
+    import torch
+
+    from playbook.lora import load_adapter
+
+    with warnings.catch_warnings():  # (peft on the project's own key in adapter_config.json, and on transformers)
+        warnings.filterwarnings("ignore", message=r"Unexpected keyword arguments \['base_model_note'\]")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            # trainable: the adapter's weights require grad and the base's do not, as in the run that saved the
+            # fingerprint (which counts the frozen weights only)
+            model = load_adapter(model, folder, trainable=True)
+        except (RuntimeError, ValueError, KeyError) as err:
+            trained = f" (the run's --model was {record['model']})" if record and record.get("model") else ""
+            raise Refused(f"{run}: the adapter does not fit the base {base}: {mismatch(err)}{trained}; pass the base "
+                          "it was trained on with --base") from None
+    rounded = same_base(run, model, base, record) if record and record["fingerprint"] else ""
+    with torch.no_grad():
+        return model.merge_and_unload(), rounded
+
+
+def mismatch(err: Exception) -> str:
+    """peft's (torch's) error on an adapter that does not fit its base, in a few words."""
+    found = re.search(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^]]*\])\) from "
+                      r"checkpoint, the shape in current model is torch\.Size\((\[[^]]*\])\)", str(err))
+    if found:
+        name = found.group(1).removeprefix("base_model.model.").replace(".default", "")
+        return f"{name} is {found.group(2)} in the adapter and {found.group(3)} in the base"
+    return " ".join(str(err).split())[:200]
+
+
+def same_base(run: str, model, base: str, record: dict) -> str:
+    """Refuse a base other than the weights the adapter was trained on, by the fingerprint its checkpoint
+    records (float64 sum and norm of each frozen weight, playbook/checkpoint.py). A run that held a float32
+    or float16 base in bf16 (a bf16 run on a preset or a converted GGUF) recorded their bf16 rounding: then
+    the base is rounded so before the merge, and the note returned says so ("" when the weights are the same)."""
+    import torch
+
+    from core.tensors import fingerprint
+
+    saved = record["fingerprint"]
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    if record["load_in_4bit"]:  # the run's projections were NF4 codes: only the weights kept as they are compare
+        saved = {n: v for n, v in saved.items() if not n.endswith("base_layer.weight")}
+        frozen = {n: p for n, p in frozen.items() if not n.endswith("base_layer.weight")}
+    trained = f"; the run's --model was {record['model']}" if record.get("model") else ""
+    if saved.keys() != frozen.keys():
+        differ = sorted(saved.keys() ^ frozen.keys())
+        where = "the checkpoint's record" if differ[0] in saved else "the base"
+        raise Refused(f"{run}: the base {base} does not have the weights the adapter was trained on "
+                      f"({differ[0].removeprefix('base_model.model.')} is in {where} only{trained}); pass the base it "
+                      "was trained on with --base")
+
+    def close(a, b) -> bool:  # the same weights give the same float64 sums up to the order of summation (~1e-12
+        return all(abs(x - y) <= 1e-9 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))  # relative, checkpoint.py)
+
+    exact = {n: close(fingerprint(p), saved[n]) for n, p in frozen.items()}
+    if all(exact.values()):
+        return ""
+    as_bf16 = {n: exact[n] if p.dtype == torch.bfloat16 else close(fingerprint(p.detach().to(torch.bfloat16)), saved[n])
+               for n, p in frozen.items()}
+    if all(as_bf16.values()):
+        with torch.no_grad():
+            for p in frozen.values():
+                p.copy_(p.to(torch.bfloat16))
+        return "its weights rounded to bf16"
+    name = next((n for n in frozen if not exact[n] and not as_bf16[n]), next(n for n in frozen if not as_bf16[n]))
+    raise Refused(f"{run}: the base {base} does not have the weights the adapter was trained on "
+                  f"({name.removeprefix('base_model.model.')} differs from the checkpoint's record{trained}); pass the "
+                  "base it was trained on with --base")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -439,8 +737,8 @@ def GGUFWriter(path, arch):  # noqa: N802  (the gguf package's writer; tests put
 
 
 def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dict:
-    """Write the model to `path` (through a temporary file beside it, renamed when complete). Returns what
-    the Modelfile needs: the chat style, its default system prompt, the stop strings."""
+    """Write the model to `path` (export() gives a temporary file of its own), complete and flushed to disk.
+    Returns what the Modelfile needs: the chat style, its default system prompt, the stop strings."""
     import gguf
 
     config = model.config
@@ -458,11 +756,9 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
     stops = list(dict.fromkeys(t for t in (end_of_turn, vocab["tokens"][vocab["eos"]] if vocab["eos"] is not None
                                            else None, style.turn_marker if style else None) if t in ids))
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    for leftover in path.parent.glob(f".{path.name}.tmp-*"):  # of an export that was killed
-        leftover.unlink(missing_ok=True)
+    w = None
     try:
-        w = GGUFWriter(tmp, arch)
+        w = GGUFWriter(path, arch)
         w.add_name(name)
         w.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[weight_type]).value)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -514,22 +810,74 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with open(tmp, "rb+") as f:
+        with open(path, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # (gone already when the rename happened)
+    except BaseException:
+        if w is not None:
+            with contextlib.suppress(OSError):  # (its handle closed; the caller removes the file)
+                w.close()
+        raise
     return {"style": style, "system": default_system, "stops": stops, "note": note, "tensors": len(weights),
             "dropped": vocab["dropped"]}
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def temporary(path: Path) -> Path:
+    """A hidden file beside `path` for this export alone: the host, the process and a random part in its name,
+    so that two exports to one --output never write, rename or remove each other's."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def process_alive(pid: int) -> bool:
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        os.kill(pid, 0)  # (signal 0: nothing is sent; only whether the process exists)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (PermissionError): alive
+        return True
+    return True
+
+
+def remove_leftovers(path: Path) -> None:
+    """Remove what killed exports to `path` left: the temporary files of this host whose process is gone. Those
+    of an export still running, or of another host (a shared disk), are left alone."""
+    own = re.compile(rf"^\.{re.escape(path.name)}\.tmp-(.+)-(\d+)-[0-9a-f]+$")
+    host = socket.gethostname()
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        found = own.match(leftover.name)
+        if found and found.group(1) == host and not process_alive(int(found.group(2))):
+            leftover.unlink(missing_ok=True)
+
+
+def modelfile_there(path: Path, text: str) -> str | None:
+    """What is at the Modelfile's path already: None (nothing), "same" (this text) or "other" (a Modelfile its
+    user edited, one written for another chat template, or any other file)."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        return "same" if path.read_text(encoding="utf-8") == text else "other"
+    except (OSError, ValueError):  # unreadable, or not text
+        return "other"
+
+
+def failed(output: Path, modelfile_path: Path, err: OSError, placed: list, existed: list) -> str:
+    """The one line of an export whose files could not be written: why, and what is on disk now."""
+    why = "the disk is full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+    way = "; free some space there, or choose another --output" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    if placed:  # the GGUF was renamed into place, the Modelfile could not be
+        return (f"--output {output} was written, but its Modelfile {modelfile_path} could not be ({why})"
+                + (f"; the {modelfile_path.name} already there is as it was" if modelfile_path in existed else "")
+                + way)
+    kept = " and ".join(p.name for p in existed)
+    left = (f"nothing was left behind, and the {kept} already there {'is' if len(existed) == 1 else 'are'} as "
+            f"{'it was' if len(existed) == 1 else 'they were'}" if existed else "nothing was left behind")
+    return f"--output {output}: could not be written ({why}); {left}{way}"
 
 
 def default_output(folder: Path, weight_type: str) -> Path:
@@ -542,29 +890,59 @@ def ollama_name(text: str) -> str:
 
 
 def export(run: str, weight_type: str = "q8_0", output: Path | None = None, base: str | None = None,
-           name: str | None = None) -> dict:
-    """Export a run; returns {"gguf", "modelfile", "name", "bytes", ...}. Raises Refused for bad input."""
+           name: str | None = None, replace_modelfile: bool = False) -> dict:
+    """Export a run; returns {"gguf", "modelfile", "name", "bytes", "replaced", "kept_modelfile", ...}. Raises
+    Refused for bad input. Writes only its own temporary files, renamed into place when both are complete."""
     folder = resolve_run(run)
     if (folder / "config.json").is_file():  # a family it does not write: refused before the weights load
-        refuse_family(json.loads((folder / "config.json").read_text()).get("model_type"))
+        kind = read_json(folder / "config.json").get("model_type")
+        if not isinstance(kind, str) or not kind:
+            raise Refused(f"{folder / 'config.json'} names no model_type: the file is damaged; restore it, or export "
+                          "another checkpoint")
+        refuse_family(kind)
     output = Path(output) if output is not None else default_output(folder, weight_type)
     if not output.parent.is_dir():
         raise Refused(f"--output {output}: the folder {output.parent} does not exist")
-    model, tokenizer, what = load_run(run, base)
-    name = name or folder.name
     modelfile_path = output.with_suffix(".Modelfile")
+    for path in (output, modelfile_path):
+        if path.is_dir():
+            raise Refused(f"--output {output}: {path} is a folder; choose another --output")
+    if base is not None and output.exists() and Path(base).expanduser().is_file() \
+            and os.path.samefile(Path(base).expanduser(), output):
+        raise Refused(f"--output {output} is the base model the adapter is merged into (--base); choose another "
+                      "--output")
+    model, tokenizer, what = load_run(run, base, weight_type)
+    name = name or folder.name
+    existed = [p for p in (output, modelfile_path) if p.exists()]
+    ours = {output: temporary(output), modelfile_path: temporary(modelfile_path)}
+    for path in ours:
+        remove_leftovers(path)
+    placed = []
     try:
-        made = write_gguf(output, model, tokenizer, weight_type, name)
-        write_text_atomic(modelfile_path, modelfile(output.name, made["style"], made["system"], made["stops"],
-                                                    made["note"]))
+        made = write_gguf(ours[output], model, tokenizer, weight_type, name)
+        text = modelfile(output.name, made["style"], made["system"], made["stops"], made["note"])
+        there = modelfile_there(modelfile_path, text)
+        kept = there == "same" or (there == "other" and not replace_modelfile)
+        if not kept:
+            write_text(ours[modelfile_path], text)
+        os.replace(ours[output], output)
+        placed.append(output)
+        if not kept:
+            os.replace(ours[modelfile_path], modelfile_path)
     except OSError as err:
-        output_written = output.is_file() and not modelfile_path.is_file()
-        if output_written:  # the GGUF was renamed into place, the Modelfile failed: take both back
-            output.unlink(missing_ok=True)
-        why = "the disk is full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-        raise Refused(f"--output {output}: could not be written ({why}); nothing was left behind") from None
+        raise Refused(failed(output, modelfile_path, err, placed, existed)) from None
+    finally:
+        for tmp in ours.values():
+            tmp.unlink(missing_ok=True)  # (gone already when renamed into place)
     return {**made, "gguf": output, "modelfile": modelfile_path, "name": ollama_name(name), "what": what,
-            "bytes": output.stat().st_size}
+            "bytes": output.stat().st_size, "replaced": output in existed, "kept_modelfile": kept and there == "other"}
+
+
+def quiet_stdout() -> None:
+    """Send what is still buffered for standard output, and anything printed later, to /dev/null (a reader that
+    went away, a full disk): nothing is retried, and Python's flush at exit fails no more."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv=None) -> int:
@@ -575,25 +953,41 @@ def main(argv=None) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
 
-    from playbook.common import log
-
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(sys.stderr):  # (what the loaders print goes with the notes)
-            done = export(a.run, a.type, a.output, a.base, a.name)
+            done = export(a.run, a.type, a.output, a.base, a.name, a.replace_modelfile)
     except Refused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    log(f"Exported {done['what']} in {time.perf_counter() - t0:.1f} s: {done['gguf']} "
-        f"({done['bytes'] / 1e6:,.1f} MB, {a.type}, {done['tensors']} tensors)")
+    try:
+        report(done, a.type, time.perf_counter() - t0)
+        sys.stdout.flush()
+    except BrokenPipeError:  # a reader that went away (`| head`): quiet, as Unix tools are; the files are whole
+        quiet_stdout()
+    except OSError as err:  # a full disk under standard output
+        quiet_stdout()
+        print(f"warning: the export's report could not be written to standard output ({err.strerror or err}); "
+              f"the export is complete: {done['gguf']} and {done['modelfile']}", file=sys.stderr)
+    return 0
+
+
+def report(done: dict, weight_type: str, seconds: float) -> None:
+    from playbook.common import log
+
+    log(f"Exported {done['what']} in {seconds:.1f} s: {done['gguf']} ({done['bytes'] / 1e6:,.1f} MB, {weight_type}, "
+        f"{done['tensors']} tensors{', replacing the file there' if done['replaced'] else ''})")
     if done["dropped"]:
         log(f"Left out of the vocabulary: token {', '.join(done['dropped'])}, past the model's embeddings")
-    chat = (f"{done['style'].name} chat template, stop on {', '.join(done['stops'])}" if done["style"] else
-            f"no TEMPLATE ({done['note']})")
-    log(f"Ollama Modelfile: {done['modelfile']} ({chat})")
+    if done["kept_modelfile"]:
+        log(f"Ollama Modelfile: {done['modelfile']} kept as it is: it differs from the one this export writes "
+            "(edited?); --replace-modelfile writes the new one in its place")
+    else:
+        chat = (f"{done['style'].name} chat template, stop on {', '.join(done['stops'])}" if done["style"] else
+                f"no TEMPLATE ({done['note']})")
+        log(f"Ollama Modelfile: {done['modelfile']} ({chat})")
     log(f"Run it:  ollama create {done['name']} -f {done['modelfile']}  &&  ollama run {done['name']}")
     log(f"     or: llama-cli -m {done['gguf']} -cnv")
-    return 0
 
 
 if __name__ == "__main__":

@@ -24,9 +24,12 @@ from playbook.startup import start
 if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
     start()
 
+import copy
 import errno
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -299,6 +302,39 @@ def tiny_run(tmp_path_factory):
                  tmp_path_factory.mktemp("tiny") / "run")
 
 
+@pytest.fixture(scope="module")
+def adapter_runs(tmp_path_factory):
+    """adapter_runs(layers) -> (checkpoint folder, model): a LoRA checkpoint on the llama-tiny preset as the
+    fine-tuning scripts save one (the base in bf16 with its first `layers` decoder layers, --num-layers; the
+    settings and the base fingerprint in trainer_state.pt), the adapter's B matrices random so that the merge
+    changes the weights; the model is the run's own (peft), not merged."""
+    from playbook.checkpoint import save_checkpoint
+    from playbook.data import byte_tokenizer
+    from playbook.lora import apply_lora
+    from playbook.models import PRESETS, build_preset
+    from playbook.training import name_lora_base
+
+    made = {}
+
+    def make(layers: int):
+        if layers not in made:
+            model = apply_lora(build_preset("llama-tiny", layers, torch.device("cpu"), torch.bfloat16), 4)
+            name_lora_base(model, "llama-tiny")
+            generator = torch.Generator().manual_seed(layers)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+            all_layers = layers == PRESETS["llama-tiny"]["num_hidden_layers"]
+            settings = {"model": "llama-tiny", "num_layers": None if all_layers else layers, "load_in_4bit": False}
+            folder = save_checkpoint(tmp_path_factory.mktemp(f"lora{layers}"), 3, model, byte_tokenizer(), None, None,
+                                     {"settings": settings})
+            made[layers] = (folder, model)
+        return made[layers]
+
+    return make
+
+
 def _refused(capsys, argv) -> str:
     assert export.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -306,22 +342,160 @@ def _refused(capsys, argv) -> str:
     return err
 
 
-def test_bad_input_is_one_line(tmp_path, tiny_run, capsys):
+def test_bad_input_is_one_line(tmp_path, tiny_run, adapter_runs, capsys, monkeypatch):
     (tmp_path / "empty").mkdir()
     assert "no such folder" in _refused(capsys, [str(tmp_path / "missing")])
     assert "is not a run" in _refused(capsys, [str(tmp_path / "empty")])
+    (tmp_path / "empty" / "latest").write_text("checkpoint-9\n")  # (an --output-dir whose checkpoint is gone)
+    assert _refused(capsys, [str(tmp_path / "empty")]) == (f"error: {tmp_path / 'empty' / 'latest'} names 'checkpoint-9', "
+                                                           f"which is not a checkpoint folder in {tmp_path / 'empty'}; "
+                                                           "export one of its checkpoint-N folders")
     (tmp_path / "file.txt").write_text("x")
     assert "is a file, not a run" in _refused(capsys, [str(tmp_path / "file.txt")])
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    assert "is a LoRA adapter without its weights (adapter_model.safetensors)" in _refused(capsys, [str(adapter)])
+    (adapter / "adapter_model.safetensors").write_bytes((adapter_runs(2)[0] / "adapter_model.safetensors").read_bytes())
     assert "its base" in _refused(capsys, [str(adapter)]) and "--base" in _refused(capsys, [str(adapter)])
     (adapter / "adapter_config.json").write_text("{}")
     assert "names no base model; pass it with --base" in _refused(capsys, [str(adapter)])
+    assert _refused(capsys, [str(adapter), "--base", "Llama-Tiny"]) == \
+        "error: --base Llama-Tiny: the preset is spelled --base llama-tiny"  # (not a Hub id, asked for on the network)
+    (tmp_path / "file.gguf").write_text("x")  # a .gguf base that is not one: refused before the model cache converts it
+    monkeypatch.setenv("PLAYBOOK_MODEL_CACHE", str(tmp_path / "cache"))
+    said = _refused(capsys, [str(adapter), "--base", str(tmp_path / "file.gguf")])
+    assert said.startswith(f"error: --base {tmp_path / 'file.gguf'} is not a GGUF file"), said
+    (tmp_path / "file.gguf").write_bytes(b"GGUF" + bytes(20))  # its magic, then nothing a reader can use: the
+    assert export.main([str(adapter), "--base", str(tmp_path / "file.gguf")]) == 2  # cache's note, then its line
+    said = capsys.readouterr().err
+    assert "Traceback" not in said and said.splitlines()[-1].startswith(
+        f"error: --base {tmp_path / 'file.gguf'}: transformers could not read this GGUF file"), said
     out = tmp_path / "tiny.gguf"
     said = _refused(capsys, [str(tiny_run), "--type", "q8_0", "--output", str(out)])
     assert "--type q8_0: model.layers.0.mlp.down_proj.weight has rows 176 values wide" in said and "--type f16" in said
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "empty", "file.txt"]  # nothing written
+    (tmp_path / "file.gguf").unlink()
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name != "cache")
+    assert written == ["adapter", "empty", "file.txt"]  # nothing written
+
+
+def _damaged(tmp_path, source: Path, file: str, data: bytes) -> Path:
+    folder = tmp_path / f"{file}-{len(data)}"
+    shutil.copytree(source, folder)
+    (folder / file).write_bytes(data)
+    return folder
+
+
+def test_a_source_it_cannot_read_is_one_line_naming_the_file(tmp_path, tiny_run, adapter_runs, capsys):
+    weights = (tiny_run / "model.safetensors").read_bytes()
+    adapter, _ = adapter_runs(2)
+    cases = [(tiny_run, "model.safetensors", b"", "is 0 bytes, too short for a safetensors header"),
+             (tiny_run, "model.safetensors", weights[:len(weights) // 2], "is truncated"),
+             (tiny_run, "config.json", b'{"model_type": "llama",', "is not JSON"),
+             (tiny_run, "config.json", b"[1]", "holds [1], not the object of settings it should"),
+             (tiny_run, "config.json", b'{"vocab_size": 512}', "names no model_type"),
+             (adapter, "adapter_config.json", b"not json", "is not JSON"),
+             (adapter, "adapter_model.safetensors", (adapter / "adapter_model.safetensors").read_bytes()[:100],
+              "is truncated"),
+             (adapter, "trainer_state.pt", b"PK not a zip", "cannot be read")]
+    for source, file, data, what in cases:
+        folder = _damaged(tmp_path, source, file, data)
+        said = _refused(capsys, [str(folder), "--type", "f16"])
+        assert said.startswith(f"error: {folder / file} {what}") and ("restore" in said), said
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*"))  # nothing written
+
+
+def test_an_adapter_is_merged_into_the_layers_its_run_kept(tmp_path, adapter_runs, capsys):
+    """A LoRA run with --num-layers 1 on llama-tiny (2 layers): the file has 1 layer and answers as the run's model
+    merged; an adapter copied out of its checkpoint (no trainer_state.pt) shows its layers by the ones it covers."""
+    import gguf
+
+    folder, model = adapter_runs(1)
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "trainer_state.pt").unlink()
+    reference = copy.deepcopy(model).float().merge_and_unload().eval()  # the run's bf16 base, the adapter in fp32
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    for source in (folder, bare):
+        out = tmp_path / f"{source.name}.gguf"
+        assert export.main([str(source), "--type", "f16", "--output", str(out)]) == 0
+        assert _field(gguf.GGUFReader(out), "llama.block_count") == 1
+        assert "LoRA adapter merged into llama-tiny: its first 1 of 2 layers" in capsys.readouterr().out
+    with torch.no_grad():
+        got = _read_back(tmp_path / f"{folder.name}.gguf")(ids).logits
+    err, scale = (got - expected).abs().max().item(), expected.abs().max().item()
+    record("--num-layers 1 adapter: logits read back, against 8 x 2^-11 of the largest (as f16 above)", err,
+           8 * 2**-11 * scale, err <= 8 * 2**-11 * scale)
+
+
+def test_an_adapter_refuses_a_base_other_than_its_own(tmp_path, tiny_run, adapter_runs, capsys):
+    """Another size (peft's size mismatch), the same shapes with other weights, fewer layers (by the checkpoint's
+    record, and for an adapter without one by the layers it covers); the preset saved in float32, which the
+    run held in bf16, is its own base."""
+    from transformers import LlamaForCausalLM
+
+    from playbook.data import byte_tokenizer
+    from playbook.models import preset_config
+
+    def base(name: str, seed: int, **changes) -> Path:
+        config = preset_config("llama-tiny")
+        for key, value in changes.items():
+            setattr(config, key, value)
+        torch.manual_seed(seed)
+        return _save(LlamaForCausalLM(config), byte_tokenizer(), tmp_path / name)
+
+    folder, _ = adapter_runs(2)
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "trainer_state.pt").unlink()
+    out = ["--type", "f16", "--output", str(tmp_path / "x.gguf")]
+    said = _refused(capsys, [str(folder), "--base", str(base("narrower", 0, intermediate_size=128)), *out])
+    assert re.search(r"the adapter does not fit the base \S+narrower: model\.layers\.\d\.mlp\.\w+\.lora_[AB]\.weight "
+                     r"is \[\d+, \d+\] in the adapter and \[\d+, \d+\] in the base \(the run's --model was llama-tiny\); "
+                     r"pass the base it was trained on with --base$", said), said
+    said = _refused(capsys, [str(folder), "--base", str(base("other", 1)), *out])
+    assert said.endswith("does not have the weights the adapter was trained on (model.embed_tokens.weight differs from "
+                         "the checkpoint's record; the run's --model was llama-tiny); pass the base it was trained on "
+                         "with --base"), said
+    shallower = base("shallower", 0, num_hidden_layers=1)
+    said = _refused(capsys, [str(folder), "--base", str(shallower), *out])
+    assert "does not have the weights the adapter was trained on (model.layers.1." in said, said
+    said = _refused(capsys, [str(bare), "--base", str(shallower), *out])
+    assert f"the adapter was trained on 2 decoder layers and the base {shallower} has 1" in said, said
+    assert not (tmp_path / "x.gguf").exists()
+    assert export.main([str(folder), "--base", str(tiny_run), *out]) == 0
+    assert "its weights rounded to bf16, as the run held it" in capsys.readouterr().out
+
+
+def test_the_memory_a_model_needs_is_checked_before_it_is_built(tmp_path, tiny_run, adapter_runs, capsys,
+                                                                monkeypatch):
+    """An adapter on the llama-3.1-8b preset: its float32 base (32 GB) and the file's weights, against the free
+    memory (here the stand-in PLAYBOOK_FREE_MEMORY_GB), refused before anything is built."""
+    import playbook.models
+    from playbook.models import preset_params
+
+    def build_preset(*args, **kwargs):
+        raise AssertionError("the base was built")
+
+    monkeypatch.setattr(playbook.models, "build_preset", build_preset)
+    folder, _ = adapter_runs(2)
+    argv = [str(folder), "--base", "llama-3.1-8b", "--type", "f16", "--output", str(tmp_path / "x.gguf")]
+    n = preset_params("llama-3.1-8b")
+    monkeypatch.setenv("PLAYBOOK_FREE_MEMORY_GB", "16")
+    said = _refused(capsys, argv)
+    need = n * (4 + 2)  # float32 weights, and the f16 weights the gguf writer holds until it writes the file
+    assert f"the base llama-3.1-8b: exporting it on the CPU needs about {need / 1e9:.1f} GB" in said, said
+    assert "16.0 GB is free (" in said and "PLAYBOOK_FREE_MEMORY_GB=16" in said and "on a machine with" in said
+    monkeypatch.setenv("PLAYBOOK_FREE_MEMORY_GB", "40")  # q4_0's file (4.5 bits a weight) fits beside the base
+    assert "; --type q4_0 needs " in _refused(capsys, argv)
+    monkeypatch.setenv("PLAYBOOK_FREE_MEMORY_GB", "abc")
+    assert _refused(capsys, argv).startswith("error: PLAYBOOK_FREE_MEMORY_GB='abc': not a number of GB")
+    monkeypatch.setenv("PLAYBOOK_FREE_MEMORY_GB", "0.0001")  # a merged folder: the same check
+    said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(tmp_path / "x.gguf")])
+    assert said.startswith(f"error: {tiny_run}: exporting it on the CPU needs about") and "0.1 MB is free (" in said
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_family_it_does_not_write_is_refused_by_name(tmp_path, capsys):
@@ -355,8 +529,9 @@ def test_byte_level_decoding_is_found_inside_a_sequence():
         export.vocabulary(tok, 512)
 
 
-def test_a_full_disk_leaves_no_file(tmp_path, tiny_run, capsys, monkeypatch):
-    """A stand-in writer that writes part of the file, then fails as a full disk does."""
+def test_a_full_disk_leaves_no_file_and_keeps_the_files_there(tmp_path, tiny_run, capsys, monkeypatch):
+    """A stand-in writer that writes part of the file, then fails as a full disk does: nothing of this export is
+    left, and a GGUF file (or a Modelfile) the user already had at --output is as it was."""
     import gguf
 
     class FullDisk(gguf.GGUFWriter):
@@ -365,11 +540,92 @@ def test_a_full_disk_leaves_no_file(tmp_path, tiny_run, capsys, monkeypatch):
                 f.write(b"\0" * 4096)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(export, "GGUFWriter", FullDisk)
     out = tmp_path / "tiny.gguf"
-    said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(out)])
-    assert said == f"error: --output {out}: could not be written (the disk is full); nothing was left behind"
-    assert list(tmp_path.iterdir()) == []
+    with monkeypatch.context() as patch:
+        patch.setattr(export, "GGUFWriter", FullDisk)
+        out.write_bytes(b"the user's earlier export")  # no Modelfile beside it
+        said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(out)])
+        assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]
+        assert out.read_bytes() == b"the user's earlier export"
+        assert "nothing was left behind, and the tiny.gguf already there is as it was" in said, said
+        out.unlink()
+        said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(out)])
+        assert list(tmp_path.iterdir()) == []
+        assert said == (f"error: --output {out}: could not be written (the disk is full); nothing was left behind; "
+                        "free some space there, or choose another --output")
+        out.write_bytes(b"the user's earlier export")
+
+    def full_disk(path, text):  # the Modelfile, written after the GGUF file: both stay as they were
+        with open(path, "w") as f:
+            f.write(text[:10])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out.with_suffix(".Modelfile").write_text("FROM ./tiny.gguf\n")
+    monkeypatch.setattr(export, "write_text", full_disk, raising=False)
+    said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(out), "--replace-modelfile"])
+    assert "the tiny.gguf and tiny.Modelfile already there are as they were" in said, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.Modelfile", "tiny.gguf"]
+    assert out.read_bytes() == b"the user's earlier export"
+    assert out.with_suffix(".Modelfile").read_text() == "FROM ./tiny.gguf\n"
+
+
+def test_an_edited_modelfile_is_kept_and_the_gguf_replaced(tmp_path, tiny_run, capsys):
+    out, modelfile = tmp_path / "tiny.gguf", tmp_path / "tiny.Modelfile"
+    assert export.main([str(tiny_run), "--type", "f16", "--output", str(out)]) == 0
+    written = modelfile.read_text()
+    modelfile.write_text(written + "PARAMETER temperature 0.2\n")
+    out.write_bytes(b"an earlier file")
+    capsys.readouterr()
+    assert export.main([str(tiny_run), "--type", "f16", "--output", str(out)]) == 0
+    assert modelfile.read_text() == written + "PARAMETER temperature 0.2\n"
+    assert out.read_bytes().startswith(b"GGUF")  # the export's own file, renamed into place
+    said = capsys.readouterr().out
+    assert f"Ollama Modelfile: {modelfile} kept as it is: it differs from the one this export writes" in said
+    assert "--replace-modelfile" in said and "replacing the file there" in said
+    assert export.main([str(tiny_run), "--type", "f16", "--output", str(out), "--replace-modelfile"]) == 0
+    assert "kept" not in capsys.readouterr().out and modelfile.read_text() == written
+    assert export.main([str(tiny_run), "--type", "f16", "--output", str(out)]) == 0  # the same Modelfile: no word
+    assert "kept" not in capsys.readouterr().out and modelfile.read_text() == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.Modelfile", "tiny.gguf"]
+
+
+def test_an_export_leaves_the_temporary_files_of_one_still_running(tmp_path, tiny_run):
+    """Two exports to one --output: each writes temporary files of its own, and removes only its own and those of
+    an export that was killed (its process gone), never those of one still writing."""
+    import socket
+
+    out = tmp_path / "tiny.gguf"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    running = tmp_path / f".tiny.gguf.tmp-{host}-{os.getpid()}-0123abcd"  # (a live process: this one)
+    killed = tmp_path / f".tiny.Modelfile.tmp-{host}-{int(gone.stdout)}-0123abcd"
+    elsewhere = tmp_path / f".tiny.gguf.tmp-{host}x-{int(gone.stdout)}-0123abcd"  # another host's, on a shared disk
+    for path in (running, killed, elsewhere):
+        path.write_bytes(b"partial")
+    export.export(str(tiny_run), "f16", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, elsewhere.name, "tiny.Modelfile",
+                                                                  "tiny.gguf"])
+    assert export.temporary(out) != export.temporary(out)  # (a random part: even one process never repeats one)
+
+
+def test_a_complete_export_exits_0_when_its_report_cannot_be_printed(tmp_path, tiny_run, capsys, monkeypatch):
+    """Standard output a pipe whose reader went away (`| head -c 1`): quiet, exit code 0; a full disk (/dev/full):
+    one line on standard error, exit code 0. Both files are written either way."""
+    out = tmp_path / "tiny.gguf"
+    read, write = os.pipe()
+    os.close(read)
+    for stdout, line in ((os.fdopen(write, "w"), ""), (open("/dev/full", "w"), "warning: ")):
+        with stdout, monkeypatch.context() as patch:
+            patch.setattr(sys, "stdout", stdout)
+            assert export.main([str(tiny_run), "--type", "f16", "--output", str(out)]) == 0
+        err = capsys.readouterr().err.strip()
+        if line:
+            assert err.startswith(line) and "\n" not in err and "No space left on device" in err, err
+            assert f"the export is complete: {out} and {out.with_suffix('.Modelfile')}" in err
+        else:
+            assert err == ""
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.Modelfile", "tiny.gguf"]
+        out.unlink()
 
 
 # ------------------------------------------------------------------------------------------------
