@@ -54,7 +54,7 @@ def _train(argv, tag, capsys, monkeypatch=None):
         report = training.write_report
 
         def keep_model(cfg, result, model, *a, **k):
-            ended["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            ended["weights"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
             return report(cfg, result, model, *a, **k)
 
         monkeypatch.setattr(training, "write_report", keep_model)
