@@ -124,6 +124,8 @@ UNUSED = {
 class DistillConfig:
     """distill.py's own section of the RunConfig (`cfg.extra`): the two models and the loss."""
 
+    refused_options = frozenset(UNUSED)  # the shared options refused above (the memory plan offers none of them)
+
     mode: str  # "baseline", "fused" or "both"
     teacher: str
     student: str

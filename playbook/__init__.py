@@ -5,6 +5,7 @@ losses, fp8_support); no lesson and no module of core imports anything here.
     startup        start(): what every script calls first (environment defaults, Ctrl-C while starting,
                    Triton's interpreter without a GPU); importing any module here changes none of it
     signals        Ctrl-C and SIGTERM as one line and exit code 130 / 143 (run_main, started, interrupted)
+    environment    the environment variables the scripts read (PLAYBOOK_FREE_MEMORY_GB, ...), each checked as a flag
     config         RunConfig and the one argument parser every script shares
     registry       every optimization a user can switch on, by name, and how it is applied
     models         loading a model and preparing it for training (kernels, LoRA, memory options)

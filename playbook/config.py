@@ -623,7 +623,23 @@ def parse_config(parser: argparse.ArgumentParser, script, argv=None) -> RunConfi
                               "TRITON_INTERPRET (on a CPU the kernels run in Triton's interpreter), or run without "
                               "them (--kernels none)")
     run = RunSection(script=defaults.name, device=device, seed=a.seed, defaults=defaults)
-    return RunConfig.compose(run, model, data, training, output, extra=extra)
+    cfg = RunConfig.compose(run, model, data, training, output, extra=extra)
+    _check_timed_steps(cfg, defaults)
+    return cfg
+
+
+def _check_timed_steps(cfg: RunConfig, defaults: ScriptDefaults) -> None:
+    """--steps must leave a timed step after --timing-warmup-steps: checked last, once the whole run is known, so
+    that a run too large for the memory says that first (memory_plan.problem), in the same line."""
+    steps, warmup = cfg.steps, cfg.warmup_steps
+    if steps is None or warmup < steps or not defaults.timed_steps:
+        return
+    from playbook import memory_plan
+
+    timing = (f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup}: give --steps {warmup + 1} "
+              f"or more, or fewer warm-up steps (--timing-warmup-steps {max(steps - 1, 0)})")
+    too_big = memory_plan.problem(cfg)
+    raise usage_error(f"{too_big}; and {timing}" if too_big else timing)
 
 
 def _resolve_aliases(a: argparse.Namespace) -> None:
@@ -778,10 +794,6 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
     warmup_steps = a.warmup_steps
     if warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
         warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
-    if steps is not None and warmup_steps >= steps and defaults.timed_steps:
-        raise usage_error(f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup_steps}: give "
-                          f"--steps {warmup_steps + 1} or more, or fewer warm-up steps (--timing-warmup-steps "
-                          f"{max(steps - 1, 0)})")
     optimizer = _optimizer(a, defaults, gpu, model)
     if a.optimizer_in_backward:
         clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),

@@ -30,16 +30,19 @@ table) are counted per token from the config; three constants are fitted to meas
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from core.fp8_support import FP8_MIN_WIDTH
+from playbook import environment
 
 GB = 1e9  # the scripts' summaries count GB as 10^9 bytes
-FREE_MEMORY_ENV = "PLAYBOOK_FREE_MEMORY_GB"  # a stand-in for the free memory (tests, or planning for another GPU)
+FREE_MEMORY_ENV = environment.FREE_MEMORY_GB  # a stand-in for the free memory (tests, or planning for another GPU)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Fitted to the measured peaks (docs/memory.md#the-memory-plan):
@@ -73,6 +76,7 @@ class Shape:
     kv_heads: int
     head_dim: int
     tied: bool
+    positions: int | None = None  # the positions it was trained on (max_position_embeddings); None: not known
 
     @classmethod
     def from_config(cls, config, num_layers: int | None = None) -> "Shape":
@@ -83,7 +87,8 @@ class Shape:
         return cls(vocab=int(get("vocab_size")), hidden=hidden, intermediate=int(get("intermediate_size")),
                    layers=min(num_layers, layers) if num_layers else layers, heads=heads,
                    kv_heads=int(get("num_key_value_heads") or heads),
-                   head_dim=int(get("head_dim") or hidden // heads), tied=bool(get("tie_word_embeddings", False)))
+                   head_dim=int(get("head_dim") or hidden // heads), tied=bool(get("tie_word_embeddings", False)),
+                   positions=int(get("max_position_embeddings") or 0) or None)
 
     @property
     def q(self) -> int:
@@ -365,79 +370,252 @@ def _activations_what(shape: Shape, s: Setup, kinds, plain_bytes: float) -> str:
 # ------------------------------------------------------------------------------------------------
 # Options that would fit
 # ------------------------------------------------------------------------------------------------
-def suggestions(shape: Shape, s: Setup, free: float) -> list[tuple[str, float]]:
-    """(options, estimated peak) for changes to this run that bring its peak under `free`, fewest changes
-    first: each option alone, the memory options together where none alone fits, the largest batch that fits."""
-    L = shape.layers
-    single = []
-    # The roundings that keep small updates, each in less memory than the run's (the default's order: kahan
-    # where it fits, else stochastic, which needs none)
-    if s.rounding == "fp32-master":
-        single.append(("--optimizer-rounding kahan instead of --master-weights fp32", replace(s, rounding="kahan")))
-        single.append(("--optimizer-rounding stochastic instead of --master-weights fp32",
-                       replace(s, rounding="stochastic")))
-    if s.rounding == "kahan":
-        single.append(("--optimizer-rounding stochastic instead of kahan", replace(s, rounding="stochastic")))
-    if "plain" in s.layer_kinds or not s.layer_kinds:
-        single.append(("--gradient-checkpointing", replace(s, layer_kinds=("checkpointed",) * L)))
-    elif not s.offload_activations:
-        single.append(("--offload-activations", replace(s, offload_activations=True)))
-    if s.keep_attention:
-        single.append(("no --keep-attention", replace(s, keep_attention=False)))
-    if not s.mlp_chunk and s.tokens > 16384:
-        single.append(("--mlp-chunk-tokens 16384", replace(s, mlp_chunk=16384)))
-    if s.kernels == "playbook" and not s.recompute_norms and "plain" in (s.layer_kinds or ("plain",)):
-        single.append(("--recompute-norms", replace(s, recompute_norms=True)))
-    if not s.lora_r and not s.in_backward and s.grad_accum == 1 and s.world == 1:
-        single.append(("--optimizer-in-backward", replace(s, in_backward=True)))
-    if not s.lora_r:
-        single.append((f"--lora-r {LORA_DEFAULT_RANK}", replace(s, lora_r=LORA_DEFAULT_RANK, rounding="nearest",
-                                                               in_backward=False)))
-    elif not s.load_in_4bit and not s.fp8:
-        single.append(("--fp8 (the frozen projections in FP8)", replace(s, fp8=True)))
-        single.append(("--load-in-4bit", replace(s, load_in_4bit=True)))
-    if s.kernels != "playbook" or s.loss != "fused":
-        single.append(("finetune_optimized.py's kernels (--kernels default)",
-                       replace(s, kernels="playbook", loss="fused")))
-    found = [(text, estimate(shape, t).peak) for text, t in single]
-    fits = [(text, peak) for text, peak in found if peak <= free]
-    if not [f for f in fits if not f[0].startswith(("--lora-r", "--load-in-4bit", "--fp8", "finetune_optimized"))]:
-        # the memory options together (not the ones that change what trains)
-        together = s
-        names = []
-        for text, t in single:
-            if text.startswith(("--lora-r", "--load-in-4bit", "--fp8", "finetune_optimized",
-                                "--optimizer-rounding kahan")) or (  # (stochastic, named too, needs less)
-                    text == "--recompute-norms" and "--gradient-checkpointing" in names):  # (no plain layer left)
-                continue
-            together = replace(together, **{k: getattr(t, k) for k in ("rounding", "layer_kinds", "offload_activations",
-                                                                        "keep_attention", "mlp_chunk",
-                                                                        "recompute_norms", "in_backward")
-                                            if getattr(t, k) != getattr(s, k)})
-            names.append(text)
-        if len(names) > 1:
-            peak = estimate(shape, together).peak
-            if peak <= free:
-                fits.append(("together: " + ", ".join(names), peak))
-    for batch in _smaller(s.batch):
-        peak = estimate(shape, replace(s, batch=batch)).peak
-        if peak <= free:
-            accum = s.grad_accum * s.batch // batch
-            fits.append((f"--batch-size {batch}" + (f" --grad-accum {accum}" if s.batch % batch == 0 else ""), peak))
-            break
-    else:
-        for seq in _smaller(s.seq):
-            peak = estimate(shape, replace(s, batch=1, seq=seq)).peak
-            if peak <= free:
-                fits.append((f"--batch-size 1 --seq-len {seq}" if s.batch > 1 else f"--seq-len {seq}", peak))
-                break
-    return sorted(fits, key=lambda f: -f[1])  # the closest to this run first
+MAX_INT = 2**31 - 1  # the largest count or size an option takes (config.MAX_INT): an offer never goes past it
+MEMORY_OPTIONS = "memory"  # an Offer's kind: it trains the same model the same way, in less memory
+OTHER_TRAINING = "other"  # trains something else: adapters instead of the weights, a quantized base, other kernels
+SIZE = "size"  # fewer tokens per micro-batch
 
 
-def _smaller(n: int):
+@dataclass(frozen=True)
+class Offer:
+    """An option the plan offers where a run does not fit, and the run it makes.
+
+    text     as the error line names it
+    add      the command-line words it gives; drop: the flags it takes out (with their values)
+    script   another script to run it with (the baseline's way to this project's kernels); None: the same one
+    changes  the RunConfig's fields as the command line, so changed, makes them
+    variants further changes that command line may make as well (an --optimizer default that the flags dropped
+             had set): each is planned, and the offer's peak is the largest
+    kind     MEMORY_OPTIONS, OTHER_TRAINING or SIZE
+    peak     the peak the run it makes plans, as it starts (a rounding left open chosen as start() chooses it)"""
+
+    text: str
+    add: tuple = ()
+    drop: tuple = ()
+    script: str | None = None
+    changes: dict = field(default_factory=dict)
+    variants: tuple = ()
+    kind: str = MEMORY_OPTIONS
+    peak: float = math.inf
+
+
+def offers(cfg, free: float, where: str = "") -> list[Offer]:
+    """The options that bring this run's peak under `free`, each planned as the run it makes will start (its
+    config changed as its command line would change it, every model the run holds, the rounding start() would
+    choose), closest to this run first: each option alone, the memory options together where none alone fits,
+    the largest batch that fits (its --grad-accum keeping the tokens of a step), else the longest sequence.
+    None is a command the script refuses, and none proposes a --seq-len past the positions the model was
+    trained on. `cfg`: the run as its command line gave it (optimizer_rounding "auto" where left open)."""
+    plans = run_plans(cfg)
+    if not plans:
+        return []
+    single = [planned(cfg, o, free, where) for o in _options(cfg, plans[-1][1], plans[-1][2])]
+    fits = [o for o in single if o.peak <= free]
+    if not [o for o in fits if o.kind == MEMORY_OPTIONS]:
+        together = _together([o for o in single if o.kind == MEMORY_OPTIONS])
+        if together is not None:
+            together = planned(cfg, together, free, where)
+            if together.peak <= free:
+                fits.append(together)
+    size = _smaller_run(cfg, plans[-1][1], free, where)
+    if size is not None:
+        fits.append(size)
+    return sorted(fits, key=lambda o: -o.peak)  # the closest to this run first
+
+
+def planned(cfg, offer: Offer, free: float, where: str) -> Offer:
+    """The offer with its peak: the largest of the runs its command line may make."""
+    peaks = [peak_as_run(replace_config(cfg, **{**offer.changes, **variant}), free, where)
+             for variant in ({}, *offer.variants)]
+    return replace(offer, peak=max(peaks))
+
+
+def peak_as_run(cfg, free: float, where: str) -> float:
+    """The peak of the plan the run of `cfg` will print as it starts: a rounding left open ("auto") chosen as
+    start() chooses it, for the free memory `free` (`where`: where that figure comes from)."""
+    if cfg.optimizer_rounding == "auto":
+        cfg = replace_config(cfg, optimizer_rounding=_rounding(cfg, free, where)[0])
+    plans = run_plans(cfg)
+    return combine(plans).peak if plans else math.inf
+
+
+def _refuses(cfg, dest: str) -> bool:
+    """Whether the script refuses the shared option `dest` (distill.py refuses --grad-accum, for one): its own
+    section of the RunConfig lists those it refuses as `refused_options`."""
+    return dest in getattr(cfg.extra, "refused_options", ())
+
+
+def _explicit_rounding(cfg) -> list[str]:
+    """The flags of the command line that set how the Triton AdamW rounds (a rounding start() chose is not one)."""
+    flags = []
+    if cfg.optimizer_rounding in ("stochastic", "kahan"):
+        flags.append(f"--optimizer-rounding {cfg.optimizer_rounding}")
+    if cfg.master_weights == "fp32":
+        flags.append("--master-weights fp32")
+    return flags
+
+
+def _default_optimizer(cfg, kernels) -> str:
+    """--optimizer as config.parse_config chooses it where the command line names none and no rounding flag
+    implies the Triton AdamW."""
+    if not cfg.on_gpu:
+        return "adamw-foreach"
+    own = cfg.defaults is None or cfg.defaults.own_optimizer
+    return "adamw-triton" if "adamw" in kernels and own else "adamw-fused"
+
+
+def _options(cfg, shape: Shape, s: Setup) -> list[Offer]:
+    """Each option alone that needs less memory than this run, as the command line takes it (config.py's
+    refusals: an option that clashes with one already given is offered with that one dropped, or not at all)."""
+    from playbook.common import world
+
+    found = []
+    plain = "plain" in (s.layer_kinds or ("plain",))
+    # The roundings that keep small updates in less memory than the run's (start() chooses kahan only where
+    # it fits, so a run that stops was given its rounding)
+    if cfg.master_weights == "fp32":
+        for rounding in ("kahan", "stochastic"):
+            found.append(Offer(f"--optimizer-rounding {rounding} instead of --master-weights fp32",
+                               add=("--optimizer-rounding", rounding), drop=("--master-weights",),
+                               changes=dict(master_weights="none", optimizer_rounding=rounding)))
+    if cfg.optimizer_rounding == "kahan":
+        found.append(Offer("--optimizer-rounding stochastic instead of kahan",
+                           add=("--optimizer-rounding", "stochastic"), drop=("--optimizer-rounding",),
+                           changes=dict(optimizer_rounding="stochastic")))
+    if plain and not cfg.offload_layers:  # (--gradient-checkpointing with --offload-layers is refused)
+        if cfg.checkpoint_layers is None:
+            found.append(Offer("--gradient-checkpointing", add=("--gradient-checkpointing",),
+                               changes=dict(gradient_checkpointing=True, checkpoint_layers="all")))
+        else:
+            found.append(Offer(f"--gradient-checkpointing instead of --checkpoint-layers {cfg.checkpoint_layers}",
+                               add=("--gradient-checkpointing",), drop=("--checkpoint-layers",),
+                               changes=dict(gradient_checkpointing=True, checkpoint_layers="all")))
+    elif cfg.checkpoint_layers and not cfg.offload_activations and cfg.on_gpu:  # (on a CPU the host holds both)
+        found.append(Offer("--offload-activations", add=("--offload-activations",),
+                           changes=dict(offload_activations=True)))
+    if cfg.keep_attention:
+        found.append(Offer("no --keep-attention", drop=("--keep-attention",), changes=dict(keep_attention=False)))
+    if not cfg.mlp_chunk_tokens and s.tokens > 16384:
+        found.append(Offer("--mlp-chunk-tokens 16384", add=("--mlp-chunk-tokens", "16384"),
+                           changes=dict(mlp_chunk_tokens=16384)))
+    if s.kernels == "playbook" and not cfg.recompute_norms and plain and not cfg.compile:
+        found.append(Offer("--recompute-norms", add=("--recompute-norms",), changes=dict(recompute_norms=True)))
+    if (not cfg.lora_r and not cfg.optimizer_in_backward and cfg.grad_accum == 1 and cfg.max_grad_norm is None
+            and world()[1] == 1 and (cfg.defaults is None or cfg.defaults.own_optimizer)
+            and not _refuses(cfg, "optimizer_in_backward")):
+        found.append(Offer("--optimizer-in-backward", add=("--optimizer-in-backward",),
+                           changes=dict(optimizer_in_backward=True)))
+    if not cfg.lora_r:
+        given = _explicit_rounding(cfg)  # LoRA's fp32 adapters lose nothing to rounding: refused with them
+        default = _default_optimizer(cfg, cfg.kernels)
+        found.append(Offer(f"--lora-r {LORA_DEFAULT_RANK}" + (f" without {' and '.join(given)}" if given else ""),
+                           add=("--lora-r", str(LORA_DEFAULT_RANK)),
+                           drop=tuple(flag.split()[0] for flag in given),
+                           changes=dict(lora_r=LORA_DEFAULT_RANK, optimizer_rounding="nearest", master_weights="none"),
+                           variants=({"optimizer": default},) if given and default != cfg.optimizer else (),
+                           kind=OTHER_TRAINING))
+    elif not cfg.load_in_4bit and not cfg.fp8 and not cfg.merge_lora:  # (--merge-lora: a quantized base is refused)
+        if not cfg.on_gpu or _capability(cfg.device) >= (8, 9):
+            found.append(Offer("--fp8 (the frozen projections in FP8)", add=("--fp8",), changes=dict(fp8=True),
+                               kind=OTHER_TRAINING))
+        if importlib.util.find_spec("bitsandbytes") is not None:
+            found.append(Offer("--load-in-4bit", add=("--load-in-4bit",), changes=dict(load_in_4bit=True),
+                               kind=OTHER_TRAINING))
+    if (s.kernels != "playbook" or s.loss != "fused") and cfg.extra is None:  # (distill.py's losses: --mode)
+        from playbook.registry import parse_kernels
+
+        kernels = tuple(parse_kernels("default"))
+        baseline = cfg.defaults is not None and cfg.defaults.huggingface_attention  # (it has no --kernels)
+        default = _default_optimizer(cfg, kernels)
+        variants = ()
+        if default == "adamw-triton" and cfg.optimizer != default:  # its default where --optimizer is not given
+            variants = ({"optimizer": default, "optimizer_rounding": "auto" if not cfg.lora_r and
+                         cfg.master_weights == "none" else cfg.optimizer_rounding},)
+        found.append(Offer("finetune_optimized.py (this project's kernels)" if baseline
+                           else "--kernels default (this project's kernels)",
+                           add=("--kernels", "default"), drop=("--kernels",),
+                           script="finetune_optimized" if baseline else None, changes=dict(kernels=kernels),
+                           variants=variants, kind=OTHER_TRAINING))
+    return found
+
+
+def _capability(device) -> tuple:
+    from core import gpu_arch
+
+    return tuple(gpu_arch.device_capability(device))
+
+
+def _together(memory: list[Offer]) -> Offer | None:
+    """The memory options together, where none alone fits (the rounding that needs none rather than kahan,
+    no --recompute-norms once every layer is checkpointed)."""
+    names, add, drop, changes = [], [], [], {}
+    for o in memory:
+        if o.text.startswith("--optimizer-rounding kahan") or (
+                o.text == "--recompute-norms" and "gradient_checkpointing" in changes):
+            continue
+        names.append(o.text)
+        add += o.add
+        drop += [f for f in o.drop if f not in drop]
+        changes.update(o.changes)
+    if len(names) < 2:
+        return None
+    return Offer("together: " + ", ".join(names), add=tuple(add), drop=tuple(drop), changes=changes)
+
+
+def _smaller_run(cfg, shape: Shape, free: float, where: str) -> Offer | None:
+    """The run with fewer tokens per micro-batch that fits, closest to this one: the model's positions where
+    --seq-len goes past them; else the largest --batch-size (with --grad-accum keeping the tokens of a step,
+    where the batch divides and the script takes it); else at --batch-size 1 the longest --seq-len, never past
+    the model's positions."""
+    positions = shape.positions
+    if positions and cfg.seq_len > positions:
+        text = f"--seq-len {positions} (the {positions:,} positions {trained_model(cfg)} was trained on)"
+        o = planned(cfg, Offer(text, add=("--seq-len", str(positions)), drop=("--seq-len",),
+                               changes=dict(seq_len=positions), kind=SIZE), free, where)
+        if o.peak <= free:
+            return o
+    for batch in _halves(cfg.batch_size):
+        accum = cfg.grad_accum * cfg.batch_size // batch
+        keep = (cfg.batch_size % batch == 0 and accum <= MAX_INT and not cfg.optimizer_in_backward
+                and not _refuses(cfg, "grad_accum"))
+        words = ("--batch-size", str(batch)) + (("--grad-accum", str(accum)) if keep else ())
+        o = planned(cfg, Offer(" ".join(words), add=words, drop=("--batch-size", "--grad-accum") if keep
+                               else ("--batch-size",), changes=dict(batch_size=batch, **({"grad_accum": accum} if keep
+                                                                                         else {})), kind=SIZE),
+                    free, where)
+        if o.peak <= free:
+            return o
+    for seq in _shorter(cfg.seq_len, positions):
+        words = (("--batch-size", "1") if cfg.batch_size > 1 else ()) + ("--seq-len", str(seq))
+        o = planned(cfg, Offer(" ".join(words), add=words, drop=tuple(w for w in words if w.startswith("--")),
+                               changes=dict(batch_size=1, seq_len=seq), kind=SIZE), free, where)
+        if o.peak <= free:
+            return o
+    return None
+
+
+def trained_model(cfg) -> str:
+    """The model a run trains: --model, or distill.py's student."""
+    return getattr(cfg.extra, "student", None) or cfg.model
+
+
+def _halves(n: int):
     while n > 1:
         n //= 2
         yield n
+
+
+def _shorter(seq: int, positions: int | None):
+    """Sequence lengths below `seq`, longest first: the model's positions where `seq` is past them, then the
+    powers of two below both."""
+    top = seq - 1
+    if positions and top >= positions:
+        yield positions
+        top = positions - 1
+    power = 1 << (top.bit_length() - 1) if top >= 1 else 0
+    while power >= 1:
+        yield power
+        power //= 2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -494,7 +672,7 @@ def _full_set(kernels) -> bool:
 # The real model's shape as its GGUF header gives it (tests/memory_plan_test.py checks the two agree where the
 # file is installed): a plan for it before the file is installed or converted.
 KNOWN_SHAPES = {"smollm2-135m": dict(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3,
-                                     head_dim=64, tied=True)}
+                                     head_dim=64, tied=True, positions=8192)}
 
 
 def _known_shape(name: str, num_layers: int | None) -> Shape | None:
@@ -552,19 +730,29 @@ def _gguf_shape(path: Path, num_layers: int | None) -> Shape | None:
         "intermediate_size": value(f"{arch}.feed_forward_length"), "num_hidden_layers": value(f"{arch}.block_count"),
         "num_attention_heads": heads, "num_key_value_heads": value(f"{arch}.attention.head_count_kv"),
         "head_dim": value(f"{arch}.attention.key_length") or hidden // heads,
+        "max_position_embeddings": value(f"{arch}.context_length"),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}, num_layers)
+
+
+GPU_FREE = "free on "  # free_memory's `where` on a GPU: "free on <its name>"
+HOST_AVAILABLE = "available on the host (MemAvailable)"
+CGROUP_LIMIT = "this process's memory limit (cgroup)"
+PROCESS_LIMIT = "this process's memory limit"
 
 
 def free_memory(device) -> tuple[float, str]:
     """(bytes free, where): the GPU's free memory (torch.cuda.mem_get_info), the host's MemAvailable on a
-    CPU, or the stand-in of PLAYBOOK_FREE_MEMORY_GB."""
+    CPU, or the stand-in of PLAYBOOK_FREE_MEMORY_GB (a value it cannot take: environment.BadValue, a ValueError
+    holding the line that says so). `where` names the figure's source, as the plan's table shows it (said_free:
+    as a sentence)."""
     import torch
 
-    if os.environ.get(FREE_MEMORY_ENV):
-        return float(os.environ[FREE_MEMORY_ENV]) * GB, f"{FREE_MEMORY_ENV}={os.environ[FREE_MEMORY_ENV]}"
+    stand_in = environment.free_memory_gb()
+    if stand_in is not None:
+        return stand_in * GB, f"{FREE_MEMORY_ENV}={shlex.quote(os.environ[FREE_MEMORY_ENV].strip())}"
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return float(free), f"free on {torch.cuda.get_device_name(device)}"
+        return float(free), f"{GPU_FREE}{torch.cuda.get_device_name(device)}"
     from playbook.common import host_memory_limit
 
     limit = host_memory_limit()  # a container's or job's cgroup limit, where lower than the RAM
@@ -573,24 +761,57 @@ def free_memory(device) -> tuple[float, str]:
             if line.startswith("MemAvailable:"):
                 available = float(line.split()[1]) * 1024
                 if limit is not None and limit < available:
-                    return float(limit), "this process's memory limit (cgroup)"
-                return available, "available on the host (MemAvailable)"
+                    return float(limit), CGROUP_LIMIT
+                return available, HOST_AVAILABLE
     except OSError:
         pass
     if limit is not None:
-        return float(limit), "this process's memory limit"
+        return float(limit), PROCESS_LIMIT
     return math.inf, "on the host (unknown)"
+
+
+def _free(device) -> tuple[float, str]:
+    """free_memory for the plan's own lines: a stand-in it cannot take ends the run with that line, exit code 2."""
+    try:
+        return free_memory(device)
+    except environment.BadValue as err:
+        raise environment.refused(err) from None
+
+
+def said_free(free: float, where: str) -> str:
+    """The free memory in a sentence that names where the figure comes from (free_memory's `where`):
+    "PLAYBOOK_FREE_MEMORY_GB=2.4 says this machine has 2.4 GB free", "the GPU has 79.1 GB free (NVIDIA H100 ...)"."""
+    amount = f"{gb_text(free)} GB"
+    if where.startswith(f"{FREE_MEMORY_ENV}="):
+        return f"{where} says this machine has {amount} free"
+    if where.startswith(GPU_FREE):
+        return f"the GPU has {amount} free ({where[len(GPU_FREE):]})"
+    if where == HOST_AVAILABLE:
+        return f"this machine has {amount} available (MemAvailable)"
+    if where in (CGROUP_LIMIT, PROCESS_LIMIT):
+        return f"this process may use {amount} ({where.replace('this process', 'its')})"
+    return f"{amount} {where}"
+
+
+def gb_text(nbytes: float) -> str:
+    """Bytes as GB in the messages: one decimal from 1 GB up, two significant digits below (0.45, 0.0034), so
+    that a small plan or stand-in does not read as 0.0."""
+    value = nbytes / GB
+    return f"{value:,.1f}" if value >= 0.95 or value == 0 else f"{value:.2g}"
 
 
 def format_plan(plan: Plan, free: float, where_free: str) -> str:
     lines = ["Memory plan (estimated from the config, before the model is built; docs/memory.md#the-memory-plan):"]
     width = max(len(name) for name in plan.parts)
+    smallest = min(plan.peak, free) / GB
+    decimals = 2 if smallest >= 0.1 or smallest == 0 else 4  # a tiny model's plan in MB-sized GB, not 0.00
     for name, (nbytes, what) in plan.parts.items():
-        lines.append(f"  {name:<{width}} {nbytes / GB:8.2f} GB  {what}")
-    lines.append(f"  {'peak':<{width}} {plan.peak / GB:8.2f} GB  {plan.where}")
+        lines.append(f"  {name:<{width}} {nbytes / GB:8.{decimals}f} GB  {what}")
+    lines.append(f"  {'peak':<{width}} {plan.peak / GB:8.{decimals}f} GB  {plan.where}")
     if math.isfinite(free):
-        verdict = (f"fits, {(free - plan.peak) / GB:.2f} GB to spare" if plan.peak <= free else "does not fit")
-        lines.append(f"  {'free':<{width}} {free / GB:8.2f} GB  {where_free}: {verdict}")
+        verdict = (f"fits, {(free - plan.peak) / GB:.{decimals}f} GB to spare" if plan.peak <= free
+                   else "does not fit")
+        lines.append(f"  {'free':<{width}} {free / GB:8.{decimals}f} GB  {where_free}: {verdict}")
     lines += [f"  ({note})" for note in plan.notes]
     return "\n".join(lines)
 
@@ -649,10 +870,11 @@ def start(cfg):
     the command line left it open (cfg.optimizer_rounding "auto": choose_rounding, one log line), then the plan
     printed and checked (check). Returns the RunConfig the run goes on with, holding the rounding it uses."""
     line = None
-    if getattr(cfg, "optimizer_rounding", None) == "auto":
+    chosen = getattr(cfg, "optimizer_rounding", None) == "auto"
+    if chosen:
         rounding, line = choose_rounding(cfg)
         cfg = replace_config(cfg, optimizer_rounding=rounding)
-    check(cfg, note=line)
+    check(cfg, note=line, rounding_chosen=chosen)
     return cfg
 
 
@@ -673,6 +895,12 @@ def choose_rounding(cfg) -> tuple[str, str | None]:
                   rounding to bf16 loses nothing there.
     Under torchrun each process judges its own GPU's free memory; agree_on_rounding then gives every process the
     choice that fits on all of them."""
+    free, where_free = (math.inf, "") if getattr(cfg, "ignore_memory_plan", False) else _free(cfg.device)
+    return _rounding(cfg, free, where_free)
+
+
+def _rounding(cfg, free: float, where_free: str) -> tuple[str, str | None]:
+    """choose_rounding for the free memory `free` (`where_free`: where that figure comes from)."""
     plans = run_plans(replace_config(cfg, optimizer_rounding="kahan"))
     if plans and plans[-1][2].weight_bytes != 2:
         return "nearest", None
@@ -687,19 +915,19 @@ def choose_rounding(cfg) -> tuple[str, str | None]:
     if getattr(cfg, "ignore_memory_plan", False):
         return "stochastic", (f"Optimizer rounding: stochastic (--ignore-memory-plan: the run does not go by the "
                               f"plan, so it takes the rounding that needs no memory; kahan would add "
-                              f"{buffer / GB:.1f} GB; {choose})")
-    free, where_free = free_memory(cfg.device)
-    if not cfg.on_gpu and FREE_MEMORY_ENV not in where_free:
+                              f"{gb_text(buffer)} GB; {choose})")
+    if not cfg.on_gpu and not where_free.startswith(f"{FREE_MEMORY_ENV}="):
         return "stochastic", (f"Optimizer rounding: stochastic (no GPU: kahan is chosen where the memory plan fits "
                               f"it in a GPU's free memory, or in {FREE_MEMORY_ENV}; stochastic rounding needs no "
                               f"memory; {choose})")
     if plan.peak <= free:
-        return "kahan", (f"Optimizer rounding: kahan (fits: the plan's peak with its {buffer / GB:.1f} GB buffer is "
-                         f"{plan.peak / GB:.1f} GB of {free / GB:.1f} GB free; stochastic where it does not fit; "
-                         f"--optimizer-rounding nearest to turn off)")
+        return "kahan", (f"Optimizer rounding: kahan (fits: the plan's peak with its {gb_text(buffer)} GB buffer is "
+                         f"{gb_text(plan.peak)} GB, and {said_free(free, where_free)}; stochastic where it does not "
+                         f"fit; --optimizer-rounding nearest to turn off)")
     return "stochastic", (f"Optimizer rounding: stochastic (kahan does not fit: the plan's peak with its "
-                          f"{buffer / GB:.1f} GB buffer would be {plan.peak / GB:.1f} GB, {free / GB:.1f} GB free; "
-                          f"stochastic rounding needs no memory; --optimizer-rounding nearest to turn off)")
+                          f"{gb_text(buffer)} GB buffer would be {gb_text(plan.peak)} GB, and "
+                          f"{said_free(free, where_free)}; stochastic rounding needs no memory; --optimizer-rounding "
+                          f"nearest to turn off)")
 
 
 def plan_part(plan: Plan, name: str) -> float:
@@ -739,12 +967,13 @@ def replace_config(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
-def check(cfg, enforce: bool | None = None, note: str | None = None) -> Plan | None:
+def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
     """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would
     (enforce: by default unless --ignore-memory-plan). Each script calls it as its run starts, before any
     model is built (training.train, profile_baseline.py and distill.py through start; finetune_trainer.py, whose
     Trainer builds its own optimizer, directly).
-    note: a line printed after the plan (start's choice of rounding)."""
+    note: a line printed after the plan (start's choice of rounding); rounding_chosen: start chose the rounding
+    (the command line left it open, as it stays in the options offered)."""
     if enforce is None:
         enforce = not getattr(cfg, "ignore_memory_plan", False)
     from playbook.common import is_main, log, usage_error
@@ -756,21 +985,48 @@ def check(cfg, enforce: bool | None = None, note: str | None = None) -> Plan | N
             log(note)
         return None
     plan = combine(plans)
-    free, where_free = free_memory(cfg.device)
+    free, where_free = _free(cfg.device)
     if is_main():
         log(format_plan(plan, free, where_free))
         if note:
             log(note)
     if plan.peak <= free or not enforce:
         return plan
-    memory = "the GPU" if cfg.on_gpu and FREE_MEMORY_ENV not in where_free else "this machine"
-    fits = suggestions(plans[-1][1], plans[-1][2], free - (plan.peak - estimate(plans[-1][1], plans[-1][2]).peak))
-    way = ("; options that fit (estimated peak): " + "; ".join(f"{text} ({peak / GB:.1f} GB)" for text, peak in fits)
+    raise usage_error(too_big(replace_config(cfg, optimizer_rounding="auto") if rounding_chosen else cfg, plans,
+                              plan, free, where_free))
+
+
+def problem(cfg) -> str | None:
+    """The line check() stops a run with where its plan does not fit, found without printing the plan (for a
+    command line with more than one thing wrong: config.parse_config names this one first); None where the run
+    fits, where its plan cannot be made before loading, or with --ignore-memory-plan."""
+    if getattr(cfg, "ignore_memory_plan", False):
+        return None
+    free, where_free = _free(cfg.device)
+    given = cfg
+    if cfg.optimizer_rounding == "auto":
+        cfg = replace_config(cfg, optimizer_rounding=_rounding(cfg, free, where_free)[0])
+    plans = run_plans(cfg)
+    if not plans:
+        return None
+    plan = combine(plans)
+    return None if plan.peak <= free else too_big(given, plans, plan, free, where_free)
+
+
+def too_big(given, plans: list, plan: Plan, free: float, where_free: str) -> str:
+    """The one line of a run whose plan does not fit: what it needs, the free memory and where that figure
+    comes from, a --seq-len past the model's positions, and the options that fit (offers). `given`: the run as
+    its command line gave it (a rounding left open still "auto")."""
+    shape = plans[-1][1]
+    past = (f" (--seq-len {given.seq_len:,} is past the {shape.positions:,} positions {trained_model(given)} was "
+            f"trained on)" if shape.positions and given.seq_len > shape.positions else "")
+    fits = offers(given, free, where_free)
+    way = ("; options that fit (estimated peak): " + "; ".join(f"{o.text} ({gb_text(o.peak)} GB)" for o in fits)
            if fits else "; no single option brings it under; see docs/memory.md, or use several GPUs (torchrun)")
-    if not cfg.on_gpu and cfg.model != "llama-tiny":
+    if not given.on_gpu and given.model != "llama-tiny":
         way += "; on a CPU, --model llama-tiny runs the CPU demo"
-    raise usage_error(f"--batch-size {cfg.batch_size} x --seq-len {cfg.seq_len}: the plan needs {plan.peak / GB:.1f} "
-                      f"GB at its peak and {memory} has {free / GB:.1f} GB{way}; --ignore-memory-plan runs it anyway")
+    return (f"--batch-size {given.batch_size} x --seq-len {given.seq_len}{past}: the plan needs {gb_text(plan.peak)} "
+            f"GB at its peak and {said_free(free, where_free)}{way}; --ignore-memory-plan runs it anyway")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,11 +29,13 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from playbook import environment
 from playbook.common import log
 
 
@@ -66,9 +68,18 @@ def is_pretrained_name(name: str | None) -> bool:
     return bool(name) and (name in PACKAGED or is_gguf(name))
 
 
+def _cache_from_environment() -> Path | None:
+    """PLAYBOOK_MODEL_CACHE's folder, None where unset; a file there ends the run with one line, exit code 2."""
+    try:
+        return environment.model_cache()
+    except environment.BadValue as err:
+        raise environment.refused(err) from None
+
+
 def cache_root() -> Path:
-    if os.environ.get("PLAYBOOK_MODEL_CACHE"):
-        return Path(os.environ["PLAYBOOK_MODEL_CACHE"]).expanduser()
+    cache = _cache_from_environment()
+    if cache is not None:
+        return cache
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     return base / "kernel-playbook" / "models"
 
@@ -237,10 +248,17 @@ def _remove_leftovers(folder: Path) -> None:
             log(f"Removed {partial}: {what} (its process {pid} is gone)")
 
 
+def cache_named(path: Path) -> str:
+    """A path in the model cache as the messages name it: with PLAYBOOK_MODEL_CACHE where that chose the cache."""
+    if _cache_from_environment() is None:
+        return str(path)
+    return f"{path} (from {environment.MODEL_CACHE}={shlex.quote(os.environ[environment.MODEL_CACHE])})"
+
+
 def _foreign(folder: Path, flag: str, name: str) -> SystemExit:
     what = "a file" if not folder.is_dir() else "a folder this project did not make (no converted-from.json in it)"
-    return SystemExit(f"error: {flag} {name}: the model cache's place for it, {folder}, is {what}; it is left as it "
-                      "is: move it away, or set PLAYBOOK_MODEL_CACHE to another folder")
+    return SystemExit(f"error: {flag} {name}: the model cache's place for it, {cache_named(folder)}, is {what}; it is "
+                      "left as it is: move it away, or set PLAYBOOK_MODEL_CACHE to another folder")
 
 
 def _start_partial(folder: Path) -> Path:
@@ -253,8 +271,8 @@ def _start_partial(folder: Path) -> Path:
         partial.mkdir()
         (partial / IN_PROGRESS).write_text(f"a conversion into {folder} by process {os.getpid()}\n")
     except OSError as err:
-        raise SystemExit(f"error: cannot write into the model cache {folder.parent} ({err.strerror or err}); "
-                         "set PLAYBOOK_MODEL_CACHE to a writable folder") from None
+        raise SystemExit(f"error: cannot write into the model cache {cache_named(folder.parent)} "
+                         f"({err.strerror or err}); set PLAYBOOK_MODEL_CACHE to a writable folder") from None
     return partial
 
 
@@ -267,8 +285,9 @@ def _install(partial: Path, folder: Path, source: dict) -> None:
     old = None
     if folder.exists() or folder.is_symlink():
         if _read_mark(folder) is None:  # made meanwhile by someone else: never replaced
-            raise SystemExit(f"error: {folder} appeared during the conversion and is not this project's: it is "
-                             "left as it is; move it away, or set PLAYBOOK_MODEL_CACHE to another folder")
+            raise SystemExit(f"error: {cache_named(folder)} appeared during the conversion and is not this "
+                             "project's: it is left as it is; move it away, or set PLAYBOOK_MODEL_CACHE to another "
+                             "folder")
         old = folder.with_name(folder.name + OLD + str(os.getpid()))
         os.replace(folder, old)
     os.replace(partial, folder)
@@ -283,7 +302,7 @@ def convert(gguf: Path, folder: Path, flag: str = "--model") -> None:
     partial = _start_partial(folder)
     try:
         t0 = time.perf_counter()
-        log(f"Converting {gguf.name} ({gguf.stat().st_size / 1e6:,.0f} MB) once into {folder} "
+        log(f"Converting {gguf.name} ({gguf.stat().st_size / 1e6:,.0f} MB) once into {cache_named(folder)} "
             "(bf16 safetensors and the tokenizer; set PLAYBOOK_MODEL_CACHE to keep converted models elsewhere) ...")
         model, tokenizer = _read_gguf(gguf, flag)
         try:
@@ -292,8 +311,8 @@ def convert(gguf: Path, folder: Path, flag: str = "--model") -> None:
             _install(partial, folder, _source_identity(gguf))
         except Exception as err:  # noqa: BLE001  (OSError, or safetensors' own error for a full disk)
             said = getattr(err, "strerror", None) or " ".join(str(err).split())[:200]
-            raise SystemExit(f"error: {flag} {gguf}: writing the converted model into {partial.parent} failed "
-                             f"({said}); free some space there, or set PLAYBOOK_MODEL_CACHE to another "
+            raise SystemExit(f"error: {flag} {gguf}: writing the converted model into {cache_named(partial.parent)} "
+                             f"failed ({said}); free some space there, or set PLAYBOOK_MODEL_CACHE to another "
                              "folder") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone once renamed; what is left of a failed conversion

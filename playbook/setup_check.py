@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core import gpu_arch
+from playbook import environment
 
 SMI_TIMEOUT_S = 15
 IMAGE = "kernel-dev-ft"
@@ -446,13 +447,21 @@ def check_or_exit(argv: list[str] | None = None) -> None:
     (the CPU demo, or the model --model names in `argv`, by default the script's arguments)."""
     global _cpu_note_printed
     report, problem = diagnose()
-    if problem is not None and os.environ.get("CPU_DEMO") != "1":
+    if problem is not None and not _cpu_demo():
         raise SystemExit(problem)
     if problem is None and report.gpus:
         return
     if not _cpu_note_printed:
         _cpu_note_printed = True
         print(cpu_demo_note(_reason(problem), model_named(sys.argv[1:] if argv is None else argv)), flush=True)
+
+
+def _cpu_demo() -> bool:
+    """CPU_DEMO=1 (environment.cpu_demo); a value other than 1 or 0 ends the check with one line, exit code 2."""
+    try:
+        return environment.cpu_demo()
+    except environment.BadValue as err:
+        raise environment.refused(err) from None
 
 
 def _reason(problem: str | None) -> str:
@@ -475,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     report, problem = diagnose()
     if problem is not None:
         print(problem, file=sys.stderr, flush=True)
-        if os.environ.get("CPU_DEMO") != "1":
+        if not _cpu_demo():
             return 1
         print(f"setup: OK: {cpu_demo_note(_reason(problem))}")
         return 0

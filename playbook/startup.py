@@ -11,8 +11,10 @@ first too: the environment defaults and Triton's interpreter without a GPU, its 
 Importing a playbook module or a kernel file changes no environment variable, signal handler or
 third-party function; `start()` does, in this order:
 
-1. Environment defaults, each read by a library when it starts, so set before it does; a value
-   already in the environment is kept:
+1. The environment. First the variables the scripts read are checked (playbook/environment.py): a bad
+   value (PLAYBOOK_FREE_MEMORY_GB=abc) stops the script with one line naming it and what it takes, exit
+   code 2, as a bad flag does. Then the defaults, each read by a library when it starts, so set before it
+   does; a value already in the environment is kept:
    - CUDA_SCALE_LAUNCH_QUEUES=4x. The CUDA driver queues launched work in a command buffer of fixed
      size per stream, and a host that submits faster than the GPU runs blocks once it is full. A
      replayed CUDA graph is such a burst: the LoRA step's graph overflows the default buffer, and the
@@ -41,7 +43,7 @@ This module imports no torch (the set-up check runs before torch is installed).
 import os
 import sys
 
-from playbook import signals
+from playbook import environment, signals
 
 ENV_DEFAULTS = {
     "CUDA_SCALE_LAUNCH_QUEUES": "4x",
@@ -60,10 +62,11 @@ def set_env_defaults() -> None:
 
 
 def start(while_starting: str | None = None, *, kernels: bool = True) -> None:
-    """Start a script (module docstring): environment defaults, then Ctrl-C and SIGTERM as one line
-    saying `while_starting` until the script's own handling takes over (None: handlers left as they are),
-    then, with `kernels`, Triton's interpreter where there is no CUDA GPU. Call it first, before torch and
-    the kernel files are imported; calling it again changes nothing more."""
+    """Start a script (module docstring): the environment's variables checked and its defaults set, then
+    Ctrl-C and SIGTERM as one line saying `while_starting` until the script's own handling takes over (None:
+    handlers left as they are), then, with `kernels`, Triton's interpreter where there is no CUDA GPU. Call it
+    first, before torch and the kernel files are imported; calling it again changes nothing more."""
+    environment.check()  # a bad value of a variable the scripts read: one line, exit code 2
     set_env_defaults()
     if while_starting is not None:
         signals.exit_on_ctrl_c_while_starting(while_starting)

@@ -41,13 +41,13 @@ import time
 import pytest
 import torch
 
-from playbook import signals
+from playbook import environment, signals
 
 FACTOR = 2.0
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 2.0**-52}
 
 _records: list[dict] = []
-REPORT_FILE_ENV = "TESTKIT_REPORT"  # run_as_script: the full report goes to this file, a short one to the screen
+REPORT_FILE_ENV = environment.REPORT_FILE  # run_as_script: the full report goes to this file, a short one to the screen
 
 
 def _max_abs(t: torch.Tensor) -> float:
@@ -201,11 +201,21 @@ def run_as_script(module_name: str, title: str) -> int:
     # no options: an argument given is a mistake, refused (exit code 2), not silently ignored
     argparse.ArgumentParser(prog=name, description=f"{title}: runs every test of {name} through pytest and prints "
                             "a short report.", epilog=f"To run some of the tests: pytest {name} -k WORDS").parse_args()
-    full_report = os.environ.get(REPORT_FILE_ENV)
+    try:
+        full_report = environment.report_file()  # a folder, or a file in no folder: one line, exit code 2
+    except environment.BadValue as err:
+        raise environment.refused(err) from None
     plugin = _Report()
     with contextlib.ExitStack() as stack:
         if full_report:  # everything below goes to the file; the short report follows on the screen
-            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(full_report, "w"))))
+            try:
+                report = stack.enter_context(open(full_report, "w"))
+            except OSError as err:
+                raise environment.refused(environment.BadValue(
+                    REPORT_FILE_ENV, os.environ[REPORT_FILE_ENV], f"cannot be written ({err.strerror or err})",
+                    "it takes a file this user may write, for the full report; unset it for the whole report on the "
+                    "screen")) from None
+            stack.enter_context(contextlib.redirect_stdout(report))
         print(f"{title}\n{'=' * len(title)}")
         doc = (module.__doc__ or "").strip().splitlines()
         print(doc[0] if doc else "", "\n", flush=True)

@@ -13,7 +13,7 @@ import pytest
 
 from playbook import memory_plan, models
 from playbook.config import make_parser, parse_config
-from playbook.memory_plan import GB, Setup, Shape, estimate, measured_run, suggestions
+from playbook.memory_plan import GB, Setup, Shape, estimate, measured_run
 from playbook.registry import DEFAULT_KERNELS
 
 RUNS = Path(__file__).resolve().parent.parent / "results" / "runs"
@@ -82,13 +82,19 @@ def test_each_part_counts_what_its_options_keep():
     assert ckpt.peak < base.peak
 
 
-def test_suggestions_fit_and_name_the_change():
-    s = Setup(batch=8, seq=2048, rounding="kahan", optimizer="adamw-triton")
-    free = 90 * GB
-    assert estimate(LLAMA_8B, s).peak > free
-    found = dict(suggestions(LLAMA_8B, s, free))
-    assert found and all(peak <= free for peak in found.values())
-    assert "--gradient-checkpointing" in found and "--lora-r 16" in found
+def _offered(cfg, free_gb: float, monkeypatch) -> dict:
+    """{text: peak} of the options the plan offers `cfg` where PLAYBOOK_FREE_MEMORY_GB says `free_gb`."""
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, str(free_gb))
+    free, where = memory_plan.free_memory(cfg.device)
+    return {o.text: o.peak for o in memory_plan.offers(cfg, free, where)}
+
+
+def test_offers_fit_and_name_the_change(monkeypatch):
+    cfg = _parsed("--model", "llama-3.1-8b", "--batch-size", "8", "--seq-len", "2048", "--optimizer-rounding", "kahan")
+    assert memory_plan.combine(memory_plan.run_plans(cfg)).peak > 90 * GB
+    found = _offered(cfg, 90, monkeypatch)
+    assert found and all(peak <= 90 * GB for peak in found.values())
+    assert "--gradient-checkpointing" in found and "--lora-r 16 without --optimizer-rounding kahan" in found
     assert any(text.startswith("--batch-size") for text in found)
 
 
@@ -118,7 +124,8 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
     err = captured.err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error:"), err
     assert "--gradient-checkpointing" in err[0] and "--optimizer-rounding stochastic instead of kahan" in err[0], err
-    assert "--lora-r 16 (" in err[0] and "--ignore-memory-plan" in err[0], err
+    # (LoRA's fp32 adapters lose nothing to rounding: the command line refuses --optimizer-rounding beside it)
+    assert "--lora-r 16 without --optimizer-rounding kahan (" in err[0] and "--ignore-memory-plan" in err[0], err
     assert "Memory plan" in captured.out and "does not fit" in captured.out
     cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized",
                        argv + ["--ignore-memory-plan"])  # the way past it: the plan is printed, the run goes on
@@ -185,7 +192,8 @@ def _started(cfg, capsys):
 def _units_on_every_number(line: str) -> bool:
     import re
 
-    numbers = re.findall(r"(?<![\w.-])(\d+(?:\.\d+)?)(?![\w.-])( GB| bytes)?", line)  # (not in a name: llama-3.1-8b)
+    # (not in a name, llama-3.1-8b, nor a variable's value as written, PLAYBOOK_FREE_MEMORY_GB=80: its name says GB)
+    numbers = re.findall(r"(?<![\w.=-])(\d+(?:\.\d+)?)(?![\w.-])( GB| bytes)?", line)
     return bool(numbers) and all(unit for _, unit in numbers)
 
 
@@ -197,9 +205,11 @@ def test_the_default_rounding_is_kahan_where_it_fits_and_says_so(monkeypatch, ca
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(kahan + 1 * GB) / GB:.3f}")
     started, line = _started(cfg, capsys)
     assert started.optimizer_rounding == "kahan" and started.as_dict()["optimizer_rounding"] == "kahan"
+    free = f"{(kahan + 1 * GB) / GB:.3f}"  # the stand-in, named as the figure's source
     assert line == (f"Optimizer rounding: kahan (fits: the plan's peak with its {2 * LLAMA_8B.params / GB:.1f} GB "
-                    f"buffer is {kahan / GB:.1f} GB of {(kahan + 1 * GB) / GB:.1f} GB free; stochastic where it does "
-                    "not fit; --optimizer-rounding nearest to turn off)"), line
+                    f"buffer is {kahan / GB:.1f} GB, and PLAYBOOK_FREE_MEMORY_GB={free} says this machine has "
+                    f"{float(free):.1f} GB free; stochastic where it does not fit; --optimizer-rounding nearest to "
+                    "turn off)"), line
     assert _units_on_every_number(line), line
 
 
@@ -210,7 +220,7 @@ def test_the_default_rounding_is_stochastic_where_kahan_does_not_fit(monkeypatch
     started, line = _started(_parsed(*BIG), capsys)  # (fits: no exit)
     assert started.optimizer_rounding == "stochastic", line
     assert line.startswith("Optimizer rounding: stochastic (kahan does not fit: ") and f"{kahan / GB:.1f} GB" in line
-    assert f"{free / GB:.1f} GB free" in line and _units_on_every_number(line), line
+    assert f"says this machine has {free / GB:.1f} GB free" in line and _units_on_every_number(line), line
     # Neither fits: the run stops with the options that would fit; none of them is a rounding that needs more
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(stochastic - 1 * GB) / GB:.3f}")
     with pytest.raises(SystemExit) as info:
@@ -267,16 +277,17 @@ def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatc
     assert cfg.optimizer_rounding == "auto" and memory_plan.start(cfg).optimizer_rounding == "kahan"
 
 
-def test_suggestions_name_the_roundings_that_need_less_memory():
-    s = Setup(batch=4, seq=2048, rounding="fp32-master", optimizer="adamw-triton")
-    kahan = estimate(LLAMA_8B, replace(s, rounding="kahan")).peak
-    found = dict(suggestions(LLAMA_8B, s, kahan + 1 * GB))  # kahan fits, the master does not
-    assert estimate(LLAMA_8B, s).peak > kahan + 1 * GB
+def test_offers_name_the_roundings_that_need_less_memory(monkeypatch):
+    master = _parsed(*BIG, "--master-weights", "fp32")
+    kahan = _peak("kahan")
+    assert memory_plan.combine(memory_plan.run_plans(master)).peak > kahan + 1 * GB
+    found = _offered(master, (kahan + 1 * GB) / GB, monkeypatch)  # kahan fits, the master does not
     assert found["--optimizer-rounding kahan instead of --master-weights fp32"] == kahan
     assert "--optimizer-rounding stochastic instead of --master-weights fp32" in found
-    tight = suggestions(LLAMA_8B, s, 60 * GB)  # the options together take the rounding that needs none
-    assert not any("rounding kahan" in text for text, _ in tight), tight
-    assert all("kahan" not in text for text, _ in suggestions(LLAMA_8B, replace(s, rounding="stochastic"), 60 * GB))
+    tight = _offered(master, 60, monkeypatch)  # the options together take the rounding that needs none
+    assert not any("rounding kahan" in text for text in tight), tight
+    stochastic = _parsed(*BIG, "--optimizer-rounding", "stochastic")
+    assert all("kahan" not in text for text in _offered(stochastic, 60, monkeypatch))
 
 
 def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
@@ -308,3 +319,169 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
     assert said.startswith("Optimizer rounding: stochastic on every process (this one's plan chose kahan"), said
     others["value"] = memory_plan.ROUNDING_ORDER.index("kahan")
     assert memory_plan.agree_on_rounding(cfg) is cfg and capsys.readouterr().out == ""
+
+
+# ------------------------------------------------------------------------------------------------
+# The options a plan that does not fit offers: each one, given as the line says it, runs and fits
+# ------------------------------------------------------------------------------------------------
+def _parse(script: str, argv: list):
+    """The RunConfig of `script`'s command line, parsed as the script parses it (the baseline has no --kernels)."""
+    if script == "distill":
+        import distill
+
+        return distill.parse_args(list(argv))
+    kernels = None if script == "finetune_baseline" else DEFAULT_KERNELS
+    return parse_config(make_parser("test", kernels_default=kernels), script, list(argv))
+
+
+def _drop(argv: list, flag: str) -> list:
+    """The command line without `flag` and its value (the words after it up to the next flag)."""
+    out, dropping = [], False
+    for word in argv:
+        if word.startswith("--"):
+            dropping = word == flag
+        if not dropping:
+            out.append(word)
+    return out
+
+
+def _apply(script: str, argv: list, text: str) -> tuple[str, list]:
+    """(script, command line) with one offered option applied as a reader of the error line would: "together:"
+    each in turn; "no --flag" drops it; "X instead of Y" / "X without Y and Z" drops Y's and Z's flags; the
+    option's own flags replace those given; a script named is the one to run (its kernels: --kernels default)."""
+    import re
+
+    if text.startswith("together: "):
+        for part in text[len("together: "):].split(", "):
+            script, argv = _apply(script, argv, part)
+        return script, argv
+    text = re.sub(r" \(.*\)$", "", text)  # what the option says of itself
+    if text.startswith("finetune_optimized.py"):
+        return "finetune_optimized", _drop(argv, "--kernels") + ["--kernels", "default"]
+    if text.startswith("no "):
+        return script, _drop(argv, text[3:])
+    for between in (" instead of ", " without "):
+        if between in text:
+            text, gone = text.split(between)
+            for words in gone.split(" and "):
+                argv = _drop(argv, words.split()[0])
+    words = text.split()
+    for flag in (w for w in words if w.startswith("--")):
+        argv = _drop(argv, flag)
+    return script, argv + words
+
+
+def _offers_in(line: str) -> list[tuple[str, float]]:
+    """(text, peak in GB) of each option the error line offers."""
+    import re
+
+    found = re.search(r"options that fit \(estimated peak\): (.*?); (?:on a CPU, |--ignore-memory-plan)", line)
+    if found is None:
+        return []
+    return [(m.group(1), float(m.group(2).replace(",", ""))) for m in
+            (re.fullmatch(r"(.*) \(([\d.,e-]+) GB\)", part) for part in found.group(1).split("; "))]
+
+
+def _started_peak(cfg) -> float:
+    """The peak of the plan the run prints as it starts (its rounding chosen); SystemExit where it does not fit."""
+    return memory_plan.combine(memory_plan.run_plans(memory_plan.start(cfg))).peak
+
+
+# (script, command line): runs that stop at a share of the memory their plan needs, each offered options
+OFFERED = [
+    ("finetune_optimized", ["--model", "smollm2-135m", "--batch-size", "4", "--seq-len", "512"]),  # issue 54's run
+    ("finetune_optimized", ["--batch-size", "8", "--grad-accum", "3", "--seq-len", "2048"]),  # llama-tiny
+    ("finetune_optimized", ["--batch-size", "2", "--seq-len", "2147483647"]),  # past its 2,048 positions
+    ("finetune_optimized", ["--model", "llama-3.1-8b", "--batch-size", "8", "--seq-len", "2048",
+                            "--optimizer-rounding", "kahan"]),
+    ("finetune_optimized", ["--model", "llama-3.1-8b", "--master-weights", "fp32", "--max-grad-norm", "1",
+                            "--checkpoint-layers", "every:2", "--keep-attention", "--seq-len", "8192"]),
+    ("finetune_baseline", ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "4096"]),
+    ("finetune_trainer", ["--model", "llama-3.1-8b", "--lora-r", "16", "--seq-len", "16384"]),
+    ("distill", ["--batch-size", "8", "--seq-len", "1024"]),
+]
+SHARES = (0.9, 0.7, 0.5, 0.3, 0.1, 0.01)  # of the memory the run's plan needs, from just short to far short
+
+
+@pytest.mark.parametrize("script, argv", OFFERED, ids=[f"{s}:{' '.join(a)}" for s, a in OFFERED])
+def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch, capsys):
+    """Issue 54: at PLAYBOOK_FREE_MEMORY_GB=2.4 SmolLM2 at 4 x 512 was offered --batch-size 2 --grad-accum 2
+    (2.2 GB), which planned 2.50 GB when given (the offers were estimated with the old --grad-accum); distill.py
+    was offered --grad-accum, which it refuses; a run past its model's positions was offered a --seq-len past them.
+    Here each option of each error line, given as the line says it, is parsed by the script's own parser and
+    planned as its run starts: it must fit, at no more than the peak the line named, and propose no --seq-len past
+    the model's positions."""
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1e9")  # room for anything: the run's own peak
+    cfg = _parse(script, argv)
+    needs = _started_peak(cfg)
+    positions = memory_plan.run_plans(cfg)[-1][1].positions
+    tried = 0
+    for share in SHARES:
+        free_gb = f"{share * needs / GB:.6g}"
+        monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, free_gb)
+        capsys.readouterr()
+        try:
+            _started_peak(_parse(script, argv))
+            continue  # it fits after all: a rounding left open was chosen in less memory (a GPU's kahan)
+        except SystemExit as stop:
+            line = capsys.readouterr().err.strip()
+            assert stop.code == 2 and len(line.splitlines()) == 1, line
+        assert f"PLAYBOOK_FREE_MEMORY_GB={free_gb} says this machine has" in line, line
+        given = _parse(script, argv)
+        planned = {o.text: o for o in memory_plan.offers(given, *memory_plan.free_memory(given.device))}
+        for text, peak_gb in _offers_in(line):
+            how, applied = _apply(script, argv, text)
+            cfg = _parse(how, applied)  # the script's parser takes it (a refusal: SystemExit, the test fails)
+            peak = _started_peak(cfg)  # and it fits (SystemExit where it does not)
+            if not planned[text].variants:  # the same arithmetic on the same config: equal to the byte
+                assert peak == planned[text].peak, (text, peak, planned[text].peak)
+            # the line names the peak to the digits it prints: the run's own, printed alike, is no larger
+            assert float(memory_plan.gb_text(peak).replace(",", "")) <= peak_gb, (text, peak, line)
+            if "--seq-len" in text and positions:
+                assert cfg.seq_len <= positions, (text, line)
+            tried += 1
+    assert tried, f"no option offered at any share of {needs / GB:.3g} GB"
+
+
+def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkeypatch, capsys):
+    """Issue 54: `finetune_trainer.py --batch-size 1000000000 --steps 2`, and SmolLM2 at 0.45 GB free with
+    --steps 2, said only "--steps 2 leaves no timed step"; fixed, the same command stopped at the memory plan. Now
+    the one line names the memory first and the step count after it; with an offered option the run fits, and
+    the step count is all that is left to say."""
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "10")
+    for script, argv in (("finetune_trainer", ["--batch-size", "1000000000", "--steps", "2"]),
+                         ("finetune_optimized", ["--model", "smollm2-135m", "--steps", "2"]),
+                         ("distill", ["--batch-size", "100000", "--steps", "2", "--timing-warmup-steps", "2"])):
+        free = "0.45" if "smollm2-135m" in argv else "10"
+        monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, free)
+        with pytest.raises(SystemExit) as stop:
+            _parse(script, argv)
+        line = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and len(line.splitlines()) == 1, line
+        size = line.index("the plan needs")  # (ValueError, and the test fails, where the memory is not named)
+        assert size < line.index("--steps 2 leaves no timed step"), line
+        said = memory_plan.gb_text(float(free) * GB)
+        assert f"PLAYBOOK_FREE_MEMORY_GB={free} says this machine has {said} GB free" in line, line
+        offered = _offers_in(line)
+        assert offered, line
+        for text, _ in offered:
+            with pytest.raises(SystemExit):
+                _parse(*_apply(script, argv, text))
+            again = capsys.readouterr().err.strip()
+            assert again.startswith("error: --steps 2 leaves no timed step"), (text, again)
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # where it fits, the step count alone, as before
+    with pytest.raises(SystemExit):
+        _parse("finetune_optimized", ["--steps", "2"])
+    assert capsys.readouterr().err.startswith("error: --steps 2 leaves no timed step")
+
+
+def test_a_small_plan_and_a_small_stand_in_read_as_numbers(monkeypatch, capsys):
+    """PLAYBOOK_FREE_MEMORY_GB=0.001 said "the plan needs 0.0 GB ... and this machine has 0.0 GB": the line and
+    the table now give two significant digits below 1 GB, and the figure's source."""
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "0.001")
+    with pytest.raises(SystemExit):
+        memory_plan.check(_parsed("--model", "llama-tiny", "--batch-size", "8", "--seq-len", "512"))
+    captured = capsys.readouterr()
+    assert "0.0 GB" not in captured.err and "0.00 GB" not in captured.out, captured
+    assert "PLAYBOOK_FREE_MEMORY_GB=0.001 says this machine has 0.001 GB free" in captured.err, captured.err
+    assert memory_plan.gb_text(0.0034 * GB) == "0.0034" and memory_plan.gb_text(80.26 * GB) == "80.3"
