@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
+from playbook import environment
 
 # Where the scripts write results/<tag>.json, its metrics, plots and traces: the repository's results/ folder, or
 # the folder PLAYBOOK_RESULTS_DIR names (the test suite's own temporary folder: tests write nothing into the tree).
-RESULTS_DIR = Path(os.environ.get("PLAYBOOK_RESULTS_DIR") or Path(__file__).resolve().parent.parent / "results")
+RESULTS_DIR = environment.results_dir() or Path(__file__).resolve().parent.parent / "results"
 
 # Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
 BF16_PEAK_TFLOPS = {

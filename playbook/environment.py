@@ -5,6 +5,8 @@
                                  A positive, finite number; the unit may be written out (80GB, 80 GB)
     PLAYBOOK_MODEL_CACHE=DIR     where converted models are kept (playbook/pretrained.py): a folder, made where
                                  missing; `~` is expanded
+    PLAYBOOK_RESULTS_DIR=DIR     where runs write results/<tag>.json, metrics, plots and traces instead of the
+                                 repository's results/: a folder, made where missing; `~` is expanded
     TESTKIT_REPORT=FILE          a test file run as a script writes its full report there (playbook/testkit.py):
                                  a file in a folder that exists, written over
     CPU_DEMO=1                   run the CPU demo even where a GPU is present but unusable (playbook/setup_check.py);
@@ -32,6 +34,7 @@ from pathlib import Path
 
 FREE_MEMORY_GB = "PLAYBOOK_FREE_MEMORY_GB"
 MODEL_CACHE = "PLAYBOOK_MODEL_CACHE"
+RESULTS_DIR = "PLAYBOOK_RESULTS_DIR"
 REPORT_FILE = "TESTKIT_REPORT"
 CPU_DEMO = "CPU_DEMO"
 TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # set by torchrun for each process it starts
@@ -101,6 +104,20 @@ def model_cache() -> Path | None:
     return path
 
 
+def results_dir() -> Path | None:
+    """PLAYBOOK_RESULTS_DIR as a folder (`~` expanded); None where unset (the repository's results/)."""
+    raw = _raw(RESULTS_DIR)
+    if raw is None:
+        return None
+    path = Path(raw).expanduser()
+    kind = _kind(path)
+    if kind not in ("folder", "missing"):
+        raise BadValue(RESULTS_DIR, raw, "is a file, not a folder" if kind == "file" else kind,
+                      "it takes the folder where runs write their summaries, metrics, plots and traces (made where "
+                      "missing); unset it for the repository's results/")
+    return path
+
+
 def report_file() -> Path | None:
     """TESTKIT_REPORT as the file a test file run as a script writes its full report to; None where unset."""
     raw = _raw(REPORT_FILE)
@@ -150,6 +167,7 @@ def check() -> None:
     try:
         free_memory_gb()
         model_cache()
+        results_dir()
         report_file()
         cpu_demo()
         for name in TORCHRUN:

@@ -81,6 +81,13 @@ def test_the_memory_plan_names_the_stand_in_as_its_source(monkeypatch, capsys):
     assert rounding and "PLAYBOOK_FREE_MEMORY_GB=2.4 says this machine has 2.4 GB free" in rounding[0], rounding
 
 
+def test_the_results_folder_is_a_folder(capsys, tmp_path):
+    """PLAYBOOK_RESULTS_DIR naming a file is refused; a missing folder is taken (the runs make it)."""
+    (tmp_path / "file").write_text("not a folder\n")
+    _refused(capsys, environment.results_dir, environment.RESULTS_DIR, str(tmp_path / "file"),
+             "is a file, not a folder", "it takes the folder where runs write their summaries")
+
+
 def test_the_model_cache_is_a_folder_named_where_it_is_used(monkeypatch, capsys, tmp_path):
     """PLAYBOOK_MODEL_CACHE naming a file is refused (it takes a folder); a cache that cannot be written is named
     with the variable that chose it."""
