@@ -64,6 +64,46 @@ def build_datasets(cfg, tokenizer, vocab_size: int):
             RowsDataset(pad_examples(held, cfg.seq_len, pad)) if held else None)
 
 
+def progress_callback():
+    """The Trainer's steps and eval passes as passes in progress (playbook/time_left.py): one that runs long says
+    how far it is, as in the scripts' own loop (the Trainer's own progress bar is off: disable_tqdm)."""
+    import contextlib
+    import statistics
+    import time
+
+    from transformers import TrainerCallback
+
+    from playbook.time_left import running
+
+    class Progress(TrainerCallback):
+        def __init__(self):
+            self.step, self.evals = contextlib.ExitStack(), contextlib.ExitStack()
+            self.times, self.began, self.batches = [], 0.0, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            recent = self.times[-20:]
+            self.step.enter_context(running(f"step {state.global_step + 1} of {state.max_steps}",
+                                            expected_s=statistics.median(recent) if recent else None,
+                                            unknown="no step time measured yet"))
+            self.began = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.monotonic() - self.began)
+            self.step.close()
+
+        def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+            if self.batches is None:  # (the first batch is done: the pass is counted from here)
+                total = len(eval_dataloader) if hasattr(eval_dataloader, "__len__") else None
+                self.batches = self.evals.enter_context(running("eval pass", total=total, unit="batches"))
+            self.batches.done += 1
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.evals.close()
+            self.batches = None
+
+    return Progress()
+
+
 def trainer_checkpoint(path: Path) -> str:
     """--resume for the Trainer: one of its checkpoint-N folders, or the --output-dir that holds them
     (then the newest). Anything else is one clear line before the model is built."""
@@ -126,7 +166,8 @@ def main(argv=None):
     )
     if cfg.warmup_ratio:
         args.warmup_steps = int(cfg.warmup_ratio * (cfg.steps or 0))
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                      callbacks=[progress_callback()])
     log(f"Trainer: {desc}, kernels {report.describe()}, {len(train_set)} training rows, "
         f"{args.world_size} process{'es' if args.world_size > 1 else ''}")
     if resume is not None:

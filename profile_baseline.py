@@ -54,6 +54,7 @@ from playbook.models import prepare_model
 from playbook.config import PROFILE, make_parser, parse_config, usage_error
 from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
 from playbook.registry import in_effect
+from playbook.time_left import running
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
@@ -152,7 +153,8 @@ def main():
         def eager(mb):
             return training_step(model, optimizer, mb, cfg.max_grad_norm)
 
-        return graphed.run(batches, eager) if graphed is not None else eager(batches)
+        with running(f"step {i + 1} of {cfg.warmup_steps + WAIT + WARMUP + active}"):  # (a long one says so)
+            return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
     try:
         cfg = memory_plan.start(cfg)  # before the model is built (and the default rounding chosen)

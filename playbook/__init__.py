@@ -15,7 +15,7 @@ losses, fp8_support); no lesson and no module of core imports anything here.
     optim          the optimizer and the learning-rate schedule
     resume         the output folder's checks and resuming a run
     report         the run's summary table, metrics log, JSON result and loss plot
-    time_left      the time a run has left, for its progress lines
+    time_left      the time a run has left, for its progress lines; a long pass's line while it runs
     cuda_graph     the whole training step captured as one CUDA graph and replayed (--cuda-graphs)
     memory         selective and offloaded activation checkpointing, the MLP in token chunks
     memory_plan    the peak memory a run will need, estimated before the model is built

@@ -100,6 +100,7 @@ import torch
 
 # reading the files (and hub datasets) rows come from; DataError and MissingPackage are the data errors
 from playbook.data_files import FILE_FORMATS, DataError, MissingPackage, load_rows, read_utf8  # noqa: F401
+from playbook.time_left import running  # (a long encoding says how far it is)
 
 IGNORE_INDEX = -100  # Hugging Face's label value for "no loss here"
 
@@ -459,30 +460,33 @@ def encode_rows(rows: list, tokenizer, seq_len: int, train_on_prompt: bool = Fal
     """
     report = DataReport(source=source, rows=len(rows), seq_len=seq_len)
     examples = []
-    for number, row in enumerate(rows, start=1):
-        try:
-            ex = encode_row(row, tokenizer, train_on_prompt)
-            if all(label == IGNORE_INDEX for label in ex.labels):
-                raise BadRow("no trainable token")
-            cut = len(ex.input_ids) > seq_len
-            if cut and drop_long:
-                raise BadRow("longer than seq_len")
-            if cut:
-                ex = Example(ex.input_ids[:seq_len], ex.labels[:seq_len])
+    with running(f"encoding the rows of {source}", total=len(rows), unit="rows") as at:  # (a line if it takes long)
+        for number, row in enumerate(rows, start=1):
+            at.done = number - 1
+            try:
+                ex = encode_row(row, tokenizer, train_on_prompt)
                 if all(label == IGNORE_INDEX for label in ex.labels):
-                    raise BadRow("prompt longer than seq_len")
-        except BadRow as bad:
-            report.drop(bad.reason)
-            continue
-        except UnknownRole as odd:
-            accepted = ", ".join(ROLES) + "; aliases " + ", ".join(f"{a} -> {r}" for a, r in ROLE_ALIASES.items())
-            raise DataError(f"{source}, row {number}: message {odd.turn} has the role {odd.role!r}, which no chat "
-                            f"template knows; accepted roles: {accepted}. Rename the role in the file") from None
-        ex.row = number
-        report.truncated += cut
-        examples.append(ex)
-        report.tokens += len(ex.input_ids)
-        report.trainable_tokens += sum(label != IGNORE_INDEX for label in ex.labels)
+                    raise BadRow("no trainable token")
+                cut = len(ex.input_ids) > seq_len
+                if cut and drop_long:
+                    raise BadRow("longer than seq_len")
+                if cut:
+                    ex = Example(ex.input_ids[:seq_len], ex.labels[:seq_len])
+                    if all(label == IGNORE_INDEX for label in ex.labels):
+                        raise BadRow("prompt longer than seq_len")
+            except BadRow as bad:
+                report.drop(bad.reason)
+                continue
+            except UnknownRole as odd:
+                accepted = ", ".join(ROLES) + "; aliases " + ", ".join(f"{a} -> {r}" for a, r in ROLE_ALIASES.items())
+                raise DataError(f"{source}, row {number}: message {odd.turn} has the role {odd.role!r}, which no "
+                                f"chat template knows; accepted roles: {accepted}. Rename the role in the "
+                                "file") from None
+            ex.row = number
+            report.truncated += cut
+            examples.append(ex)
+            report.tokens += len(ex.input_ids)
+            report.trainable_tokens += sum(label != IGNORE_INDEX for label in ex.labels)
     return examples, report
 
 

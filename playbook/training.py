@@ -35,7 +35,7 @@ from playbook.report import MetricsLog, RunResult, answers_after, answers_before
 from playbook.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load, lr_warmup_steps,
                              read_resume, resume_settings)
 from playbook.step import StepRunner
-from playbook.time_left import TimeLeft
+from playbook.time_left import TimeLeft, in_progress, running
 from playbook.optim import param_groups, schedule_factor, weight_rounding  # noqa: F401  (training.X: scripts, tests)
 from playbook.report import plot_curve, table_rows, throughput  # noqa: F401  (training.X: scripts, tests)
 
@@ -95,18 +95,21 @@ def training_step(model, optimizer, micro_batches, max_grad_norm: float | None =
 
 @torch.no_grad()
 def evaluate(model, batches) -> float | None:
-    """Mean loss over every target token of the held-out batches."""
+    """Mean loss over every target token of the held-out batches. A pass that runs long says how far it is and
+    what it has left (time_left.running)."""
     if not batches:
         return None
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     n_sum = 0
-    for b in batches:
-        n = int(count_targets([b]))  # a sync point, once per eval batch
-        if n:
-            loss_sum += float(model(**b).loss) * n
-            n_sum += n
+    with running("eval pass", total=len(batches), unit="batches", unknown="the first batch still running") as at:
+        for b in batches:
+            n = int(count_targets([b]))  # a sync point, once per eval batch
+            if n:
+                loss_sum += float(model(**b).loss) * n
+                n_sum += n
+            at.done += 1
     model.train(was_training)
     return float(loss_sum / max(n_sum, 1))
 
@@ -184,7 +187,8 @@ def total_steps(cfg, data) -> int:
 # ------------------------------------------------------------------------------------------------
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
-    signals.started()  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
+    kept = "the run stopped before its summary; checkpoints already written under --output-dir are complete"
+    signals.started(kept)  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
     started = [cfg]  # the RunConfig as the run goes on with it (memory_plan.start chooses a default rounding)
     try:
         return _train(cfg, started)
@@ -205,11 +209,20 @@ def _train(cfg, started: list | None = None) -> dict:
     bar = progress_bar(run)
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
     terminated = None  # the step after which a SIGTERM stopped the run
-    signals.defer_sigterm(True)  # a scheduler's SIGTERM: the step in progress ends, is saved, and the run stops
+    def waiting_for() -> str:  # what a deferred SIGTERM waits for, said when the stop takes a while
+        where = in_progress()
+        return (f"the run stops after the step in progress{f' ({where})' if where else ''} and saves its checkpoint "
+                f"to {cfg.output_dir}")
+
+    # A scheduler's SIGTERM with --output-dir: the step in progress ends, is saved, and the run stops (without
+    # one there is nothing to wait for: the run stops at once, as for Ctrl-C)
+    signals.defer_sigterm(cfg.output_dir is not None, waiting_for=waiting_for)
     run.left.begin()
     try:
         for step in bar:
-            stopped = one_step(run, runner, step, bar)
+            with running(f"step {step + 1} of {run.steps}", expected_s=run.left.step_seconds(),
+                         unknown="no step time measured yet"):
+                stopped = one_step(run, runner, step, bar)
             if stopped is not None:
                 break
             if step + 1 < run.steps and sigterm_stops(cfg):
