@@ -283,7 +283,11 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
     trace = RESULTS_DIR / "traces" / f"{out.stem}.trace.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     trace.unlink(missing_ok=True)  # never leave a stale trace under the new name
-    prof.export_chrome_trace(str(trace))
+    try:
+        prof.export_chrome_trace(str(trace))
+    except OSError as err:  # a full disk: no half-written trace is left, and the error names it
+        trace.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(trace)) from err
     log(f"\nChrome trace: {trace} (open it in https://ui.perfetto.dev)")
     gaps = launch_gaps(json.loads(trace.read_text())) if gpu else None
     if gaps:
@@ -371,5 +375,5 @@ def _short(name: str, width: int = 70) -> str:
 
 
 if __name__ == "__main__":
-    signals.started()  # from here on, Ctrl-C raises KeyboardInterrupt (main's own handling)
-    main()
+    # from here on, Ctrl-C raises KeyboardInterrupt (main's own handling); a full disk is one line
+    signals.run_main(main, "the profile's files written before it are complete")

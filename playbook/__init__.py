@@ -5,6 +5,8 @@ losses, fp8_support); no lesson and no module of core imports anything here.
     startup        start(): what every script calls first (environment defaults, Ctrl-C while starting,
                    Triton's interpreter without a GPU); importing any module here changes none of it
     signals        Ctrl-C and SIGTERM as one line and exit code 130 / 143 (run_main, started, interrupted)
+    output         stdout on a closed pipe (quiet, the script goes on) or a full disk (one line); a results file
+                   on a full disk (one line naming it)
     config         RunConfig and the one argument parser every script shares
     registry       every optimization a user can switch on, by name, and how it is applied
     models         loading a model and preparing it for training (kernels, LoRA, memory options)

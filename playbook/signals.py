@@ -305,11 +305,16 @@ def is_ctrl_c(err: BaseException) -> bool:
 def run_main(main, kept: str):
     """Run a script's `main()` and return what it returns; Ctrl-C from here on ends it with one line,
     "interrupted (Ctrl-C): <kept>" (say what was kept), and exit code 130; SIGTERM with "terminated
-    (SIGTERM): <kept>" and exit code 143."""
-    started()
+    (SIGTERM): <kept>" and exit code 143. A file that cannot be written for want of space (a full disk, a
+    quota) ends it with one line naming the file, then <kept>, and exit code 1 (playbook.output)."""
+    from playbook import output
+
+    started(kept)
     try:
         return main()
     except (KeyboardInterrupt, Exception) as err:
         if not is_ctrl_c(err):
+            if output.is_disk_full(err):
+                raise output.disk_full_exit(err, kept) from None
             raise  # an error of its own, not a Ctrl-C turned into one on its way up
     raise interrupted_exit(kept) from None

@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from playbook import cuda_graph, memory_plan, signals
+from playbook import cuda_graph, memory_plan, output, signals
 from playbook.common import (RESULTS_DIR, describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message,
                              result_path, synchronize, versions, world)
 from playbook.models import PRESETS, count_params, prepare_model
@@ -196,9 +196,10 @@ def train(cfg) -> dict:
         if not signals.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
             if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
                 raise SystemExit(oom_message(started[-1], err)) from None
+            if output.is_disk_full(err):  # results/: the metrics, the summary, its plot
+                raise output.disk_full_exit(err, kept) from None
             raise
-    raise signals.interrupted_exit("the run stopped before its summary; checkpoints already written under "
-                                    "--output-dir are complete") from None
+    raise signals.interrupted_exit(kept) from None
 
 
 def _train(cfg, started: list | None = None) -> dict:
