@@ -380,8 +380,11 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 
 
 def main(argv=None) -> dict:
+    from playbook.training import check_run_data
+
     cfg = parse_args(argv)
     d = cfg.extra
+    check_run_data(cfg)  # --data, before the models are built
     cfg = memory_plan.start(cfg)  # the teacher beside the student, before either is built
     teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
     data = make_batches(cfg, teacher.config.vocab_size)

@@ -128,7 +128,7 @@ def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
     from playbook.models import prepare_model
-    from playbook.training import run_tokenizer
+    from playbook.training import check_run_data, run_tokenizer
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, TRAINER, argv)  # its own optimizer, one example per row
@@ -144,6 +144,7 @@ def main(argv=None):
         raise usage_error("--sample-prompts belongs to the scripts' own loop: the Trainer answers no prompts; use "
                           "finetune_optimized.py, or chat.py --prompts-file on the saved checkpoint")
     resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
+    check_run_data(cfg)  # the data files too
     memory_plan.check(cfg)  # before the model is built
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)

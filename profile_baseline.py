@@ -52,7 +52,7 @@ from playbook.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, re
                              write_atomic)
 from playbook.models import prepare_model
 from playbook.config import PROFILE, make_parser, parse_config, usage_error
-from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
+from playbook.training import check_run_data, make_optimizer, make_run_data, run_tokenizer, training_step
 from playbook.registry import in_effect
 from playbook.time_left import running
 
@@ -157,6 +157,7 @@ def main():
             return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
     try:
+        check_run_data(cfg)  # before the model is built: data that leaves nothing to train on
         cfg = memory_plan.start(cfg)  # before the model is built (and the default rounding chosen)
         model, model_name, desc, kernel_report = prepare_model(cfg)
         data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))

@@ -141,6 +141,20 @@ def make_run_data(cfg, model, tokenizer=None):
     return data
 
 
+def check_run_data(cfg) -> None:
+    """The data files before the model is built (data.check_source): a file that leaves nothing to train on is
+    one line naming it and what it holds, exit code 2."""
+    from playbook.data import bad_data_exit, check_source
+
+    source = getattr(cfg, "dataset", None) or getattr(cfg, "data", None)
+    kind = "dataset" if getattr(cfg, "dataset", None) else "text" if source else "synthetic"
+    try:
+        check_source(str(source) if source else None, kind, getattr(cfg, "eval_dataset", None),
+                     bool(getattr(cfg, "train_on_prompt", False)))
+    except (ValueError, OSError, ImportError) as err:
+        raise bad_data_exit(err) from None
+
+
 def use_packed_attention(cfg, model, data) -> None:
     """Packed rows' attention: the optimized scripts give the model playbook/packed_attention.py's function and
     the batches their examples' boundaries; the baseline keeps SDPA with a dense [B, 1, T, T] mask, as plain
@@ -297,6 +311,7 @@ def start_run(cfg, started: list | None = None) -> Run:
     started: the RunConfigs the run has gone on with, the newest last (train() names it when memory runs out)."""
     check_output_folders(cfg)
     info = read_resume(cfg) if cfg.resume is not None else None
+    check_run_data(cfg)  # before the model is built: data that leaves nothing to train on
     cfg, model, model_name, kernels, (n_params, n_train) = build_model(cfg, started)
     tokenizer = run_tokenizer(cfg, model_name)
     data = make_run_data(cfg, model, tokenizer)
