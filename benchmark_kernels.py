@@ -89,6 +89,7 @@ from playbook.benchmark import (ON_GPU, RESULTS, add_derived, checked, copy_band
                                 generator, guarded, host_us_per_call, impl_label, liger, matmul_tflops,
                                 peak_extra_mb, save, table, timed, timed_graph)
 from playbook.benchmark_specs import HIDDEN, SPECS, VOCAB, KernelSpec  # noqa: E402
+from playbook.common import write_atomic  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -273,7 +274,7 @@ def fp8_crossover(recipes=("rowwise", "tensorwise")) -> int:
               + " ".join(f"{row[f'{r}_us']:>7.1f} {row['bf16_us'] / row[f'{r}_us']:>3.2f}x" for r in recipes), flush=True)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"fp8_crossover_{gpu.replace(' ', '_')}.json"
-    path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, rows=rows), indent=1) + "\n")
+    write_atomic(path, json.dumps(dict(gpu=gpu, torch=torch.__version__, rows=rows), indent=1) + "\n")
     print(f"Saved {path.relative_to(RESULTS.parent)}")
     return 0
 
@@ -345,7 +346,7 @@ def fp8_producers() -> int:
                   f"{pair_b / pair_us / 1e3:>10.0f} {fused_b / fused_us / 1e3:>11.0f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"fp8_producers_{gpu.replace(' ', '_')}.json"
-    path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_gbs=copy, rows=rows), indent=1) + "\n")
+    write_atomic(path, json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_gbs=copy, rows=rows), indent=1) + "\n")
     print(f"Saved {path.relative_to(RESULTS.parent)}")
     return 0
 

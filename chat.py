@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -163,22 +162,15 @@ def load(name: str, device):
 
 
 def _write(text: str) -> int:
-    """The answers to stdout. A reader that went away (`| head`) ends the run quietly, as Unix tools do
-    (exit code 141, 128 + SIGPIPE); a full disk or another write error is one line."""
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # no flush at exit into the closed pipe
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-    except OSError as err:
-        print(f"error: writing the answers to standard output failed ({err.strerror or err})",
-              file=sys.stderr)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    return 0
+    """The answers to stdout, guarded by playbook.output. The answers are what chat.py is run for: a reader
+    that went away (`| head`) ends the run quietly with exit code 141 (128 + SIGPIPE), as Unix tools do; a full
+    disk or another write error is one line on stderr and exit code 1."""
+    from playbook import output
+
+    output.guard("the answers", after=None)  # (start() guarded the output; the line names what was lost)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return {output.CLOSED: 141, output.FAILED: 1}.get(output.lost(), 0)
 
 
 def main(argv=None) -> int:
@@ -219,5 +211,5 @@ if __name__ == "__main__":
     from playbook.signals import run_main
     from playbook.startup import start
 
-    start(kernels=False)  # (no kernel runs here; torch loads in main(), under run_main's handling)
+    start("nothing was written", kernels=False)  # (no kernel runs here; torch loads in main(), under run_main)
     sys.exit(run_main(main, "nothing was written"))

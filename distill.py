@@ -70,6 +70,7 @@ from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from playbook import config, memory_plan  # noqa: E402
 from playbook.models import PRESETS, count_params, load_model, prepare_model  # noqa: E402
+from playbook.time_left import running  # noqa: E402
 from playbook.config import positive_float, positive_int, usage_error  # noqa: E402
 
 MODES = ("baseline", "fused")
@@ -313,11 +314,14 @@ def run_mode(mode: str, cfg, teacher, data) -> dict:
             batch = data.batch(step, cfg.device)
             synchronize(cfg.device)
             t0 = time.perf_counter()
-            loss, ce, kd = distillation_loss(mode, teacher, student, batch, d.alpha, d.beta, d.temperature)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            synchronize(cfg.device)
+            recent = out["step_times_s"][-20:]  # (a step that runs long says so: time_left.running)
+            with running(f"{mode} step {step + 1} of {cfg.steps}",
+                         expected_s=statistics.median(recent) if recent else None, unknown="no step time measured yet"):
+                loss, ce, kd = distillation_loss(mode, teacher, student, batch, d.alpha, d.beta, d.temperature)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                synchronize(cfg.device)
             dt = time.perf_counter() - t0
             values = [v.item() for v in (loss, ce, kd)]  # sync points (already synchronised above)
             for key, v in zip(("losses", "ce", "jsd"), values):
@@ -380,8 +384,11 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 
 
 def main(argv=None) -> dict:
+    from playbook.training import check_run_data
+
     cfg = parse_args(argv)
     d = cfg.extra
+    check_run_data(cfg)  # --data, before the models are built
     cfg = memory_plan.start(cfg)  # the teacher beside the student, before either is built
     teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
     data = make_batches(cfg, teacher.config.vocab_size)

@@ -65,6 +65,46 @@ def build_datasets(cfg, tokenizer, vocab_size: int):
             RowsDataset(pad_examples(held, cfg.seq_len, pad)) if held else None)
 
 
+def progress_callback():
+    """The Trainer's steps and eval passes as passes in progress (playbook/time_left.py): one that runs long says
+    how far it is, as in the scripts' own loop (the Trainer's own progress bar is off: disable_tqdm)."""
+    import contextlib
+    import statistics
+    import time
+
+    from transformers import TrainerCallback
+
+    from playbook.time_left import running
+
+    class Progress(TrainerCallback):
+        def __init__(self):
+            self.step, self.evals = contextlib.ExitStack(), contextlib.ExitStack()
+            self.times, self.began, self.batches = [], 0.0, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            recent = self.times[-20:]
+            self.step.enter_context(running(f"step {state.global_step + 1} of {state.max_steps}",
+                                            expected_s=statistics.median(recent) if recent else None,
+                                            unknown="no step time measured yet"))
+            self.began = time.monotonic()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.monotonic() - self.began)
+            self.step.close()
+
+        def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+            if self.batches is None:  # (the first batch is done: the pass is counted from here)
+                total = len(eval_dataloader) if hasattr(eval_dataloader, "__len__") else None
+                self.batches = self.evals.enter_context(running("eval pass", total=total, unit="batches"))
+            self.batches.done += 1
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.evals.close()
+            self.batches = None
+
+    return Progress()
+
+
 def trainer_checkpoint(path: Path) -> str:
     """--resume for the Trainer: one of its checkpoint-N folders, or the --output-dir that holds them
     (then the newest). Anything else is one clear line before the model is built."""
@@ -127,7 +167,7 @@ def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
     from playbook.models import prepare_model
-    from playbook.training import run_tokenizer
+    from playbook.training import check_run_data, run_tokenizer
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, TRAINER, argv)  # its own optimizer, one example per row
@@ -149,6 +189,7 @@ def main(argv=None):
         raise usage_error(f"--load-best-model-at-end: the Trainer keeps the best of its saved checkpoints, so "
                           f"--save-every ({cfg.save_every}) must be a multiple of --eval-every ({cfg.eval_every})")
     resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
+    check_run_data(cfg)  # the data files too
     memory_plan.check(cfg)  # before the model is built
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
@@ -174,7 +215,7 @@ def main(argv=None):
     if cfg.warmup_ratio:
         args.warmup_steps = int(cfg.warmup_ratio * (cfg.steps or 0))
     words = BestEvalWords(cfg) if eval_set is not None and cfg.eval_every else None
-    callbacks = [words] if words is not None else []
+    callbacks = [progress_callback()] + ([words] if words is not None else [])
     if cfg.early_stopping_patience:
         from transformers import EarlyStoppingCallback
 

@@ -52,8 +52,9 @@ from playbook.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, re
                              write_atomic)
 from playbook.models import prepare_model
 from playbook.config import PROFILE, make_parser, parse_config, usage_error
-from playbook.training import make_optimizer, make_run_data, run_tokenizer, training_step
+from playbook.training import check_run_data, make_optimizer, make_run_data, run_tokenizer, training_step
 from playbook.registry import in_effect
+from playbook.time_left import running
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
@@ -153,9 +154,11 @@ def main():
         def eager(mb):
             return training_step(model, optimizer, mb, cfg.max_grad_norm)
 
-        return graphed.run(batches, eager) if graphed is not None else eager(batches)
+        with running(f"step {i + 1} of {cfg.warmup_steps + WAIT + WARMUP + active}"):  # (a long one says so)
+            return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
     try:
+        check_run_data(cfg)  # before the model is built: data that leaves nothing to train on
         cfg = memory_plan.start(cfg)  # before the model is built (and the default rounding chosen)
         model, model_name, desc, kernel_report = prepare_model(cfg)
         data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
@@ -282,7 +285,11 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
     trace = RESULTS_DIR / "traces" / f"{out.stem}.trace.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     trace.unlink(missing_ok=True)  # never leave a stale trace under the new name
-    prof.export_chrome_trace(str(trace))
+    try:
+        prof.export_chrome_trace(str(trace))
+    except OSError as err:  # a full disk: no half-written trace is left, and the error names it
+        trace.unlink(missing_ok=True)
+        raise OSError(err.errno, err.strerror, str(trace)) from err
     log(f"\nChrome trace: {trace} (open it in https://ui.perfetto.dev)")
     gaps = launch_gaps(json.loads(trace.read_text())) if gpu else None
     if gaps:
@@ -370,5 +377,5 @@ def _short(name: str, width: int = 70) -> str:
 
 
 if __name__ == "__main__":
-    signals.started()  # from here on, Ctrl-C raises KeyboardInterrupt (main's own handling)
-    main()
+    # from here on, Ctrl-C raises KeyboardInterrupt (main's own handling); a full disk is one line
+    signals.run_main(main, "the profile's files written before it are complete")

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+
+LAST_LINE = [0.0]  # time.monotonic() of the last line log() printed (a silent stretch: playbook/time_left.py)
 
 
 def world() -> tuple[int, int]:
@@ -16,6 +19,7 @@ def is_main() -> bool:
 def log(*a, **k):
     if is_main():
         print(*a, **k, flush=True)
+        LAST_LINE[0] = time.monotonic()
 
 
 def is_peft_model(model) -> bool:

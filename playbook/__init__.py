@@ -6,6 +6,8 @@ losses, fp8_support); no lesson and no module of core imports anything here.
                    Triton's interpreter without a GPU); importing any module here changes none of it
     signals        Ctrl-C and SIGTERM as one line and exit code 130 / 143 (run_main, started, interrupted)
     environment    the environment variables the scripts read (PLAYBOOK_FREE_MEMORY_GB, ...), each checked as a flag
+    output         stdout on a closed pipe (quiet, the script goes on) or a full disk (one line); a results file
+                   on a full disk (one line naming it)
     config         RunConfig and the one argument parser every script shares
     registry       every optimization a user can switch on, by name, and how it is applied
     models         loading a model and preparing it for training (kernels, LoRA, memory options)
@@ -16,7 +18,7 @@ losses, fp8_support); no lesson and no module of core imports anything here.
     optim          the optimizer and the learning-rate schedule
     resume         the output folder's checks and resuming a run
     report         the run's summary table, metrics log, JSON result and loss plot
-    time_left      the time a run has left, for its progress lines
+    time_left      the time a run has left, for its progress lines; a long pass's line while it runs
     cuda_graph     the whole training step captured as one CUDA graph and replayed (--cuda-graphs)
     memory         selective and offloaded activation checkpointing, the MLP in token chunks
     memory_plan    the peak memory a run will need, estimated before the model is built

@@ -312,6 +312,8 @@ def _atomic(path: Path):
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:  # a full disk: the error names the file (the one a user knows, not the temporary)
+        raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -188,15 +188,18 @@ def without_stderr_lines(prefix: str):
 # results/ files: written atomically, never overwritten without saying so
 # ------------------------------------------------------------------------------------------------
 def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it: a reader never sees half a file."""
+    """Write through a temporary file in the same folder and rename it: a reader never sees half a file, and a
+    file already there stays whole when the write fails. A failed write raises OSError naming `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # (a write into the descriptor names no file)
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
 
 

@@ -100,6 +100,7 @@ import torch
 
 # reading the files (and hub datasets) rows come from; DataError and MissingPackage are the data errors
 from playbook.data_files import FILE_FORMATS, DataError, MissingPackage, load_rows, read_utf8  # noqa: F401
+from playbook.time_left import running  # (a long encoding says how far it is)
 
 IGNORE_INDEX = -100  # Hugging Face's label value for "no loss here"
 
@@ -137,6 +138,8 @@ DROP_REASONS = {
                                  "conversation before it, and a chat template renders no empty conversation; start "
                                  "with the user message it answers (or a system message)",
     "empty": "nothing to train on (empty completion, output, text or conversation)",
+    "empty replies": "every assistant reply of the conversation is empty: the model would learn nothing but to end "
+                     "its turn at once",
     "chat template mismatch": "the template refuses the conversation, or its rendering of a shorter conversation "
                               "is not a prefix of the full one",
     "prompt longer than seq_len": "no trained token within the first seq_len tokens (the prompt alone fills them)",
@@ -416,33 +419,54 @@ def _encode_prompt_completion(prompt: str, completion: str, tokenizer) -> tuple[
     return ids, trainable
 
 
-def encode_row(row, tokenizer, train_on_prompt: bool = False) -> Example:
-    """One row -> an Example (labels masked as the module docstring says). Raises BadRow(reason)."""
+def check_row(row, train_on_prompt: bool = False) -> str:
+    """What can be told of a row without a tokenizer: its shape ("chat", "prompt", "instruction" or "text"), or
+    BadRow(reason) when it leaves nothing to train on (UnknownRole for a chat role no template knows)."""
     if not isinstance(row, dict):
         raise BadRow("not an object")
     if "messages" in row or "conversations" in row:
-        ids, trainable = _encode_chat(row, tokenizer)
-    elif "prompt" in row or "completion" in row:
-        prompt, completion = _text_field(row, "prompt"), _text_field(row, "completion")
-        if not completion.strip():
+        messages = _chat_messages(row)
+        if all(not m["content"].strip() for m in messages):
             raise BadRow("empty")
-        ids, trainable = _encode_prompt_completion(prompt, completion, tokenizer)
-    elif "instruction" in row or "output" in row:
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        if replies and not any(reply.strip() for reply in replies):
+            raise BadRow("empty replies")
+        if not replies and not train_on_prompt:  # (what the encoding finds too: every label masked)
+            raise BadRow("no trainable token")
+        return "chat"
+    if "prompt" in row or "completion" in row:
+        _text_field(row, "prompt")
+        if not _text_field(row, "completion").strip():
+            raise BadRow("empty")
+        return "prompt"
+    if "instruction" in row or "output" in row:
         instruction, output = _text_field(row, "instruction"), _text_field(row, "output")
-        extra = _text_field(row, "input", required=False)
+        _text_field(row, "input", required=False)
         if not output.strip() or not instruction.strip():
             raise BadRow("empty")
+        return "instruction"
+    if "text" in row:
+        if not _text_field(row, "text").strip():
+            raise BadRow("empty")
+        return "text"
+    raise BadRow("unknown shape")
+
+
+def encode_row(row, tokenizer, train_on_prompt: bool = False) -> Example:
+    """One row -> an Example (labels masked as the module docstring says). Raises BadRow(reason)."""
+    shape = check_row(row, train_on_prompt)
+    if shape == "chat":
+        ids, trainable = _encode_chat(row, tokenizer)
+    elif shape == "prompt":
+        ids, trainable = _encode_prompt_completion(row["prompt"], row["completion"], tokenizer)
+    elif shape == "instruction":
+        instruction, output, extra = row["instruction"], row["output"], _text_field(row, "input", required=False)
         prompt = (ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=extra) if extra.strip()
                   else ALPACA_PROMPT.format(instruction=instruction))
         ids, trainable = _encode_prompt_completion(prompt, output, tokenizer)
-    elif "text" in row:
-        text = _text_field(row, "text")
-        if not text.strip():
-            raise BadRow("empty")
-        ids, _ = _encode_prompt_completion("", text, tokenizer)
-        trainable = [True] * len(ids)
     else:
-        raise BadRow("unknown shape")
+        ids, _ = _encode_prompt_completion("", row["text"], tokenizer)
+        trainable = [True] * len(ids)
     labels = [t if (keep or train_on_prompt) else IGNORE_INDEX for t, keep in zip(ids, trainable)]
     if labels:
         labels[0] = IGNORE_INDEX  # no token of this example comes before it
@@ -459,30 +483,33 @@ def encode_rows(rows: list, tokenizer, seq_len: int, train_on_prompt: bool = Fal
     """
     report = DataReport(source=source, rows=len(rows), seq_len=seq_len)
     examples = []
-    for number, row in enumerate(rows, start=1):
-        try:
-            ex = encode_row(row, tokenizer, train_on_prompt)
-            if all(label == IGNORE_INDEX for label in ex.labels):
-                raise BadRow("no trainable token")
-            cut = len(ex.input_ids) > seq_len
-            if cut and drop_long:
-                raise BadRow("longer than seq_len")
-            if cut:
-                ex = Example(ex.input_ids[:seq_len], ex.labels[:seq_len])
+    with running(f"encoding the rows of {source}", total=len(rows), unit="rows") as at:  # (a line if it takes long)
+        for number, row in enumerate(rows, start=1):
+            at.done = number - 1
+            try:
+                ex = encode_row(row, tokenizer, train_on_prompt)
                 if all(label == IGNORE_INDEX for label in ex.labels):
-                    raise BadRow("prompt longer than seq_len")
-        except BadRow as bad:
-            report.drop(bad.reason)
-            continue
-        except UnknownRole as odd:
-            accepted = ", ".join(ROLES) + "; aliases " + ", ".join(f"{a} -> {r}" for a, r in ROLE_ALIASES.items())
-            raise DataError(f"{source}, row {number}: message {odd.turn} has the role {odd.role!r}, which no chat "
-                            f"template knows; accepted roles: {accepted}. Rename the role in the file") from None
-        ex.row = number
-        report.truncated += cut
-        examples.append(ex)
-        report.tokens += len(ex.input_ids)
-        report.trainable_tokens += sum(label != IGNORE_INDEX for label in ex.labels)
+                    raise BadRow("no trainable token")
+                cut = len(ex.input_ids) > seq_len
+                if cut and drop_long:
+                    raise BadRow("longer than seq_len")
+                if cut:
+                    ex = Example(ex.input_ids[:seq_len], ex.labels[:seq_len])
+                    if all(label == IGNORE_INDEX for label in ex.labels):
+                        raise BadRow("prompt longer than seq_len")
+            except BadRow as bad:
+                report.drop(bad.reason)
+                continue
+            except UnknownRole as odd:
+                accepted = ", ".join(ROLES) + "; aliases " + ", ".join(f"{a} -> {r}" for a, r in ROLE_ALIASES.items())
+                raise DataError(f"{source}, row {number}: message {odd.turn} has the role {odd.role!r}, which no "
+                                f"chat template knows; accepted roles: {accepted}. Rename the role in the "
+                                "file") from None
+            ex.row = number
+            report.truncated += cut
+            examples.append(ex)
+            report.tokens += len(ex.input_ids)
+            report.trainable_tokens += sum(label != IGNORE_INDEX for label in ex.labels)
     return examples, report
 
 
@@ -740,6 +767,45 @@ def check_ids(examples: list[Example], pad_id: int | None, vocab_size: int, sour
             raise DataError(f"{source}, row {ex.row}: token id {low if low < 0 else high} is outside the model's "
                             f"vocabulary (ids 0 to {vocab_size - 1}); the tokenizer does not match the model: use "
                             "the model's own tokenizer")
+
+
+def check_source(source: str | None, kind: str, eval_source: str | None = None, train_on_prompt: bool = False) -> None:
+    """What can be told of the data before the model is built (it needs only the files): a local file that
+    leaves nothing to train on raises DataError naming the file and what it holds. Kind 'text': a file of no
+    text (any file is raw text to it, a .jsonl file too). Kind 'dataset':
+    a .json file that is not a list of rows, a file none of whose rows can be trained on (every assistant
+    reply empty, no completion, ...: `check_row`), for `source` and `eval_source`. A hub id, and what needs the
+    tokenizer (a chat template, the token counts), are make_data's to check, once the model is built."""
+    if kind == "text" and source is not None and Path(source).is_file():
+        path = Path(source)
+        if not read_utf8(path).strip():
+            raise DataError(f"{path} holds no text ({path.stat().st_size:,} bytes, blank): no tokens to train on; "
+                            "--data needs a text file")
+        return
+    if kind != "dataset":
+        return
+    for label, name in (("", source), ("the eval file ", eval_source)):
+        if name is None or not Path(name).expanduser().is_file():
+            continue
+        rows = load_rows(name, keep=True)  # (read once: make_data reads these rows)
+        report = DataReport(source=str(name), rows=len(rows))
+        usable = 0
+        for row in rows:
+            try:
+                check_row(row, train_on_prompt)
+                usable += 1
+            except BadRow as bad:
+                report.drop(bad.reason)
+            except UnknownRole:  # (make_data stops on it, naming the row)
+                usable += 1
+        if usable:
+            continue
+        if not rows:
+            raise DataError(f"no usable row in {label}{name}: it holds no rows")
+        dropped = ", ".join(f"{reason}: {n}" for reason, n in sorted(report.dropped.items()))
+        nothing = "nothing to evaluate on" if label else "nothing to train on"
+        raise DataError(f"no usable row in {label}{name}: {len(rows)} row(s), every one dropped ({dropped}); "
+                        f"{nothing}. {report.reasons()}")
 
 
 def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_size: int, seq_len: int, seed: int,

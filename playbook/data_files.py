@@ -35,14 +35,32 @@ FILE_FORMATS = (".jsonl", ".json", ".parquet")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
-def load_rows(path_or_hub_id: str) -> list[dict]:
+_READ_AHEAD: dict = {}  # a local file's rows read before the model was built (keep=True), until read again
+
+
+def load_rows(path_or_hub_id: str, keep: bool = False) -> list[dict]:
     """Rows of a local .jsonl / .json / .parquet file, or of a Hugging Face dataset id (split "train").
 
     A .json file holds a list of objects or {"data": [...]}. Rows are returned as they are; which
-    ones are usable is decided (and counted) by `encode_rows`.
+    ones are usable is decided (and counted) by `encode_rows`. keep: the rows of a local file are kept
+    for the next call with the same file, unchanged since (the check before the model is built reads the
+    file once for both).
     """
     source = str(path_or_hub_id)
     path = Path(source).expanduser()
+    if path.is_file():
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        rows = _READ_AHEAD.pop(key, None)
+        if rows is None:
+            rows = _load_rows(source, path)
+        if keep:
+            _READ_AHEAD[key] = rows
+        return rows
+    return _load_rows(source, path)
+
+
+def _load_rows(source: str, path: Path) -> list[dict]:
     if path.is_dir():
         raise ValueError(f"{path} is a directory; give a {' / '.join(FILE_FORMATS)} file or a dataset id")
     if path.exists() and not path.is_file():
@@ -97,7 +115,14 @@ def _read_json(path: Path) -> list:
         return data["data"]
     if isinstance(data, list):
         return data
-    raise ValueError(f'{path}: a .json data file must hold a list of objects or {{"data": [...]}}')
+    if isinstance(data, dict):
+        keys = ", ".join(list(map(str, data))[:5]) + (", ..." if len(data) > 5 else "")
+        found = f"one JSON object (keys: {keys})" if data else "an empty JSON object"
+    else:
+        found = f"a JSON {type(data).__name__.replace('str', 'string').replace('NoneType', 'null')}"
+    raise DataError(f'{path} holds {found}, not a list of rows: a .json data file holds a list of rows, '
+                    f'[{{...}}, {{...}}], or {{"data": [...]}}; put the row(s) in a list, or write one row per line '
+                    f'in a .jsonl file')
 
 
 def _read_parquet(path: Path) -> list:

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from playbook.common import gpu_bf16_peak_tflops, is_main, world, write_atomic
-from playbook import models
+from playbook import models, output
 from playbook.optim import weight_rounding
 
 
@@ -150,8 +150,11 @@ class MetricsLog:
         if not is_main():
             return
         row = {"step": step, **{k: v for k, v in values.items() if v is not None}}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as err:  # a full disk: the error names the file
+            raise OSError(err.errno, err.strerror, str(self.path)) from err
         if self.writer is not None:
             for k, v in row.items():
                 if k != "step":
@@ -159,7 +162,10 @@ class MetricsLog:
 
     def close(self) -> None:
         if is_main():
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError as err:  # what was buffered, on a full disk
+                raise OSError(err.errno, err.strerror, str(self.path)) from err
             if self.writer is not None:
                 self.writer.close()
 
@@ -237,6 +243,13 @@ def write_report(cfg, result: RunResult, model, time_left: dict, stopped: str | 
         print("(CPU run: " + ("the kernels ran in Triton's interpreter; " if interpreted else "")
               + "the timings say nothing about a GPU)")
     write_atomic(summary_path, json.dumps(payload, indent=2, default=str))
-    plot_curve(result, summary_path.with_suffix(".png"))
+    try:
+        plot_curve(result, summary_path.with_suffix(".png"))
+    except OSError as err:  # a full disk: one line naming the plot; the summary before it is whole
+        if not output.is_disk_full(err):
+            raise
+        err.filename = err.filename or str(summary_path.with_suffix(".png"))
+        raise output.disk_full_exit(err, f"{summary_path} and {metrics_path} are complete, and so are the "
+                                         "checkpoints written under --output-dir") from None
     print(f"Saved {summary_path}, its loss curve {summary_path.with_suffix('.png').name} and {metrics_path.name}")
     return payload

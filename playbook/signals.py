@@ -3,8 +3,9 @@
 While a script starts (`exit_on_ctrl_c_while_starting`, set by `playbook.startup.start`), Ctrl-C ends the
 process at once with one line and exit code 130 (SIGTERM: 143); `run_main` then runs the script's main()
 with Ctrl-C as one line and exit code 130, SIGTERM (a scheduler's pre-emption) as one line and exit code
-143; the training loop defers a SIGTERM to the end of its step (`defer_sigterm`). Nothing here runs at
-import: a handler is set only when one of these functions is called.
+143; the training loop defers a SIGTERM to the end of its step (`defer_sigterm`). Inside one long call that
+Python cannot interrupt (a step of minutes), a thread acts on the signal within seconds (the comment above
+GRACE_S). Nothing here runs at import: a handler is set only when one of these functions is called.
 """
 
 import os
@@ -134,12 +135,125 @@ def _on_sigterm(signum=None, frame=None):
     _raise_where_it_counts(signum, frame)
 
 
-def started() -> None:
-    """From here on Ctrl-C and SIGTERM raise KeyboardInterrupt (after `exit_on_ctrl_c_while_starting`,
-    instead of ending the process) and are remembered for `interrupted()`. A signal ignored, or a handler
-    of the caller's own, is left as it is."""
+# A signal while the main thread is inside one long call. Python runs a signal's handler in the main thread
+# between two bytecodes, so inside one long call into a C library (a matrix product of minutes on a CPU, an
+# attention over millions of tokens) the handler waits for the call to return: Ctrl-C did nothing for that
+# long. Python's own C-level handler also writes the signal's number to a "wakeup" descriptor at once
+# (signal.set_wakeup_fd); `started()` gives it one, and a thread reads it (`_watch`):
+# - Ctrl-C, or a SIGTERM that is not deferred: when the main thread has not acted on it within GRACE_S, the
+#   thread prints the line the main thread would have ("interrupted (Ctrl-C): <kept>") and ends the process
+#   at once (exit code 130 or 143). Checkpoints and results/ files are written under a temporary name and
+#   renamed, so what was saved stays whole.
+# - a SIGTERM the training loop defers: when the loop has not stopped within ANNOUNCE_S, one line says what
+#   it waits for and how long that should take (`defer_sigterm`'s `waiting_for`), and that a second SIGTERM
+#   or Ctrl-C stops at once: the second is then the case above.
+GRACE_S = 2.0  # the main thread acts on a signal within microseconds between bytecodes
+ANNOUNCE_S = 2.0  # a step that ends sooner stops the run with its own line, and no other
+_WATCH = {"thread": None, "kept": "files already written are complete", "terms": 0, "waiting_for": None}
+
+
+def _ours(signum) -> bool:
+    """Whether the handler of `signum` is this module's (`started()`'s), not one of a caller or of an import."""
     import signal
 
+    return signal.getsignal(signum) in (_on_ctrl_c, _on_sigterm)
+
+
+def _watch(sock) -> None:
+    """The thread that reads the wakeup descriptor (the comment above)."""
+    import signal
+
+    while True:
+        try:
+            data = sock.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum not in (signal.SIGINT, signal.SIGTERM) or not _ours(signum):
+                continue
+            if signum == signal.SIGTERM and _SIGTERM["defer"]:
+                _WATCH["terms"] += 1
+                if _WATCH["terms"] == 1:
+                    _later(ANNOUNCE_S, _announce)
+                    continue
+            _later(GRACE_S, _stop_at_once, signum)
+
+
+def _later(seconds: float, call, *args) -> None:
+    """call(*args) in `seconds`, on a thread that does not hold the process open once the main thread ends."""
+    import threading
+
+    timer = threading.Timer(seconds, call, args=args)
+    timer.daemon = True
+    timer.start()
+
+
+def _announce() -> None:
+    """A deferred SIGTERM that the loop has not acted on yet: say what it waits for."""
+    if not _SIGTERM["defer"] or _CTRL_C["pressed"]:  # the run stopped already, or is stopping
+        return
+    what = None
+    if _WATCH["waiting_for"] is not None:
+        try:
+            what = _WATCH["waiting_for"]()
+        except Exception:  # noqa: BLE001  (a description that fails must not end the watch)
+            what = None
+    _say(f"\nSIGTERM: {what or 'the run stops once the step in progress ends'}; a second SIGTERM or Ctrl-C stops "
+         "at once")
+
+
+def _stop_at_once(signum) -> None:
+    """Ctrl-C or SIGTERM that the main thread has not acted on within GRACE_S: the line, and the end."""
+    import signal
+
+    if _CTRL_C["pressed"] or not _ours(signum):  # the main thread has acted on it (or handles it its own way)
+        return
+    ctrl_c = signum == signal.SIGINT
+    _say(f"\n{'interrupted (Ctrl-C)' if ctrl_c else 'terminated (SIGTERM)'}: {_WATCH['kept']}")
+    os._exit(130 if ctrl_c else 143)
+
+
+def _say(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _start_watch() -> None:
+    """The wakeup descriptor and the thread that reads it (once a process, from the main thread)."""
+    import signal
+    import socket
+    import threading
+
+    if _WATCH["thread"] is not None or threading.current_thread() is not threading.main_thread():
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)  # (set_wakeup_fd's requirement: the C handler never blocks)
+    try:
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        reader.close()
+        writer.close()
+        return
+    _WATCH["sockets"] = (reader, writer)  # kept open for the life of the process
+    _WATCH["thread"] = threading.Thread(target=_watch, args=(reader,), name="playbook signal watch", daemon=True)
+    _WATCH["thread"].start()
+
+
+def started(kept: str | None = None) -> None:
+    """From here on Ctrl-C and SIGTERM raise KeyboardInterrupt (after `exit_on_ctrl_c_while_starting`,
+    instead of ending the process) and are remembered for `interrupted()`; when the main thread is inside a
+    long call and cannot act on them within GRACE_S, the process ends with the line "interrupted (Ctrl-C):
+    <kept>" (the comment above `GRACE_S`). A signal ignored, or a handler of the caller's own, is left as it
+    is."""
+    import signal
+
+    if kept is not None:
+        _WATCH["kept"] = kept
     for signum, default, handler in ((signal.SIGINT, signal.default_int_handler, _on_ctrl_c),
                                      (signal.SIGTERM, signal.SIG_DFL, _on_sigterm)):
         current = signal.getsignal(signum)
@@ -148,14 +262,19 @@ def started() -> None:
                 signal.signal(signum, handler)
             except ValueError:  # not the main thread
                 pass
+    if _ours(signal.SIGINT) or _ours(signal.SIGTERM):
+        _start_watch()
 
 
-def defer_sigterm(on: bool) -> None:
+def defer_sigterm(on: bool, waiting_for=None) -> None:
     """While on, a first SIGTERM is noted, not raised: the code asks `sigterm_pending()` where it can
-    stop cleanly (the training loop: after each step). Turning it on clears an earlier note."""
+    stop cleanly (the training loop: after each step). Turning it on clears an earlier note. waiting_for():
+    what the run waits for and how long that should take, said when the stop takes longer than ANNOUNCE_S
+    ("the run stops once step 3 of 10 ends (...)")."""
     _SIGTERM["defer"] = bool(on)
     if on:
         _SIGTERM["pending"] = False
+        _WATCH["terms"], _WATCH["waiting_for"] = 0, waiting_for
 
 
 def sigterm_pending() -> bool:
@@ -186,11 +305,16 @@ def is_ctrl_c(err: BaseException) -> bool:
 def run_main(main, kept: str):
     """Run a script's `main()` and return what it returns; Ctrl-C from here on ends it with one line,
     "interrupted (Ctrl-C): <kept>" (say what was kept), and exit code 130; SIGTERM with "terminated
-    (SIGTERM): <kept>" and exit code 143."""
-    started()
+    (SIGTERM): <kept>" and exit code 143. A file that cannot be written for want of space (a full disk, a
+    quota) ends it with one line naming the file, then <kept>, and exit code 1 (playbook.output)."""
+    from playbook import output
+
+    started(kept)
     try:
         return main()
     except (KeyboardInterrupt, Exception) as err:
         if not is_ctrl_c(err):
+            if output.is_disk_full(err):
+                raise output.disk_full_exit(err, kept) from None
             raise  # an error of its own, not a Ctrl-C turned into one on its way up
     raise interrupted_exit(kept) from None

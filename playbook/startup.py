@@ -32,7 +32,10 @@ third-party function; `start()` does, in this order:
    130 or 143 (`playbook.signals.exit_on_ctrl_c_while_starting`), until `signals.run_main` (or
    `started()`) takes over. Without it (None) the handlers stay as they are (pytest's own, under
    conftest.py; an interactive session's).
-3. With `kernels`, Triton's interpreter on a machine without a CUDA GPU
+3. With `while_starting` too (a script), standard output and standard error guarded
+   (`playbook.output.guard`): a reader that went away (`| head`) silences the output and the script goes
+   on, writing its files as usual; a full disk under stdout is one line on stderr, then the same.
+4. With `kernels`, Triton's interpreter on a machine without a CUDA GPU
    (`core.kernel_utils.use_interpreter_without_gpu`): this imports torch and triton, under
    the handlers of 2. A script that runs no kernel in its own process, or that must run before torch
    is installed (`selfcheck.py --index-url`), passes kernels=False.
@@ -43,7 +46,7 @@ This module imports no torch (the set-up check runs before torch is installed).
 import os
 import sys
 
-from playbook import environment, signals
+from playbook import environment, output, signals
 
 ENV_DEFAULTS = {
     "CUDA_SCALE_LAUNCH_QUEUES": "4x",
@@ -63,13 +66,15 @@ def set_env_defaults() -> None:
 
 def start(while_starting: str | None = None, *, kernels: bool = True) -> None:
     """Start a script (module docstring): the environment's variables checked and its defaults set, then
-    Ctrl-C and SIGTERM as one line saying `while_starting` until the script's own handling takes over (None:
-    handlers left as they are), then, with `kernels`, Triton's interpreter where there is no CUDA GPU. Call it
-    first, before torch and the kernel files are imported; calling it again changes nothing more."""
+    Ctrl-C and SIGTERM as one line saying `while_starting` until the script's own handling takes over, and its
+    output guarded against a closed pipe and a full disk (None: both left as they are), then, with `kernels`,
+    Triton's interpreter where there is no CUDA GPU. Call it first, before torch and the kernel files are
+    imported; calling it again changes nothing more."""
     environment.check()  # a bad value of a variable the scripts read: one line, exit code 2
     set_env_defaults()
     if while_starting is not None:
         signals.exit_on_ctrl_c_while_starting(while_starting)
+        output.guard()
     if kernels:
         from core import kernel_utils
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from playbook import cuda_graph, memory_plan, signals
+from playbook import cuda_graph, memory_plan, output, signals
 from playbook.best import BestEval
 from playbook.common import (RESULTS_DIR, describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message,
                              result_path, synchronize, versions, world)
@@ -36,7 +36,7 @@ from playbook.report import MetricsLog, RunResult, answers_after, answers_before
 from playbook.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load, lr_warmup_steps,
                              read_resume, resume_settings)
 from playbook.step import StepRunner
-from playbook.time_left import TimeLeft
+from playbook.time_left import TimeLeft, in_progress, running
 from playbook.optim import param_groups, schedule_factor, weight_rounding  # noqa: F401  (training.X: scripts, tests)
 from playbook.report import plot_curve, table_rows, throughput  # noqa: F401  (training.X: scripts, tests)
 
@@ -96,18 +96,21 @@ def training_step(model, optimizer, micro_batches, max_grad_norm: float | None =
 
 @torch.no_grad()
 def evaluate(model, batches) -> float | None:
-    """Mean loss over every target token of the held-out batches."""
+    """Mean loss over every target token of the held-out batches. A pass that runs long says how far it is and
+    what it has left (time_left.running)."""
     if not batches:
         return None
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     n_sum = 0
-    for b in batches:
-        n = int(count_targets([b]))  # a sync point, once per eval batch
-        if n:
-            loss_sum += float(model(**b).loss) * n
-            n_sum += n
+    with running("eval pass", total=len(batches), unit="batches", unknown="the first batch still running") as at:
+        for b in batches:
+            n = int(count_targets([b]))  # a sync point, once per eval batch
+            if n:
+                loss_sum += float(model(**b).loss) * n
+                n_sum += n
+            at.done += 1
     model.train(was_training)
     return float(loss_sum / max(n_sum, 1))
 
@@ -137,6 +140,20 @@ def make_run_data(cfg, model, tokenizer=None):
     if data.packing:
         use_packed_attention(cfg, model, data)
     return data
+
+
+def check_run_data(cfg) -> None:
+    """The data files before the model is built (data.check_source): a file that leaves nothing to train on is
+    one line naming it and what it holds, exit code 2."""
+    from playbook.data import bad_data_exit, check_source
+
+    source = getattr(cfg, "dataset", None) or getattr(cfg, "data", None)
+    kind = "dataset" if getattr(cfg, "dataset", None) else "text" if source else "synthetic"
+    try:
+        check_source(str(source) if source else None, kind, getattr(cfg, "eval_dataset", None),
+                     bool(getattr(cfg, "train_on_prompt", False)))
+    except (ValueError, OSError, ImportError) as err:
+        raise bad_data_exit(err) from None
 
 
 def use_packed_attention(cfg, model, data) -> None:
@@ -185,7 +202,8 @@ def total_steps(cfg, data) -> int:
 # ------------------------------------------------------------------------------------------------
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
-    signals.started()  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
+    kept = "the run stopped before its summary; checkpoints already written under --output-dir are complete"
+    signals.started(kept)  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
     started = [cfg]  # the RunConfig as the run goes on with it (memory_plan.start chooses a default rounding)
     try:
         return _train(cfg, started)
@@ -193,9 +211,10 @@ def train(cfg) -> dict:
         if not signals.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
             if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
                 raise SystemExit(oom_message(started[-1], err)) from None
+            if output.is_disk_full(err):  # results/: the metrics, the summary, its plot
+                raise output.disk_full_exit(err, kept) from None
             raise
-    raise signals.interrupted_exit("the run stopped before its summary; checkpoints already written under "
-                                    "--output-dir are complete") from None
+    raise signals.interrupted_exit(kept) from None
 
 
 def _train(cfg, started: list | None = None) -> dict:
@@ -206,11 +225,20 @@ def _train(cfg, started: list | None = None) -> dict:
     bar = progress_bar(run)
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
     terminated = None  # the step after which a SIGTERM stopped the run
-    signals.defer_sigterm(True)  # a scheduler's SIGTERM: the step in progress ends, is saved, and the run stops
+    def waiting_for() -> str:  # what a deferred SIGTERM waits for, said when the stop takes a while
+        where = in_progress()
+        return (f"the run stops after the step in progress{f' ({where})' if where else ''} and saves its checkpoint "
+                f"to {cfg.output_dir}")
+
+    # A scheduler's SIGTERM with --output-dir: the step in progress ends, is saved, and the run stops (without
+    # one there is nothing to wait for: the run stops at once, as for Ctrl-C)
+    signals.defer_sigterm(cfg.output_dir is not None, waiting_for=waiting_for)
     run.left.begin()
     try:
         for step in bar:
-            stopped = one_step(run, runner, step, bar)
+            with running(f"step {step + 1} of {run.steps}", expected_s=run.left.step_seconds(),
+                         unknown="no step time measured yet"):
+                stopped = one_step(run, runner, step, bar)
             if stopped is not None or run.early_stop is not None:
                 break
             if step + 1 < run.steps and sigterm_stops(cfg):
@@ -286,6 +314,7 @@ def start_run(cfg, started: list | None = None) -> Run:
     started: the RunConfigs the run has gone on with, the newest last (train() names it when memory runs out)."""
     check_output_folders(cfg)
     info = read_resume(cfg) if cfg.resume is not None else None
+    check_run_data(cfg)  # before the model is built: data that leaves nothing to train on
     cfg, model, model_name, kernels, (n_params, n_train) = build_model(cfg, started)
     tokenizer = run_tokenizer(cfg, model_name)
     data = make_run_data(cfg, model, tokenizer)

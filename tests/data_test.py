@@ -577,6 +577,57 @@ def test_clear_errors_for_files_and_sources():
         assert "pip install datasets" in expect_error(data.MissingPackage, data.load_rows, "someone/some-dataset")
 
 
+EMPTY_REPLY = {"messages": [{"role": "user", "content": "What is a GPU?"}, {"role": "assistant", "content": " "}]}
+
+
+def test_data_that_leaves_nothing_to_train_on_is_refused_naming_the_file_and_what_it_holds():
+    """data.check_source, which needs only the files (the scripts call it before the model is built): a chat
+    file whose every assistant reply is empty (it trained, on end-of-turn tokens only), a .json file of one
+    object or of none, a file of no usable row and a blank --data text file are refused, each naming the file
+    and what it found; the encoder drops such a row for the same reason. (Any file is raw text to --data: the
+    tests train on examples/chat.jsonl as text.)"""
+    with _files(empty__jsonl=[EMPTY_REPLY] * 3, one__json=json.dumps(CHAT), nothing__json="{}",
+                mixed__jsonl=[EMPTY_REPLY, {"prompt": "a", "completion": ""}, {"messages": [CHAT["messages"][0]]}],
+                blank__txt=" \n\n", fine__jsonl=[EMPTY_REPLY, CHAT]) as tmp:
+        cases = {  # (source, kind, eval source) -> what the message must hold
+            (tmp / "empty.jsonl", "dataset", None): f"no usable row in {tmp / 'empty.jsonl'}: 3 row(s), every one "
+                                                   "dropped (empty replies: 3); nothing to train on",
+            (tmp / "one.json", "dataset", None): f"{tmp / 'one.json'} holds one JSON object (keys: messages), not a "
+                                                 "list of rows",
+            (tmp / "nothing.json", "dataset", None): "holds an empty JSON object, not a list of rows",
+            (tmp / "mixed.jsonl", "dataset", None): "(empty: 1, empty replies: 1, no trainable token: 1)",
+            (tmp / "fine.jsonl", "dataset", tmp / "empty.jsonl"): f"no usable row in the eval file "
+                                                                   f"{tmp / 'empty.jsonl'}: 3 row(s)",
+            (tmp / "blank.txt", "text", None): f"{tmp / 'blank.txt'} holds no text (3 bytes, blank): no tokens",
+        }
+        for (source, kind, eval_source), says in cases.items():
+            with pytest.raises(data.DataError) as refused:
+                data.check_source(str(source), kind, eval_source and str(eval_source))
+            assert says in str(refused.value), (source, str(refused.value))
+        data.check_source(str(tmp / "fine.jsonl"), "dataset")  # one usable row is enough here
+        assert _dataset([EMPTY_REPLY, CHAT], seq_len=256).report.dropped == {"empty replies": 1}
+    record(f"{len(cases)} sources that leave nothing to train on: refused, naming the file and what it holds",
+           0, 0, True)
+
+
+def test_the_scripts_refuse_such_data_before_the_model_is_built(monkeypatch, capsys):
+    from playbook import registry, training
+    from playbook.config import make_parser, parse_config
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(training, "build_model", build_model)
+    with _files(empty__jsonl=[EMPTY_REPLY] * 2) as tmp:
+        cfg = parse_config(make_parser("t", kernels_default=registry.DEFAULT_KERNELS), "finetune_optimized",
+                           ["--model", "llama-tiny", "--dataset", str(tmp / "empty.jsonl"), "--steps", "3"])
+        with pytest.raises(SystemExit) as stop:
+            training.train(cfg)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(said) == 1 and said[0].startswith(f"error: no usable row in {tmp}"), said
+    record("a chat file of empty replies: one line, exit 2, before the model is built", 0, 0, True)
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [

@@ -365,6 +365,169 @@ def test_sigterm_saves_the_step_done_and_exits_143(tmp_path):
     record(f"SIGTERM: one line, exit 143; checkpoint-{saved['step']} written, resumable", 0.0, 0.0, True)
 
 
+# A step of minutes in one call that Python cannot interrupt (the attention of a 2-million-token sequence on a
+# CPU): Python runs a signal's handler in the main thread once the call returns, so the first SIGTERM waited
+# 707 s for the step to end, saying nothing. The stand-in: the step's main thread takes no signal while it
+# sleeps (as inside a long call into C); the run's other threads still see them arrive. The progress line's
+# thresholds are made short (10 s of silence in a real run).
+_LONG_STEP = """
+from playbook.startup import start
+start("nothing was run")
+import signal, sys, threading, time
+from playbook import registry, time_left, training
+from playbook.config import make_parser, parse_config
+
+time_left.SILENT_S = time_left.EVERY_S = 1.0
+time_left.POLL_S = 0.1
+
+def training_step(*args, **kwargs):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    threading.Timer(0.5, print, args=("in the long step",), kwargs={"flush": True}).start()  # (once inside the call)
+    time.sleep(300)
+
+training.training_step = training_step
+training.train(parse_config(make_parser("t", kernels_default=registry.DEFAULT_KERNELS), "finetune_optimized",
+                            sys.argv[1:]))
+"""
+# The same with no training loop and no torch: the main thread in a call that takes no signal, Ctrl-C or a
+# SIGTERM that nothing defers.
+_LONG_CALL = """
+import signal, sys, threading, time
+from playbook import signals
+signals.started("what the script kept")
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+threading.Timer(0.5, print, args=("in the long call",), kwargs={"flush": True}).start()  # (once inside the call)
+time.sleep(300)
+"""
+
+
+class Lines:
+    """A child process's stdout and stderr, read line by line as they come (a thread each)."""
+
+    def __init__(self, argv, env=None):
+        import queue
+        import threading
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _AS_FROM_A_SHELL, *argv], cwd=HERE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.lines, self.seen = queue.Queue(), []
+        for name in ("stdout", "stderr"):
+            threading.Thread(target=self._read, args=(name,), daemon=True).start()
+
+    def _read(self, name):
+        for line in getattr(self.proc, name):
+            self.lines.put((name, line.rstrip("\n")))
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """The first line holding `text`, within `timeout` seconds (else the test fails, showing what came)."""
+        import queue
+
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                name, line = self.lines.get(timeout=max(end - time.monotonic(), 0.01))
+            except queue.Empty:
+                self.proc.kill()
+                pytest.fail(f"no line with {text!r} within {timeout} s; the lines: {self.seen[-20:]}")
+            self.seen.append((name, line))
+            if text in line:
+                return line
+
+    def end(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"still running {timeout} s after the signal; the lines: {self.seen[-20:]}")
+
+
+def test_a_long_step_says_what_sigterm_waits_for_and_a_second_signal_stops_at_once(tmp_path):
+    """In a step that takes minutes: a progress line names the step while it runs; a SIGTERM (deferred to the
+    end of the step, whose checkpoint --output-dir asks for) says within seconds what it waits for, and that a
+    second SIGTERM or Ctrl-C stops at once; Ctrl-C then ends the run within seconds, exit code 130, one line."""
+    script = tmp_path / "long_step.py"
+    script.write_text(_LONG_STEP)
+    child = Lines([str(script), "--model", "llama-tiny", "--kernels", "none", "--batch-size", "1", "--seq-len", "32",
+                   "--steps", "3", "--timing-warmup-steps", "1", "--output-dir", str(tmp_path / "out"), "--tag",
+                   "test_robust_long_step", "--overwrite"])
+    try:
+        child.wait_for("in the long step", timeout=120)
+        progress = child.wait_for("... step 1 of 3: ", timeout=10)
+        child.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        said = child.wait_for("SIGTERM: ", timeout=10)
+        announced = time.monotonic() - t0
+        child.proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        code = child.end(timeout=15)
+        stopped = time.monotonic() - t0
+    finally:
+        child.proc.kill()
+        (common.RESULTS_DIR / "test_robust_long_step.metrics.jsonl").unlink(missing_ok=True)
+    last = child.wait_for("interrupted (Ctrl-C)", timeout=5)
+    assert progress.strip().endswith("so far, no step time measured yet"), progress
+    assert re.fullmatch(r"SIGTERM: the run stops after the step in progress \(step 1 of 3: \d+ s so far, no step time "
+                        rf"measured yet\) and saves its checkpoint to {re.escape(str(tmp_path / 'out'))}; a second "
+                        r"SIGTERM or Ctrl-C stops at once", said), said
+    assert code == 130 and last == "interrupted (Ctrl-C): the run stopped before its summary; checkpoints already " \
+                                   "written under --output-dir are complete", (code, child.seen[-5:])
+    assert "Traceback" not in " ".join(line for _, line in child.seen)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("checkpoint-*"))  # no step ended
+    record(f"a step of minutes: a progress line; SIGTERM said what it waits for in {announced:.1f} s; Ctrl-C ended "
+           f"it in {stopped:.1f} s, exit 130", 0, 0, True)
+
+
+def test_sigterm_waits_for_the_step_only_when_it_has_a_checkpoint_to_write(monkeypatch, tmp_path):
+    """What waiting for the step buys is its checkpoint: with --output-dir a SIGTERM is deferred to the end of the
+    step; without one it stops the run at once, as Ctrl-C does (it waited for a step of 707 s for nothing). Each
+    step is a pass in progress whose words a waiting SIGTERM says."""
+    from playbook import signals, time_left, training
+
+    seen = []
+    real = training.training_step
+
+    def step(*args, **kwargs):
+        seen.append((signals._SIGTERM["defer"], time_left.in_progress()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "training_step", step)
+    base = ["--model", "llama-tiny", "--kernels", "none", "--batch-size", "1", "--seq-len", "32", "--steps", "2",
+            "--timing-warmup-steps", "1", "--tag", "test_robust_defer", "--overwrite"]
+    try:
+        for more in ([], ["--output-dir", str(tmp_path / "out")]):
+            training.train(parse_config(make_parser("t", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized",
+                                        base + more))
+    finally:
+        for suffix in (".json", ".png", ".metrics.jsonl"):
+            (common.RESULTS_DIR / f"test_robust_defer{suffix}").unlink(missing_ok=True)
+    assert [defer for defer, _ in seen] == [False, False, True, True], seen
+    assert seen[0][1].startswith("step 1 of 2: ") and seen[0][1].endswith("no step time measured yet"), seen
+    assert seen[1][1].startswith("step 2 of 2: ") and ", left ~" in seen[1][1], seen
+    record("SIGTERM deferred to the step's end with --output-dir only; each step a pass in progress", 0, 0, True)
+
+
+@pytest.mark.parametrize("sig, code, line", [(signal.SIGINT, 130, "interrupted (Ctrl-C)"),
+                                             (signal.SIGTERM, 143, "terminated (SIGTERM)")], ids=["Ctrl-C", "SIGTERM"])
+def test_a_signal_during_a_call_that_takes_none_stops_within_seconds(sig, code, line, tmp_path):
+    """Ctrl-C and an undeferred SIGTERM while the main thread is in a call that does not return for them: the
+    process ends GRACE_S later with the line the script's own handling prints, and its exit code."""
+    script = tmp_path / "long_call.py"
+    script.write_text(_LONG_CALL)
+    child = Lines([str(script)], env={"PYTHONPATH": str(HERE)})
+    try:
+        child.wait_for("in the long call", timeout=60)
+        child.proc.send_signal(sig)
+        t0 = time.monotonic()
+        got = child.end(timeout=15)
+        stopped = time.monotonic() - t0
+    finally:
+        child.proc.kill()
+    said = child.wait_for(line, timeout=5)
+    assert got == code and said == f"{line}: what the script kept", (got, child.seen)
+    record(f"{line} in a call that takes no signal: exit {code} {stopped:.1f} s later, one line", 0, 0, True)
+
+
 def test_environment_that_contradicts_the_run_is_one_line(monkeypatch, capsys):
     """WORLD_SIZE without torchrun's rendezvous, and TRITON_INTERPRET=0 on a machine without a GPU: refused
     with what to do (exit code 2) before anything is built."""

@@ -371,7 +371,8 @@ def sandbox(tmp_path):
     (box / "playbook").mkdir()
     (box / "core").mkdir()
     for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "core/__init__.py",
-                 "core/gpu_arch.py", "playbook/startup.py", "playbook/signals.py",
+                 "core/gpu_arch.py", "playbook/startup.py", "playbook/signals.py", "playbook/environment.py",
+                 "playbook/output.py",
                  "requirements.txt", "pytest.ini"):
         shutil.copy(HERE / name, box / name)
     (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")
