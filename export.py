@@ -186,7 +186,8 @@ def recorded(folder: Path) -> dict | None:
         extra = state.get("extra") or {}
         settings = extra.get("settings") or extra.get("config") or {}
         record = {"model": settings.get("model"), "num_layers": settings.get("num_layers"),
-                  "load_in_4bit": bool(settings.get("load_in_4bit")), "fingerprint": state.get("base_fingerprint")}
+                  "load_in_4bit": bool(settings.get("load_in_4bit")), "fingerprint": state.get("base_fingerprint"),
+                  "device": str((extra.get("config") or {}).get("device") or "")}
         layers = record["num_layers"]
         if layers is not None and (type(layers) is not int or layers < 1):
             raise ValueError(f"num_layers {layers!r}")
@@ -280,7 +281,7 @@ def load_run(run: str, base: str | None, weight_type: str = "q8_0"):
             raise Refused(f"{folder / 'adapter_config.json'}: base_model_name_or_path is {json.dumps(base)[:40]}, not "
                           "a model's name; pass the base model with --base")
         layers = record["num_layers"] if record is not None else adapter_layers(folder, saved)
-        model, cut = load_base(run, base, note, layers, weight_type)
+        model, cut = load_base(run, base, note, layers, weight_type, record["device"] if record else "")
         model, rounded = merge_adapter(run, folder, model, base, record)
         held = " and ".join(n for n in (cut, rounded) if n)
         what = f"{folder} (LoRA adapter merged into {base}" + (f": {held}, as the run held it)" if held else ")")
@@ -305,10 +306,13 @@ def load_run(run: str, base: str | None, weight_type: str = "q8_0"):
     return model.eval(), tokenizer, what
 
 
-def load_base(run: str, base: str | None, note: str | None, layers: int | None, weight_type: str):
+def load_base(run: str, base: str | None, note: str | None, layers: int | None, weight_type: str,
+              trained_on: str = ""):
     """(the base model an adapter was trained on, how its layers were cut): a preset of this project,
     smollm2-135m or a .gguf, a local folder, or a Hugging Face id; `layers`: the decoder layers the run kept
-    (its --num-layers), None for all. The memory it needs is checked first, from its config."""
+    (its --num-layers), None for all; `trained_on`: the run's device ("cuda:0", "cpu"), where a preset's random
+    weights were drawn (a GPU's generator draws other numbers than the CPU's from the same seed). The memory it
+    needs is checked first, from its config."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -330,7 +334,10 @@ def load_base(run: str, base: str | None, note: str | None, layers: int | None, 
         check_memory(f"{run}: {said}", model_shape(base, layers), "float32", weight_type)
         # built with the run's layer count: the preset's weights are drawn in order, and with fewer layers the
         # output layer's are other ones than in the full model
-        model = build_preset(base, layers, torch.device("cpu"), torch.float32)
+        # drawn as the scripts draw it for a run, in bf16 on the run's kind of device (a GPU's generator and a
+        # float32 draw rounded to bf16 give other weights under some torch versions), then held in float32
+        drawn = "cuda" if trained_on.startswith("cuda") and torch.cuda.is_available() else "cpu"
+        model = build_preset(base, layers, torch.device(drawn), torch.bfloat16).float().to("cpu")
         return model, (f"its first {layers} of {full} layers" if layers and layers < full else "")
     local = Path(base).expanduser()
     if pretrained.is_pretrained_name(base):

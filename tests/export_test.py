@@ -294,11 +294,12 @@ def test_modelfile_template_and_stops():
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """llama-tiny (random weights) with the byte tokenizer, saved as a merged folder would be."""
+    """llama-tiny (random weights, drawn in bf16 as a run draws them, held in float32) with the byte tokenizer,
+    saved as a merged folder would be."""
     from playbook.data import byte_tokenizer
     from playbook.models import build_preset
 
-    return _save(build_preset("llama-tiny", None, torch.device("cpu"), torch.float32), byte_tokenizer(),
+    return _save(build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16).float(), byte_tokenizer(),
                  tmp_path_factory.mktemp("tiny") / "run")
 
 
@@ -465,7 +466,18 @@ def test_an_adapter_refuses_a_base_other_than_its_own(tmp_path, tiny_run, adapte
     said = _refused(capsys, [str(bare), "--base", str(shallower), *out])
     assert f"the adapter was trained on 2 decoder layers and the base {shallower} has 1" in said, said
     assert not (tmp_path / "x.gguf").exists()
-    assert export.main([str(folder), "--base", str(tiny_run), *out]) == 0
+    assert export.main([str(folder), "--base", str(tiny_run), *out]) == 0  # the very weights, in float32
+    # a float32 base whose bf16 rounding is what the run held (each weight off by 2^-12 of itself, less than half a
+    # bf16 step): merged into its rounded weights, and said so
+    from playbook.data import byte_tokenizer
+    from playbook.models import build_preset
+
+    nudged = build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16).float()
+    with torch.no_grad():
+        for p in nudged.parameters():
+            p.mul_(1 + 2 ** -12)
+    capsys.readouterr()
+    assert export.main([str(folder), "--base", str(_save(nudged, byte_tokenizer(), tmp_path / "nudged")), *out]) == 0
     assert "its weights rounded to bf16, as the run held it" in capsys.readouterr().out
 
 

@@ -449,9 +449,11 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
     the one line names the memory first and the step count after it; with an offered option the run fits, and
     the step count is all that is left to say."""
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "10")
-    for script, argv in (("finetune_trainer", ["--batch-size", "1000000000", "--steps", "2"]),
+    # (the models named: on a GPU the scripts' defaults are the 8B, which no option fits in 10 GB)
+    for script, argv in (("finetune_trainer", ["--model", "llama-tiny", "--batch-size", "1000000000", "--steps", "2"]),
                          ("finetune_optimized", ["--model", "smollm2-135m", "--steps", "2"]),
-                         ("distill", ["--batch-size", "100000", "--steps", "2", "--timing-warmup-steps", "2"])):
+                         ("distill", ["--teacher", "llama-tiny", "--student", "llama-tiny-student", "--batch-size",
+                                      "100000", "--steps", "2", "--timing-warmup-steps", "2"])):
         free = "0.45" if "smollm2-135m" in argv else "10"
         monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, free)
         with pytest.raises(SystemExit) as stop:
