@@ -449,6 +449,7 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
     the one line names the memory first and the step count after it; with an offered option the run fits, and
     the step count is all that is left to say."""
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "10")
+    tried = 0
     # (the models named: on a GPU the scripts' defaults are the 8B, which no option fits in 10 GB)
     for script, argv in (("finetune_trainer", ["--model", "llama-tiny", "--batch-size", "1000000000", "--steps", "2"]),
                          ("finetune_optimized", ["--model", "smollm2-135m", "--steps", "2"]),
@@ -465,12 +466,16 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
         said = memory_plan.gb_text(float(free) * GB)
         assert f"PLAYBOOK_FREE_MEMORY_GB={free} says this machine has {said} GB free" in line, line
         offered = _offers_in(line)
-        assert offered, line
+        if not offered:  # (SmolLM2 at 0.45 GB on a GPU, at its 4 x 2048 default: nothing single fits, and it says so)
+            assert "no single option brings it under" in line, line
+            continue
+        tried += 1
         for text, _ in offered:
             with pytest.raises(SystemExit):
                 _parse(*_apply(script, argv, text))
             again = capsys.readouterr().err.strip()
             assert again.startswith("error: --steps 2 leaves no timed step"), (text, again)
+    assert tried >= 2, "no case offered an option to apply"  # (llama-tiny's and the distillation's, anywhere)
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # where it fits, the step count alone, as before
     with pytest.raises(SystemExit):
         _parse("finetune_optimized", ["--steps", "2"])
