@@ -90,32 +90,28 @@ def _kind(path: Path) -> str:
         return f"cannot be used ({err.strerror or err})"
 
 
-def model_cache() -> Path | None:
-    """PLAYBOOK_MODEL_CACHE as a folder (`~` expanded); None where unset."""
-    raw = _raw(MODEL_CACHE)
+def _folder(name: str, takes: str) -> Path | None:
+    """A variable naming a folder (`~` expanded, made where missing by whoever writes there); None where unset."""
+    raw = _raw(name)
     if raw is None:
         return None
     path = Path(raw).expanduser()
     kind = _kind(path)
     if kind not in ("folder", "missing"):
-        raise BadValue(MODEL_CACHE, raw, "is a file, not a folder" if kind == "file" else kind,
-                      "it takes the folder where converted models are kept (made where missing); unset it for "
-                      "the default, $XDG_CACHE_HOME/kernel-playbook/models or ~/.cache/kernel-playbook/models")
+        raise BadValue(name, raw, "is a file, not a folder" if kind == "file" else kind, takes)
     return path
+
+
+def model_cache() -> Path | None:
+    """PLAYBOOK_MODEL_CACHE as a folder; None where unset."""
+    return _folder(MODEL_CACHE, "it takes the folder where converted models are kept (made where missing); unset it "
+                                "for the default, $XDG_CACHE_HOME/kernel-playbook/models or ~/.cache/kernel-playbook/models")
 
 
 def results_dir() -> Path | None:
-    """PLAYBOOK_RESULTS_DIR as a folder (`~` expanded); None where unset (the repository's results/)."""
-    raw = _raw(RESULTS_DIR)
-    if raw is None:
-        return None
-    path = Path(raw).expanduser()
-    kind = _kind(path)
-    if kind not in ("folder", "missing"):
-        raise BadValue(RESULTS_DIR, raw, "is a file, not a folder" if kind == "file" else kind,
-                      "it takes the folder where runs write their summaries, metrics, plots and traces (made where "
-                      "missing); unset it for the repository's results/")
-    return path
+    """PLAYBOOK_RESULTS_DIR as a folder; None where unset (the repository's results/)."""
+    return _folder(RESULTS_DIR, "it takes the folder where runs write their summaries, metrics, plots and traces "
+                                "(made where missing); unset it for the repository's results/")
 
 
 def report_file() -> Path | None:
