@@ -350,8 +350,9 @@ def start_run(cfg, started: list | None = None) -> Run:
         run.last_good, run.last_saved = (run.start, info["path"]), info["path"]
         if cfg.eval_every:  # the resumed run's evals are candidates too (their checkpoints: where one is on disk)
             for done, loss in result.eval_losses:
-                if done > 0:
-                    judge_eval(run, done, loss, quiet=True)
+                if done > 0 and judge_eval(run, done, loss, quiet=True):
+                    kept = cfg.output_dir / f"checkpoint-{done}" if cfg.output_dir else None
+                    run.best.checkpoint = kept if kept is not None and kept.is_dir() else None
     before_first_step(run)
     return run
 
@@ -485,7 +486,8 @@ def judge_eval(run: Run, done: int, eval_loss: float, quiet: bool = False) -> bo
     if not cfg.eval_every:  # one eval after the last step: nothing to compare it with
         return False
     since = [s for s, _ in best.history]
-    window = run.result.losses[(since[-1] if since else run.start):done]  # the training losses since the last eval
+    window = run.result.losses[(since[-1] if since else 0):done]  # the training losses since the last eval (a
+    # resumed run's losses begin at step 1 too)
     if not quiet and not best.warned and best.memorizing(eval_loss, window):
         best.warned = True
         log(best.memorizing_line(done, eval_loss, window, best_kept(run)))

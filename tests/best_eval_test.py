@@ -102,6 +102,20 @@ def test_a_run_with_periodic_evals_names_its_best_step_and_how_to_keep_it(tmp_pa
     assert len(payload["losses"]) == 15 and "stopped early at step" not in payload["summary"]  # no patience: all run
 
 
+def test_a_resumed_run_keeps_the_best_of_the_steps_before_it(tmp_path, capsys):
+    """The evals of the checkpoint a run resumes from are candidates too: their best checkpoint is kept through
+    --save-total-limit and loaded at the end, and the memorizing line compares with the training loss there."""
+    data, out = _memorizing_data(tmp_path / "words.jsonl"), tmp_path / "out"
+    _train(_argv(data, "--steps", "10", "--output-dir", str(out), "--save-every", "5"), "test_best_first", capsys)
+    payload, said, _ = _train(_argv(data, "--steps", "20", "--output-dir", str(out), "--resume", str(out),
+                                    "--load-best-model-at-end", "--save-total-limit", "1"), "test_best_resumed", capsys)
+    assert payload["best_eval"] == {"step": 5, "eval loss": payload["eval_losses"][1][1],
+                                    "checkpoint": str(out / "checkpoint-5")}
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-20", "checkpoint-5"]
+    assert payload["summary"]["model at the end"].startswith("step 5's weights")
+    assert "at step 15 is above its best" in said and "memorizing its training rows" in said, said
+
+
 def test_best_eval_counts_the_threshold_and_the_patience():
     best = BestEval(patience=2, threshold=0.1)
     assert best.update(2, 3.0, [4.0]) and (best.step, best.loss) == (2, 3.0)
