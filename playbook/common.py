@@ -193,6 +193,9 @@ def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(fd, 0o666 & ~umask)  # a file as open() makes one (mkstemp's is the owner's only)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

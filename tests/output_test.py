@@ -197,6 +197,15 @@ def _fails_for_want_of_space(monkeypatch):
     monkeypatch.setattr(common.os, "fdopen", Full)
 
 
+def test_a_results_file_is_readable_as_open_makes_one(tmp_path):
+    """write_atomic's file has the permissions a plain open() gives (its temporary file is the owner's only)."""
+    import os
+
+    common.write_atomic(tmp_path / "a.json", "{}")
+    (tmp_path / "b.json").write_text("{}")
+    assert os.stat(tmp_path / "a.json").st_mode == os.stat(tmp_path / "b.json").st_mode
+
+
 def test_a_results_file_on_a_full_disk_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
     path = tmp_path / "summary.json"
     path.write_text("the earlier run's\n")
