@@ -122,10 +122,13 @@ def default_workload():
             "a slice of the model, to fit this GPU: the ratios carry over, the absolute figures do not")
 
 
+REAL_DATA = ["--model", REAL_MODEL, "--dataset", str(EXAMPLE_DATA.relative_to(HERE)),
+             "--sample-prompts", str(PROMPTS.relative_to(HERE))]  # every real-model run's model, data and prompts
+
+
 def real_model_args(steps: int | None = None) -> list[str]:
     """The arguments of every real-model run on a GPU (steps 4d and 4e); `steps`: N steps instead of three epochs."""
-    args = ["--model", REAL_MODEL, "--dataset", str(EXAMPLE_DATA.relative_to(HERE)),
-            "--sample-prompts", str(PROMPTS.relative_to(HERE))] + REAL_GPU
+    args = REAL_DATA + REAL_GPU
     if steps is not None:
         args = _drop(args, "--epochs") + ["--steps", str(steps)] + (["--timing-warmup-steps", "1"] if steps <= 2 else [])
     return args
@@ -137,10 +140,8 @@ def real_model_runs(gpu: bool, steps: int | None = None) -> list[tuple[str, str,
         args = real_model_args(steps)
         return [("walkthrough_real_baseline", "finetune_baseline.py", args),
                 ("walkthrough_real_optimized", "finetune_optimized.py", args + SAME_OPTIMIZER)]
-    common = ["--model", REAL_MODEL, "--dataset", str(EXAMPLE_DATA.relative_to(HERE)),
-              "--sample-prompts", str(PROMPTS.relative_to(HERE))]
     return [("walkthrough_real_baseline", "finetune_baseline.py",
-             common + REAL_CPU + ["--steps", str(steps or REAL_CPU_STEPS)])]
+             REAL_DATA + REAL_CPU + ["--steps", str(steps or REAL_CPU_STEPS)])]
 
 
 def rounding_runs(steps: int | None = None) -> list[tuple[str, str, list[str]]]:
@@ -187,7 +188,12 @@ def step(title: str, explain: str, cmd: list[str], may_fail_with: str | None = N
     if may_fail_with and may_fail_with in proc.stderr:
         print(f"-> this step failed as it can at this size ({may_fail_with}); the walkthrough goes on.")
         return False
-    raise SystemExit(f"\nwalkthrough: '{' '.join(cmd[1:])}' failed (exit code {proc.returncode}); stopping here.")
+    raise failed_exit(cmd, proc.returncode)
+
+
+def failed_exit(cmd: list[str], code: int) -> SystemExit:
+    """What stops the walkthrough when a step's script failed."""
+    return SystemExit(f"\nwalkthrough: '{' '.join(cmd[1:])}' failed (exit code {code}); stopping here.")
 
 
 def load(tag: str) -> dict | None:
@@ -240,7 +246,7 @@ def steps_together(calls: list[tuple[str, str, list[str], dict]]) -> None:
         if proc.returncode != 0 and failed is None:
             failed = (cmd, proc.returncode)
     if failed is not None:
-        raise SystemExit(f"\nwalkthrough: '{' '.join(failed[0][1:])}' failed (exit code {failed[1]}); stopping here.")
+        raise failed_exit(*failed)
 
 
 def category_changes(before_tag: str, after_tag: str) -> str:
@@ -356,8 +362,10 @@ def real_model_report(runs: list[tuple[str, dict | None]], taught: dict[str, str
         after = next((s.get("after") for s in r.get("samples") or [] if s.get("prompt") == pick["prompt"]), None)
         lines.append(f"     after, {label}: {after}")
     lines.append(f"     the data's answer: {pick['taught']}")
-    lines.append(f"   The answer{'' if len(done) == 1 else f' of the {last_label} run'} now has {pick['after_words']} of the {pick['of_words']} words of the data's answer "
-                 f"(before training: {pick['before_words']})" + (f"; every prompt's answers: {where}." if where else "."))
+    whose = "" if len(done) == 1 else f" of the {last_label} run"
+    lines.append(f"   The answer{whose} now has {pick['after_words']} of the {pick['of_words']} words of the data's "
+                 f"answer (before training: {pick['before_words']})"
+                 + (f"; every prompt's answers: {where}." if where else "."))
     return "\n".join(lines)
 
 

@@ -124,13 +124,20 @@ def causal_padding(cfg) -> bool:
     return not cfg.defaults.huggingface_attention
 
 
+def data_source(cfg) -> tuple[str | None, str]:
+    """(the file or hub id the run trains on, its kind: "dataset", "text" or "synthetic")."""
+    if cfg.dataset:
+        return str(cfg.dataset), "dataset"
+    return (str(cfg.data), "text") if cfg.data else (None, "synthetic")
+
+
 def make_run_data(cfg, model, tokenizer=None):
     from playbook.data import bad_data_exit, make_data
 
-    kind = "dataset" if cfg.dataset else "text" if cfg.data else "synthetic"
+    source, kind = data_source(cfg)
     rank, size = world()
     try:
-        data = make_data(str(cfg.dataset or cfg.data) if kind != "synthetic" else None, kind, tokenizer,
+        data = make_data(source, kind, tokenizer,
                          model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
                          packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction,
                          drop_long=cfg.drop_long, eval_source=cfg.eval_dataset, repeat_batches=cfg.repeat_batches)
@@ -147,11 +154,8 @@ def check_run_data(cfg) -> None:
     one line naming it and what it holds, exit code 2."""
     from playbook.data import bad_data_exit, check_source
 
-    source = getattr(cfg, "dataset", None) or getattr(cfg, "data", None)
-    kind = "dataset" if getattr(cfg, "dataset", None) else "text" if source else "synthetic"
     try:
-        check_source(str(source) if source else None, kind, getattr(cfg, "eval_dataset", None),
-                     bool(getattr(cfg, "train_on_prompt", False)))
+        check_source(*data_source(cfg), cfg.eval_dataset, cfg.train_on_prompt)
     except (ValueError, OSError, ImportError) as err:
         raise bad_data_exit(err) from None
 
@@ -485,9 +489,8 @@ def judge_eval(run: Run, done: int, eval_loss: float, quiet: bool = False) -> bo
     cfg, best = run.cfg, run.best
     if not cfg.eval_every:  # one eval after the last step: nothing to compare it with
         return False
-    since = [s for s, _ in best.history]
-    window = run.result.losses[(since[-1] if since else 0):done]  # the training losses since the last eval (a
-    # resumed run's losses begin at step 1 too)
+    last = best.history[-1][0] if best.history else 0  # the step of the last eval judged
+    window = run.result.losses[last:done]  # the training losses since then (a resumed run's begin at step 1 too)
     if not quiet and not best.warned and best.memorizing(eval_loss, window):
         best.warned = True
         log(best.memorizing_line(done, eval_loss, window, best_kept(run)))
