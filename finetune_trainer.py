@@ -125,42 +125,40 @@ def trainer_checkpoint(path: Path) -> str:
                       "finetune_trainer.py writes them into --output-dir with --save-every N")
 
 
-class BestEvalWords:
+def best_eval_callback(cfg):
     """The Trainer's evals (--eval-every) against the best so far, as the scripts' own loop says them
-    (playbook/best.py): the line when the run starts to memorize, and the best step at the end."""
+    (playbook/best.py): the line when the run starts to memorize, and the best step at the end (said_at_end)."""
+    from transformers import TrainerCallback
 
-    def __new__(cls, cfg):
-        from transformers import TrainerCallback
+    class Words(TrainerCallback):
+        def __init__(self):
+            self.best, self.window, self.cfg = BestEval(), [], cfg
 
-        class Words(TrainerCallback):
-            def __init__(self):
-                self.best, self.window, self.cfg = BestEval(), [], cfg
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and "eval_loss" not in logs:
+                self.window.append(float(logs["loss"]))
 
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs and "eval_loss" not in logs:
-                    self.window.append(float(logs["loss"]))
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            loss = (metrics or {}).get("eval_loss")
+            if loss is None:
+                return
+            window, self.window = self.window, []
+            if not self.best.warned and self.best.memorizing(loss, window):
+                self.best.warned = True
+                keeps = (f"The best checkpoint so far: {state.best_model_checkpoint}; the run ends with its weights "
+                         "(--load-best-model-at-end)." if self.cfg.load_best_model_at_end and
+                         state.best_model_checkpoint else "--load-best-model-at-end with --output-dir keeps the "
+                         "best checkpoint, and --early-stopping-patience N stops such a run.")
+                log(self.best.memorizing_line(state.global_step, loss, window, keeps))
+            self.best.update(state.global_step, loss, window)
 
-            def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-                loss = (metrics or {}).get("eval_loss")
-                if loss is None:
-                    return
-                window, self.window = self.window, []
-                if not self.best.warned and self.best.memorizing(loss, window):
-                    self.best.warned = True
-                    keeps = (f"The best checkpoint so far: {state.best_model_checkpoint}; the run ends with its weights "
-                             "(--load-best-model-at-end)." if self.cfg.load_best_model_at_end and
-                             state.best_model_checkpoint else "--load-best-model-at-end with --output-dir keeps the "
-                             "best checkpoint, and --early-stopping-patience N stops such a run.")
-                    log(self.best.memorizing_line(state.global_step, loss, window, keeps))
-                self.best.update(state.global_step, loss, window)
+        def said_at_end(self, state):
+            if self.best.step is not None:
+                log(f"best eval loss: {self.best.loss:.4f} at step {self.best.step} of {state.global_step}"
+                    + (f" (checkpoint {state.best_model_checkpoint}; the model ends with its weights)"
+                       if self.cfg.load_best_model_at_end and state.best_model_checkpoint else ""))
 
-            def said_at_end(self, state):
-                if self.best.step is not None:
-                    log(f"best eval loss: {self.best.loss:.4f} at step {self.best.step} of {state.global_step}"
-                        + (f" (checkpoint {state.best_model_checkpoint}; the model ends with its weights)"
-                           if self.cfg.load_best_model_at_end and state.best_model_checkpoint else ""))
-
-        return Words()
+    return Words()
 
 
 def main(argv=None):
@@ -214,7 +212,7 @@ def main(argv=None):
     )
     if cfg.warmup_ratio:
         args.warmup_steps = int(cfg.warmup_ratio * (cfg.steps or 0))
-    words = BestEvalWords(cfg) if eval_set is not None and cfg.eval_every else None
+    words = best_eval_callback(cfg) if eval_set is not None and cfg.eval_every else None
     callbacks = [progress_callback()] + ([words] if words is not None else [])
     if cfg.early_stopping_patience:
         from transformers import EarlyStoppingCallback
