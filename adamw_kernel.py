@@ -78,7 +78,7 @@ The step count `t` and the learning rate: two modes, as PyTorch's AdamW has them
     default AdamW, so the bias corrections are computed on the host without ever waiting for the GPU.
     Parameters of one group whose counts differ (one skipped a step with no gradient) go to separate
     launches, one per count.
-  - `capturable=True`, for a CUDA graph of the whole training step (playbook/cuda_graph.py): a graph
+  - `capturable=True`, for a CUDA graph of the whole training step (playbook/run/cuda_graph.py): a graph
     replays GPU work only, so nothing the step needs may live on the host. Each `t` is a float32
     tensor on its parameter's device, advanced there; the rate may be a tensor there too, filled in
     place by the scheduler. A few torch ops on the device turn counts and rate into one small vector:
@@ -141,7 +141,7 @@ bf16 exp_avg_sq does not decay on its own; new squared gradients move it.)
 
 Layout of this file: kernels -> tables and launcher -> the optimizer (the drop-in) -> `ideal_bytes` ->
 reference. There is no custom operator rung: an optimizer step mutates hundreds of tensors in place
-and runs outside the model's autograd graph and outside torch.compile's (playbook/training.py compiles the
+and runs outside the model's autograd graph and outside torch.compile's (playbook/run/training.py compiles the
 model, not the step), so there is nothing for a registered operator to describe.
 """
 

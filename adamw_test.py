@@ -8,7 +8,7 @@ updates smaller than half a bf16 ulp (stochastic, Kahan, fp32 master: `--optimiz
     $ python adamw_test.py       # a readable report
     $ pytest adamw_test.py
 
-Tolerances follow playbook/testkit.py's rule, after the same steps on the same gradients: every parameter and
+Tolerances follow testkit/__init__.py's rule, after the same steps on the same gradients: every parameter and
 state may be at most 2x as far from PyTorch's single-tensor AdamW (foreach=False) run in float64, the
 truth, as PyTorch's fused AdamW run in the tested dtype is, plus one ulp of the tensor's scale. The
 fused one is the yardstick because it computes as the kernel does (fp32 arithmetic, one rounding per
@@ -37,14 +37,14 @@ import pytest
 import torch
 
 import adamw_kernel
-from playbook import common
-from playbook import models
-from playbook import training
+from playbook.runtime import common
+from playbook.model import models
+from playbook.run import training
 from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
 from core.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
-from playbook import testkit
-from playbook.testkit import (close_to_reference, exactly, expect_error, python_path, record, run_as_script,
+import testkit
+from testkit import (close_to_reference, exactly, expect_error, python_path, record, run_as_script,
                               two_process_device, two_process_env)
 
 ON_GPU = DEVICE.type == "cuda"
@@ -350,7 +350,7 @@ def test_make_capturable_switches_a_host_path_optimizer():
     """playbook/cuda_graph.make_capturable, as the training loop calls it after load_state_dict: it sets
     group["capturable"], gives the groups one rate tensor and moves the step counts to the device. The
     optimizer then takes the device path, and continues exactly as the host path would."""
-    from playbook import cuda_graph
+    from playbook.run import cuda_graph
 
     start, grads = _start(SHAPES), _gradients(SHAPES, STEPS)
 
@@ -439,7 +439,7 @@ def test_one_launch_per_group_and_tables_built_once(monkeypatch):
 # State dicts and checkpoints
 # ------------------------------------------------------------------------------------------------
 def _through_a_file(state_dict):
-    """torch.save and torch.load(weights_only=True), as playbook/checkpoint.py stores the optimizer."""
+    """torch.save and torch.load(weights_only=True), as playbook/store/checkpoint.py stores the optimizer."""
     buffer = io.BytesIO()
     torch.save(state_dict, buffer)
     buffer.seek(0)
@@ -493,7 +493,7 @@ def test_state_dict_has_torch_adamw_structure_and_loads_both_ways():
 
 
 def test_training_script_saves_and_resumes(tmp_path):
-    """finetune_optimized --optimizer adamw-triton: trains, checkpoints (playbook/checkpoint.py), resumes bit for bit,
+    """finetune_optimized --optimizer adamw-triton: trains, checkpoints (playbook/store/checkpoint.py), resumes bit for bit,
     with the rounding the run chose (memory_plan.choose_rounding: kahan on a GPU, where the tiny model fits;
     stochastic on a CPU, where the plan does not decide), recorded in the summary."""
     out = tmp_path / "ckpt"
@@ -549,7 +549,7 @@ def test_the_default_set_picks_the_triton_adamw_where_it_runs(monkeypatch):
     """`adamw` is in the default kernel set: the Triton AdamW on a GPU in the scripts' own loop, on one
     process or under torchrun, PyTorch's AdamW on a CPU and in the Trainer; an --optimizer wins; adamw named
     in --kernels keeps asking for the Triton AdamW (and clashes with another --optimizer)."""
-    from playbook.registry import DEFAULT_KERNELS
+    from playbook.model.registry import DEFAULT_KERNELS
 
     def optimizer(*argv, script="finetune_optimized", gpu=False, world=1):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
@@ -653,7 +653,7 @@ def test_benchmark_entry_checks_and_measures():
     """benchmark_kernels.py's adamw entry at its smoke size: every implementation passes the check
     against float64 and is measured; the byte count is this module's."""
     import benchmark_kernels as bk
-    from playbook.benchmark_specs import adamw_shapes
+    from benchmarks.specs import adamw_shapes
 
     spec = bk.SPECS["adamw"]
     case = spec.smoke[0]
@@ -971,7 +971,7 @@ def test_the_default_rounding_is_left_to_the_run_start(monkeypatch):
     RunConfig no run start settled rounds to nearest."""
     import distill
 
-    from playbook.registry import DEFAULT_KERNELS
+    from playbook.model.registry import DEFAULT_KERNELS
 
     def rounding(*argv, script="finetune_optimized", gpu=True):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
@@ -1001,11 +1001,11 @@ def test_the_default_rounding_is_left_to_the_run_start(monkeypatch):
 
 
 def test_training_script_resumes_a_kahan_run_exactly(tmp_path, capsys):
-    """finetune_optimized --optimizer-rounding kahan: 3 steps straight == 1 step, a checkpoint (playbook/checkpoint.py)
+    """finetune_optimized --optimizer-rounding kahan: 3 steps straight == 1 step, a checkpoint (playbook/store/checkpoint.py)
     and a resumed run of 2, bit for bit: weights, losses and optimizer state, the compensation included. The
     same checkpoint resumed without the flag takes the rounding its run start chooses, and says so where it
     differs from the checkpoint's."""
-    from playbook import checkpoint
+    from playbook.store import checkpoint
 
     args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer-rounding", "kahan", "--steps", "3",
             "--timing-warmup-steps", "1", "--lr", "1e-4", "--kernels", "none", "--batch-size", "2", "--seq-len", "16"]
@@ -1195,7 +1195,7 @@ def _gpu_steps_match(tag, params, opt, ref_params, ref_opt):
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA GPU")
 def test_gpu_capturable_training_step_replays_in_a_cuda_graph():
     """Forward, backward and a capturable TritonAdamW step, captured as one CUDA graph after one eager
-    step (as playbook/cuda_graph.py captures the training step) and replayed with new inputs and a new
+    step (as playbook/run/cuda_graph.py captures the training step) and replayed with new inputs and a new
     rate each time: each replay updates parameters and states exactly as the host-path TritonAdamW,
     run eagerly on the same gradients at the same rate, does.
 

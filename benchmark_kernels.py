@@ -8,16 +8,16 @@
     $ python benchmark_kernels.py --kernels adamw              # the optimizer step, run only when named
     $ python benchmark_kernels.py --kernels jsd,linear_jsd     # the distillation losses, run only when named
 
-`--kernels` takes the registry's names (playbook/registry.py), comma-separated, or `all` (the default).
-Every kernel is one entry of the table `SPECS` (playbook/benchmark_specs.py): its cases, how to
+`--kernels` takes the registry's names (playbook/model/registry.py), comma-separated, or `all` (the default).
+Every kernel is one entry of the table `SPECS` (benchmarks/specs.py): its cases, how to
 build random inputs for one, its implementations, its correctness check, its forward and forward +
 backward calls, and its kernel module, whose `ideal_bytes(...)` (and, for the compute-bound fused
 linear cross-entropy, `flops(...)`) give the floor each row is held against. `main()` is one loop
-over the selected entries; measuring and reporting are shared (playbook/benchmark.py).
+over the selected entries; measuring and reporting are shared (benchmarks/timing.py).
 
 Method: the device-to-device copy bandwidth is measured first (bytes read + written), the ceiling
 every memory-bound kernel is held against. Each implementation is checked against a float64
-reference (the rule of testkit.py) before anything is timed. Times are medians (and p20-p80) of
+reference (testkit's rule) before anything is timed. Times are medians (and p20-p80) of
 `triton.testing.do_bench`, which warms up, and flushes the L2 cache before every repetition, so
 even small inputs are read from GPU memory; gradients are reset between repetitions; inputs are
 random (never zeros). Each call (forward, or forward + backward through autograd) is captured
@@ -70,7 +70,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from playbook import signals
+from playbook.runtime import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
@@ -81,15 +81,15 @@ import torch  # noqa: E402
 from core.gpu_arch import describe as describe_arch, device_capability  # noqa: E402
 import cross_entropy_kernel  # noqa: E402
 import rmsnorm_kernel  # noqa: E402
-from playbook.registry import BY_NAME, KERNEL_NAMES  # noqa: E402
+from playbook.model.registry import BY_NAME, KERNEL_NAMES  # noqa: E402
 from core.kernel_utils import DEVICE  # noqa: E402
 from rmsnorm_kernel import rmsnorm_backward, rmsnorm_forward  # noqa: E402
-# measuring and reporting (playbook/benchmark.py); the table of kernels (playbook/benchmark_specs.py)
-from playbook.benchmark import (ON_GPU, RESULTS, add_derived, checked, copy_bandwidth_gbs, describe,  # noqa: E402
+# measuring and reporting (benchmarks/timing.py); the table of kernels (benchmarks/specs.py)
+from benchmarks.timing import (ON_GPU, RESULTS, add_derived, checked, copy_bandwidth_gbs, describe,  # noqa: E402
                                 generator, guarded, host_us_per_call, impl_label, liger, matmul_tflops,
                                 peak_extra_mb, save, table, timed, timed_graph)
-from playbook.benchmark_specs import HIDDEN, SPECS, VOCAB, KernelSpec  # noqa: E402
-from playbook.common import write_atomic  # noqa: E402
+from benchmarks.specs import HIDDEN, SPECS, VOCAB, KernelSpec  # noqa: E402
+from playbook.runtime.common import write_atomic  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

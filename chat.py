@@ -1,5 +1,5 @@
 """Ask a model something: a base model, a fine-tuned checkpoint, or a LoRA adapter, greedy decoding with
-the model's chat template (playbook/generate.py).
+the model's chat template (playbook/model/generate.py).
 
     python chat.py --model smollm2-135m "What is the capital of France?"
     python chat.py --model out/smollm2/checkpoint-60 "What is a warp?"          # a full fine-tune's checkpoint
@@ -71,8 +71,8 @@ def parse(argv=None):
 def _adapter_base(name: str, folder: Path) -> str:
     """The base model an adapter names, checked: a directory that exists, a converted pretrained model, or a
     Hugging Face id."""
-    from playbook import pretrained
-    from playbook.models import PRESETS, looks_like_path
+    from playbook.model import pretrained
+    from playbook.model.models import PRESETS, looks_like_path
 
     where = folder / "adapter_config.json"
     try:
@@ -101,9 +101,9 @@ def load(name: str, device):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from playbook import pretrained
-    from playbook.data import make_tokenizer
-    from playbook.models import PRESETS, looks_like_path
+    from playbook.model import pretrained
+    from playbook.data.dataset import make_tokenizer
+    from playbook.model.models import PRESETS, looks_like_path
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     folder = Path(name).expanduser()
@@ -144,7 +144,7 @@ def load(name: str, device):
                      f"({type(err).__name__}: {said})") from None
     tok_source = folder or name
     if base is not None:
-        from playbook.lora import load_adapter
+        from playbook.model.lora import load_adapter
 
         try:
             model = load_adapter(model, folder)
@@ -162,10 +162,10 @@ def load(name: str, device):
 
 
 def _write(text: str) -> int:
-    """The answers to stdout, guarded by playbook.output. The answers are what chat.py is run for: a reader
+    """The answers to stdout, guarded by playbook.runtime.output. The answers are what chat.py is run for: a reader
     that went away (`| head`) ends the run quietly with exit code 141 (128 + SIGPIPE), as Unix tools do; a full
     disk or another write error is one line on stderr and exit code 1."""
-    from playbook import output
+    from playbook.runtime import output
 
     output.guard("the answers", after=None)  # (start() guarded the output; the line names what was lost)
     sys.stdout.write(text)
@@ -175,13 +175,13 @@ def _write(text: str) -> int:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from playbook.signals import exit_on_ctrl_c_while_importing
+    from playbook.runtime.signals import exit_on_ctrl_c_while_importing
 
     with exit_on_ctrl_c_while_importing("nothing was written"):  # torch's import can swallow a KeyboardInterrupt
         import torch
         import transformers  # noqa: F401  (loaded here, under the guard, for load() below)
 
-    from playbook import generate
+    from playbook.model import generate
 
     prompts = ([" ".join(a.question).strip()] if a.question else []) + [p.strip() for p in a.prompt]
     sources = (["the question"] if a.question else []) + \
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
             limit = a.max_new_tokens or generate.MAX_NEW_TOKENS
             replies = generate.answers(model, tokenizer, prompts, device, max_new_tokens=limit, sources=sources)
     except SystemExit as err:
-        if isinstance(err.code, str):  # the model cache's errors (playbook/pretrained.py): a bad --model here
+        if isinstance(err.code, str):  # the model cache's errors (playbook/model/pretrained.py): a bad --model here
             raise refuse(err.code.removeprefix("error: ")) from None
         raise
     if a.json:
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from playbook.signals import run_main
+    from playbook.runtime.signals import run_main
     from playbook.startup import start
 
     start("nothing was written", kernels=False)  # (no kernel runs here; torch loads in main(), under run_main)

@@ -33,7 +33,7 @@ def _restore_hugging_face_rope():
 
 @pytest.fixture(autouse=True)
 def _restore_hugging_face_masks():
-    """`--compile` installs cuda_graph.install_causal_skip for the rest of its process (transformers' SDPA mask
+    """`--compile` installs packed_attention.install_causal_skip for the rest of its process (transformers' SDPA mask
     function wrapped, its packed-sequence detection off); a test that compiles in-process must not change what
     the tests after it in the same worker see. Undo it after each test."""
     try:

@@ -6,7 +6,7 @@
 Without a GPU the kernels run in Triton's interpreter at small sizes; with one, the same tests also
 run LLaMA 3.1 8B's vocabulary (128256) over thousands of tokens compiled, past the int32 offset
 limit, inside a CUDA graph and with host syncs turned into errors. Tolerances follow the rule in
-playbook/testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+testkit/__init__.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
 The options (class weights, label smoothing, z-loss, softcap) are checked the same way against
 PyTorch's own `weight` and `label_smoothing` and a spelled-out cap and z-loss; the extras (z-loss,
 token accuracy, predicted tokens) against PyTorch exactly where they can be exact. The drop-in
@@ -31,7 +31,7 @@ import cross_entropy_kernel
 from cross_entropy_kernel import (TritonCrossEntropyLoss, cross_entropy, cross_entropy_forward, cross_entropy_ref,
                                   ideal_bytes, scale_gradient_, z_loss_ref)
 from core.kernel_utils import DEVICE
-from playbook.testkit import ULP, close_to_reference, expect_error, exactly, record, run_as_script
+from testkit import ULP, close_to_reference, expect_error, exactly, record, run_as_script
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ON_GPU = DEVICE.type == "cuda"

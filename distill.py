@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from playbook import signals
+from playbook.runtime import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds): one line, exit code 130
@@ -63,14 +63,15 @@ if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from playbook.common import (describe_gpu, is_out_of_memory, log, result_path, synchronize, versions,  # noqa: E402
+from playbook.runtime.common import (describe_gpu, is_out_of_memory, log, result_path, synchronize, versions,  # noqa: E402
                              write_atomic)
 from cross_entropy_kernel import causal_targets  # noqa: E402
 from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
-from playbook import config, memory_plan  # noqa: E402
-from playbook.models import PRESETS, count_params, load_model, prepare_model  # noqa: E402
-from playbook.time_left import running  # noqa: E402
+from playbook import config  # noqa: E402
+from playbook.plan import memory_plan
+from playbook.model.models import PRESETS, count_params, load_model, prepare_model  # noqa: E402
+from playbook.runtime.time_left import running  # noqa: E402
 from playbook.config import positive_float, positive_int, usage_error  # noqa: E402
 
 MODES = ("baseline", "fused")
@@ -185,7 +186,7 @@ class DistillConfig:
                    alpha=a.alpha, beta=a.beta, temperature=a.temperature)
 
     def plan_models(self) -> list:
-        """The models the memory plan counts (playbook/memory_plan.py): (name, layers, trains, config or None,
+        """The models the memory plan counts (playbook/plan/memory_plan.py): (name, layers, trains, config or None,
         loss) of the frozen teacher and the student; the loss of the mode that needs more ("full" logits in
         the baseline, "fused" chunks)."""
         loss = "distill-full" if self.mode in ("baseline", "both") else "distill-fused"
@@ -250,7 +251,7 @@ def base_model(model):
 
 
 def make_batches(cfg, vocab_size: int):
-    from playbook.data import bad_data_exit, make_data, make_tokenizer
+    from playbook.data.dataset import bad_data_exit, make_data, make_tokenizer
 
     teacher = cfg.extra.teacher
     tokenizer = make_tokenizer(teacher, preset=teacher in PRESETS) if cfg.data else None
@@ -296,7 +297,7 @@ def distillation_loss(mode: str, teacher, student, batch: dict, alpha: float, be
 
 def run_mode(mode: str, cfg, teacher, data) -> dict:
     """Train a fresh student for cfg.steps steps with one loss computation; its losses and timings."""
-    from playbook.training import make_optimizer
+    from playbook.run.training import make_optimizer
 
     d = cfg.extra
     student = build_model(cfg, d.student, d.student_layers, trains=True)
@@ -384,7 +385,7 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 
 
 def main(argv=None) -> dict:
-    from playbook.training import check_run_data
+    from playbook.run.training import check_run_data
 
     cfg = parse_args(argv)
     d = cfg.extra
@@ -412,7 +413,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from playbook.setup_check import check_or_exit
+    from playbook.runtime.setup_check import check_or_exit
 
     check_or_exit()
     signals.run_main(main, "the run stopped before its summary; nothing was written")

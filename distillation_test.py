@@ -7,7 +7,7 @@ KL ends of the generalised JSD, ignored tokens, and distill.py's two modes agree
 Every numeric check compares three computations on the same inputs: ours, plain PyTorch in the same
 dtype (F.kl_div; `jsd_ref` / `linear_jsd_ref`, the way distillation code writes the JSD), and a
 float64 truth. For the JSD the truth is written here from the definition (M = beta P + (1 - beta) Q,
-0 log 0 = 0), independently of the kernel file's reference. Tolerances follow playbook/testkit.py's rule (at
+0 log 0 = 0), independently of the kernel file's reference. Tolerances follow testkit/__init__.py's rule (at
 most 2x PyTorch's own error, plus one ulp of the output scale) unless a test explains otherwise.
 Vocabularies are odd (131, 257) so the block tails are masked; the student's logits are the
 teacher's plus noise, so the divergences are small, as in distillation, where cancellation bites.
@@ -32,7 +32,7 @@ import distillation_kernel
 from distillation_kernel import (jsd, jsd_ideal_bytes, jsd_ref, kl_div, linear_jsd, linear_jsd_flops,
                                  linear_jsd_ideal_bytes, linear_jsd_ref)
 from core.kernel_utils import DEVICE
-from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 
 # The scale of a JSD loss check: the loss sums V products per token (p * (log p - log m) and the
@@ -601,7 +601,7 @@ def test_distill_modes_agree_on_the_first_step():
     """distill.py in this process, fp32, both modes, 2 steps on 1 x 16 tokens: the baseline (full
     logits, F.cross_entropy, jsd_ref) and the fused mode (linear_cross_entropy, linear_jsd) must give
     the same first-step losses, and the run writes its JSON."""
-    from playbook import common
+    from playbook.runtime import common
     import distill
 
     tag = "test_distill_llama-tiny"

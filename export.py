@@ -145,7 +145,7 @@ def read_json(path: Path) -> dict:
 
 def check_weights(folder: Path, adapter: bool) -> None:
     """Refuse weight files that cannot be read (empty, truncated, not safetensors), before anything is loaded."""
-    from playbook.pretrained import safetensors_damage
+    from playbook.model.pretrained import safetensors_damage
 
     index = folder / "model.safetensors.index.json"
     if adapter:
@@ -171,12 +171,12 @@ def check_weights(folder: Path, adapter: bool) -> None:
 
 def recorded(folder: Path) -> dict | None:
     """What a checkpoint of the fine-tuning scripts records of the run that trained the adapter, from its
-    trainer_state.pt (playbook/checkpoint.py): {"model": its --model, "num_layers": its --num-layers (None: all),
+    trainer_state.pt (playbook/store/checkpoint.py): {"model": its --model, "num_layers": its --num-layers (None: all),
     "load_in_4bit", "fingerprint": name -> (sum, norm) of each frozen base weight}; None for an adapter saved
-    without one (playbook.lora.save_adapter, the Trainer's checkpoints)."""
+    without one (playbook.model.lora.save_adapter, the Trainer's checkpoints)."""
     import torch
 
-    from playbook.checkpoint import STATE_FILE
+    from playbook.store.checkpoint import STATE_FILE
 
     file = folder / STATE_FILE
     if not file.is_file():
@@ -227,7 +227,7 @@ def config_dtype(config: dict) -> str:
 def check_memory(what: str, shape, dtype: str, weight_type: str) -> None:
     """Refuse, before it is built, a model this machine cannot hold while exporting it: its weights in `dtype` and
     the file's weights in --type. `shape`: its memory_plan.Shape (None: unknown until it is downloaded)."""
-    from playbook.memory_plan import FREE_MEMORY_ENV, GB, free_memory
+    from playbook.plan.memory_plan import FREE_MEMORY_ENV, GB, free_memory
 
     if shape is None:
         return
@@ -265,8 +265,8 @@ def load_run(run: str, base: str | None, weight_type: str = "q8_0"):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from playbook.data import make_tokenizer
-    from playbook.memory_plan import Shape
+    from playbook.data.dataset import make_tokenizer
+    from playbook.plan.memory_plan import Shape
 
     folder = resolve_run(run)
     hf_logging.set_verbosity_error()  # (the GGUF reader's progress bars and notes)
@@ -317,9 +317,9 @@ def load_base(run: str, base: str | None, note: str | None, layers: int | None, 
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from playbook import pretrained
-    from playbook.memory_plan import model_shape
-    from playbook.models import PRESETS, build_preset, looks_like_path
+    from playbook.model import pretrained
+    from playbook.plan.memory_plan import model_shape
+    from playbook.model.models import PRESETS, build_preset, looks_like_path
 
     if not base:
         raise Refused(f"{run} is a LoRA adapter whose adapter_config.json names no base model; pass it with --base")
@@ -382,7 +382,7 @@ def load_base(run: str, base: str | None, note: str | None, layers: int | None, 
     if layers and layers > full:
         raise Refused(f"{run}: the adapter was trained on {layers} decoder layers and {said} has {full}; pass the "
                       "base it was trained on with --base")
-    if layers and layers < full:  # as playbook.models.load_model keeps the first --num-layers
+    if layers and layers < full:  # as playbook.model.models.load_model keeps the first --num-layers
         model.model.layers = model.model.layers[:layers]
         model.config.num_hidden_layers = layers
         if getattr(model.config, "layer_types", None):
@@ -396,7 +396,7 @@ def merge_adapter(run: str, folder: Path, model, base: str, record: dict | None)
     checked against the fingerprint the checkpoint recorded of the weights it was trained on."""
     import torch
 
-    from playbook.lora import load_adapter
+    from playbook.model.lora import load_adapter
 
     with warnings.catch_warnings():  # (peft on the project's own key in adapter_config.json, and on transformers)
         warnings.filterwarnings("ignore", message=r"Unexpected keyword arguments \['base_model_note'\]")
@@ -426,7 +426,7 @@ def mismatch(err: Exception) -> str:
 
 def same_base(run: str, model, base: str, record: dict) -> str:
     """Refuse a base other than the weights the adapter was trained on, by the fingerprint its checkpoint
-    records (float64 sum and norm of each frozen weight, playbook/checkpoint.py). A run that held a float32
+    records (float64 sum and norm of each frozen weight, playbook/store/checkpoint.py). A run that held a float32
     or float16 base in bf16 (a bf16 run on a preset or a converted GGUF) recorded their bf16 rounding: then
     the base is rounded so before the merge, and the note returned says so ("" when the weights are the same)."""
     import torch
@@ -954,7 +954,7 @@ def quiet_stdout() -> None:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from playbook.signals import exit_on_ctrl_c_while_importing
+    from playbook.runtime.signals import exit_on_ctrl_c_while_importing
 
     with exit_on_ctrl_c_while_importing("nothing was written"):  # torch's import can swallow a KeyboardInterrupt
         import torch  # noqa: F401
@@ -980,7 +980,7 @@ def main(argv=None) -> int:
 
 
 def report(done: dict, weight_type: str, seconds: float) -> None:
-    from playbook.common import log
+    from playbook.runtime.common import log
 
     log(f"Exported {done['what']} in {seconds:.1f} s: {done['gguf']} ({done['bytes'] / 1e6:,.1f} MB, {weight_type}, "
         f"{done['tensors']} tensors{', replacing the file there' if done['replaced'] else ''})")
@@ -998,7 +998,7 @@ def report(done: dict, weight_type: str, seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    from playbook.signals import run_main
+    from playbook.runtime.signals import run_main
     from playbook.startup import start
 
     start("nothing was written", kernels=False)  # (no kernel runs here; torch loads in main())

@@ -17,10 +17,10 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
     start("nothing was run")
 
 from playbook.config import BASELINE, make_parser, parse_config  # noqa: E402
-from playbook.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)
+from playbook.run.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)
 
 if __name__ == "__main__":
-    from playbook.setup_check import check_or_exit
+    from playbook.runtime.setup_check import check_or_exit
 
     check_or_exit()
     train(parse_config(make_parser(__doc__.splitlines()[0]), BASELINE))  # eager steps, Hugging Face's attention

@@ -11,7 +11,7 @@
 The same loop as finetune_baseline.py (training.train) from the same seed and data, after
 `apply_kernels(model)` swaps every RMSNorm module for TritonRMSNorm, fuses lm_head with the loss
 (the [tokens, vocab] logits are never built), and replaces the MLPs' silu(gate) * up and the
-attention's rotary embedding with fused kernels. docs/optimizations.md lists every optimization (playbook/registry.py).
+attention's rotary embedding with fused kernels. docs/optimizations.md lists every optimization (playbook/model/registry.py).
 """
 
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
@@ -19,12 +19,12 @@ from playbook.startup import start  # imports no torch: start() sets the handler
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
     start("nothing was run")
 
-from playbook.registry import DEFAULT_KERNELS  # noqa: E402
+from playbook.model.registry import DEFAULT_KERNELS  # noqa: E402
 from playbook.config import OPTIMIZED, make_parser, parse_config  # noqa: E402
-from playbook.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)
+from playbook.run.training import train  # noqa: E402  (train() hands Ctrl-C back to its own handling)
 
 if __name__ == "__main__":
-    from playbook.setup_check import check_or_exit
+    from playbook.runtime.setup_check import check_or_exit
 
     check_or_exit()
     train(parse_config(make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS), OPTIMIZED))

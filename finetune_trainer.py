@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from playbook import signals
+from playbook.runtime import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
@@ -28,10 +28,10 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 
 
-from playbook import memory_plan
-from playbook.best import BestEval
-from playbook.registry import DEFAULT_KERNELS
-from playbook.common import log
+from playbook.plan import memory_plan
+from playbook.run.best import BestEval
+from playbook.model.registry import DEFAULT_KERNELS
+from playbook.runtime.common import log
 from playbook.config import TRAINER, make_parser, parse_config, usage_error
 
 
@@ -51,7 +51,7 @@ class RowsDataset(torch.utils.data.Dataset):
 def build_datasets(cfg, tokenizer, vocab_size: int):
     """(training set, eval set or None) from --dataset, with --eval-dataset or --eval-fraction for the eval
     set; the same encoding, truncation, id checks and counts line as the scripts' own loop (data.py)."""
-    from playbook.data import bad_data_exit, encode_dataset, pad_examples
+    from playbook.data.dataset import bad_data_exit, encode_dataset, pad_examples
 
     try:
         train, held, pad, report = encode_dataset(
@@ -66,7 +66,7 @@ def build_datasets(cfg, tokenizer, vocab_size: int):
 
 
 def progress_callback():
-    """The Trainer's steps and eval passes as passes in progress (playbook/time_left.py): one that runs long says
+    """The Trainer's steps and eval passes as passes in progress (playbook/runtime/time_left.py): one that runs long says
     how far it is, as in the scripts' own loop (the Trainer's own progress bar is off: disable_tqdm)."""
     import contextlib
     import statistics
@@ -74,7 +74,7 @@ def progress_callback():
 
     from transformers import TrainerCallback
 
-    from playbook.time_left import running
+    from playbook.runtime.time_left import running
 
     class Progress(TrainerCallback):
         def __init__(self):
@@ -111,7 +111,7 @@ def trainer_checkpoint(path: Path) -> str:
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_utils import get_last_checkpoint
 
-    from playbook.checkpoint import STATE_FILE
+    from playbook.store.checkpoint import STATE_FILE
 
     if (path / TRAINER_STATE_NAME).is_file():
         return str(path)
@@ -127,7 +127,7 @@ def trainer_checkpoint(path: Path) -> str:
 
 def best_eval_callback(cfg):
     """The Trainer's evals (--eval-every) against the best so far, as the scripts' own loop says them
-    (playbook/best.py): the line when the run starts to memorize, and the best step at the end (said_at_end)."""
+    (playbook/run/best.py): the line when the run starts to memorize, and the best step at the end (said_at_end)."""
     from transformers import TrainerCallback
 
     class Words(TrainerCallback):
@@ -164,8 +164,8 @@ def best_eval_callback(cfg):
 def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
-    from playbook.models import prepare_model
-    from playbook.training import check_run_data, run_tokenizer
+    from playbook.model.models import prepare_model
+    from playbook.run.training import check_run_data, run_tokenizer
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, TRAINER, argv)  # its own optimizer, one example per row
@@ -242,7 +242,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from playbook.setup_check import check_or_exit
+    from playbook.runtime.setup_check import check_or_exit
 
     check_or_exit()
     signals.run_main(main, "the run stopped before its metrics; the Trainer's checkpoints already written "

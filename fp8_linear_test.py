@@ -39,13 +39,13 @@ import pytest
 import torch
 from torch import nn
 
-from playbook import registry as ak
-from playbook import common
-from playbook import models
-from playbook import training
+from playbook.model import registry as ak
+from playbook.runtime import common
+from playbook.model import models
+from playbook.run import training
 from playbook.config import make_parser, parse_config
 from core.kernel_utils import DEVICE
-from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, check_fp8_device, compiled_graph_trusted,
                                expected_patches, fp8_cols_op, fp8_linear, fp8_rows_op, fp8_scaled_mm_op, ideal_bytes,
@@ -504,7 +504,7 @@ def test_down_proj_runs_in_fp8_under_the_fused_swiglu(monkeypatch):
 def test_lora_on_fp8_projections(monkeypatch):
     """peft wraps a Float8Linear as it wraps nn.Linear (it is one); the frozen base weight runs in FP8
     and saves nothing of its input, and the adapters train."""
-    from playbook.lora import apply_lora
+    from playbook.model.lora import apply_lora
     from lora_kernel import fuse_lora_layers
 
     model = tiny_llama(layers=1)

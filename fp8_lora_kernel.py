@@ -253,7 +253,7 @@ def store_fp8_weight(layer: Float8Linear) -> None:
     Parameter is dropped, and freed once nothing else holds it. The state dict then holds the FP8 weight
     and its scales under `weight` and `weight_scale`. `base_fingerprints` keeps the float64 sum and L2 norm
     of the bf16 weight (a sync, once), which checkpoints record for the frozen base instead of the FP8
-    values' (playbook/checkpoint.py): an adapter trained on this base resumes on its bf16 original and the
+    values' (playbook/store/checkpoint.py): an adapter trained on this base resumes on its bf16 original and the
     other way round. ValueError for a weight that needs a gradient (it could never change again) or a
     recipe without row scales; twice: nothing."""
     if layer.stores_fp8():
@@ -275,7 +275,7 @@ def store_fp8_weight(layer: Float8Linear) -> None:
 
 def store_frozen_weights(model: nn.Module) -> int:
     """Keep the frozen weight of every Float8Linear of `model` in FP8 (`store_fp8_weight`),
-    once: call it after peft has wrapped the layers and frozen their weights (`playbook.models.prepare_model`
+    once: call it after peft has wrapped the layers and frozen their weights (`playbook.model.models.prepare_model`
     does, for --lora-r with --fp8). peft sizes and casts a new adapter to its base layer's weight dtype,
     so an FP8 weight before peft would give FP8 adapters. Layers whose weight is trained, or whose recipe
     has no row scales, keep their bf16 weight (re-quantized every step), named in one log line. Returns

@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import nn
 
-from playbook import common
-from playbook import models
-from playbook import training
+from playbook.runtime import common
+from playbook.model import models
+from playbook.run import training
 from core.kernel_utils import DEVICE
-from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 from fp8_linear_kernel import (FP8_DTYPE, Float8Linear, compiled_graph_trusted, patch_model, quantize_rows,
                                quantize_rows_ref)
 import fp8_lora_kernel
@@ -224,7 +224,7 @@ def test_fp8_layers_all_forces_every_projection_into_the_fp8_base():
     """The size rule (sizes="auto", --fp8-layers auto on a GPU) keeps llama-tiny's projections (all
     narrower than FP8_MIN_WIDTH) bf16, and none of their weights is then kept in FP8; "all" (the CPU's
     choice, and --fp8-layers all) converts and stores all 14."""
-    from playbook.lora import apply_lora
+    from playbook.model.lora import apply_lora
 
     for sizes, expected in (("auto", 0), ("all", 14)):
         model = tiny_llama(layers=2)
@@ -294,7 +294,7 @@ def test_finetune_optimized_lora_on_fp8_base(tmp_path, capsys):
 
     from peft import AutoPeftModelForCausalLM
     from safetensors.torch import load_file
-    from playbook.lora import merge_and_save
+    from playbook.model.lora import merge_and_save
 
     out = tmp_path / "run"
     run = ["--model", "llama-tiny", "--lora-r", "4", "--output-dir", str(out), "--overwrite"]

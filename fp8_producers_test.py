@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from core.kernel_utils import DEVICE
-from playbook.testkit import exactly, random_like_grad, record, run_as_script
+from testkit import exactly, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import FP8_DTYPE, Float8Linear, Float8LinearFunction, fp8_linear, ideal_bytes, quantize_rows
 import fp8_producers_kernel
@@ -244,8 +244,8 @@ def test_fp8_mlp_hands_its_maxima_to_the_fp8_projections():
     """A tiny LLaMA with joined projections and FP8 layers: with the model's hand-off each gate/up
     projection takes d gate_up's maxima from the SwiGLU backward (counted), and the loss and every
     gradient equal those of the model without a hand-off (separate quantizing passes) bit for bit."""
-    from playbook import registry
-    from playbook.testkit import batch, loss_and_grads, tiny_model
+    from playbook.model import registry
+    from testkit import batch, loss_and_grads, tiny_model
 
     model = tiny_model("llama").to(torch.bfloat16)
     registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
@@ -353,8 +353,8 @@ def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
     post_attention_layernorm -> gate/up) and the SwiGLU writing h's row copy for down_proj. The loss and
     every gradient equal bit for bit, each producer's row copy is taken (counted: 3 per decoder layer),
     and the FP8 layers run 3 row quantizations of activations per layer fewer."""
-    from playbook import registry
-    from playbook.testkit import batch, loss_and_grads, tiny_model
+    from playbook.model import registry
+    from testkit import batch, loss_and_grads, tiny_model
 
     ids, labels = batch()
     results = {}
@@ -418,8 +418,8 @@ def test_norms_are_linked_only_to_fp8_readers():
     """link_norms links nothing where the reader is not a trained FP8 layer of a row-wise recipe: a
     bf16 model, a tensor-wise recipe, a frozen FP8 weight (LoRA's base); and nothing in Gemma 2, whose
     post_attention_layernorm feeds the residual stream."""
-    from playbook import registry
-    from playbook.testkit import tiny_model
+    from playbook.model import registry
+    from testkit import tiny_model
 
     model = tiny_model("llama").to(torch.bfloat16)
     registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))

@@ -16,11 +16,11 @@ import copy
 import pytest
 import torch
 
-from playbook import registry
+from playbook.model import registry
 from core import gpu_arch
 from core import fp8_support
 from core.kernel_utils import DEVICE
-from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, compiled_graph_trusted, expected_patches,
                                quantize_rows_ref)
@@ -266,7 +266,7 @@ def test_recipes_compile_like_eager(recipe):
 def test_the_default_recipe_says_when_it_converts_nothing(capsys):
     """rowwise-bf16-ends keeps the first and last 2 decoder layers in bf16: a model of 4 layers or fewer has
     no FP8 layer left, and apply_fp8 says so instead of running bf16 under --fp8 in silence."""
-    from playbook.testkit import tiny_model
+    from testkit import tiny_model
 
     few, many = tiny_llama(layers=2), tiny_model("llama", num_hidden_layers=6).to(torch.bfloat16)
     assert registry.apply_fp8(few, recipe="rowwise-bf16-ends") == 0

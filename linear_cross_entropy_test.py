@@ -5,7 +5,7 @@
 
 Every numeric check compares three computations of cross_entropy(x @ W.T, targets): ours, Hugging
 Face's way in the same dtype (full logits, upcast to fp32), and float64. Tolerances follow the rule
-in playbook/testkit.py (at most 2x PyTorch's own error, plus one ulp of the output scale) unless a test
+in testkit/__init__.py (at most 2x PyTorch's own error, plus one ulp of the output scale) unless a test
 explains otherwise. Small chunks force the multi-chunk path at sizes the interpreter can run.
 The lm_head's bias (and its gradient) and the cross-entropy's options are checked the same way;
 their own arithmetic is tested in cross_entropy_test.py, here that they reach every chunk. The
@@ -32,7 +32,7 @@ from cross_entropy_test import model_close, model_error, model_step, tiny_gemma2
 from core.kernel_utils import DEVICE
 from linear_cross_entropy_kernel import (TritonLinearCrossEntropyLoss, causal_lm_forward, chunk_tokens, flops,
                                          ideal_bytes, linear_cross_entropy, linear_cross_entropy_ref)
-from playbook.testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script
+from testkit import ULP, close_to_reference, exactly, expect_error, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 

@@ -1,7 +1,7 @@
 """Fused LoRA layers: what peft computes for a LoRA projection, without the fp32 detour and the extra copies.
 
     $ python lora_test.py                 # the tests, as a short report
-    >>> from playbook.lora import apply_lora
+    >>> from playbook.model.lora import apply_lora
     >>> model = apply_lora(model, r=16)
     >>> import lora_kernel
     >>> lora_kernel.patch_model(model)    # 224 projections of LLaMA 3.1 8B at r=16 on all seven

@@ -1,4 +1,4 @@
-"""Tests of the LoRA lesson (lora_kernel.py) and its glue (playbook/lora.py): LoRA through peft on a
+"""Tests of the LoRA lesson (lora_kernel.py) and its glue (playbook/model/lora.py): LoRA through peft on a
 tiny LLaMA, alone and on top of this project's kernels.
 
     $ python lora_test.py       # a readable report
@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from core.kernel_utils import DEVICE
-from playbook import lora
+from playbook.model import lora
 import lora_kernel
-from playbook import testkit
-from playbook.lora import ALL_TARGETS, apply_lora, load_adapter, merge_and_save, save_adapter, trainable_parameters
-from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
+import testkit
+from playbook.model.lora import ALL_TARGETS, apply_lora, load_adapter, merge_and_save, save_adapter, trainable_parameters
+from testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 VOCAB = 512
 R = 8
@@ -209,7 +209,7 @@ def _same_loss_as_plain_lora(tag, patch, after=None):
         with patched.disable_adapter():
             without = _loss(patched, x)
     assert (got - without).abs() > 1e-3, f"{tag}: the adapters do not change the loss ({got} vs {without})"
-    # one scalar: a mean over 48 targets of a 512-way log-softmax; the rule of playbook/testkit.py
+    # one scalar: a mean over 48 targets of a 512-way log-softmax; the rule of testkit/__init__.py
     close_to_reference(f"{tag}: loss vs plain LoRA", got, torch_loss, ref_loss, torch.float32, n=VOCAB)
     return patched
 
@@ -231,7 +231,7 @@ def test_the_check_catches_a_bypassed_adapter():
 def test_project_kernels_then_lora():
     """apply_kernels (RMSNorm, SwiGLU, RoPE, fused lm_head + loss) then apply_lora: the plain LoRA
     model's loss, and every adapter gets a gradient."""
-    from playbook import registry
+    from playbook.model import registry
 
     patched = _same_loss_as_plain_lora("default kernels + LoRA",
                                        lambda m: registry.apply_kernels(m, registry.DEFAULT_KERNELS))
@@ -380,7 +380,7 @@ def test_project_kernels_then_fused_lora():
     """The optimized scripts' LoRA: apply_kernels, apply_lora, fuse_lora_layers. The plain LoRA
     model's loss; the MLPs take the SwiGLU + LoRA down-projection path, which keeps no h =
     silu(gate) * up for backward; every adapter gets a gradient."""
-    from playbook import registry
+    from playbook.model import registry
     import swiglu_kernel
 
     fused_mlps = []
@@ -499,7 +499,9 @@ def test_qlora_fused_matches_peft():
 def test_qlora_script(capsys):
     """`finetune_optimized.py --lora-r 8 --load-in-4bit` on the tiny preset: runs, says what it did."""
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (in requirements.txt)")
-    from playbook import common, registry, training
+    from playbook.model import registry
+    from playbook.run import training
+    from playbook.runtime import common
     from playbook.config import make_parser, parse_config
 
     argv = ["--steps", "2", "--timing-warmup-steps", "0", "--batch-size", "1", "--seq-len", "32", "--lora-r", "8",
@@ -521,7 +523,10 @@ def test_qlora_checkpoint_saves_and_resumes(tmp_path):
     """A QLoRA run writes its checkpoint (the base's fingerprint reads the NF4 weights, packed in
     uint8, by their byte values) and a resumed run continues from it on the same quantized base."""
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (in requirements.txt)")
-    from playbook import checkpoint, common, registry, training
+    from playbook.model import registry
+    from playbook.run import training
+    from playbook.runtime import common
+    from playbook.store import checkpoint
     from playbook.config import make_parser, parse_config
 
     out = tmp_path / "qlora"

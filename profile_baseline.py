@@ -38,7 +38,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from playbook import signals
+from playbook.runtime import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
@@ -47,14 +47,15 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
-from playbook import cuda_graph, memory_plan
-from playbook.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
+from playbook.plan import memory_plan
+from playbook.run import cuda_graph
+from playbook.runtime.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
                              write_atomic)
-from playbook.models import prepare_model
+from playbook.model.models import prepare_model
 from playbook.config import PROFILE, make_parser, parse_config, usage_error
-from playbook.training import check_run_data, make_optimizer, make_run_data, run_tokenizer, training_step
-from playbook.registry import in_effect
-from playbook.time_left import running
+from playbook.run.training import check_run_data, make_optimizer, make_run_data, run_tokenizer, training_step
+from playbook.model.registry import in_effect
+from playbook.runtime.time_left import running
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
     ("RMSNorm", r"_rmsnorm|rsqrt|pow_tensor|meanops|mean_kernel|aten::(pow|mean)\b"),
@@ -138,7 +139,7 @@ def category(name: str) -> str:
 
 
 def main():
-    from playbook.setup_check import check_or_exit
+    from playbook.runtime.setup_check import check_or_exit
 
     check_or_exit()
     cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=(), extra=ProfileSection),
@@ -146,7 +147,7 @@ def main():
     cfg = dataclasses.replace(cfg, steps=cfg.extra.recorded_steps)  # the summary's config says what ran
     gpu, active = cfg.on_gpu, cfg.steps
 
-    graphed = None  # the captured step, once the warm-up has run (playbook/cuda_graph.py)
+    graphed = None  # the captured step, once the warm-up has run (playbook/run/cuda_graph.py)
 
     def step(i):
         batches = [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)]

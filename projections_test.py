@@ -23,12 +23,12 @@ import pytest
 import torch
 from torch import nn
 
-from playbook import registry as ak
+from playbook.model import registry as ak
 import projections_kernel as pk
 import swiglu_kernel
-from playbook.testkit import N_TERMS, batch, loss_and_grads, tiny_model  # 2 layers, hidden 64, vocabulary 256
+from testkit import N_TERMS, batch, loss_and_grads, tiny_model  # 2 layers, hidden 64, vocabulary 256
 from core.kernel_utils import DEVICE
-from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
+from testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 KERNELS = ("rmsnorm", "swiglu", "rope")  # the rest of the default set that shares the decoder layer
 

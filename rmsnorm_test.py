@@ -5,7 +5,7 @@
 
 Without a GPU the kernels run in Triton's interpreter at small sizes; with one, the same tests also
 run the LLaMA 3.1 8B shape (4096 tokens x hidden 4096) compiled. Tolerances follow the rule in
-playbook/testkit.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
+testkit/__init__.py: at most 2x PyTorch's own error against float64, plus one ulp of the output scale.
 The options (Gemma's weight offset, the "llama", "gemma" and "none" casting modes, the in-place
 backward) are checked the same way, and against transformers' LlamaRMSNorm and GemmaRMSNorm.
 Then the kernel as a PyTorch operator (opcheck, torch.compile, no double backward), its patch of
@@ -28,7 +28,7 @@ import rmsnorm_kernel
 from core.kernel_utils import DEVICE
 from rmsnorm_kernel import (CASTING_MODES, MAX_HIDDEN, TritonRMSNorm, expected_patches, ideal_bytes, patch_model,
                             rmsnorm, rmsnorm_bwd_in_place_op, rmsnorm_bwd_op, rmsnorm_fwd_op, rmsnorm_ref)
-from playbook.testkit import close_to_reference, expect_error, exactly, random_like_grad, record, run_as_script
+from testkit import close_to_reference, expect_error, exactly, random_like_grad, record, run_as_script
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ON_GPU = DEVICE.type == "cuda"

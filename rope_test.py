@@ -6,7 +6,7 @@
 Inputs are laid out the way the attention layers hand them over: [batch, heads, seq, head_dim]
 views of [batch, seq, heads, head_dim] projections. The angles come from transformers' own rotary
 embedding module with LLaMA 3.1's rope scaling, at positions past its original 8192-token context.
-Tolerances follow the rule in playbook/testkit.py (each output value combines 2 products: n = 2). Then the
+Tolerances follow the rule in testkit/__init__.py (each output value combines 2 products: n = 2). Then the
 kernel as a PyTorch operator (opcheck, torch.compile, no double backward), the process-global patch
 of Hugging Face's function (restored after every test that applies it), a tiny LLaMA patched with
 all three of rmsnorm, swiglu and rope under torch.compile, and the byte count.
@@ -26,7 +26,7 @@ import swiglu_kernel
 from core.kernel_utils import DEVICE
 from rope_kernel import (MAX_HEAD_TILE, apply_rotary_pos_emb, expected_patches, ideal_bytes, patch_model, rope,
                          rope_bwd_op, rope_fwd_op, rope_ref, unpatch_model)
-from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -10,7 +10,7 @@
 Prints the GPU (name, compute capability, memory), the driver and its CUDA version, the versions of
 torch (and its CUDA), Triton and transformers, bf16 support, and whether results/ already holds
 figures from this GPU family. Then runs three checks, each timed and marked PASS or FAIL:
-  1. set-up        python selfcheck.py --setup (playbook/setup_check.py): torch can use the GPU (or there is none)
+  1. set-up        python selfcheck.py --setup (playbook/runtime/setup_check.py): torch can use the GPU (or there is none)
   2. kernel test   python -m pytest -q rmsnorm_test.py
   3. fine-tune     python finetune_optimized.py --model llama-3.1-8b --batch-size 1 --seq-len 1024 --steps 3
                    --timing-warmup-steps 1 (the LLaMA 3.1 8B architecture, random weights, all kernels)
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from playbook import signals
+from playbook.runtime import signals
 from playbook.startup import start  # imports no torch
 
 if __name__ == "__main__":  # Ctrl-C while it starts: one line, exit code 130
     start("the self-check stopped before its verdict", kernels=False)
 
-from playbook import setup_check  # noqa: E402
+from playbook.runtime import setup_check  # noqa: E402
 from core import gpu_arch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -304,7 +304,7 @@ if __name__ == "__main__":
                        help="the memory plan's estimate against the peak each saved run measured (results/runs/*.json)")
     args = parser.parse_args()
     if args.memory_table:
-        from playbook.memory_plan import table
+        from playbook.plan.memory_plan import table
 
         print(table(args.memory_table))
         sys.exit(0)

@@ -4,7 +4,7 @@ both gradients against float64.
     $ python swiglu_test.py         # a readable report
     $ pytest swiglu_test.py
 
-Tolerances follow playbook/testkit.py's rule (at most 2x PyTorch's own error against float64, plus one ulp
+Tolerances follow testkit/__init__.py's rule (at most 2x PyTorch's own error against float64, plus one ulp
 of the output scale). PyTorch rounds silu(gate) to the input dtype before the multiply; the kernel
 keeps it in fp32 and rounds once, so it is usually the closer of the two. Then the MLP path (the
 down projection fused in, its checks, autocast) against Hugging Face's LLaMA, Gemma and Phi-3
@@ -26,7 +26,7 @@ import swiglu_kernel
 from core.kernel_utils import DEVICE
 from swiglu_kernel import (expected_patches, geglu, ideal_bytes, patch_model, swiglu, swiglu_bwd_op, swiglu_down,
                            swiglu_down_bwd_op, swiglu_down_fwd_op, swiglu_fwd_op, swiglu_mlp_forward, swiglu_ref)
-from playbook.testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
 
 ON_GPU = DEVICE.type == "cuda"
 

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from playbook import signals
+from playbook.runtime import signals
 from playbook.startup import start  # imports no torch: start() sets the handler below before torch loads
 
 if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
@@ -45,7 +45,8 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 
 import torch  # noqa: E402
 
-from playbook import common, registry  # noqa: E402
+from playbook.model import registry  # noqa: E402
+from playbook.runtime import common
 
 HERE = Path(__file__).resolve().parent
 RESULTS = common.RESULTS_DIR  # results/, or the folder PLAYBOOK_RESULTS_DIR names
@@ -69,7 +70,7 @@ GPU_LR = ["--lr", "5e-5", "--warmup-ratio", "0.1"]
 # baseline's (PyTorch's fused AdamW) does. The default rounding keeps the updates that rounding loses: step 4e.
 SAME_OPTIMIZER = ["--optimizer-rounding", "nearest"]
 
-# Step 4d, the real model: SmolLM2-135M-Instruct (real weights, offline: playbook/pretrained.py).
+# Step 4d, the real model: SmolLM2-135M-Instruct (real weights, offline: playbook/model/pretrained.py).
 REAL_MODEL = "smollm2-135m"
 REAL_TITLE = "SmolLM2-135M-Instruct"
 # On a GPU: 8 x 512 packed rows for three epochs (12 steps; the peers stop at 3), eval every 2 steps, baseline

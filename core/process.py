@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-LAST_LINE = [0.0]  # time.monotonic() of the last line log() printed (a silent stretch: playbook/time_left.py)
+LAST_LINE = [0.0]  # time.monotonic() of the last line log() printed (a silent stretch: playbook/runtime/time_left.py)
 
 
 def world() -> tuple[int, int]:

@@ -23,7 +23,7 @@ def sum_and_norm(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fingerprint(t: torch.Tensor) -> tuple[float, float]:
-    """(float64 sum, float64 L2 norm) of one whole tensor, as a checkpoint's base fingerprint records it (playbook/checkpoint.py) (a sync).
+    """(float64 sum, float64 L2 norm) of one whole tensor, as a checkpoint's base fingerprint records it (playbook/store/checkpoint.py) (a sync).
     A module that replaces a frozen weight by another form of it (fp8_linear_kernel's weight kept in
     FP8) records its original's here, in `module.base_fingerprints` {attribute name: fingerprint}."""
     with torch.no_grad():

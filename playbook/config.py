@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from core.fp8_support import RECIPES
-from playbook.common import usage_error  # noqa: F401  (config.usage_error: the name the scripts import)
-from playbook.registry import NAMES, PEERS, parse_kernels
+from playbook.runtime.common import usage_error  # noqa: F401  (config.usage_error: the name the scripts import)
+from playbook.model.presets import DEFAULT_MODEL
+from playbook.model.registry import NAMES, PEERS, parse_kernels
 
-DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 FP8_RECIPES = tuple(RECIPES)  # core/fp8_support.py: the recipes by name
 # --fp8's default: the fastest recipe whose loss on docs/fp8.md's memorization task is no worse than torchao's
 # row-wise recipe (docs/fp8.md, "Recipes", has the measurements)
@@ -101,7 +101,7 @@ class ModelSection:
     num_layers: int | None
     gradient_checkpointing: bool  # some decoder layers are recomputed in backward (checkpoint_layers says which)
     checkpoint_layers: str | None  # the --checkpoint-layers SPEC (memory.parse_layers); "all" for --gradient-checkpointing
-    offload_activations: bool  # the checkpointed layers' inputs kept in pinned host memory (playbook/memory.py)
+    offload_activations: bool  # the checkpointed layers' inputs kept in pinned host memory (playbook/memory/activations.py)
     keep_attention: bool  # checkpointed layers keep attention's forward outputs instead of recomputing them
     recompute_norms: bool  # plain layers keep each norm's input, not its output, and run the norm again in backward
     offload_layers: str | None  # the --offload-layers SPEC: plain layers whose saved tensors wait in host memory
@@ -157,7 +157,7 @@ class TrainingSection:
     master_weights: str  # "fp32": adamw-triton updates an fp32 copy of each weight; "none": the bf16 weight itself
     optimizer_in_backward: bool
     max_grad_norm: float | None
-    cuda_graphs: str  # "auto": the whole step as one CUDA graph where it can be (playbook/cuda_graph.py); "off"
+    cuda_graphs: str  # "auto": the whole step as one CUDA graph where it can be (playbook/run/cuda_graph.py); "off"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,7 +177,7 @@ class OutputSection:
     overwrite: bool
     report_to: str
     sample_prompts: Path | None = None  # a file of prompts answered (greedy) before and after training
-    ignore_memory_plan: bool = False  # run even where the memory plan (playbook/memory_plan.py) says it will not fit
+    ignore_memory_plan: bool = False  # run even where the memory plan (playbook/plan/memory_plan.py) says it will not fit
 
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "data": DataSection, "training": TrainingSection,
@@ -259,7 +259,7 @@ def _tag(text: str) -> str:
 
 
 def _checkpoint_layers(text: str) -> str:
-    from playbook.memory import parse_layers  # the syntax here; the layer count once the model is loaded
+    from playbook.memory.activations import parse_layers  # the syntax here; the layer count once the model is loaded
 
     try:
         parse_layers(text)
@@ -269,7 +269,7 @@ def _checkpoint_layers(text: str) -> str:
 
 
 def _lora_targets(text: str) -> str:
-    from playbook.lora import parse_targets  # torch only: no peft until a LoRA model is built
+    from playbook.model.lora import parse_targets  # torch only: no peft until a LoRA model is built
 
     try:
         parse_targets(text)
@@ -610,7 +610,7 @@ def parse_config(parser: argparse.ArgumentParser, script, argv=None) -> RunConfi
         training = replace(training, optimizer_rounding=default_rounding(training.optimizer, training.master_weights,
                                                                          model.lora_r, extra))
     if output.sample_prompts is not None:  # read now, as training.py will: a bad file is refused before the model loads
-        from playbook.generate import read_prompts
+        from playbook.model.generate import read_prompts
 
         read_prompts(output.sample_prompts)
     if not gpu and (model.kernels or training.optimizer == "adamw-triton"
@@ -634,7 +634,7 @@ def _check_timed_steps(cfg: RunConfig, defaults: ScriptDefaults) -> None:
     steps, warmup = cfg.steps, cfg.warmup_steps
     if steps is None or warmup < steps or not defaults.timed_steps:
         return
-    from playbook import memory_plan
+    from playbook.plan import memory_plan
 
     timing = (f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup}: give --steps {warmup + 1} "
               f"or more, or fewer warm-up steps (--timing-warmup-steps {max(steps - 1, 0)})")
@@ -738,7 +738,7 @@ def _check_saved_activations(a: argparse.Namespace) -> str | None:
                           "are not checkpointed: name the checkpointed ones with --checkpoint-layers")
     for flag, spec in (("--checkpoint-layers", a.checkpoint_layers), ("--offload-layers", a.offload_layers)):
         if spec and a.num_layers:
-            from playbook.memory import parse_layers
+            from playbook.memory.activations import parse_layers
 
             try:
                 parse_layers(spec, a.num_layers)

@@ -11,7 +11,7 @@ first too: the environment defaults and Triton's interpreter without a GPU, its 
 Importing a playbook module or a kernel file changes no environment variable, signal handler or
 third-party function; `start()` does, in this order:
 
-1. The environment. First the variables the scripts read are checked (playbook/environment.py): a bad
+1. The environment. First the variables the scripts read are checked (playbook/runtime/environment.py): a bad
    value (PLAYBOOK_FREE_MEMORY_GB=abc) stops the script with one line naming it and what it takes, exit
    code 2, as a bad flag does. Then the defaults, each read by a library when it starts, so set before it
    does; a value already in the environment is kept:
@@ -29,11 +29,11 @@ third-party function; `start()` does, in this order:
      steps, CI, a scheduler's output file) each redraw of a progress bar is a line of noise. Read when
      huggingface_hub and transformers are imported.
 2. With `while_starting`, Ctrl-C and SIGTERM while the script starts: one line saying it, exit code
-   130 or 143 (`playbook.signals.exit_on_ctrl_c_while_starting`), until `signals.run_main` (or
+   130 or 143 (`playbook.runtime.signals.exit_on_ctrl_c_while_starting`), until `signals.run_main` (or
    `started()`) takes over. Without it (None) the handlers stay as they are (pytest's own, under
    conftest.py; an interactive session's).
 3. With `while_starting` too (a script), standard output and standard error guarded
-   (`playbook.output.guard`): a reader that went away (`| head`) silences the output and the script goes
+   (`playbook.runtime.output.guard`): a reader that went away (`| head`) silences the output and the script goes
    on, writing its files as usual; a full disk under stdout is one line on stderr, then the same.
 4. With `kernels`, Triton's interpreter on a machine without a CUDA GPU
    (`core.kernel_utils.use_interpreter_without_gpu`): this imports torch and triton, under
@@ -46,7 +46,7 @@ This module imports no torch (the set-up check runs before torch is installed).
 import os
 import sys
 
-from playbook import environment, output, signals
+from playbook.runtime import environment, output, signals
 
 ENV_DEFAULTS = {
     "CUDA_SCALE_LAUNCH_QUEUES": "4x",

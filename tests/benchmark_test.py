@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import benchmark_kernels as bk
-from playbook import common
-from playbook.registry import KERNEL_NAMES
-from playbook.testkit import record, run_as_script
+from playbook.runtime import common
+from playbook.model.registry import KERNEL_NAMES
+from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESULTS = common.RESULTS_DIR  # (the session's temporary folder: conftest.py)

@@ -1,4 +1,4 @@
-"""The best checkpoint, early stopping and the word when a run memorizes (playbook/best.py), as Hugging Face
+"""The best checkpoint, early stopping and the word when a run memorizes (playbook/run/best.py), as Hugging Face
 Trainer users find them: --eval-every (--eval-steps), --load-best-model-at-end, --early-stopping-patience and
 --early-stopping-threshold, in the scripts' own loop and in finetune_trainer.py.
 
@@ -20,10 +20,11 @@ import random
 import pytest
 import torch
 
-from playbook import common, training
-from playbook.best import BestEval
+from playbook.run import training
+from playbook.runtime import common
+from playbook.run.best import BestEval
 from playbook.config import BASELINE, make_parser, parse_config
-from playbook.testkit import record, run_as_script
+from testkit import record, run_as_script
 
 
 def _memorizing_data(path):

@@ -28,11 +28,13 @@ import torch
 
 import fp8_linear_kernel as fp8
 import fp8_recipes_kernel as recipes
-from playbook import cuda_graph, models, setup_check
+from playbook.model import models
+from playbook.run import cuda_graph
+from playbook.runtime import setup_check
 from core import fp8_support, gpu_arch
-from playbook import registry as ak
+from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
-from playbook.testkit import expect_error, record, run_as_script
+from testkit import expect_error, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent
 A100, H100, B200, GB300, RTX5090 = (8, 0), (9, 0), (10, 0), (10, 3), (12, 0)
@@ -319,7 +321,7 @@ def test_no_kernel_uses_programmatic_dependent_launch():
     graph is captured. Until then, none may use it (the kernel files hold every kernel and launch)."""
     words = ("launch_pdl", "gdc_wait", "gdc_launch_dependents", "griddepcontrol")
     users = [p.name for p in sorted(HERE.glob("*_kernel.py")) for word in words if word in p.read_text()]
-    assert not users, f"{users}: PDL must be off under CUDA-graph capture (playbook/cuda_graph.py); then update this"
+    assert not users, f"{users}: PDL must be off under CUDA-graph capture (playbook/run/cuda_graph.py); then update this"
 
 
 # capability -> (first CUDA for it, wheel index with a CUDA 12.8 driver, with a CUDA 13.0 driver)

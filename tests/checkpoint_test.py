@@ -35,10 +35,10 @@ import pytest
 import torch
 from torch import nn
 
-from playbook import checkpoint
-from playbook.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from playbook import testkit
-from playbook.testkit import (exactly, expect_error, record, run_as_script, two_process_device, two_process_env,
+from playbook.store import checkpoint
+from playbook.store.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+import testkit
+from testkit import (exactly, expect_error, record, run_as_script, two_process_device, two_process_env,
                               two_processes_on_gpus)
 
 VOCAB = 512
@@ -201,7 +201,7 @@ def _patch_by_hand(model):
 
 
 def _patch_with_kernels(model):
-    from playbook import registry
+    from playbook.model import registry
 
     registry.apply_kernels(model, "rmsnorm,swiglu,linear_cross_entropy")
     assert not any(type(m).__name__ == "LlamaRMSNorm" for m in model.modules())
@@ -306,11 +306,11 @@ def test_keep_last(tmp_path):
 
 def test_tokenizer_and_extra_types(tmp_path):
     """The tokenizer is saved beside the weights; `extra` refuses what weights_only loading cannot return."""
-    from playbook import data
+    from playbook.data import dataset
     from transformers import AutoTokenizer
 
     model = tiny(seed=9)
-    tok = data.byte_tokenizer()
+    tok = dataset.byte_tokenizer()
     path = save_checkpoint(tmp_path, 1, model, tok, None, None, {"config": {"output_dir": "out"}})
     again = AutoTokenizer.from_pretrained(path)
     assert again("héllo")["input_ids"] == tok("héllo")["input_ids"]
@@ -391,7 +391,7 @@ def test_several_processes_need_a_process_group(tmp_path, monkeypatch):
 def test_torchrun_command_line(monkeypatch, capsys):
     """Under torchrun --output-dir, --save-every and --resume are accepted; --merge-lora is refused
     (exit code 2, one line): merging needs each whole weight in one process."""
-    from playbook import registry as ak
+    from playbook.model import registry as ak
     from playbook.config import make_parser, parse_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -408,7 +408,7 @@ def test_torchrun_command_line(monkeypatch, capsys):
 
 
 def _lora_run(seed_base, r=4):
-    from playbook.lora import apply_lora
+    from playbook.model.lora import apply_lora
 
     model = apply_lora(tiny(seed=seed_base), r=r)
     optimizer, scheduler = make_training(model)
@@ -444,7 +444,7 @@ def test_adapter_config_names_the_base(tmp_path):
     its absolute path; a preset by name, with a note that AutoPeft cannot fetch it."""
     import json
 
-    from playbook import lora
+    from playbook.model import lora
 
     model, optimizer, scheduler = _lora_run(seed_base=13)
     base = tmp_path / "base"
@@ -493,7 +493,7 @@ PROBE = tokens(99)  # the input whose logits are compared
 
 
 def _config(*argv):
-    from playbook import registry as ak
+    from playbook.model import registry as ak
     from playbook.config import make_parser, parse_config
 
     return parse_config(make_parser("test", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized", list(argv))
@@ -517,8 +517,8 @@ def _fsdp2_worker(scratch: Path) -> int:
     recording what the test compares (rank 0 writes it into `scratch`)."""
     import json
 
-    from playbook import models
-    from playbook import training
+    from playbook.model import models
+    from playbook.run import training
 
     rank = int(os.environ["RANK"])
     device = two_process_device()
@@ -587,8 +587,8 @@ def _gathered_names(model, optimizer):
 
 def _one_process(cfg):
     """The model, optimizer and schedule the training loop builds for cfg (one process)."""
-    from playbook import models
-    from playbook import training
+    from playbook.model import models
+    from playbook.run import training
 
     model = models.prepare_model(cfg)[0]
     optimizer = training.make_optimizer(model, cfg)
@@ -596,7 +596,7 @@ def _one_process(cfg):
 
 
 def _cleanup_results(tags):
-    from playbook import common
+    from playbook.runtime import common
 
     for tag in tags:
         for suffix in (".json", ".png", ".metrics.jsonl"):
@@ -616,7 +616,7 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
     import json
     import subprocess
 
-    from playbook import training
+    from playbook.run import training
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Tests of the CUDA-graph step (playbook/cuda_graph.py): when it is used, why not, and that the
+"""Tests of the CUDA-graph step (playbook/run/cuda_graph.py): when it is used, why not, and that the
 replayed step trains as the eager one does.
 
     $ PYTHONPATH=. python tests/cuda_graph_test.py       # a readable report
@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook import common, cuda_graph, training
-from playbook import registry as ak
+from playbook.run import cuda_graph, training
+from playbook.runtime import common
+from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
-from playbook.testkit import record, run_as_script
+from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent
 TEXT = HERE / "examples" / "chat.jsonl"
@@ -134,8 +135,8 @@ def test_a_compiled_model_keeps_sdpa_causal_path(monkeypatch):
     transformers is made to refuse the skip as it does under tracing there; the control traces without ours."""
     from transformers import masking_utils
 
-    from playbook import models
-    from playbook.testkit import tiny_model
+    from playbook.model import models
+    from testkit import tiny_model
 
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
     mapping = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
@@ -236,7 +237,7 @@ def _run(base, tag, *argv):
 def test_the_captured_step_keeps_causal_attention_without_a_mask():
     """Under capture transformers counts the capture as tracing and would build a [B, 1, T, T] causal mask
     (about 3x slower attention on an H200): the captured step must call SDPA with no mask, as eager does."""
-    from playbook.models import prepare_model
+    from playbook.model.models import prepare_model
 
     cfg = config(*BASE)
     model, *_ = prepare_model(cfg)

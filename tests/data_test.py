@@ -25,15 +25,15 @@ from unittest import mock
 import pytest
 import torch
 
-from playbook import data, data_files
-from playbook.testkit import close_to_reference, exactly, expect_error, record, run_as_script
+from playbook.data import dataset, files
+from testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 EXAMPLES = HERE / "examples"
-TOK = data.byte_tokenizer()
-SPECIAL = {t: TOK.convert_tokens_to_ids(t) for t in data.BYTE_SPECIAL_TOKENS}
-BOS, EOS, HS, HE, EOT = (SPECIAL[t] for t in (data.BOS, data.EOS, data.HEADER_START, data.HEADER_END, data.EOT))
-M = data.IGNORE_INDEX
+TOK = dataset.byte_tokenizer()
+SPECIAL = {t: TOK.convert_tokens_to_ids(t) for t in dataset.BYTE_SPECIAL_TOKENS}
+BOS, EOS, HS, HE, EOT = (SPECIAL[t] for t in (dataset.BOS, dataset.EOS, dataset.HEADER_START, dataset.HEADER_END, dataset.EOT))
+M = dataset.IGNORE_INDEX
 
 
 def _b(text: str) -> list[int]:
@@ -57,7 +57,7 @@ def _dataset(rows, **kw):
     args = dict(vocab_size=512, batch_size=1, seq_len=256, seed=0)
     args.update(kw)
     with _files(rows__jsonl=rows) as tmp:
-        return data.make_data(str(tmp / "rows.jsonl"), "dataset", TOK, **args)
+        return dataset.make_data(str(tmp / "rows.jsonl"), "dataset", TOK, **args)
 
 
 def _expected(segments, train_on_prompt=False):
@@ -97,8 +97,8 @@ def test_byte_tokenizer_fits_the_tiny_preset_and_round_trips():
     chat = TOK.apply_chat_template([{"role": "user", "content": " hi "}], tokenize=False, add_generation_prompt=True)
     assert chat == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
                     "<|start_header_id|>assistant<|end_header_id|>\n\n"), chat
-    assert data.make_tokenizer(None, preset=True).get_vocab() == TOK.get_vocab()
-    expect_error(ValueError, data.make_tokenizer, None, False)
+    assert dataset.make_tokenizer(None, preset=True).get_vocab() == TOK.get_vocab()
+    expect_error(ValueError, dataset.make_tokenizer, None, False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,14 +367,14 @@ def test_openai_content_parts_and_assistant_first_conversations():
 
 def test_a_template_that_is_not_prefix_stable_is_reported():
     odd = copy.deepcopy(TOK)
-    odd.chat_template = "{{ messages | length }}" + data.LLAMA3_CHAT_TEMPLATE  # the prefix changes with length
+    odd.chat_template = "{{ messages | length }}" + dataset.LLAMA3_CHAT_TEMPLATE  # the prefix changes with length
     with _files(rows__jsonl=[CHAT, TEXT]) as tmp:
-        d = data.make_data(str(tmp / "rows.jsonl"), "dataset", odd, 512, 1, 256, 0)
+        d = dataset.make_data(str(tmp / "rows.jsonl"), "dataset", odd, 512, 1, 256, 0)
     assert d.report.dropped == {"chat template mismatch": 1}, d.report.dropped
     bare = copy.deepcopy(TOK)
     bare.chat_template = None
     with _files(rows__jsonl=[CHAT]) as tmp:
-        assert "chat template" in expect_error(ValueError, data.make_data, str(tmp / "rows.jsonl"), "dataset", bare,
+        assert "chat template" in expect_error(ValueError, dataset.make_data, str(tmp / "rows.jsonl"), "dataset", bare,
                                                 512, 1, 256, 0)
 
 
@@ -430,7 +430,7 @@ def test_text_tokens_are_every_rank_s_tokens_that_are_not_padding(packing):
         want = sum(int((d.batch(i, "cpu")["input_ids"] != TOK.pad_token_id).sum()) for d in shards)
         assert 0 < want < 2 * 2 * 40, "the batches must hold padding for the test to mean anything"
         assert [d.text_tokens(i) for d in shards] == [want, want], (i, want)
-    synthetic = data.make_data(None, "synthetic", None, 300, 3, 50, 7, rank=1, world_size=2)
+    synthetic = dataset.make_data(None, "synthetic", None, 300, 3, 50, 7, rank=1, world_size=2)
     assert synthetic.text_tokens(4) == 2 * 3 * 50, "synthetic batches hold no padding"
     record(f"packing={packing}: text_tokens = every rank's tokens that are not padding", 0, 0, True)
 
@@ -458,15 +458,15 @@ def test_eval_split_is_held_out():
 def test_text_windows_and_how_many_tokens_a_file_needs():
     T = 16
     with _files(exact__txt="a" * T, short__txt="b" * (T - 1), two__txt="0123456789abcdefg") as tmp:
-        d = data.make_data(str(tmp / "exact.txt"), "text", None, 512, 2, T, 0)
+        d = dataset.make_data(str(tmp / "exact.txt"), "text", None, 512, 2, T, 0)
         exactly(f"a file of exactly seq_len={T} bytes is one window", d.batch(3, "cpu")["input_ids"],
                 torch.full((2, T), ord("a")))
-        message = expect_error(ValueError, data.make_data, str(tmp / "short.txt"), "text", None, 512, 2, T, 0)
+        message = expect_error(ValueError, dataset.make_data, str(tmp / "short.txt"), "text", None, 512, 2, T, 0)
         assert f"has {T - 1} tokens" in message and f"needs at least {T} " in message, message
-        message = expect_error(ValueError, lambda: data.make_data(str(tmp / "exact.txt"), "text", None, 512, 1, 8, 0,
+        message = expect_error(ValueError, lambda: dataset.make_data(str(tmp / "exact.txt"), "text", None, 512, 1, 8, 0,
                                                                   eval_fraction=0.25))
         assert "holds out 4 and leaves 12" in message, message
-        two = data.make_data(str(tmp / "two.txt"), "text", None, 512, 4, T, 0)  # 17 bytes: window starts 0 and 1
+        two = dataset.make_data(str(tmp / "two.txt"), "text", None, 512, 4, T, 0)  # 17 bytes: window starts 0 and 1
         stream = torch.tensor(_b("0123456789abcdefg"))
         starts = []
         for i in range(16):
@@ -479,23 +479,23 @@ def test_text_windows_and_how_many_tokens_a_file_needs():
         # 64 draws: the chance that a reachable start never shows up is 2^-63.
         record(f"17-byte file, seq_len 16: window starts 0 and 1 drawn {starts.count(0)} and {starts.count(1)} times",
                0, 0, passed=set(starts) == {0, 1})
-        with_tok = data.make_data(str(tmp / "exact.txt"), "text", TOK, 512, 1, T + 1, 0)  # BOS + 16 bytes
+        with_tok = dataset.make_data(str(tmp / "exact.txt"), "text", TOK, 512, 1, T + 1, 0)  # BOS + 16 bytes
         exactly("with the byte tokenizer: BOS + bytes", with_tok.batch(0, "cpu")["input_ids"][0],
                 torch.tensor([BOS] + [ord("a")] * T))
-        held = data.make_data(str(tmp / "two.txt"), "text", None, 512, 1, 8, 0, eval_fraction=0.5)
+        held = dataset.make_data(str(tmp / "two.txt"), "text", None, 512, 1, 8, 0, eval_fraction=0.5)
         exactly("eval: the file's tail in windows", held.eval_batches("cpu")[0]["input_ids"][0],
                 torch.tensor(_b("89abcdef")))  # ceil(0.5 x 17) = 9 held out
         assert held.tokens.numel() == 8 and "held out" in held.describe()
 
 
 def test_synthetic_tokens():
-    d = data.make_data(None, "synthetic", None, 300, 3, 50, 7)
+    d = dataset.make_data(None, "synthetic", None, 300, 3, 50, 7)
     b = d.batch(4, "cpu")
     assert b["input_ids"].shape == (3, 50) and b["input_ids"].dtype == torch.long
     assert 0 <= int(b["input_ids"].min()) and int(b["input_ids"].max()) < 300
     assert torch.equal(b["labels"][:, 1:], b["input_ids"][:, 1:]) and (b["labels"][:, 0] == M).all()
-    exactly("synthetic batch(4), two builds", b["input_ids"], data.make_data(None, "synthetic", None, 300, 3, 50, 7).batch(4, "cpu")["input_ids"])
-    rank1 = data.make_data(None, "synthetic", None, 300, 3, 50, 7, rank=1, world_size=2)
+    exactly("synthetic batch(4), two builds", b["input_ids"], dataset.make_data(None, "synthetic", None, 300, 3, 50, 7).batch(4, "cpu")["input_ids"])
+    rank1 = dataset.make_data(None, "synthetic", None, 300, 3, 50, 7, rank=1, world_size=2)
     assert not torch.equal(b["input_ids"], rank1.batch(4, "cpu")["input_ids"]), "each rank its own tokens"
     assert d.batches_per_epoch is None and d.eval_batches("cpu") == [] and "synthetic" in d.describe()
 
@@ -503,22 +503,22 @@ def test_synthetic_tokens():
 def test_repeat_batches_cycles_the_first_n():
     """--repeat-batches N: step i trains on batch i mod N, for synthetic tokens and for text windows,
     and the data line says so; N must be a positive integer."""
-    plain = data.make_data(None, "synthetic", None, 300, 3, 50, 7)
-    cycled = data.make_data(None, "synthetic", None, 300, 3, 50, 7, repeat_batches=3)
+    plain = dataset.make_data(None, "synthetic", None, 300, 3, 50, 7)
+    cycled = dataset.make_data(None, "synthetic", None, 300, 3, 50, 7, repeat_batches=3)
     for i in range(7):  # the first 3 batches are the plain ones, then they come round again
         exactly(f"synthetic batch {i} is plain batch {i % 3}", cycled.batch(i, "cpu")["input_ids"],
                 plain.batch(i % 3, "cpu")["input_ids"])
     assert not torch.equal(cycled.batch(0, "cpu")["input_ids"], cycled.batch(1, "cpu")["input_ids"])
     assert "first 3 batches, over and over" in cycled.describe() and "over and over" not in plain.describe()
     with _files(text__txt="abcdefghijklmnopqrstuvwxyz" * 4) as tmp:
-        text = data.make_data(str(tmp / "text.txt"), "text", None, 512, 2, 8, 0, repeat_batches=2)
+        text = dataset.make_data(str(tmp / "text.txt"), "text", None, 512, 2, 8, 0, repeat_batches=2)
         exactly("text: batch 5 is batch 1", text.batch(5, "cpu")["input_ids"], text.batch(1, "cpu")["input_ids"])
     for bad in (0, -1, 1.5):
-        expect_error(ValueError, lambda: data.make_data(None, "synthetic", None, 300, 3, 50, 7, repeat_batches=bad))
+        expect_error(ValueError, lambda: dataset.make_data(None, "synthetic", None, 300, 3, 50, 7, repeat_batches=bad))
 
 
 def test_repeat_batches_flag(capsys):
-    from playbook import registry
+    from playbook.model import registry
     from playbook.config import make_parser, parse_config
 
     def cfg(*argv):
@@ -554,11 +554,11 @@ def test_file_formats(fmt):
             path = Path(tmp) / "rows.parquet"
             rows = [PROMPT_COMPLETION, {"prompt": "b", "completion": "c"}]  # one schema per parquet table
             pq.write_table(pa.Table.from_pylist(rows), path)
-            assert data.load_rows(str(path)) == rows
+            assert dataset.load_rows(str(path)) == rows
             record("parquet", 0, 0, True)
             return
-        assert data.load_rows(str(path)) == FORMAT_ROWS
-        d = data.make_data(str(path), "dataset", TOK, 512, 4, 256, 0)
+        assert dataset.load_rows(str(path)) == FORMAT_ROWS
+        d = dataset.make_data(str(path), "dataset", TOK, 512, 4, 256, 0)
         assert d.report.kept == 4 and not d.report.dropped
     record(f"{fmt}: 4 rows, 4 kept", 0, 0, True)
 
@@ -566,22 +566,22 @@ def test_file_formats(fmt):
 def test_clear_errors_for_files_and_sources():
     with _files(bad__jsonl='{"text": "ok"}\n\n{"text": oops}\n', rows__csv="text\nhello\n",
                 weird__json='"just a string"', x__parquet="not parquet") as tmp:
-        assert "line 3" in expect_error(ValueError, data.load_rows, str(tmp / "bad.jsonl"))
-        assert ".csv" in expect_error(ValueError, data.load_rows, str(tmp / "rows.csv"))
-        expect_error(ValueError, data.load_rows, str(tmp / "weird.json"))
-        assert "missing.jsonl" in expect_error(FileNotFoundError, data.load_rows, str(tmp / "missing.jsonl"))
+        assert "line 3" in expect_error(ValueError, dataset.load_rows, str(tmp / "bad.jsonl"))
+        assert ".csv" in expect_error(ValueError, dataset.load_rows, str(tmp / "rows.csv"))
+        expect_error(ValueError, dataset.load_rows, str(tmp / "weird.json"))
+        assert "missing.jsonl" in expect_error(FileNotFoundError, dataset.load_rows, str(tmp / "missing.jsonl"))
         with mock.patch.dict(sys.modules, {"pyarrow": None, "pyarrow.parquet": None, "pandas": None}):
-            assert "pip install pyarrow" in expect_error(data.MissingPackage, data.load_rows, str(tmp / "x.parquet"))
-        expect_error(FileNotFoundError, data.make_data, str(tmp / "missing.txt"), "text", None, 512, 1, 8, 0)
+            assert "pip install pyarrow" in expect_error(dataset.MissingPackage, dataset.load_rows, str(tmp / "x.parquet"))
+        expect_error(FileNotFoundError, dataset.make_data, str(tmp / "missing.txt"), "text", None, 512, 1, 8, 0)
     with mock.patch.dict(sys.modules, {"datasets": None}):  # as if `datasets` were not installed
-        assert "pip install datasets" in expect_error(data.MissingPackage, data.load_rows, "someone/some-dataset")
+        assert "pip install datasets" in expect_error(dataset.MissingPackage, dataset.load_rows, "someone/some-dataset")
 
 
 EMPTY_REPLY = {"messages": [{"role": "user", "content": "What is a GPU?"}, {"role": "assistant", "content": " "}]}
 
 
 def test_data_that_leaves_nothing_to_train_on_is_refused_naming_the_file_and_what_it_holds():
-    """data.check_source, which needs only the files (the scripts call it before the model is built): a chat
+    """dataset.check_source, which needs only the files (the scripts call it before the model is built): a chat
     file whose every assistant reply is empty (it trained, on end-of-turn tokens only), a .json file of one
     object or of none, a file of no usable row and a blank --data text file are refused, each naming the file
     and what it found; the encoder drops such a row for the same reason. (Any file is raw text to --data: the
@@ -601,17 +601,18 @@ def test_data_that_leaves_nothing_to_train_on_is_refused_naming_the_file_and_wha
             (tmp / "blank.txt", "text", None): f"{tmp / 'blank.txt'} holds no text (3 bytes, blank): no tokens",
         }
         for (source, kind, eval_source), says in cases.items():
-            with pytest.raises(data.DataError) as refused:
-                data.check_source(str(source), kind, eval_source and str(eval_source))
+            with pytest.raises(dataset.DataError) as refused:
+                dataset.check_source(str(source), kind, eval_source and str(eval_source))
             assert says in str(refused.value), (source, str(refused.value))
-        data.check_source(str(tmp / "fine.jsonl"), "dataset")  # one usable row is enough here
+        dataset.check_source(str(tmp / "fine.jsonl"), "dataset")  # one usable row is enough here
         assert _dataset([EMPTY_REPLY, CHAT], seq_len=256).report.dropped == {"empty replies": 1}
     record(f"{len(cases)} sources that leave nothing to train on: refused, naming the file and what it holds",
            0, 0, True)
 
 
 def test_the_scripts_refuse_such_data_before_the_model_is_built(monkeypatch, capsys):
-    from playbook import registry, training
+    from playbook.model import registry
+    from playbook.run import training
     from playbook.config import make_parser, parse_config
 
     def build_model(*args, **kwargs):
@@ -647,7 +648,7 @@ def test_bad_arguments_give_clear_errors(kwargs, error):
         args = dict(source=str(tmp / "rows.jsonl"), kind="dataset", tokenizer=TOK, vocab_size=512, batch_size=4,
                     seq_len=256, seed=0)
         args.update(kwargs)
-        expect_error(error, lambda: data.make_data(**args))
+        expect_error(error, lambda: dataset.make_data(**args))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -699,26 +700,26 @@ def test_sharegpt_rows_load_as_chat(tmp_path):
     top_system = {"system": "Be brief.", "conversations": SHAREGPT["conversations"][1:]}
     for row in (SHAREGPT, top_system):
         path = _write_rows(tmp_path / "sharegpt.jsonl", [row])
-        got = data.make_data(path, "dataset", TOK, 512, 1, 200, 0).rows
+        got = dataset.make_data(path, "dataset", TOK, 512, 1, 200, 0).rows
         for key in ("input_ids", "labels"):
             exactly(f"ShareGPT == messages: {key}", got[key], want[key])
     tool = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "x"}]}
-    assert data._chat_messages({"conversations": [{"from": "observation", "value": "sunny"}]})[0]["role"] == "tool"
-    with pytest.raises(data.UnknownRole):
-        data._chat_messages(tool)  # function_call is no alias: refused, not guessed
-    example = data.make_data(str(EXAMPLES / "sharegpt.jsonl"), "dataset", TOK, 512, 2, 512, 0)
+    assert dataset._chat_messages({"conversations": [{"from": "observation", "value": "sunny"}]})[0]["role"] == "tool"
+    with pytest.raises(dataset.UnknownRole):
+        dataset._chat_messages(tool)  # function_call is no alias: refused, not guessed
+    example = dataset.make_data(str(EXAMPLES / "sharegpt.jsonl"), "dataset", TOK, 512, 2, 512, 0)
     assert example.report.rows >= 4 and not example.report.dropped, example.describe()
 
 
 def test_unknown_roles_are_refused_with_the_row_and_the_accepted_roles(tmp_path):
     wizard = {"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Abracadabra."}]}
     path = _write_rows(tmp_path / "odd.jsonl", [CHAT, CHAT, wizard])
-    message = expect_error(data.DataError, data.make_data, path, "dataset", TOK, 512, 1, 256, 0)
+    message = expect_error(dataset.DataError, dataset.make_data, path, "dataset", TOK, 512, 1, 256, 0)
     assert "row 3" in message and "message 2" in message and "'wizard'" in message, message
     assert "system, user, assistant, tool" in message and "human -> user" in message, message
     sharegpt_odd = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "narrator", "value": "..."}]}
     path = _write_rows(tmp_path / "odd_sharegpt.jsonl", [sharegpt_odd])
-    assert "'narrator'" in expect_error(data.DataError, data.make_data, path, "dataset", TOK, 512, 1, 256, 0)
+    assert "'narrator'" in expect_error(dataset.DataError, dataset.make_data, path, "dataset", TOK, 512, 1, 256, 0)
     # Aliases and case are accepted in messages rows too: "Human"/"GPT" render as user/assistant.
     aliased = {"messages": [{"role": m["role"].upper(), "content": m["content"]} for m in CHAT["messages"]]}
     same = _dataset([aliased], seq_len=200).rows["input_ids"]
@@ -746,7 +747,7 @@ def test_long_examples_are_truncated_and_counted(tmp_path, capsys):
     old = _dataset(rows, seq_len=T, drop_long=True)
     assert old.report.dropped == {"longer than seq_len": 2} and old.report.truncated == 0, old.describe()
     # Too few examples for the batch: the counts line is printed before the error, by the scripts' path.
-    from playbook.training import make_run_data
+    from playbook.run.training import make_run_data
 
     path = _write_rows(tmp_path / "long.jsonl", rows)
     out, error = _script_exit(capsys, make_run_data, _run_cfg(path, seq_len=T, batch_size=4), TINY_MODEL, TOK)
@@ -761,7 +762,7 @@ def test_files_that_are_not_utf8_are_refused_with_the_byte_offset(tmp_path, caps
     (tmp_path / "notes.txt").write_bytes(b"line one\n" + latin1 * 20)
     (tmp_path / "rows.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "' + latin1.strip() + b'"}\n')
     for name, kind, tok in (("notes.txt", "text", None), ("notes.txt", "text", TOK), ("rows.jsonl", "dataset", TOK)):
-        message = expect_error(data.DataError, data.make_data, str(tmp_path / name), kind, tok, 512, 1, 8, 0)
+        message = expect_error(dataset.DataError, dataset.make_data, str(tmp_path / name), kind, tok, 512, 1, 8, 0)
         where = "byte 12 (line 2, value 0xe9)" if name == "notes.txt" else "byte 28 (line 2, value 0xe9)"
         assert where in message and "iconv" in message and name in message, message
     import distill
@@ -777,9 +778,9 @@ def test_a_byte_order_mark_is_read_past(tmp_path):
     rows = [{"text": "first row"}, {"text": "second row"}]
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
-    assert data_files._read_jsonl(path) == rows
+    assert files._read_jsonl(path) == rows
     (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9")
-    message = expect_error(data.DataError, data.read_utf8, tmp_path / "bad.txt")
+    message = expect_error(dataset.DataError, dataset.read_utf8, tmp_path / "bad.txt")
     assert "byte 6 (line 1, value 0xe9)" in message, message
 
 
@@ -787,13 +788,13 @@ def test_eval_dataset_replaces_the_held_out_share(tmp_path, capsys):
     train_path = _write_rows(tmp_path / "train.jsonl", ROWS[:10])
     eval_rows = [{"prompt": f"Held {i}?", "completion": f" Out {i}."} for i in range(3)] + [{"text": " "}]
     eval_path = _write_rows(tmp_path / "eval.jsonl", eval_rows)
-    d = data.make_data(train_path, "dataset", TOK, 512, 2, 32, 0, eval_source=eval_path)
+    d = dataset.make_data(train_path, "dataset", TOK, 512, 2, 32, 0, eval_source=eval_path)
     assert d.report.train_examples == 10, "every training row is trained on: none held out"
     held = [TOK.decode(r[r != TOK.pad_token_id], skip_special_tokens=True) for b in d.eval_batches("cpu")
             for r in b["input_ids"]]
     assert held == [f"Held {i}? Out {i}." for i in range(3)], held  # the eval file's rows, in order
     assert f"; eval {eval_path}: 4 rows: 3 kept whole, 0 truncated to 32 tokens, 1 dropped (empty: 1)" in d.describe()
-    expect_error(ValueError, lambda: data.make_data(train_path, "dataset", TOK, 512, 2, 32, 0, eval_fraction=0.1,
+    expect_error(ValueError, lambda: dataset.make_data(train_path, "dataset", TOK, 512, 2, 32, 0, eval_fraction=0.1,
                                                     eval_source=eval_path))
     # The flag: refused beside an explicit --eval-fraction and without --dataset; it turns the default share off.
     from playbook.config import make_parser, parse_config
@@ -820,13 +821,13 @@ def test_token_ids_outside_the_vocabulary_name_the_example(tmp_path, capsys):
     odd.add_tokens(["<|wizard|>"])  # id 262: one past the byte tokenizer, and past a 262-entry model
     wizard = odd.convert_tokens_to_ids("<|wizard|>")
     path = _write_rows(tmp_path / "rows.jsonl", [TEXT, PROMPT_COMPLETION, {"text": "a <|wizard|> spell"}])
-    message = expect_error(data.DataError, data.make_data, path, "dataset", odd, wizard, 1, 64, 0)
+    message = expect_error(dataset.DataError, dataset.make_data, path, "dataset", odd, wizard, 1, 64, 0)
     assert "row 3" in message and f"token id {wizard}" in message and f"ids 0 to {wizard - 1}" in message, message
     (tmp_path / "spell.txt").write_text("x" * 20 + "<|wizard|>" + "y" * 20)
-    message = expect_error(data.DataError, data.make_data, str(tmp_path / "spell.txt"), "text", odd, wizard, 1, 8, 0)
+    message = expect_error(dataset.DataError, dataset.make_data, str(tmp_path / "spell.txt"), "text", odd, wizard, 1, 8, 0)
     assert f"token 21 of the file" in message and f"id {wizard}" in message, message  # BOS, then 20 bytes
-    assert data.make_data(path, "dataset", odd, wizard + 1, 1, 64, 0).report.kept == 3  # fits: builds
-    from playbook.training import make_run_data
+    assert dataset.make_data(path, "dataset", odd, wizard + 1, 1, 64, 0).report.kept == 3  # fits: builds
+    from playbook.run.training import make_run_data
 
     model = type("Model", (), {"config": type("Config", (), {"vocab_size": wizard})()})()
     _, error = _script_exit(capsys, make_run_data, _run_cfg(path, seq_len=64), model, odd)
@@ -834,7 +835,7 @@ def test_token_ids_outside_the_vocabulary_name_the_example(tmp_path, capsys):
 
 
 def test_missing_optional_packages_exit_2_with_one_line(tmp_path, capsys):
-    from playbook.training import make_run_data
+    from playbook.run.training import make_run_data
 
     (tmp_path / "rows.parquet").write_bytes(b"PAR1")
     with mock.patch.dict(sys.modules, {"pyarrow": None, "pyarrow.parquet": None, "pandas": None}):
@@ -854,10 +855,10 @@ def test_missing_optional_packages_exit_2_with_one_line(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 def test_example_dataset_is_clean_and_licensed():
     chat = EXAMPLES / "chat.jsonl"
-    d = data.make_data(str(chat), "dataset", TOK, 512, 4, 512, 0)
+    d = dataset.make_data(str(chat), "dataset", TOK, 512, 4, 512, 0)
     assert 150 <= d.report.rows <= 300 and not d.report.dropped, d.describe()
     assert chat.stat().st_size < 300_000
-    alpaca = data.make_data(str(EXAMPLES / "alpaca.jsonl"), "dataset", TOK, 512, 4, 512, 0)
+    alpaca = dataset.make_data(str(EXAMPLES / "alpaca.jsonl"), "dataset", TOK, 512, 4, 512, 0)
     assert not alpaca.report.dropped, alpaca.describe()
     readme = (EXAMPLES / "README.md").read_text()
     assert "CC0-1.0" in readme
@@ -868,7 +869,7 @@ def test_tiny_model_learns_the_example_dataset():
     """40 AdamW steps of the tiny LLaMA on packed chat rows: the loss must fall clearly."""
     from transformers import LlamaForCausalLM
 
-    d = data.make_data(str(EXAMPLES / "chat.jsonl"), "dataset", TOK, 512, 4, 256, 0, packing=True)
+    d = dataset.make_data(str(EXAMPLES / "chat.jsonl"), "dataset", TOK, 512, 4, 256, 0, packing=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(_tiny_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -1,4 +1,4 @@
-"""The environment variables the scripts read (playbook/environment.py): each checked as a flag is, a bad value
+"""The environment variables the scripts read (playbook/runtime/environment.py): each checked as a flag is, a bad value
 stopped as each script starts with one line naming it, its value and what it takes (exit code 2), and the figure
 a variable supplies named as its source where it is used.
 
@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from playbook import environment, memory_plan, pretrained, testkit
+import testkit
+from playbook.model import pretrained
+from playbook.plan import memory_plan
+from playbook.runtime import environment
 from playbook.config import make_parser, parse_config
-from playbook.registry import DEFAULT_KERNELS
+from playbook.model.registry import DEFAULT_KERNELS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook import common
-from playbook.testkit import python_path, record, run_as_script
+from playbook.runtime import common
+from testkit import python_path, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
@@ -73,8 +73,8 @@ def seeded(tmp_path_factory):
     """(folder, model, token ids of the 50 prompts, their last-position logits) of the seeded model."""
     from transformers import LlamaForCausalLM
 
-    from playbook.data import byte_tokenizer
-    from playbook.models import preset_config
+    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.models import preset_config
 
     tok = byte_tokenizer()
     text = " ".join(m["content"] for line in TEXT.read_text().splitlines() for m in json.loads(line)["messages"])
@@ -202,8 +202,8 @@ def test_llama3_rope_scaling_is_the_rope_freqs_tensor(tmp_path):
     from transformers import LlamaForCausalLM
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from playbook.data import byte_tokenizer
-    from playbook.models import preset_config
+    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.models import preset_config
 
     config = preset_config("llama-tiny")
     config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -239,7 +239,7 @@ def test_other_families_read_back(tmp_path, kind):
     """Mistral (llama.cpp's llama), Qwen2 (q/k/v biases) and Qwen3 (q/k norms, tied embeddings)."""
     import gguf
 
-    from playbook.data import byte_tokenizer
+    from playbook.data.dataset import byte_tokenizer
 
     model = _tiny_family(kind)
     folder = _save(model, byte_tokenizer(), tmp_path / "run")
@@ -267,7 +267,7 @@ SMOLLM_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0
 
 
 def test_modelfile_template_and_stops():
-    from playbook.data import byte_tokenizer
+    from playbook.data.dataset import byte_tokenizer
 
     tok = byte_tokenizer()  # LLaMA 3's layout
     style, system, note = export.chat_style(tok, add_bos=True)
@@ -296,8 +296,8 @@ def test_modelfile_template_and_stops():
 def tiny_run(tmp_path_factory):
     """llama-tiny (random weights, drawn in bf16 as a run draws them, held in float32) with the byte tokenizer,
     saved as a merged folder would be."""
-    from playbook.data import byte_tokenizer
-    from playbook.models import build_preset
+    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.models import build_preset
 
     return _save(build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16).float(), byte_tokenizer(),
                  tmp_path_factory.mktemp("tiny") / "run")
@@ -309,11 +309,11 @@ def adapter_runs(tmp_path_factory):
     fine-tuning scripts save one (the base in bf16 with its first `layers` decoder layers, --num-layers; the
     settings and the base fingerprint in trainer_state.pt), the adapter's B matrices random so that the merge
     changes the weights; the model is the run's own (peft), not merged."""
-    from playbook.checkpoint import save_checkpoint
-    from playbook.data import byte_tokenizer
-    from playbook.lora import apply_lora
-    from playbook.models import PRESETS, build_preset
-    from playbook.training import name_lora_base
+    from playbook.store.checkpoint import save_checkpoint
+    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.lora import apply_lora
+    from playbook.model.models import PRESETS, build_preset
+    from playbook.run.training import name_lora_base
 
     made = {}
 
@@ -437,8 +437,8 @@ def test_an_adapter_refuses_a_base_other_than_its_own(tmp_path, tiny_run, adapte
     run held in bf16, is its own base."""
     from transformers import LlamaForCausalLM
 
-    from playbook.data import byte_tokenizer
-    from playbook.models import preset_config
+    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.models import preset_config
 
     def base(name: str, seed: int, **changes) -> Path:
         config = preset_config("llama-tiny")
@@ -469,8 +469,8 @@ def test_an_adapter_refuses_a_base_other_than_its_own(tmp_path, tiny_run, adapte
     assert export.main([str(folder), "--base", str(tiny_run), *out]) == 0  # the very weights, in float32
     # a float32 base whose bf16 rounding is what the run held (each weight off by 2^-12 of itself, less than half a
     # bf16 step): merged into its rounded weights, and said so
-    from playbook.data import byte_tokenizer
-    from playbook.models import build_preset
+    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.models import build_preset
 
     nudged = build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16).float()
     with torch.no_grad():
@@ -485,13 +485,13 @@ def test_the_memory_a_model_needs_is_checked_before_it_is_built(tmp_path, tiny_r
                                                                 monkeypatch):
     """An adapter on the llama-3.1-8b preset: its float32 base (32 GB) and the file's weights, against the free
     memory (here the stand-in PLAYBOOK_FREE_MEMORY_GB), refused before anything is built."""
-    import playbook.models
-    from playbook.models import preset_params
+    import playbook.model.models
+    from playbook.model.models import preset_params
 
     def build_preset(*args, **kwargs):
         raise AssertionError("the base was built")
 
-    monkeypatch.setattr(playbook.models, "build_preset", build_preset)
+    monkeypatch.setattr(playbook.model.models, "build_preset", build_preset)
     folder, _ = adapter_runs(2)
     argv = [str(folder), "--base", "llama-3.1-8b", "--type", "f16", "--output", str(tmp_path / "x.gguf")]
     n = preset_params("llama-3.1-8b")
@@ -513,7 +513,7 @@ def test_the_memory_a_model_needs_is_checked_before_it_is_built(tmp_path, tiny_r
 def test_a_family_it_does_not_write_is_refused_by_name(tmp_path, capsys):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from playbook.data import byte_tokenizer
+    from playbook.data.dataset import byte_tokenizer
 
     config = AutoConfig.for_model("gemma", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -529,7 +529,7 @@ def test_byte_level_decoding_is_found_inside_a_sequence():
     (ByteFallback and Metaspace, no ByteLevel) is still refused."""
     from tokenizers import decoders
 
-    from playbook.data import byte_tokenizer
+    from playbook.data.dataset import byte_tokenizer
 
     tok = byte_tokenizer()
     backend = tok.backend_tokenizer

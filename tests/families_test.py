@@ -8,7 +8,7 @@ hidden 64, vocabulary 256, fp32) is built from transformers' own config class, t
 The kernels are applied to one of them (`apply_kernels`, the default set; for Gemma 2 also the
 set with the logits-level cross-entropy), and both run the
 same random batch, with labels of which about a quarter are -100. The patched model's loss and the
-gradient of every parameter must match the unpatched model's by playbook/testkit.py's rule: at most twice
+gradient of every parameter must match the unpatched model's by testkit/__init__.py's rule: at most twice
 as far from a float64 copy of the model as the fp32 Hugging Face model is, plus one fp32 ulp and
 the rounding noise of an fp32 sum of tokens x width terms, of each tensor's scale. Each count that
 apply_kernels reports must equal the kernel's `expected_patches` and what the unpatched model
@@ -33,11 +33,11 @@ if __name__ == "__main__":  # run as a script: the start-up conftest.py makes un
 import pytest
 import torch
 
-from playbook import registry as ak
+from playbook.model import registry as ak
 import rmsnorm_kernel
 from core.kernel_utils import DEVICE
 from core.model_families import FAMILIES as TABLE
-from playbook.testkit import (CONFIGS, FAMILIES, N_TERMS, batch, close_to_reference, exactly, loss_and_grads, record,
+from testkit import (CONFIGS, FAMILIES, N_TERMS, batch, close_to_reference, exactly, loss_and_grads, record,
                               run_as_script, tiny_model)
 
 KERNEL_SETS = {  # the default set, and the one with the logits-level loss instead of the fused head

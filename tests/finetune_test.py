@@ -7,7 +7,7 @@ parts of a real fine-tuning run (accumulation, schedules, checkpoints and resume
 Loss parity, the test that matters most: the baseline and the optimized model start from the same
 seed and see the same batches (real text from a file of this repository, so the loss actually
 falls) for 20 AdamW steps. bf16 training is not bit-reproducible across implementations, so the
-test asks what playbook/testkit.py asks of every kernel: the optimized bf16 run may be at most twice as far
+test asks what testkit/__init__.py asks of every kernel: the optimized bf16 run may be at most twice as far
 from an fp32 baseline run as the plain PyTorch bf16 run is, plus one bf16 ulp; for the loss at
 every step and for every final parameter tensor.
 """
@@ -29,15 +29,16 @@ if __name__ == "__main__":  # run as a script: the start-up conftest.py makes un
 import pytest
 import torch
 
-from playbook import registry as ak
-from playbook import common
-from playbook import models
-from playbook import training
+from playbook.model import registry as ak
+from playbook.runtime import common
+from playbook.model import models
+from playbook.run import training
 from rmsnorm_kernel import TritonRMSNorm
-from playbook.config import DEFAULT_MODEL, make_parser, parse_config
+from playbook.config import make_parser, parse_config
+from playbook.model.presets import DEFAULT_MODEL
 from core.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
-from playbook import testkit
-from playbook.testkit import close_to_reference, python_path, record, run_as_script, two_process_env
+import testkit
+from testkit import close_to_reference, python_path, record, run_as_script, two_process_env
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 STEPS = 12

@@ -1,6 +1,6 @@
 """A CPU run that uses the kernels on a real model (anything but the llama-tiny preset) is told, before its
 first step, that the kernels run in Triton's interpreter, how long a step will take, and what to do
-instead; a long step shows where it is (playbook/interpreter.py). The CPU output says only true things.
+instead; a long step shows where it is (playbook/run/interpreter.py). The CPU output says only true things.
 
     $ pytest tests/interpreter_test.py
 """
@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from playbook import common, interpreter, setup_check
-from playbook.models import preset_config
-from playbook.testkit import python_path
+from playbook.run import interpreter
+from playbook.runtime import common, setup_check
+from playbook.model.models import preset_config
+from testkit import python_path
 
 HERE = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU run says")
@@ -92,7 +93,7 @@ def test_the_whole_run_estimate_is_within_2x_of_the_run_on_a_stand_in_clock(caps
     clock that moves as the interpreter's costs do (per pass through a module, not per token). 2x: the goal's
     bound for a prediction a user plans by; the stand-in costs make the arithmetic exact up to what the probes
     cannot see (the answers' prompt forward, counted as one token more)."""
-    from playbook.training import evaluate
+    from playbook.run.training import evaluate
 
     clock = [0.0]
     model = _tiny(4)
@@ -135,7 +136,7 @@ def test_the_whole_run_estimate_is_within_2x_of_the_run_on_a_stand_in_clock(caps
 def test_checkpoint_size_is_said_before_the_first_save(tmp_path, capsys):
     """The size printed before the first save is within 2x of what save_checkpoint writes (2x: the files' own
     headers, the tokenizer-free folder, the random state; weights and optimizer state dominate)."""
-    from playbook.checkpoint import save_checkpoint
+    from playbook.store.checkpoint import save_checkpoint
 
     model = _tiny(2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -172,7 +173,7 @@ def test_heartbeat_says_where_the_step_is(capsys):
 
 
 def test_offload_activations_on_a_cpu_says_what_it_does_there(capsys):
-    from playbook.models import apply_gradient_checkpointing
+    from playbook.model.models import apply_gradient_checkpointing
 
     apply_gradient_checkpointing(_tiny(2), offload=True)
     line = capsys.readouterr().out

@@ -9,7 +9,9 @@
 - No import cycles, counting the imports inside functions too: a reader can follow each one down.
 - Layers, arrows pointing down only, inside functions too: `core/` at the ground, the lessons
   (`*_kernel.py`) above it (importing core and each other's public names only), the training
-  library (`playbook/`) above them, the scripts on top.
+  library (`playbook/`) above them, the tools beside it (`benchmarks/`, `testkit/`), the scripts on top.
+- Inside `playbook/`, one folder per concern, in an order (PLAYBOOK_ORDER): a part imports only the parts
+  at or below its own; no more than three modules stand at the package's top.
 - Importing any playbook module or lesson changes no environment variable, signal handler or third-party
   function; `playbook.startup.start()`, which every script calls first, does.
 - `results/` holds evidence only (logs, JSON, CSV, PNG, text), each file listed in results/README.md.
@@ -29,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from playbook import registry
-from playbook.testkit import record, run_as_script
+from playbook.model import registry
+from testkit import record, run_as_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"profile_baseline.py", "benchmark_kernels.py", "finetune_baseline.py", "finetune_optimized.py",
@@ -47,12 +49,18 @@ def test_top_level_is_scripts_and_lessons():
     record(f"top level: {len(SCRIPTS)} scripts, {len(lessons)} lesson files, conftest.py", 0.0, 0.0, True)
 
 
+def library_files(root: Path = ROOT) -> list:
+    """Every module of playbook/ (its sub-packages too), of core/ and of the tools beside the library."""
+    return sorted([*(root / "playbook").rglob("*.py"), *(root / "core").glob("*.py"), *(root / "benchmarks").glob("*.py"),
+                   *(root / "testkit").glob("*.py")])
+
+
 def test_the_library_is_never_run():
-    for path in sorted([*(ROOT / "playbook").glob("*.py"), *(ROOT / "core").glob("*.py")]):
+    for path in library_files():
         tree = ast.parse(path.read_text())
         mains = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
         assert not mains, f"{path.name} has a __main__ block: entry points are top-level scripts"
-    code = "import sys, playbook, playbook.startup, playbook.signals; print('torch' in sys.modules)"
+    code = "import sys, playbook, playbook.startup, playbook.runtime.signals; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
     record("playbook/: no __main__ block; importing the package, its start-up and signals imports no torch",
@@ -62,7 +70,7 @@ def test_the_library_is_never_run():
 def import_graph() -> dict:
     """module -> the project's modules it imports, at module level or inside functions."""
     files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p
-             for p in [*ROOT.glob("*.py"), *(ROOT / "playbook").glob("*.py"), *(ROOT / "core").glob("*.py")]}
+             for p in [*ROOT.glob("*.py"), *library_files()]}
     files = {name.removesuffix(".__init__"): p for name, p in files.items()}
     graph = {}
     for name, path in files.items():
@@ -116,7 +124,7 @@ def test_no_import_cycles():
     record(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports, no cycle", 0.0, 0.0, True)
 
 
-CORE, LESSON, LIBRARY, SCRIPT = "core", "lesson", "the training library", "script"
+CORE, LESSON, LIBRARY, TOOLS, SCRIPT = "core", "lesson", "the training library", "a tool beside the library", "script"
 
 
 def layer_of(module: str, root: Path = ROOT) -> str | None:
@@ -126,6 +134,8 @@ def layer_of(module: str, root: Path = ROOT) -> str | None:
     if module == "playbook" or module.startswith("playbook."):
         return LIBRARY
     top = module.split(".")[0]
+    if top in ("benchmarks", "testkit") and (root / top / "__init__.py").is_file():
+        return TOOLS
     if top.endswith("_kernel") and (root / f"{top}.py").is_file():
         return LESSON
     if f"{top}.py" in SCRIPTS:
@@ -166,16 +176,18 @@ def layering_violations(root: Path = ROOT) -> tuple[list, list]:
     of playbook/ under `root`."""
     files = {f"core.{p.stem}": p for p in (root / "core").glob("*.py")}
     files |= {p.stem: p for p in root.glob("*_kernel.py")}
-    files |= {f"playbook.{p.stem}": p for p in (root / "playbook").glob("*.py")}
-    allowed = {CORE: {CORE}, LESSON: {CORE, LESSON}, LIBRARY: {CORE, LESSON, LIBRARY}}
+    for folder in ("playbook", "benchmarks", "testkit"):
+        files |= {".".join(p.relative_to(root).with_suffix("").parts): p for p in (root / folder).rglob("*.py")}
+    allowed = {CORE: {CORE}, LESSON: {CORE, LESSON}, LIBRARY: {CORE, LESSON, LIBRARY},
+               TOOLS: {CORE, LESSON, LIBRARY, TOOLS}}
     upward, private = [], []
     for name, path in sorted(files.items()):
         name = name.removesuffix(".__init__")
         layer = layer_of(name, root)
         for module, imported, line in imports_of(path, root):
             target = layer_of(module, root)
-            if module == "playbook" and imported is not None:  # from playbook import X: X's layer
-                target = layer_of(f"playbook.{imported}", root)
+            if module.split(".")[0] == "playbook" and imported is not None:  # from playbook.x import y: y's layer
+                target = layer_of(f"{module}.{imported}", root)
             where = f"{path.relative_to(root)}:{line}"
             if target is not None and target not in allowed[layer]:
                 upward.append(f"{where}: {name} ({layer}) imports {module}"
@@ -193,18 +205,65 @@ def test_imports_point_down_the_layers():
            0.0, 0.0, True)
 
 
+# playbook/'s parts from the bottom up: a folder (a sub-package) or a module at the package's top. A part imports
+# only the parts at or below its own (and the layers under the library), at module level or inside functions.
+PLAYBOOK_ORDER = ("runtime", "store", "memory", "optim", "model", "data", "plan", "config", "run", "startup")
+
+
+def playbook_order_violations(root: Path = ROOT) -> list:
+    """Imports from a part of playbook/ to a part above it, and files in a part PLAYBOOK_ORDER does not name."""
+    found = []
+    for path in sorted((root / "playbook").rglob("*.py")):
+        parts = path.relative_to(root / "playbook").with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        part = parts[0]
+        if part not in PLAYBOOK_ORDER:
+            found.append(f"{path.relative_to(root)}: in {part}, which PLAYBOOK_ORDER does not place")
+            continue
+        for module, imported, line in imports_of(path, root):
+            names = module.split(".")
+            if names[0] != "playbook":
+                continue
+            target = names[1] if len(names) > 1 else imported
+            if target in PLAYBOOK_ORDER and PLAYBOOK_ORDER.index(target) > PLAYBOOK_ORDER.index(part):
+                found.append(f"{path.relative_to(root)}:{line}: {part} imports {module}"
+                             f"{'.' + imported if imported else ''} ({target}, above it)")
+    return list(dict.fromkeys(found))
+
+
+def test_playbook_is_folders_by_concern_in_order(tmp_path):
+    found = playbook_order_violations()
+    assert not found, "playbook/ parts importing a part above them:\n" + "\n".join(found)
+    top = sorted(p.name for p in (ROOT / "playbook").glob("*.py") if p.name != "__init__.py")
+    folders = sorted(p.name for p in (ROOT / "playbook").iterdir() if (p / "__init__.py").is_file())
+    assert len(top) <= 3 and len(folders) >= 5, (top, folders)
+    assert set(folders) | {p.removesuffix(".py") for p in top} == set(PLAYBOOK_ORDER), (folders, top)
+    # the check itself, on made-up files: an upward import inside a function, and a folder the order does not place
+    for stub, text in {"playbook/model/x.py": "def f():\n    from playbook.run import training\n",
+                       "playbook/run/training.py": "", "playbook/extra/y.py": ""}.items():
+        (tmp_path / stub).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / stub).write_text(text)
+    made = playbook_order_violations(tmp_path)
+    assert len(made) == 2 and "model imports playbook.run.training (run, above it)" in made[1], made
+    record(f"playbook/: {len(folders)} folders and {len(top)} top modules in order "
+           f"({' < '.join(PLAYBOOK_ORDER)}), no import upward", 0.0, 0.0, True)
+
+
 def test_the_layer_check_finds_each_kind_of_upward_import(tmp_path):
     """The check itself, on made-up files: each rule of the layering is caught, inside a function too."""
     cases = {  # (file, source) -> what the check must say
         ("core/x.py", "def f():\n    import rmsnorm_kernel\n"): "imports rmsnorm_kernel (lesson)",
-        ("core/x.py", "from playbook import training\n"): "imports playbook.training (the training library)",
-        ("core/x.py", "from playbook.models import PRESETS\n"): "imports playbook.models.PRESETS (the",
-        ("rope_kernel.py", "def f():\n    from playbook.common import log\n"): "(the training library)",
+        ("core/x.py", "from playbook.run import training\n"): "imports playbook.run.training (the training library)",
+        ("playbook/run/training.py", "import testkit\n"): "imports testkit (a tool beside the library)",
+        ("core/x.py", "from playbook.model.models import PRESETS\n"): "imports playbook.model.models.PRESETS (the",
+        ("rope_kernel.py", "def f():\n    from playbook.runtime.common import log\n"): "(the training library)",
         ("rope_kernel.py", "import finetune_optimized\n"): "(script)",
-        ("playbook/training.py", "def f():\n    import walkthrough\n"): "(script)",
+        ("playbook/run/training.py", "def f():\n    import walkthrough\n"): "(script)",
     }
-    stubs = ["rmsnorm_kernel.py", "swiglu_kernel.py", "rope_kernel.py", "playbook/__init__.py", "playbook/models.py",
-             "playbook/training.py", "playbook/common.py", "core/__init__.py", "core/kernel_utils.py"]
+    stubs = ["rmsnorm_kernel.py", "swiglu_kernel.py", "rope_kernel.py", "playbook/__init__.py", "playbook/model/models.py",
+             "playbook/run/training.py", "playbook/runtime/common.py", "core/__init__.py", "core/kernel_utils.py",
+             "testkit/__init__.py"]
     for (made, text), says in cases.items():
         root = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
         for stub in stubs:
@@ -279,7 +338,7 @@ def snapshot():
 before = snapshot()
 root = Path.cwd()
 names = ["playbook", "core"] + [".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-                                for p in sorted([*(root / "core").glob("*.py"), *(root / "playbook").glob("*.py"),
+                                for p in sorted([*(root / "core").glob("*.py"), *(root / "playbook").rglob("*.py"),
                                                  *root.glob("*_kernel.py")])]
 for name in names:
     importlib.import_module(name)

@@ -9,14 +9,14 @@ On a CPU (Triton's interpreter) the shapes are small and the positions are real:
   as the registry patches it into the model, against Hugging Face's apply_rotary_pos_emb, forward
   and gradient, in fp32 and bf16. How precise Hugging Face's own fp32 angles are at such positions
   is measured first; off-by-one positions and unscaled angles must fail the same check.
-- A packed row of 2048 tokens (playbook/data.py, `--packing`) through a tiny LLaMA with the default
+- A packed row of 2048 tokens (playbook/data/dataset.py, `--packing`) through a tiny LLaMA with the default
   kernels: each example's logits equal those of the example run alone, the row's loss is the
   token-weighted mean of the examples' losses, and positions restart at every example.
 - The fused linear cross-entropy in chunks (eight full chunks and a partial one, a chunk with every
   label ignored) against the unchunked PyTorch loss: loss, dx and dW.
 
 What a packed row costs at long lengths: the mask is [B, 1, T, T] bool, B x T x T bytes: 16 MiB
-at 4 x 2048, 17.2 GB for one row of 131,072 tokens, and building it (data.packed_attention_mask)
+at 4 x 2048, 17.2 GB for one row of 131,072 tokens, and building it (dataset.packed_attention_mask)
 holds a T x T causal mask and a B x T x T comparison beside it, about 3x that at its peak. So at
 very long rows, train with batch rows of one example that fill the row (no --packing: an unpadded
 row needs no mask tensor, attention runs its causal path; a padded row gets the same [B, 1, T, T]
@@ -41,10 +41,11 @@ if __name__ == "__main__":  # run as a script: the start-up conftest.py makes un
 import pytest
 import torch
 
-from playbook import data, registry
+from playbook.data import dataset
+from playbook.model import registry
 from core.kernel_utils import DEVICE
-from playbook.models import PRESETS
-from playbook.testkit import (FACTOR, ULP, close_to_reference, exactly, random_like_grad, record, run_as_script,
+from playbook.model.models import PRESETS
+from testkit import (FACTOR, ULP, close_to_reference, exactly, random_like_grad, record, run_as_script,
                               tiny_model)
 import linear_cross_entropy_kernel
 import rope_kernel
@@ -235,7 +236,7 @@ def _packed_row():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.jsonl"
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-        d = data.make_data(str(path), "dataset", data.byte_tokenizer(), vocab_size=512, batch_size=1,
+        d = dataset.make_data(str(path), "dataset", dataset.byte_tokenizer(), vocab_size=512, batch_size=1,
                            seq_len=PACKED_LEN, seed=0, packing=True)
     assert d.rows["input_ids"].shape[0] == 1, "all examples fit in one row"
     return d.batch(0, DEVICE), d.rows["segments"][0]
@@ -294,7 +295,7 @@ def test_packed_examples_match_the_examples_alone():
     close_to_reference(f"row loss == weighted mean of {len(spans)} examples' losses", loss, loss32, loss64,
                        torch.float32, n=T * 512)
 
-    one_mask = data.packed_attention_mask(torch.zeros_like(segments)[None].to(DEVICE))  # causal over the row
+    one_mask = dataset.packed_attention_mask(torch.zeros_like(segments)[None].to(DEVICE))  # causal over the row
     leaky = _logits(ours, input_ids=ids, position_ids=positions, attention_mask=one_mask)
     s, e = spans[-1]
     leak = (leaky[s:e] - alone[-1][0]).abs().max().item()
@@ -308,7 +309,7 @@ def test_mask_memory_at_long_rows():
     (Hugging Face's causal path), a padded row with a [B, 1, T, T] one, as a packed row does."""
     T = 64
     segments = torch.tensor([[0] * 20 + [1] * 30 + [-1] * 14])
-    mask = data.packed_attention_mask(segments)
+    mask = dataset.packed_attention_mask(segments)
     assert mask.dtype == torch.bool and mask.nbytes == 1 * T * T
     per_row = LONG * LONG * mask.element_size()
     record(f"packed mask, 1 x {LONG:,}: {per_row / 1e9:.1f} GB ({per_row / 2**30:.0f} GiB), "

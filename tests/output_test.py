@@ -3,7 +3,7 @@
     $ PYTHONPATH=. python tests/output_test.py     # a readable report
     $ pytest tests/output_test.py
 
-What playbook/output.py promises (docs/troubleshooting.md): a closed stdout (`| head`) silences the output
+What playbook/runtime/output.py promises (docs/troubleshooting.md): a closed stdout (`| head`) silences the output
 and the script goes on to its end, writing its checkpoints and results/ files, with its own exit code; stdout
 on a full disk is one line on stderr naming where it went, then the same; a results/ file that cannot be
 written for want of space is one line naming it and what was kept, exit code 1. Checked:
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from playbook import common, output, signals
-from playbook.testkit import record, run_as_script
+from playbook.runtime import common, output, signals
+from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 FULL = "No space left on device"
@@ -74,7 +74,7 @@ def test_a_closed_pipe_is_quiet_and_a_full_disk_is_one_line(fresh, capsys):
 # {script: {case: [exit code, the exception that escaped or None, stderr]}} on its real stdout.
 _EVERY_SCRIPT = r"""
 import json, os, runpy, sys, tempfile, traceback
-from playbook import output
+from playbook.runtime import output
 real = os.dup(1)
 got = {}
 for script in sys.argv[1:]:
@@ -179,7 +179,7 @@ def test_a_run_goes_on_and_saves_everything_when_its_reader_goes_away_or_its_dis
 
 
 def _fails_for_want_of_space(monkeypatch):
-    """os.fdopen in playbook/common.py hands out files whose writes fail as on a full disk."""
+    """os.fdopen in playbook/runtime/common.py hands out files whose writes fail as on a full disk."""
     class Full:
         def __init__(self, fd, mode="r"):
             self.fd = fd
@@ -236,7 +236,8 @@ class _FullFile:
 def test_a_run_whose_results_cannot_be_written_says_so_in_one_line(fails, monkeypatch, capsys):
     """The training loop's results/ files on a full disk (the metrics, written each step; the summary; its loss
     curve): one line naming the file and what was kept, exit code 1, no traceback."""
-    from playbook import registry, report, training
+    from playbook.model import registry
+    from playbook.run import report, training
     from playbook.config import make_parser, parse_config
 
     def full(*args, **kwargs):

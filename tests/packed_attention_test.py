@@ -1,4 +1,4 @@
-"""Packed rows attended per example (playbook/packed_attention.py): the same loss and gradients as the
+"""Packed rows attended per example (playbook/model/packed_attention.py): the same loss and gradients as the
 examples one per row, no attention across an example's boundary, no [T, T] mask at any length, every model
 family, and the data and command-line defaults that choose it.
 
@@ -9,10 +9,10 @@ the attention is FlashAttention-2's varlen kernel, the path a training run takes
 import pytest
 import torch
 
-from playbook import packed_attention as pa
-from playbook.data import IGNORE_INDEX, Example, TrainData, pack_examples, pad_examples
+from playbook.model import packed_attention as pa
+from playbook.data.dataset import IGNORE_INDEX, Example, TrainData, pack_examples, pad_examples
 from core.kernel_utils import DEVICE
-from playbook.testkit import FAMILIES, VOCAB, tiny_model
+from testkit import FAMILIES, VOCAB, tiny_model
 
 GPU = DEVICE.type == "cuda"
 DTYPE = torch.bfloat16 if GPU else torch.float32  # the dtype a run trains in on this machine
@@ -170,7 +170,7 @@ def test_boundaries_have_one_length_for_every_batch():
 
 
 def test_packing_is_the_default_with_a_dataset():
-    from playbook import registry as ak
+    from playbook.model import registry as ak
     from playbook.config import make_parser, parse_config
 
     def cfg(*args):
@@ -188,7 +188,7 @@ def test_packing_is_the_default_with_a_dataset():
 def test_the_trainer_refuses_packing_it_would_not_do():
     """finetune_trainer.py pads one example per row (the Trainer's collator): an explicit --packing is refused in
     one line, not ignored; without it the Trainer's rows stay padded."""
-    from playbook import registry as ak
+    from playbook.model import registry as ak
     from playbook.config import make_parser, parse_config
 
     with pytest.raises(SystemExit) as info:

@@ -1,5 +1,5 @@
 """Tests of the real model: SmolLM2-135M-Instruct by name and by GGUF file, its conversion cache, what it
-answers (playbook/generate.py, chat.py), and the fused lm_head + loss on its tied embeddings.
+answers (playbook/model/generate.py, chat.py), and the fused lm_head + loss on its tied embeddings.
 
     $ pytest tests/pretrained_test.py
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook import generate, pretrained
+from playbook.model import generate, pretrained
 
 HERE = Path(__file__).resolve().parent.parent
 HAVE_MODEL = (
@@ -119,7 +119,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_generating(capsys):
     so the answer to a 400k-token prompt is an error line, not minutes of attention over it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from playbook.data import byte_tokenizer
+    from playbook.data.dataset import byte_tokenizer
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
@@ -137,7 +137,7 @@ def cache(tmp_path, monkeypatch):
     transformers' reading of GGUF files replaced by a 1-layer Llama and the byte tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from playbook.data import byte_tokenizer
+    from playbook.data.dataset import byte_tokenizer
 
     runs = []
     real_model, real_tokenizer = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
@@ -302,7 +302,7 @@ def test_fused_head_sends_its_gradient_into_the_tied_embedding(smol_dir):
 
     from transformers import AutoModelForCausalLM
 
-    from playbook.registry import apply_kernels
+    from playbook.model.registry import apply_kernels
 
     from core.kernel_utils import DEVICE as device  # the kernels run where the model is: the GPU when there is one
     model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).to(device)

@@ -48,8 +48,8 @@ from typing import Callable
 import pytest
 import torch
 
-from playbook.common import RESULTS_DIR
-from playbook.testkit import python_path, run_as_script
+from playbook.runtime.common import RESULTS_DIR
+from testkit import python_path, run_as_script
 from robustness_test import interrupt
 
 SKIP = torch.cuda.is_available()  # (conftest.py starts no cases then)
@@ -228,7 +228,7 @@ SHELL_INTERRUPT = "interrupted"
 ANY_IMPORT_ORDER = ("import torch, triton\n"
                     "from playbook.startup import start\n"
                     "start()\n"
-                    "from playbook import registry\n"
+                    "from playbook.model import registry\n"
                     "from transformers import LlamaConfig, LlamaForCausalLM\n"
                     "model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, "
                     "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16))\n"
@@ -237,7 +237,7 @@ ANY_IMPORT_ORDER = ("import torch, triton\n"
                     "model(input_ids=ids, labels=ids).loss.backward()\n"
                     "print('kernels applied:', report.describe())\n")
 OOM_AT_BUILD = ("import runpy, sys\n"
-                "import playbook.models as m\n"
+                "import playbook.model.models as m\n"
                 "def build(*a, **k):\n"
                 "    raise RuntimeError('[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can\\'t allocate "
                 "memory: you tried to allocate 64000000000 bytes')\n"

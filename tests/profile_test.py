@@ -31,7 +31,7 @@ import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
 from profile_baseline import category, launch_gaps, project
-from playbook.testkit import record, run_as_script
+from testkit import record, run_as_script
 
 
 def _triton_kernels(module):

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook import common, cuda_graph
+from playbook.run import cuda_graph
+from playbook.runtime import common
 from playbook.config import make_parser, parse_config
-from playbook.registry import DEFAULT_KERNELS
-from playbook.testkit import record
+from playbook.model.registry import DEFAULT_KERNELS
+from testkit import record
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -38,7 +39,7 @@ def test_the_baseline_queues_eagerly_and_ours_captures_by_default():
 def test_padded_rows_block_the_graph_only_with_their_mask():
     """graph_blocker on a GPU config: rows with a padding mask block the capture unless the data leaves
     the mask out (causal_padding), as finetune_optimized.py's data does and finetune_baseline.py's does not."""
-    from playbook import training
+    from playbook.run import training
 
     cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cuda"))
 
@@ -94,7 +95,7 @@ def test_the_size_rule_keeps_narrow_projections_in_bf16(monkeypatch, capsys):
 
 
 def test_real_models_train_in_float32_on_cpus_without_bf16_matmuls(monkeypatch):
-    from playbook import models, presets  # weights_dtype asks presets.cpu_has_native_bf16
+    from playbook.model import models, presets  # weights_dtype asks presets.cpu_has_native_bf16
 
     cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cpu"))
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
@@ -144,7 +145,7 @@ def test_a_run_reports_eval_loss_before_and_after_and_the_sample_answers(tmp_pat
 def _throughput_counts_text(argv, payload, steps, stdout):
     """The run's tokens/s against its batches rebuilt here: the tokens of step i that are not padding are
     the sum of its batch's attention mask (the baseline keeps the mask), the padded ones batch x seq."""
-    from playbook import training
+    from playbook.run import training
 
     cfg = _cfg("finetune_baseline", *argv)
     model = type("Model", (), {"config": type("Config", (), {"vocab_size": 512})()})()  # llama-tiny's vocabulary
@@ -175,7 +176,7 @@ def _throughput_counts_text(argv, payload, steps, stdout):
 def test_batches_without_padding_print_one_throughput_figure():
     """Synthetic batches hold no padding: one tokens/s figure in the step line and in the table, where a
     padded batch names its padded figure beside the text one."""
-    from playbook import training
+    from playbook.run import training
 
     assert training.throughput(4096, 4096, 0.5) == "8,192 tokens/s"
     assert training.throughput(1024, 4096, 0.5) == "2,048 tokens/s (text), 8,192 with padding"

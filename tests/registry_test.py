@@ -1,4 +1,4 @@
-"""The registry of optimizations (playbook/registry.py): every entry complete, the same names everywhere.
+"""The registry of optimizations (playbook/model/registry.py): every entry complete, the same names everywhere.
 
     $ pytest tests/registry_test.py
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from playbook import registry
-from playbook.testkit import expect_error, record, run_as_script
+from playbook.model import registry
+from testkit import expect_error, record, run_as_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("finetune_optimized.py", "profile_baseline.py", "finetune_trainer.py", "distill.py")
@@ -75,7 +75,7 @@ def test_api_misuse_is_named():
     """apply_kernels(model, None), and a selection of entries that act outside the model's modules alone
     (fp8, adamw, lora: apply_kernels would replace nothing), are refused saying what to pass or call
     instead; so is 'none' among other names."""
-    from playbook.testkit import tiny_model
+    from testkit import tiny_model
 
     model = tiny_model("llama")
     assert "'none' (or ()) for plain PyTorch" in expect_error(TypeError, registry.apply_kernels, model, None)
@@ -146,7 +146,7 @@ def test_distillation_names_only_in_distill():
 def test_each_entry_says_whether_a_run_selects_it_and_applies_itself():
     """Every entry with an `apply` applies itself to a model; selected(cfg) follows its one switch."""
     from playbook.config import make_parser, parse_config
-    from playbook.testkit import tiny_model
+    from testkit import tiny_model
 
     parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_optimized", ["--kernels", "rmsnorm", "--fp8", "--lora-r", "4"])
@@ -165,7 +165,7 @@ def test_each_entry_says_whether_a_run_selects_it_and_applies_itself():
 
 def test_the_lora_fusion_follows_its_registry_name(monkeypatch):
     """prepare_model fuses the LoRA layers exactly when `lora` is among the selected names."""
-    from playbook import lora, models
+    from playbook.model import lora, models
     from playbook.config import make_parser, parse_config
 
     seen = []

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from playbook import registry as ak
-from playbook import common
+from playbook.model import registry as ak
+from playbook.runtime import common
 from playbook.config import make_parser, parse_config
-from playbook.testkit import python_path, record, run_as_script
+from testkit import python_path, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
@@ -96,7 +96,7 @@ def test_a_local_model_with_too_few_layers_names_the_option_that_asked(tmp_path,
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from playbook import models
+    from playbook.model import models
 
     arch = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1)
@@ -239,7 +239,7 @@ _CONVERTED_CTRL_C = """
 from playbook.startup import start
 start("nothing was run")
 import time
-from playbook import training
+from playbook.run import training
 
 def _train(cfg, *started):
     print("ready", flush=True)
@@ -300,7 +300,7 @@ while time.time() < end:
 """
 _RUNNING_SCRIPT = """
 import sys
-from playbook import signals
+from playbook.runtime import signals
 
 signals.started()  # as run_main does: Ctrl-C from here on raises KeyboardInterrupt
 if sys.argv[1] == "guarded":
@@ -356,7 +356,7 @@ def test_sigterm_saves_the_step_done_and_exits_143(tmp_path):
     (common.RESULTS_DIR / "test_robust_sigterm.metrics.jsonl").unlink(missing_ok=True)
     lines = [line for line in err.splitlines()[1:] if line.strip() and not line.startswith("checkpoint: ")]
     assert code == 143 and "Traceback" not in err and len(lines) == 1, (code, err[-2000:])
-    from playbook.checkpoint import read_checkpoint_info
+    from playbook.store.checkpoint import read_checkpoint_info
 
     saved = read_checkpoint_info(out)  # what --resume reads: `latest` names the step the run stopped after
     assert lines[0].startswith(f"terminated (SIGTERM): stopped after step {saved['step']} of 100000") \
@@ -374,7 +374,9 @@ _LONG_STEP = """
 from playbook.startup import start
 start("nothing was run")
 import signal, sys, threading, time
-from playbook import registry, time_left, training
+from playbook.model import registry
+from playbook.run import training
+from playbook.runtime import time_left
 from playbook.config import make_parser, parse_config
 
 time_left.SILENT_S = time_left.EVERY_S = 1.0
@@ -393,7 +395,7 @@ training.train(parse_config(make_parser("t", kernels_default=registry.DEFAULT_KE
 # SIGTERM that nothing defers.
 _LONG_CALL = """
 import signal, sys, threading, time
-from playbook import signals
+from playbook.runtime import signals
 signals.started("what the script kept")
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 threading.Timer(0.5, print, args=("in the long call",), kwargs={"flush": True}).start()  # (once inside the call)
@@ -482,7 +484,8 @@ def test_sigterm_waits_for_the_step_only_when_it_has_a_checkpoint_to_write(monke
     """What waiting for the step buys is its checkpoint: with --output-dir a SIGTERM is deferred to the end of the
     step; without one it stops the run at once, as Ctrl-C does (it waited for a step of 707 s for nothing). Each
     step is a pass in progress whose words a waiting SIGTERM says."""
-    from playbook import signals, time_left, training
+    from playbook.run import training
+    from playbook.runtime import signals, time_left
 
     seen = []
     real = training.training_step
@@ -553,7 +556,8 @@ def test_models_refused_before_they_are_built(monkeypatch, capsys):
     memory cannot hold it (the memory plan, as the command line is read): one line, exit code 2, before
     anything is built or fetched. (The 8B shapes still build on the meta device: finetune_test.py's preset
     and fallback tests.)"""
-    from playbook import memory_plan, models
+    from playbook.model import models
+    from playbook.plan import memory_plan
 
     monkeypatch.setattr(common, "host_memory_limit", lambda: 16 * 10**9)  # the 16 GB a container allowed
     monkeypatch.delenv("PLAYBOOK_FREE_MEMORY_GB", raising=False)
@@ -584,7 +588,7 @@ def test_ctrl_c_during_a_finalizer_still_stops_the_run():
     import signal as sig
     import time
 
-    from playbook import signals
+    from playbook.runtime import signals
 
     class Held:
         def __del__(self):  # the handler as Python calls it, with the frame it interrupted

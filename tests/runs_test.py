@@ -34,11 +34,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook import checkpoint, common, training
-from playbook import registry as ak
+from playbook.run import training
+from playbook.runtime import common
+from playbook.store import checkpoint
+from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
 from core.kernel_utils import DEVICE
-from playbook.testkit import record, run_as_script
+from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 TEXT = HERE / "examples" / "chat.jsonl"  # a file no code change edits
@@ -268,8 +270,8 @@ def test_resume_of_an_older_checkpoint_warns(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def saved_runs(tmp_path_factory):
     """A full fine-tune and a LoRA run of 2 steps, and a local model directory that is not llama-tiny."""
-    from playbook.data import byte_tokenizer
-    from playbook.models import build_preset
+    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.models import build_preset
 
     root = tmp_path_factory.mktemp("saved")
     args = [*BASE, "--steps", "2", "--tag", "test_runs_saved"]

@@ -1,4 +1,4 @@
-"""Set-up cannot degrade silently: playbook/setup_check.py (`selfcheck.py --setup`, `selfcheck.py --index-url`),
+"""Set-up cannot degrade silently: playbook/runtime/setup_check.py (`selfcheck.py --setup`, `selfcheck.py --index-url`),
 the Makefile's use of it, .ci/run, the container files, selfcheck.py.
 
 A GPU is simulated by a fake `nvidia-smi` first on PATH, so these tests run on any machine. Tests that
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from playbook import setup_check
+from playbook.runtime import setup_check
 import selfcheck
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
@@ -354,7 +354,7 @@ def test_a_busy_gpu_is_not_called_a_broken_install(tmp_path, monkeypatch):
 
 
 def test_importing_setup_check_does_not_import_torch():
-    p = _run([sys.executable, "-c", "import sys, selfcheck; from playbook import setup_check; print('torch' in sys.modules)"], _env(None))
+    p = _run([sys.executable, "-c", "import sys, selfcheck; from playbook.runtime import setup_check; print('torch' in sys.modules)"], _env(None))
     assert p.stdout.strip() == "False", p.stderr
 
 
@@ -363,16 +363,16 @@ def test_importing_setup_check_does_not_import_torch():
 
 @pytest.fixture
 def sandbox(tmp_path):
-    """A copy of the Makefile, selfcheck.py and playbook/setup_check.py (with gpu_arch.py) whose walkthrough and test suite only
+    """A copy of the Makefile, selfcheck.py and playbook/runtime/setup_check.py (with gpu_arch.py) whose walkthrough and test suite only
     leave a marker, with set-up already done (nothing is installed), and a CPU-only stand-in for torch and
     triton on PYTHONPATH (importing them takes no time, whatever torch is installed)."""
     box = tmp_path / "box"
     box.mkdir()
     (box / "playbook").mkdir()
     (box / "core").mkdir()
-    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/setup_check.py", "core/__init__.py",
-                 "core/gpu_arch.py", "playbook/startup.py", "playbook/signals.py", "playbook/environment.py",
-                 "playbook/output.py",
+    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/runtime/setup_check.py", "core/__init__.py",
+                 "core/gpu_arch.py", "playbook/startup.py", "playbook/runtime/signals.py", "playbook/runtime/environment.py",
+                 "playbook/runtime/output.py",
                  "requirements.txt", "pytest.ini"):
         shutil.copy(HERE / name, box / name)
     (box / "walkthrough.py").write_text("open('walkthrough.ran', 'w').close()\n")

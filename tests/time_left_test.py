@@ -1,4 +1,4 @@
-"""Tests of the time a run has left (playbook/time_left.py), on a stand-in clock that the test moves.
+"""Tests of the time a run has left (playbook/runtime/time_left.py), on a stand-in clock that the test moves.
 
     $ PYTHONPATH=. python tests/time_left_test.py     # a readable report
     $ pytest tests/time_left_test.py
@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from playbook import time_left
-from playbook.testkit import record, run_as_script
-from playbook.time_left import Pass, TimeLeft, duration
+from playbook.runtime import time_left
+from testkit import record, run_as_script
+from playbook.runtime.time_left import Pass, TimeLeft, duration
 
 
 class Clock:
@@ -110,7 +110,7 @@ def test_a_long_eval_pass_prints_where_it_is(monkeypatch, capsys):
     SILENT_S of silence in a real run (an eval of 178 batches was 120 s without a word)."""
     import torch
 
-    from playbook import training
+    from playbook.run import training
 
     class Slow(torch.nn.Module):
         def forward(self, input_ids, labels):

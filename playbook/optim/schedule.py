@@ -1,0 +1,55 @@
+"""The learning-rate schedule: warm-up, then constant, linear or cosine decay (--lr-schedule)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def schedule_factor(step: int, total: int, warmup: int, kind: str) -> float:
+    """The share of the peak rate at optimizer step `step` (0-based) of a `total`-step schedule."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+class LRSchedule:
+    """Linear warm-up to the peak rate, then constant, linear or cosine decay to 0 at the last step."""
+
+    def __init__(self, optimizer, total_steps: int, warmup_steps: int, kind: str):
+        self.optimizer, self.total, self.warmup, self.kind = optimizer, total_steps, warmup_steps, kind
+        self.base = [float(g["lr"]) for g in optimizer.param_groups]
+        self.last_step = -1
+
+    def factor(self, step: int) -> float:
+        return schedule_factor(step, self.total, self.warmup, self.kind)
+
+    def apply(self, step: int) -> float:
+        """Set the rate for optimizer step `step` (0-based); returns it."""
+        f = self.factor(step)
+        for g, base in zip(self.optimizer.param_groups, self.base):
+            if isinstance(g["lr"], torch.Tensor):  # a capturable optimizer's rate: the graph reads this tensor
+                g["lr"].fill_(base * f)
+            else:
+                g["lr"] = base * f
+        self.last_step = step
+        return self.base[0] * f
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step, "total": self.total, "warmup": self.warmup, "kind": self.kind}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The saved position. The kind and the warm-up must be the saved ones; the length may differ (a
+        resumed run given more or fewer --steps): the schedule then follows this run's length from
+        here on, which for a decaying kind changes the rate of every remaining step."""
+        if (state["warmup"], state["kind"]) != (self.warmup, self.kind):
+            raise ValueError(f"the checkpoint's schedule ({state['kind']}, {state['warmup']} warm-up steps) differs "
+                             f"from this run's ({self.kind}, {self.warmup}); resume with the same --lr-schedule, "
+                             "--lr-warmup-steps and --warmup-ratio")
+        self.last_step = state["last_step"]

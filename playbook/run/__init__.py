@@ -1,0 +1,1 @@
+"""The run: the one training loop (training), the step runner (step) and its CUDA graph, resuming, the summary and results, the best eval, the kernels on a CPU (interpreter)."""

@@ -1,0 +1,259 @@
+"""What is checked before the first step: the run's output folders, and a --resume checkpoint against this run.
+
+A resumed run continues the saved one: the settings that decide the data order and the learning-rate
+schedule (RESUME_SETTINGS) must be the checkpoint's, and --output-dir must not hold another run's
+checkpoints. `load` then brings the weights, the optimizer, the schedule and the losses so far back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from playbook.run import cuda_graph
+from playbook.runtime.common import RESULTS_DIR, is_main, log, world
+from playbook.optim.optimizer import weight_rounding
+from playbook.optim.schedule import schedule_factor
+
+
+# The settings that decide a run's data order and learning-rate schedule: name in the checkpoint ->
+# the flag that sets it. A resumed run must have the same values (the kernels, the optimizer's
+# implementation, logging and the number of steps may change).
+RESUME_SETTINGS = {
+    "model": "--model", "num_layers": "--num-layers", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
+    "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "load_in_4bit": "--load-in-4bit",
+    "data": "--data / --dataset", "batch_size": "--batch-size", "grad_accum": "--grad-accum", "seq_len": "--seq-len",
+    "packing": "--packing", "train_on_prompt": "--train-on-prompt", "drop_long": "--drop-long",
+    "eval_fraction": "--eval-fraction", "seed": "--seed", "lr": "--lr", "lr_schedule": "--lr-schedule",
+    "lr_warmup_steps": "--lr-warmup-steps", "warmup_ratio": "--warmup-ratio", "weight_decay": "--weight-decay",
+    "repeat_batches": "--repeat-batches",
+}
+
+
+def data_identity(cfg) -> dict | str:
+    """The training data, as a checkpoint records it: a file's path, size and SHA-256 (a moved file with
+    the same bytes is the same data), a hub dataset's id, or "synthetic"."""
+    source = cfg.data if cfg.data is not None else cfg.dataset
+    if source is None:
+        return "synthetic"
+    path = Path(source).expanduser()
+    if not path.is_file():
+        return {"hub": str(source)}
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def resume_settings(cfg, model_name: str) -> dict:
+    """This run's values of RESUME_SETTINGS, as stored in every checkpoint it writes."""
+    from playbook.model.lora import parse_targets
+
+    local = Path(model_name).expanduser()
+    lora = bool(cfg.lora_r)
+    return {
+        "model": str(local.resolve()) if local.is_dir() else model_name, "num_layers": cfg.num_layers,
+        "lora_r": cfg.lora_r, "lora_alpha": (cfg.lora_alpha or 2 * cfg.lora_r) if lora else None,
+        "lora_dropout": cfg.lora_dropout if lora else None,
+        "lora_targets": list(parse_targets(cfg.lora_targets)) if lora else None, "load_in_4bit": cfg.load_in_4bit,
+        "data": data_identity(cfg), "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+        "seq_len": cfg.seq_len, "packing": cfg.packing, "train_on_prompt": cfg.train_on_prompt,
+        "drop_long": cfg.drop_long, "eval_fraction": cfg.eval_fraction, "seed": cfg.seed, "lr": cfg.lr,
+        "lr_schedule": cfg.lr_schedule, "lr_warmup_steps": cfg.lr_warmup_steps, "warmup_ratio": cfg.warmup_ratio,
+        "weight_decay": cfg.weight_decay, "repeat_batches": cfg.repeat_batches,
+    }
+
+
+def _show_setting(key: str, value) -> str:
+    if key == "data" and isinstance(value, dict):
+        if "hub" in value:
+            return f"hub dataset {value['hub']}"
+        return f"{value['path']} ({value['bytes']:,} bytes, sha256 {value['sha256'][:12]})"
+    if key == "num_layers" and value is None:
+        return "all layers"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def settings_differences(saved: dict, ours: dict) -> list[str]:
+    """One line per setting that differs: "--batch-size: checkpoint 4, this run 8"."""
+    lines = []
+    for key, flag in RESUME_SETTINGS.items():
+        a, b = saved.get(key), ours.get(key)
+        if key == "data" and isinstance(a, dict) and isinstance(b, dict) and "sha256" in a and "sha256" in b:
+            same = (a["bytes"], a["sha256"]) == (b["bytes"], b["sha256"])  # the same bytes, wherever they are
+        else:
+            same = a == b
+        if not same:
+            lines.append(f"{flag}: checkpoint {_show_setting(key, a)}, this run {_show_setting(key, b)}")
+    return lines
+
+
+def _probe_folder(folder, what: str) -> None:
+    """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
+    from playbook.config import usage_error
+
+    for p in (folder, *folder.parents):
+        if p.exists() and not p.is_dir():
+            where = "is a file" if p == folder else f"lies under {p}, which is a file"
+            raise usage_error(f"{what} {folder} {where}, not a directory: choose another {what}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise usage_error(f"{what} {folder} cannot be written ({err.strerror or err}): choose a writable "
+                          "directory") from None
+
+
+def check_output_folders(cfg) -> None:
+    """results/ and --output-dir are directories this run can write, checked before the model is built."""
+    _probe_folder(RESULTS_DIR, "the results folder")
+    if cfg.output_dir is not None:
+        _probe_folder(cfg.output_dir, "--output-dir")
+
+
+def resume_error(cfg, err) -> SystemExit:
+    """A checkpoint that cannot be resumed: one line naming it and what is wrong, exit code 2."""
+    from playbook.config import usage_error
+
+    return usage_error(f"--resume {cfg.resume}: {str(err).strip()}")
+
+
+def read_resume(cfg) -> dict:
+    """read_checkpoint_info of --resume, its errors as resume_error."""
+    from playbook.store.checkpoint import read_checkpoint_info
+
+    try:
+        return read_checkpoint_info(cfg.resume)
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise resume_error(cfg, err) from None
+
+
+def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
+    """Stop (exit code 2) when this run's settings differ from the checkpoint's, one line each; warn when
+    the checkpoint predates stored settings; say how the schedule changes when the length does."""
+    saved = info["extra"].get("settings")
+    if saved is None:
+        log(f"warning: {info['path']} stores no run settings (an older checkpoint): whether this run's batch size, "
+            "data, sequence length and schedule are the saved run's cannot be checked")
+    else:
+        lines = settings_differences(saved, settings)
+        if lines:
+            print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
+                  "data order and the learning-rate schedule:", file=sys.stderr)
+            for line in lines:
+                print(f"  {line}", file=sys.stderr)
+            print("Resume with the checkpoint's values, or start a new run (another --output-dir).", file=sys.stderr)
+            raise SystemExit(2)
+    schedule = info["scheduler"]
+    if schedule and schedule["total"] != steps and info["step"] < steps:
+        start, kind = info["step"], schedule["kind"]
+        if kind == "constant":
+            log(f"The run's length changes from {schedule['total']} to {steps} steps (constant learning rate: "
+                "the remaining steps' rate is unchanged)")
+        else:
+            before = schedule_factor(start, schedule["total"], schedule["warmup"], kind)
+            after = schedule_factor(start, steps, schedule["warmup"], kind)
+            log(f"The schedule's length changes from {schedule['total']} to {steps} steps: the {kind} decay is rebuilt "
+                f"for {steps} steps, so the remaining steps' learning rate follows the new length (step {start + 1}: "
+                f"{cfg.lr * after:.3g} instead of {cfg.lr * max(before, 0.0):.3g})")
+
+
+def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
+    """Everything a --resume checkpoint must agree with before the optimizer is built: the number of
+    processes of a --dataset run, the settings (check_resume); a change of rounding is said, not refused."""
+    size = world()[1]
+    saved_size = int(info["extra"].get("world_size", 1))
+    if saved_size != size and cfg.dataset:
+        raise resume_error(cfg, f"the checkpoint was written by {saved_size} process(es), this run has {size}: a "
+                                "--dataset epoch is dealt out among the processes, so at another count the step "
+                                f"no longer says which rows were seen; resume with {saved_size} process(es)")
+    check_resume(cfg, info, settings, steps)
+    saved = info["extra"].get("config") or {}
+    saved_rounding = ("fp32-master" if saved.get("master_weights") == "fp32"
+                      else saved.get("optimizer_rounding", "nearest"))
+    if saved_rounding != weight_rounding(cfg):  # allowed, as a change of --optimizer is
+        log(f"The checkpoint's run rounded its weights with {saved_rounding!r}, this one with "
+            f"{weight_rounding(cfg)!r}: a Kahan compensation or fp32 master weight the checkpoint lacks starts "
+            "from the bf16 weights, one this run does not use is dropped")
+
+
+def lr_warmup_steps(cfg, info: dict | None, steps: int) -> int:
+    """The schedule's warm-up steps: --lr-warmup-steps, or --warmup-ratio of the run's length; resumed, a
+    share of the saved run's length (the warm-up already done)."""
+    if info is not None and info["scheduler"] and not cfg.lr_warmup_steps and cfg.warmup_ratio:
+        return info["scheduler"]["warmup"]
+    return cfg.lr_warmup_steps or int(cfg.warmup_ratio * steps)
+
+
+def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
+    """--output-dir must not hold another run's checkpoints: this run's would be mixed with them.
+
+    Allowed: no checkpoints; resuming from a checkpoint of this folder, the later ones (if any)
+    belonging to the same run (same length: with the same settings they are what this run computes
+    again, and it replaces them as it reaches them). Otherwise stop, unless --overwrite-output-dir,
+    which deletes those checkpoints (all of them, or the ones after the resumed one) first."""
+    from playbook.store.checkpoint import LATEST_FILE, list_checkpoints
+    from playbook.config import usage_error
+
+    out = cfg.output_dir
+    if out is None:
+        return
+    found = list_checkpoints(out)
+    if not found:
+        return
+    inside = info is not None and info["path"].resolve().parent == out.resolve()
+    if inside:
+        others = [p for s, p in found if s > info["step"]]
+        schedule = info["scheduler"] or {}
+        if not others or schedule.get("total") == steps:
+            return
+        what = (f"{', '.join(p.name for p in others)}, later than the resumed {info['path'].name} and from a run of "
+                f"{schedule.get('total')} steps (this one has {steps})")
+    else:
+        others = [p for _, p in found]
+        what = f"another run's checkpoints ({', '.join(p.name for p in others)})"
+    if not cfg.overwrite_output_dir:
+        raise usage_error(f"--output-dir {out} holds {what}: this run's checkpoints would be mixed with them. Choose "
+                          "another --output-dir, resume that run (--resume), or add --overwrite-output-dir to delete "
+                          "them before training")
+    if is_main():
+        for p in others:
+            shutil.rmtree(p)
+        latest = out / LATEST_FILE
+        if latest.is_file() and not (out / latest.read_text().strip()).is_dir():
+            latest.unlink()
+    log(f"--overwrite-output-dir: deleted {', '.join(p.name for p in others)} from {out} before training")
+
+
+def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, capturable: bool) -> int:
+    """Load the --resume checkpoint into the model, the optimizer and the schedule, and its losses into
+    `result`; returns the step it is at (the run goes on from the next). capturable: the optimizer is
+    made for a CUDA graph, and gets its rate and step counts back on the GPU (cuda_graph.make_capturable)."""
+    from playbook.store.checkpoint import load_checkpoint
+
+    try:
+        state = load_checkpoint(info["path"], model, optimizer, schedule)
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise resume_error(cfg, err) from None
+    start = int(state["step"])
+    if capturable:
+        cuda_graph.make_capturable(optimizer, cfg.device)
+    saved_size, size = int(state.get("world_size", 1)), world()[1]
+    if saved_size != size:
+        log(f"The checkpoint was written by {saved_size} process(es), this run has {size}: the weights, optimizer "
+            "and schedule carry over; the batches and random numbers from here on are this run's own")
+    result.losses = list(state.get("losses", []))[:start]
+    result.eval_losses = [tuple(e) for e in state.get("eval_losses", []) if e[0] <= start]
+    log(f"Resumed from {info['path']} at step {start} of {steps}")
+    if start >= steps:
+        raise resume_error(cfg, f"the checkpoint is at step {start}, and this run has only {steps} steps; give "
+                                f"more --steps (or --epochs) to continue it")
+    return start

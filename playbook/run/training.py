@@ -1,0 +1,669 @@
+"""The one training loop behind every fine-tuning script: `train(cfg)`.
+
+    finetune_baseline.py   = train(config with kernels=())
+    finetune_optimized.py  = train(config with --kernels)
+    profile_baseline.py    = the same steps under torch.profiler
+
+One optimizer step = `--grad-accum` micro-batches. The loss of the step is the mean over every target
+token of all its micro-batches (not the mean of the micro-batch means, which would weigh a short
+example like a long one): the number of target tokens in the window is counted first and passed to
+the model as `num_items_in_batch`, so each micro-batch's loss is its sum divided by that count.
+
+The run's parts live beside this module: the optimizer and its schedule in playbook/optim/, how each step
+is queued (eagerly or replayed from a CUDA graph) in playbook/run/step.py, the checks of a --resume
+checkpoint and of the output folders in playbook/run/resume.py, the summary, metrics and loss curve in
+playbook/run/report.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from playbook.plan import memory_plan
+from playbook.run import cuda_graph
+from playbook.runtime import output, signals
+from playbook.run.best import BestEval
+from playbook.runtime.common import (RESULTS_DIR, describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message,
+                             result_path, synchronize, versions, world)
+from playbook.model.models import PRESETS, count_params, prepare_model
+from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer, make_optimizer
+from playbook.optim.schedule import LRSchedule
+from playbook.model.registry import in_effect
+from playbook.run.report import MetricsLog, RunResult, answers_after, answers_before, default_tag, step_line, write_report
+from playbook.run.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load, lr_warmup_steps,
+                             read_resume, resume_settings)
+from playbook.run.step import StepRunner
+from playbook.runtime.time_left import TimeLeft, in_progress, running
+from playbook.optim.optimizer import param_groups, weight_rounding  # noqa: F401  (training.X: scripts, tests)
+from playbook.optim.schedule import schedule_factor  # noqa: F401  (training.X: scripts, tests)
+from playbook.run.report import plot_curve, table_rows, throughput  # noqa: F401  (training.X: scripts, tests)
+
+IGNORE_INDEX = -100
+
+
+# ------------------------------------------------------------------------------------------------
+# One step
+# ------------------------------------------------------------------------------------------------
+def count_targets(micro_batches) -> torch.Tensor:
+    """Target tokens of a window (labels are shifted inside the loss: position 0 is never a target)."""
+    return sum((b["labels"][..., 1:] != IGNORE_INDEX).sum() for b in micro_batches)
+
+
+def gradient_norm(model) -> torch.Tensor | None:
+    """The global L2 norm of the parameters' gradients, on the device (no host sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
+
+
+def training_step(model, optimizer, micro_batches, max_grad_norm: float | None = None, grad_norm: bool = False,
+                  zero_grad: bool = True):
+    """Forward and backward over the micro-batches, then one optimizer step.
+
+    Returns (loss, grad norm or None) as 0-d tensors on the device (no host sync here). The loss is
+    the mean over all target tokens of the window. zero_grad=False keeps this step's gradients after
+    the update (a CUDA graph's step: they are overwritten by the next replay's first backward).
+    """
+    _, size = world()
+    extra = {}
+    if len(micro_batches) > 1 or size > 1:
+        # One micro-batch on one process: the model's own mean is already the token mean (and keeps
+        # the loss's upstream gradient at 1, which the fused losses skip rescaling for).
+        n_items = count_targets(micro_batches).clamp_min(1)
+        if size > 1:  # every rank divides by the count of the whole job; FSDP2 averages gradients over ranks
+            torch.distributed.all_reduce(n_items)
+        extra["num_items_in_batch"] = n_items
+    total = None
+    for batch in micro_batches:
+        # Keep only the loss: holding the whole output would keep the [batch, seq, vocab] logits
+        # (2.1 GB at 4 x 2048 tokens in bf16) alive through the backward pass for nothing.
+        loss = model(**batch, **extra).loss
+        (loss * size if size > 1 else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    norm = None
+    if max_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, foreach=True)
+    elif grad_norm and not isinstance(optimizer, OptimizerInBackward):
+        norm = gradient_norm(model)
+    optimizer.step()
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+    if size > 1:
+        torch.distributed.all_reduce(total)
+    return total, norm
+
+
+@torch.no_grad()
+def evaluate(model, batches) -> float | None:
+    """Mean loss over every target token of the held-out batches. A pass that runs long says how far it is and
+    what it has left (time_left.running)."""
+    if not batches:
+        return None
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    n_sum = 0
+    with running("eval pass", total=len(batches), unit="batches", unknown="the first batch still running") as at:
+        for b in batches:
+            n = int(count_targets([b]))  # a sync point, once per eval batch
+            if n:
+                loss_sum += float(model(**b).loss) * n
+                n_sum += n
+            at.done += 1
+    model.train(was_training)
+    return float(loss_sum / max(n_sum, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# The run's data
+# ------------------------------------------------------------------------------------------------
+def causal_padding(cfg) -> bool:
+    """Right-padded batches without their padding mask (playbook/data/dataset.py, `causal_padding`): the optimized
+    scripts' default. The baseline passes Hugging Face the mask, as plain Hugging Face training does."""
+    return not cfg.defaults.huggingface_attention
+
+
+def data_source(cfg) -> tuple[str | None, str]:
+    """(the file or hub id the run trains on, its kind: "dataset", "text" or "synthetic")."""
+    if cfg.dataset:
+        return str(cfg.dataset), "dataset"
+    return (str(cfg.data), "text") if cfg.data else (None, "synthetic")
+
+
+def make_run_data(cfg, model, tokenizer=None):
+    from playbook.data.dataset import bad_data_exit, make_data
+
+    source, kind = data_source(cfg)
+    rank, size = world()
+    try:
+        data = make_data(source, kind, tokenizer,
+                         model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
+                         packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction,
+                         drop_long=cfg.drop_long, eval_source=cfg.eval_dataset, repeat_batches=cfg.repeat_batches)
+    except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
+        raise bad_data_exit(err) from None
+    data.causal_padding = causal_padding(cfg)
+    if data.packing:
+        use_packed_attention(cfg, model, data)
+    return data
+
+
+def check_run_data(cfg) -> None:
+    """The data files before the model is built (data.check_source): a file that leaves nothing to train on is
+    one line naming it and what it holds, exit code 2."""
+    from playbook.data.dataset import bad_data_exit, check_source
+
+    try:
+        check_source(*data_source(cfg), cfg.eval_dataset, cfg.train_on_prompt)
+    except (ValueError, OSError, ImportError) as err:
+        raise bad_data_exit(err) from None
+
+
+def use_packed_attention(cfg, model, data) -> None:
+    """Packed rows' attention: the optimized scripts give the model playbook/model/packed_attention.py's function and
+    the batches their examples' boundaries; the baseline keeps SDPA with a dense [B, 1, T, T] mask, as plain
+    Hugging Face training does. Says which, in one line."""
+    from playbook.model import packed_attention
+
+    config = model.config
+    why = "the baseline: Hugging Face's SDPA" if cfg.defaults.huggingface_attention else \
+        packed_attention.unsupported(config)
+    if why:
+        log(f"attention on packed rows: SDPA with a dense [batch, 1, seq, seq] mask ({why})")
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = model.get_input_embeddings().weight.dtype
+    packed_attention.install(model)
+    data.packed_attention = "boundaries"
+    data.packed_kernel = packed_attention.kernel(torch.device(cfg.device), dtype, head_dim)
+    log(packed_attention.describe(torch.device(cfg.device), dtype, head_dim))
+
+
+def needs_tokenizer(cfg) -> bool:
+    return bool(cfg.dataset or cfg.data or cfg.output_dir or cfg.sample_prompts)
+
+
+def run_tokenizer(cfg, model_name: str):
+    if not needs_tokenizer(cfg):
+        return None
+    from playbook.data.dataset import make_tokenizer
+
+    return make_tokenizer(model_name, preset=model_name in PRESETS)
+
+
+def total_steps(cfg, data) -> int:
+    if cfg.steps is not None:
+        return cfg.steps
+    per_epoch = data.batches_per_epoch
+    steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+    log(f"--epochs {cfg.epochs:g}: {per_epoch} micro-batches per epoch / {cfg.grad_accum} -> {steps} steps")
+    return steps
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+def train(cfg) -> dict:
+    """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
+    kept = "the run stopped before its summary; checkpoints already written under --output-dir are complete"
+    signals.started(kept)  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
+    started = [cfg]  # the RunConfig as the run goes on with it (memory_plan.start chooses a default rounding)
+    try:
+        return _train(cfg, started)
+    except (KeyboardInterrupt, Exception) as err:
+        if not signals.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
+            if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
+                raise SystemExit(oom_message(started[-1], err)) from None
+            if output.is_disk_full(err):  # results/: the metrics, the summary, its plot
+                raise output.disk_full_exit(err, kept) from None
+            raise
+    raise signals.interrupted_exit(kept) from None
+
+
+def _train(cfg, started: list | None = None) -> dict:
+    """train() less its answers to Ctrl-C and to memory running out: start_run, the steps, end_run."""
+    run = start_run(cfg, started)
+    cfg = run.cfg
+    runner = step_runner(run)
+    bar = progress_bar(run)
+    stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
+    terminated = None  # the step after which a SIGTERM stopped the run
+    def waiting_for() -> str:  # what a deferred SIGTERM waits for, said when the stop takes a while
+        where = in_progress()
+        return (f"the run stops after the step in progress{f' ({where})' if where else ''} and saves its checkpoint "
+                f"to {cfg.output_dir}")
+
+    # A scheduler's SIGTERM with --output-dir: the step in progress ends, is saved, and the run stops (without
+    # one there is nothing to wait for: the run stops at once, as for Ctrl-C)
+    signals.defer_sigterm(cfg.output_dir is not None, waiting_for=waiting_for)
+    run.left.begin()
+    try:
+        for step in bar:
+            with running(f"step {step + 1} of {run.steps}", expected_s=run.left.step_seconds(),
+                         unknown="no step time measured yet"):
+                stopped = one_step(run, runner, step, bar)
+            if stopped is not None or run.early_stop is not None:
+                break
+            if step + 1 < run.steps and sigterm_stops(cfg):
+                terminated = step + 1
+                break
+    finally:  # however the loop ends (out of memory in a step: train() turns it into its one-line message)
+        signals.defer_sigterm(False)
+        bar.close()
+        run.metrics.close()
+    run.result.cuda_graphs = runner.mode
+    ending = end_run(run, runner, stopped, terminated)
+    if world()[1] > 1:  # a run that ends as planned leaves the process group (an error leaves with the process)
+        torch.distributed.destroy_process_group()
+    if isinstance(ending, SystemExit):
+        raise ending
+    return ending
+
+
+def step_runner(run: Run) -> StepRunner:
+    """The run's StepRunner around training_step (looked up at each step, so that a test may replace it)."""
+    cfg = run.cfg
+
+    def step_fn(micro_batches, grad_norm=False, zero_grad=True):
+        return training_step(run.model, run.optimizer, micro_batches, cfg.max_grad_norm, grad_norm=grad_norm,
+                             zero_grad=zero_grad)
+
+    return StepRunner(step_fn, lambda: gradient_norm(run.model), run.optimizer, cfg.device, run.blocker,
+                      compiled=cfg.compile)
+
+
+def progress_bar(run: Run):
+    """The steps still to run, as a tqdm bar on an interactive terminal of the main process (else silent)."""
+    from tqdm import tqdm
+
+    return tqdm(range(run.start, run.steps), desc=run.cfg.script, unit="step",
+                disable=not (is_main() and interactive()), dynamic_ncols=True)
+
+
+@dataclass
+class Run:
+    """A training run from its first step to its report: what start_run built, and how far the loop is."""
+
+    cfg: object  # the RunConfig the run goes on with (memory_plan.start may have settled its rounding)
+    model: nn.Module
+    tokenizer: object
+    data: object  # playbook.data.dataset's TrainData
+    steps: int
+    optimizer: object
+    schedule: LRSchedule
+    result: RunResult
+    metrics: MetricsLog
+    summary_path: Path
+    settings: dict  # resume_settings, stored in every checkpoint
+    blocker: str | None  # why the step cannot be one CUDA graph (cuda_graph.graph_blocker), or None
+    kernels: tuple  # the kernels in effect (registry.in_effect)
+    start: int = 0  # the steps done before this run started (a resumed checkpoint's)
+    last_good: tuple | None = None  # (step, directory) of the newest checkpoint with finite weights
+    last_saved: Path | None = None  # the newest complete checkpoint
+    left: TimeLeft | None = None
+    prompts: list | None = None  # --sample-prompts
+    best: BestEval | None = None  # the lowest eval loss after a step: --load-best-model-at-end, early stopping
+    early_stop: str | None = None  # the line of a run that early stopping ended
+
+    @property
+    def timed_from(self) -> int:
+        """The first timed step (0-based): the ones before it warm up (--timing-warmup-steps)."""
+        return self.start + self.cfg.warmup_steps
+
+
+def start_run(cfg, started: list | None = None) -> Run:
+    """Everything before the first step: the checks (output folders, --resume), the model, the data, the
+    optimizer and its schedule, the run's outputs, the resumed checkpoint, and what before_first_step does.
+    started: the RunConfigs the run has gone on with, the newest last (train() names it when memory runs out)."""
+    check_output_folders(cfg)
+    info = read_resume(cfg) if cfg.resume is not None else None
+    check_run_data(cfg)  # before the model is built: data that leaves nothing to train on
+    cfg, model, model_name, kernels, (n_params, n_train) = build_model(cfg, started)
+    tokenizer = run_tokenizer(cfg, model_name)
+    data = make_run_data(cfg, model, tokenizer)
+    data_line = data.describe()
+    log(f"Data: {data_line}")
+    steps = total_steps(cfg, data)
+    if steps <= cfg.warmup_steps:  # (--epochs: the count of steps is known only now, from the data)
+        from playbook.config import usage_error
+
+        raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
+                          f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
+                          f"{steps - 1}")
+    settings = resume_settings(cfg, model_name)
+    if info is not None:
+        check_resumed_run(cfg, info, settings, steps)
+    check_output_checkpoints(cfg, info, steps)
+    blocker = cuda_graph.graph_blocker(cfg, data)
+    if cfg.on_gpu:
+        cuda_graph.announce(blocker)
+    optimizer = make_optimizer(model, cfg, capturable=blocker is None)
+    schedule = LRSchedule(optimizer, steps, lr_warmup_steps(cfg, info, steps), cfg.lr_schedule)
+    summary_path, metrics = open_outputs(cfg, model_name)
+    result = RunResult(script=cfg.script, model=model_name, kernels=list(kernels) + (["torch.compile"] if cfg.compile
+                                                                                     else []),
+                       gpu=describe_gpu(cfg.device), world_size=world()[1], batch_size=cfg.batch_size,
+                       seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, steps=steps, optimizer=describe_optimizer(cfg),
+                       params=n_params, trainable_params=n_train, data=data_line, versions=versions(),
+                       config=cfg.as_dict())
+    run = Run(cfg, model, tokenizer, data, steps, optimizer, schedule, result, metrics, summary_path, settings,
+              blocker, kernels, best=BestEval(cfg.early_stopping_patience, cfg.early_stopping_threshold))
+    if info is not None:
+        run.start = load(cfg, info, model, optimizer, schedule, result, steps, capturable=blocker is None)
+        run.last_good, run.last_saved = (run.start, info["path"]), info["path"]
+        if cfg.eval_every:  # the resumed run's evals are candidates too (their checkpoints: where one is on disk)
+            for done, loss in result.eval_losses:
+                if done > 0 and judge_eval(run, done, loss, quiet=True):
+                    kept = cfg.output_dir / f"checkpoint-{done}" if cfg.output_dir else None
+                    run.best.checkpoint = kept if kept is not None and kept.is_dir() else None
+    before_first_step(run)
+    return run
+
+
+def build_model(cfg, started: list | None):
+    """The memory plan, then the model with its kernels, said in one line. Returns the RunConfig the run goes
+    on with, the model, its name, the kernels in effect and (parameters, trainable parameters)."""
+    auto = cfg.optimizer_rounding == "auto"
+    cfg = memory_plan.start(cfg)  # the peak it needs against the free memory, before the model is built
+    if started is not None:
+        started.append(cfg)
+    model, model_name, desc, kernel_report = prepare_model(cfg)
+    if auto:  # torchrun: every process the same rounding (each chose from its own GPU's free memory)
+        cfg = memory_plan.agree_on_rounding(cfg)
+    if cfg.lora_r:
+        name_lora_base(model, model_name)
+    kernels = in_effect(kernel_report, cfg.optimizer, cfg.lora_r)
+    _, size = world()
+    n_params, n_train = count_params(model), count_params(model, trainable_only=True)
+    count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
+    dtype = str(next(model.parameters()).dtype).replace('torch.', '').replace('bfloat16', 'bf16')
+    log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), {dtype}, on "
+        f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else "")
+        + (" (the kernels in Triton's interpreter)" if not cfg.on_gpu and kernels else ""))
+    return cfg, model, model_name, kernels, (n_params, n_train)
+
+
+def name_lora_base(model, model_name: str) -> None:
+    """The base model the adapters belong to, as their saved adapter_config.json names it (lora.name_base_model)."""
+    from playbook.model import pretrained
+    from playbook.model.lora import name_base_model
+
+    base = str(pretrained.local_directory(model_name)) if pretrained.is_pretrained_name(model_name) else model_name
+    name_base_model(model, base, f"{model_name} is a preset of this project (its architecture with random "
+                                 "weights, built by playbook.model.models.build_preset): not on the Hugging Face "
+                                 "Hub, so AutoPeftModelForCausalLM cannot fetch it; build the preset, then "
+                                 "playbook.model.lora.load_adapter" if model_name in PRESETS else None)
+
+
+def open_outputs(cfg, model_name: str) -> tuple[Path, MetricsLog]:
+    """results/<tag>.json's path (another free name unless --overwrite) and the metrics log beside it."""
+    tag = cfg.tag or default_tag(cfg, model_name)
+    summary_path = result_path(tag, ".json", cfg.overwrite)
+    stem = summary_path.stem
+    if stem != tag:
+        log(f"results/{tag}.json exists: this run writes results/{stem}.* (--overwrite replaces it)")
+    tb_dir = ((cfg.output_dir or RESULTS_DIR / "tensorboard") / stem) if cfg.report_to == "tensorboard" else None
+    return summary_path, MetricsLog(RESULTS_DIR / f"{stem}.metrics.jsonl", tb_dir)
+
+
+def before_first_step(run: Run) -> None:
+    """The interpreter's estimate of the run, the held-out loss before any update (the baseline of the run's
+    gain), the answers to --sample-prompts before training, and the line that says what the loop runs."""
+    from playbook.run import interpreter  # the checkpoints' disk; a CPU running the kernels on a real model: estimate
+
+    cfg, result = run.cfg, run.result
+    interpreter.before_training(cfg, run.model, run.kernels, run.data, run.start + 1, run.steps)
+    run.left = TimeLeft(run.steps, run.start, cfg.eval_every, cfg.save_every, cfg.output_dir is not None,
+                        answers=cfg.sample_prompts is not None)
+    if run.start == 0:
+        with run.left.measure("eval"):
+            eval_before = evaluate(run.model, run.data.eval_batches(cfg.device))
+        if eval_before is not None:
+            result.eval_losses.insert(0, (0, eval_before))
+            log(f"eval loss before training: {eval_before:.4f} (mean over the held-out target tokens)")
+    if cfg.sample_prompts is not None:
+        from playbook.model import generate
+
+        run.prompts = generate.read_prompts(cfg.sample_prompts)
+        with run.left.measure("answers"):
+            result.samples = answers_before(run.model, run.tokenizer, run.prompts, cfg.device)
+    size, lr_warmup = world()[1], run.schedule.warmup
+    log(f"Training: steps {run.start + 1}-{run.steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
+        f"{cfg.batch_size} x {cfg.seq_len} tokens per step{' per GPU' if size > 1 else ''} (micro-batches x sequences x "
+        f"tokens each), {result.optimizer}, "
+        f"lr {cfg.lr:g} {cfg.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup else ""))
+
+
+def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
+    """Optimizer step `step` (0-based) and what follows it: the eval, the metrics and the log line, the
+    checkpoint, the capture of the CUDA graph. Returns the message that stops the run, or None."""
+    cfg, result = run.cfg, run.result
+    if step == run.timed_from and cfg.on_gpu:
+        synchronize(cfg.device)
+        torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
+    lr = run.schedule.apply(step)
+    batches = [run.data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
+    n_text = sum(run.data.text_tokens(step * cfg.grad_accum + i) for i in range(cfg.grad_accum))  # on the host
+    log_now = (step + 1) % cfg.log_every == 0 or step == run.steps - 1
+    loss, norm, queued, dt = runner.run(step, batches, log_now)
+    loss_value = loss.float().item()  # a sync point (the runner synchronised already)
+    if not math.isfinite(loss_value):
+        return nonfinite_message(cfg, loss_value, step + 1, run.steps, run.last_good)
+    result.losses.append(loss_value)
+    if step >= run.timed_from:
+        result.step_times_s.append(dt)
+        result.host_queue_s.append(queued)
+        result.text_tokens.append(n_text)
+    eval_loss = eval_when_due(run, step + 1)
+    mem = runner.peak_bytes() / 1e9 if cfg.on_gpu else None
+    run.metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
+                      grad_norm=float(norm) if norm is not None else None, tokens_per_s=n_text / dt,
+                      padded_tokens_per_s=result.tokens_per_step / dt,
+                      step_ms=dt * 1e3, host_queue_ms=queued * 1e3, peak_memory_gb=mem)
+    bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
+    run.left.step_done(step + 1)
+    if log_now or eval_loss is not None:
+        line = step_line(step + 1, run.steps, loss_value, eval_loss, lr, norm, dt, n_text, result.tokens_per_step,
+                         run.left.text(step + 1))
+        if bar.disable:
+            log(line)
+        else:
+            bar.write(line)
+    improved = judge_eval(run, step + 1, eval_loss) if eval_loss is not None else False
+    best_due = improved and cfg.load_best_model_at_end
+    stop = save_when_due(run, step + 1, force=best_due or run.best.should_stop)
+    if improved and run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{step + 1}":
+        run.best.checkpoint = run.last_saved
+    if stop is None and run.best.should_stop:
+        run.early_stop = run.best.stop_line(step + 1)
+        log(run.early_stop)
+    if stop is None:
+        runner.after(step, run.steps)
+    return stop
+
+
+def judge_eval(run: Run, done: int, eval_loss: float, quiet: bool = False) -> bool:
+    """A periodic eval (--eval-every) against the best so far: returns whether it is a new best; says once when
+    the run starts to memorize (the eval loss above its best while the training loss fell)."""
+    cfg, best = run.cfg, run.best
+    if not cfg.eval_every:  # one eval after the last step: nothing to compare it with
+        return False
+    last = best.history[-1][0] if best.history else 0  # the step of the last eval judged
+    window = run.result.losses[last:done]  # the training losses since then (a resumed run's begin at step 1 too)
+    if not quiet and not best.warned and best.memorizing(eval_loss, window):
+        best.warned = True
+        log(best.memorizing_line(done, eval_loss, window, best_kept(run)))
+    return best.update(done, eval_loss, window)
+
+
+def best_kept(run: Run) -> str:
+    """Where the best step's weights are, or how to keep them next time."""
+    cfg, best = run.cfg, run.best
+    on_disk = best.checkpoint or (cfg.output_dir / f"checkpoint-{best.step}" if cfg.output_dir else None)
+    if on_disk is not None and Path(on_disk).is_dir():
+        return (f"The best step's checkpoint: {on_disk}"
+                + ("; the run ends with its weights (--load-best-model-at-end)." if cfg.load_best_model_at_end else "."))
+    advice = "--load-best-model-at-end" + ("" if cfg.output_dir else " with --output-dir")
+    return (f"Step {best.step}'s weights are not kept: {advice} keeps the best checkpoint"
+            + ("" if cfg.early_stopping_patience else ", and --early-stopping-patience N stops such a run") + ".")
+
+
+def eval_when_due(run: Run, done: int) -> float | None:
+    """The held-out loss after `done` steps, every --eval-every steps and after the last (kept in the result);
+    None when no eval is due or there is no held-out data."""
+    cfg = run.cfg
+    if not ((cfg.eval_every and done % cfg.eval_every == 0) or done == run.steps):
+        return None
+    with run.left.measure("eval"):
+        eval_loss = evaluate(run.model, run.data.eval_batches(cfg.device))
+    if eval_loss is not None:
+        run.result.eval_losses.append((done, eval_loss))
+    return eval_loss
+
+
+def save_when_due(run: Run, done: int, force: bool = False) -> str | None:
+    """The checkpoint after `done` steps, when --output-dir is given and --save-every, the last step or `force`
+    (a new best eval with --load-best-model-at-end, an early stop) asks for one. Returns the message that stops
+    the run when it cannot be written, else None."""
+    cfg = run.cfg
+    if cfg.output_dir is None or not (force or (cfg.save_every and done % cfg.save_every == 0) or done == run.steps):
+        return None
+    if run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{done}":
+        return None  # (written already: a step that is both a save step and a new best)
+    try:
+        with run.left.measure("save"):
+            path = save(cfg, done, run.model, run.tokenizer, run.optimizer, run.schedule, run.result, run.settings,
+                        keep=run.best.checkpoint if cfg.load_best_model_at_end else None)
+    except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a file size limit,
+        # permissions (safetensors' own error for a failed write): the summary is still written
+        return (f"error: the checkpoint of step {done} could not be written to {cfg.output_dir} "
+                f"({str(err).splitlines()[0][:300]})"
+                + (f"; the last complete checkpoint is {run.last_saved}" if run.last_saved else
+                   "; no checkpoint of this run is complete"))
+    run.last_saved = path
+    if weights_finite(run.model):
+        run.last_good = (done, path)
+    return None
+
+
+def end_run(run: Run, runner: StepRunner, stopped: str | None, terminated: int | None) -> dict | SystemExit:
+    """After the loop: for a SIGTERM, the checkpoint of the last step done; otherwise the answers after
+    training, the report, and the merged LoRA weights of a run that finished. Returns the report's dict, or
+    the SystemExit that ends a stopped or terminated run (raised once the processes have left their group)."""
+    cfg, result = run.cfg, run.result
+    if terminated is not None:
+        kept = stop_after_sigterm(cfg, terminated, run.steps, run.last_saved, lambda: save(
+            cfg, terminated, run.model, run.tokenizer, run.optimizer, run.schedule, result, run.settings))
+        return signals.interrupted_exit(kept, "SIGTERM")
+    if cfg.on_gpu:
+        result.peak_memory_gb = runner.peak_bytes() / 1e9  # the captured step's footprint included
+    if stopped is None:
+        end_with_best(run)
+    if run.prompts is not None and stopped is None:
+        answers_after(result.samples, run.model, run.tokenizer, run.prompts, cfg.device, len(result.losses))
+    payload = write_report(cfg, result, run.model, run.left.summary(), stopped, run.summary_path, run.metrics.path,
+                           interpreted=bool(run.kernels))
+    if stopped is not None:
+        return SystemExit(f"{stopped}\nThe summary of the {len(result.losses)} steps done is in {run.summary_path}")
+    if cfg.lora_r and cfg.merge_lora and is_main():
+        merge_lora(cfg, run.model, run.tokenizer)
+    return payload
+
+
+def end_with_best(run: Run) -> None:
+    """After the last step (or an early stop): the best eval named, and with --load-best-model-at-end its weights
+    loaded into the model, so that what follows (answers, report, merged LoRA weights) is the best step's."""
+    cfg, best, result = run.cfg, run.best, run.result
+    result.best_eval = best.as_dict()
+    result.early_stop = run.early_stop
+    if best.step is None:
+        return
+    done = len(result.losses)  # (a resumed run's include the steps before it)
+    log(f"best eval loss: {best.loss:.4f} at step {best.step} of {done}"
+        + (f" (checkpoint {best.checkpoint})" if best.checkpoint is not None else ""))
+    if cfg.load_best_model_at_end and best.checkpoint is not None and best.step != done:
+        from playbook.store.checkpoint import load_checkpoint
+
+        load_checkpoint(best.checkpoint, run.model)
+        result.ended_with = f"step {best.step}'s weights ({best.checkpoint})"
+        log(f"--load-best-model-at-end: the model ends with step {best.step}'s weights, from {best.checkpoint}; the "
+            f"last checkpoint, {run.last_saved}, holds step {done}'s")
+
+
+def merge_lora(cfg, model, tokenizer) -> None:
+    """--merge-lora: the adapters folded into the base weights, saved under --output-dir/merged."""
+    from playbook.model.lora import merge_and_save
+
+    merged = cfg.output_dir / "merged"
+    merge_and_save(model, merged, tokenizer)
+    print(f"Merged LoRA weights: {merged}")
+
+
+def sigterm_stops(cfg) -> bool:
+    """Whether a SIGTERM came during the loop (signals.defer_sigterm) to any process: every process then
+    stops after the same step, the one whose checkpoint they write together."""
+    pending = signals.sigterm_pending()
+    if world()[1] > 1:
+        flag = torch.tensor(int(pending), device=cfg.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # a sync point, once per step
+        pending = bool(flag)
+    return pending
+
+
+def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
+    """What a SIGTERM (a scheduler's pre-emption) keeps: with --output-dir the checkpoint of `step`, the last
+    step done (`save_now()` writes it unless it was just written), so that the job resumes from it."""
+    kept = f"stopped after step {step} of {steps}, before its summary"
+    if cfg.output_dir is None:
+        return kept + "; no checkpoint (no --output-dir)"
+    try:
+        path = last_saved if last_saved is not None and Path(last_saved).name == f"checkpoint-{step}" else save_now()
+    except (OSError, RuntimeError, SafetensorError) as err:
+        return (kept + f"; the checkpoint of step {step} could not be written ({str(err).splitlines()[0][:200]})"
+                + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
+    return kept + f"; saved {path}: resume with --resume {cfg.output_dir}"
+
+
+def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None, keep=None):
+    """Write checkpoint-<step> (keeping the newest --save-total-limit, and `keep`, the best checkpoint);
+    `settings`: resume_settings."""
+    from playbook.store.checkpoint import save_checkpoint
+
+    extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
+             "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1],
+             "settings": settings}
+    path = save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra,
+                           keep_last=cfg.save_total_limit, keep=keep)
+    if path is not None:
+        log(f"checkpoint: {path}")
+    return path
+
+
+def weights_finite(model) -> bool:
+    """Whether every trainable parameter is finite (a sync point; all processes agree)."""
+    with torch.no_grad():
+        flags = [torch.isfinite(p.to_local() if type(p).__name__ == "DTensor" else p).all()
+                 for p in model.parameters() if p.requires_grad]
+        ok = torch.stack(flags).all().to(torch.int32) if flags else torch.ones((), dtype=torch.int32)
+        if world()[1] > 1:
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        return bool(ok)
+
+
+def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str:
+    """What stops a run whose loss is NaN or inf: the step, the likely causes, the last good checkpoint."""
+    if last_good is not None:
+        where = f"The last good checkpoint (finite weights): {last_good[1]} (step {last_good[0]})."
+    elif cfg.output_dir is None:
+        where = "No checkpoint was written (no --output-dir)."
+    else:
+        where = "No checkpoint with finite weights was written before it."
+    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: the learning rate (--lr {cfg.lr:g}: "
+            "try a lower one, a warm-up with --lr-warmup-steps, or --max-grad-norm 1.0); the data (an example of "
+            "this step with broken tokens or labels); or overflow in reduced precision (fp16 / bf16 / --fp8 "
+            f"activations out of range: compare with --kernels none, without --fp8). {where}")

@@ -1,0 +1,216 @@
+"""What every part of the playbook shares, and nothing else: processes, logging, the GPU, results files.
+
+Processes (torchrun), log(), the GPU's name and bf16 peak, out-of-memory advice, results/ files
+written atomically, and whether a model is a peft model. The package's other modules (config,
+models, data, training, registry, ...) are listed in playbook/__init__.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
+from playbook.runtime import environment
+
+# Where the scripts write results/<tag>.json, its metrics, plots and traces: the repository's results/ folder, or
+# the folder PLAYBOOK_RESULTS_DIR names (the test suite's own temporary folder: tests write nothing into the tree).
+RESULTS_DIR = environment.results_dir() or Path(__file__).resolve().parents[2] / "results"
+
+# Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
+BF16_PEAK_TFLOPS = {
+    "H100 80GB HBM3": 989.0, "H100 SXM": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0,
+    "H200": 989.0, "GH200": 989.0, "B200": 2250.0, "GB200": 2500.0, "B300": 2500.0, "GB300": 2500.0,
+    "A100": 312.0,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK)
+# ------------------------------------------------------------------------------------------------
+def usage_error(message: str) -> SystemExit:
+    """A bad argument found after parsing: one line on stderr, exit code 2 (as argparse does)."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def interactive() -> bool:
+    """True on a terminal: progress bars there, plain log lines in piped logs."""
+    return sys.stderr.isatty()
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU
+# ------------------------------------------------------------------------------------------------
+def gpu_bf16_peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(BF16_PEAK_TFLOPS, key=len, reverse=True):  # most specific name first
+        if key in name:
+            return BF16_PEAK_TFLOPS[key]
+    return None
+
+
+def describe_gpu(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "CPU"  # the kernels run in Triton's interpreter there: the runs that use them say so
+    p = torch.cuda.get_device_properties(device)
+    return f"{p.name} ({p.total_memory / 2**30:.0f} GiB)"
+
+
+def host_memory_limit() -> int | None:
+    """Bytes of memory this process may use: the machine's RAM, or a lower cgroup limit (a container's,
+    a job's); None where neither can be read."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # not a POSIX system
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # a sync point: the host waits for the GPU to finish
+
+
+def versions() -> dict:
+    import transformers
+    import triton
+
+    v = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+         "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        v["cuda"] = torch.version.cuda
+    return v
+
+
+# What allocators say when memory runs out, besides torch.cuda.OutOfMemoryError: cuBLAS cannot create
+# its handle or workspace when the GPU is full; PyTorch's CPU allocator "can't allocate memory" (Linux)
+# or has "not enough memory" (Windows).
+OOM_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "out of memory", "can't allocate memory", "not enough memory")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for PyTorch's OutOfMemoryError and for the plain RuntimeErrors of an allocation that failed
+    (OOM_MESSAGES), on the GPU or the CPU."""
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(s in str(err) for s in OOM_MESSAGES))
+
+
+def oom_message(cfg, err: Exception) -> str:
+    """What to do when memory ran out: the batch, the peak on a GPU, the settings that need less."""
+    if cfg.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(cfg.device) / 1e9
+        total = torch.cuda.get_device_properties(cfg.device).total_memory / 1e9
+        where = f"out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens (peak allocated {peak:.1f} GB of " \
+                f"{total:.1f} GB on {describe_gpu(cfg.device)})"
+    else:
+        where = f"out of memory at batch {cfg.batch_size} x {cfg.seq_len} tokens ({describe_gpu(cfg.device)})"
+    return (
+        f"\nerror: {where}.\n"
+        f"Try: {'; '.join(memory_hints(cfg))}.\n"
+        f"PyTorch said: {str(err).splitlines()[0][:300]}"
+    )
+
+
+def memory_hints(cfg) -> list[str]:
+    """The settings that need less memory than this run's, the options it already has left out."""
+    hints = ["a smaller --batch-size (with --grad-accum to keep the tokens per step) or --seq-len"]
+    if getattr(cfg, "optimizer_rounding", None) == "kahan":
+        hints.insert(0, "--optimizer-rounding stochastic (no memory for the Kahan buffer, 2 bytes per weight; "
+                        "docs/quality.md compares them)")
+    if not (cfg.gradient_checkpointing or cfg.checkpoint_layers):
+        hints.append("--gradient-checkpointing (or --checkpoint-layers for some of the layers)")
+    elif not cfg.offload_activations:
+        hints.append("--offload-activations (the checkpointed layers' inputs wait in host memory)")
+    if cfg.keep_attention:
+        hints.append("no --keep-attention (attention's outputs recomputed in backward instead of kept)")
+    if cfg.seq_len >= 16384 and not cfg.mlp_chunk_tokens:
+        hints.append("--mlp-chunk-tokens 16384 (the MLP's intermediates one chunk at a time)")
+    if not cfg.lora_r:
+        hints.append("for a full fine-tune, the options of docs/memory.md's 'A full fine-tune in less memory' "
+                     "(--optimizer-in-backward, --recompute-norms, --offload-layers)")
+        hints.append("--lora-r 16 instead of a full fine-tune")
+    elif not cfg.load_in_4bit:
+        hints.append("--load-in-4bit (QLoRA: the frozen projections in NF4)")
+    if getattr(cfg.defaults, "memory_hint", None):  # the script's own (config.ScriptDefaults)
+        hints.append(cfg.defaults.memory_hint)
+    hints.append("fewer layers with --num-layers to measure a slice of the model")
+    hints.append("several GPUs with torchrun (FSDP2 shards parameters, gradients and optimizer state)")
+    return hints
+
+
+@contextlib.contextmanager
+def without_stderr_lines(prefix: str):
+    """Drop the lines starting with `prefix` that C++ code writes to the process's stderr (file descriptor
+    2) inside the block; every other line passes through unchanged. For a library's notices that no setting
+    silences alone: Kineto, the profiler's backend, prints "USDT: ... profiler_start" and "profiler_stop"
+    at a level that only a setting which also hides its errors (KINETO_LOG_LEVEL=6) would silence."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def forward():
+        with os.fdopen(read, "rb") as pipe:
+            for line in pipe:
+                if not line.startswith(prefix.encode()):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closes: forward() reads to its end and returns
+        thread.join()
+        os.close(saved)
+
+
+# ------------------------------------------------------------------------------------------------
+# results/ files: written atomically, never overwritten without saying so
+# ------------------------------------------------------------------------------------------------
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file in the same folder and rename it: a reader never sees half a file, and a
+    file already there stays whole when the write fails. A failed write raises OSError naming `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(fd, 0o666 & ~umask)  # a file as open() makes one (mkstemp's is the owner's only)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as err:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # (a write into the descriptor names no file)
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+
+
+def result_path(tag: str, suffix: str = ".json", overwrite: bool = False, folder: Path = RESULTS_DIR) -> Path:
+    """results/<tag><suffix>, or, when that exists and overwrite is False, the first free <tag>-N<suffix>."""
+    path = folder / f"{tag}{suffix}"
+    n = 2
+    while path.exists() and not overwrite:
+        path = folder / f"{tag}-{n}{suffix}"
+        n += 1
+    return path

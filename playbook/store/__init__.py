@@ -1,0 +1,1 @@
+"""What is on disk: a run's checkpoints (saved, verified, resumed from)."""
