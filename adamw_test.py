@@ -46,6 +46,8 @@ from playbook.config import make_parser, parse_config
 import testkit
 from testkit import (close_to_reference, exactly, expect_error, python_path, record, run_as_script,
                               two_process_device, two_process_env)
+from playbook.optim.optimizer import make_optimizer
+from playbook.run.start import make_run_data
 
 ON_GPU = DEVICE.type == "cuda"
 HERE = Path(__file__).resolve().parent
@@ -519,8 +521,8 @@ def test_optimizer_in_backward_makes_the_same_updates():
                       "--weight-decay", "0.1", "--batch-size", "2", "--seq-len", "64",
                       *(["--optimizer-in-backward"] if in_backward else []))
         model = models.build_preset("llama-tiny", 1, DEVICE, torch.float32)
-        opt = training.make_optimizer(model, cfg)
-        data = training.make_run_data(cfg, model, None)
+        opt = make_optimizer(model, cfg)
+        data = make_run_data(cfg, model, None)
         for i in range(2):
             training.training_step(model, opt, [data.batch(i, DEVICE)])
         params[in_backward] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -929,10 +931,10 @@ def test_rounding_options_on_the_command_line(monkeypatch, capsys):
                            (["--master-weights", "fp32"], "fp32-master")):
         cfg = _config(*argv, "--seed", "5")
         assert cfg.optimizer == "adamw-triton" and training.weight_rounding(cfg) == rounding, argv
-        opt = training.make_optimizer(model, cfg)
+        opt = make_optimizer(model, cfg)
         assert isinstance(opt, TritonAdamW)
         assert all(g["rounding"] == rounding and g["seed"] == 5 for g in opt.param_groups)
-    opt = training.make_optimizer(model, _config("--optimizer-rounding", "stochastic", "--optimizer-in-backward"))
+    opt = make_optimizer(model, _config("--optimizer-rounding", "stochastic", "--optimizer-in-backward"))
     seeds = [g["seed"] for g in opt.param_groups]
     assert all(g["rounding"] == "stochastic" for g in opt.param_groups) and len(set(seeds)) == len(seeds)
 

@@ -69,7 +69,7 @@ from cross_entropy_kernel import causal_targets  # noqa: E402
 from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from playbook import config  # noqa: E402
-from playbook.plan import memory_plan
+from playbook.run.start import settle  # noqa: E402
 from playbook.model.models import PRESETS, count_params, load_model, prepare_model  # noqa: E402
 from playbook.runtime.time_left import running  # noqa: E402
 from playbook.config import positive_float, positive_int, usage_error  # noqa: E402
@@ -297,7 +297,7 @@ def distillation_loss(mode: str, teacher, student, batch: dict, alpha: float, be
 
 def run_mode(mode: str, cfg, teacher, data) -> dict:
     """Train a fresh student for cfg.steps steps with one loss computation; its losses and timings."""
-    from playbook.run.training import make_optimizer
+    from playbook.optim.optimizer import make_optimizer
 
     d = cfg.extra
     student = build_model(cfg, d.student, d.student_layers, trains=True)
@@ -385,12 +385,9 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 
 
 def main(argv=None) -> dict:
-    from playbook.run.training import check_run_data
-
     cfg = parse_args(argv)
     d = cfg.extra
-    check_run_data(cfg)  # --data, before the models are built
-    cfg = memory_plan.start(cfg)  # the teacher beside the student, before either is built
+    cfg = settle(cfg)  # --data, and the memory plan of the teacher beside the student, before either is built
     teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
     data = make_batches(cfg, teacher.config.vocab_size)
     modes = MODES if d.mode == "both" else (d.mode,)

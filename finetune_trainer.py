@@ -28,7 +28,6 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 
 
-from playbook.plan import memory_plan
 from playbook.run.best import BestEval
 from playbook.model.registry import DEFAULT_KERNELS
 from playbook.runtime.common import log
@@ -165,7 +164,7 @@ def main(argv=None):
     from transformers import Trainer, TrainingArguments
 
     from playbook.model.models import prepare_model
-    from playbook.run.training import check_run_data, run_tokenizer
+    from playbook.run.start import run_tokenizer, settle
 
     parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, TRAINER, argv)  # its own optimizer, one example per row
@@ -187,8 +186,8 @@ def main(argv=None):
         raise usage_error(f"--load-best-model-at-end: the Trainer keeps the best of its saved checkpoints, so "
                           f"--save-every ({cfg.save_every}) must be a multiple of --eval-every ({cfg.eval_every})")
     resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
-    check_run_data(cfg)  # the data files too
-    memory_plan.check(cfg)  # before the model is built
+    cfg = settle(cfg, connect=False)  # the data files and the memory plan, before the model is built (the
+    # Trainer sets up and wraps the processes itself)
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
     train_set, eval_set = build_datasets(cfg, tokenizer, model.config.vocab_size)

@@ -46,6 +46,8 @@ from playbook.run import training
 from playbook.config import make_parser, parse_config
 from core.kernel_utils import DEVICE
 from testkit import close_to_reference, exactly, expect_error, random_like_grad, record, run_as_script
+from playbook.optim.optimizer import make_optimizer
+from playbook.run.start import make_run_data
 import fp8_linear_kernel
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, Float8Linear, check_fp8_device, compiled_graph_trusted,
                                expected_patches, fp8_cols_op, fp8_linear, fp8_rows_op, fp8_scaled_mm_op, ideal_bytes,
@@ -574,8 +576,8 @@ def train_tiny(fp8: bool, dtype: torch.dtype):
     model.train()
     if fp8:
         patch_model(model)
-    opt = training.make_optimizer(model, cfg)
-    data = training.make_run_data(cfg, model, None)
+    opt = make_optimizer(model, cfg)
+    data = make_run_data(cfg, model, None)
     return torch.stack([training.training_step(model, opt, [data.batch(i, DEVICE)])[0].float() for i in range(STEPS)])
 
 

@@ -47,14 +47,12 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
-from playbook.plan import memory_plan
-from playbook.run import cuda_graph
-from playbook.runtime.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
-                             write_atomic)
-from playbook.model.models import prepare_model
 from playbook.config import PROFILE, make_parser, parse_config, usage_error
-from playbook.run.training import check_run_data, make_optimizer, make_run_data, run_tokenizer, training_step
 from playbook.model.registry import in_effect
+from playbook.run import cuda_graph
+from playbook.run.start import build, run_errors, settle
+from playbook.run.training import training_step
+from playbook.runtime.common import RESULTS_DIR, log, result_path, without_stderr_lines, write_atomic
 from playbook.runtime.time_left import running
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins
@@ -158,15 +156,12 @@ def main():
         with running(f"step {i + 1} of {cfg.warmup_steps + WAIT + WARMUP + active}"):  # (a long one says so)
             return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
-    try:
-        check_run_data(cfg)  # before the model is built: data that leaves nothing to train on
-        cfg = memory_plan.start(cfg)  # before the model is built (and the default rounding chosen)
-        model, model_name, desc, kernel_report = prepare_model(cfg)
-        data = make_run_data(cfg, model, run_tokenizer(cfg, model_name))
-        blocker = cuda_graph.graph_blocker(cfg, data)
-        if gpu:
-            cuda_graph.announce(blocker)
-        optimizer = make_optimizer(model, cfg, capturable=blocker is None)
+    cfg = settle(cfg)  # the run's RunConfig from here on: the memory plan checked, the rounding decided
+    with run_errors(cfg, "nothing was recorded"):
+        built = build(cfg)
+        model, model_name, desc, data, optimizer = built.model, built.model_name, built.description, built.data, \
+            built.optimizer
+        kernel_report, blocker = built.kernel_report, built.blocker
         if blocker is None and cfg.warmup_steps:
             graphed = cuda_graph.GraphedStep(
                 lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False),
@@ -203,12 +198,6 @@ def main():
                 if i >= WAIT + WARMUP:
                     wall.append(time.perf_counter() - start)
                 prof.step()
-    except (KeyboardInterrupt, Exception) as err:  # (a Ctrl-C may reach here as another error)
-        if signals.is_ctrl_c(err):
-            raise signals.interrupted_exit("nothing was recorded") from None
-        if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (an allocator failing: model, data, a step)
-            raise SystemExit(oom_message(cfg, err)) from None
-        raise
     log(f"Recorded in {time.perf_counter() - t0:.1f} s.")
     mode = "CUDA graph replays" if graphed is not None else f"eager ({blocker or 'the capture failed'})"
     report(prof, cfg, model_name, kernel_report, gpu, sorted(wall)[len(wall) // 2] * 1e3,

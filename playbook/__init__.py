@@ -14,8 +14,8 @@ One folder per concern, each importing only the folders listed above it (tests/l
     data/      datasets: text, JSONL, chat and instruction formats, packing; reading the files
     plan/      the peak memory a run will need, estimated before the model is built
     config.py  RunConfig and the one argument parser every script shares
-    run/       the training loop and what it drives: step, CUDA graph, resume, report, best eval,
-               the kernels on a CPU (Triton's interpreter)
+    run/       the run's start (one for every script), the training loop and what it drives: step, CUDA graph,
+               resume, report, best eval, the kernels on a CPU (Triton's interpreter)
     startup.py start(): what every script calls first (environment defaults, Ctrl-C while starting, Triton's
                interpreter without a GPU); importing any module here changes none of it
 

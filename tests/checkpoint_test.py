@@ -40,6 +40,7 @@ from playbook.store.checkpoint import list_checkpoints, load_checkpoint, save_ch
 import testkit
 from testkit import (exactly, expect_error, record, run_as_script, two_process_device, two_process_env,
                               two_processes_on_gpus)
+from playbook.optim.optimizer import make_optimizer
 
 VOCAB = 512
 
@@ -591,7 +592,7 @@ def _one_process(cfg):
     from playbook.run import training
 
     model = models.prepare_model(cfg)[0]
-    optimizer = training.make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg)
     return model, optimizer, training.LRSchedule(optimizer, cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule)
 
 

@@ -23,11 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from playbook.data.dataset import BatchAttention
 from playbook.run import cuda_graph, training
 from playbook.runtime import common
 from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
 from testkit import record, run_as_script
+from playbook.optim.optimizer import make_optimizer
+from playbook.run.start import make_run_data
 
 HERE = Path(__file__).resolve().parent.parent
 TEXT = HERE / "examples" / "chat.jsonl"
@@ -48,8 +51,10 @@ def on_gpu(cfg):
 # The decisions (any machine)
 # ------------------------------------------------------------------------------------------------
 class _Rows:
+    """A TrainData's rows and nothing else (unpacked, its padding mask kept): what graph_blocker reads."""
+
     def __init__(self, rows):
-        self.rows = rows
+        self.rows, self.packing, self.attention = rows, False, BatchAttention()
 
 
 def test_what_keeps_a_run_eager(monkeypatch):
@@ -241,8 +246,8 @@ def test_the_captured_step_keeps_causal_attention_without_a_mask():
 
     cfg = config(*BASE)
     model, *_ = prepare_model(cfg)
-    data = training.make_run_data(cfg, model, None)
-    optimizer = training.make_optimizer(model, cfg, capturable=True)
+    data = make_run_data(cfg, model, None)
+    optimizer = make_optimizer(model, cfg, capturable=True)
     batches = [data.batch(0, cfg.device)]
     step = cuda_graph.GraphedStep(lambda mb: training.training_step(model, optimizer, mb, zero_grad=False), batches)
     with cuda_graph.count_masked_attention() as eager_masked:

@@ -661,7 +661,7 @@ def _write_rows(path: Path, rows) -> str:
 
 
 def _run_cfg(dataset=None, text=None, **kw):
-    """The fields of a RunConfig that training.make_run_data reads (the scripts' path into data.py)."""
+    """The fields of a RunConfig that start.make_run_data reads (the scripts' path into data.py)."""
     from types import SimpleNamespace
 
     fields = dict(dataset=dataset, data=text, batch_size=1, seq_len=256, seed=0, packing=False, train_on_prompt=False,
@@ -747,7 +747,7 @@ def test_long_examples_are_truncated_and_counted(tmp_path, capsys):
     old = _dataset(rows, seq_len=T, drop_long=True)
     assert old.report.dropped == {"longer than seq_len": 2} and old.report.truncated == 0, old.describe()
     # Too few examples for the batch: the counts line is printed before the error, by the scripts' path.
-    from playbook.run.training import make_run_data
+    from playbook.run.start import make_run_data
 
     path = _write_rows(tmp_path / "long.jsonl", rows)
     out, error = _script_exit(capsys, make_run_data, _run_cfg(path, seq_len=T, batch_size=4), TINY_MODEL, TOK)
@@ -827,7 +827,7 @@ def test_token_ids_outside_the_vocabulary_name_the_example(tmp_path, capsys):
     message = expect_error(dataset.DataError, dataset.make_data, str(tmp_path / "spell.txt"), "text", odd, wizard, 1, 8, 0)
     assert f"token 21 of the file" in message and f"id {wizard}" in message, message  # BOS, then 20 bytes
     assert dataset.make_data(path, "dataset", odd, wizard + 1, 1, 64, 0).report.kept == 3  # fits: builds
-    from playbook.run.training import make_run_data
+    from playbook.run.start import make_run_data
 
     model = type("Model", (), {"config": type("Config", (), {"vocab_size": wizard})()})()
     _, error = _script_exit(capsys, make_run_data, _run_cfg(path, seq_len=64), model, odd)
@@ -835,7 +835,7 @@ def test_token_ids_outside_the_vocabulary_name_the_example(tmp_path, capsys):
 
 
 def test_missing_optional_packages_exit_2_with_one_line(tmp_path, capsys):
-    from playbook.run.training import make_run_data
+    from playbook.run.start import make_run_data
 
     (tmp_path / "rows.parquet").write_bytes(b"PAR1")
     with mock.patch.dict(sys.modules, {"pyarrow": None, "pyarrow.parquet": None, "pandas": None}):

@@ -313,7 +313,7 @@ def adapter_runs(tmp_path_factory):
     from playbook.data.dataset import byte_tokenizer
     from playbook.model.lora import apply_lora
     from playbook.model.models import PRESETS, build_preset
-    from playbook.run.training import name_lora_base
+    from playbook.run.start import name_lora_base
 
     made = {}
 

@@ -39,6 +39,8 @@ from playbook.model.presets import DEFAULT_MODEL
 from core.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
 import testkit
 from testkit import close_to_reference, python_path, record, run_as_script, two_process_env
+from playbook.optim.optimizer import make_optimizer
+from playbook.run.start import make_run_data, batch_attention
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 STEPS = 12
@@ -57,7 +59,7 @@ def tiny(num_layers=None, dtype=torch.float32):
 
 
 def text_data(cfg, model):
-    return training.make_run_data(cfg, model, None)
+    return make_run_data(cfg, model, None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +74,7 @@ def _train(kernels: str, dtype: torch.dtype, in_backward: bool = False):
     model.config.use_cache = False
     model.train()
     ak.apply_kernels(model, cfg.kernels)
-    opt = training.make_optimizer(model, cfg)
+    opt = make_optimizer(model, cfg)
     data = text_data(cfg, model)
     losses = [training.training_step(model, opt, [data.batch(i, DEVICE)])[0].float() for i in range(STEPS)]
     return torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -298,7 +300,7 @@ def test_optimizer_in_backward():
         cfg = config("--data", str(TEXT), "--kernels", "none", "--batch-size", "2", "--seq-len", "64",
                      *(["--optimizer-in-backward"] if in_backward else []))
         model = tiny(1)
-        opt = training.make_optimizer(model, cfg)
+        opt = make_optimizer(model, cfg)
         data = text_data(cfg, model)
         for i in range(3):
             training.training_step(model, opt, [data.batch(i, DEVICE)])
@@ -578,8 +580,8 @@ def test_lora_with_gradient_checkpointing_trains():
     cfg = config("--lora-r", "4", "--gradient-checkpointing", "--steps", "2", "--timing-warmup-steps", "0",
                  "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2")
     model = models.prepare_model(cfg)[0]
-    opt = training.make_optimizer(model, cfg)
-    data = training.make_run_data(cfg, model)
+    opt = make_optimizer(model, cfg)
+    data = make_run_data(cfg, model)
     losses = [training.training_step(model, opt, [data.batch(i, DEVICE)])[0].item() for i in range(2)]
     assert all(torch.isfinite(torch.tensor(losses))), losses
     forwards = []  # a module inside the checkpointed layer's forward runs again when backward recomputes it
@@ -681,10 +683,10 @@ def test_the_scripts_defaults_decide_never_their_name():
 
     renamed = config(script=dataclasses.replace(BASELINE, name="my_baseline"))
     assert renamed.script == "my_baseline" and renamed.cuda_graphs == "off"
-    assert training.causal_padding(renamed) is False
+    assert batch_attention(renamed, None).causal_padding is False
     assert BASELINE.memory_hint in common.memory_hints(renamed)
     named = config(script=ScriptDefaults("finetune_baseline"))
-    assert named.cuda_graphs == "auto" and training.causal_padding(named) is True
+    assert named.cuda_graphs == "auto" and batch_attention(named, None).causal_padding is True
     assert BASELINE.memory_hint not in common.memory_hints(named)
     assert config(script="finetune_baseline").defaults == BASELINE  # a name: the project's script of that name
     record("the baseline's eager steps, attention and memory hint follow its ScriptDefaults, not its name",

@@ -48,6 +48,8 @@ from core.kernel_utils import DEVICE
 from playbook.model.registry import DEFAULT_KERNELS
 from testkit import (BATCH, FACTOR, N_TERMS, SEQ, ULP, batch, loss_and_grads, record, run_as_script,
                               tiny_model)
+from playbook.optim.optimizer import make_optimizer
+from playbook.run.start import make_run_data
 
 LAYERS = 4
 TOKENS = BATCH * SEQ  # 24: chunks of 5 and 7 leave a partial last chunk
@@ -646,8 +648,8 @@ def test_prepare_model_applies_the_options():
     assert activations.offload_of(stack) is not None
     assert all(layer.mlp.mlp_chunk_tokens == 40 and layer.mlp.forward.__func__ is activations._tiled_forward
                for layer in stack)
-    optimizer = training.make_optimizer(model, cfg)
-    data = training.make_run_data(cfg, model)
+    optimizer = make_optimizer(model, cfg)
+    data = make_run_data(cfg, model)
     losses = [training.training_step(model, optimizer, [data.batch(i, DEVICE)])[0].item() for i in range(2)]
     assert all(math.isfinite(v) for v in losses), losses
     record(f"prepare_model: every:2 + offload + tiled MLP (40 of 64 tokens) + LoRA; losses {losses[0]:.3f}, "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from playbook.model import packed_attention as pa
-from playbook.data.dataset import IGNORE_INDEX, Example, TrainData, pack_examples, pad_examples
+from playbook.data.dataset import IGNORE_INDEX, BatchAttention, Example, TrainData, pack_examples, pad_examples
 from core.kernel_utils import DEVICE
 from testkit import FAMILIES, VOCAB, tiny_model
 
@@ -152,8 +152,8 @@ def test_boundaries_have_one_length_for_every_batch():
     row's examples where its segments say, the unused entries at B x T."""
     examples = _examples(40, seed=4)
     data = TrainData("dataset", None, batch_size=2, seq_len=T, vocab_size=VOCAB, seed=0, rank=0, world_size=1,
-                     report=None)
-    data.rows, data.packing, data.packed_attention = pack_examples(examples, T, 0), True, "boundaries"
+                     report=None, attention=BatchAttention(packed="boundaries"))
+    data.rows, data.packing = pack_examples(examples, T, 0), True
     size = data.boundaries_size()
     for i in range(data.batches_per_epoch):
         batch = data.batch(i, "cpu")

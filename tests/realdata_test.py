@@ -11,6 +11,7 @@ import re
 import statistics
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from playbook.runtime import common
 from playbook.config import make_parser, parse_config
 from playbook.model.registry import DEFAULT_KERNELS
 from testkit import record
+from playbook.run.start import make_run_data, run_tokenizer
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -39,19 +41,20 @@ def test_the_baseline_queues_eagerly_and_ours_captures_by_default():
 def test_padded_rows_block_the_graph_only_with_their_mask():
     """graph_blocker on a GPU config: rows with a padding mask block the capture unless the data leaves
     the mask out (causal_padding), as finetune_optimized.py's data does and finetune_baseline.py's does not."""
-    from playbook.run import training
+    from playbook.data.dataset import BatchAttention
+    from playbook.run import start
 
     cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cuda"))
 
-    class Rows:
-        rows = {"attention_mask": torch.ones(1, 4)}
-        causal_padding = False
+    def rows(causal_padding: bool):
+        return types.SimpleNamespace(rows={"attention_mask": torch.ones(1, 4)}, packing=False,
+                                     attention=BatchAttention(causal_padding=causal_padding))
 
-    assert "right-padded rows" in cuda_graph.graph_blocker(cfg, Rows())
-    Rows.causal_padding = True
-    assert cuda_graph.graph_blocker(cfg, Rows()) is None
-    assert training.causal_padding(_cfg("finetune_optimized")) is True
-    assert training.causal_padding(_cfg("finetune_baseline")) is False
+    assert "right-padded rows" in cuda_graph.graph_blocker(cfg, rows(False))
+    assert cuda_graph.graph_blocker(cfg, rows(True)) is None
+    model = types.SimpleNamespace(config=None)  # (unpacked rows: the model is not asked)
+    assert start.batch_attention(_cfg("finetune_optimized"), model).causal_padding is True
+    assert start.batch_attention(_cfg("finetune_baseline"), model).causal_padding is False
 
 
 def test_fp8_layers_needs_fp8_and_defaults_to_auto():
@@ -149,7 +152,7 @@ def _throughput_counts_text(argv, payload, steps, stdout):
 
     cfg = _cfg("finetune_baseline", *argv)
     model = type("Model", (), {"config": type("Config", (), {"vocab_size": 512})()})()  # llama-tiny's vocabulary
-    data = training.make_run_data(cfg, model, training.run_tokenizer(cfg, cfg.model))
+    data = make_run_data(cfg, model, run_tokenizer(cfg, cfg.model))
     text = [int(data.batch(i, "cpu")["attention_mask"].sum()) for i in range(len(steps))]
     padded = cfg.batch_size * cfg.seq_len
     assert all(0 < n < padded for n in text), (text, "the rows must hold padding for the test to mean anything")

@@ -249,6 +249,7 @@ def _train(cfg, *started):
         raise SystemError("AST constructor recursion depth mismatch (before=147, after=164)")
 
 training._train = _train
+training.settle = lambda cfg: cfg  # (nothing to plan: the loop's answer to the error is what runs)
 training.train(None)
 """
 

@@ -582,12 +582,23 @@ def _generator(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+@dataclass(frozen=True)
+class BatchAttention:
+    """How a run's batches carry attention, chosen before the data is built (run/start.py, batch_attention)."""
+
+    causal_padding: bool = False  # right-padded rows without their [B, T] padding mask (module docstring)
+    # packed rows: "mask", a dense [B, 1, T, T] mask; "boundaries", each example's offsets for
+    # model/packed_attention.py (the model's attention must then be that module's)
+    packed: str = "mask"
+    packed_kernel: str | None = None  # with "boundaries": the fused kernel, None for the host-side fallback
+
+
 class TrainData:
     """Batches for step `index`: `batch(index, device)` -> dict of input_ids, labels [B, T] (long), and
     attention_mask / position_ids where the kind needs them. Built by `make_data`."""
 
     def __init__(self, kind: str, source: str | None, batch_size: int, seq_len: int, vocab_size: int, seed: int,
-                 rank: int, world_size: int, report: DataReport):
+                 rank: int, world_size: int, report: DataReport, attention: BatchAttention | None = None):
         self.kind, self.source = kind, source
         self.batch_size, self.seq_len, self.vocab_size = batch_size, seq_len, vocab_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -601,12 +612,7 @@ class TrainData:
         self._epoch_cache: tuple[int, torch.Tensor] | None = None  # (epoch, its shuffle of every row)
         self._row_tokens: torch.Tensor | None = None  # each training row's tokens that are not padding
         self.repeat_batches: int | None = None  # batch(i) is batch(i mod N): the first N batches, cycled
-        # right-padded rows without their [B, T] padding mask: see `causal_padding` in the module docstring
-        self.causal_padding = False
-        # packed rows: "mask", a dense [B, 1, T, T] mask; "boundaries", each example's offsets for
-        # playbook/model/packed_attention.py (the model's attention must be that module's)
-        self.packed_attention = "mask"
-        self.packed_kernel: str | None = None  # with "boundaries": the fused kernel, None for the host-side fallback
+        self.attention = attention or BatchAttention()  # how the batches carry attention, fixed for the run
         self._row_runs: dict[int, dict[int, list[int]]] = {}  # id(rows) -> row -> its examples' lengths
         self._bounds_size: int | None = None
 
@@ -678,11 +684,11 @@ class TrainData:
     def _rows_batch(self, rows: dict, picks: torch.Tensor, device) -> dict:
         out = {"input_ids": rows["input_ids"][picks], "labels": rows["labels"][picks]}
         if "attention_mask" in rows:
-            if not self.causal_padding:
+            if not self.attention.causal_padding:
                 out["attention_mask"] = rows["attention_mask"][picks]
             return self._to(out, device)
         out["position_ids"] = rows["position_ids"][picks]
-        if self.packed_attention == "boundaries":
+        if self.attention.packed == "boundaries":
             from playbook.model import packed_attention
 
             lengths = [self._runs(rows, int(i)) for i in picks]
@@ -739,7 +745,7 @@ class TrainData:
         else:
             filled = int(self.rows["attention_mask"].sum())
             layout = (f"one example per row, right-padded to {T} tokens ({100.0 * filled / (n_rows * T):.1f} % not padding"
-                      + ("; causal mask only: the padding mask is redundant after right padding" if self.causal_padding
+                      + ("; causal mask only: the padding mask is redundant after right padding" if self.attention.causal_padding
                          else "; with its padding mask") + ")")
         per_rank = n_rows // self.world_size
         unused = n_rows - per_rank * self.world_size + (per_rank - self.batches_per_epoch * B) * self.world_size
@@ -811,7 +817,7 @@ def check_source(source: str | None, kind: str, eval_source: str | None = None, 
 def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_size: int, seq_len: int, seed: int,
               rank: int = 0, world_size: int = 1, packing: bool = False, train_on_prompt: bool = False,
               eval_fraction: float = 0.0, drop_long: bool = False, eval_source: str | None = None,
-              repeat_batches: int | None = None) -> TrainData:
+              repeat_batches: int | None = None, attention: BatchAttention | None = None) -> TrainData:
     """Build the training data. See the module docstring for the kinds, the labels and the batch layout.
 
     source: None (synthetic), a text file (text), or a data file / Hugging Face dataset id (dataset).
@@ -821,6 +827,7 @@ def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_s
     drop_long: drop the dataset examples longer than seq_len instead of cutting them to seq_len.
     eval_source: a second dataset (same formats) to evaluate on instead of a held-out share.
     repeat_batches: N to train on the first N batches only, cycled (`batch(i)` is `batch(i % N)`), or None.
+    attention: how the batches carry attention (BatchAttention; None: the padding mask kept, dense packed masks).
     Bad input raises ValueError (DataError, with the row counts in `.report` once rows were read),
     OSError for a missing file, MissingPackage (an ImportError) for a missing optional package.
     """
@@ -845,7 +852,7 @@ def make_data(source: str | None, kind: str, tokenizer, vocab_size: int, batch_s
     if kind == "synthetic" and eval_fraction:
         raise ValueError("synthetic data has no eval split (eval_fraction must be 0)")
     report = DataReport(source=str(source) if source is not None else "synthetic")
-    data = TrainData(kind, source, batch_size, seq_len, vocab_size, seed, rank, world_size, report)
+    data = TrainData(kind, source, batch_size, seq_len, vocab_size, seed, rank, world_size, report, attention)
     data.repeat_batches = repeat_batches
     if kind == "text":
         _build_text(data, Path(source), tokenizer, eval_fraction)

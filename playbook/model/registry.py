@@ -26,7 +26,7 @@ docs/optimizations.md; tests/registry_test.py checks all four.
 Where an entry acts (`scope`):
     model         apply_kernels patches the Hugging Face model (modules or functions), counts checked
     fp8           the decoder's seven projections as FP8 matmuls (models.prepare_model, after the model kernels)
-    optimizer     the optimizer the training loop builds (training.make_optimizer)
+    optimizer     the optimizer the training loop builds (optim/optimizer.py, make_optimizer)
     lora          the LoRA adapters' forward and backward (lora.lora_from_config, with --lora-r)
     distillation  the distillation losses (distill.py)
 

@@ -24,14 +24,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def weight_rounding(cfg) -> str:
-    """How the optimizer rounds each new bf16 weight: TritonAdamW's `rounding` (adamw_kernel.ROUNDINGS),
-    from --optimizer-rounding and --master-weights. "auto" (none given) is chosen as a run starts
-    (memory_plan.start); an optimizer made from a RunConfig that no run start settled rounds to nearest."""
-    if getattr(cfg, "master_weights", "none") == "fp32":
+def rounding_of(master_weights: str | None, optimizer_rounding: str | None) -> str:
+    """The one mapping from the flags to how the Triton AdamW rounds each new bf16 weight (adamw_kernel.ROUNDINGS):
+    --master-weights fp32 is "fp32-master", else --optimizer-rounding. "auto" (neither given) is decided as a run
+    starts (memory_plan.start); read before that, or where nothing was given (None), it rounds to nearest."""
+    if master_weights == "fp32":
         return "fp32-master"
-    rounding = getattr(cfg, "optimizer_rounding", "nearest")
-    return "nearest" if rounding == "auto" else rounding
+    return "nearest" if optimizer_rounding in (None, "auto") else optimizer_rounding
+
+
+def weight_rounding(cfg) -> str:
+    """How the optimizer of the run `cfg` rounds each new bf16 weight (rounding_of its flags)."""
+    return rounding_of(getattr(cfg, "master_weights", None), getattr(cfg, "optimizer_rounding", None))
 
 
 def describe_optimizer(cfg) -> str:

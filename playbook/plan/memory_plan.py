@@ -39,6 +39,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from core.fp8_support import FP8_MIN_WIDTH
+from linear_cross_entropy_kernel import CHUNK_BYTES  # the fused head's logits buffer
+from playbook.memory.activations import PREFETCH_LAYERS  # offloaded layers brought back ahead of backward
+from playbook.optim.optimizer import rounding_of
 from playbook.runtime import environment
 
 GB = 1e9  # the scripts' summaries count GB as 10^9 bytes
@@ -53,8 +56,6 @@ HOST_LINK_BYTES = 9e9  # what --offload-layers moves to the host during a forwar
 
 # Counted, not fitted:
 OFFLOADED_INPUTS_ON_GPU = 3  # --offload-activations: the input in use, the one being fetched, the one being sent
-PREFETCH_LAYERS = 3  # memory.PREFETCH_LAYERS: offloaded layers brought back ahead of backward
-FLCE_CHUNK_BYTES = 512 * 2**20  # linear_cross_entropy_kernel.CHUNK_BYTES
 DISTILL_FULL_BYTES = 56  # per logit: distill.py's baseline loss, counted op by op (distill.py's docstring)
 HF_LOSS_BYTES = 12  # per logit: Hugging Face's fp32 log-softmax, its gradient and the gradient of the logits
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # bitsandbytes NF4: 4 bits, an 8-bit scale per 64, an fp32 one per 256 of those
@@ -214,15 +215,15 @@ def loss_bytes(shape: Shape, s: Setup) -> tuple[float, str]:
         return DISTILL_FULL_BYTES * n * v, f"both models' fp32 logits of {n:,} tokens x {v:,} and the JSD's tensors"
     if s.loss == "distill-fused":  # the cross-entropy's pass, then the JSD's with the teacher's chunk beside it
         ce, _ = loss_bytes(shape, replace(s, loss="fused"))
-        chunk = min(n, max(128, FLCE_CHUNK_BYTES // (v * 2) // 128 * 128))
+        chunk = min(n, max(128, CHUNK_BYTES // (v * 2) // 128 * 128))
         return 2 * ce + chunk * v * 2, "fused cross-entropy and JSD, a chunk of the teacher's logits beside"
     if s.loss == "chunked":
         return 2 * n * v * 2 + n * h * w, f"the logits of {n:,} tokens x {v:,} and their gradient"
     acc = v * h * 4 if head_trains else 0
-    if n * v * 2 <= FLCE_CHUNK_BYTES + acc:
+    if n * v * 2 <= CHUNK_BYTES + acc:
         chunk, acc = n, 0
     else:
-        chunk = min(n, max(128, FLCE_CHUNK_BYTES // (v * 2) // 128 * 128))
+        chunk = min(n, max(128, CHUNK_BYTES // (v * 2) // 128 * 128))
     total = n * h * w + chunk * v * 2 + acc + (v * h * w if head_trains else 0)
     chunks = math.ceil(n / chunk)
     what = (f"fused linear cross-entropy: {chunks} chunk{'s' if chunks > 1 else ''} of {chunk:,} tokens"
@@ -646,9 +647,7 @@ def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2
     loss = ("fused" if "linear_cross_entropy" in kernels or "liger" in kernels else
             "chunked" if "cross_entropy" in kernels else "full")
     recipe = values.get("fp8_recipe") or ""
-    rounding = "fp32-master" if values.get("master_weights") == "fp32" else (values.get("optimizer_rounding") or "nearest")
-    if rounding == "auto":  # not settled by a run start (start): as training.weight_rounding reads it
-        rounding = "nearest"
+    rounding = rounding_of(values.get("master_weights"), values.get("optimizer_rounding"))
     from playbook.model.lora import parse_targets
 
     lora_r = int(values.get("lora_r") or 0)
@@ -866,14 +865,18 @@ def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
 
 
 def start(cfg):
-    """What each script calls as its run starts, before any model is built: the default rounding chosen where
-    the command line left it open (cfg.optimizer_rounding "auto": choose_rounding, one log line), then the plan
-    printed and checked (check). Returns the RunConfig the run goes on with, holding the rounding it uses."""
+    """The memory plan's part of a run's start (run/start.py, settle), before any model is built: the default
+    rounding chosen where the command line left it open (cfg.optimizer_rounding "auto": choose_rounding, one log
+    line) and agreed between the processes of a torchrun job (agree_on_rounding), then the plan printed and
+    checked (check). Returns the RunConfig the run goes on with, holding the rounding it uses: the one place a
+    run's rounding is decided."""
     line = None
     chosen = getattr(cfg, "optimizer_rounding", None) == "auto"
     if chosen:
         rounding, line = choose_rounding(cfg)
-        cfg = replace_config(cfg, optimizer_rounding=rounding)
+        cfg = agree_on_rounding(replace_config(cfg, optimizer_rounding=rounding))
+        if cfg.optimizer_rounding != rounding:
+            line = None  # agree_on_rounding said why every process takes another
     check(cfg, note=line, rounding_chosen=chosen)
     return cfg
 
@@ -939,8 +942,8 @@ ROUNDING_ORDER = ("nearest", "stochastic", "kahan")  # a process's choice, least
 
 
 def agree_on_rounding(cfg):
-    """Under torchrun, after the process group starts: each process chose its default rounding from its own GPU's
-    free memory, and near the limit they may differ. Every process takes the choice that fits on all of them
+    """Under torchrun (the process group started by run/start.py's settle, before the plan): each process chose its
+    default rounding from its own GPU's free memory, and near the limit they may differ. Every process takes the choice that fits on all of them
     (the first of ROUNDING_ORDER that any chose), with one line where that changes this one's. Returns the
     RunConfig to go on with; one process, or no process group: unchanged."""
     import torch

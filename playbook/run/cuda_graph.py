@@ -57,11 +57,11 @@ def graph_blocker(cfg, data=None) -> str | None:
         return "--offload-layers copies to host memory under the host's control"
     if cfg.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
-    if getattr(data, "packing", False) and getattr(data, "packed_attention", None) == "boundaries" \
-            and not getattr(data, "packed_kernel", None):
+    if data is None:
+        return None
+    if data.packing and data.attention.packed == "boundaries" and not data.attention.packed_kernel:
         return "packed rows' attention falls back to one SDPA call per example, which reads the boundaries on the host"
-    rows = getattr(data, "rows", None)
-    if rows is not None and "attention_mask" in rows and not getattr(data, "causal_padding", False):  # with its mask
+    if data.rows is not None and "attention_mask" in data.rows and not data.attention.causal_padding:  # with its mask
         return ("right-padded rows: Hugging Face reads their padding mask on the host to choose the attention "
                     "path (finetune_optimized.py leaves the redundant mask out; --packing gives rows a graph can take)")
     return None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from playbook.run import cuda_graph
 from playbook.runtime.common import RESULTS_DIR, is_main, log, world
-from playbook.optim.optimizer import weight_rounding
+from playbook.optim.optimizer import rounding_of, weight_rounding
 from playbook.optim.schedule import schedule_factor
 
 
@@ -177,8 +177,7 @@ def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
                                 f"no longer says which rows were seen; resume with {saved_size} process(es)")
     check_resume(cfg, info, settings, steps)
     saved = info["extra"].get("config") or {}
-    saved_rounding = ("fp32-master" if saved.get("master_weights") == "fp32"
-                      else saved.get("optimizer_rounding", "nearest"))
+    saved_rounding = rounding_of(saved.get("master_weights"), saved.get("optimizer_rounding"))
     if saved_rounding != weight_rounding(cfg):  # allowed, as a change of --optimizer is
         log(f"The checkpoint's run rounded its weights with {saved_rounding!r}, this one with "
             f"{weight_rounding(cfg)!r}: a Kahan compensation or fp32 master weight the checkpoint lacks starts "

@@ -25,26 +25,24 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from playbook.plan import memory_plan
-from playbook.run import cuda_graph
-from playbook.runtime import output, signals
-from playbook.run.best import BestEval
-from playbook.runtime.common import (RESULTS_DIR, describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message,
-                             result_path, synchronize, versions, world)
-from playbook.model.models import PRESETS, count_params, prepare_model
-from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer, make_optimizer
+from core.process import is_main, log, world
+from playbook.data.dataset import IGNORE_INDEX
+from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
 from playbook.optim.schedule import LRSchedule
-from playbook.model.registry import in_effect
+from playbook.run import start
+from playbook.run.best import BestEval
 from playbook.run.report import MetricsLog, RunResult, answers_after, answers_before, default_tag, step_line, write_report
-from playbook.run.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load, lr_warmup_steps,
-                             read_resume, resume_settings)
+from playbook.run.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load,
+                                 lr_warmup_steps, read_resume, resume_settings)
+from playbook.run.start import run_errors, settle
 from playbook.run.step import StepRunner
+from playbook.runtime import signals
+from playbook.runtime.common import RESULTS_DIR, describe_gpu, interactive, result_path, synchronize, versions
 from playbook.runtime.time_left import TimeLeft, in_progress, running
 from playbook.optim.optimizer import param_groups, weight_rounding  # noqa: F401  (training.X: scripts, tests)
 from playbook.optim.schedule import schedule_factor  # noqa: F401  (training.X: scripts, tests)
 from playbook.run.report import plot_curve, table_rows, throughput  # noqa: F401  (training.X: scripts, tests)
 
-IGNORE_INDEX = -100
 
 
 # ------------------------------------------------------------------------------------------------
@@ -122,80 +120,6 @@ def evaluate(model, batches) -> float | None:
 # ------------------------------------------------------------------------------------------------
 # The run's data
 # ------------------------------------------------------------------------------------------------
-def causal_padding(cfg) -> bool:
-    """Right-padded batches without their padding mask (playbook/data/dataset.py, `causal_padding`): the optimized
-    scripts' default. The baseline passes Hugging Face the mask, as plain Hugging Face training does."""
-    return not cfg.defaults.huggingface_attention
-
-
-def data_source(cfg) -> tuple[str | None, str]:
-    """(the file or hub id the run trains on, its kind: "dataset", "text" or "synthetic")."""
-    if cfg.dataset:
-        return str(cfg.dataset), "dataset"
-    return (str(cfg.data), "text") if cfg.data else (None, "synthetic")
-
-
-def make_run_data(cfg, model, tokenizer=None):
-    from playbook.data.dataset import bad_data_exit, make_data
-
-    source, kind = data_source(cfg)
-    rank, size = world()
-    try:
-        data = make_data(source, kind, tokenizer,
-                         model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
-                         packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction,
-                         drop_long=cfg.drop_long, eval_source=cfg.eval_dataset, repeat_batches=cfg.repeat_batches)
-    except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
-        raise bad_data_exit(err) from None
-    data.causal_padding = causal_padding(cfg)
-    if data.packing:
-        use_packed_attention(cfg, model, data)
-    return data
-
-
-def check_run_data(cfg) -> None:
-    """The data files before the model is built (data.check_source): a file that leaves nothing to train on is
-    one line naming it and what it holds, exit code 2."""
-    from playbook.data.dataset import bad_data_exit, check_source
-
-    try:
-        check_source(*data_source(cfg), cfg.eval_dataset, cfg.train_on_prompt)
-    except (ValueError, OSError, ImportError) as err:
-        raise bad_data_exit(err) from None
-
-
-def use_packed_attention(cfg, model, data) -> None:
-    """Packed rows' attention: the optimized scripts give the model playbook/model/packed_attention.py's function and
-    the batches their examples' boundaries; the baseline keeps SDPA with a dense [B, 1, T, T] mask, as plain
-    Hugging Face training does. Says which, in one line."""
-    from playbook.model import packed_attention
-
-    config = model.config
-    why = "the baseline: Hugging Face's SDPA" if cfg.defaults.huggingface_attention else \
-        packed_attention.unsupported(config)
-    if why:
-        log(f"attention on packed rows: SDPA with a dense [batch, 1, seq, seq] mask ({why})")
-        return
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = model.get_input_embeddings().weight.dtype
-    packed_attention.install(model)
-    data.packed_attention = "boundaries"
-    data.packed_kernel = packed_attention.kernel(torch.device(cfg.device), dtype, head_dim)
-    log(packed_attention.describe(torch.device(cfg.device), dtype, head_dim))
-
-
-def needs_tokenizer(cfg) -> bool:
-    return bool(cfg.dataset or cfg.data or cfg.output_dir or cfg.sample_prompts)
-
-
-def run_tokenizer(cfg, model_name: str):
-    if not needs_tokenizer(cfg):
-        return None
-    from playbook.data.dataset import make_tokenizer
-
-    return make_tokenizer(model_name, preset=model_name in PRESETS)
-
-
 def total_steps(cfg, data) -> int:
     if cfg.steps is not None:
         return cfg.steps
@@ -210,25 +134,15 @@ def total_steps(cfg, data) -> int:
 # ------------------------------------------------------------------------------------------------
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
-    kept = "the run stopped before its summary; checkpoints already written under --output-dir are complete"
-    signals.started(kept)  # Ctrl-C from here on: the line below, exit code 130 (SIGTERM: 143)
-    started = [cfg]  # the RunConfig as the run goes on with it (memory_plan.start chooses a default rounding)
-    try:
-        return _train(cfg, started)
-    except (KeyboardInterrupt, Exception) as err:
-        if not signals.is_ctrl_c(err):  # (a Ctrl-C may reach here as another error)
-            if isinstance(err, RuntimeError) and is_out_of_memory(err):  # (building the model, the data, a step)
-                raise SystemExit(oom_message(started[-1], err)) from None
-            if output.is_disk_full(err):  # results/: the metrics, the summary, its plot
-                raise output.disk_full_exit(err, kept) from None
-            raise
-    raise signals.interrupted_exit(kept) from None
+    cfg = settle(cfg)  # the run's RunConfig from here on: the memory plan checked, the rounding decided
+    with run_errors(cfg, "the run stopped before its summary; checkpoints already written under --output-dir are "
+                         "complete"):
+        return _train(cfg)
 
 
-def _train(cfg, started: list | None = None) -> dict:
+def _train(cfg) -> dict:
     """train() less its answers to Ctrl-C and to memory running out: start_run, the steps, end_run."""
-    run = start_run(cfg, started)
-    cfg = run.cfg
+    run = start_run(cfg)
     runner = step_runner(run)
     bar = progress_bar(run)
     stopped = None  # the message of a run stopped early (a non-finite loss, a checkpoint not written)
@@ -289,7 +203,7 @@ def progress_bar(run: Run):
 class Run:
     """A training run from its first step to its report: what start_run built, and how far the loop is."""
 
-    cfg: object  # the RunConfig the run goes on with (memory_plan.start may have settled its rounding)
+    cfg: object  # the run's RunConfig, as start.settle returned it
     model: nn.Module
     tokenizer: object
     data: object  # playbook.data.dataset's TrainData
@@ -316,16 +230,14 @@ class Run:
         return self.start + self.cfg.warmup_steps
 
 
-def start_run(cfg, started: list | None = None) -> Run:
-    """Everything before the first step: the checks (output folders, --resume), the model, the data, the
-    optimizer and its schedule, the run's outputs, the resumed checkpoint, and what before_first_step does.
-    started: the RunConfigs the run has gone on with, the newest last (train() names it when memory runs out)."""
+def start_run(cfg) -> Run:
+    """Everything before the first step, for a RunConfig that start.settle returned: the checks (output folders,
+    --resume), the model, the data and the optimizer (start.build), the schedule, the run's outputs, the resumed
+    checkpoint, and what before_first_step does."""
     check_output_folders(cfg)
     info = read_resume(cfg) if cfg.resume is not None else None
-    check_run_data(cfg)  # before the model is built: data that leaves nothing to train on
-    cfg, model, model_name, kernels, (n_params, n_train) = build_model(cfg, started)
-    tokenizer = run_tokenizer(cfg, model_name)
-    data = make_run_data(cfg, model, tokenizer)
+    built = start.build(cfg)
+    model, model_name, data, optimizer, blocker = built.model, built.model_name, built.data, built.optimizer, built.blocker
     data_line = data.describe()
     log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
@@ -339,20 +251,16 @@ def start_run(cfg, started: list | None = None) -> Run:
     if info is not None:
         check_resumed_run(cfg, info, settings, steps)
     check_output_checkpoints(cfg, info, steps)
-    blocker = cuda_graph.graph_blocker(cfg, data)
-    if cfg.on_gpu:
-        cuda_graph.announce(blocker)
-    optimizer = make_optimizer(model, cfg, capturable=blocker is None)
     schedule = LRSchedule(optimizer, steps, lr_warmup_steps(cfg, info, steps), cfg.lr_schedule)
     summary_path, metrics = open_outputs(cfg, model_name)
-    result = RunResult(script=cfg.script, model=model_name, kernels=list(kernels) + (["torch.compile"] if cfg.compile
-                                                                                     else []),
+    result = RunResult(script=cfg.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"] if cfg.compile
+                                                                                           else []),
                        gpu=describe_gpu(cfg.device), world_size=world()[1], batch_size=cfg.batch_size,
                        seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, steps=steps, optimizer=describe_optimizer(cfg),
-                       params=n_params, trainable_params=n_train, data=data_line, versions=versions(),
+                       params=built.params[0], trainable_params=built.params[1], data=data_line, versions=versions(),
                        config=cfg.as_dict())
-    run = Run(cfg, model, tokenizer, data, steps, optimizer, schedule, result, metrics, summary_path, settings,
-              blocker, kernels, best=BestEval(cfg.early_stopping_patience, cfg.early_stopping_threshold))
+    run = Run(cfg, model, built.tokenizer, data, steps, optimizer, schedule, result, metrics, summary_path, settings,
+              blocker, built.kernels, best=BestEval(cfg.early_stopping_patience, cfg.early_stopping_threshold))
     if info is not None:
         run.start = load(cfg, info, model, optimizer, schedule, result, steps, capturable=blocker is None)
         run.last_good, run.last_saved = (run.start, info["path"]), info["path"]
@@ -363,41 +271,6 @@ def start_run(cfg, started: list | None = None) -> Run:
                     run.best.checkpoint = kept if kept is not None and kept.is_dir() else None
     before_first_step(run)
     return run
-
-
-def build_model(cfg, started: list | None):
-    """The memory plan, then the model with its kernels, said in one line. Returns the RunConfig the run goes
-    on with, the model, its name, the kernels in effect and (parameters, trainable parameters)."""
-    auto = cfg.optimizer_rounding == "auto"
-    cfg = memory_plan.start(cfg)  # the peak it needs against the free memory, before the model is built
-    if started is not None:
-        started.append(cfg)
-    model, model_name, desc, kernel_report = prepare_model(cfg)
-    if auto:  # torchrun: every process the same rounding (each chose from its own GPU's free memory)
-        cfg = memory_plan.agree_on_rounding(cfg)
-    if cfg.lora_r:
-        name_lora_base(model, model_name)
-    kernels = in_effect(kernel_report, cfg.optimizer, cfg.lora_r)
-    _, size = world()
-    n_params, n_train = count_params(model), count_params(model, trainable_only=True)
-    count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
-    dtype = str(next(model.parameters()).dtype).replace('torch.', '').replace('bfloat16', 'bf16')
-    log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), {dtype}, on "
-        f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else "")
-        + (" (the kernels in Triton's interpreter)" if not cfg.on_gpu and kernels else ""))
-    return cfg, model, model_name, kernels, (n_params, n_train)
-
-
-def name_lora_base(model, model_name: str) -> None:
-    """The base model the adapters belong to, as their saved adapter_config.json names it (lora.name_base_model)."""
-    from playbook.model import pretrained
-    from playbook.model.lora import name_base_model
-
-    base = str(pretrained.local_directory(model_name)) if pretrained.is_pretrained_name(model_name) else model_name
-    name_base_model(model, base, f"{model_name} is a preset of this project (its architecture with random "
-                                 "weights, built by playbook.model.models.build_preset): not on the Hugging Face "
-                                 "Hub, so AutoPeftModelForCausalLM cannot fetch it; build the preset, then "
-                                 "playbook.model.lora.load_adapter" if model_name in PRESETS else None)
 
 
 def open_outputs(cfg, model_name: str) -> tuple[Path, MetricsLog]:
