@@ -49,8 +49,8 @@ from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
 from playbook.plan import memory_plan
 from playbook.run import cuda_graph
-from playbook.runtime.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
-                             write_atomic)
+from playbook.runtime.common import is_out_of_memory, log, oom_message, without_stderr_lines
+from playbook.store.files import RESULTS_DIR, result_path, write_atomic
 from playbook.model.models import prepare_model
 from playbook.config import PROFILE, make_parser, parse_config, usage_error
 from playbook.run.training import check_run_data, make_optimizer, make_run_data, run_tokenizer, training_step

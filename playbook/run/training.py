@@ -29,8 +29,9 @@ from playbook.plan import memory_plan
 from playbook.run import cuda_graph
 from playbook.runtime import output, signals
 from playbook.run.best import BestEval
-from playbook.runtime.common import (RESULTS_DIR, describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message,
-                             result_path, synchronize, versions, world)
+from playbook.runtime.common import (describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message, synchronize,
+                             versions, world)
+from playbook.store.files import RESULTS_DIR, result_path
 from playbook.model.models import PRESETS, count_params, prepare_model
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer, make_optimizer
 from playbook.optim.schedule import LRSchedule
