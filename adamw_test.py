@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import adamw_kernel
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.model import models
 from playbook.run import training
 from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
@@ -588,7 +588,7 @@ def _run(*argv, tag):
         return training.train(_config("--tag", tag, "--overwrite", *argv))
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ from benchmarks.timing import (ON_GPU, RESULTS, add_derived, checked, copy_bandw
                                 generator, guarded, host_us_per_call, impl_label, liger, matmul_tflops,
                                 peak_extra_mb, save, table, timed, timed_graph)
 from benchmarks.specs import HIDDEN, SPECS, VOCAB, KernelSpec  # noqa: E402
-from playbook.runtime.common import write_atomic  # noqa: E402
+from playbook.store.files import write_atomic  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -63,8 +63,8 @@ if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from playbook.runtime.common import (describe_gpu, is_out_of_memory, log, result_path, synchronize, versions,  # noqa: E402
-                             write_atomic)
+from playbook.runtime.common import describe_gpu, is_out_of_memory, log, synchronize, versions  # noqa: E402
+from playbook.store.files import result_path, write_atomic  # noqa: E402
 from cross_entropy_kernel import causal_targets  # noqa: E402
 from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402

@@ -601,7 +601,7 @@ def test_distill_modes_agree_on_the_first_step():
     """distill.py in this process, fp32, both modes, 2 steps on 1 x 16 tokens: the baseline (full
     logits, F.cross_entropy, jsd_ref) and the fused mode (linear_cross_entropy, linear_jsd) must give
     the same first-step losses, and the run writes its JSON."""
-    from playbook.runtime import common
+    from playbook.store.files import RESULTS_DIR
     import distill
 
     tag = "test_distill_llama-tiny"
@@ -611,9 +611,9 @@ def test_distill_modes_agree_on_the_first_step():
                                 "--steps", "2", "--timing-warmup-steps", "1", "--batch-size", "1", "--seq-len", "16",
                                 "--dtype", "float32", "--beta", "0.3", "--temperature", "2", "--alpha", "0.4",
                                 "--tag", tag, "--overwrite"])
-        assert (common.RESULTS_DIR / f"{tag}.json").is_file()
+        assert (RESULTS_DIR / f"{tag}.json").is_file()
     finally:
-        (common.RESULTS_DIR / f"{tag}.json").unlink(missing_ok=True)
+        (RESULTS_DIR / f"{tag}.json").unlink(missing_ok=True)
     base, fused = payload["modes"]["baseline"], payload["modes"]["fused"]
     # fp32 throughout; the modes differ in summation order and in the heads' matmuls being split in
     # chunks: a few fp32 ulps (2^-23 = 1.2e-7 relative) per term, grown at most ~sqrt(512) by the sums

@@ -52,7 +52,6 @@ import glob
 import json
 import os
 import re
-import secrets
 import socket
 import sys
 import time
@@ -743,11 +742,9 @@ def GGUFWriter(path, arch):  # noqa: N802  (the gguf package's writer; tests put
     return gguf.GGUFWriter(path, arch)
 
 
-def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dict:
-    """Write the model to `path` (export() gives a temporary file of its own), complete and flushed to disk.
-    Returns what the Modelfile needs: the chat style, its default system prompt, the stop strings."""
-    import gguf
-
+def gguf_contents(model, tokenizer, weight_type: str) -> dict:
+    """What the GGUF file of `model` holds, before a byte is written: its architecture, rope, vocabulary and
+    tensors, and what the Modelfile needs (the chat style, its default system prompt, the stop strings)."""
     config = model.config
     kind = getattr(config, "model_type", None)
     refuse_family(kind)
@@ -758,11 +755,26 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
     style, default_system, note = chat_style(tokenizer, vocab["add_bos"])
     weights = tensors(model, kind, arch, permute, weight_type)
     check_widths(weights, weight_type)
+    if scaling is not None and scaling["kind"] != "linear":  # (llama 3's scaling: the rope_freqs tensor, below)
+        weights.append(("rope_freqs.weight", "(llama 3 rope scaling)", llama3_rope_factors(theta, head_dim, scaling),
+                        "f32", None))
     end_of_turn = style.end_of_turn if style else None
     ids = {t: i for i, t in enumerate(vocab["tokens"])}
     stops = list(dict.fromkeys(t for t in (end_of_turn, vocab["tokens"][vocab["eos"]] if vocab["eos"] is not None
                                            else None, style.turn_marker if style else None) if t in ids))
+    return {"config": config, "arch": arch, "head_dim": head_dim, "theta": theta, "scaling": scaling, "vocab": vocab,
+            "weights": weights, "end_of_turn": end_of_turn, "ids": ids, "chat_template":
+            getattr(tokenizer, "chat_template", None), "style": style, "system": default_system, "stops": stops,
+            "note": note, "tensors": len(weights), "dropped": vocab["dropped"]}
 
+
+def write_gguf(path: Path, contents: dict, weight_type: str, name: str) -> None:
+    """Write the file gguf_contents() describes to `path` (export() gives the temporary file of atomic_file, which
+    flushes it to disk and renames it into place)."""
+    import gguf
+
+    config, arch, head_dim, theta, scaling, vocab, ids, end_of_turn = (contents[k] for k in (
+        "config", "arch", "head_dim", "theta", "scaling", "vocab", "ids", "end_of_turn"))
     w = None
     try:
         w = GGUFWriter(path, arch)
@@ -790,9 +802,7 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
             # The numbers the tensor was made from are kept, under keys no reader acts on.
             w.add_rope_scaling_orig_ctx_len(scaling["original_context"])
             for key in ("factor", "low_freq_factor", "high_freq_factor"):
-                w.add_float32(f"{arch}.rope.scaling.llama3.{key}", scaling[key])
-            weights.append(("rope_freqs.weight", "(llama 3 rope scaling)",
-                            llama3_rope_factors(theta, head_dim, scaling), "f32", None))
+                w.add_float32(f"{arch}.rope.scaling.llama3.{key}", scaling[key])  # (the tensor: gguf_contents)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(vocab["pre"])
         w.add_token_list(vocab["tokens"])
@@ -808,37 +818,20 @@ def write_gguf(path: Path, model, tokenizer, weight_type: str, name: str) -> dic
             w.add_eot_token_id(ids[end_of_turn])
         w.add_add_bos_token(vocab["add_bos"])
         w.add_add_eos_token(vocab["add_eos"])
-        if getattr(tokenizer, "chat_template", None):
-            w.add_chat_template(tokenizer.chat_template)
-        for gguf_name, _, tensor, kind_here, heads in weights:
+        if contents["chat_template"]:
+            w.add_chat_template(contents["chat_template"])
+        for gguf_name, _, tensor, kind_here, heads in contents["weights"]:
             array, qtype = as_ggml(tensor, kind_here, heads)
             w.add_tensor(gguf_name, array, raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
     except BaseException:
         if w is not None:
-            with contextlib.suppress(OSError):  # (its handle closed; the caller removes the file)
+            with contextlib.suppress(OSError):  # (its handle closed; atomic_file removes the file)
                 w.close()
         raise
-    return {"style": style, "system": default_system, "stops": stops, "note": note, "tensors": len(weights),
-            "dropped": vocab["dropped"]}
-
-
-def write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def temporary(path: Path) -> Path:
-    """A hidden file beside `path` for this export alone: the host, the process and a random part in its name,
-    so that two exports to one --output never write, rename or remove each other's."""
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def process_alive(pid: int) -> bool:
@@ -852,8 +845,9 @@ def process_alive(pid: int) -> bool:
 
 
 def remove_leftovers(path: Path) -> None:
-    """Remove what killed exports to `path` left: the temporary files of this host whose process is gone. Those
-    of an export still running, or of another host (a shared disk), are left alone."""
+    """Remove what killed exports to `path` left: the temporary files (playbook.store.files.temporary_beside) of
+    this host whose process is gone. Those of an export still running, or of another host (a shared disk), are
+    left alone."""
     own = re.compile(rf"^\.{re.escape(path.name)}\.tmp-(.+)-(\d+)-[0-9a-f]+$")
     host = socket.gethostname()
     for leftover in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
@@ -899,7 +893,10 @@ def ollama_name(text: str) -> str:
 def export(run: str, weight_type: str = "q8_0", output: Path | None = None, base: str | None = None,
            name: str | None = None, replace_modelfile: bool = False) -> dict:
     """Export a run; returns {"gguf", "modelfile", "name", "bytes", "replaced", "kept_modelfile", ...}. Raises
-    Refused for bad input. Writes only its own temporary files, renamed into place when both are complete."""
+    Refused for bad input. Writes only its own temporary files, renamed into place when both are complete (the
+    GGUF file first)."""
+    from playbook.store.files import atomic_file
+
     folder = resolve_run(run)
     if (folder / "config.json").is_file():  # a family it does not write: refused before the weights load
         kind = read_json(folder / "config.json").get("model_type")
@@ -921,26 +918,24 @@ def export(run: str, weight_type: str = "q8_0", output: Path | None = None, base
     model, tokenizer, what = load_run(run, base, weight_type)
     name = name or folder.name
     existed = [p for p in (output, modelfile_path) if p.exists()]
-    ours = {output: temporary(output), modelfile_path: temporary(modelfile_path)}
-    for path in ours:
+    for path in (output, modelfile_path):
         remove_leftovers(path)
+    contents = gguf_contents(model, tokenizer, weight_type)
+    text = modelfile(output.name, contents["style"], contents["system"], contents["stops"], contents["note"])
+    there = modelfile_there(modelfile_path, text)
+    kept = there == "same" or (there == "other" and not replace_modelfile)
     placed = []
     try:
-        made = write_gguf(ours[output], model, tokenizer, weight_type, name)
-        text = modelfile(output.name, made["style"], made["system"], made["stops"], made["note"])
-        there = modelfile_there(modelfile_path, text)
-        kept = there == "same" or (there == "other" and not replace_modelfile)
-        if not kept:
-            write_text(ours[modelfile_path], text)
-        os.replace(ours[output], output)
-        placed.append(output)
-        if not kept:
-            os.replace(ours[modelfile_path], modelfile_path)
+        with contextlib.ExitStack() as modelfile_written:  # renamed into place after the GGUF file, when both are whole
+            if not kept:
+                with open(modelfile_written.enter_context(atomic_file(modelfile_path)), "w", encoding="utf-8") as f:
+                    f.write(text)
+            with atomic_file(output) as tmp:
+                write_gguf(tmp, contents, weight_type, name)
+            placed.append(output)
     except OSError as err:
         raise Refused(failed(output, modelfile_path, err, placed, existed)) from None
-    finally:
-        for tmp in ours.values():
-            tmp.unlink(missing_ok=True)  # (gone already when renamed into place)
+    made = {k: contents[k] for k in ("style", "system", "stops", "note", "tensors", "dropped")}
     return {**made, "gguf": output, "modelfile": modelfile_path, "name": ollama_name(name), "what": what,
             "bytes": output.stat().st_size, "replaced": output in existed, "kept_modelfile": kept and there == "other"}
 

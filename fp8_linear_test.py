@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from playbook.model import registry as ak
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.model import models
 from playbook.run import training
 from playbook.config import make_parser, parse_config
@@ -637,7 +637,7 @@ def test_finetune_optimized_with_fp8_runs():
             result = training.train(cfg)
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
     assert "FP8: 7 of 7 decoder projections" in out.getvalue(), out.getvalue()[-2000:]
     assert len(result["losses"]) == 2 and all(math.isfinite(v) for v in result["losses"])
     record(f"finetune_optimized --fp8: 7 projections, losses {[round(v, 3) for v in result['losses']]}", 0.0, 0.0,

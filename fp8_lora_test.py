@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.model import models
 from playbook.run import training
 from core.kernel_utils import DEVICE
@@ -307,7 +307,7 @@ def test_finetune_optimized_lora_on_fp8_base(tmp_path, capsys):
     finally:
         for name in (tag, tag + "_resumed"):
             for suffix in (".json", ".png", ".metrics.jsonl"):
-                (common.RESULTS_DIR / f"{name}{suffix}").unlink(missing_ok=True)
+                (RESULTS_DIR / f"{name}{suffix}").unlink(missing_ok=True)
     assert "FP8 base: 14 frozen projection weights kept in FP8" in logged, logged[-2000:]
     assert len(result["losses"]) == 3 and all(math.isfinite(v) for v in result["losses"])
     assert len(resumed["losses"]) == 4 and resumed["losses"][:3] == result["losses"]

@@ -501,7 +501,7 @@ def test_qlora_script(capsys):
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (in requirements.txt)")
     from playbook.model import registry
     from playbook.run import training
-    from playbook.runtime import common
+    from playbook.store.files import RESULTS_DIR
     from playbook.config import make_parser, parse_config
 
     argv = ["--steps", "2", "--timing-warmup-steps", "0", "--batch-size", "1", "--seq-len", "32", "--lora-r", "8",
@@ -511,7 +511,7 @@ def test_qlora_script(capsys):
                                               "finetune_optimized", argv))
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"test_qlora{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"test_qlora{suffix}").unlink(missing_ok=True)
     text = capsys.readouterr().out
     assert "projections quantized to NF4" in text and "fused path" in text, text[-2000:]
     assert len(summary["losses"]) == 2 and all(math.isfinite(v) for v in summary["losses"]), summary["losses"]
@@ -525,7 +525,7 @@ def test_qlora_checkpoint_saves_and_resumes(tmp_path):
     pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (in requirements.txt)")
     from playbook.model import registry
     from playbook.run import training
-    from playbook.runtime import common
+    from playbook.store.files import RESULTS_DIR
     from playbook.store import checkpoint
     from playbook.config import make_parser, parse_config
 
@@ -544,7 +544,7 @@ def test_qlora_checkpoint_saves_and_resumes(tmp_path):
                                               ["--steps", "3", "--resume", str(out), *argv[:-3], "--output-dir", str(out)]))
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            for f in common.RESULTS_DIR.glob(f"test_qlora_resume*{suffix}"):
+            for f in RESULTS_DIR.glob(f"test_qlora_resume*{suffix}"):
                 f.unlink(missing_ok=True)
     # the resumed run's summary holds the whole curve: the checkpoint's two losses, then step 3's
     assert len(resumed["losses"]) == 3 and resumed["losses"][:2] == first["losses"], (first, resumed["losses"])

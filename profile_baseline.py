@@ -52,7 +52,8 @@ from playbook.model.registry import in_effect
 from playbook.run import cuda_graph
 from playbook.run.start import build, run_errors, settle
 from playbook.run.training import training_step
-from playbook.runtime.common import RESULTS_DIR, log, result_path, without_stderr_lines, write_atomic
+from playbook.runtime.common import log, without_stderr_lines
+from playbook.store.files import RESULTS_DIR, result_path, write_atomic
 from playbook.runtime.time_left import running
 
 CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op name); first match wins

@@ -46,10 +46,10 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 
 from playbook.model import registry  # noqa: E402
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 
 HERE = Path(__file__).resolve().parent
-RESULTS = common.RESULTS_DIR  # results/, or the folder PLAYBOOK_RESULTS_DIR names
+RESULTS = RESULTS_DIR  # results/, or the folder PLAYBOOK_RESULTS_DIR names
 EXAMPLE_DATA = HERE / "examples" / "chat.jsonl"
 PROMPTS = HERE / "examples" / "walkthrough_prompts.txt"
 KNOWN_GPUS = ("H100", "H200")  # GPUs with measured results in results/

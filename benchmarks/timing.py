@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-from playbook.runtime.common import RESULTS_DIR, is_out_of_memory
+from playbook.runtime.common import is_out_of_memory
+from playbook.store.files import RESULTS_DIR, atomic_file
 from core.kernel_utils import DEVICE
 
 RESULTS = RESULTS_DIR
@@ -305,28 +303,15 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
-@contextmanager
-def _atomic(path: Path):
-    """Yield a temporary path beside `path`; rename it to `path` once written (never half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except OSError as err:  # a full disk: the error names the file (the one a user knows, not the temporary)
-        raise OSError(err.errno, err.strerror, str(path)) from err
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def save(rows, meta, tag):
     """JSON and CSV of every row, one PNG per kernel; returns the paths written."""
     RESULTS.mkdir(exist_ok=True)
     paths = [RESULTS / f"benchmark_{tag}.json", RESULTS / f"benchmark_{tag}.csv"]
-    with _atomic(paths[0]) as tmp:
+    with atomic_file(paths[0]) as tmp:
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     flat = [{k: (v[0] if isinstance(v, tuple) else describe(v) if isinstance(v, dict) else v) for k, v in r.items()}
             for r in rows]  # times: the median; shape: "16384 x 4096" (keys in the JSON)
-    with _atomic(paths[1]) as tmp, open(tmp, "w", newline="") as fh:
+    with atomic_file(paths[1]) as tmp, open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         w.writeheader()
         w.writerows(flat)
@@ -387,7 +372,7 @@ def plot(rows, meta, tag):
             ax2.grid(alpha=0.3)
         fig.tight_layout()
         path = RESULTS / f"benchmark_{kernel}_{tag}.png"
-        with _atomic(path) as tmp:
+        with atomic_file(path) as tmp:
             fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         paths.append(path)

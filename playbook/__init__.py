@@ -5,7 +5,7 @@ One folder per concern, each importing only the folders listed above it (tests/l
 
     runtime/   the process: environment variables, signals, stdout on a closed pipe, logging and the GPU,
                progress lines, the set-up checks
-    store/     what is on disk: checkpoints, results files
+    store/     what is on disk: checkpoints, results files, files written atomically
     memory/    activation checkpointing (selective, offloaded) and the MLP in token chunks
     optim/     the optimizer (AdamW as --optimizer names it, how it rounds bf16 weights) and the learning-rate
                schedule

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import benchmark_kernels as bk
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.model.registry import KERNEL_NAMES
 from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
-RESULTS = common.RESULTS_DIR  # (the session's temporary folder: conftest.py)
+RESULTS = RESULTS_DIR  # (the session's temporary folder: conftest.py)
 # One worker runs this file under pytest -n: the smoke run's files in results/ have fixed names, and a second
 # worker's copy of the module fixture would remove them while the first reads them.
 pytestmark = pytest.mark.xdist_group("benchmark_smoke")
@@ -105,7 +105,7 @@ def test_host_time_measures_the_call(monkeypatch):
 def test_smoke_draws_one_plot_per_kernel(smoke):
     for kernel in KERNEL_NAMES:
         assert (RESULTS / f"benchmark_{kernel}_smoke.png").stat().st_size > 10_000, kernel
-    assert not list(RESULTS.glob(".benchmark_*.tmp"))  # atomic writes leave no temporary files behind
+    assert not list(RESULTS.glob(".benchmark_*.tmp*"))  # atomic writes leave no temporary files behind
 
 
 def _main(monkeypatch, *args) -> int:

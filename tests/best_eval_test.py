@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from playbook.run import training
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.run.best import BestEval
 from playbook.config import BASELINE, make_parser, parse_config
 from testkit import record, run_as_script
@@ -63,7 +63,7 @@ def _train(argv, tag, capsys, monkeypatch=None):
         payload = training.train(parse_config(make_parser("test"), BASELINE, [*argv, "--tag", tag, "--overwrite"]))
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
     return payload, capsys.readouterr().out, ended.get("weights")
 
 

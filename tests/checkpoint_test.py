@@ -597,11 +597,11 @@ def _one_process(cfg):
 
 
 def _cleanup_results(tags):
-    from playbook.runtime import common
+    from playbook.store.files import RESULTS_DIR
 
     for tag in tags:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 def test_fsdp2_save_and_resume(tmp_path, capsys):

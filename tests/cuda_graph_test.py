@@ -26,6 +26,7 @@ import torch
 from playbook.data.dataset import BatchAttention
 from playbook.run import cuda_graph, training
 from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
 from testkit import record, run_as_script
@@ -235,7 +236,7 @@ def _run(base, tag, *argv):
         return training.train(config(*base, "--tag", tag, *argv))
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 @needs_gpu

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from testkit import python_path, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent
@@ -567,13 +567,22 @@ def test_a_full_disk_leaves_no_file_and_keeps_the_files_there(tmp_path, tiny_run
                         "free some space there, or choose another --output")
         out.write_bytes(b"the user's earlier export")
 
-    def full_disk(path, text):  # the Modelfile, written after the GGUF file: both stay as they were
-        with open(path, "w") as f:
-            f.write(text[:10])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    class FullDiskText:  # the Modelfile, renamed into place after the GGUF file: both stay as they were
+        def __init__(self, path, mode="r", **kwargs):
+            self.file = open(path, mode, **kwargs)
+
+        def write(self, text):
+            self.file.write(text[:10])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
 
     out.with_suffix(".Modelfile").write_text("FROM ./tiny.gguf\n")
-    monkeypatch.setattr(export, "write_text", full_disk, raising=False)
+    monkeypatch.setattr(export, "open", FullDiskText, raising=False)
     said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(out), "--replace-modelfile"])
     assert "the tiny.gguf and tiny.Modelfile already there are as they were" in said, said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.Modelfile", "tiny.gguf"]
@@ -606,6 +615,8 @@ def test_an_export_leaves_the_temporary_files_of_one_still_running(tmp_path, tin
     an export that was killed (its process gone), never those of one still writing."""
     import socket
 
+    from playbook.store.files import temporary_beside
+
     out = tmp_path / "tiny.gguf"
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = socket.gethostname()
@@ -617,7 +628,7 @@ def test_an_export_leaves_the_temporary_files_of_one_still_running(tmp_path, tin
     export.export(str(tiny_run), "f16", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, elsewhere.name, "tiny.Modelfile",
                                                                   "tiny.gguf"])
-    assert export.temporary(out) != export.temporary(out)  # (a random part: even one process never repeats one)
+    assert temporary_beside(out) != temporary_beside(out)  # (a random part: even one process never repeats one)
 
 
 def test_a_complete_export_exits_0_when_its_report_cannot_be_printed(tmp_path, tiny_run, capsys, monkeypatch):
@@ -660,7 +671,7 @@ def test_full_circle_gguf_finetune_export_chat(tmp_path, tiny_run, capsys, monke
                              timeout=600)
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("  left " in line for line in steps), steps  # (goal 4: time left)

@@ -31,6 +31,7 @@ import torch
 
 from playbook.model import registry as ak
 from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.model import models
 from playbook.run import training
 from rmsnorm_kernel import TritonRMSNorm
@@ -450,7 +451,7 @@ def _run(*argv, tag):
         return training.train(cfg)
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 def test_resume_reproduces_the_uninterrupted_curve(tmp_path):
@@ -641,7 +642,7 @@ def test_distill_builds_both_models_through_prepare_model(monkeypatch):
                                 "--kernels", "rmsnorm", "--lora-r", "4", "--gradient-checkpointing",
                                 "--tag", tag, "--overwrite"])
     finally:
-        (common.RESULTS_DIR / f"{tag}.json").unlink(missing_ok=True)
+        (RESULTS_DIR / f"{tag}.json").unlink(missing_ok=True)
     (teacher, t_kw), (student, s_kw) = roles
     assert t_kw["shard"] is False and s_kw["shard"] is False  # one process: distill.py runs no torchrun
     assert (teacher.model, student.model) == ("llama-tiny", "llama-tiny-student")
@@ -716,10 +717,10 @@ def test_fsdp2_two_processes():
                           "--grad-accum", "2", "--batch-size", "2", "--seq-len", "32", "--tag", tag, "--overwrite"),
                          cwd=HERE, capture_output=True, text=True, timeout=600, env=two_process_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    path = common.RESULTS_DIR / f"{tag}.json"
+    path = RESULTS_DIR / f"{tag}.json"
     result = json.loads(path.read_text())
     for suffix in (".json", ".png", ".metrics.jsonl"):
-        (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+        (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
     assert result["world_size"] == 2 and result["summary"]["tokens/s (job)"] > 0
     assert all(loss == loss for loss in result["losses"]), "loss is NaN"
     record("2-process FSDP2 run: finite losses, job tokens/s reported", 0.0, 0.0, True)

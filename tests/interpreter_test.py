@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from playbook.run import interpreter
-from playbook.runtime import common, setup_check
+from playbook.runtime import setup_check
+from playbook.store.files import RESULTS_DIR
 from playbook.model.models import preset_config
 from testkit import python_path
 
@@ -197,7 +198,7 @@ def _run(*argv) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, *argv], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 def test_a_real_model_with_kernels_on_a_cpu_is_told_before_the_first_step(tmp_path):

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from playbook.runtime import common, output, signals
+from playbook.runtime import output, signals
+from playbook.store import files
 from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
@@ -126,7 +127,7 @@ def test_every_script_into_a_closed_pipe_and_a_full_disk():
 def _cleanup(*tags):
     for tag in tags:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (files.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
 
 
 def _reader_goes_away(argv, after: str):
@@ -162,8 +163,8 @@ def test_a_run_goes_on_and_saves_everything_when_its_reader_goes_away_or_its_dis
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(_reader_goes_away, piped, "step     1/6")
             (full_code, full_said), (code, read, said) = pool.submit(_into_dev_full, full).result(), first.result()
-        saved = {tag: json.loads((common.RESULTS_DIR / f"{tag}.json").read_text())
-                 for tag in ("test_output_piped", "test_output_full") if (common.RESULTS_DIR / f"{tag}.json").exists()}
+        saved = {tag: json.loads((files.RESULTS_DIR / f"{tag}.json").read_text())
+                 for tag in ("test_output_piped", "test_output_full") if (files.RESULTS_DIR / f"{tag}.json").exists()}
     finally:
         _cleanup("test_output_piped", "test_output_full")
     assert "step     2/6" not in read, read  # the reader left after step 1
@@ -179,10 +180,10 @@ def test_a_run_goes_on_and_saves_everything_when_its_reader_goes_away_or_its_dis
 
 
 def _fails_for_want_of_space(monkeypatch):
-    """os.fdopen in playbook/runtime/common.py hands out files whose writes fail as on a full disk."""
+    """open() in playbook/store/files.py hands out files whose writes fail as on a full disk."""
     class Full:
-        def __init__(self, fd, mode="r"):
-            self.fd = fd
+        def __init__(self, path, mode="r", **kwargs):
+            pass
 
         def write(self, text):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -191,17 +192,16 @@ def _fails_for_want_of_space(monkeypatch):
             return self
 
         def __exit__(self, *exc):
-            os.close(self.fd)
             return False
 
-    monkeypatch.setattr(common.os, "fdopen", Full)
+    monkeypatch.setattr(files, "open", Full, raising=False)
 
 
 def test_a_results_file_is_readable_as_open_makes_one(tmp_path):
     """write_atomic's file has the permissions a plain open() gives (its temporary file is the owner's only)."""
     import os
 
-    common.write_atomic(tmp_path / "a.json", "{}")
+    files.write_atomic(tmp_path / "a.json", "{}")
     (tmp_path / "b.json").write_text("{}")
     assert os.stat(tmp_path / "a.json").st_mode == os.stat(tmp_path / "b.json").st_mode
 
@@ -211,15 +211,40 @@ def test_a_results_file_on_a_full_disk_is_one_line_naming_it(tmp_path, monkeypat
     path.write_text("the earlier run's\n")
     _fails_for_want_of_space(monkeypatch)
     with pytest.raises(OSError) as failed:
-        common.write_atomic(path, "this run's")
+        files.write_atomic(path, "this run's")
     assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(path), failed.value
     assert path.read_text() == "the earlier run's\n" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     with pytest.raises(SystemExit) as stop:
-        signals.run_main(lambda: common.write_atomic(path, "this run's"), "the files written before it are complete")
+        signals.run_main(lambda: files.write_atomic(path, "this run's"), "the files written before it are complete")
     said = capsys.readouterr().err
     assert stop.value.code == 1 and said == (f"error: {path} could not be written ({FULL}): free some space there; "
                                              "the files written before it are complete\n"), said
     record("a results file on a full disk: the one there kept whole, no temporary left, one line naming it", 0, 0,
+           True)
+
+
+def test_a_file_is_flushed_to_disk_and_a_failed_write_leaves_no_temporary(tmp_path, monkeypatch):
+    """The one atomic writer (playbook/store/files.py): the file and then its folder flushed (fsync) before
+    write_atomic returns, text and bytes alike; a write that fails part-way leaves no temporary file, the file there
+    whole, and raises OSError naming the file."""
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    files.write_atomic(tmp_path / "a.json", "{}")
+    files.write_atomic(tmp_path / "b.bin", b"\0\1")
+    names = [Path(p).name for p in synced]
+    assert len(names) == 4 and names[1] == names[3] == tmp_path.name, synced  # each file's temporary, then the folder
+    assert names[0].startswith(".a.json.tmp-") and names[2].startswith(".b.bin.tmp-"), synced
+    assert (tmp_path / "a.json").read_text() == "{}" and (tmp_path / "b.bin").read_bytes() == b"\0\1"
+
+    with pytest.raises(OSError) as failed:
+        with files.atomic_file(tmp_path / "a.json") as tmp:
+            tmp.write_text("half")  # then the disk is full (an error that names no file, as a write's)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "a.json"), failed.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.bin"]
+    assert (tmp_path / "a.json").read_text() == "{}"
+    record("the atomic writer: file and folder flushed; a failed write leaves no temporary, names the file", 0, 0,
            True)
 
 
@@ -245,7 +270,7 @@ def test_a_run_whose_results_cannot_be_written_says_so_in_one_line(fails, monkey
 
     if fails == "metrics":  # (MetricsLog's file)
         monkeypatch.setattr(report, "open", lambda path, mode: _FullFile(), raising=False)
-    elif fails == "summary":  # (common.write_atomic's temporary file)
+    elif fails == "summary":  # (files.write_atomic's temporary file)
         _fails_for_want_of_space(monkeypatch)
     else:  # (matplotlib's file)
         monkeypatch.setattr(report, "plot_curve", full)
@@ -257,7 +282,7 @@ def test_a_run_whose_results_cannot_be_written_says_so_in_one_line(fails, monkey
     finally:
         _cleanup("test_output_summary")
     said = capsys.readouterr().err.strip().splitlines()[-1]
-    where = common.RESULTS_DIR / "test_output_summary"
+    where = files.RESULTS_DIR / "test_output_summary"
     failed = {"metrics": f"{where}.metrics.jsonl", "summary": f"{where}.json", "plot": f"{where}.png"}[fails]
     kept = (f"{where}.json and {where}.metrics.jsonl are complete, and so are the checkpoints written under "
             "--output-dir" if fails == "plot" else "the run stopped before its summary; checkpoints already written "

@@ -48,7 +48,7 @@ from typing import Callable
 import pytest
 import torch
 
-from playbook.runtime.common import RESULTS_DIR
+from playbook.store.files import RESULTS_DIR
 from testkit import python_path, run_as_script
 from robustness_test import interrupt
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from playbook.run import cuda_graph
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.config import make_parser, parse_config
 from playbook.model.registry import DEFAULT_KERNELS
 from testkit import record
@@ -128,12 +128,12 @@ def test_a_run_reports_eval_loss_before_and_after_and_the_sample_answers(tmp_pat
                           "--sample-prompts", str(prompts), "--tag", tag, "--overwrite"],
                          cwd=HERE, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    path = common.RESULTS_DIR / f"{tag}.json"
+    path = RESULTS_DIR / f"{tag}.json"
     try:
         payload = json.loads(path.read_text())
         steps = [json.loads(line) for line in path.with_suffix(".metrics.jsonl").read_text().splitlines()]
     finally:
-        for p in common.RESULTS_DIR.glob(f"{tag}*"):
+        for p in RESULTS_DIR.glob(f"{tag}*"):
             p.unlink()
     _throughput_counts_text(argv, payload, steps, out.stdout)
     summary = payload["summary"]

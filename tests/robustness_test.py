@@ -26,6 +26,7 @@ import pytest
 
 from playbook.model import registry as ak
 from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.config import make_parser, parse_config
 from testkit import python_path, record, run_as_script
 
@@ -124,7 +125,7 @@ def test_errors_found_after_loading_the_model():
             outs = list(pool.map(lambda case: _script("finetune_baseline.py", *case[0]), cases))
     finally:  # the run's summary is the test's, not a result
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"test_robust_longer{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"test_robust_longer{suffix}").unlink(missing_ok=True)
     (argv, mentions), out = cases[0], outs[0]
     assert out.returncode == 2 and mentions in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     record(f"{' '.join(argv)} -> exit 2", 0.0, 0.0, True)
@@ -147,7 +148,7 @@ def test_too_short_text_file(tmp_path):
 
 def test_results_are_never_overwritten_silently():
     tag = "test_robust_tag"
-    paths = [common.RESULTS_DIR / f"{tag}{s}" for s in ("", "-2")]
+    paths = [RESULTS_DIR / f"{tag}{s}" for s in ("", "-2")]
     try:
         for _ in range(2):
             out = _script("finetune_baseline.py", "--model", "llama-tiny", "--steps", "3", "--timing-warmup-steps", "1",
@@ -228,7 +229,7 @@ CTRL_C = [
 def test_ctrl_c_is_one_line_exit_130(argv, ready):
     code, err = interrupt(*argv, ready=ready)
     assert code == 130 and "interrupted" in err and one_line_after_ctrl_c(err), (code, err[-2000:])
-    assert not (common.RESULTS_DIR / "test_robust_ctrl_c_distill.json").exists()
+    assert not (RESULTS_DIR / "test_robust_ctrl_c_distill.json").exists()
     record(f"Ctrl-C in {argv[0]} {'mid-run' if ready else 'at start-up'} -> one line, exit 130", 0.0, 0.0, True)
 
 
@@ -354,7 +355,7 @@ def test_sigterm_saves_the_step_done_and_exits_143(tmp_path):
     code, err = interrupt("finetune_baseline.py", "--model", "llama-tiny", "--steps", "100000", "--log-every", "1",
                           "--output-dir", str(out),
                           "--tag", "test_robust_sigterm", ready="/100000 ", sig=signal.SIGTERM)  # a step's log line
-    (common.RESULTS_DIR / "test_robust_sigterm.metrics.jsonl").unlink(missing_ok=True)
+    (RESULTS_DIR / "test_robust_sigterm.metrics.jsonl").unlink(missing_ok=True)
     lines = [line for line in err.splitlines()[1:] if line.strip() and not line.startswith("checkpoint: ")]
     assert code == 143 and "Traceback" not in err and len(lines) == 1, (code, err[-2000:])
     from playbook.store.checkpoint import read_checkpoint_info
@@ -362,7 +363,7 @@ def test_sigterm_saves_the_step_done_and_exits_143(tmp_path):
     saved = read_checkpoint_info(out)  # what --resume reads: `latest` names the step the run stopped after
     assert lines[0].startswith(f"terminated (SIGTERM): stopped after step {saved['step']} of 100000") \
         and f"resume with --resume {out}" in lines[0], (lines, saved["step"])
-    assert not (common.RESULTS_DIR / "test_robust_sigterm.json").exists()
+    assert not (RESULTS_DIR / "test_robust_sigterm.json").exists()
     record(f"SIGTERM: one line, exit 143; checkpoint-{saved['step']} written, resumable", 0.0, 0.0, True)
 
 
@@ -467,7 +468,7 @@ def test_a_long_step_says_what_sigterm_waits_for_and_a_second_signal_stops_at_on
         stopped = time.monotonic() - t0
     finally:
         child.proc.kill()
-        (common.RESULTS_DIR / "test_robust_long_step.metrics.jsonl").unlink(missing_ok=True)
+        (RESULTS_DIR / "test_robust_long_step.metrics.jsonl").unlink(missing_ok=True)
     last = child.wait_for("interrupted (Ctrl-C)", timeout=5)
     assert progress.strip().endswith("so far, no step time measured yet"), progress
     assert re.fullmatch(r"SIGTERM: the run stops after the step in progress \(step 1 of 3: \d+ s so far, no step time "
@@ -505,7 +506,7 @@ def test_sigterm_waits_for_the_step_only_when_it_has_a_checkpoint_to_write(monke
                                         base + more))
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"test_robust_defer{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"test_robust_defer{suffix}").unlink(missing_ok=True)
     assert [defer for defer, _ in seen] == [False, False, True, True], seen
     assert seen[0][1].startswith("step 1 of 2: ") and seen[0][1].endswith("no step time measured yet"), seen
     assert seen[1][1].startswith("step 2 of 2: ") and ", left ~" in seen[1][1], seen

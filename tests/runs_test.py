@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from playbook.run import training
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from playbook.store import checkpoint
 from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
@@ -73,7 +73,7 @@ def exits(capsys, *argv, code=2, tag="test_runs_error"):
 
 
 def summary(tag):
-    return json.loads((common.RESULTS_DIR / f"{tag}.json").read_text())
+    return json.loads((RESULTS_DIR / f"{tag}.json").read_text())
 
 
 def names(folder):
@@ -85,7 +85,7 @@ def _cleanup_results():
     yield
     for tag in _TAGS:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
     _TAGS.clear()
 
 
@@ -97,7 +97,7 @@ def test_output_dir_that_cannot_be_written_is_refused_before_training(tmp_path, 
     blocker.write_text("not a folder")
     said = exits(capsys, "--output-dir", str(blocker / "out"), tag="test_runs_unwritable")
     assert f"lies under {blocker}, which is a file" in said, said
-    assert not (common.RESULTS_DIR / "test_runs_unwritable.json").exists()  # stopped before any step
+    assert not (RESULTS_DIR / "test_runs_unwritable.json").exists()  # stopped before any step
     said = exits(capsys, "--output-dir", "/proc/playbook-test-out", tag="test_runs_unwritable")
     assert "cannot be written" in said, said
     record("--output-dir under a file / not writable: refused before the first step", 0.0, 0.0, True)
@@ -235,7 +235,7 @@ def test_resume_with_more_steps_rebuilds_the_schedule(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "schedule's length changes from 4 to 8 steps" in said and "step 5: 0.0005 instead of 0" in said, said
     assert longer["losses"][:4] == first["losses"] and len(longer["losses"]) == 8
-    rows = [json.loads(line) for line in (common.RESULTS_DIR / "test_runs_long.metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (RESULTS_DIR / "test_runs_long.metrics.jsonl").read_text().splitlines()]
     lrs = {row["step"]: row["lr"] for row in rows}
     for step in range(5, 9):
         want = 1e-3 * (1 - (step - 1) / 8)
@@ -280,7 +280,7 @@ def saved_runs(tmp_path_factory):
         training.train(config(*args, "--lora-r", "4", "--output-dir", str(root / "lora")))
     finally:
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"test_runs_saved{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"test_runs_saved{suffix}").unlink(missing_ok=True)
     other = build_preset("llama-tiny", 1, torch.device("cpu"), torch.bfloat16)
     other.save_pretrained(root / "other-model")
     byte_tokenizer().save_pretrained(root / "other-model")

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import walkthrough
-from playbook.runtime import common
+from playbook.store.files import RESULTS_DIR
 from testkit import record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent
@@ -59,10 +59,10 @@ def real_runs(tmp_path_factory):
         proc = subprocess.run([sys.executable, script, *args, "--tag", tag, "--overwrite"], cwd=HERE,
                               capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        path = common.RESULTS_DIR / f"{tag}.json"
+        path = RESULTS_DIR / f"{tag}.json"
         done[tag.removeprefix("test_")] = json.loads(path.read_text())
         for suffix in (".json", ".png", ".metrics.jsonl"):
-            (common.RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
+            (RESULTS_DIR / f"{tag}{suffix}").unlink(missing_ok=True)
     return done
 
 

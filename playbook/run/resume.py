@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from playbook.run import cuda_graph
-from playbook.runtime.common import RESULTS_DIR, is_main, log, world
+from playbook.runtime.common import is_main, log, world
+from playbook.store.files import RESULTS_DIR
 from playbook.optim.optimizer import rounding_of, weight_rounding
 from playbook.optim.schedule import schedule_factor
 

@@ -37,7 +37,8 @@ from playbook.run.resume import (check_output_checkpoints, check_output_folders,
 from playbook.run.start import run_errors, settle
 from playbook.run.step import StepRunner
 from playbook.runtime import signals
-from playbook.runtime.common import RESULTS_DIR, describe_gpu, interactive, result_path, synchronize, versions
+from playbook.runtime.common import describe_gpu, interactive, synchronize, versions
+from playbook.store.files import RESULTS_DIR, result_path
 from playbook.runtime.time_left import TimeLeft, in_progress, running
 from playbook.optim.optimizer import param_groups, weight_rounding  # noqa: F401  (training.X: scripts, tests)
 from playbook.optim.schedule import schedule_factor  # noqa: F401  (training.X: scripts, tests)

@@ -1,8 +1,8 @@
-"""What every part of the playbook shares, and nothing else: processes, logging, the GPU, results files.
+"""What every part of the playbook shares, and nothing else: processes, logging, the GPU.
 
-Processes (torchrun), log(), the GPU's name and bf16 peak, out-of-memory advice, results/ files
-written atomically, and whether a model is a peft model. The package's other modules (config,
-models, data, training, registry, ...) are listed in playbook/__init__.py.
+Processes (torchrun), log(), the GPU's name and bf16 peak, out-of-memory advice, and whether a model
+is a peft model (results/ files and the atomic writer: playbook/store/files.py). The package's other
+modules (config, models, data, training, registry, ...) are listed in playbook/__init__.py.
 """
 
 from __future__ import annotations
@@ -10,18 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
-from playbook.runtime import environment
-
-# Where the scripts write results/<tag>.json, its metrics, plots and traces: the repository's results/ folder, or
-# the folder PLAYBOOK_RESULTS_DIR names (the test suite's own temporary folder: tests write nothing into the tree).
-RESULTS_DIR = environment.results_dir() or Path(__file__).resolve().parents[2] / "results"
 
 # Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
 BF16_PEAK_TFLOPS = {
@@ -182,35 +176,3 @@ def without_stderr_lines(prefix: str):
         os.dup2(saved, 2)  # the pipe's last writer closes: forward() reads to its end and returns
         thread.join()
         os.close(saved)
-
-
-# ------------------------------------------------------------------------------------------------
-# results/ files: written atomically, never overwritten without saying so
-# ------------------------------------------------------------------------------------------------
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename it: a reader never sees half a file, and a
-    file already there stays whole when the write fails. A failed write raises OSError naming `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(fd, 0o666 & ~umask)  # a file as open() makes one (mkstemp's is the owner's only)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename is None:  # (a write into the descriptor names no file)
-            raise OSError(err.errno, err.strerror, str(path)) from err
-        raise
-
-
-def result_path(tag: str, suffix: str = ".json", overwrite: bool = False, folder: Path = RESULTS_DIR) -> Path:
-    """results/<tag><suffix>, or, when that exists and overwrite is False, the first free <tag>-N<suffix>."""
-    path = folder / f"{tag}{suffix}"
-    n = 2
-    while path.exists() and not overwrite:
-        path = folder / f"{tag}-{n}{suffix}"
-        n += 1
-    return path

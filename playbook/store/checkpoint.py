@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from core.tensors import sum_and_norm
+from playbook.store.files import fsync_directory, fsync_tree, write_atomic
 
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
@@ -74,44 +75,12 @@ FORMAT = 2  # trainer_state.pt layout version (1: one process only, read too)
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(checkpoint-\d+)\.(tmp|old)-[0-9a-f-]+$")
 # ------------------------------------------------------------------------------------------------
-# Atomic files and directories
+# Atomic directories (an atomic file: playbook/store/files.py)
 # ------------------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under root, then every directory (so their entries are on disk too)."""
-    for folder, dirs, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(folder))
-
-
 def _check_directory_path(path: Path, what: str) -> None:
     for p in (path, *path.parents):
         if p.exists() and not p.is_dir():
             raise NotADirectoryError(f"{what} {path}: {p} is an existing file, not a directory")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a small text file through a temporary sibling, fsync it, and os.replace it into place."""
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 @contextlib.contextmanager
@@ -126,7 +95,7 @@ def atomic_directory(final):
     os.mkdir(tmp)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if final.exists():
             aside = final.parent / f".{final.name}.old-{token}"
             os.replace(final, aside)
@@ -135,11 +104,11 @@ def atomic_directory(final):
             except BaseException:
                 os.replace(aside, final)
                 raise
-            _fsync_dir(final.parent)
+            fsync_directory(final.parent)
             shutil.rmtree(aside)
         else:
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_directory(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -451,7 +420,7 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             torch.save(state, tmp / STATE_FILE)
-        write_text_atomic(output_dir / LATEST_FILE, final.name + "\n")
+        write_atomic(output_dir / LATEST_FILE, final.name + "\n")
         if keep_last is not None:
             kept = {final.name, Path(keep).name if keep is not None else None}
             others = [p for _, p in list_checkpoints(output_dir) if p.name not in kept]
