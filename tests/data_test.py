@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from playbook.data import dataset, files
+from playbook.data.dataset import BatchAttention
 from testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
@@ -278,7 +279,7 @@ def test_right_padded_rows_train_the_same_without_their_padding_mask():
     rows = [{"text": "The Nile flows north into the sea."}, {"text": "Rice."}, {"text": "Bread needs an oven."}]
     d = _dataset(rows, seq_len=64, batch_size=3)
     masked = d.batch(0, "cpu")
-    d.causal_padding = True
+    d.attention = BatchAttention(causal_padding=True)
     plain = d.batch(0, "cpu")
     assert "attention_mask" in masked and "attention_mask" not in plain
     assert (masked["attention_mask"] == 0).any(), "the batch must hold padding for the test to mean anything"
@@ -612,13 +613,13 @@ def test_data_that_leaves_nothing_to_train_on_is_refused_naming_the_file_and_wha
 
 def test_the_scripts_refuse_such_data_before_the_model_is_built(monkeypatch, capsys):
     from playbook.model import registry
-    from playbook.run import training
+    from playbook.run import start, training
     from playbook.config import make_parser, parse_config
 
-    def build_model(*args, **kwargs):
+    def build(*args, **kwargs):
         raise AssertionError("the model was built")
 
-    monkeypatch.setattr(training, "build_model", build_model)
+    monkeypatch.setattr(start, "build", build)
     with _files(empty__jsonl=[EMPTY_REPLY] * 2) as tmp:
         cfg = parse_config(make_parser("t", kernels_default=registry.DEFAULT_KERNELS), "finetune_optimized",
                            ["--model", "llama-tiny", "--dataset", str(tmp / "empty.jsonl"), "--steps", "3"])
@@ -665,7 +666,8 @@ def _run_cfg(dataset=None, text=None, **kw):
     from types import SimpleNamespace
 
     fields = dict(dataset=dataset, data=text, batch_size=1, seq_len=256, seed=0, packing=False, train_on_prompt=False,
-                  eval_fraction=0.0, drop_long=False, eval_dataset=None, repeat_batches=None)
+                  eval_fraction=0.0, drop_long=False, eval_dataset=None, repeat_batches=None, device="cpu",
+                  defaults=SimpleNamespace(huggingface_attention=False))
     fields.update(kw)
     return SimpleNamespace(**fields)
 
