@@ -24,6 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from playbook.model import saved_run
+
 
 def refuse(message: str) -> SystemExit:
     """A bad argument: one line on stderr, exit code 2."""
@@ -68,97 +72,83 @@ def parse(argv=None):
     return a
 
 
-def _adapter_base(name: str, folder: Path) -> str:
-    """The base model an adapter names, checked: a directory that exists, a converted pretrained model, or a
-    Hugging Face id."""
-    from playbook.model import pretrained
-    from playbook.model.models import PRESETS, looks_like_path
+class ChatWords(saved_run.Words):
+    """chat.py's wording of what cannot be loaded: one line naming --model (exit code 2, through refuse)."""
 
-    where = folder / "adapter_config.json"
-    try:
-        saved = json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise refuse(f"--model {name}: {where} cannot be read as JSON ({err}); the adapter folder is damaged: "
-                     "give another checkpoint, or restore the file") from None
-    base = saved.get("base_model_name_or_path") if isinstance(saved, dict) else None
-    if not isinstance(base, str) or not base:
-        raise refuse(f"--model {name}: {where} names no base model (base_model_name_or_path); set it to the "
-                     "model the adapter was trained on")
-    if base in PRESETS:
-        raise refuse(f"--model {name}: the adapter was trained on {base}, a random-weight preset: it has nothing to "
-                     "say; chat with an adapter trained on real weights (--model smollm2-135m, a Hugging Face id)")
-    if pretrained.is_pretrained_name(base):
-        return str(pretrained.local_directory(base))
-    if (looks_like_path(base) or Path(base).is_absolute()) and not Path(base).expanduser().is_dir():
-        raise refuse(f"--model {name}: the adapter's base model {base} (base_model_name_or_path in {where}) no "
-                     "longer exists; restore it, or point base_model_name_or_path at a copy of it")
-    return base
+    load_errors = (Exception,)  # (a hub id that cannot be reached, a directory transformers refuses)
+    base_flag = None  # (the model cache names the adapter's base as it names --model)
+
+    def missing(self, name):
+        return saved_run.Refusal(f"--model {name}: no such directory")
+
+    def a_file(self, name):
+        return saved_run.Refusal(f"--model {name} is not a directory or a .gguf file: --model takes a checkpoint-N "
+                                 "folder, a model directory, a .gguf file, smollm2-135m or a Hugging Face id")
+
+    def preset(self, name):
+        return saved_run.Refusal(f"--model {name} is a random-weight preset (for timing and memory runs): it has "
+                                 "nothing to say; ask a model with real weights: --model smollm2-135m, a fine-tuned "
+                                 "checkpoint-N folder, or a Hugging Face id")
+
+    def no_model(self, name, folder):
+        return saved_run.Refusal(f"--model {name}: no model in this directory (neither config.json nor "
+                                 "adapter_config.json); give a checkpoint-N folder, a merged/ folder or a Hugging "
+                                 "Face model directory")
+
+    def unreadable(self, name, path, err):
+        return saved_run.Refusal(f"--model {name}: {path} cannot be read as JSON ({err}); the adapter folder is "
+                                 "damaged: give another checkpoint, or restore the file")
+
+    def not_object(self, name, path, saved):
+        return self.no_base(name, path)
+
+    def no_adapter_weights(self, name, folder):
+        return None  # (the adapter then does not fit its base, below)
+
+    def damaged(self, name, folder, damage):
+        return saved_run.Refusal(f"--model {name}: {damage}; the folder is damaged: give another checkpoint")
+
+    def base_not_a_name(self, name, where, base):
+        return self.no_base(name, where)
+
+    def no_base(self, name, where):
+        return saved_run.Refusal(f"--model {name}: {where} names no base model (base_model_name_or_path); set it to "
+                                 "the model the adapter was trained on")
+
+    def preset_base(self, name, base):
+        return saved_run.Refusal(f"--model {name}: the adapter was trained on {base}, a random-weight preset: it has "
+                                 "nothing to say; chat with an adapter trained on real weights (--model smollm2-135m, "
+                                 "a Hugging Face id)")
+
+    def base_missing(self, name, base, where):
+        return saved_run.Refusal(f"--model {name}: the adapter's base model {base} (base_model_name_or_path in "
+                                 f"{where}) no longer exists; restore it, or point base_model_name_or_path at a copy "
+                                 "of it")
+
+    def base_failed(self, name, base, note, err):
+        return self.failed(name, err, f"its base model {base} ")
+
+    def failed(self, name, err, what=""):
+        said = " ".join(str(err).split())[:300]
+        return saved_run.Refusal(f"--model {name}: {what}could not be loaded ({type(err).__name__}: {said})")
+
+    def adapter_mismatch(self, name, base, err, record):
+        said = " ".join(str(err).split())[:200]
+        return saved_run.Refusal(f"--model {name}: the adapter does not fit its base model {base} (trained on "
+                                 f"another model? {type(err).__name__}: {said})")
+
+    def tokenizer(self, name, err):
+        return saved_run.Refusal(f"--model {name}: {err}")
 
 
 def load(name: str, device):
     """(model, tokenizer, description) for a model name, a checkpoint, a merged folder or an adapter. Anything
     that cannot be loaded is one line naming --model and exit code 2."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from playbook.model import pretrained
-    from playbook.data.dataset import make_tokenizer
-    from playbook.model.models import PRESETS, looks_like_path
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    folder = Path(name).expanduser()
-    if name in PRESETS or name.lower() in PRESETS:
-        raise refuse(f"--model {name} is a random-weight preset (for timing and memory runs): it has nothing to say; "
-                     "ask a model with real weights: --model smollm2-135m, a fine-tuned checkpoint-N folder, or a "
-                     "Hugging Face id")
-    if pretrained.is_pretrained_name(name):
-        folder = pretrained.local_directory(name)
-        what = pretrained.describe(name, folder)
-    elif folder.is_dir():
-        what = str(folder)
-    elif folder.exists():
-        raise refuse(f"--model {name} is not a directory or a .gguf file: --model takes a checkpoint-N folder, a "
-                     "model directory, a .gguf file, smollm2-135m or a Hugging Face id")
-    elif looks_like_path(name):
-        raise refuse(f"--model {name}: no such directory")
-    else:
-        folder, what = None, name  # a Hugging Face id
-    base = None
-    if folder is not None:
-        if (folder / "adapter_config.json").is_file():
-            base = _adapter_base(name, folder)
-            weights = folder / "adapter_model.safetensors"
-        elif (folder / "config.json").is_file():
-            weights = folder / "model.safetensors"
-        else:
-            raise refuse(f"--model {name}: no model in this directory (neither config.json nor adapter_config.json); "
-                         "give a checkpoint-N folder, a merged/ folder or a Hugging Face model directory")
-        damage = pretrained.safetensors_damage(weights) if weights.is_file() else None
-        if damage:
-            raise refuse(f"--model {name}: {damage}; the folder is damaged: give another checkpoint")
     try:
-        model = AutoModelForCausalLM.from_pretrained(base or folder or name, dtype=dtype)
-    except Exception as err:  # noqa: BLE001  (a hub id that cannot be reached, a directory transformers refuses)
-        said = " ".join(str(err).split())[:300]
-        raise refuse(f"--model {name}: {'its base model ' + base + ' ' if base else ''}could not be loaded "
-                     f"({type(err).__name__}: {said})") from None
-    tok_source = folder or name
-    if base is not None:
-        from playbook.model.lora import load_adapter
-
-        try:
-            model = load_adapter(model, folder)
-        except (RuntimeError, ValueError, KeyError) as err:
-            said = " ".join(str(err).split())[:200]
-            raise refuse(f"--model {name}: the adapter does not fit its base model {base} (trained on another "
-                         f"model? {type(err).__name__}: {said})") from None
-        what = f"{folder} (LoRA adapter on {base})"
-        tok_source = folder if (folder / "tokenizer_config.json").is_file() else base
-    try:
-        tokenizer = make_tokenizer(str(tok_source), preset=False)
-    except RuntimeError as err:
-        raise refuse(f"--model {name}: {err}") from None
-    return model.to(device).eval(), tokenizer, what
+        return saved_run.load(name, words=ChatWords(), hub=True, preset_base=False, device=device,
+                              dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    except saved_run.Refusal as err:
+        raise refuse(str(err)) from None
 
 
 def _write(text: str) -> int:

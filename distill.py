@@ -251,7 +251,8 @@ def base_model(model):
 
 
 def make_batches(cfg, vocab_size: int):
-    from playbook.data.dataset import bad_data_exit, make_data, make_tokenizer
+    from playbook.data.dataset import bad_data_exit, make_data
+    from playbook.model.tokenizer import make_tokenizer
 
     teacher = cfg.extra.teacher
     tokenizer = make_tokenizer(teacher, preset=teacher in PRESETS) if cfg.data else None

@@ -55,8 +55,10 @@ import re
 import socket
 import sys
 import time
-import warnings
 from pathlib import Path
+
+from playbook.model import saved_run
+from playbook.plan.memory_plan import Shape, model_shape
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 BLOCK = 32  # values per q8_0 / q4_0 block: each row's width must be a multiple of it
@@ -108,107 +110,18 @@ def parse(argv=None):
 # ------------------------------------------------------------------------------------------------
 def resolve_run(run: str) -> Path:
     """The folder holding the model: the run itself, or the checkpoint an --output-dir's `latest` names."""
-    folder = Path(run).expanduser()
-    if not folder.exists():
-        raise Refused(f"{run}: no such folder; give a checkpoint-N/ folder, a merged/ folder or a LoRA adapter folder")
-    if not folder.is_dir():
-        raise Refused(f"{run} is a file, not a run; give the folder a fine-tuning script wrote (checkpoint-N/, merged/)")
-    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
-        latest = folder / "latest"
-        named = latest.read_text(errors="replace").strip() if latest.is_file() else ""
-        if named and (folder / named).is_dir():
-            return folder / named
-        if latest.is_file():
-            raise Refused(f"{latest} names {named[:60]!r}, which is not a checkpoint folder in {run}; export one of "
-                          "its checkpoint-N folders")
-        raise Refused(f"{run} is not a run: it has no config.json (a checkpoint or merged model) nor "
-                      "adapter_config.json (a LoRA adapter)")
-    return folder
+    try:
+        return saved_run.find(run, follow_latest=True)[0]
+    except saved_run.Refusal as err:
+        raise Refused(str(err)) from None
 
 
 def read_json(path: Path) -> dict:
     """A config file of a run (config.json, adapter_config.json) as a dict, or one line saying what is wrong."""
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise Refused(f"{path} cannot be read ({err.strerror or err}); make it readable, or export another "
-                      "checkpoint") from None
-    except ValueError as err:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
-        raise Refused(f"{path} is not JSON ({str(err).splitlines()[0][:120]}): the file is damaged; restore it, "
-                      "or export another checkpoint") from None
-    if not isinstance(saved, dict):
-        raise Refused(f"{path} holds {json.dumps(saved)[:40]}, not the object of settings it should: the file is "
-                      "damaged; restore it, or export another checkpoint")
-    return saved
-
-
-def check_weights(folder: Path, adapter: bool) -> None:
-    """Refuse weight files that cannot be read (empty, truncated, not safetensors), before anything is loaded."""
-    from playbook.model.pretrained import safetensors_damage
-
-    index = folder / "model.safetensors.index.json"
-    if adapter:
-        files = [folder / "adapter_model.safetensors"]
-        if not files[0].is_file():
-            raise Refused(f"{folder} is a LoRA adapter without its weights (adapter_model.safetensors); export the "
-                          "checkpoint folder the run wrote")
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    elif index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise Refused(f"{index} lists no weight_map: the file is damaged; restore it, or export another checkpoint")
-        files = [folder / str(f) for f in sorted(set(map(str, weight_map.values())))]
-    else:
-        return  # (weights in another format, or none: transformers says what it finds)
-    for f in files:
-        damage = safetensors_damage(f) if f.is_file() else f"{f.name} is missing"
-        if damage:
-            raise Refused(f"{folder}/{damage}: the weights cannot be read; restore the file, or export another "
-                          "checkpoint")
-
-
-def recorded(folder: Path) -> dict | None:
-    """What a checkpoint of the fine-tuning scripts records of the run that trained the adapter, from its
-    trainer_state.pt (playbook/store/checkpoint.py): {"model": its --model, "num_layers": its --num-layers (None: all),
-    "load_in_4bit", "fingerprint": name -> (sum, norm) of each frozen base weight}; None for an adapter saved
-    without one (playbook.model.lora.save_adapter, the Trainer's checkpoints)."""
-    import torch
-
-    from playbook.store.checkpoint import STATE_FILE
-
-    file = folder / STATE_FILE
-    if not file.is_file():
-        return None
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        extra = state.get("extra") or {}
-        settings = extra.get("settings") or extra.get("config") or {}
-        record = {"model": settings.get("model"), "num_layers": settings.get("num_layers"),
-                  "load_in_4bit": bool(settings.get("load_in_4bit")), "fingerprint": state.get("base_fingerprint"),
-                  "device": str((extra.get("config") or {}).get("device") or "")}
-        layers = record["num_layers"]
-        if layers is not None and (type(layers) is not int or layers < 1):
-            raise ValueError(f"num_layers {layers!r}")
-        if not isinstance(record["fingerprint"], (dict, type(None))):
-            raise ValueError(f"base_fingerprint of type {type(record['fingerprint']).__name__}")
-    except Exception as err:  # noqa: BLE001  (a truncated zip, another format, a disallowed type, odd values)
-        raise Refused(f"{file} cannot be read ({str(err).splitlines()[0][:160]}); it records the layers and the "
-                      "base model the adapter was trained on: restore it, or export another checkpoint") from None
-    return record
-
-
-def adapter_layers(folder: Path, saved: dict) -> int | None:
-    """For an adapter without a trainer_state.pt: the number of decoder layers it was trained on, k when its
-    weights are those of layers 0 to k-1 (a run with --num-layers k; the project's adapters cover every layer
-    of the model they were trained on), or None when they do not say."""
-    from safetensors import safe_open
-
-    if saved.get("layers_to_transform") is not None:
-        return None  # an adapter on chosen layers: its layers say nothing of the model's
-    with safe_open(folder / "adapter_model.safetensors", "pt") as f:
-        found = {int(m.group(1)) for k in f.keys() for m in [re.search(r"\.layers\.(\d+)\.", k)] if m}
-    return max(found) + 1 if found and found == set(range(max(found) + 1)) else None
+        return saved_run.read_json(path)
+    except saved_run.Refusal as err:
+        raise Refused(str(err)) from None
 
 
 # What a value takes in memory: a model's weights in their dtype, and the file's weights in each --type, which
@@ -257,211 +170,40 @@ def check_memory(what: str, shape, dtype: str, weight_type: str) -> None:
                   f"file), and {size(free)} is free ({where}); {way}")
 
 
+def memory_check(weight_type: str):
+    """The check saved_run.load runs before it builds each model: check_memory, from the model's shape."""
+    def check(what: str, kind: str, source, layers, config) -> None:
+        if kind == "run":
+            try:
+                shape = Shape.from_config(config)
+            except (TypeError, ValueError, KeyError):
+                shape = None  # (a config without these numbers: transformers says what is wrong with it)
+            return check_memory(what, shape, config_dtype(config), weight_type)
+        shape = model_shape(str(source), layers)
+        if kind == "hub":  # its config, when the Hub's cache holds it
+            if shape is None:
+                return None
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "config.json")
+            dtype = config_dtype(json.loads(Path(cached).read_text())) if isinstance(cached, str) else "float32"
+        else:
+            dtype = {"preset": "float32", "pretrained": "bfloat16"}.get(kind) or config_dtype(config)
+        return check_memory(what, shape, dtype, weight_type)
+    return check
+
+
 def load_run(run: str, base: str | None, weight_type: str = "q8_0"):
     """(model on the CPU, tokenizer, what it is) of a saved run; an adapter is merged into its base, built as
     the run that trained it held it: its layers, the base weights its checkpoint records."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from playbook.data.dataset import make_tokenizer
-    from playbook.plan.memory_plan import Shape
-
-    folder = resolve_run(run)
     hf_logging.set_verbosity_error()  # (the GGUF reader's progress bars and notes)
-    adapter = (folder / "adapter_config.json").is_file()
-    if adapter:
-        saved = read_json(folder / "adapter_config.json")
-        check_weights(folder, adapter=True)
-        record = recorded(folder)
-        note = None if base else saved.get("base_model_note")  # (what the adapter says of the base it names)
-        base = base or saved.get("base_model_name_or_path")
-        if base is not None and not isinstance(base, str):
-            raise Refused(f"{folder / 'adapter_config.json'}: base_model_name_or_path is {json.dumps(base)[:40]}, not "
-                          "a model's name; pass the base model with --base")
-        layers = record["num_layers"] if record is not None else adapter_layers(folder, saved)
-        model, cut = load_base(run, base, note, layers, weight_type, record["device"] if record else "")
-        model, rounded = merge_adapter(run, folder, model, base, record)
-        held = " and ".join(n for n in (cut, rounded) if n)
-        what = f"{folder} (LoRA adapter merged into {base}" + (f": {held}, as the run held it)" if held else ")")
-        tok_source = folder if (folder / "tokenizer_config.json").is_file() else base
-    else:
-        config = read_json(folder / "config.json")
-        check_weights(folder, adapter=False)
-        try:
-            shape = Shape.from_config(config)
-        except (TypeError, ValueError, KeyError):
-            shape = None  # (a config without these numbers: transformers says what is wrong with it below)
-        check_memory(str(run), shape, config_dtype(config), weight_type)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
-        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-            raise Refused(f"{run}: transformers could not load it ({str(err).splitlines()[0][:200]})") from None
-        what, tok_source = str(folder), folder
     try:
-        tokenizer = make_tokenizer(str(tok_source), preset=False)
-    except RuntimeError as err:
-        raise Refused(f"{run}: {err}") from None
-    return model.eval(), tokenizer, what
-
-
-def load_base(run: str, base: str | None, note: str | None, layers: int | None, weight_type: str,
-              trained_on: str = ""):
-    """(the base model an adapter was trained on, how its layers were cut): a preset of this project,
-    smollm2-135m or a .gguf, a local folder, or a Hugging Face id; `layers`: the decoder layers the run kept
-    (its --num-layers), None for all; `trained_on`: the run's device ("cuda:0", "cpu"), where a preset's random
-    weights were drawn (a GPU's generator draws other numbers than the CPU's from the same seed). The memory it
-    needs is checked first, from its config."""
-    import torch
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    from playbook.model import pretrained
-    from playbook.plan.memory_plan import model_shape
-    from playbook.model.models import PRESETS, build_preset, looks_like_path
-
-    if not base:
-        raise Refused(f"{run} is a LoRA adapter whose adapter_config.json names no base model; pass it with --base")
-    said = f"the base {base}"
-    if base not in PRESETS and base.lower() in PRESETS:
-        raise Refused(f"--base {base}: the preset is spelled --base {base.lower()}")
-    if base in PRESETS:
-        full = PRESETS[base]["num_hidden_layers"]
-        if layers and layers > full:
-            raise Refused(f"{run}: the adapter was trained on {layers} decoder layers and {said} has {full}; pass the "
-                          "base it was trained on with --base")
-        check_memory(f"{run}: {said}", model_shape(base, layers), "float32", weight_type)
-        # built with the run's layer count: the preset's weights are drawn in order, and with fewer layers the
-        # output layer's are other ones than in the full model
-        # drawn as the scripts draw it for a run, in bf16 on the run's kind of device (a GPU's generator and a
-        # float32 draw rounded to bf16 give other weights under some torch versions), then held in float32
-        drawn = "cuda" if trained_on.startswith("cuda") and torch.cuda.is_available() else "cpu"
-        model = build_preset(base, layers, torch.device(drawn), torch.bfloat16).float().to("cpu")
-        return model, (f"its first {layers} of {full} layers" if layers and layers < full else "")
-    local = Path(base).expanduser()
-    if pretrained.is_pretrained_name(base):
-        if pretrained.is_gguf(base) and local.is_file():
-            with open(local, "rb") as f:
-                if f.read(4) != b"GGUF":  # (before the model cache sets out to convert it)
-                    raise Refused(f"--base {base} is not a GGUF file (it does not start with GGUF's magic bytes); pass "
-                                  "the base model the adapter was trained on")
-        check_memory(f"{run}: {said}", model_shape(base, layers), "bfloat16", weight_type)  # (converted in bf16)
-        try:
-            source = pretrained.local_directory(base, "--base")
-        except SystemExit as err:  # (its one line, "error: --base ...", with a refusal's exit code)
-            raise Refused(str(err).removeprefix("error: ")) from None
-    elif local.is_dir():
-        if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
-            raise Refused(f"{run}: the base {base} is a LoRA adapter itself; pass the model it was trained on with "
-                          "--base")
-        config = read_json(local / "config.json") if (local / "config.json").is_file() else None
-        if config is not None:
-            check_weights(local, adapter=False)
-            check_memory(f"{run}: {said}", model_shape(str(local), layers), config_dtype(config), weight_type)
-        source = local
-    elif looks_like_path(base) or local.exists():
-        raise Refused(f"{run} is a LoRA adapter and its base {base} is not there (nor a model folder); pass the base "
-                      "model with --base")
-    else:  # a Hugging Face id: its config, when the Hub's cache holds it
-        shape = model_shape(base, layers)
-        if shape is not None:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(base, "config.json")
-            dtype = config_dtype(json.loads(Path(cached).read_text())) if isinstance(cached, str) else "float32"
-            check_memory(f"{run}: {said}", shape, dtype, weight_type)
-        source = base
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        why = f" ({note})" if note else f" ({str(err).splitlines()[0][:160]})"
-        raise Refused(f"{run} is a LoRA adapter and its base model {base} could not be loaded{why}; "
-                      "pass the base model with --base") from None
-    full = model.config.num_hidden_layers
-    if layers and layers > full:
-        raise Refused(f"{run}: the adapter was trained on {layers} decoder layers and {said} has {full}; pass the "
-                      "base it was trained on with --base")
-    if layers and layers < full:  # as playbook.model.models.load_model keeps the first --num-layers
-        model.model.layers = model.model.layers[:layers]
-        model.config.num_hidden_layers = layers
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = model.config.layer_types[:layers]
-        return model, f"its first {layers} of {full} layers"
-    return model, ""
-
-
-def merge_adapter(run: str, folder: Path, model, base: str, record: dict | None):
-    """(the base with the adapter of `folder` merged in, a note on its weights). Before the merge, the base is
-    checked against the fingerprint the checkpoint recorded of the weights it was trained on."""
-    import torch
-
-    from playbook.model.lora import load_adapter
-
-    with warnings.catch_warnings():  # (peft on the project's own key in adapter_config.json, and on transformers)
-        warnings.filterwarnings("ignore", message=r"Unexpected keyword arguments \['base_model_note'\]")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        try:
-            # trainable: the adapter's weights require grad and the base's do not, as in the run that saved the
-            # fingerprint (which counts the frozen weights only)
-            model = load_adapter(model, folder, trainable=True)
-        except (RuntimeError, ValueError, KeyError) as err:
-            trained = f" (the run's --model was {record['model']})" if record and record.get("model") else ""
-            raise Refused(f"{run}: the adapter does not fit the base {base}: {mismatch(err)}{trained}; pass the base "
-                          "it was trained on with --base") from None
-    rounded = same_base(run, model, base, record) if record and record["fingerprint"] else ""
-    with torch.no_grad():
-        return model.merge_and_unload(), rounded
-
-
-def mismatch(err: Exception) -> str:
-    """peft's (torch's) error on an adapter that does not fit its base, in a few words."""
-    found = re.search(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^]]*\])\) from "
-                      r"checkpoint, the shape in current model is torch\.Size\((\[[^]]*\])\)", str(err))
-    if found:
-        name = found.group(1).removeprefix("base_model.model.").replace(".default", "")
-        return f"{name} is {found.group(2)} in the adapter and {found.group(3)} in the base"
-    return " ".join(str(err).split())[:200]
-
-
-def same_base(run: str, model, base: str, record: dict) -> str:
-    """Refuse a base other than the weights the adapter was trained on, by the fingerprint its checkpoint
-    records (float64 sum and norm of each frozen weight, playbook/store/checkpoint.py). A run that held a float32
-    or float16 base in bf16 (a bf16 run on a preset or a converted GGUF) recorded their bf16 rounding: then
-    the base is rounded so before the merge, and the note returned says so ("" when the weights are the same)."""
-    import torch
-
-    from core.tensors import fingerprint
-
-    saved = record["fingerprint"]
-    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-    if record["load_in_4bit"]:  # the run's projections were NF4 codes: only the weights kept as they are compare
-        saved = {n: v for n, v in saved.items() if not n.endswith("base_layer.weight")}
-        frozen = {n: p for n, p in frozen.items() if not n.endswith("base_layer.weight")}
-    trained = f"; the run's --model was {record['model']}" if record.get("model") else ""
-    if saved.keys() != frozen.keys():
-        differ = sorted(saved.keys() ^ frozen.keys())
-        where = "the checkpoint's record" if differ[0] in saved else "the base"
-        raise Refused(f"{run}: the base {base} does not have the weights the adapter was trained on "
-                      f"({differ[0].removeprefix('base_model.model.')} is in {where} only{trained}); pass the base it "
-                      "was trained on with --base")
-
-    def close(a, b) -> bool:  # the same weights give the same float64 sums up to the order of summation (~1e-12
-        return all(abs(x - y) <= 1e-9 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))  # relative, checkpoint.py)
-
-    exact = {n: close(fingerprint(p), saved[n]) for n, p in frozen.items()}
-    if all(exact.values()):
-        return ""
-    as_bf16 = {n: exact[n] if p.dtype == torch.bfloat16 else close(fingerprint(p.detach().to(torch.bfloat16)), saved[n])
-               for n, p in frozen.items()}
-    if all(as_bf16.values()):
-        with torch.no_grad():
-            for p in frozen.values():
-                p.copy_(p.to(torch.bfloat16))
-        return "its weights rounded to bf16"
-    name = next((n for n in frozen if not exact[n] and not as_bf16[n]), next(n for n in frozen if not as_bf16[n]))
-    raise Refused(f"{run}: the base {base} does not have the weights the adapter was trained on "
-                  f"({name.removeprefix('base_model.model.')} differs from the checkpoint's record{trained}); pass the "
-                  "base it was trained on with --base")
+        return saved_run.load(run, follow_latest=True, base=base, as_trained=True, dtype="auto",
+                              memory=memory_check(weight_type))
+    except saved_run.Refusal as err:
+        raise Refused(str(err)) from None
 
 
 # ------------------------------------------------------------------------------------------------

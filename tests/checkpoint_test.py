@@ -307,11 +307,12 @@ def test_keep_last(tmp_path):
 
 def test_tokenizer_and_extra_types(tmp_path):
     """The tokenizer is saved beside the weights; `extra` refuses what weights_only loading cannot return."""
-    from playbook.data import dataset
     from transformers import AutoTokenizer
 
+    from playbook.model import tokenizer
+
     model = tiny(seed=9)
-    tok = dataset.byte_tokenizer()
+    tok = tokenizer.byte_tokenizer()
     path = save_checkpoint(tmp_path, 1, model, tok, None, None, {"config": {"output_dir": "out"}})
     again = AutoTokenizer.from_pretrained(path)
     assert again("héllo")["input_ids"] == tok("héllo")["input_ids"]

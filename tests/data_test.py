@@ -27,13 +27,14 @@ import torch
 
 from playbook.data import dataset, files
 from playbook.data.dataset import BatchAttention
+from playbook.model import tokenizer
 from testkit import close_to_reference, exactly, expect_error, record, run_as_script
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 EXAMPLES = HERE / "examples"
-TOK = dataset.byte_tokenizer()
-SPECIAL = {t: TOK.convert_tokens_to_ids(t) for t in dataset.BYTE_SPECIAL_TOKENS}
-BOS, EOS, HS, HE, EOT = (SPECIAL[t] for t in (dataset.BOS, dataset.EOS, dataset.HEADER_START, dataset.HEADER_END, dataset.EOT))
+TOK = tokenizer.byte_tokenizer()
+SPECIAL = {t: TOK.convert_tokens_to_ids(t) for t in tokenizer.BYTE_SPECIAL_TOKENS}
+BOS, EOS, HS, HE, EOT = (SPECIAL[t] for t in (tokenizer.BOS, tokenizer.EOS, tokenizer.HEADER_START, tokenizer.HEADER_END, tokenizer.EOT))
 M = dataset.IGNORE_INDEX
 
 
@@ -98,8 +99,8 @@ def test_byte_tokenizer_fits_the_tiny_preset_and_round_trips():
     chat = TOK.apply_chat_template([{"role": "user", "content": " hi "}], tokenize=False, add_generation_prompt=True)
     assert chat == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
                     "<|start_header_id|>assistant<|end_header_id|>\n\n"), chat
-    assert dataset.make_tokenizer(None, preset=True).get_vocab() == TOK.get_vocab()
-    expect_error(ValueError, dataset.make_tokenizer, None, False)
+    assert tokenizer.make_tokenizer(None, preset=True).get_vocab() == TOK.get_vocab()
+    expect_error(ValueError, tokenizer.make_tokenizer, None, False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,7 +369,7 @@ def test_openai_content_parts_and_assistant_first_conversations():
 
 def test_a_template_that_is_not_prefix_stable_is_reported():
     odd = copy.deepcopy(TOK)
-    odd.chat_template = "{{ messages | length }}" + dataset.LLAMA3_CHAT_TEMPLATE  # the prefix changes with length
+    odd.chat_template = "{{ messages | length }}" + tokenizer.LLAMA3_CHAT_TEMPLATE  # the prefix changes with length
     with _files(rows__jsonl=[CHAT, TEXT]) as tmp:
         d = dataset.make_data(str(tmp / "rows.jsonl"), "dataset", odd, 512, 1, 256, 0)
     assert d.report.dropped == {"chat template mismatch": 1}, d.report.dropped

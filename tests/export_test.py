@@ -73,7 +73,7 @@ def seeded(tmp_path_factory):
     """(folder, model, token ids of the 50 prompts, their last-position logits) of the seeded model."""
     from transformers import LlamaForCausalLM
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.models import preset_config
 
     tok = byte_tokenizer()
@@ -202,7 +202,7 @@ def test_llama3_rope_scaling_is_the_rope_freqs_tensor(tmp_path):
     from transformers import LlamaForCausalLM
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.models import preset_config
 
     config = preset_config("llama-tiny")
@@ -239,7 +239,7 @@ def test_other_families_read_back(tmp_path, kind):
     """Mistral (llama.cpp's llama), Qwen2 (q/k/v biases) and Qwen3 (q/k norms, tied embeddings)."""
     import gguf
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
 
     model = _tiny_family(kind)
     folder = _save(model, byte_tokenizer(), tmp_path / "run")
@@ -267,7 +267,7 @@ SMOLLM_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0
 
 
 def test_modelfile_template_and_stops():
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()  # LLaMA 3's layout
     style, system, note = export.chat_style(tok, add_bos=True)
@@ -296,7 +296,7 @@ def test_modelfile_template_and_stops():
 def tiny_run(tmp_path_factory):
     """llama-tiny (random weights, drawn in bf16 as a run draws them, held in float32) with the byte tokenizer,
     saved as a merged folder would be."""
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.models import build_preset
 
     return _save(build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16).float(), byte_tokenizer(),
@@ -310,7 +310,7 @@ def adapter_runs(tmp_path_factory):
     settings and the base fingerprint in trainer_state.pt), the adapter's B matrices random so that the merge
     changes the weights; the model is the run's own (peft), not merged."""
     from playbook.store.checkpoint import save_checkpoint
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.lora import apply_lora
     from playbook.model.models import PRESETS, build_preset
     from playbook.run.start import name_lora_base
@@ -437,7 +437,7 @@ def test_an_adapter_refuses_a_base_other_than_its_own(tmp_path, tiny_run, adapte
     run held in bf16, is its own base."""
     from transformers import LlamaForCausalLM
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.models import preset_config
 
     def base(name: str, seed: int, **changes) -> Path:
@@ -469,7 +469,7 @@ def test_an_adapter_refuses_a_base_other_than_its_own(tmp_path, tiny_run, adapte
     assert export.main([str(folder), "--base", str(tiny_run), *out]) == 0  # the very weights, in float32
     # a float32 base whose bf16 rounding is what the run held (each weight off by 2^-12 of itself, less than half a
     # bf16 step): merged into its rounded weights, and said so
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.models import build_preset
 
     nudged = build_preset("llama-tiny", None, torch.device("cpu"), torch.bfloat16).float()
@@ -513,7 +513,7 @@ def test_the_memory_a_model_needs_is_checked_before_it_is_built(tmp_path, tiny_r
 def test_a_family_it_does_not_write_is_refused_by_name(tmp_path, capsys):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
 
     config = AutoConfig.for_model("gemma", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -529,7 +529,7 @@ def test_byte_level_decoding_is_found_inside_a_sequence():
     (ByteFallback and Metaspace, no ByteLevel) is still refused."""
     from tokenizers import decoders
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     backend = tok.backend_tokenizer

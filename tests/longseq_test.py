@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from playbook.data import dataset
-from playbook.model import registry
+from playbook.model import registry, tokenizer
 from core.kernel_utils import DEVICE
 from playbook.model.models import PRESETS
 from testkit import (FACTOR, ULP, close_to_reference, exactly, random_like_grad, record, run_as_script,
@@ -236,7 +236,7 @@ def _packed_row():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.jsonl"
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-        d = dataset.make_data(str(path), "dataset", dataset.byte_tokenizer(), vocab_size=512, batch_size=1,
+        d = dataset.make_data(str(path), "dataset", tokenizer.byte_tokenizer(), vocab_size=512, batch_size=1,
                            seq_len=PACKED_LEN, seed=0, packing=True)
     assert d.rows["input_ids"].shape[0] == 1, "all examples fit in one row"
     return d.batch(0, DEVICE), d.rows["segments"][0]

@@ -119,7 +119,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_generating(capsys):
     so the answer to a 400k-token prompt is an error line, not minutes of attention over it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
@@ -137,7 +137,7 @@ def cache(tmp_path, monkeypatch):
     transformers' reading of GGUF files replaced by a 1-layer Llama and the byte tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
 
     runs = []
     real_model, real_tokenizer = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained

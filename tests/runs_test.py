@@ -270,7 +270,7 @@ def test_resume_of_an_older_checkpoint_warns(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def saved_runs(tmp_path_factory):
     """A full fine-tune and a LoRA run of 2 steps, and a local model directory that is not llama-tiny."""
-    from playbook.data.dataset import byte_tokenizer
+    from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.models import build_preset
 
     root = tmp_path_factory.mktemp("saved")
