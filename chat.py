@@ -24,9 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from playbook.runtime.signals import run_main
+from playbook.startup import start  # imports no torch
 
-from playbook.model import saved_run
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    start("nothing was written", kernels=False)  # (no kernel runs here)
+
+import torch  # noqa: E402
+
+from playbook.model import saved_run  # noqa: E402
 
 
 def refuse(message: str) -> SystemExit:
@@ -198,8 +204,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from playbook.runtime.signals import run_main
-    from playbook.startup import start
-
-    start("nothing was written", kernels=False)  # (no kernel runs here; torch loads in main(), under run_main)
     sys.exit(run_main(main, "nothing was written"))

@@ -57,8 +57,14 @@ import sys
 import time
 from pathlib import Path
 
-from playbook.model import saved_run
-from playbook.plan.memory_plan import Shape, model_shape
+from playbook.runtime.signals import run_main
+from playbook.startup import start  # imports no torch
+
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit code 130
+    start("nothing was written", kernels=False)  # (no kernel runs here)
+
+from playbook.model import saved_run  # noqa: E402
+from playbook.plan.memory_plan import Shape, model_shape  # noqa: E402
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 BLOCK = 32  # values per q8_0 / q4_0 block: each row's width must be a multiple of it
@@ -735,8 +741,4 @@ def report(done: dict, weight_type: str, seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    from playbook.runtime.signals import run_main
-    from playbook.startup import start
-
-    start("nothing was written", kernels=False)  # (no kernel runs here; torch loads in main())
     sys.exit(run_main(main, "nothing was written (a partly written file is removed)"))
