@@ -72,7 +72,8 @@ def _adapter_base(name: str, folder: Path) -> str:
     """The base model an adapter names, checked: a directory that exists, a converted pretrained model, or a
     Hugging Face id."""
     from playbook.model import pretrained
-    from playbook.model.models import PRESETS, looks_like_path
+    from playbook.model.models import looks_like_path
+    from playbook.model.presets import PRESETS
 
     where = folder / "adapter_config.json"
     try:
@@ -103,7 +104,8 @@ def load(name: str, device):
 
     from playbook.model import pretrained
     from playbook.data.dataset import make_tokenizer
-    from playbook.model.models import PRESETS, looks_like_path
+    from playbook.model.models import looks_like_path
+    from playbook.model.presets import PRESETS
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     folder = Path(name).expanduser()

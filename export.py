@@ -319,7 +319,8 @@ def load_base(run: str, base: str | None, note: str | None, layers: int | None, 
 
     from playbook.model import pretrained
     from playbook.plan.memory_plan import model_shape
-    from playbook.model.models import PRESETS, build_preset, looks_like_path
+    from playbook.model.models import build_preset, looks_like_path
+    from playbook.model.presets import PRESETS
 
     if not base:
         raise Refused(f"{run} is a LoRA adapter whose adapter_config.json names no base model; pass it with --base")
@@ -980,7 +981,7 @@ def main(argv=None) -> int:
 
 
 def report(done: dict, weight_type: str, seconds: float) -> None:
-    from playbook.runtime.common import log
+    from core.process import log
 
     log(f"Exported {done['what']} in {seconds:.1f} s: {done['gguf']} ({done['bytes'] / 1e6:,.1f} MB, {weight_type}, "
         f"{done['tensors']} tensors{', replacing the file there' if done['replaced'] else ''})")

@@ -49,10 +49,12 @@ from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
 from playbook.plan import memory_plan
 from playbook.run import cuda_graph
-from playbook.runtime.common import (RESULTS_DIR, is_out_of_memory, log, oom_message, result_path, without_stderr_lines,
+from core.process import log
+from playbook.runtime.common import (RESULTS_DIR, is_out_of_memory, oom_message, result_path, without_stderr_lines,
                              write_atomic)
 from playbook.model.models import prepare_model
-from playbook.config import PROFILE, make_parser, parse_config, usage_error
+from playbook.runtime.common import usage_error
+from playbook.config import PROFILE, make_parser, parse_config
 from playbook.run.training import check_run_data, make_optimizer, make_run_data, run_tokenizer, training_step
 from playbook.model.registry import in_effect
 from playbook.runtime.time_left import running

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from core.fp8_support import RECIPES
-from playbook.runtime.common import usage_error  # noqa: F401  (config.usage_error: the name the scripts import)
+from playbook.runtime.common import usage_error
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import NAMES, PEERS, parse_kernels
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from playbook.config import resumable_settings
 from playbook.run import cuda_graph
-from playbook.runtime.common import RESULTS_DIR, is_main, log, world
+from core.process import is_main, log, world
+from playbook.runtime.common import RESULTS_DIR
 from playbook.optim.optimizer import weight_rounding
 from playbook.optim.schedule import schedule_factor
 
@@ -100,7 +101,7 @@ def settings_differences(saved: dict, ours: dict) -> list[str]:
 
 def _probe_folder(folder, what: str) -> None:
     """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
-    from playbook.config import usage_error
+    from playbook.runtime.common import usage_error
 
     for p in (folder, *folder.parents):
         if p.exists() and not p.is_dir():
@@ -125,7 +126,7 @@ def check_output_folders(cfg) -> None:
 
 def resume_error(cfg, err) -> SystemExit:
     """A checkpoint that cannot be resumed: one line naming it and what is wrong, exit code 2."""
-    from playbook.config import usage_error
+    from playbook.runtime.common import usage_error
 
     return usage_error(f"--resume {cfg.resume}: {str(err).strip()}")
 
@@ -205,7 +206,7 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     again, and it replaces them as it reaches them). Otherwise stop, unless --overwrite-output-dir,
     which deletes those checkpoints (all of them, or the ones after the resumed one) first."""
     from playbook.store.checkpoint import LATEST_FILE, list_checkpoints
-    from playbook.config import usage_error
+    from playbook.runtime.common import usage_error
 
     out = cfg.output_dir
     if out is None:

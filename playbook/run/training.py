@@ -29,9 +29,11 @@ from playbook.plan import memory_plan
 from playbook.run import cuda_graph
 from playbook.runtime import output, signals
 from playbook.run.best import BestEval
-from playbook.runtime.common import (RESULTS_DIR, describe_gpu, interactive, is_main, is_out_of_memory, log, oom_message,
-                             result_path, synchronize, versions, world)
-from playbook.model.models import PRESETS, count_params, prepare_model
+from core.process import is_main, log, world
+from playbook.runtime.common import (RESULTS_DIR, describe_gpu, interactive, is_out_of_memory, oom_message,
+                             result_path, synchronize, versions)
+from playbook.model.models import count_params, prepare_model
+from playbook.model.presets import PRESETS
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer, make_optimizer
 from playbook.optim.schedule import LRSchedule
 from playbook.model.registry import in_effect
@@ -40,9 +42,6 @@ from playbook.run.resume import (check_output_checkpoints, check_output_folders,
                              read_resume, resume_settings)
 from playbook.run.step import StepRunner
 from playbook.runtime.time_left import TimeLeft, in_progress, running
-from playbook.optim.optimizer import param_groups, weight_rounding  # noqa: F401  (training.X: scripts, tests)
-from playbook.optim.schedule import schedule_factor  # noqa: F401  (training.X: scripts, tests)
-from playbook.run.report import plot_curve, table_rows, throughput  # noqa: F401  (training.X: scripts, tests)
 
 IGNORE_INDEX = -100
 
@@ -330,7 +329,7 @@ def start_run(cfg, started: list | None = None) -> Run:
     log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
     if steps <= cfg.warmup_steps:  # (--epochs: the count of steps is known only now, from the data)
-        from playbook.config import usage_error
+        from playbook.runtime.common import usage_error
 
         raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
                           f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
 from playbook.runtime import environment
 
 # Where the scripts write results/<tag>.json, its metrics, plots and traces: the repository's results/ folder, or
