@@ -40,6 +40,7 @@ import adamw_kernel
 from playbook.store.files import RESULTS_DIR
 from playbook.model import models
 from playbook.run import training
+from playbook.optim.optimizer import param_groups, weight_rounding
 from adamw_kernel import TritonAdamW, adamw_ref, ideal_bytes
 from core.kernel_utils import DEVICE
 from playbook.config import make_parser, parse_config
@@ -930,7 +931,7 @@ def test_rounding_options_on_the_command_line(monkeypatch, capsys):
                            (["--optimizer-rounding", "kahan", "--optimizer", "adamw-triton"], "kahan"),
                            (["--master-weights", "fp32"], "fp32-master")):
         cfg = _config(*argv, "--seed", "5")
-        assert cfg.optimizer == "adamw-triton" and training.weight_rounding(cfg) == rounding, argv
+        assert cfg.optimizer == "adamw-triton" and weight_rounding(cfg) == rounding, argv
         opt = make_optimizer(model, cfg)
         assert isinstance(opt, TritonAdamW)
         assert all(g["rounding"] == rounding and g["seed"] == 5 for g in opt.param_groups)
@@ -981,7 +982,7 @@ def test_the_default_rounding_is_left_to_the_run_start(monkeypatch):
             cfg = distill.parse_args(list(argv))
         else:
             cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv))
-        return cfg.optimizer, cfg.optimizer_rounding, training.weight_rounding(cfg)
+        return cfg.optimizer, cfg.optimizer_rounding, weight_rounding(cfg)
 
     assert rounding() == ("adamw-triton", "auto", "nearest")  # the GPU default: chosen as the run starts
     assert rounding("--optimizer-in-backward", "--fp8") == ("adamw-triton", "auto", "nearest")
@@ -1063,7 +1064,7 @@ def _sharded_worker(out: Path) -> int:
     for rounding in SHARDED_ROUNDINGS:
         whole = models.build_preset("llama-tiny", 2, device, torch.bfloat16)
         sharded = models.shard_model(copy.deepcopy(whole))
-        optimizers = [TritonAdamW(training.param_groups(m, 0.1), lr=1e-2, rounding=rounding, seed=3)
+        optimizers = [TritonAdamW(param_groups(m, 0.1), lr=1e-2, rounding=rounding, seed=3)
                       for m in (whole, sharded)]
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches, as in training
         for _ in range(steps.get(rounding, 3)):

@@ -63,16 +63,19 @@ if __name__ == "__main__":  # Ctrl-C while torch and the kernels load (seconds):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from playbook.runtime.common import describe_gpu, is_out_of_memory, log, synchronize, versions  # noqa: E402
+from core.process import log  # noqa: E402
+from playbook.runtime.common import describe_gpu, is_out_of_memory, synchronize, versions  # noqa: E402
 from playbook.store.files import result_path, write_atomic  # noqa: E402
 from cross_entropy_kernel import causal_targets  # noqa: E402
 from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from playbook import config  # noqa: E402
 from playbook.run.start import settle  # noqa: E402
-from playbook.model.models import PRESETS, count_params, load_model, prepare_model  # noqa: E402
+from playbook.model.models import count_params, load_model, prepare_model  # noqa: E402
+from playbook.model.presets import PRESETS  # noqa: E402
 from playbook.runtime.time_left import running  # noqa: E402
-from playbook.config import positive_float, positive_int, usage_error  # noqa: E402
+from playbook.config import positive_float, positive_int  # noqa: E402
+from playbook.runtime.common import usage_error  # noqa: E402
 
 MODES = ("baseline", "fused")
 

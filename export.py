@@ -723,7 +723,7 @@ def main(argv=None) -> int:
 
 
 def report(done: dict, weight_type: str, seconds: float) -> None:
-    from playbook.runtime.common import log
+    from core.process import log
 
     log(f"Exported {done['what']} in {seconds:.1f} s: {done['gguf']} ({done['bytes'] / 1e6:,.1f} MB, {weight_type}, "
         f"{done['tensors']} tensors{', replacing the file there' if done['replaced'] else ''})")

@@ -30,8 +30,9 @@ import torch  # noqa: E402
 
 from playbook.run.best import BestEval
 from playbook.model.registry import DEFAULT_KERNELS
-from playbook.runtime.common import log
-from playbook.config import TRAINER, make_parser, parse_config, usage_error
+from core.process import log
+from playbook.runtime.common import usage_error
+from playbook.config import TRAINER, make_parser, parse_config
 
 
 class RowsDataset(torch.utils.data.Dataset):

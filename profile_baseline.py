@@ -47,12 +47,14 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
-from playbook.config import PROFILE, make_parser, parse_config, usage_error
+from playbook.config import PROFILE, make_parser, parse_config
+from playbook.runtime.common import usage_error
 from playbook.model.registry import in_effect
 from playbook.run import cuda_graph
 from playbook.run.start import build, run_errors, settle
 from playbook.run.training import training_step
-from playbook.runtime.common import log, without_stderr_lines
+from core.process import log
+from playbook.runtime.common import without_stderr_lines
 from playbook.store.files import RESULTS_DIR, result_path, write_atomic
 from playbook.runtime.time_left import running
 

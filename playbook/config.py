@@ -9,7 +9,8 @@ The RunConfig is made of sections, one small frozen dataclass each, in the order
 argument groups: `RunSection` (which script, on what device), `ModelSection`, `DataSection`,
 `TrainingSection` and `OutputSection`. Each section is checked and built by its own function; the
 RunConfig holds every section's fields under their own names (`cfg.batch_size`), and `cfg.section("data")`
-gives one section back whole.
+gives one section back whole. A field a resumed run must keep is marked `resumable(flag, place)`: the settings
+every checkpoint stores (playbook/run/resume.py) are those fields (`resumable_settings()`).
 
 What differs between the scripts is data, not a test of the script's name: each script passes its
 `ScriptDefaults` (BASELINE, OPTIMIZED, TRAINER, PROFILE, DISTILL below) to `parse_config`.
@@ -22,13 +23,13 @@ import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
 
 from core.fp8_support import RECIPES
-from playbook.runtime.common import usage_error  # noqa: F401  (config.usage_error: the name the scripts import)
+from playbook.runtime.common import usage_error
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import NAMES, PEERS, parse_kernels
 
@@ -81,13 +82,20 @@ def script_defaults(script) -> ScriptDefaults:
 # ------------------------------------------------------------------------------------------------
 # The RunConfig and its sections
 # ------------------------------------------------------------------------------------------------
+def resumable(flag: str, place: int):
+    """A field a resumed run must keep (it decides the data order or the learning-rate schedule): `flag` is
+    the option that sets it, as a mismatch names it; `place` its position among the settings every checkpoint
+    stores (playbook/run/resume.py), which keeps the stored order of older checkpoints."""
+    return field(metadata={"resume": flag, "resume_place": place})
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSection:
     """Which script runs, on what device, from what seed."""
 
     script: str
     device: torch.device
-    seed: int
+    seed: int = resumable("--seed", 16)
     defaults: ScriptDefaults | None = None  # the script's ScriptDefaults (not saved: `script` names them)
 
 
@@ -96,9 +104,9 @@ class ModelSection:
     """What is loaded and what `models.prepare_model` applies to it, one field per step; LoRA last
     (lora_r = 0: a full fine-tune, and the other LoRA fields are unused)."""
 
-    model: str
+    model: str = resumable("--model", 1)
     model_explicit: bool  # False: the default model, which may fall back to the 8B preset
-    num_layers: int | None
+    num_layers: int | None = resumable("--num-layers", 2)
     gradient_checkpointing: bool  # some decoder layers are recomputed in backward (checkpoint_layers says which)
     checkpoint_layers: str | None  # the --checkpoint-layers SPEC (memory.parse_layers); "all" for --gradient-checkpointing
     offload_activations: bool  # the checkpointed layers' inputs kept in pinned host memory (playbook/memory/activations.py)
@@ -112,44 +120,46 @@ class ModelSection:
     fp8_recipe: str  # which scales and which matmuls stay bf16 (core.fp8_support.RECIPES; docs/fp8.md)
     fp8_layers: str  # "auto": projections too small for FP8 to gain stay bf16 (core.fp8_support.size_reason); "all"
     compile: bool
-    lora_r: int
-    lora_alpha: float | None
-    lora_dropout: float
-    lora_targets: str
+    lora_r: int = resumable("--lora-r", 3)
+    lora_alpha: float | None = resumable("--lora-alpha", 4)
+    lora_dropout: float = resumable("--lora-dropout", 5)
+    lora_targets: str = resumable("--lora-targets", 6)
     merge_lora: bool
-    load_in_4bit: bool
+    load_in_4bit: bool = resumable("--load-in-4bit", 7)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataSection:
     """What the batches hold."""
 
-    batch_size: int
-    seq_len: int
-    data: Path | None
+    batch_size: int = resumable("--batch-size", 9)
+    seq_len: int = resumable("--seq-len", 11)
+    data: Path | None = resumable("--data / --dataset", 8)
     dataset: str | None
-    packing: bool
-    train_on_prompt: bool
-    drop_long: bool  # drop --dataset examples longer than seq_len (default: cut them to seq_len)
+    packing: bool = resumable("--packing", 12)
+    train_on_prompt: bool = resumable("--train-on-prompt", 13)
+    drop_long: bool = resumable("--drop-long", 14)  # drop --dataset examples longer than seq_len (default: cut
+    # them to seq_len)
     eval_dataset: str | None  # a separate eval file, instead of the held-out eval_fraction
-    eval_fraction: float
+    eval_fraction: float = resumable("--eval-fraction", 15)
     eval_every: int
-    repeat_batches: int | None  # cycle over the first N batches (None: every step draws a new one)
+    repeat_batches: int | None = resumable("--repeat-batches", 22)  # cycle over the first N batches (None: every
+    # step draws a new one)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSection:
     """Steps, optimizer, learning-rate schedule, how each step runs."""
 
-    grad_accum: int
+    grad_accum: int = resumable("--grad-accum", 10)
     steps: int  # optimizer steps in all; the first `warmup_steps` are not timed
     epochs: float | None
     warmup_steps: int
-    lr: float
-    lr_schedule: str
-    lr_warmup_steps: int
-    warmup_ratio: float
-    weight_decay: float
+    lr: float = resumable("--lr", 17)
+    lr_schedule: str = resumable("--lr-schedule", 18)
+    lr_warmup_steps: int = resumable("--lr-warmup-steps", 19)
+    warmup_ratio: float = resumable("--warmup-ratio", 20)
+    weight_decay: float = resumable("--weight-decay", 21)
     optimizer: str
     optimizer_rounding: str  # how adamw-triton rounds each new bf16 weight: "nearest", "stochastic" or "kahan";
     # "auto" (neither --optimizer-rounding nor --master-weights given, a full fine-tune with adamw-triton): chosen
@@ -213,6 +223,15 @@ class RunConfig(OutputSection, TrainingSection, DataSection, ModelSection, RunSe
         """Every field as JSON can hold it (paths and devices as text, `extra` as a nested dict); the script's
         defaults are left out (`script` names them)."""
         return _as_dict(self)
+
+
+def resumable_settings() -> dict:
+    """Every field marked `resumable`, name -> flag, in the order of their places."""
+    marked = sorted((f for f in fields(RunConfig) if "resume" in f.metadata), key=lambda f: f.metadata["resume_place"])
+    places = [f.metadata["resume_place"] for f in marked]
+    if len(set(places)) != len(places):
+        raise ValueError(f"two resumable fields share a place: {places}")
+    return {f.name: f.metadata["resume"] for f in marked}
 
 
 def _as_dict(section) -> dict:

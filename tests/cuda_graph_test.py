@@ -29,6 +29,7 @@ from playbook.runtime import common
 from playbook.store.files import RESULTS_DIR
 from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
+from playbook.optim.schedule import schedule_factor
 from testkit import record, run_as_script
 from playbook.optim.optimizer import make_optimizer
 from playbook.run.start import make_run_data
@@ -77,7 +78,7 @@ def test_what_keeps_a_run_eager(monkeypatch):
     packed = _Rows({"input_ids": None, "labels": None, "position_ids": None, "segments": None})
     assert cuda_graph.graph_blocker(on_gpu(cfg), packed) is None
     record(f"right-padded rows -> eager: {said}; packed rows -> graph", 0.0, 0.0, True)
-    monkeypatch.setattr(common, "world", lambda: (0, 2))
+    monkeypatch.setattr(cuda_graph, "world", lambda: (0, 2))
     said = cuda_graph.graph_blocker(on_gpu(cfg))
     assert said is not None and "FSDP2" in said, said
     record(f"two processes -> eager: {said}", 0.0, 0.0, True)
@@ -95,7 +96,7 @@ def test_the_schedule_fills_a_tensor_rate_in_place():
         schedule.apply(step)
         assert all(g["lr"] is lr for g in opt.param_groups)
         rates.append(float(lr))
-    want = [1e-3 * training.schedule_factor(s, 10, 4, "linear") for s in range(6)]
+    want = [1e-3 * schedule_factor(s, 10, 4, "linear") for s in range(6)]
     assert rates == pytest.approx(want, rel=1e-6), (rates, want)  # fp32 tensor vs float64 arithmetic
     record(f"rate tensor filled in place each step: {', '.join(f'{r:.2e}' for r in rates)}", 0.0, 0.0, True)
 

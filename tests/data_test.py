@@ -556,10 +556,10 @@ def test_file_formats(fmt):
             path = Path(tmp) / "rows.parquet"
             rows = [PROMPT_COMPLETION, {"prompt": "b", "completion": "c"}]  # one schema per parquet table
             pq.write_table(pa.Table.from_pylist(rows), path)
-            assert dataset.load_rows(str(path)) == rows
+            assert files.load_rows(str(path)) == rows
             record("parquet", 0, 0, True)
             return
-        assert dataset.load_rows(str(path)) == FORMAT_ROWS
+        assert files.load_rows(str(path)) == FORMAT_ROWS
         d = dataset.make_data(str(path), "dataset", TOK, 512, 4, 256, 0)
         assert d.report.kept == 4 and not d.report.dropped
     record(f"{fmt}: 4 rows, 4 kept", 0, 0, True)
@@ -568,15 +568,15 @@ def test_file_formats(fmt):
 def test_clear_errors_for_files_and_sources():
     with _files(bad__jsonl='{"text": "ok"}\n\n{"text": oops}\n', rows__csv="text\nhello\n",
                 weird__json='"just a string"', x__parquet="not parquet") as tmp:
-        assert "line 3" in expect_error(ValueError, dataset.load_rows, str(tmp / "bad.jsonl"))
-        assert ".csv" in expect_error(ValueError, dataset.load_rows, str(tmp / "rows.csv"))
-        expect_error(ValueError, dataset.load_rows, str(tmp / "weird.json"))
-        assert "missing.jsonl" in expect_error(FileNotFoundError, dataset.load_rows, str(tmp / "missing.jsonl"))
+        assert "line 3" in expect_error(ValueError, files.load_rows, str(tmp / "bad.jsonl"))
+        assert ".csv" in expect_error(ValueError, files.load_rows, str(tmp / "rows.csv"))
+        expect_error(ValueError, files.load_rows, str(tmp / "weird.json"))
+        assert "missing.jsonl" in expect_error(FileNotFoundError, files.load_rows, str(tmp / "missing.jsonl"))
         with mock.patch.dict(sys.modules, {"pyarrow": None, "pyarrow.parquet": None, "pandas": None}):
-            assert "pip install pyarrow" in expect_error(dataset.MissingPackage, dataset.load_rows, str(tmp / "x.parquet"))
+            assert "pip install pyarrow" in expect_error(files.MissingPackage, files.load_rows, str(tmp / "x.parquet"))
         expect_error(FileNotFoundError, dataset.make_data, str(tmp / "missing.txt"), "text", None, 512, 1, 8, 0)
     with mock.patch.dict(sys.modules, {"datasets": None}):  # as if `datasets` were not installed
-        assert "pip install datasets" in expect_error(dataset.MissingPackage, dataset.load_rows, "someone/some-dataset")
+        assert "pip install datasets" in expect_error(files.MissingPackage, files.load_rows, "someone/some-dataset")
 
 
 EMPTY_REPLY = {"messages": [{"role": "user", "content": "What is a GPU?"}, {"role": "assistant", "content": " "}]}
@@ -603,7 +603,7 @@ def test_data_that_leaves_nothing_to_train_on_is_refused_naming_the_file_and_wha
             (tmp / "blank.txt", "text", None): f"{tmp / 'blank.txt'} holds no text (3 bytes, blank): no tokens",
         }
         for (source, kind, eval_source), says in cases.items():
-            with pytest.raises(dataset.DataError) as refused:
+            with pytest.raises(files.DataError) as refused:
                 dataset.check_source(str(source), kind, eval_source and str(eval_source))
             assert says in str(refused.value), (source, str(refused.value))
         dataset.check_source(str(tmp / "fine.jsonl"), "dataset")  # one usable row is enough here
@@ -717,12 +717,12 @@ def test_sharegpt_rows_load_as_chat(tmp_path):
 def test_unknown_roles_are_refused_with_the_row_and_the_accepted_roles(tmp_path):
     wizard = {"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Abracadabra."}]}
     path = _write_rows(tmp_path / "odd.jsonl", [CHAT, CHAT, wizard])
-    message = expect_error(dataset.DataError, dataset.make_data, path, "dataset", TOK, 512, 1, 256, 0)
+    message = expect_error(files.DataError, dataset.make_data, path, "dataset", TOK, 512, 1, 256, 0)
     assert "row 3" in message and "message 2" in message and "'wizard'" in message, message
     assert "system, user, assistant, tool" in message and "human -> user" in message, message
     sharegpt_odd = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "narrator", "value": "..."}]}
     path = _write_rows(tmp_path / "odd_sharegpt.jsonl", [sharegpt_odd])
-    assert "'narrator'" in expect_error(dataset.DataError, dataset.make_data, path, "dataset", TOK, 512, 1, 256, 0)
+    assert "'narrator'" in expect_error(files.DataError, dataset.make_data, path, "dataset", TOK, 512, 1, 256, 0)
     # Aliases and case are accepted in messages rows too: "Human"/"GPT" render as user/assistant.
     aliased = {"messages": [{"role": m["role"].upper(), "content": m["content"]} for m in CHAT["messages"]]}
     same = _dataset([aliased], seq_len=200).rows["input_ids"]
@@ -765,7 +765,7 @@ def test_files_that_are_not_utf8_are_refused_with_the_byte_offset(tmp_path, caps
     (tmp_path / "notes.txt").write_bytes(b"line one\n" + latin1 * 20)
     (tmp_path / "rows.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "' + latin1.strip() + b'"}\n')
     for name, kind, tok in (("notes.txt", "text", None), ("notes.txt", "text", TOK), ("rows.jsonl", "dataset", TOK)):
-        message = expect_error(dataset.DataError, dataset.make_data, str(tmp_path / name), kind, tok, 512, 1, 8, 0)
+        message = expect_error(files.DataError, dataset.make_data, str(tmp_path / name), kind, tok, 512, 1, 8, 0)
         where = "byte 12 (line 2, value 0xe9)" if name == "notes.txt" else "byte 28 (line 2, value 0xe9)"
         assert where in message and "iconv" in message and name in message, message
     import distill
@@ -783,7 +783,7 @@ def test_a_byte_order_mark_is_read_past(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
     assert files._read_jsonl(path) == rows
     (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9")
-    message = expect_error(dataset.DataError, dataset.read_utf8, tmp_path / "bad.txt")
+    message = expect_error(files.DataError, files.read_utf8, tmp_path / "bad.txt")
     assert "byte 6 (line 1, value 0xe9)" in message, message
 
 
@@ -824,10 +824,10 @@ def test_token_ids_outside_the_vocabulary_name_the_example(tmp_path, capsys):
     odd.add_tokens(["<|wizard|>"])  # id 262: one past the byte tokenizer, and past a 262-entry model
     wizard = odd.convert_tokens_to_ids("<|wizard|>")
     path = _write_rows(tmp_path / "rows.jsonl", [TEXT, PROMPT_COMPLETION, {"text": "a <|wizard|> spell"}])
-    message = expect_error(dataset.DataError, dataset.make_data, path, "dataset", odd, wizard, 1, 64, 0)
+    message = expect_error(files.DataError, dataset.make_data, path, "dataset", odd, wizard, 1, 64, 0)
     assert "row 3" in message and f"token id {wizard}" in message and f"ids 0 to {wizard - 1}" in message, message
     (tmp_path / "spell.txt").write_text("x" * 20 + "<|wizard|>" + "y" * 20)
-    message = expect_error(dataset.DataError, dataset.make_data, str(tmp_path / "spell.txt"), "text", odd, wizard, 1, 8, 0)
+    message = expect_error(files.DataError, dataset.make_data, str(tmp_path / "spell.txt"), "text", odd, wizard, 1, 8, 0)
     assert f"token 21 of the file" in message and f"id {wizard}" in message, message  # BOS, then 20 bytes
     assert dataset.make_data(path, "dataset", odd, wizard + 1, 1, 64, 0).report.kept == 3  # fits: builds
     from playbook.run.start import make_run_data

@@ -312,7 +312,8 @@ def adapter_runs(tmp_path_factory):
     from playbook.store.checkpoint import save_checkpoint
     from playbook.model.tokenizer import byte_tokenizer
     from playbook.model.lora import apply_lora
-    from playbook.model.models import PRESETS, build_preset
+    from playbook.model.models import build_preset
+    from playbook.model.presets import PRESETS
     from playbook.run.start import name_lora_base
 
     made = {}

@@ -36,7 +36,7 @@ from playbook.model import models
 from playbook.run import training
 from rmsnorm_kernel import TritonRMSNorm
 from playbook.config import make_parser, parse_config
-from playbook.model.presets import DEFAULT_MODEL
+from playbook.model.presets import DEFAULT_MODEL, PRESETS
 from core.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
 import testkit
 from testkit import close_to_reference, python_path, record, run_as_script, two_process_env
@@ -236,7 +236,7 @@ def test_fused_head_with_tied_embeddings():
     """LLaMA 3.2-style tied embeddings: the fused head must use (and train) the shared weight."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**{**models.PRESETS["llama-tiny"], "tie_word_embeddings": True})
+    cfg = LlamaConfig(**{**PRESETS["llama-tiny"], "tie_word_embeddings": True})
     torch.manual_seed(3)
     base = LlamaForCausalLM(cfg).to(DEVICE)
     ours = LlamaForCausalLM(cfg).to(DEVICE)

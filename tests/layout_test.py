@@ -256,12 +256,12 @@ def test_the_layer_check_finds_each_kind_of_upward_import(tmp_path):
         ("core/x.py", "def f():\n    import rmsnorm_kernel\n"): "imports rmsnorm_kernel (lesson)",
         ("core/x.py", "from playbook.run import training\n"): "imports playbook.run.training (the training library)",
         ("playbook/run/training.py", "import testkit\n"): "imports testkit (a tool beside the library)",
-        ("core/x.py", "from playbook.model.models import PRESETS\n"): "imports playbook.model.models.PRESETS (the",
-        ("rope_kernel.py", "def f():\n    from playbook.runtime.common import log\n"): "(the training library)",
+        ("core/x.py", "from playbook.model.presets import PRESETS\n"): "imports playbook.model.presets.PRESETS (the",
+        ("rope_kernel.py", "def f():\n    from playbook.runtime.common import usage_error\n"): "(the training library)",
         ("rope_kernel.py", "import finetune_optimized\n"): "(script)",
         ("playbook/run/training.py", "def f():\n    import walkthrough\n"): "(script)",
     }
-    stubs = ["rmsnorm_kernel.py", "swiglu_kernel.py", "rope_kernel.py", "playbook/__init__.py", "playbook/model/models.py",
+    stubs = ["rmsnorm_kernel.py", "swiglu_kernel.py", "rope_kernel.py", "playbook/__init__.py", "playbook/model/presets.py",
              "playbook/run/training.py", "playbook/runtime/common.py", "core/__init__.py", "core/kernel_utils.py",
              "testkit/__init__.py"]
     for (made, text), says in cases.items():

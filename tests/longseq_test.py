@@ -44,7 +44,7 @@ import torch
 from playbook.data import dataset
 from playbook.model import registry, tokenizer
 from core.kernel_utils import DEVICE
-from playbook.model.models import PRESETS
+from playbook.model.presets import PRESETS
 from testkit import (FACTOR, ULP, close_to_reference, exactly, random_like_grad, record, run_as_script,
                               tiny_model)
 import linear_cross_entropy_kernel

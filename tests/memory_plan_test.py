@@ -16,6 +16,7 @@ from playbook.plan import memory_plan
 from playbook.config import make_parser, parse_config
 from playbook.plan.memory_plan import GB, Setup, Shape, estimate, measured_run
 from playbook.model.registry import DEFAULT_KERNELS
+from playbook.model.presets import PRESETS
 
 RUNS = Path(__file__).resolve().parent.parent / "results" / "runs"
 
@@ -50,7 +51,7 @@ CALIBRATED = [
     "smollm2_H100/smol_lora_ours.json", "smollm2_H100/smol_lora_fp8.json", "smollm2_H100/smol_qlora.json",
     "smollm2_H100/smol_lora_hf.json", "smollm2_H100/smol_base.json",
 ]
-LLAMA_8B = Shape.from_config(models.PRESETS["llama-3.1-8b"])
+LLAMA_8B = Shape.from_config(PRESETS["llama-3.1-8b"])
 
 
 def test_the_estimate_is_within_10_percent_of_each_measured_peak():

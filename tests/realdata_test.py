@@ -98,17 +98,17 @@ def test_the_size_rule_keeps_narrow_projections_in_bf16(monkeypatch, capsys):
 
 
 def test_real_models_train_in_float32_on_cpus_without_bf16_matmuls(monkeypatch):
-    from playbook.model import models, presets  # weights_dtype asks presets.cpu_has_native_bf16
+    from playbook.model import presets  # weights_dtype asks presets.cpu_has_native_bf16
 
     cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cpu"))
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
-    assert models.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.float32
-    assert models.weights_dtype(dataclasses.replace(cfg, model="llama-tiny")) == torch.bfloat16  # presets as before
+    assert presets.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.float32
+    assert presets.weights_dtype(dataclasses.replace(cfg, model="llama-tiny")) == torch.bfloat16  # presets as before
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: True)
-    assert models.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.bfloat16
+    assert presets.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.bfloat16
     gpu = dataclasses.replace(cfg, model="smollm2-135m", device=torch.device("cuda"))
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
-    assert models.weights_dtype(gpu) == torch.bfloat16  # a GPU trains in bf16 whatever the CPU
+    assert presets.weights_dtype(gpu) == torch.bfloat16  # a GPU trains in bf16 whatever the CPU
 
 
 def test_a_run_reports_eval_loss_before_and_after_and_the_sample_answers(tmp_path):
@@ -179,19 +179,19 @@ def _throughput_counts_text(argv, payload, steps, stdout):
 def test_batches_without_padding_print_one_throughput_figure():
     """Synthetic batches hold no padding: one tokens/s figure in the step line and in the table, where a
     padded batch names its padded figure beside the text one."""
-    from playbook.run import training
+    from playbook.run import report
 
-    assert training.throughput(4096, 4096, 0.5) == "8,192 tokens/s"
-    assert training.throughput(1024, 4096, 0.5) == "2,048 tokens/s (text), 8,192 with padding"
-    result = training.RunResult(script="s", model="m", kernels=[], gpu="g", world_size=2, batch_size=4, seq_len=512,
+    assert report.throughput(4096, 4096, 0.5) == "8,192 tokens/s"
+    assert report.throughput(1024, 4096, 0.5) == "2,048 tokens/s (text), 8,192 with padding"
+    result = report.RunResult(script="s", model="m", kernels=[], gpu="g", world_size=2, batch_size=4, seq_len=512,
                                 grad_accum=1, steps=3, optimizer="o", params=1, trainable_params=1,
                                 step_times_s=[0.5, 0.25, 1.0], text_tokens=[4096] * 3)
     full = result.summary(None, 1.0)
     assert full["tokens/s (job)"] == full["tokens/s with padding (job)"] == 8192 and full["padding (% of tokens)"] == 0
-    assert [k for k, _ in training.table_rows(full, True) if "tokens/s" in k] == ["tokens/s (job)", "tokens/s per GPU"]
+    assert [k for k, _ in report.table_rows(full, True) if "tokens/s" in k] == ["tokens/s (job)", "tokens/s per GPU"]
     result.text_tokens = [1024, 2048, 3072]  # half of them padding on average
     half = result.summary(None, 1.0)
     assert half["tokens/s (job)"] == 4096 and half["tokens/s per GPU"] == 2048 and half["padding (% of tokens)"] == 50
     assert half["model TFLOP/s per GPU"] == 2048 / 1e12, "FLOPs count the tokens that are not padding"
-    shown = dict(training.table_rows(half, True))
+    shown = dict(report.table_rows(half, True))
     assert shown["tokens/s with padding (job)"] == "8,192" and shown["padding (% of tokens)"] == "50.0"

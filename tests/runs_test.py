@@ -12,6 +12,8 @@ the script itself in a child process. What is checked:
 - --save-total-limit keeps the newest N checkpoints;
 - a checkpoint that cannot be written, and a NaN loss, stop the run with a clear message, and the
   summary JSON is still written;
+- the settings a checkpoint stores are the config's resumable fields, the keys and order older checkpoints
+  hold;
 - resume refuses other settings (one line each, exit code 2), accepts more --steps (the decaying
   schedule is rebuilt for the new length), warns for a checkpoint without stored settings;
 - every damaged --resume gives one `error:` line and exit code 2;
@@ -24,6 +26,7 @@ from playbook.startup import start
 if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest, before the kernels load
     start()
 
+import hashlib
 import json
 import os
 import shutil
@@ -202,6 +205,72 @@ def test_a_nan_loss_stops_with_step_causes_and_last_good_checkpoint(tmp_path, ca
 # ------------------------------------------------------------------------------------------------
 # Resume continues the saved run, or says what differs
 # ------------------------------------------------------------------------------------------------
+# The settings every checkpoint stores, in their stored order, with the flags that name them: older
+# checkpoints hold exactly these, so a change here is a change of the checkpoint format
+STORED_SETTINGS = [
+    ("model", "--model"), ("num_layers", "--num-layers"), ("lora_r", "--lora-r"), ("lora_alpha", "--lora-alpha"),
+    ("lora_dropout", "--lora-dropout"), ("lora_targets", "--lora-targets"), ("load_in_4bit", "--load-in-4bit"),
+    ("data", "--data / --dataset"), ("batch_size", "--batch-size"), ("grad_accum", "--grad-accum"),
+    ("seq_len", "--seq-len"), ("packing", "--packing"), ("train_on_prompt", "--train-on-prompt"),
+    ("drop_long", "--drop-long"), ("eval_fraction", "--eval-fraction"), ("seed", "--seed"), ("lr", "--lr"),
+    ("lr_schedule", "--lr-schedule"), ("lr_warmup_steps", "--lr-warmup-steps"), ("warmup_ratio", "--warmup-ratio"),
+    ("weight_decay", "--weight-decay"), ("repeat_batches", "--repeat-batches"),
+]
+
+
+def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
+    """The settings derived from the config's resumable fields are the ones older checkpoints store: the same
+    keys in the same order, the same values (the LoRA ones None without LoRA, the model's local folder as
+    an absolute path, the data as its identity)."""
+    from playbook.run.resume import RESUME_SETTINGS, resume_settings
+
+    assert list(RESUME_SETTINGS.items()) == STORED_SETTINGS
+    full = config("--model", "llama-tiny", "--batch-size", "2")
+    assert list(resume_settings(full, full.model).items()) == [
+        ("model", "llama-tiny"), ("num_layers", None), ("lora_r", 0), ("lora_alpha", None), ("lora_dropout", None),
+        ("lora_targets", None), ("load_in_4bit", False), ("data", "synthetic"), ("batch_size", 2), ("grad_accum", 1),
+        ("seq_len", full.seq_len), ("packing", False), ("train_on_prompt", False), ("drop_long", False),
+        ("eval_fraction", 0.0), ("seed", 0), ("lr", full.lr), ("lr_schedule", "linear"), ("lr_warmup_steps", 0),
+        ("warmup_ratio", 0.0), ("weight_decay", 0.0), ("repeat_batches", None)]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    lora = config("--model", "llama-tiny", "--batch-size", "4", "--lora-r", "4", "--lora-targets", "attention",
+                  "--dataset", str(TEXT), "--eval-fraction", "0.1", "--seed", "3", "--lr", "1e-3", "--warmup-ratio",
+                  "0.1", "--grad-accum", "2", "--num-layers", "1")
+    got = resume_settings(lora, str(folder))
+    assert [k for k, _ in STORED_SETTINGS] == list(got)
+    digest = hashlib.sha256(TEXT.read_bytes()).hexdigest()
+    assert got == {
+        "model": str(folder.resolve()), "num_layers": 1, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+        "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "load_in_4bit": False,
+        "data": {"path": str(TEXT.resolve()), "bytes": TEXT.stat().st_size, "sha256": digest}, "batch_size": 4,
+        "grad_accum": 2, "seq_len": lora.seq_len, "packing": True, "train_on_prompt": False, "drop_long": False,
+        "eval_fraction": 0.1, "seed": 3, "lr": 1e-3, "lr_schedule": "linear", "lr_warmup_steps": 0,
+        "warmup_ratio": 0.1, "weight_decay": 0.0, "repeat_batches": None}
+    record(f"resume settings: the {len(STORED_SETTINGS)} stored keys, in the stored order, with today's values",
+           0.0, 0.0, True)
+
+
+def test_every_resumable_field_is_stored_and_named_by_its_flag():
+    """Each RunConfig field marked resumable is in the settings a checkpoint stores, under its own name, and its
+    flag is an option of the scripts' parser; the computed values are all of marked fields."""
+    from dataclasses import fields
+
+    from playbook.config import RunConfig
+    from playbook.run.resume import COMPUTED_SETTINGS, resume_settings
+
+    marked = {f.name: f.metadata["resume"] for f in fields(RunConfig) if "resume" in f.metadata}
+    cfg = config("--model", "llama-tiny", "--batch-size", "2", "--lora-r", "4")
+    stored = resume_settings(cfg, cfg.model)
+    assert set(marked) <= set(stored), f"resumable fields missing from the stored settings: {set(marked) - set(stored)}"
+    assert set(stored) == set(marked), f"stored settings that are no resumable field: {set(stored) - set(marked)}"
+    assert set(COMPUTED_SETTINGS) <= set(marked), set(COMPUTED_SETTINGS) - set(marked)
+    options = set(make_parser("test", kernels_default=ak.DEFAULT_KERNELS)._option_string_actions)
+    for name, flag in marked.items():
+        assert all(word in options for word in flag.split(" / ")), (name, flag)
+    record(f"resume settings: all {len(marked)} resumable fields stored, each flag a parser option", 0.0, 0.0, True)
+
+
 def test_resume_refuses_other_settings_line_by_line(tmp_path, capsys):
     out = tmp_path / "out"
     run("--data", str(TEXT), "--output-dir", str(out), "--save-every", "2", tag="test_runs_settings")

@@ -91,8 +91,8 @@ from pathlib import Path
 
 import torch
 
-# reading the files (and hub datasets) rows come from; DataError and MissingPackage are the data errors
-from playbook.data.files import FILE_FORMATS, DataError, MissingPackage, load_rows, read_utf8  # noqa: F401
+# reading the files (and hub datasets) rows come from, and DataError, the data errors (playbook/data/files.py)
+from playbook.data.files import DataError, load_rows, read_utf8
 from playbook.runtime.time_left import running  # (a long encoding says how far it is)
 
 IGNORE_INDEX = -100  # Hugging Face's label value for "no loss here"
@@ -134,7 +134,7 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "mo
 def bad_data_exit(err: Exception) -> SystemExit:
     """What a script does with a data error from make_data: print the row counts when rows were read
     (the data line a run prints before training), then `error: <message>` on stderr; exit code 2."""
-    from playbook.runtime.common import log
+    from core.process import log
 
     if getattr(err, "report", None) is not None:
         log(f"Data: dataset {err.report}")

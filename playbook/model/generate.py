@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from playbook.runtime.common import log, usage_error
+from core.process import log
+from playbook.runtime.common import usage_error
 
 MAX_NEW_TOKENS = 48
 PROGRESS_EVERY_S = 5  # with several prompts: a line with the count and the time left, this often

@@ -48,7 +48,7 @@ def _peft():
 
 
 def _log(text: str) -> None:
-    from playbook.runtime.common import log  # prints on the main process only
+    from core.process import log  # prints on the main process only
 
     log(text)
 
@@ -75,7 +75,7 @@ def parse_targets(targets) -> tuple:
     return tuple(names)
 
 
-from playbook.runtime.common import is_peft_model  # noqa: E402  (re-exported: the LoRA glue's own question)
+from core.process import is_peft_model  # noqa: E402  (the LoRA glue's own question)
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:

@@ -24,8 +24,9 @@ from torch import nn
 
 from core import gpu_arch
 from playbook.model import pretrained
-from playbook.runtime.common import is_out_of_memory, log, usage_error, world
-from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype  # models.PRESETS: the names the scripts know
+from core.process import log, world
+from playbook.runtime.common import is_out_of_memory, usage_error
+from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype
 
 def init_distributed(device: torch.device) -> None:
     rank, size = world()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from playbook.runtime import environment
-from playbook.runtime.common import log
+from core.process import log
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,7 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_
     are the caller's to apply, as `models.prepare_model` and the training loop do (`others_applied`).
     Named alone, with `others_applied` False, they are refused: nothing here would apply them.
     """
-    from playbook.runtime.common import log
+    from core.process import log
 
     names = parse_kernels(kernels)
     if names and not others_applied and all(BY_NAME.get(n) is not None and BY_NAME[n].scope != "model"

@@ -468,7 +468,7 @@ def _default_optimizer(cfg, kernels) -> str:
 def _options(cfg, shape: Shape, s: Setup) -> list[Offer]:
     """Each option alone that needs less memory than this run, as the command line takes it (config.py's
     refusals: an option that clashes with one already given is offered with that one dropped, or not at all)."""
-    from playbook.runtime.common import world
+    from core.process import world
 
     found = []
     plain = "plain" in (s.layer_kinds or ("plain",))
@@ -820,7 +820,7 @@ def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
     teacher and student (its section's `plan_models()`); [] when a config is not on this machine yet."""
     import torch
 
-    from playbook.runtime.common import world
+    from core.process import world
     from playbook.model.presets import PRESETS, weights_dtype
 
     values = cfg.as_dict()
@@ -957,7 +957,7 @@ def agree_on_rounding(cfg):
     agreed = ROUNDING_ORDER[int(choice.item())]
     if agreed == cfg.optimizer_rounding:
         return cfg
-    from playbook.runtime.common import log
+    from core.process import log
 
     log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.optimizer_rounding}; another "
         f"process's free memory did not fit it)")
@@ -979,7 +979,8 @@ def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_ch
     (the command line left it open, as it stays in the options offered)."""
     if enforce is None:
         enforce = not getattr(cfg, "ignore_memory_plan", False)
-    from playbook.runtime.common import is_main, log, usage_error
+    from core.process import is_main, log
+    from playbook.runtime.common import usage_error
 
     plans = run_plans(cfg)
     if not plans:

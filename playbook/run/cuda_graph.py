@@ -38,8 +38,7 @@ import gc
 import torch
 
 from playbook.model import packed_attention
-from playbook.runtime import common
-from playbook.runtime.common import log
+from core.process import log, world
 
 
 def graph_blocker(cfg, data=None) -> str | None:
@@ -49,7 +48,7 @@ def graph_blocker(cfg, data=None) -> str | None:
         return "no GPU"
     if cfg.cuda_graphs == "off":
         return "--cuda-graphs off"
-    if common.world()[1] > 1:
+    if world()[1] > 1:
         return "FSDP2 issues its collectives from host-side hooks each step"
     if cfg.offload_activations:
         return "--offload-activations copies to host memory under the host's control"

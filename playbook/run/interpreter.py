@@ -31,7 +31,7 @@ import time
 import torch
 from torch import nn
 
-from playbook.runtime.common import is_main, log
+from core.process import is_main, log
 from playbook.runtime.time_left import periodic_steps
 
 HEARTBEAT_S = 30.0  # at most one progress line per this many seconds

@@ -11,7 +11,8 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from playbook.runtime.common import gpu_bf16_peak_tflops, is_main, world
+from core.process import is_main, world
+from playbook.runtime.common import gpu_bf16_peak_tflops
 from playbook.store.files import write_atomic
 from playbook.model import models
 from playbook.runtime import output

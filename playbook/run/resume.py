@@ -13,25 +13,19 @@ import shutil
 import sys
 from pathlib import Path
 
+from playbook.config import resumable_settings
 from playbook.run import cuda_graph
-from playbook.runtime.common import is_main, log, world
+from core.process import is_main, log, world
 from playbook.store.files import RESULTS_DIR
 from playbook.optim.optimizer import rounding_of, weight_rounding
 from playbook.optim.schedule import schedule_factor
 
 
-# The settings that decide a run's data order and learning-rate schedule: name in the checkpoint ->
-# the flag that sets it. A resumed run must have the same values (the kernels, the optimizer's
-# implementation, logging and the number of steps may change).
-RESUME_SETTINGS = {
-    "model": "--model", "num_layers": "--num-layers", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
-    "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets", "load_in_4bit": "--load-in-4bit",
-    "data": "--data / --dataset", "batch_size": "--batch-size", "grad_accum": "--grad-accum", "seq_len": "--seq-len",
-    "packing": "--packing", "train_on_prompt": "--train-on-prompt", "drop_long": "--drop-long",
-    "eval_fraction": "--eval-fraction", "seed": "--seed", "lr": "--lr", "lr_schedule": "--lr-schedule",
-    "lr_warmup_steps": "--lr-warmup-steps", "warmup_ratio": "--warmup-ratio", "weight_decay": "--weight-decay",
-    "repeat_batches": "--repeat-batches",
-}
+# The settings that decide a run's data order and learning-rate schedule: name in the checkpoint -> the flag
+# that sets it, from the RunConfig's fields marked `resumable` (playbook/config.py), in their stored order. A
+# resumed run must have the same values (the kernels, the optimizer's implementation, logging and the number
+# of steps may change).
+RESUME_SETTINGS = resumable_settings()
 
 
 def data_identity(cfg) -> dict | str:
@@ -50,23 +44,33 @@ def data_identity(cfg) -> dict | str:
     return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def resume_settings(cfg, model_name: str) -> dict:
-    """This run's values of RESUME_SETTINGS, as stored in every checkpoint it writes."""
+def _model(cfg, model_name: str) -> str:
+    local = Path(model_name).expanduser()
+    return str(local.resolve()) if local.is_dir() else model_name  # a local directory, wherever it is named from
+
+
+def _lora_targets(cfg, model_name: str) -> list | None:
     from playbook.model.lora import parse_targets
 
-    local = Path(model_name).expanduser()
-    lora = bool(cfg.lora_r)
-    return {
-        "model": str(local.resolve()) if local.is_dir() else model_name, "num_layers": cfg.num_layers,
-        "lora_r": cfg.lora_r, "lora_alpha": (cfg.lora_alpha or 2 * cfg.lora_r) if lora else None,
-        "lora_dropout": cfg.lora_dropout if lora else None,
-        "lora_targets": list(parse_targets(cfg.lora_targets)) if lora else None, "load_in_4bit": cfg.load_in_4bit,
-        "data": data_identity(cfg), "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
-        "seq_len": cfg.seq_len, "packing": cfg.packing, "train_on_prompt": cfg.train_on_prompt,
-        "drop_long": cfg.drop_long, "eval_fraction": cfg.eval_fraction, "seed": cfg.seed, "lr": cfg.lr,
-        "lr_schedule": cfg.lr_schedule, "lr_warmup_steps": cfg.lr_warmup_steps, "warmup_ratio": cfg.warmup_ratio,
-        "weight_decay": cfg.weight_decay, "repeat_batches": cfg.repeat_batches,
-    }
+    return list(parse_targets(cfg.lora_targets)) if cfg.lora_r else None
+
+
+# The settings whose stored value is computed rather than the field's own: field name -> value(cfg, model_name).
+# Without LoRA (lora_r 0) the other LoRA settings are unused, and stored as None.
+COMPUTED_SETTINGS = {
+    "model": _model,
+    "lora_alpha": lambda cfg, _: (cfg.lora_alpha or 2 * cfg.lora_r) if cfg.lora_r else None,
+    "lora_dropout": lambda cfg, _: cfg.lora_dropout if cfg.lora_r else None,
+    "lora_targets": _lora_targets,
+    "data": lambda cfg, _: data_identity(cfg),
+}
+
+
+def resume_settings(cfg, model_name: str) -> dict:
+    """This run's values of RESUME_SETTINGS, as stored in every checkpoint it writes: each field's value, or
+    its COMPUTED_SETTINGS value."""
+    return {key: COMPUTED_SETTINGS[key](cfg, model_name) if key in COMPUTED_SETTINGS else getattr(cfg, key)
+            for key in RESUME_SETTINGS}
 
 
 def _show_setting(key: str, value) -> str:
@@ -97,7 +101,7 @@ def settings_differences(saved: dict, ours: dict) -> list[str]:
 
 def _probe_folder(folder, what: str) -> None:
     """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
-    from playbook.config import usage_error
+    from playbook.runtime.common import usage_error
 
     for p in (folder, *folder.parents):
         if p.exists() and not p.is_dir():
@@ -122,7 +126,7 @@ def check_output_folders(cfg) -> None:
 
 def resume_error(cfg, err) -> SystemExit:
     """A checkpoint that cannot be resumed: one line naming it and what is wrong, exit code 2."""
-    from playbook.config import usage_error
+    from playbook.runtime.common import usage_error
 
     return usage_error(f"--resume {cfg.resume}: {str(err).strip()}")
 
@@ -201,7 +205,7 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     again, and it replaces them as it reaches them). Otherwise stop, unless --overwrite-output-dir,
     which deletes those checkpoints (all of them, or the ones after the resumed one) first."""
     from playbook.store.checkpoint import LATEST_FILE, list_checkpoints
-    from playbook.config import usage_error
+    from playbook.runtime.common import usage_error
 
     out = cfg.output_dir
     if out is None:

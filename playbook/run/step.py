@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 
 from playbook.run import cuda_graph
-from playbook.runtime.common import log, synchronize
+from core.process import log
+from playbook.runtime.common import synchronize
 
 
 class StepRunner:

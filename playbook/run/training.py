@@ -40,9 +40,6 @@ from playbook.runtime import signals
 from playbook.runtime.common import describe_gpu, interactive, synchronize, versions
 from playbook.store.files import RESULTS_DIR, result_path
 from playbook.runtime.time_left import TimeLeft, in_progress, running
-from playbook.optim.optimizer import param_groups, weight_rounding  # noqa: F401  (training.X: scripts, tests)
-from playbook.optim.schedule import schedule_factor  # noqa: F401  (training.X: scripts, tests)
-from playbook.run.report import plot_curve, table_rows, throughput  # noqa: F401  (training.X: scripts, tests)
 
 
 
@@ -243,7 +240,7 @@ def start_run(cfg) -> Run:
     log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
     if steps <= cfg.warmup_steps:  # (--epochs: the count of steps is known only now, from the data)
-        from playbook.config import usage_error
+        from playbook.runtime.common import usage_error
 
         raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
                           f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from core.process import is_main, is_peft_model, log, world  # noqa: F401  (this module's names too)
 
 # Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
 BF16_PEAK_TFLOPS = {

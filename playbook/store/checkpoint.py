@@ -263,7 +263,7 @@ def _as_tuples(value):
 
 
 def _is_peft(model) -> bool:
-    from playbook.runtime.common import is_peft_model  # the library's imports run one way: lora -> checkpoint
+    from core.process import is_peft_model  # the library's imports run one way: lora -> checkpoint
 
     return is_peft_model(model)
 
