@@ -33,6 +33,10 @@ from playbook.runtime.common import usage_error
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import NAMES, PEERS, parse_kernels
 
+from playbook.memory.activations import parse_layers
+from playbook.model.lora import parse_targets
+from playbook.plan import memory_plan
+
 FP8_RECIPES = tuple(RECIPES)  # core/fp8_support.py: the recipes by name
 # --fp8's default: the fastest recipe whose loss on docs/fp8.md's memorization task is no worse than torchao's
 # row-wise recipe (docs/fp8.md, "Recipes", has the measurements)
@@ -278,8 +282,6 @@ def _tag(text: str) -> str:
 
 
 def _checkpoint_layers(text: str) -> str:
-    from playbook.memory.activations import parse_layers  # the syntax here; the layer count once the model is loaded
-
     try:
         parse_layers(text)
     except ValueError as err:
@@ -288,8 +290,6 @@ def _checkpoint_layers(text: str) -> str:
 
 
 def _lora_targets(text: str) -> str:
-    from playbook.model.lora import parse_targets  # torch only: no peft until a LoRA model is built
-
     try:
         parse_targets(text)
     except ValueError as err:
@@ -653,7 +653,6 @@ def _check_timed_steps(cfg: RunConfig, defaults: ScriptDefaults) -> None:
     steps, warmup = cfg.steps, cfg.warmup_steps
     if steps is None or warmup < steps or not defaults.timed_steps:
         return
-    from playbook.plan import memory_plan
 
     timing = (f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup}: give --steps {warmup + 1} "
               f"or more, or fewer warm-up steps (--timing-warmup-steps {max(steps - 1, 0)})")

@@ -368,9 +368,10 @@ def sandbox(tmp_path):
     triton on PYTHONPATH (importing them takes no time, whatever torch is installed)."""
     box = tmp_path / "box"
     box.mkdir()
-    (box / "playbook").mkdir()
+    (box / "playbook" / "runtime").mkdir(parents=True)
     (box / "core").mkdir()
-    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/runtime/setup_check.py", "core/__init__.py",
+    for name in ("Makefile", "selfcheck.py", "playbook/__init__.py", "playbook/runtime/__init__.py",
+                 "playbook/runtime/setup_check.py", "core/__init__.py",
                  "core/gpu_arch.py", "playbook/startup.py", "playbook/runtime/signals.py", "playbook/runtime/environment.py",
                  "playbook/runtime/output.py",
                  "requirements.txt", "pytest.ini"):

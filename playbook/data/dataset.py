@@ -95,6 +95,8 @@ import torch
 from playbook.data.files import DataError, load_rows, read_utf8
 from playbook.runtime.time_left import running  # (a long encoding says how far it is)
 
+from core.process import log
+
 IGNORE_INDEX = -100  # Hugging Face's label value for "no loss here"
 
 KINDS = ("synthetic", "text", "dataset")
@@ -134,8 +136,6 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "chatgpt": "assistant", "mo
 def bad_data_exit(err: Exception) -> SystemExit:
     """What a script does with a data error from make_data: print the row counts when rows were read
     (the data line a run prints before training), then `error: <message>` on stderr; exit code 2."""
-    from core.process import log
-
     if getattr(err, "report", None) is not None:
         log(f"Data: dataset {err.report}")
     print(f"error: {err}", file=sys.stderr, flush=True)

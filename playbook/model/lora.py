@@ -48,8 +48,6 @@ def _peft():
 
 
 def _log(text: str) -> None:
-    from core.process import log  # prints on the main process only
-
     log(text)
 
 
@@ -76,6 +74,9 @@ def parse_targets(targets) -> tuple:
 
 
 from core.process import is_peft_model  # noqa: E402  (the LoRA glue's own question)
+
+from core.process import log
+from playbook.store.checkpoint import BASE_NOTE_KEY, add_base_model_note, atomic_directory
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
@@ -142,7 +143,6 @@ def name_base_model(model: nn.Module, name_or_path: str, note: str | None = None
     local = Path(name_or_path).expanduser()
     if local.is_dir():
         name_or_path = str(local.resolve())
-    from playbook.store.checkpoint import BASE_NOTE_KEY
 
     if note is None:
         model.peft_config[model.active_adapter].base_model_name_or_path = name_or_path
@@ -155,7 +155,6 @@ def save_adapter(model: nn.Module, directory) -> Path:
     """Write the adapter (adapter_model.safetensors + adapter_config.json) into `directory`, atomically."""
     _require_peft_model(model, "save_adapter")
     _refuse_sharded(model, "save_adapter")
-    from playbook.store.checkpoint import add_base_model_note, atomic_directory
 
     with atomic_directory(directory) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -189,7 +188,6 @@ def merge_and_save(model: nn.Module, directory, tokenizer=None) -> Path:
                            "--fp8), and the adapters folded into them would carry FP8's rounding of every base weight "
                            "(up to 2^-4 of it); save the adapter (save_adapter), then merge it into the original bf16 "
                            "model: merge_and_save(load_adapter(bf16_base, adapter_directory), directory)")
-    from playbook.store.checkpoint import atomic_directory
 
     with torch.no_grad():
         merged = model.merge_and_unload()

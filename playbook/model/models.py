@@ -28,6 +28,15 @@ from core.process import log, world
 from playbook.runtime.common import is_out_of_memory, usage_error
 from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype
 
+import json
+
+from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from playbook.memory import activations
+from playbook.model import packed_attention, registry
+
 def init_distributed(device: torch.device) -> None:
     rank, size = world()
     if size == 1 or torch.distributed.is_initialized():
@@ -41,8 +50,6 @@ def init_distributed(device: torch.device) -> None:
 
 
 def _hub_advice(model_id: str, err: Exception) -> str:
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
-
     # GatedRepoError subclasses RepositoryNotFoundError: test it first.
     if isinstance(err, GatedRepoError):
         what = f"'{model_id}' is a gated model and this machine has no access to it"
@@ -63,8 +70,6 @@ def _hub_advice(model_id: str, err: Exception) -> str:
 
 def adapter_directory_advice(name: str) -> str:
     """What to do with a LoRA adapter directory given where a model belongs."""
-    import json
-
     folder = Path(name).expanduser()
     try:
         saved = json.loads((folder / "adapter_config.json").read_text())
@@ -85,8 +90,6 @@ def looks_like_path(name: str) -> bool:
 
 
 def preset_config(name: str, num_layers: int | None = None):
-    from transformers import LlamaConfig
-
     cfg = dict(PRESETS[name])
     if num_layers:
         if num_layers > cfg["num_hidden_layers"]:
@@ -99,8 +102,6 @@ def preset_config(name: str, num_layers: int | None = None):
 
 def build_preset(name: str, num_layers: int | None, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The preset's architecture with random weights, identical in every run and every process."""
-    from transformers import LlamaForCausalLM
-
     config = preset_config(name, num_layers)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
@@ -236,8 +237,6 @@ def shard_model(model: nn.Module) -> nn.Module:
     prefetch of the next layer nor keeping every layer whole from forward to backward
     (`reshard_after_forward=False`) is used: both ran slower, the second near the memory limit
     (docs/multi-gpu.md has the measurements)."""
-    from torch.distributed.fsdp import fully_shard
-
     for layer in decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
@@ -298,8 +297,6 @@ def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload:
     embeddings do not cut the adapters of checkpointed layers off from the loss. Returns the layers'
     indices; a SPEC naming a layer the model does not have is a usage error (exit code 2).
     """
-    from playbook.memory import activations
-
     stack = decoder_layers(model)
     try:
         chosen = activations.apply_checkpointing(stack, layers, offload=offload, keep_attention=keep_attention)
@@ -341,8 +338,6 @@ def apply_fp8_base(model: nn.Module) -> int:
 def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
     """--mlp-chunk-tokens N: each decoder layer's MLP computed over chunks of N tokens, forward and backward,
     each chunk through the MLP's forward as the steps before left it (playbook/memory/activations.py)."""
-    from playbook.memory import activations
-
     mlps = activations.apply_tiled_mlp(decoder_layers(model), chunk_tokens)
     width = getattr(model.config, "intermediate_size", None)
     log(f"Tiled MLP: {mlps} MLPs computed over chunks of {chunk_tokens:,} tokens"
@@ -355,8 +350,6 @@ def apply_saved_activations(model: nn.Module, recompute_norms: bool, offload_lay
     through saved-tensor hooks (playbook/memory/activations.py): the norms' outputs recomputed from their inputs, and the
     named layers' saved tensors in pinned host memory. A layer both checkpointed and offloaded, or a SPEC
     naming a layer the model does not have, is a usage error (exit code 2)."""
-    from playbook.memory import activations
-
     stack = decoder_layers(model)
     try:
         saved = activations.apply_saved_activations(stack, recompute_norms, offload_layers)
@@ -377,7 +370,6 @@ def apply_compile(model: nn.Module, cfg) -> None:
     """--compile: torch.compile of the model's forward, on its first call (the warm-up steps)."""
     import projections_kernel
 
-    from playbook.model import packed_attention
 
     projections_kernel.join_now(model)  # layers swapped since the kernels were applied: joined before tracing
     # transformers counts Dynamo's tracing as tracing and would build a [B, 1, T, T] causal mask: attention
@@ -419,7 +411,6 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
       7. compile (cfg.compile)                 traces the model as it will run, adapters included
       8. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
     """
-    from playbook.model import registry
     from playbook.model.registry import apply_kernels
 
     if shard:

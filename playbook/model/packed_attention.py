@@ -28,6 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
 ATTENTION = "playbook_packed"  # the attention implementation's name in transformers' registry
 MAX_HEAD_DIM = 256  # FlashAttention-2's largest head size
 
@@ -152,16 +155,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 def _mask_function(*args, **kwargs):
     """The mask for calls without boundaries (generation): whatever SDPA's mask function gives, looked up
     when called (install_causal_skip below may have wrapped it)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
     return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
 
 
 def install(model) -> None:
     """Register the attention function with transformers and make it the model's."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(ATTENTION, attention_forward)
     AttentionMaskInterface.register(ATTENTION, _mask_function)
     model.config._attn_implementation = ATTENTION

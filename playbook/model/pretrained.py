@@ -38,6 +38,10 @@ from pathlib import Path
 from playbook.runtime import environment
 from core.process import log
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
 
 @dataclass(frozen=True)
 class Packaged:
@@ -321,10 +325,6 @@ def convert(gguf: Path, folder: Path, flag: str = "--model") -> None:
 
 def _read_gguf(gguf: Path, flag: str):
     """(a plain bf16 model, its tokenizer) from a GGUF file, through transformers."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     try:

@@ -44,6 +44,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
+from core.model_families import final_logit_softcap
+from core.process import log
+
 
 # Each lesson is imported only when its entry is used (importing a kernel file imports Triton): by the
 # module name of its `kernel` file (importlib), or by the entry's own `load`.
@@ -88,8 +91,6 @@ def apply_fp8(model, backend: str = "playbook", compiled: bool = False, recipe: 
     them as --fp8-recipe and --fp8-layers say, links the producers (what `compiled`, `chunked_mlp` and `lora`
     allow) and logs it; --fp8-backend torchao: torchao's float8 training (row-wise scales, as ours) on the
     same projections, a peer to compare with."""
-    from core.process import log
-
     if backend == "torchao":
         import fp8_linear_kernel
 
@@ -283,8 +284,6 @@ def not_applicable(name: str, model) -> str | None:
     only the loss and receives capped logits; the fused lm_head + loss never builds the logits, so
     it applies only in a version that takes the cap (a `softcap` argument).
     """
-    from core.model_families import final_logit_softcap
-
     cap = final_logit_softcap(model.config)
     if name == "linear_cross_entropy" and cap is not None:
         fused = getattr(kernel_module(name), "linear_cross_entropy", None)
@@ -323,8 +322,6 @@ def apply_kernels(model, kernels=DEFAULT_KERNELS, verbose: bool = False, others_
     are the caller's to apply, as `models.prepare_model` and the training loop do (`others_applied`).
     Named alone, with `others_applied` False, they are refused: nothing here would apply them.
     """
-    from core.process import log
-
     names = parse_kernels(kernels)
     if names and not others_applied and all(BY_NAME.get(n) is not None and BY_NAME[n].scope != "model"
                                             for n in names):

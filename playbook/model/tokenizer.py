@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from playbook.model import pretrained
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
 # LLaMA 3's special tokens, in the byte tokenizer at ids 256, 257, ...
 BOS, EOS, HEADER_START, HEADER_END, EOT, PAD = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -53,9 +56,6 @@ def _byte_symbols() -> list[str]:
 
 def byte_tokenizer():
     """A LLaMA-3-style tokenizer with no download: token id = byte value, special tokens at 256-261."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {symbol: b for b, symbol in enumerate(_byte_symbols())}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: every byte stays its own token
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -79,7 +79,6 @@ def make_tokenizer(model_name_or_path: str | None, preset: bool):
         return byte_tokenizer()
     if not model_name_or_path:
         raise ValueError("make_tokenizer: give a model id or directory, or preset=True for the byte tokenizer")
-    from transformers import AutoTokenizer
 
     if pretrained.is_pretrained_name(model_name_or_path):  # smollm2-135m or a .gguf: its converted directory
         model_name_or_path = str(pretrained.local_directory(model_name_or_path))

@@ -44,6 +44,18 @@ from playbook.memory.activations import PREFETCH_LAYERS  # offloaded layers brou
 from playbook.optim.optimizer import rounding_of
 from playbook.runtime import environment
 
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from core import gpu_arch
+from core.process import is_main, log
+from playbook.memory.activations import parse_layers
+from playbook.model.lora import parse_targets
+from playbook.model.presets import PRESETS, weights_dtype
+from playbook.runtime.common import usage_error
+
 GB = 1e9  # the scripts' summaries count GB as 10^9 bytes
 FREE_MEMORY_ENV = environment.FREE_MEMORY_GB  # a stand-in for the free memory (tests, or planning for another GPU)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -541,8 +553,6 @@ def _options(cfg, shape: Shape, s: Setup) -> list[Offer]:
 
 
 def _capability(device) -> tuple:
-    from core import gpu_arch
-
     return tuple(gpu_arch.device_capability(device))
 
 
@@ -624,8 +634,6 @@ def _shorter(seq: int, positions: int | None):
 # ------------------------------------------------------------------------------------------------
 def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2, trains: bool = True) -> Setup:
     """A Setup from a RunConfig's fields (`cfg.as_dict()`, or the `config` of a saved summary)."""
-    from playbook.memory.activations import parse_layers
-
     kernels = tuple(values.get("kernels") or ())
     L = shape.layers
 
@@ -648,7 +656,6 @@ def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2
             "chunked" if "cross_entropy" in kernels else "full")
     recipe = values.get("fp8_recipe") or ""
     rounding = rounding_of(values.get("master_weights"), values.get("optimizer_rounding"))
-    from playbook.model.lora import parse_targets
 
     lora_r = int(values.get("lora_r") or 0)
     return Setup(
@@ -684,8 +691,6 @@ def _known_shape(name: str, num_layers: int | None) -> Shape | None:
 def model_shape(name: str, num_layers: int | None = None) -> Shape | None:
     """The Shape of --model NAME from what is on this machine (a preset, a local directory, a GGUF file,
     the Hugging Face cache); None where its config is not here yet (it comes with the weights)."""
-    from playbook.model.presets import PRESETS
-
     if name in PRESETS:
         return Shape.from_config(PRESETS[name], num_layers)
     try:
@@ -744,8 +749,6 @@ def free_memory(device) -> tuple[float, str]:
     CPU, or the stand-in of PLAYBOOK_FREE_MEMORY_GB (a value it cannot take: environment.BadValue, a ValueError
     holding the line that says so). `where` names the figure's source, as the plan's table shows it (said_free:
     as a sentence)."""
-    import torch
-
     stand_in = environment.free_memory_gb()
     if stand_in is not None:
         return stand_in * GB, f"{FREE_MEMORY_ENV}={shlex.quote(os.environ[FREE_MEMORY_ENV].strip())}"
@@ -818,10 +821,7 @@ def format_plan(plan: Plan, free: float, where_free: str) -> str:
 def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
     """(title, Shape, Setup) of each model the run holds at once: the model it fine-tunes, or distill.py's
     teacher and student (its section's `plan_models()`); [] when a config is not on this machine yet."""
-    import torch
-
     from core.process import world
-    from playbook.model.presets import PRESETS, weights_dtype
 
     values = cfg.as_dict()
     models = (cfg.extra.plan_models() if hasattr(cfg.extra, "plan_models")
@@ -946,9 +946,6 @@ def agree_on_rounding(cfg):
     default rounding from its own GPU's free memory, and near the limit they may differ. Every process takes the choice that fits on all of them
     (the first of ROUNDING_ORDER that any chose), with one line where that changes this one's. Returns the
     RunConfig to go on with; one process, or no process group: unchanged."""
-    import torch
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return cfg
     device = cfg.device if dist.get_backend() == "nccl" else "cpu"
@@ -957,7 +954,6 @@ def agree_on_rounding(cfg):
     agreed = ROUNDING_ORDER[int(choice.item())]
     if agreed == cfg.optimizer_rounding:
         return cfg
-    from core.process import log
 
     log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.optimizer_rounding}; another "
         f"process's free memory did not fit it)")
@@ -965,8 +961,6 @@ def agree_on_rounding(cfg):
 
 
 def replace_config(cfg, **changes):
-    import dataclasses
-
     return dataclasses.replace(cfg, **changes)
 
 
@@ -979,8 +973,6 @@ def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_ch
     (the command line left it open, as it stays in the options offered)."""
     if enforce is None:
         enforce = not getattr(cfg, "ignore_memory_plan", False)
-    from core.process import is_main, log
-    from playbook.runtime.common import usage_error
 
     plans = run_plans(cfg)
     if not plans:
@@ -1045,7 +1037,6 @@ def measured_run(path: Path) -> tuple[Shape, Setup, float, str] | None:
     config, peak = data.get("config") if isinstance(data, dict) else None, (data or {}).get("peak_memory_gb")
     if not config or not peak or "batch_size" not in config or data.get("script") == "distill":
         return None
-    from playbook.model.presets import PRESETS
 
     if config.get("model") not in PRESETS and not str(config.get("model")).startswith("smollm2"):
         return None

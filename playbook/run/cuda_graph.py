@@ -40,6 +40,8 @@ import torch
 from playbook.model import packed_attention
 from core.process import log, world
 
+import torch.nn.functional as F
+
 
 def graph_blocker(cfg, data=None) -> str | None:
     """Why this run's step cannot be one CUDA graph (a short clause), or None when it can.
@@ -99,8 +101,6 @@ def _capture_patches():
 @contextlib.contextmanager
 def count_masked_attention():
     """Count the SDPA calls given an explicit mask (yields a one-element list, filled on the way)."""
-    import torch.nn.functional as F
-
     original, count = F.scaled_dot_product_attention, [0]
 
     def sdpa(*args, **kwargs):

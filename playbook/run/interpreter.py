@@ -34,6 +34,8 @@ from torch import nn
 from core.process import is_main, log
 from playbook.runtime.time_left import periodic_steps
 
+from playbook.model.generate import MAX_NEW_TOKENS
+
 HEARTBEAT_S = 30.0  # at most one progress line per this many seconds
 HEARTBEAT_FROM_S = 60.0  # steps estimated shorter than this get no heartbeat
 
@@ -274,7 +276,6 @@ def before_training(cfg, model: nn.Module, used: tuple, data, first_step: int, s
         "per step); "
         "the eval loss and the sample answers run the same kernels. To train this model on a CPU, drop the "
         "kernels: --kernels none (or finetune_baseline.py); to train it with them, use a GPU.")
-    from playbook.model.generate import MAX_NEW_TOKENS
 
     token_s = estimate_token_seconds(model, batch, clock=clock) if plan["answers"] else 0.0
     secs = run_seconds(est, token_s, plan, MAX_NEW_TOKENS)

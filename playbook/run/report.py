@@ -18,6 +18,10 @@ from playbook.model import models
 from playbook.runtime import output
 from playbook.optim.optimizer import weight_rounding
 
+from tabulate import tabulate
+
+from playbook.model import generate
+
 
 @dataclass
 class RunResult:
@@ -203,16 +207,12 @@ def step_line(step: int, steps: int, loss: float, eval_loss: float | None, lr: f
 
 def answers_before(model, tokenizer, prompts: list, device) -> list[dict]:
     """The model's answers to --sample-prompts before training: RunResult.samples, "after" still to come."""
-    from playbook.model import generate
-
     return [{"prompt": p, "before": a} for p, a in
             zip(prompts, generate.answers(model, tokenizer, prompts, device, "before training"))]
 
 
 def answers_after(samples: list[dict], model, tokenizer, prompts: list, device, steps_done: int) -> None:
     """Fill in each sample's answer after training, and print the samples side by side."""
-    from playbook.model import generate
-
     for sample, after in zip(samples, generate.answers(model, tokenizer, prompts, device, f"after {steps_done} steps")):
         sample["after"] = after
     if is_main():
@@ -231,7 +231,6 @@ def write_report(cfg, result: RunResult, model, time_left: dict, stopped: str | 
     payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if not is_main():
         return payload
-    from tabulate import tabulate
 
     rows = table_rows(summary, cfg.on_gpu)
     unit = "GPUs" if cfg.on_gpu else "processes"

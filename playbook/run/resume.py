@@ -20,6 +20,10 @@ from playbook.store.files import RESULTS_DIR
 from playbook.optim.optimizer import rounding_of, weight_rounding
 from playbook.optim.schedule import schedule_factor
 
+from playbook.model.lora import parse_targets
+from playbook.runtime.common import usage_error
+from playbook.store.checkpoint import LATEST_FILE, list_checkpoints, load_checkpoint, read_checkpoint_info
+
 
 # The settings that decide a run's data order and learning-rate schedule: name in the checkpoint -> the flag
 # that sets it, from the RunConfig's fields marked `resumable` (playbook/config.py), in their stored order. A
@@ -50,8 +54,6 @@ def _model(cfg, model_name: str) -> str:
 
 
 def _lora_targets(cfg, model_name: str) -> list | None:
-    from playbook.model.lora import parse_targets
-
     return list(parse_targets(cfg.lora_targets)) if cfg.lora_r else None
 
 
@@ -101,8 +103,6 @@ def settings_differences(saved: dict, ours: dict) -> list[str]:
 
 def _probe_folder(folder, what: str) -> None:
     """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
-    from playbook.runtime.common import usage_error
-
     for p in (folder, *folder.parents):
         if p.exists() and not p.is_dir():
             where = "is a file" if p == folder else f"lies under {p}, which is a file"
@@ -126,15 +126,11 @@ def check_output_folders(cfg) -> None:
 
 def resume_error(cfg, err) -> SystemExit:
     """A checkpoint that cannot be resumed: one line naming it and what is wrong, exit code 2."""
-    from playbook.runtime.common import usage_error
-
     return usage_error(f"--resume {cfg.resume}: {str(err).strip()}")
 
 
 def read_resume(cfg) -> dict:
     """read_checkpoint_info of --resume, its errors as resume_error."""
-    from playbook.store.checkpoint import read_checkpoint_info
-
     try:
         return read_checkpoint_info(cfg.resume)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
@@ -204,9 +200,6 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     belonging to the same run (same length: with the same settings they are what this run computes
     again, and it replaces them as it reaches them). Otherwise stop, unless --overwrite-output-dir,
     which deletes those checkpoints (all of them, or the ones after the resumed one) first."""
-    from playbook.store.checkpoint import LATEST_FILE, list_checkpoints
-    from playbook.runtime.common import usage_error
-
     out = cfg.output_dir
     if out is None:
         return
@@ -241,8 +234,6 @@ def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, captur
     """Load the --resume checkpoint into the model, the optimizer and the schedule, and its losses into
     `result`; returns the step it is at (the run goes on from the next). capturable: the optimizer is
     made for a CUDA graph, and gets its rate and step counts back on the GPU (cuda_graph.make_capturable)."""
-    from playbook.store.checkpoint import load_checkpoint
-
     try:
         state = load_checkpoint(info["path"], model, optimizer, schedule)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:

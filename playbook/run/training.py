@@ -41,6 +41,11 @@ from playbook.runtime.common import describe_gpu, interactive, synchronize, vers
 from playbook.store.files import RESULTS_DIR, result_path
 from playbook.runtime.time_left import TimeLeft, in_progress, running
 
+from tqdm import tqdm
+
+from playbook.model.lora import merge_and_save
+from playbook.run import interpreter
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,8 +196,6 @@ def step_runner(run: Run) -> StepRunner:
 
 def progress_bar(run: Run):
     """The steps still to run, as a tqdm bar on an interactive terminal of the main process (else silent)."""
-    from tqdm import tqdm
-
     return tqdm(range(run.start, run.steps), desc=run.cfg.script, unit="step",
                 disable=not (is_main() and interactive()), dynamic_ncols=True)
 
@@ -285,8 +288,6 @@ def open_outputs(cfg, model_name: str) -> tuple[Path, MetricsLog]:
 def before_first_step(run: Run) -> None:
     """The interpreter's estimate of the run, the held-out loss before any update (the baseline of the run's
     gain), the answers to --sample-prompts before training, and the line that says what the loop runs."""
-    from playbook.run import interpreter  # the checkpoints' disk; a CPU running the kernels on a real model: estimate
-
     cfg, result = run.cfg, run.result
     interpreter.before_training(cfg, run.model, run.kernels, run.data, run.start + 1, run.steps)
     run.left = TimeLeft(run.steps, run.start, cfg.eval_every, cfg.save_every, cfg.output_dir is not None,
@@ -468,8 +469,6 @@ def end_with_best(run: Run) -> None:
 
 def merge_lora(cfg, model, tokenizer) -> None:
     """--merge-lora: the adapters folded into the base weights, saved under --output-dir/merged."""
-    from playbook.model.lora import merge_and_save
-
     merged = cfg.output_dir / "merged"
     merge_and_save(model, merged, tokenizer)
     print(f"Merged LoRA weights: {merged}")

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+import transformers
+import triton
+
 
 # Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
 BF16_PEAK_TFLOPS = {
@@ -82,9 +85,6 @@ def synchronize(device: torch.device):
 
 
 def versions() -> dict:
-    import transformers
-    import triton
-
     v = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
          "python": sys.version.split()[0]}
     if torch.cuda.is_available():

@@ -29,6 +29,9 @@ from pathlib import Path
 from core import gpu_arch
 from playbook.runtime import environment
 
+import urllib.error
+import urllib.request
+
 SMI_TIMEOUT_S = 15
 IMAGE = "kernel-dev-ft"
 DOCKER_BUILD = f"docker build -t {IMAGE} ."
@@ -212,9 +215,6 @@ def index_reachable(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
     """None when the package index at `url` answers (any HTTP status: the server is there), else why not in
     a few words. One request, so that a machine that cannot reach the index falls back at once instead of
     letting pip retry every download (on such a machine pip printed 116 warnings before giving up)."""
-    import urllib.error
-    import urllib.request
-
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
     except urllib.error.HTTPError:

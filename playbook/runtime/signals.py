@@ -11,6 +11,10 @@ GRACE_S). Nothing here runs at import: a handler is set only when one of these f
 import os
 import sys
 
+import signal
+import socket
+import threading
+
 
 # Ctrl-C while a script starts. Importing torch, transformers and the kernels takes seconds, and a
 # KeyboardInterrupt raised there surfaces wherever the import happens to be: as a traceback, or
@@ -23,8 +27,6 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
     """From here until `started()`, Ctrl-C is one line ("interrupted (Ctrl-C) while starting: <what>")
     and exit code 130; SIGTERM the same, "terminated (SIGTERM) ...", exit code 143. A signal that the
     process inherited as ignored, or a handler of the caller's own, is left as it is."""
-    import signal
-
     handler = _exit_at_once(what)
     for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
         if signal.getsignal(signum) is not default:
@@ -38,8 +40,6 @@ def exit_on_ctrl_c_while_starting(what: str = "nothing was run") -> None:
 def _exit_at_once(what: str):
     """The handler while a process starts or imports: one line, then the process ends at once (no
     exception to travel through an import in progress)."""
-    import signal
-
     def handler(signum, _frame):
         ctrl_c = signum == signal.SIGINT
         sys.stderr.write(f"\n{'interrupted (Ctrl-C)' if ctrl_c else 'terminated (SIGTERM)'} while starting: {what}\n")
@@ -61,8 +61,6 @@ class exit_on_ctrl_c_while_importing:
         self.what, self.before = what, {}
 
     def __enter__(self):
-        import signal
-
         handler = _exit_at_once(self.what)
         for signum in (signal.SIGINT, signal.SIGTERM):
             current = signal.getsignal(signum)
@@ -76,8 +74,6 @@ class exit_on_ctrl_c_while_importing:
         return self
 
     def __exit__(self, *exc):
-        import signal
-
         for signum, handler in self.before.items():
             signal.signal(signum, handler)
         self.before = {}
@@ -154,15 +150,11 @@ _WATCH = {"thread": None, "kept": "files already written are complete", "terms":
 
 def _ours(signum) -> bool:
     """Whether the handler of `signum` is this module's (`started()`'s), not one of a caller or of an import."""
-    import signal
-
     return signal.getsignal(signum) in (_on_ctrl_c, _on_sigterm)
 
 
 def _watch(sock) -> None:
     """The thread that reads the wakeup descriptor (the comment above)."""
-    import signal
-
     while True:
         try:
             data = sock.recv(64)
@@ -183,8 +175,6 @@ def _watch(sock) -> None:
 
 def _later(seconds: float, call, *args) -> None:
     """call(*args) in `seconds`, on a thread that does not hold the process open once the main thread ends."""
-    import threading
-
     timer = threading.Timer(seconds, call, args=args)
     timer.daemon = True
     timer.start()
@@ -206,8 +196,6 @@ def _announce() -> None:
 
 def _stop_at_once(signum) -> None:
     """Ctrl-C or SIGTERM that the main thread has not acted on within GRACE_S: the line, and the end."""
-    import signal
-
     if _CTRL_C["pressed"] or not _ours(signum):  # the main thread has acted on it (or handles it its own way)
         return
     ctrl_c = signum == signal.SIGINT
@@ -225,10 +213,6 @@ def _say(line: str) -> None:
 
 def _start_watch() -> None:
     """The wakeup descriptor and the thread that reads it (once a process, from the main thread)."""
-    import signal
-    import socket
-    import threading
-
     if _WATCH["thread"] is not None or threading.current_thread() is not threading.main_thread():
         return
     reader, writer = socket.socketpair()
@@ -250,8 +234,6 @@ def started(kept: str | None = None) -> None:
     long call and cannot act on them within GRACE_S, the process ends with the line "interrupted (Ctrl-C):
     <kept>" (the comment above `GRACE_S`). A signal ignored, or a handler of the caller's own, is left as it
     is."""
-    import signal
-
     if kept is not None:
         _WATCH["kept"] = kept
     for signum, default, handler in ((signal.SIGINT, signal.default_int_handler, _on_ctrl_c),

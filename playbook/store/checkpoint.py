@@ -68,6 +68,11 @@ import torch.distributed as dist
 from core.tensors import sum_and_norm
 from playbook.store.files import fsync_directory, fsync_tree, write_atomic
 
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_model_state_dict
+
+from core.process import is_peft_model
+
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
 PREFIX = "checkpoint-"
@@ -263,8 +268,6 @@ def _as_tuples(value):
 
 
 def _is_peft(model) -> bool:
-    from core.process import is_peft_model  # the library's imports run one way: lora -> checkpoint
-
     return is_peft_model(model)
 
 
@@ -342,7 +345,6 @@ def _optimizer_state(model, optimizer, size: int):
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"save_checkpoint: the optimizer of a sharded run must be a torch.optim.Optimizer "
                         f"(got {type(optimizer).__name__})")
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_optimizer_state_dict(model, optimizer, options=options), "name"
@@ -504,8 +506,6 @@ def _read_state(ckpt: Path, mmap: bool = False) -> dict:
 
 
 def _read_safetensors(files: list[Path]) -> dict:
-    from safetensors.torch import load_file
-
     tensors = {}
     for f in files:
         try:
@@ -570,7 +570,6 @@ def _load_full_weights(ckpt: Path, model, rank: int, size: int) -> None:
     if size == 1:
         model.load_state_dict(_read_full_weights(ckpt, model), strict=True)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     saved = _together(size, lambda: _read_full_weights(ckpt, model) if rank == 0 else {})
     # rank 0 sends each tensor in turn; every rank keeps its own shard
