@@ -79,7 +79,7 @@ from playbook.runtime.common import usage_error  # noqa: E402
 
 MODES = ("baseline", "fused")
 
-# Students built from a config with random weights, as models.PRESETS builds the teachers.
+# Students built from a config with random weights, as presets.PRESETS builds the teachers.
 STUDENTS = {
     # meta-llama/Llama-3.2-1B's architecture (the LLaMA 3 vocabulary, so the 8B can teach it)
     "llama-3.2-1b": dict(
@@ -217,7 +217,7 @@ def parse_args(argv=None) -> config.RunConfig:
 # Models and data
 # ------------------------------------------------------------------------------------------------
 def build_model(cfg, name: str, num_layers: int | None, trains: bool):
-    """A teacher (models.PRESETS or a Hugging Face model) or a student (STUDENTS too), in --dtype,
+    """A teacher (presets.PRESETS or a Hugging Face model) or a student (STUDENTS too), in --dtype,
     prepared by models.prepare_model as every script prepares its model: the kernels on both; FP8,
     gradient checkpointing, the saved-activation options and LoRA on the student alone, which `trains`."""
     d = cfg.extra

@@ -250,6 +250,23 @@ def test_playbook_is_folders_by_concern_in_order(tmp_path):
            f"({' < '.join(PLAYBOOK_ORDER)}), no import upward", 0.0, 0.0, True)
 
 
+def test_every_script_starts_its_run_in_one_place():
+    """A run's start (the data checked, the processes connected, the memory plan, the rounding decided, the run's
+    data built) is playbook/run/start.py's: no script and no other module of the library does it itself."""
+    own = {"memory_plan.start(": (), "check_run_data(": (), "make_run_data(": (),
+           "agree_on_rounding(": ("playbook/plan/memory_plan.py",), "choose_rounding(": ("playbook/plan/memory_plan.py",)}
+    found = []
+    for path in sorted([*ROOT.glob("*.py"), *(ROOT / "playbook").rglob("*.py")]):
+        where = str(path.relative_to(ROOT))
+        if path.name.endswith("_test.py") or where == "playbook/run/start.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            found += [f"{where}:{number}: {call}" for call, allowed in own.items()
+                      if call in line and where not in allowed and f"def {call}" not in line]
+    assert not found, "a run started outside playbook/run/start.py:\n" + "\n".join(found)
+    record("every script starts its run through playbook/run/start.py (settle, build)", 0.0, 0.0, True)
+
+
 def test_the_layer_check_finds_each_kind_of_upward_import(tmp_path):
     """The check itself, on made-up files: each rule of the layering is caught, inside a function too."""
     cases = {  # (file, source) -> what the check must say
