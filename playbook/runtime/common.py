@@ -1,8 +1,7 @@
-"""What every part of the playbook shares, and nothing else: processes, logging, the GPU.
-
-Processes (torchrun), log(), the GPU's name and bf16 peak, out-of-memory advice, and whether a model
-is a peft model (results/ files and the atomic writer: playbook/store/files.py). The package's other
-modules (config, models, data, training, registry, ...) are listed in playbook/__init__.py.
+"""What the process shares with every part of the playbook: usage errors, the terminal, the GPU (its name,
+bf16 peak and host memory, a synchronize), the versions a result records, out-of-memory advice, and stderr
+lines filtered. log(), the processes (torchrun) and whether a model is a peft model are core/process.py's;
+results/ files and the atomic writer are playbook/store/files.py's.
 """
 
 from __future__ import annotations
