@@ -22,7 +22,8 @@ from playbook.optim.schedule import schedule_factor
 
 from playbook.model.lora import parse_targets
 from playbook.runtime.common import usage_error
-from playbook.store.checkpoint import LATEST_FILE, list_checkpoints, load_checkpoint, read_checkpoint_info
+from playbook.store import checkpoint
+from playbook.store.checkpoint import LATEST_FILE, list_checkpoints, read_checkpoint_info
 
 
 # The settings that decide a run's data order and learning-rate schedule: name in the checkpoint -> the flag
@@ -235,7 +236,7 @@ def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, captur
     `result`; returns the step it is at (the run goes on from the next). capturable: the optimizer is
     made for a CUDA graph, and gets its rate and step counts back on the GPU (cuda_graph.make_capturable)."""
     try:
-        state = load_checkpoint(info["path"], model, optimizer, schedule)
+        state = checkpoint.load_checkpoint(info["path"], model, optimizer, schedule)  # (module attribute: a test records the load)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
         raise resume_error(cfg, err) from None
     start = int(state["step"])
