@@ -41,6 +41,7 @@ import testkit
 from testkit import (exactly, expect_error, record, run_as_script, two_process_device, two_process_env,
                               two_processes_on_gpus)
 from playbook.optim.optimizer import make_optimizer
+from playbook.optim.schedule import LRSchedule
 
 VOCAB = 512
 
@@ -594,7 +595,7 @@ def _one_process(cfg):
 
     model = models.prepare_model(cfg)[0]
     optimizer = make_optimizer(model, cfg)
-    return model, optimizer, training.LRSchedule(optimizer, cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule)
+    return model, optimizer, LRSchedule(optimizer, cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule)
 
 
 def _cleanup_results(tags):

@@ -33,6 +33,7 @@ from playbook.optim.schedule import schedule_factor
 from testkit import record, run_as_script
 from playbook.optim.optimizer import make_optimizer
 from playbook.run.start import make_run_data
+from playbook.optim.schedule import LRSchedule
 
 HERE = Path(__file__).resolve().parent.parent
 TEXT = HERE / "examples" / "chat.jsonl"
@@ -90,7 +91,7 @@ def test_the_schedule_fills_a_tensor_rate_in_place():
     p = torch.nn.Parameter(torch.randn(4, 4))
     lr = torch.tensor(1e-3)
     opt = torch.optim.AdamW([{"params": [p]}, {"params": [torch.nn.Parameter(torch.randn(4))]}], lr=lr, foreach=False)
-    schedule = training.LRSchedule(opt, total_steps=10, warmup_steps=4, kind="linear")
+    schedule = LRSchedule(opt, total_steps=10, warmup_steps=4, kind="linear")
     rates = []
     for step in range(6):
         schedule.apply(step)

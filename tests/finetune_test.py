@@ -42,6 +42,7 @@ import testkit
 from testkit import close_to_reference, python_path, record, run_as_script, two_process_env
 from playbook.optim.optimizer import make_optimizer
 from playbook.run.start import make_run_data, batch_attention
+from playbook.optim.schedule import LRSchedule
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 STEPS = 12
@@ -287,7 +288,7 @@ def test_gradient_accumulation_scales_by_tokens():
 def test_learning_rate_schedules():
     for kind, mid, last in (("constant", 1.0, 1.0), ("linear", 0.5, 0.1), ("cosine", 0.5, 0.0244717)):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=0.1)
-        s = training.LRSchedule(opt, total_steps=12, warmup_steps=2, kind=kind)
+        s = LRSchedule(opt, total_steps=12, warmup_steps=2, kind=kind)
         assert s.factor(0) == 0.5 and s.factor(1) == 1.0, "linear warm-up over 2 steps"
         assert abs(s.factor(7) - mid) < 1e-6 and abs(s.factor(11) - last) < 1e-6, (kind, s.factor(7), s.factor(11))
         assert abs(s.apply(7) - 0.1 * mid) < 1e-9 and abs(opt.param_groups[0]["lr"] - 0.1 * mid) < 1e-9
