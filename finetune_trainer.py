@@ -177,6 +177,9 @@ def main(argv=None):
     if cfg.cuda_graphs != "auto":
         raise usage_error("--cuda-graphs belongs to the scripts' own loop: the Trainer runs its steps eagerly, "
                           "whatever it says")
+    if cfg.optimizer_in_backward:
+        raise usage_error("--optimizer-in-backward belongs to the scripts' own loop: the Trainer steps its optimizer "
+                          "after backward, whatever it says; use finetune_optimized.py --optimizer-in-backward")
     if cfg.sample_prompts is not None:
         raise usage_error("--sample-prompts belongs to the scripts' own loop: the Trainer answers no prompts; use "
                           "finetune_optimized.py, or chat.py --prompts-file on the saved checkpoint")
