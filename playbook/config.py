@@ -44,6 +44,10 @@ FP8_DEFAULT_RECIPE = "rowwise-bf16-ends"
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")  # a file name inside results/, nothing else
 
 
+# --timing-warmup-steps left out: 2, or fewer where --steps leaves none timed (a value of its own, so that a given
+# 2 still refuses --steps 2)
+TIMING_WARMUP = type("TimingWarmupDefault", (int,), {"__repr__": lambda self: "2"})(2)
+
 # ------------------------------------------------------------------------------------------------
 # What differs between the scripts: each passes its own ScriptDefaults to parse_config
 # ------------------------------------------------------------------------------------------------
@@ -497,9 +501,10 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGro
                    help="optimizer steps in all (the first --timing-warmup-steps are not timed); default 12 on a GPU, "
                         "20 on a CPU, or --epochs")
     t.add_argument("--epochs", type=positive_float, default=None, help="passes over --dataset instead of --steps")
-    t.add_argument("--timing-warmup-steps", dest="warmup_steps", type=nonnegative_int, default=2, metavar="N",
-                   help="first steps left out of the timing (Triton compiles, the allocator settles); not the "
-                        "learning-rate warm-up, which is --lr-warmup-steps")
+    t.add_argument("--timing-warmup-steps", dest="warmup_steps", type=nonnegative_int, default=TIMING_WARMUP,
+                   metavar="N", help="first steps left out of the timing (Triton compiles, the allocator settles); "
+                                     "default 2, fewer where --steps leaves no timed step; not the learning-rate "
+                                     "warm-up, which is --lr-warmup-steps")
     t.add_argument("--warmup-steps", dest="warmup_steps", type=nonnegative_int, default=None,
                    action=_DeprecatedTimingWarmup, help=argparse.SUPPRESS)
     t.add_argument("--grad-accum", type=positive_int, default=1,
@@ -810,7 +815,9 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
         raise usage_error("choose one of --steps and --epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
     warmup_steps = a.warmup_steps
-    if warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
+    if warmup_steps is TIMING_WARMUP:  # not given: 2, fewer where --steps leaves none timed (--steps 2: 1)
+        warmup_steps = min(2, steps - 1) if steps is not None else 2
+    elif warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
         warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
     optimizer = _optimizer(a, defaults, gpu, model)
     if a.optimizer_in_backward:

@@ -695,6 +695,20 @@ def test_the_scripts_defaults_decide_never_their_name():
            0.0, 0.0, True)
 
 
+def test_timing_warmup_left_out_leaves_a_timed_step():
+    """--timing-warmup-steps left out is 2, fewer where --steps leaves none timed (--steps 2: 1, --steps 1: 0);
+    given, it is kept, and a value that leaves no timed step is refused (test_distill_refuses_bad_arguments, the
+    probe's case)."""
+    for steps, warmup in ((None, 2), ("3", 2), ("2", 1), ("1", 0)):
+        cfg = config(*(["--steps", steps] if steps else []))
+        assert cfg.warmup_steps == warmup and type(cfg.warmup_steps) is int, (steps, cfg.warmup_steps)
+    assert config("--steps", "5", "--timing-warmup-steps", "3").warmup_steps == 3
+    with pytest.raises(SystemExit):
+        config("--steps", "2", "--timing-warmup-steps", "2")
+    record("--timing-warmup-steps left out: 2, or 1 with --steps 2 and 0 with --steps 1; given: kept or refused",
+           0.0, 0.0, True)
+
+
 def test_distill_defaults():
     """distill.py's own defaults on the shared command line: 3 steps (1 untimed) and lr 1e-4 on a CPU,
     and at least one timed step whatever --steps is."""
