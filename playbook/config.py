@@ -815,8 +815,9 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
         raise usage_error("choose one of --steps and --epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
     warmup_steps = a.warmup_steps
-    if warmup_steps is TIMING_WARMUP:  # not given: 2, fewer where --steps leaves none timed (--steps 2: 1)
-        warmup_steps = min(2, steps - 1) if steps is not None else 2
+    if warmup_steps is TIMING_WARMUP:  # not given: 2, fewer where --steps leaves none timed (--steps 2: 1); the
+        # profile's --steps are the recorded ones, after its warm-up: 2 there
+        warmup_steps = min(2, steps - 1) if steps is not None and defaults.timed_steps else 2
     elif warmup_steps is None:  # a script's parser may leave it open: 2 on a GPU, 1 on a CPU, one step still timed
         warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
     optimizer = _optimizer(a, defaults, gpu, model)

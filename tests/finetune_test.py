@@ -35,7 +35,7 @@ from playbook.store.files import RESULTS_DIR
 from playbook.model import models
 from playbook.run import training
 from rmsnorm_kernel import TritonRMSNorm
-from playbook.config import make_parser, parse_config
+from playbook.config import PROFILE, make_parser, parse_config
 from playbook.model.presets import DEFAULT_MODEL, PRESETS
 from core.kernel_utils import DEVICE  # the GPU where there is one (the kernels compile for it), else the CPU
 import testkit
@@ -703,6 +703,7 @@ def test_timing_warmup_left_out_leaves_a_timed_step():
         cfg = config(*(["--steps", steps] if steps else []))
         assert cfg.warmup_steps == warmup and type(cfg.warmup_steps) is int, (steps, cfg.warmup_steps)
     assert config("--steps", "5", "--timing-warmup-steps", "3").warmup_steps == 3
+    assert config("--steps", "1", script=PROFILE).warmup_steps == 2  # the profile's --steps come after its warm-up
     with pytest.raises(SystemExit):
         config("--steps", "2", "--timing-warmup-steps", "2")
     record("--timing-warmup-steps left out: 2, or 1 with --steps 2 and 0 with --steps 1; given: kept or refused",
