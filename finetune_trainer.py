@@ -50,7 +50,7 @@ class RowsDataset(torch.utils.data.Dataset):
 
 def build_datasets(cfg, tokenizer, vocab_size: int):
     """(training set, eval set or None) from --dataset, with --eval-dataset or --eval-fraction for the eval
-    set; the same encoding, truncation, id checks and counts line as the scripts' own loop (data.py)."""
+    set; the same encoding, truncation, id checks and counts line as the scripts' own loop (data/dataset.py)."""
     from playbook.data.dataset import bad_data_exit, encode_dataset, pad_examples
 
     try:

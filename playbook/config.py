@@ -116,7 +116,7 @@ class ModelSection:
     model_explicit: bool  # False: the default model, which may fall back to the 8B preset
     num_layers: int | None = resumable("--num-layers", 2)
     gradient_checkpointing: bool  # some decoder layers are recomputed in backward (checkpoint_layers says which)
-    checkpoint_layers: str | None  # the --checkpoint-layers SPEC (memory.parse_layers); "all" for --gradient-checkpointing
+    checkpoint_layers: str | None  # the --checkpoint-layers SPEC (activations.parse_layers); "all" for --gradient-checkpointing
     offload_activations: bool  # the checkpointed layers' inputs kept in pinned host memory (playbook/memory/activations.py)
     keep_attention: bool  # checkpointed layers keep attention's forward outputs instead of recomputing them
     recompute_norms: bool  # plain layers keep each norm's input, not its output, and run the norm again in backward

@@ -4,7 +4,7 @@
     $ pytest tests/data_test.py
 
 The expected token ids are written out by hand from the byte tokenizer's definition (id = byte value,
-special tokens by name), not by calling data.py, so a masking or template mistake shows up as a
+special tokens by name), not by calling data/dataset.py, so a masking or template mistake shows up as a
 mismatch. Packing is checked in a tiny LLaMA (fp32, sdpa): an example's logits must not depend on the
 other examples of its row, and the same check without the boundary handling must fail.
 """
@@ -257,7 +257,7 @@ def test_packed_examples_do_not_attend_to_each_other():
     leak = (_run(model, plain)[s2:e2] - _run(model, {"input_ids": changed["input_ids"]})[s2:e2]).abs().max().item()
     record(f"control, no boundary handling: leak {leak:.2e} > 1e-2", leak, 1e-2, passed=leak > 1e-2)
 
-    # Control 2, why data.py builds a 4-D mask: HF infers the boundaries from position_ids alone only
+    # Control 2, why data/dataset.py builds a 4-D mask: HF infers the boundaries from position_ids alone only
     # without a KV cache. With use_cache=False it isolates the examples; with the default cache it does not.
     by_positions = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     by_positions_changed = {**by_positions, "input_ids": changed["input_ids"]}
@@ -663,7 +663,7 @@ def _write_rows(path: Path, rows) -> str:
 
 
 def _run_cfg(dataset=None, text=None, **kw):
-    """The fields of a RunConfig that start.make_run_data reads (the scripts' path into data.py)."""
+    """The fields of a RunConfig that start.make_run_data reads (the scripts' path into data/dataset.py)."""
     from types import SimpleNamespace
 
     fields = dict(dataset=dataset, data=text, batch_size=1, seq_len=256, seed=0, packing=False, train_on_prompt=False,

@@ -19,9 +19,10 @@ through runpy, once per case), so the hundred cases take under two minutes on tw
 tests/probe_test.py -k resume` runs the cases whose names match.
 
 The `part` of a case says where its fix lives: "probe" (the scripts, playbook/config.py,
-common.py, kernel_utils.py), "runs" (output directories, checkpoints and resume: training.py,
-checkpoint.py), "data" (the formats and files users bring: data.py), "lora" (adapters: lora.py,
-models.py), "chat" (chat.py, prompts files and the model cache: generate.py, pretrained.py). A grouped
+runtime/common.py, kernel_utils.py), "runs" (output directories, checkpoints and resume: run/training.py,
+store/checkpoint.py), "data" (the formats and files users bring: data/dataset.py), "lora" (adapters:
+model/lora.py, model/models.py), "chat" (chat.py, prompts files and the model cache: model/generate.py,
+model/pretrained.py). A grouped
 case may have a set-up: it runs in the parent, before the group starts.
 """
 

@@ -2,11 +2,11 @@
 checkpoints, a tiled MLP, and for the layers not checkpointed, recomputed norms and offloaded saved
 tensors. Each changes what a step keeps in GPU memory, never what it computes.
 
-    >>> from playbook import memory
+    >>> from playbook.memory import activations
     >>> layers = models.decoder_layers(model)
-    >>> memory.apply_checkpointing(layers, "every:4", offload=True)   # layers 0, 4, 8, ... of 32
+    >>> activations.apply_checkpointing(layers, "every:4", offload=True)   # layers 0, 4, 8, ... of 32
     (0, 4, 8, 12, 16, 20, 24, 28)
-    >>> memory.apply_tiled_mlp(layers, chunk_tokens=8192)             # after the kernels and LoRA
+    >>> activations.apply_tiled_mlp(layers, chunk_tokens=8192)             # after the kernels and LoRA
     32
 
 The same from the command line (models.prepare_model applies them):

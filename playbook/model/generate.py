@@ -1,6 +1,6 @@
 """What a model answers: greedy decoding with the model's chat template (chat.py, --sample-prompts).
 
-    >>> from playbook import generate
+    >>> from playbook.model import generate
     >>> generate.answers(model, tokenizer, ["What is the capital of France?"], device)
     ['The capital of France is Paris.']
 

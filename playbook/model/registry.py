@@ -2,7 +2,7 @@
 
     >>> from playbook.startup import start
     >>> start()                                                  # first: Triton's interpreter without a GPU
-    >>> from playbook import registry
+    >>> from playbook.model import registry
     >>> [o.name for o in registry.OPTIMIZATIONS]
     ['rmsnorm', 'cross_entropy', 'linear_cross_entropy', 'swiglu', 'rope', 'projections', 'fp8', 'adamw',
      'lora', 'distillation']
