@@ -25,8 +25,6 @@ it whenever kernels are on, the baseline keeps peft's own forward.
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import torch
