@@ -453,8 +453,10 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "10")
     tried = 0
     # (the models named: on a GPU the scripts' defaults are the 8B, which no option fits in 10 GB)
-    for script, argv in (("finetune_trainer", ["--model", "llama-tiny", "--batch-size", "1000000000", "--steps", "2"]),
-                         ("finetune_optimized", ["--model", "smollm2-135m", "--steps", "2"]),
+    # (--timing-warmup-steps 2 given: left out, it would be lowered to leave --steps 2 a timed step)
+    for script, argv in (("finetune_trainer", ["--model", "llama-tiny", "--batch-size", "1000000000", "--steps", "2",
+                                               "--timing-warmup-steps", "2"]),
+                         ("finetune_optimized", ["--model", "smollm2-135m", "--steps", "2", "--timing-warmup-steps", "2"]),
                          ("distill", ["--teacher", "llama-tiny", "--student", "llama-tiny-student", "--batch-size",
                                       "100000", "--steps", "2", "--timing-warmup-steps", "2"])):
         free = "0.45" if "smollm2-135m" in argv else "10"
@@ -480,7 +482,7 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
     assert tried >= 2, "no case offered an option to apply"  # (llama-tiny's and the distillation's, anywhere)
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # where it fits, the step count alone, as before
     with pytest.raises(SystemExit):
-        _parse("finetune_optimized", ["--steps", "2"])
+        _parse("finetune_optimized", ["--steps", "2", "--timing-warmup-steps", "2"])
     assert capsys.readouterr().err.startswith("error: --steps 2 leaves no timed step")
 
 
