@@ -29,13 +29,12 @@ from pathlib import Path
 import torch
 
 from core.fp8_support import RECIPES
-from playbook.runtime.common import usage_error
-from playbook.model.presets import DEFAULT_MODEL
-from playbook.model.registry import NAMES, PEERS, parse_kernels
-
 from playbook.memory.activations import parse_layers
 from playbook.model.lora import parse_targets
+from playbook.model.presets import DEFAULT_MODEL
+from playbook.model.registry import NAMES, PEERS, parse_kernels
 from playbook.plan import memory_plan
+from playbook.runtime.common import usage_error
 
 FP8_RECIPES = tuple(RECIPES)  # core/fp8_support.py: the recipes by name
 # --fp8's default: the fastest recipe whose loss on docs/fp8.md's memorization task is no worse than torchao's

@@ -15,27 +15,23 @@ field of the RunConfig.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-
-from core import gpu_arch
-from playbook.model import pretrained
-from core.process import log, world
-from playbook.runtime.common import is_out_of_memory, usage_error
-from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype
-
-import json
-
 from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core import gpu_arch
+from core.process import log, world
 from playbook.memory import activations
-from playbook.model import packed_attention, registry
+from playbook.model import packed_attention, pretrained, registry
+from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype
+from playbook.runtime.common import is_out_of_memory, usage_error
 
 def init_distributed(device: torch.device) -> None:
     rank, size = world()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 

@@ -35,12 +35,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from playbook.runtime import environment
-from core.process import log
-
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
+
+from core.process import log
+from playbook.runtime import environment
 
 
 @dataclass(frozen=True)

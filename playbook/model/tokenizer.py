@@ -16,10 +16,10 @@ torch (chat.py and export.py load torch and transformers under their Ctrl-C guar
 
 from __future__ import annotations
 
-from playbook.model import pretrained
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from playbook.model import pretrained
 
 # LLaMA 3's special tokens, in the byte tokenizer at ids 256, 257, ...
 BOS, EOS, HEADER_START, HEADER_END, EOT, PAD = (

@@ -38,22 +38,19 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from core.fp8_support import FP8_MIN_WIDTH
-from linear_cross_entropy_kernel import CHUNK_BYTES  # the fused head's logits buffer
-from playbook.memory.activations import PREFETCH_LAYERS  # offloaded layers brought back ahead of backward
-from playbook.optim.optimizer import rounding_of
-from playbook.runtime import environment
-
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from core import gpu_arch
+from core.fp8_support import FP8_MIN_WIDTH
 from core.process import is_main, log
+from linear_cross_entropy_kernel import CHUNK_BYTES  # the fused head's logits buffer
+from playbook.memory.activations import PREFETCH_LAYERS  # offloaded layers brought back ahead of backward
 from playbook.memory.activations import parse_layers
 from playbook.model.lora import parse_targets
 from playbook.model.presets import PRESETS, weights_dtype
+from playbook.optim.optimizer import rounding_of
+from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 
 GB = 1e9  # the scripts' summaries count GB as 10^9 bytes
@@ -438,7 +435,7 @@ def offers(cfg, free: float, where: str = "") -> list[Offer]:
 
 def planned(cfg, offer: Offer, free: float, where: str) -> Offer:
     """The offer with its peak: the largest of the runs its command line may make."""
-    peaks = [peak_as_run(replace_config(cfg, **{**offer.changes, **variant}), free, where)
+    peaks = [peak_as_run(replace(cfg, **{**offer.changes, **variant}), free, where)
              for variant in ({}, *offer.variants)]
     return replace(offer, peak=max(peaks))
 
@@ -447,7 +444,7 @@ def peak_as_run(cfg, free: float, where: str) -> float:
     """The peak of the plan the run of `cfg` will print as it starts: a rounding left open ("auto") chosen as
     start() chooses it, for the free memory `free` (`where`: where that figure comes from)."""
     if cfg.optimizer_rounding == "auto":
-        cfg = replace_config(cfg, optimizer_rounding=_rounding(cfg, free, where)[0])
+        cfg = replace(cfg, optimizer_rounding=_rounding(cfg, free, where)[0])
     plans = run_plans(cfg)
     return combine(plans).peak if plans else math.inf
 
@@ -844,7 +841,7 @@ def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
 
 
 def replace_model(cfg, name):
-    return replace_config(cfg, model=name)
+    return replace(cfg, model=name)
 
 
 def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
@@ -874,7 +871,7 @@ def start(cfg):
     chosen = getattr(cfg, "optimizer_rounding", None) == "auto"
     if chosen:
         rounding, line = choose_rounding(cfg)
-        cfg = agree_on_rounding(replace_config(cfg, optimizer_rounding=rounding))
+        cfg = agree_on_rounding(replace(cfg, optimizer_rounding=rounding))
         if cfg.optimizer_rounding != rounding:
             line = None  # agree_on_rounding said why every process takes another
     check(cfg, note=line, rounding_chosen=chosen)
@@ -904,7 +901,7 @@ def choose_rounding(cfg) -> tuple[str, str | None]:
 
 def _rounding(cfg, free: float, where_free: str) -> tuple[str, str | None]:
     """choose_rounding for the free memory `free` (`where_free`: where that figure comes from)."""
-    plans = run_plans(replace_config(cfg, optimizer_rounding="kahan"))
+    plans = run_plans(replace(cfg, optimizer_rounding="kahan"))
     if plans and plans[-1][2].weight_bytes != 2:
         return "nearest", None
     choose = "--optimizer-rounding kahan or nearest to choose"
@@ -914,7 +911,7 @@ def _rounding(cfg, free: float, where_free: str) -> tuple[str, str | None]:
                               f"memory; stochastic rounding needs none; {choose})")
     plan = combine(plans)
     buffer = plan_part(plan, "optimizer states") - plan_part(
-        combine(run_plans(replace_config(cfg, optimizer_rounding="stochastic"))), "optimizer states")
+        combine(run_plans(replace(cfg, optimizer_rounding="stochastic"))), "optimizer states")
     if getattr(cfg, "ignore_memory_plan", False):
         return "stochastic", (f"Optimizer rounding: stochastic (--ignore-memory-plan: the run does not go by the "
                               f"plan, so it takes the rounding that needs no memory; kahan would add "
@@ -957,11 +954,7 @@ def agree_on_rounding(cfg):
 
     log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.optimizer_rounding}; another "
         f"process's free memory did not fit it)")
-    return replace_config(cfg, optimizer_rounding=agreed)
-
-
-def replace_config(cfg, **changes):
-    return dataclasses.replace(cfg, **changes)
+    return replace(cfg, optimizer_rounding=agreed)
 
 
 def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
@@ -988,7 +981,7 @@ def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_ch
             log(note)
     if plan.peak <= free or not enforce:
         return plan
-    raise usage_error(too_big(replace_config(cfg, optimizer_rounding="auto") if rounding_chosen else cfg, plans,
+    raise usage_error(too_big(replace(cfg, optimizer_rounding="auto") if rounding_chosen else cfg, plans,
                               plan, free, where_free))
 
 
@@ -1001,7 +994,7 @@ def problem(cfg) -> str | None:
     free, where_free = _free(cfg.device)
     given = cfg
     if cfg.optimizer_rounding == "auto":
-        cfg = replace_config(cfg, optimizer_rounding=_rounding(cfg, free, where_free)[0])
+        cfg = replace(cfg, optimizer_rounding=_rounding(cfg, free, where_free)[0])
     plans = run_plans(cfg)
     if not plans:
         return None

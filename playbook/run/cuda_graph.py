@@ -36,11 +36,10 @@ import contextlib
 import gc
 
 import torch
-
-from playbook.model import packed_attention
-from core.process import log, world
-
 import torch.nn.functional as F
+
+from core.process import log, world
+from playbook.model import packed_attention
 
 
 def graph_blocker(cfg, data=None) -> str | None:

@@ -32,9 +32,8 @@ import torch
 from torch import nn
 
 from core.process import is_main, log
-from playbook.runtime.time_left import periodic_steps
-
 from playbook.model.generate import MAX_NEW_TOKENS
+from playbook.runtime.time_left import periodic_steps
 
 HEARTBEAT_S = 30.0  # at most one progress line per this many seconds
 HEARTBEAT_FROM_S = 60.0  # steps estimated shorter than this get no heartbeat

@@ -11,16 +11,14 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from core.process import is_main, world
-from playbook.runtime.common import gpu_bf16_peak_tflops
-from playbook.store.files import write_atomic
-from playbook.model import models
-from playbook.runtime import output
-from playbook.optim.optimizer import weight_rounding
-
 from tabulate import tabulate
 
-from playbook.model import generate
+from core.process import is_main, world
+from playbook.model import generate, models
+from playbook.optim.optimizer import weight_rounding
+from playbook.runtime import output
+from playbook.runtime.common import gpu_bf16_peak_tflops
+from playbook.store.files import write_atomic
 
 
 @dataclass

@@ -13,17 +13,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from playbook.config import resumable_settings
-from playbook.run import cuda_graph
 from core.process import is_main, log, world
-from playbook.store.files import RESULTS_DIR
+from playbook.config import resumable_settings
+from playbook.model.lora import parse_targets
 from playbook.optim.optimizer import rounding_of, weight_rounding
 from playbook.optim.schedule import schedule_factor
-
-from playbook.model.lora import parse_targets
+from playbook.run import cuda_graph
 from playbook.runtime.common import usage_error
 from playbook.store import checkpoint
 from playbook.store.checkpoint import LATEST_FILE, list_checkpoints, read_checkpoint_info
+from playbook.store.files import RESULTS_DIR
 
 
 # The settings that decide a run's data order and learning-rate schedule: name in the checkpoint -> the flag

@@ -23,10 +23,10 @@ from core.process import log, world
 from playbook.data.dataset import BatchAttention, bad_data_exit, check_source, make_data
 from playbook.model import packed_attention, pretrained
 from playbook.model.lora import name_base_model
-from playbook.model.tokenizer import make_tokenizer
 from playbook.model.models import count_params, init_distributed, prepare_model
 from playbook.model.presets import PRESETS
 from playbook.model.registry import in_effect
+from playbook.model.tokenizer import make_tokenizer
 from playbook.optim.optimizer import make_optimizer
 from playbook.plan import memory_plan
 from playbook.run import cuda_graph

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from playbook.run import cuda_graph
 from core.process import log
+from playbook.run import cuda_graph
 from playbook.runtime.common import synchronize
 
 

@@ -24,27 +24,25 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from torch import nn
+from tqdm import tqdm
 
 from core.process import is_main, log, world
 from playbook.data.dataset import IGNORE_INDEX
+from playbook.model.lora import merge_and_save
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
 from playbook.optim.schedule import LRSchedule
-from playbook.run import start
+from playbook.run import interpreter, start
 from playbook.run.best import BestEval
-from playbook.run.report import MetricsLog, RunResult, answers_after, answers_before, default_tag, step_line, write_report
+from playbook.run.report import (MetricsLog, RunResult, answers_after, answers_before, default_tag, step_line,
+                                 write_report)
 from playbook.run.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load,
                                  lr_warmup_steps, read_resume, resume_settings)
 from playbook.run.start import run_errors, settle
 from playbook.run.step import StepRunner
 from playbook.runtime import signals
 from playbook.runtime.common import describe_gpu, interactive, synchronize, versions
-from playbook.store.files import RESULTS_DIR, result_path
 from playbook.runtime.time_left import TimeLeft, in_progress, running
-
-from tqdm import tqdm
-
-from playbook.model.lora import merge_and_save
-from playbook.run import interpreter
+from playbook.store.files import RESULTS_DIR, result_path
 
 
 

@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import torch
-
 import transformers
 import triton
 

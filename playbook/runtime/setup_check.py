@@ -23,14 +23,13 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core import gpu_arch
 from playbook.runtime import environment
-
-import urllib.error
-import urllib.request
 
 SMI_TIMEOUT_S = 15
 IMAGE = "kernel-dev-ft"

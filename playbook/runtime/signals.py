@@ -9,10 +9,9 @@ GRACE_S). Nothing here runs at import: a handler is set only when one of these f
 """
 
 import os
-import sys
-
 import signal
 import socket
+import sys
 import threading
 
 

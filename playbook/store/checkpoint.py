@@ -64,14 +64,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from core.tensors import sum_and_norm
-from playbook.store.files import fsync_directory, fsync_tree, write_atomic
-
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_model_state_dict
 
 from core.process import is_peft_model
+from core.tensors import sum_and_norm
+from playbook.store.files import fsync_directory, fsync_tree, write_atomic
 
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
