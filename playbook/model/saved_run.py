@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM
 from core.tensors import fingerprint
 from playbook.model import pretrained
 from playbook.model.lora import load_adapter
-from playbook.model.models import PRESETS, build_preset, looks_like_path
+from playbook.model.models import build_preset, looks_like_path
+from playbook.model.presets import PRESETS
 from playbook.model.tokenizer import make_tokenizer
 from playbook.store.checkpoint import STATE_FILE
 
