@@ -2,6 +2,10 @@
 #   make run        the walkthrough (profiling, kernel test reports, fine-tuning baseline vs optimized, a real model)
 #   make test       the test suite (what CI runs)
 #   make selfcheck  a new machine's first run: GPU, versions, a kernel test and a 3-step 8B fine-tune
+#   make bench      the README's GPU figures re-made on this GPU, the peers beside ours (benchmark_finetune.py):
+#                   results/<gpu>/; BENCH_ARGS passes options, e.g. BENCH_ARGS="--quick" or "--rows 8B"
+#   make gpu-evidence  make test and make run with their logs and the environment, into results/<gpu>/
+#   make results-index  results/README.md's index, made from the manifests of results/<gpu>/
 #   make setup      only the set-up and its check;  make clean  removes what set-up made
 # Which Python: the project's .venv once make has built it; otherwise `python3` when it can import
 # torch and triton (the NGC container, a prepared environment); otherwise make builds .venv with
@@ -55,7 +59,7 @@ GPU_HERE = nvidia-smi -L >/dev/null 2>&1
 RUN_TIME = $(GPU_HERE) && echo "about 6 min on one H200" || echo "about 45 min on a 2-core CPU (step 2: 12 min, step 4d: 10-19 min)"
 TEST_TIME = $(GPU_HERE) && echo "about 5 min on one H200" || echo "about 15-20 min on a 2-core CPU"
 
-.PHONY: run test setup selfcheck check clean
+.PHONY: run test setup selfcheck check clean bench results-index gpu-evidence
 run: check
 	@echo "make run: the walkthrough, $$($(RUN_TIME))$(if $(WALKTHROUGH_ARGS), for the full one; less with WALKTHROUGH_ARGS)"
 	$(PY) walkthrough.py $(WALKTHROUGH_ARGS)
@@ -69,6 +73,33 @@ test: check
 	$(PY) -m pytest -q $$($(TEST_WORKERS)) $(PYTEST_ARGS)
 
 setup: check
+
+# Every row of the README's 8B table, docs/quality.md's SmolLM2 rows with their peers, and the kernel benchmark's
+# headline size (benchmark_kernels.py, as the table's last row), each as its own script's command, into
+# results/<gpu>/ (docs/benchmarks.md). Stopped (Ctrl-C, `timeout -s INT`), it keeps the finished rows, and the next
+# `make bench` starts after them. Without a GPU it is the CPU form: llama-tiny at tiny shapes, in seconds a row.
+BENCH_TIME = $(GPU_HERE) && echo "about 20 min on one H200 (--quick: under 5)" || echo "the CPU form: about 2 min on a 2-core CPU, SmolLM2 rows 2 min each"
+bench: check
+	@echo "make bench: $$($(BENCH_TIME))"
+	$(PY) benchmark_finetune.py $(BENCH_ARGS)
+	$(PY) benchmark_finetune.py --index
+
+results-index: $(SETUP)
+	$(PY) benchmark_finetune.py --index
+
+# The suite and the walkthrough on this machine, each with its log and the environment it ran in (GPU, driver,
+# versions, commit): results/<gpu>/environment.json, tests.log, walkthrough.log. The exit code is make test's or
+# make run's, whichever failed.
+GPU_NAME = $(PY) benchmark_finetune.py --gpu-name
+gpu-evidence: check
+	@dir=results/$$($(GPU_NAME)); mkdir -p $$dir; \
+	$(PY) benchmark_finetune.py --environment > $$dir/environment.json; \
+	t0=$$(date +%s); $(MAKE) --no-print-directory test > $$dir/tests.log 2>&1; tests=$$?; \
+	echo "make test: exit code $$tests in $$(($$(date +%s) - t0)) s" | tee -a $$dir/tests.log; \
+	t0=$$(date +%s); $(MAKE) --no-print-directory run > $$dir/walkthrough.log 2>&1; walk=$$?; \
+	echo "make run: exit code $$walk in $$(($$(date +%s) - t0)) s" | tee -a $$dir/walkthrough.log; \
+	echo "in $$dir: environment.json, tests.log, walkthrough.log"; \
+	[ $$tests -eq 0 ] && [ $$walk -eq 0 ]
 
 selfcheck: $(SETUP)
 	$(PY) selfcheck.py

@@ -297,6 +297,14 @@ def versions() -> dict:
     return out
 
 
+def environment_stamp(machine: Machine) -> dict:
+    """What every manifest records of the machine and the software: GPU, memory, driver, versions, commit."""
+    return {"machine": {"gpu": machine.gpu, "name": machine.name, "memory_gb": machine.memory_gb,
+                        "free_gb": machine.free_gb, "free_source": machine.free_source, "driver": machine.driver,
+                        "compute_capability": ".".join(map(str, machine.capability)) if machine.capability else None},
+            "versions": versions(), "commit": commit()}
+
+
 def commit() -> dict:
     """The commit the tree is at and whether it has changes (None where git or the history is not there)."""
     def git(*args):
@@ -622,6 +630,9 @@ def main(argv=None) -> int:
     p.add_argument("--reference", type=Path, default=RESULTS / REFERENCE_GPU,
                    help=f"the committed figures to compare with (default: results/{REFERENCE_GPU}/)")
     p.add_argument("--index", action="store_true", help="only rewrite results/README.md's index from the manifests")
+    p.add_argument("--gpu-name", action="store_true", help="only print this machine's results folder name (H200, CPU)")
+    p.add_argument("--environment", action="store_true",
+                   help="only print the manifests' machine, versions and commit, as JSON (make gpu-evidence)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)  # `timeout` and batch systems stop with SIGTERM: kept rows, as Ctrl-C
     if a.index:
@@ -640,6 +651,11 @@ def main(argv=None) -> int:
     except ValueError as err:  # a bad --rows, or a PLAYBOOK_FREE_MEMORY_GB the scripts would refuse
         print(f"error: {err}", file=sys.stderr)
         return 2
+    stamp = environment_stamp(machine)
+    if a.gpu_name or a.environment:
+        print(machine.gpu if a.gpu_name else json.dumps(
+            dict(stamp, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")), indent=1))
+        return 0
     folder = a.out or RESULTS / machine.gpu
     folder.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PLAYBOOK_RESULTS_DIR=str(folder.resolve()), PYTHONUNBUFFERED="1",
@@ -648,10 +664,6 @@ def main(argv=None) -> int:
              f"{machine.capability[1]}" if machine.on_gpu else "no GPU: the CPU form (llama-tiny, tiny shapes, "
                                                              "Triton's interpreter; its timings say nothing of a GPU)")
     print(f"benchmark_finetune: {len(rows)} rows on {where}; results in {folder}", flush=True)
-    stamp = {"machine": {"gpu": machine.gpu, "name": machine.name, "memory_gb": machine.memory_gb,
-                         "free_gb": machine.free_gb, "free_source": machine.free_source, "driver": machine.driver,
-                         "compute_capability": ".".join(map(str, machine.capability)) if machine.capability else None},
-             "versions": versions(), "commit": commit()}
     ceiling = bf16_ceiling(folder, machine, env)
     if ceiling:
         print(f"bf16 matmul rate of this GPU: {ceiling:.0f} TFLOP/s (cuBLAS 8192^3)", flush=True)
