@@ -259,10 +259,13 @@ def free_memory_stand_in() -> float | None:
     return environment.free_memory_gb()
 
 
-def this_machine() -> Machine:
-    """The first GPU nvidia-smi lists (CUDA_VISIBLE_DEVICES respected by the scripts, not here), or the CPU."""
+def this_machine(cpu: bool = False) -> Machine:
+    """The first GPU nvidia-smi lists (CUDA_VISIBLE_DEVICES respected by the scripts, not here), or the CPU (also
+    where `cpu` asks for it)."""
     m = Machine()
     try:
+        if cpu:
+            raise OSError("the CPU form asked for")
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version,compute_cap",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
         first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
@@ -576,8 +579,11 @@ def write_index(results: Path = RESULTS, index: Path = INDEX) -> bool:
     if INDEX_BEGIN in text and INDEX_END in text:
         start, end = text.index(INDEX_BEGIN), text.index(INDEX_END) + len(INDEX_END)
         new = text[:start] + section + text[end:]
-    else:
-        new = section + "\n\n" + text
+    else:  # first time: before the hand-written sections of the older evidence, with a line that says so
+        at = text.find("\n## ") + 1 if "\n## " in text else len(text)
+        new = (text[:at] + section + "\n\n" + "## Older evidence under `results/runs/` (written by hand)\n\n"
+               "The sections below index the files measured before `make bench` existed; each names the command "
+               "that made it, which is in the tree.\n\n" + text[at:])
     if new != text:
         write_atomic(index, new)
     return new != text
@@ -600,6 +606,8 @@ def index_section(results: Path = RESULTS) -> str:
             lines.append(f"| {folder.name} | [`{m['row']}`]({folder.name}/{m['row']}.manifest.json) | {m['status']} | "
                          f"{fmt(tps, ',.0f')} | `{m['command_shown']}` | {commit_id[:10]}{dirty} | "
                          f"{m['date'][:10]} |")
+    if lines[-1].startswith("|---"):
+        lines.append("| (none yet) | `make bench` writes results/<gpu>/ | | | | | |")
     lines.append(INDEX_END)
     return "\n".join(lines)
 
@@ -626,6 +634,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, help="tokens per sequence of every fine-tuning row")
     p.add_argument("--fresh", action="store_true", help="run every selected row again, finished or not")
     p.add_argument("--stop-after", type=int, metavar="N", help="end after N rows have run (and been recorded)")
+    p.add_argument("--cpu", action="store_true",
+                   help="the CPU form even where a GPU is present (llama-tiny, tiny shapes; the test suite's check)")
     p.add_argument("--out", type=Path, help="the results folder (default: results/<gpu>/)")
     p.add_argument("--reference", type=Path, default=RESULTS / REFERENCE_GPU,
                    help=f"the committed figures to compare with (default: results/{REFERENCE_GPU}/)")
@@ -647,7 +657,7 @@ def main(argv=None) -> int:
             return 2
     try:
         rows = select(a.rows, a.quick)
-        machine = this_machine()
+        machine = this_machine(cpu=a.cpu)
     except ValueError as err:  # a bad --rows, or a PLAYBOOK_FREE_MEMORY_GB the scripts would refuse
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -660,6 +670,8 @@ def main(argv=None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PLAYBOOK_RESULTS_DIR=str(folder.resolve()), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if a.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the rows' scripts then see no GPU either
     where = (f"{machine.name}, {machine.memory_gb:.0f} GB, driver {machine.driver}, sm_{machine.capability[0]}"
              f"{machine.capability[1]}" if machine.on_gpu else "no GPU: the CPU form (llama-tiny, tiny shapes, "
                                                              "Triton's interpreter; its timings say nothing of a GPU)")
