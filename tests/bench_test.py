@@ -1,0 +1,179 @@
+"""benchmark_finetune.py (make bench) in its CPU form, and the pieces it stands on.
+
+    $ python -m pytest -q tests/bench_test.py
+
+The CPU form runs the README's rows on llama-tiny at tiny shapes (seconds a row); the test checks what a user
+of the GPU form relies on: the table's rows and columns, a manifest per row, a row that does not fit and a
+row whose peer is not installed said as such (never a traceback, never a gap), a run stopped mid-row that
+records nothing for that row, and the next run starting after the finished rows instead of redoing them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import benchmark_finetune as bench  # noqa: E402
+
+ROWS = "hf,liger,ours,fp8"  # a baseline, a peer (absent here), ours, and a row that needs a GPU
+
+
+def bench_run(out: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "benchmark_finetune.py", "--cpu", "--out", str(out), *args], cwd=ROOT,
+                          env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def manifest(out: Path, row: str) -> dict | None:
+    return bench.read_manifest(bench.manifest_path(out, row))
+
+
+def test_cpu_form_stop_resume_table_and_manifests(tmp_path):
+    """~30 s on a 2-core CPU: two rows run (hf, ours), each once, across a stopped run and two more."""
+    out = tmp_path / "CPU"
+    # 1. Ctrl-C while the first row runs: exit code 130, the row not recorded
+    proc = subprocess.Popen([sys.executable, "benchmark_finetune.py", "--cpu", "--out", str(out), "--rows", ROWS],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = ""
+    for line in proc.stdout:
+        seen += line
+        if "hf: running" in line:
+            time.sleep(1.0)  # inside the row's subprocess, not before it
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, seen + rest
+    assert "stopped during hf: it is not recorded" in rest, seen + rest
+    assert manifest(out, "hf") is None
+
+    # 2. stopped after one row: that row is recorded, the next is not started
+    done = bench_run(out, "--rows", ROWS, "--stop-after", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = manifest(out, "hf")
+    assert first is not None and first["status"] == "ok", done.stdout
+    assert manifest(out, "ours") is None
+
+    # 3. the next run starts after it: hf kept as it was (same date, not rerun), the rest of the rows recorded
+    done = bench_run(out, "--rows", ROWS)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "hf: done before (ok), kept" in done.stdout
+    assert manifest(out, "hf") == first
+    ours = manifest(out, "ours")
+    assert ours["status"] == "ok"
+    for key in ("command", "command_shown", "date", "machine", "versions", "commit", "figures"):
+        assert key in ours, key
+    assert ours["command"][0] == "finetune_optimized.py" and "--tag" in ours["command"]
+    assert ours["machine"]["gpu"] == "CPU" and ours["versions"]["torch"] == torch.__version__
+    figures = ours["figures"]
+    assert figures["tokens_per_s"] > 0 and figures["step_median_ms"] > 0 and figures["model_tflops"] > 0
+    assert (out / "ours.log").is_file() and (out / "ours.json").is_file()
+    liger = manifest(out, "liger")
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert liger["status"] == "not installed" and "pip install liger-kernel" in liger["reason"]
+    else:  # installed: the row ran, or failed with its reason (Liger's kernels on a CPU), and the run went on
+        assert liger["status"] in ("ok", "failed")
+    fp8 = manifest(out, "fp8")
+    assert fp8["status"] == "needs a GPU" and "compute capability 8.9" in fp8["reason"]
+
+    # the table: a header of every column, one line per row in the table's order
+    lines = [ln for ln in (out / "bench.md").read_text().splitlines() if ln.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == list(bench.COLUMNS)
+    body = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
+    assert [r[0] for r in body] == ROWS.split(",")
+    assert all(len(r) == len(header) for r in body)
+    by_row = {r[0]: dict(zip(header, r)) for r in body}
+    assert by_row["hf"]["vs baseline"] == "1.00x"
+    assert float(by_row["ours"]["tokens/s"].replace(",", "")) > 0
+    assert by_row["fp8"]["status"].startswith("needs a GPU")
+
+
+def test_does_not_fit_row(tmp_path):
+    """~5 s: the memory plan's figure against PLAYBOOK_FREE_MEMORY_GB's stand-in; nothing is run."""
+    out = tmp_path / "CPU"
+    done = bench_run(out, "--rows", "ours", env={"PLAYBOOK_FREE_MEMORY_GB": "0.0001"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = manifest(out, "ours")
+    assert row["status"] == "does not fit"
+    # the figure is the plan's peak (llama-tiny at 2 x 64 tokens: a few MB; the stand-in 0.1 MB)
+    assert re.search(r"needs \S+ GB, PLAYBOOK_FREE_MEMORY_GB=0.0001 gives \S+ GB free", row["reason"]), row["reason"]
+    assert row["plan_peak_gb"] > 0.0001
+    assert not (out / "ours.log").exists()
+
+
+def test_rows_are_the_readme_commands():
+    """Each row of README.md's 8B table is a row of the bench with the same script and options."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^\| [^|]+ \| `((?:finetune_baseline|finetune_optimized)\.py[^`]*)` \|", readme, re.M)
+    assert len(commands) >= 9, commands
+    bench_commands = {" ".join((r.script,) + r.options) for r in bench.ROWS if r.group == "8B"}
+    for cmd in commands:
+        assert cmd in bench_commands, f"README's `{cmd}` is no row of benchmark_finetune.py"
+
+
+@pytest.mark.parametrize("device, short", [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"),
+                                           ("NVIDIA GB300", "GB300"), ("NVIDIA B200", "B200"),
+                                           ("NVIDIA H100 NVL", "H100"), ("Some New GPU 9", "Some_New_GPU_9")])
+def test_short_name(device, short):
+    assert bench.short_name(device) == short
+
+
+def test_select_rows():
+    assert [r.name for r in bench.select(None, quick=True)] == ["hf", "liger", "ours"]
+    assert {r.group for r in bench.select("SmolLM2", quick=False)} == {"SmolLM2"}
+    assert [r.name for r in bench.select("ours,hf", quick=False)] == ["hf", "ours"]  # the table's order
+    with pytest.raises(ValueError, match="no row or group 'nope'"):
+        bench.select("nope", quick=False)
+    # --batch-size / --seq-len replace the group's, never add a second flag
+    cmd = bench.command(bench.BY_NAME["ours"], on_gpu=True, batch_size=16, seq_len=4096)
+    assert cmd.count("--batch-size") == 1 and cmd[cmd.index("--batch-size") + 1] == "16"
+    assert cmd[cmd.index("--seq-len") + 1] == "4096"
+
+
+def test_index_is_made_from_the_manifests():
+    """results/README.md's generated section is what `python benchmark_finetune.py --index` makes today."""
+    text = (ROOT / "results" / "README.md").read_text()
+    assert bench.INDEX_BEGIN in text and bench.INDEX_END in text
+    committed = text[text.index(bench.INDEX_BEGIN): text.index(bench.INDEX_END) + len(bench.INDEX_END)]
+    assert committed == bench.index_section(), "run `make results-index` and commit results/README.md"
+
+
+def test_padding_free_peer_matches_the_dense_mask():
+    """benchmarks/peers.py feeds Hugging Face packed rows with position_ids and no mask; transformers must then keep
+    each example to itself, as the scripts' dense per-example mask does. A random 2-layer LLaMA, fp32 (<1 s)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from playbook.data.dataset import Example, pack_examples, packed_attention_mask
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         attn_implementation="sdpa")).eval()
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for n in (7, 11, 5, 9, 13):  # odd lengths: several examples per row and a padding tail
+        ids = torch.randint(1, 97, (n,), generator=g).tolist()
+        examples.append(Example(input_ids=ids, labels=[-100] + ids[1:]))
+    rows = pack_examples(examples, 24, pad_id=0)
+    with torch.no_grad():
+        dense = model(input_ids=rows["input_ids"], labels=rows["labels"], position_ids=rows["position_ids"],
+                      attention_mask=packed_attention_mask(rows["segments"])).loss
+        # use_cache=False as the peer runs it: transformers looks for packed rows only where there is no cache
+        free = model(input_ids=rows["input_ids"], labels=rows["labels"], position_ids=rows["position_ids"],
+                     use_cache=False).loss
+        leaky = model(input_ids=rows["input_ids"], labels=rows["labels"]).loss  # no boundaries at all
+    # the same attention in fp32: only summation order differs (1e-5 is ~100 ulps of a loss near 4.6)
+    assert abs(float(dense) - float(free)) < 1e-5
+    assert abs(float(dense) - float(leaky)) > 1e-3  # the check can fail: attention across examples changes the loss
