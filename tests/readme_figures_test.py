@@ -131,3 +131,18 @@ def test_the_check_fails_on_a_figure_not_in_its_file(tmp_path, figure, ok):
     text = (f"| configuration | tokens/s | source{f' (`{folder}`)' if folder else ''} |\n|---|---:|---|\n"
             f"| a row | {figure} | {cite} |\n")
     assert (check(text) == []) is ok
+
+
+def test_documents_cite_only_scripts_in_the_tree():
+    """README.md, docs/ and results/README.md: every `python <file>.py` / `bash <file>.sh` they name exists, and none
+    sends the reader to a script outside the tree (git history, a machine's own folder)."""
+    pages = [ROOT / "README.md", ROOT / "results" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    problems = []
+    for page in pages:
+        text = page.read_text()
+        for pattern in (r"git show [0-9a-f]{6,}:", r"\bdevrun/", r"repository's history"):
+            problems += [f"{page.relative_to(ROOT)}: '{m.group(0)}'" for m in re.finditer(pattern, text)]
+        for m in re.finditer(r"(?:python3?|bash)\s+((?:[\w.-]+/)*[\w.-]+\.(?:py|sh))\b", text):
+            if not (ROOT / m.group(1)).is_file():
+                problems.append(f"{page.relative_to(ROOT)}: {m.group(0)} (no such file)")
+    assert not problems, "\n".join(problems)
