@@ -38,7 +38,8 @@ Output, in results/<gpu>/ (<gpu>: H200, H100, GB300, B200, ... from the device n
 A row's manifest is written whole (playbook/store/files.py) when the row ends, and only then: a run
 stopped by Ctrl-C or SIGTERM (`timeout -s INT 570 make bench`) keeps every finished row, the row it was
 running is not recorded, and the next run starts after the finished ones (the same command). A row whose
-command changed (another --batch-size, another commit's arguments) runs again.
+command changed (another --batch-size, another commit's arguments) runs again; so does a row that was not run
+(does not fit, not installed: judged again, in a moment, since a peer may have been installed since).
 
 Model TFLOP/s is the script's own count (playbook/model/models.py, flops_per_token): 6 x the parameters
 used in matmuls x the tokens that are not padding, plus the attention scores' 12 x layers x hidden x
@@ -72,6 +73,7 @@ REFERENCE_GPU = "H200"  # the GPU of the committed figures the README quotes
 INDEX = RESULTS / "README.md"
 INDEX_BEGIN = "<!-- bench index: made by `python benchmark_finetune.py --index`; do not edit by hand -->"
 INDEX_END = "<!-- end of the bench index -->"
+RAN = ("ok", "failed")  # the outcomes of a row that ran: kept on resume (a row not run is judged again: cheap)
 INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM, 143)  # a row stopped by Ctrl-C / SIGTERM: never recorded
 
 # The pip command of each optional package a row needs (the import name -> what installs it)
@@ -694,7 +696,7 @@ def main(argv=None) -> int:
         cmd = command(row, machine.on_gpu, a.batch_size, a.seq_len)
         path = manifest_path(folder, row.name)
         old = None if a.fresh else read_manifest(path)
-        if old is not None and old.get("command") == cmd[1:]:
+        if old is not None and old.get("command") == cmd[1:] and old.get("status") in RAN:
             print(f"[{i}/{len(rows)}] {row.name}: done before ({old['status']}), kept ({path.name}; --fresh runs "
                   "it again)", flush=True)
             continue
@@ -732,9 +734,10 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(rows)}] {row.name}: {manifest['status']}: {said}", flush=True)
     manifests = [m for m in (read_manifest(manifest_path(folder, r.name)) for r in ROWS) if m]
     if manifests:
-        write_atomic(folder / "bench.md", table(manifests, ceiling, a.reference, machine.gpu))
+        text = table(manifests, ceiling, a.reference, machine.gpu)
+        write_atomic(folder / "bench.md", text)
         note = plot(manifests, a.reference, folder / "bench.png")
-        print(table(manifests, ceiling, a.reference, machine.gpu))
+        print(text)
         if note:
             print(note)
     return 130 if stopped and a.stop_after is None else 0
