@@ -10,15 +10,16 @@
     $ python benchmark_finetune.py --peer --compile ...      # the Hugging Face peer alone (benchmarks/peers.py)
 
 Each row is one run of the repository's own scripts (finetune_baseline.py, finetune_optimized.py,
-benchmark_kernels.py, and this script's --peer mode: benchmarks/peers.py) as a subprocess with its own `--tag`; the figures in the
-table are the ones that script wrote into its summary JSON, nothing is re-timed here. The rows of one
+benchmark_kernels.py, and this script's --peer mode: benchmarks/peers.py) as a subprocess with its own
+`--tag`; the figures in the table are the ones that script wrote into its summary JSON, nothing is re-timed
+here. The rows of one
 group run on the same seed and the same batches, so the peers (Hugging Face, torch.compile,
 Liger-Kernel) are measured beside ours on this GPU, in the same run.
 
 A row never ends the run:
   does not fit     the memory plan (playbook/plan/memory_plan.py) is worked out for the row's command
-                   before it runs; a peak above this GPU's free memory is a row that says "needs 113.8 GB,
-                   this GPU has 79.1 GB free", and is not run. PLAYBOOK_FREE_MEMORY_GB=N stands in for the
+                   before it runs; a peak above this GPU's free memory is a row that says "needs 115.8 GB,
+                   this GPU has 84.9 GB free", and is not run. PLAYBOOK_FREE_MEMORY_GB=N stands in for the
                    free memory (to plan for another GPU, or to see such a row on any machine).
   not installed    a row whose peer package is missing names the pip command that installs it.
   needs a GPU      a row that needs a newer GPU (MXFP8 and NVFP4: Blackwell, sm_100 or newer) says so.
@@ -62,7 +63,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from playbook.store.files import write_atomic
@@ -108,8 +109,11 @@ SHAPES = {
     # held-out eval before the first step and after the last
     "SmolLM2": Shape(gpu=("--model", "smollm2-135m", "--dataset", "examples/chat.jsonl", "--batch-size", "8",
                           "--seq-len", "512", "--steps", "60"),
-                     cpu=("--model", "smollm2-135m", "--dataset", "examples/chat.jsonl", "--batch-size", "2",
-                          "--seq-len", "128", "--steps", "2", "--timing-warmup-steps", "1")),
+                     # the CPU form: the real model's first 2 of its 30 layers (the kernels run in Triton's
+                     # interpreter: all 30 take minutes a step on a CPU), 3 examples held out instead of 11
+                     cpu=("--model", "smollm2-135m", "--num-layers", "2", "--dataset", "examples/chat.jsonl",
+                          "--eval-fraction", "0.01", "--batch-size", "2", "--seq-len", "128", "--steps", "2",
+                          "--timing-warmup-steps", "1")),
     # docs/kernels.md's headline size: 16384 tokens at LLaMA 3.1 8B's widths
     "kernels": Shape(gpu=("--kernels", "rmsnorm,cross_entropy,linear_cross_entropy,swiglu,rope", "--sizes", "16384"),
                      cpu=("--kernels", "rmsnorm", "--smoke")),
@@ -264,14 +268,17 @@ def free_memory_stand_in() -> float | None:
 
 
 def this_machine(cpu: bool = False) -> Machine:
-    """The first GPU nvidia-smi lists (CUDA_VISIBLE_DEVICES respected by the scripts, not here), or the CPU (also
-    where `cpu` asks for it)."""
+    """The GPU the rows will run on (the first of CUDA_VISIBLE_DEVICES where it names one by number, else the first
+    nvidia-smi lists), or the CPU: where there is none, where `cpu` asks for it, or CUDA_VISIBLE_DEVICES is empty."""
     m = Machine()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    which = ["-i", visible] if visible.isdigit() else []  # the GPU the scripts will use (torch's cuda:0)
     try:
-        if cpu:
-            raise OSError("the CPU form asked for")
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free,driver_version,compute_cap",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        if cpu or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+            raise OSError("the CPU form asked for, or every GPU hidden")
+        query = "--query-gpu=name,memory.total,memory.free,driver_version,compute_cap"
+        out = subprocess.run(["nvidia-smi", *which, query, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30)
         first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
     except (OSError, subprocess.TimeoutExpired):
         first = ""
@@ -433,16 +440,18 @@ def run_row(row: Row, cmd: list[str], folder: Path, env: dict) -> dict:
     with open(log, "w") as out:
         out.write(f"$ {shown(cmd)}\n")
         out.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = None
         try:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
             rc = proc.wait()
         except KeyboardInterrupt:  # the row gets the same signal where it shares our process group; else send it
-            try:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if proc is not None:
+                try:
+                    proc.send_signal(signal.SIGINT)
+                    proc.wait(timeout=60)  # its own Ctrl-C handling: one line, exit code 130
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
             raise Stopped from None
     took = time.monotonic() - t0
     if rc in INTERRUPTED:
@@ -681,6 +690,9 @@ def main(argv=None) -> int:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if a.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the rows' scripts then see no GPU either
+    # This process works out the rows' memory plans with torch, from their arguments alone: it is kept off the
+    # GPU, so that no CUDA context of its own takes memory from the rows (their env keeps the GPU).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     where = (f"{machine.name}, {machine.memory_gb:.0f} GB, driver {machine.driver}, sm_{machine.capability[0]}"
              f"{machine.capability[1]}" if machine.on_gpu else "no GPU: the CPU form (llama-tiny, tiny shapes, "
                                                              "Triton's interpreter; its timings say nothing of a GPU)")

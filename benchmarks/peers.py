@@ -41,20 +41,23 @@ from playbook.store.files import result_path, write_atomic
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m", help="a packaged model name or a .gguf file (the scripts' --model)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a packaged model name or a .gguf file (the scripts' --model)")
+    p.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers (the scripts')")
     p.add_argument("--dataset", default="examples/chat.jsonl")
     p.add_argument("--batch-size", type=int, default=8, help="rows of --seq-len tokens per step")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--timing-warmup-steps", type=int, default=2, help="first steps left out of the timing")
     p.add_argument("--lr", type=float, default=FULL_LR, help=f"AdamW's learning rate (the scripts' default, {FULL_LR})")
-    p.add_argument("--eval-fraction", type=float, default=0.05, help="share of examples held out (the scripts' default)")
+    p.add_argument("--eval-fraction", type=float, default=0.05,
+                   help="share of examples held out (the scripts' default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
     p.add_argument("--tag", default="hf-peer", help="the summary's name: results/<tag>.json")
     p.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json rather than add -2, -3, ...")
     a = p.parse_args(argv)
-    for flag, value, low in (("--batch-size", a.batch_size, 1), ("--seq-len", a.seq_len, 2), ("--steps", a.steps, 1),
+    for flag, value, low in (("--num-layers", a.num_layers or 1, 1), ("--batch-size", a.batch_size, 1), ("--seq-len", a.seq_len, 2), ("--steps", a.steps, 1),
                              ("--timing-warmup-steps", a.timing_warmup_steps, 0)):
         if value < low:
             raise usage_error(f"{flag} must be {low} or more, got {value}")
@@ -86,6 +89,9 @@ def main(argv=None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if on_gpu else torch.float32,
                                                  attn_implementation="sdpa").to(device)
     model.config.use_cache = False
+    if a.num_layers is not None:  # as the scripts' --num-layers: the first N decoder layers, the rest dropped
+        model.model.layers = model.model.layers[: a.num_layers]
+        model.config.num_hidden_layers = len(model.model.layers)
     data = make_data(a.dataset, "dataset", tokenizer, model.config.vocab_size, a.batch_size, a.seq_len, a.seed,
                      packing=True, eval_fraction=a.eval_fraction)
     log(f"Peer: Hugging Face {type(model).__name__} (SDPA, its own loss), padding-free packed rows, "

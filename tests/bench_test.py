@@ -177,3 +177,19 @@ def test_padding_free_peer_matches_the_dense_mask():
     # the same attention in fp32: only summation order differs (1e-5 is ~100 ulps of a loss near 4.6)
     assert abs(float(dense) - float(free)) < 1e-5
     assert abs(float(dense) - float(leaky)) > 1e-3  # the check can fail: attention across examples changes the loss
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="reads the GPU through nvidia-smi and measures its matmul rate")
+def test_this_gpu_and_its_matmul_rate(tmp_path):
+    """On a GPU: nvidia-smi's name, memory and compute capability agree with torch's, and the bf16 matmul rate
+    is measured once and kept (ceiling.json)."""
+    machine = bench.this_machine()
+    assert machine.on_gpu and machine.name == torch.cuda.get_device_name(0)
+    assert machine.capability == torch.cuda.get_device_capability(0)
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    assert abs(machine.memory_gb - total_gb) < 0.02 * total_gb  # nvidia-smi counts MiB; torch bytes: the same card
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    rate = bench.bf16_ceiling(tmp_path, machine, env)
+    assert rate is not None and 50 < rate < 10_000  # TFLOP/s: any tensor-core GPU of this decade
+    assert json.loads((tmp_path / "ceiling.json").read_text())["bf16_matmul_tflops"] == rate
