@@ -78,7 +78,7 @@ setup: check
 # headline size (benchmark_kernels.py, as the table's last row), each as its own script's command, into
 # results/<gpu>/ (docs/benchmarks.md). Stopped (Ctrl-C, `timeout -s INT`), it keeps the finished rows, and the next
 # `make bench` starts after them. Without a GPU it is the CPU form: llama-tiny at tiny shapes, in seconds a row.
-BENCH_TIME = $(GPU_HERE) && echo "about 20 min on one H200 (--quick: under 5)" || echo "the CPU form: about 2 min on a 2-core CPU, SmolLM2 rows 2 min each"
+BENCH_TIME = $(GPU_HERE) && echo "each row says the time left (the rows' estimates for one H200 add up to about 20 min)" || echo "the CPU form: about 12 min on a 2-core CPU, 8 of them the SmolLM2 rows"
 bench: check
 	@echo "make bench: $$($(BENCH_TIME))"
 	$(PY) benchmark_finetune.py $(BENCH_ARGS)

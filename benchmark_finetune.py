@@ -110,7 +110,7 @@ SHAPES = {
     "SmolLM2": Shape(gpu=("--model", "smollm2-135m", "--dataset", "examples/chat.jsonl", "--batch-size", "8",
                           "--seq-len", "512", "--steps", "60"),
                      # the CPU form: the real model's first 2 of its 30 layers (the kernels run in Triton's
-                     # interpreter: all 30 take minutes a step on a CPU), 3 examples held out instead of 11
+                     # interpreter: all 30 take minutes a step on a CPU), 2 examples held out instead of 11
                      cpu=("--model", "smollm2-135m", "--num-layers", "2", "--dataset", "examples/chat.jsonl",
                           "--eval-fraction", "0.01", "--batch-size", "2", "--seq-len", "128", "--steps", "2",
                           "--timing-warmup-steps", "1")),
@@ -535,17 +535,21 @@ def table(manifests: list[dict], ceiling: float | None, reference: Path, gpu: st
         ref = reference_manifest(m["row"], reference)
         ref_tps = ((ref or {}).get("figures") or {}).get("tokens_per_s")
         status = m["status"] if m["status"] == "ok" else f"{m['status']}: {m.get('reason', '')}"
+        if m["group"] == "kernels" and f.get("files"):
+            status += ": " + ", ".join(f["files"])
         evals = (f"{f['eval_before']:.4f} -> {f['eval_after']:.4f}"
                  if f.get("eval_before") is not None and f.get("eval_after") is not None else "")
         cells = [m["row"], m["group"], status.replace("|", "/"), fmt(tps, ",.0f"),
-                 f"{tps / base:.2f}x" if tps and base else "", fmt(f.get("step_median_ms"), ".1f"),
-                 fmt(f.get("peak_memory_gb"), ".1f"), evals, fmt(f.get("model_tflops"), ".1f"),
+                 f"{tps / base:.2f}x" if tps and base else "", fmt(f.get("step_median_ms"), ",.1f"),
+                 fmt(f.get("peak_memory_gb"), ".1f"), evals,
+                 fmt(f.get("model_tflops"), ".1f" if (f.get("model_tflops") or 0) >= 1 else ".2g"),
                  f"{100 * f['model_tflops'] / ceiling:.0f} %" if f.get("model_tflops") and ceiling else "",
                  fmt(ref_tps, ",.0f"), f"{tps / ref_tps:.2f}" if tps and ref_tps else "",
                  f"`{m['command_shown']}`"]
         lines.append("| " + " | ".join(cells) + " |")
+    rate = f"{ceiling:.0f} TFLOP/s (ceiling.json)" if ceiling else "not measured (no GPU)"
     head = (f"Made by `python benchmark_finetune.py` on {manifests[0]['machine']['name'] if manifests else gpu}; "
-            f"bf16 matmul rate {fmt(ceiling, '.0f', 'not measured')} TFLOP/s (ceiling.json). Each row's "
+            f"bf16 matmul rate {rate}. Each row's "
             f"manifest (<row>.manifest.json) holds its command, commit, GPU, driver and versions; "
             f"docs/benchmarks.md explains the columns.")
     return head + "\n\n" + "\n".join(lines) + "\n"
