@@ -267,23 +267,36 @@ def free_memory_stand_in() -> float | None:
     return environment.free_memory_gb()
 
 
+def _smi(which: list[str], query: str) -> list[str] | None:
+    """nvidia-smi's answer for one GPU: the fields of `query` (MiB for memory), or None (no nvidia-smi, no GPU, a
+    field this driver does not know)."""
+    try:
+        out = subprocess.run(["nvidia-smi", *which, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    fields = [f.strip() for f in lines[0].split(",")] if lines else []
+    return fields if len(fields) == len(query.split(",")) and "[N/A]" not in fields else None
+
+
 def this_machine(cpu: bool = False) -> Machine:
     """The GPU the rows will run on (the first of CUDA_VISIBLE_DEVICES where it names one by number, else the first
     nvidia-smi lists), or the CPU: where there is none, where `cpu` asks for it, or CUDA_VISIBLE_DEVICES is empty."""
     m = Machine()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     which = ["-i", visible] if visible.isdigit() else []  # the GPU the scripts will use (torch's cuda:0)
-    try:
-        if cpu or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-            raise OSError("the CPU form asked for, or every GPU hidden")
-        query = "--query-gpu=name,memory.total,memory.free,driver_version,compute_cap"
-        out = subprocess.run(["nvidia-smi", *which, query, "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=30)
-        first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-    except (OSError, subprocess.TimeoutExpired):
-        first = ""
-    if first:
-        name, total, free, driver, cap = [p.strip() for p in first.split(",")]
+    fields = None
+    if not cpu and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        fields = _smi(which, "name,memory.total,memory.free,driver_version,compute_cap")
+        if fields is None:  # a driver older than the compute_cap field (R510): torch says it, in a subprocess
+            fields = _smi(which, "name,memory.total,memory.free,driver_version")
+            if fields is not None:
+                code = "import torch; print('%d.%d' % torch.cuda.get_device_capability())"
+                done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                fields = fields + [done.stdout.strip()] if done.returncode == 0 else None
+    if fields is not None:
+        name, total, free, driver, cap = fields
         major, minor = cap.split(".")
         m = Machine(gpu=short_name(name), name=name, memory_gb=float(total) * 2**20 / 1e9,
                     free_gb=float(free) * 2**20 / 1e9, free_source="free on the GPU (nvidia-smi)", driver=driver,

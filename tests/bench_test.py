@@ -191,5 +191,29 @@ def test_this_gpu_and_its_matmul_rate(tmp_path):
     assert abs(machine.memory_gb - total_gb) < 0.02 * total_gb  # nvidia-smi counts MiB; torch bytes: the same card
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     rate = bench.bf16_ceiling(tmp_path, machine, env)
-    assert rate is not None and 50 < rate < 10_000  # TFLOP/s: any tensor-core GPU of this decade
+    # TFLOP/s: any tensor-core GPU of this decade, even shared with the suite's other workers (make test: 16)
+    assert rate is not None and 1 < rate < 10_000
     assert json.loads((tmp_path / "ceiling.json").read_text())["bf16_matmul_tflops"] == rate
+
+
+def test_an_h100_as_nvidia_smi_reports_it(tmp_path, monkeypatch):
+    """The GPU side of the checks, on any machine: a stand-in nvidia-smi reports an H100 (80 GB, sm_90). The 8B
+    Hugging Face baseline does not fit it by the memory plan (its peak on the H200 was 113.8 GB: README.md), the
+    MXFP8 row needs Blackwell, LoRA fits and runs (< 1 s: arithmetic on the commands, nothing is run)."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559, 80000, 580.159.04, 9.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("PLAYBOOK_FREE_MEMORY_GB", raising=False)
+    machine = bench.this_machine()
+    assert (machine.gpu, machine.capability, machine.driver) == ("H100", (9, 0), "580.159.04")
+    assert abs(machine.free_gb - 80000 * 2**20 / 1e9) < 1e-9  # MiB as nvidia-smi counts, GB (10^9 bytes) as the plan
+    outcome = {name: bench.precheck(bench.BY_NAME[name], bench.command(bench.BY_NAME[name], on_gpu=True), machine)
+               for name in ("hf", "mxfp8", "lora")}
+    assert outcome["hf"]["status"] == "does not fit"
+    assert re.fullmatch(r"needs 1\d\d\.\d GB, this GPU has 83\.9 GB free \(the memory plan, .*\)",
+                        outcome["hf"]["reason"]), outcome["hf"]["reason"]
+    assert outcome["mxfp8"] == {"status": "needs a newer GPU",
+                                "reason": "needs Blackwell (sm_100 or newer) for MXFP8 block scales; this GPU is sm_90"}
+    assert outcome["lora"] is None or outcome["lora"]["status"] == "not installed"  # (peft absent: said so)
