@@ -418,7 +418,11 @@ def figures(row: Row, folder: Path) -> dict:
     if row.group == "kernels":
         found = sorted(folder.glob("benchmark_*.json"))
         return {"files": [p.name for p in found]}
-    path = folder / f"{row.name}.json"
+    return summary_figures(folder / f"{row.name}.json")
+
+
+def summary_figures(path: Path) -> dict:
+    """The table's figures from a script's summary JSON ({} where there is none)."""
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
@@ -512,9 +516,31 @@ def read_manifest(path: Path) -> dict | None:
         return None
 
 
+# The committed H200 summaries the README and docs/quality.md quote, from before results/H200/ existed: each row's
+# reference until `make bench` on an H200 is committed there (same commands; the SmolLM2 ones at lr 1e-5)
+COMMITTED_H200 = {
+    "hf": "finetune_H200_baseline.json", "compile": "finetune_H200_baseline_compile.json",
+    "liger": "finetune_H200_liger.json", "ours": "finetune_H200_optimized.json",
+    "fp8": "finetune_H200_optimized_fp8_default.json", "fp8-rowwise": "finetune_H200_optimized_fp8.json",
+    "lora-hf": "finetune_H200_lora16_baseline.json", "lora-liger": "finetune_H200_lora16_liger.json",
+    "lora": "finetune_H200_lora16_optimized.json",
+    "smol-packed": "redesign_H200/before/t_smol_packed.json",
+    "smol-no-packing": "redesign_H200/before/t_smol_padded.json",
+}
+
+
 def reference_manifest(name: str, reference: Path) -> dict | None:
     """The committed manifest of the same row on the reference GPU: git's HEAD where the tree is a checkout (so
-    that a run on that GPU compares against what was committed, not against itself), else the file."""
+    that a run on that GPU compares against what was committed, not against itself), else the file; for the
+    default reference without one, the summary the README quotes (COMMITTED_H200, under results/runs/)."""
+    found = _reference_manifest(name, reference)
+    if found is None and reference == RESULTS / REFERENCE_GPU and name in COMMITTED_H200:
+        figures_ = summary_figures(RESULTS / "runs" / COMMITTED_H200[name])
+        return {"figures": figures_, "source": f"results/runs/{COMMITTED_H200[name]}"} if figures_ else None
+    return found
+
+
+def _reference_manifest(name: str, reference: Path) -> dict | None:
     path = manifest_path(reference, name)
     try:
         rel = path.relative_to(ROOT)
@@ -536,8 +562,9 @@ COLUMNS = ("row", "group", "status", "tokens/s", "vs baseline", "median step (ms
            f"vs {REFERENCE_GPU}", "command")
 
 
-def table(manifests: list[dict], ceiling: float | None, reference: Path, gpu: str) -> str:
-    """bench.md: one line per row, in the table's order; rows not run say why in the status column."""
+def table(manifests: list[dict], ceiling: float | None, reference: Path, gpu: str, comparable: bool = True) -> str:
+    """bench.md: one line per row, in the table's order; rows not run say why in the status column. The reference
+    GPU's figures only where `comparable`: the same commands (not the CPU form, no --batch-size / --seq-len)."""
     by_name = {m["row"]: m for m in manifests}
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" if i < 3 or c == "command" else "---:"
                                                                   for i, c in enumerate(COLUMNS)) + "|"]
@@ -545,7 +572,7 @@ def table(manifests: list[dict], ceiling: float | None, reference: Path, gpu: st
         f = m.get("figures") or {}
         tps = f.get("tokens_per_s")
         base = by_name.get(m.get("baseline") or "", {}).get("figures", {}).get("tokens_per_s")
-        ref = reference_manifest(m["row"], reference)
+        ref = reference_manifest(m["row"], reference) if comparable else None
         ref_tps = ((ref or {}).get("figures") or {}).get("tokens_per_s")
         status = m["status"] if m["status"] == "ok" else f"{m['status']}: {m.get('reason', '')}"
         if m["group"] == "kernels" and f.get("files"):
@@ -564,11 +591,12 @@ def table(manifests: list[dict], ceiling: float | None, reference: Path, gpu: st
     head = (f"Made by `python benchmark_finetune.py` on {manifests[0]['machine']['name'] if manifests else gpu}; "
             f"bf16 matmul rate {rate}. Each row's "
             f"manifest (<row>.manifest.json) holds its command, commit, GPU, driver and versions; "
-            f"docs/benchmarks.md explains the columns.")
+            f"docs/benchmarks.md explains the columns."
+            + ("" if comparable else f" No {REFERENCE_GPU} column: these commands are not the committed ones."))
     return head + "\n\n" + "\n".join(lines) + "\n"
 
 
-def plot(manifests: list[dict], reference: Path, path: Path) -> str | None:
+def plot(manifests: list[dict], reference: Path | None, path: Path) -> str | None:
     """bench.png: tokens/s of each row that ran, beside the committed reference GPU's; None, or why not."""
     try:
         import matplotlib
@@ -584,7 +612,8 @@ def plot(manifests: list[dict], reference: Path, path: Path) -> str | None:
         return "no plot: no row with tokens/s"
     names = [m["row"] for m in ran]
     here = [m["figures"]["tokens_per_s"] for m in ran]
-    ref = [((reference_manifest(n, reference) or {}).get("figures") or {}).get("tokens_per_s") or 0 for n in names]
+    ref = [((reference_manifest(n, reference) or {}).get("figures") or {}).get("tokens_per_s") or 0
+           if reference is not None else 0 for n in names]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(names)), 4))
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], here, 0.4, label=ran[0]["machine"]["gpu"])
@@ -763,9 +792,10 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(rows)}] {row.name}: {manifest['status']}: {said}", flush=True)
     manifests = [m for m in (read_manifest(manifest_path(folder, r.name)) for r in ROWS) if m]
     if manifests:
-        text = table(manifests, ceiling, a.reference, machine.gpu)
+        comparable = machine.on_gpu and a.batch_size is None and a.seq_len is None
+        text = table(manifests, ceiling, a.reference, machine.gpu, comparable)
         write_atomic(folder / "bench.md", text)
-        note = plot(manifests, a.reference, folder / "bench.png")
+        note = plot(manifests, a.reference if comparable else None, folder / "bench.png")
         print(text)
         if note:
             print(note)

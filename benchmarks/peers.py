@@ -57,7 +57,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tag", default="hf-peer", help="the summary's name: results/<tag>.json")
     p.add_argument("--overwrite", action="store_true", help="replace results/<tag>.json rather than add -2, -3, ...")
     a = p.parse_args(argv)
-    for flag, value, low in (("--num-layers", a.num_layers or 1, 1), ("--batch-size", a.batch_size, 1), ("--seq-len", a.seq_len, 2), ("--steps", a.steps, 1),
+    for flag, value, low in (("--num-layers", 1 if a.num_layers is None else a.num_layers, 1), ("--batch-size", a.batch_size, 1),
+                             ("--seq-len", a.seq_len, 2), ("--steps", a.steps, 1),
                              ("--timing-warmup-steps", a.timing_warmup_steps, 0)):
         if value < low:
             raise usage_error(f"{flag} must be {low} or more, got {value}")

@@ -217,3 +217,24 @@ def test_an_h100_as_nvidia_smi_reports_it(tmp_path, monkeypatch):
     assert outcome["mxfp8"] == {"status": "needs a newer GPU",
                                 "reason": "needs Blackwell (sm_100 or newer) for MXFP8 block scales; this GPU is sm_90"}
     assert outcome["lora"] is None or outcome["lora"]["status"] == "not installed"  # (peft absent: said so)
+
+
+def test_the_table_beside_the_committed_h200_figures():
+    """A GPU's rows beside the committed H200 figures (results/runs/ until results/H200/ holds manifests): the
+    ratio of each, the group's baseline ratio and the share of the measured matmul rate (figures made up)."""
+    def row(name, tps, tflops):
+        return {"row": name, "group": "8B", "baseline": "hf", "status": "ok", "command_shown": f"python {name}",
+                "machine": {"gpu": "GB300", "name": "NVIDIA GB300"},
+                "figures": {"tokens_per_s": tps, "model_tflops": tflops, "step_median_ms": 8192 / tps * 1e3}}
+
+    manifests = [row("hf", 20_252.0, 300.0), row("ours", 37_308.0, 1_000.0)]
+    lines = bench.table(manifests, 2_000.0, bench.RESULTS / "H200", "GB300").splitlines()
+    cells = {ln.split("|")[1].strip(): dict(zip(bench.COLUMNS, [c.strip() for c in ln.strip("|").split("|")]))
+             for ln in lines if ln.startswith("| hf") or ln.startswith("| ours")}
+    # README.md: Hugging Face 10,126 and ours 12,436 tokens/s on the H200
+    assert cells["hf"]["H200 tokens/s"] == "10,126" and cells["hf"]["vs H200"] == "2.00"
+    assert cells["ours"]["H200 tokens/s"] == "12,436" and cells["ours"]["vs H200"] == "3.00"
+    assert cells["ours"]["vs baseline"] == "1.84x" and cells["ours"]["% of bf16 matmul"] == "50 %"
+    # other commands (the CPU form, --batch-size): no H200 column, and the table says why
+    other = bench.table(manifests, 2_000.0, bench.RESULTS / "H200", "GB300", comparable=False)
+    assert "10,126" not in other and "not the committed ones" in other
