@@ -654,7 +654,8 @@ def index_section(results: Path = RESULTS) -> str:
     lines = [INDEX_BEGIN, "## `make bench`: one folder per GPU", "",
              "Each folder results/<gpu>/ is what `make bench` (benchmark_finetune.py) wrote on that GPU: per row its "
              "log, its summary JSON and its manifest (the command, commit, GPU, driver, versions, date), and "
-             "`bench.md`, the table. docs/benchmarks.md explains the rows.", "",
+             "`bench.md`, the table; and what `make gpu-evidence` wrote there: `environment.json`, `tests.log` "
+             "(`make test`), `walkthrough.log` (`make run`). docs/benchmarks.md explains the rows.", "",
              "| GPU | row | status | tokens/s | command | commit | date |", "|---|---|---|---:|---|---|---|"]
     folders = sorted(p for p in results.iterdir() if p.is_dir() and p.name != "CPU"
                      and (any(p.glob("*.manifest.json")) or (p / "environment.json").is_file()))
