@@ -41,7 +41,8 @@ def manifest(out: Path, row: str) -> dict | None:
 
 
 def test_cpu_form_stop_resume_table_and_manifests(tmp_path):
-    """~30 s on a 2-core CPU: two rows run (hf, ours), each once, across a stopped run and two more."""
+    """~40 s on a 2-core CPU (70 s with the cores shared): two rows run (hf, ours), each once, across a stopped
+    run and two more."""
     out = tmp_path / "CPU"
     # 1. Ctrl-C while the first row runs: exit code 130, the row not recorded
     proc = subprocess.Popen([sys.executable, "benchmark_finetune.py", "--cpu", "--out", str(out), "--rows", ROWS],
