@@ -534,14 +534,14 @@ def reference_manifest(name: str, reference: Path) -> dict | None:
     that a run on that GPU compares against what was committed, not against itself), else the file; for the
     default reference without one, the summary the README quotes (COMMITTED_H200, under results/runs/)."""
     found = _reference_manifest(name, reference)
-    if found is None and reference == RESULTS / REFERENCE_GPU and name in COMMITTED_H200:
+    if found is None and reference.resolve() == (RESULTS / REFERENCE_GPU).resolve() and name in COMMITTED_H200:
         figures_ = summary_figures(RESULTS / "runs" / COMMITTED_H200[name])
         return {"figures": figures_, "source": f"results/runs/{COMMITTED_H200[name]}"} if figures_ else None
     return found
 
 
 def _reference_manifest(name: str, reference: Path) -> dict | None:
-    path = manifest_path(reference, name)
+    path = manifest_path(reference.resolve(), name)
     try:
         rel = path.relative_to(ROOT)
         done = subprocess.run(["git", "show", f"HEAD:{rel.as_posix()}"], cwd=ROOT, capture_output=True, text=True,
