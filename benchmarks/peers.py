@@ -50,6 +50,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--timing-warmup-steps", type=int, default=2, help="first steps left out of the timing")
     p.add_argument("--lr", type=float, default=FULL_LR, help=f"AdamW's learning rate (the scripts' default, {FULL_LR})")
+    p.add_argument("--lr-schedule", choices=["constant"], default="constant",
+                   help="the peer's rate is constant (the scripts' --lr-schedule constant)")
     p.add_argument("--eval-fraction", type=float, default=0.05,
                    help="share of examples held out (the scripts' default)")
     p.add_argument("--seed", type=int, default=0)
