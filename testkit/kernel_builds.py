@@ -328,8 +328,9 @@ def build(launch: Launch, target: str) -> Build:
         result.registers, result.spill_bytes = registers, local
         result.threads = compiled.metadata.num_warps * 32 * compiled.metadata.num_ctas
     except Exception as err:  # noqa: BLE001  (any failure of the compiler is the finding)
-        first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
-        result.error = f"{type(err).__name__}: {first[:300]}"
+        # Triton's compile errors quote the source first and say what is wrong last
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.strip().startswith("^")]
+        result.error = f"{type(err).__name__}: {(lines[-1] if lines else '')[:300]}"
     result.seconds = time.perf_counter() - start
     return result
 
@@ -346,6 +347,8 @@ def problems(launch: Launch, b: Build) -> list:
                    f"{shared_max // 1024} KB")
     if b.registers > regs_thread:
         out.append(f"{head}: {b.registers} registers per thread, over {regs_thread}")
+    if b.spill_bytes:
+        out.append(f"{head}: spills {b.spill_bytes} bytes per thread to local memory ({b.registers} registers)")
     allocated = -(-b.registers // REGISTER_UNIT) * REGISTER_UNIT * b.threads
     if allocated > regs_block:
         out.append(f"{head}: {b.registers} registers x {b.threads} threads = {allocated} per block, over "
@@ -375,7 +378,8 @@ def collect(shape_names) -> list:
 
 
 def run(shape_names, targets, jobs: int = 1) -> tuple:
-    """(launches, {(launch index, target): Build}, missing kernels): every launch built for every target."""
+    """(launches, {(launch index, target): Build}, every kernel found, the kernels no call launched): every
+    launch built for every target."""
     global _LAUNCHES
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU default of today's Triton, said outright
     sys.path.insert(0, str(ROOT))
@@ -392,7 +396,7 @@ def run(shape_names, targets, jobs: int = 1) -> tuple:
             builds = dict(((i, b.target), b) for i, b in pool.map(_build_all, jobs_list, chunksize=4))
     else:
         builds = {(i, target): build(launches[i], target) for i, target in jobs_list}
-    return launches, builds, missing
+    return launches, builds, kernels, missing
 
 
 def main(argv=None) -> int:
@@ -409,7 +413,7 @@ def main(argv=None) -> int:
               f"{', '.join(TARGETS)}, --jobs 1 or more", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    launches, builds, missing = run(shapes, targets, args.jobs)
+    launches, builds, kernels, missing = run(shapes, targets, args.jobs)
     print(f"{'kernel':<48} {'target':<7} {'shared KB':>9} {'regs':>5} {'spill B':>7} {'s':>5}  config")
     found = []
     for i, launch in enumerate(launches):
@@ -421,8 +425,8 @@ def main(argv=None) -> int:
     found += [f"{name}: a kernel no call of testkit/kernel_builds.py's step_calls launches; add its launcher "
               "there" for name in missing]
     seconds = time.perf_counter() - start
-    print(f"{len(launches)} distinct launches x {len(targets)} targets built in {seconds:.0f} s; "
-          f"{len(found)} problem(s)")
+    print(f"{len(kernels)} kernels in {len(kernel_files())} files; {len(launches)} distinct launches x "
+          f"{len(targets)} targets built in {seconds:.0f} s; {len(found)} problem(s)")
     for line in found:
         print(f"PROBLEM {line}")
     return 1 if found else 0
