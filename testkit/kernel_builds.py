@@ -4,6 +4,7 @@ here before a user meets it.
 
     $ TRITON_INTERPRET=0 python -m testkit.kernel_builds                  # every launch, every target
     $ TRITON_INTERPRET=0 python -m testkit.kernel_builds --shapes 8b --targets sm_103 --jobs 2
+    $ TRITON_INTERPRET=0 python -m testkit.kernel_builds --lesson-targets sm_103     # what CI runs
 
 How it works, in three steps:
 
@@ -377,7 +378,15 @@ def collect(shape_names) -> list:
     return list(seen.values())
 
 
-def run(shape_names, targets, jobs: int = 1) -> tuple:
+def targets_of(launch: Launch, targets, lesson_targets=None) -> list:
+    """The targets a launch is built for: all of `targets` when the 8B step makes it, else `lesson_targets`
+    (by default the same)."""
+    if lesson_targets is None or any(where.startswith("8b:") for where in launch.where):
+        return list(targets)
+    return [t for t in targets if t in lesson_targets]
+
+
+def run(shape_names, targets, jobs: int = 1, lesson_targets=None) -> tuple:
     """(launches, {(launch index, target): Build}, every kernel found, the kernels no call launched): every
     launch built for every target."""
     global _LAUNCHES
@@ -388,7 +397,7 @@ def run(shape_names, targets, jobs: int = 1) -> tuple:
     launched = {launch.name for launch in launches}
     missing = sorted(set(kernels) - launched)
     _LAUNCHES = launches
-    jobs_list = [(i, target) for i in range(len(launches)) for target in targets]
+    jobs_list = [(i, target) for i, launch in enumerate(launches) for target in targets_of(launch, targets, lesson_targets)]
     if jobs > 1:
         import multiprocessing
 
@@ -404,20 +413,23 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated: {', '.join(TARGETS)}")
+    parser.add_argument("--lesson-targets", default=None,
+                        help="targets of the launches only the lesson shapes make (default: --targets)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
     args = parser.parse_args(argv)
     shapes, targets = args.shapes.split(","), args.targets.split(",")
-    bad = [s for s in shapes if s not in SHAPES] + [t for t in targets if t not in TARGETS]
+    lesson_targets = args.lesson_targets.split(",") if args.lesson_targets else None
+    bad = [s for s in shapes if s not in SHAPES] + [t for t in targets + (lesson_targets or []) if t not in TARGETS]
     if bad or args.jobs < 1:
         print(f"error: unknown {', '.join(bad) or 'count'}: --shapes takes {', '.join(SHAPES)}, --targets "
               f"{', '.join(TARGETS)}, --jobs 1 or more", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    launches, builds, kernels, missing = run(shapes, targets, args.jobs)
+    launches, builds, kernels, missing = run(shapes, targets, args.jobs, lesson_targets)
     print(f"{'kernel':<48} {'target':<7} {'shared KB':>9} {'regs':>5} {'spill B':>7} {'s':>5}  config")
     found = []
     for i, launch in enumerate(launches):
-        for target in targets:
+        for target in targets_of(launch, targets, lesson_targets):
             b = builds[(i, target)]
             print(f"{launch.name:<48} {target:<7} {b.shared / 1024:>9.1f} {b.registers:>5} {b.spill_bytes:>7} "
                   f"{b.seconds:>5.1f}  {launch.config}")
@@ -425,8 +437,8 @@ def main(argv=None) -> int:
     found += [f"{name}: a kernel no call of testkit/kernel_builds.py's step_calls launches; add its launcher "
               "there" for name in missing]
     seconds = time.perf_counter() - start
-    print(f"{len(kernels)} kernels in {len(kernel_files())} files; {len(launches)} distinct launches x "
-          f"{len(targets)} targets built in {seconds:.0f} s; {len(found)} problem(s)")
+    print(f"{len(kernels)} kernels in {len(kernel_files())} files; {len(launches)} distinct launches, "
+          f"{len(builds)} builds in {seconds:.0f} s; {len(found)} problem(s)")
     for line in found:
         print(f"PROBLEM {line}")
     return 1 if found else 0

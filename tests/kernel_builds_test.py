@@ -8,8 +8,11 @@ tests' shapes, then compiled ahead of time with the ptxas the Triton wheel carri
 
 The builds run in a process of their own, with TRITON_INTERPRET=0: this process runs Triton's
 interpreter, whose launch settings are not the GPU's, and which can leave `triton.language` patched for
-the compiler. Every distinct launch is compiled for all three targets: ~60 launches x 3 targets took
-~90 s on a 2-core CPU with an empty Triton cache (Triton's on-disk cache makes a second run take ~10 s).
+the compiler. All three targets at every 8B launch took too long for CI with the lesson shapes too (60
+launches x 3 targets: 143 s on a shared 2-core CPU, Triton's cache empty), so every distinct launch of the
+8B step is compiled for all three targets and the launches only the lesson shapes make for sm_103 only:
+29 launches x 3
+targets and 31 x 1, 118 builds, took 70 s (55 s of CPU) on a 2-core CPU shared with other jobs, the cache empty. Triton's on-disk cache makes a second run take ~10 s.
 
 What a pass guarantees: each kernel, at each launch configuration a training step or a lesson test uses,
 compiles for each target, uses at most 227 KB of shared memory per block, fits the registers of a block
@@ -50,15 +53,17 @@ def _needs_a_blackwell_ptxas():
 
 def test_every_kernel_builds_for_hopper_and_blackwell():
     _needs_a_blackwell_ptxas()
-    out = subprocess.run([sys.executable, "-m", "testkit.kernel_builds", "--jobs", "2"], cwd=HERE, env=_child_env(),
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "testkit.kernel_builds", "--jobs", "2", "--lesson-targets", "sm_103"],
+                         cwd=HERE, env=_child_env(), capture_output=True, text=True, timeout=900)
     problems = [line[len("PROBLEM "):] for line in out.stdout.splitlines() if line.startswith("PROBLEM ")]
     assert not problems, "\n".join(problems)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     summary = out.stdout.strip().splitlines()[-1]
-    # Not an empty pass: every kernel file's kernels were found and each was launched (else a problem above)
+    # Not an empty pass: each file with a @triton.jit has at least one kernel, and every kernel found was
+    # launched (a kernel nothing launches is a problem above)
     found = int(summary.split(" kernels in ")[0])
-    assert found >= 20, summary
+    jitted = [f for f in kb.kernel_files() if "@triton.jit" in (HERE / (f.replace(".", "/") + ".py")).read_text()]
+    assert found >= len(jitted) > 0, summary
     for target in kb.TARGETS:
         assert f" {target} " in out.stdout, target
 
