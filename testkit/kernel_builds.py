@@ -12,7 +12,7 @@ How it works, in three steps:
    LLaMA 3.1 8B's shapes, 4 x 2048 tokens, and at the lesson tests' small and odd shapes) on *meta*
    tensors: nothing is allocated and no kernel runs, but each launcher makes its own launch decisions
    (blocks, warps, stages, constexpr flags) from the shapes, exactly as on a GPU. `JITFunction.run` is
-   replaced by a recorder for the duration, and Triton's own binder turns each recorded call into the
+   replaced by a recorder for the duration (and `Autotuner.run` by one launch per config it would time), and Triton's own binder turns each recorded call into the
    signature, constexprs and alignment attributes a GPU launch would compile (pointers of meta tensors
    count as 16-byte aligned, as fresh CUDA allocations are). The process must run with
    TRITON_INTERPRET=0: the interpreter's launch settings differ from the GPU's (larger blocks, software
@@ -205,7 +205,7 @@ def record(calls: list, label: str) -> dict:
     import triton  # noqa: F401
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    from triton.runtime import jit
+    from triton.runtime import autotuner, jit
 
     if jit.knobs.runtime.interpret:
         raise RuntimeError("kernel_builds records GPU launches: run it with TRITON_INTERPRET=0 (the interpreter's "
@@ -224,13 +224,23 @@ def record(calls: list, label: str) -> dict:
         launch.where.append(f"{label}: {current[0]}")
         return None
 
-    jit.JITFunction.run = recorder
+    def every_config(self, *args, **kwargs):
+        """An autotuned kernel: each config it would time (after its early pruning, which reads only the
+        arguments) is a launch of its own; the pre-hooks, which reset real outputs, are not run."""
+        configs = self.configs
+        if self.early_config_prune:
+            configs = self.early_config_prune(configs, dict(zip(self.arg_names, args)), **kwargs)
+        for config in configs:
+            self.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+
+    real_tune = autotuner.Autotuner.run
+    jit.JITFunction.run, autotuner.Autotuner.run = recorder, every_config
     try:
         for what, call in calls:
             current[0] = what
             call()
     finally:
-        jit.JITFunction.run = real_run
+        jit.JITFunction.run, autotuner.Autotuner.run = real_run, real_tune
     return seen
 
 
@@ -254,11 +264,17 @@ def discover_kernels(modules: list) -> dict:
     import textwrap
     import types
 
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    def unwrapped(value):
+        """The JITFunction under @triton.autotune and @triton.heuristics (each a KernelInterface with .fn)."""
+        while isinstance(value, KernelInterface) and not isinstance(value, JITFunction):
+            value = getattr(value, "fn", None)
+        return value
 
     jitted = {}
     for name in modules:
-        for value in vars(importlib.import_module(name)).values():
+        for value in map(unwrapped, vars(importlib.import_module(name)).values()):
             if isinstance(value, JITFunction) and value.fn.__module__ == name:
                 jitted[f"{name}.{value.fn.__name__}"] = value
     called = set()
@@ -272,6 +288,7 @@ def discover_kernels(modules: list) -> dict:
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 owner = scope.get(node.value.id)
                 target = getattr(owner, node.attr, None) if isinstance(owner, types.ModuleType) else None
+            target = unwrapped(target)
             if isinstance(target, JITFunction) and target is not fn:
                 called.add(f"{target.fn.__module__}.{target.fn.__name__}")
     return {name: fn for name, fn in jitted.items() if name not in called}

@@ -70,7 +70,8 @@ def test_every_kernel_builds_for_hopper_and_blackwell():
 
 # A module of kernels that break the rules: one over the shared memory of a block (a pipelined matmul of
 # 128 x 128 bf16 tiles: 64 KB a stage, six stages), one that does not compile (a block of 100: Triton's
-# blocks are powers of two), and a device function that is not a kernel.
+# blocks are powers of two), one nothing launches, an autotuned one (two configs, both fine), and a device
+# function that is not a kernel.
 _BAD_KERNELS = '''
 import triton
 import triton.language as tl
@@ -100,6 +101,14 @@ def _odd_block(X, BLOCK: tl.constexpr):
 @triton.jit
 def _never_launched(X):
     tl.store(X, _twice(1.0))
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=2), triton.Config({"BLOCK": 128}, num_warps=4)],
+                 key=["n"])
+@triton.jit
+def _tuned(X, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(X + offsets, _twice(1.0), mask=offsets < n)
 '''
 
 _CHECK_BAD_KERNELS = """
@@ -115,9 +124,11 @@ meta = lambda *shape, dtype=torch.bfloat16: torch.empty(shape, dtype=dtype, devi
 calls = [("deep matmul", lambda: bad_kernels._deep_matmul[(1,)](meta(128, 4096), meta(4096, 128),
                                                                 meta(128, 128, dtype=torch.float32), 4096,
                                                                 BLOCK=128, num_warps=8, num_stages=6)),
-         ("odd block", lambda: bad_kernels._odd_block[(1,)](meta(100, dtype=torch.float32), BLOCK=100))]
+         ("odd block", lambda: bad_kernels._odd_block[(1,)](meta(100, dtype=torch.float32), BLOCK=100)),
+         ("autotuned", lambda: bad_kernels._tuned[(4,)](meta(1000, dtype=torch.float32), 1000))]
 launches = kb.record(calls, "test").values()
 print("launched", " ".join(sorted(launch.name for launch in launches)))
+print("tuned", " | ".join(sorted(launch.config for launch in launches if launch.name.endswith("_tuned"))))
 for launch in launches:
     for line in kb.problems(launch, kb.build(launch, "sm_103")):
         print("PROBLEM", line)
@@ -135,9 +146,13 @@ def test_a_kernel_over_a_limit_or_not_compiling_is_named(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     kernels = next(ln for ln in lines if ln.startswith("kernels ")).split()[1:]
-    assert kernels == ["bad_kernels._deep_matmul", "bad_kernels._never_launched", "bad_kernels._odd_block"], kernels
+    assert kernels == ["bad_kernels._deep_matmul", "bad_kernels._never_launched", "bad_kernels._odd_block",
+                       "bad_kernels._tuned"], kernels
     launched = next(ln for ln in lines if ln.startswith("launched ")).split()[1:]
     assert set(kernels) - set(launched) == {"bad_kernels._never_launched"}
+    # an autotuned kernel: every config it would time, each built (both fit: no problem line for them)
+    tuned = next(ln for ln in lines if ln.startswith("tuned ")).split(" ", 1)[1]
+    assert tuned == "BLOCK=128 num_ctas=1 num_stages=3 num_warps=4 | BLOCK=64 num_ctas=1 num_stages=3 num_warps=2", tuned
     problems = sorted(ln[len("PROBLEM "):] for ln in lines if ln.startswith("PROBLEM "))
     assert len(problems) == 2, problems
     matmul, odd = problems
