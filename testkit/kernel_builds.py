@@ -12,11 +12,12 @@ How it works, in three steps:
    LLaMA 3.1 8B's shapes, 4 x 2048 tokens, and at the lesson tests' small and odd shapes) on *meta*
    tensors: nothing is allocated and no kernel runs, but each launcher makes its own launch decisions
    (blocks, warps, stages, constexpr flags) from the shapes, exactly as on a GPU. `JITFunction.run` is
-   replaced by a recorder for the duration (and `Autotuner.run` by one launch per config it would time), and Triton's own binder turns each recorded call into the
-   signature, constexprs and alignment attributes a GPU launch would compile (pointers of meta tensors
-   count as 16-byte aligned, as fresh CUDA allocations are). The process must run with
-   TRITON_INTERPRET=0: the interpreter's launch settings differ from the GPU's (larger blocks, software
-   rounding), and a kernel run in the interpreter can leave `triton.language` patched for the compiler.
+   replaced by a recorder for the duration (and `Autotuner.run` by one launch per config it would time),
+   and Triton's own binder turns each recorded call into the signature, constexprs and alignment
+   attributes a GPU launch would compile (pointers of meta tensors count as 16-byte aligned, as fresh CUDA
+   allocations are). The process must run with TRITON_INTERPRET=0: the interpreter's launch settings
+   differ from the GPU's (larger blocks, software rounding), and a kernel run in the interpreter can leave
+   `triton.language` patched for the compiler.
 2. Discovery. Every `@triton.jit` function of the kernel files (`*_kernel.py`, `core/`, `playbook/`) that
    no other jitted function calls is a kernel; each must have been launched by step 1, or the run fails
    naming it. A new kernel file is found by itself; its launcher is one more line of `step_calls`.
@@ -141,6 +142,8 @@ def step_calls(s: Shapes) -> list:
     for k in fp8_widths:
         calls += [
             (f"FP8 rows of {k}", lambda k=k: fp8.quantize_rows(t(n, k), col_max=True)),
+            (f"FP8 maxima of {k} (a tensor-wise scale)", lambda k=k: fp8.quantize_rows(t(n, k), False, True)),
+            (f"FP8 rows of {k}, scaled by column", lambda k=k: fp8.quantize_rows(t(n, k), col_scale=t(k, dtype=f32))),
             (f"FP8 columns of {k}, transposed", lambda k=k: fp8.quantize_cols(t(n, k), t(k, dtype=f32))),
             (f"FP8 both copies of {k}", lambda k=k: fp8.quantize_both(t(n, k), t(n, dtype=f32), t(k, dtype=f32))),
         ]
@@ -414,7 +417,8 @@ def run(shape_names, targets, jobs: int = 1, lesson_targets=None) -> tuple:
     launched = {launch.name for launch in launches}
     missing = sorted(set(kernels) - launched)
     _LAUNCHES = launches
-    jobs_list = [(i, target) for i, launch in enumerate(launches) for target in targets_of(launch, targets, lesson_targets)]
+    jobs_list = [(i, target) for i, launch in enumerate(launches)
+                 for target in targets_of(launch, targets, lesson_targets)]
     if jobs > 1:
         import multiprocessing
 

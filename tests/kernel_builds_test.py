@@ -152,7 +152,8 @@ def test_a_kernel_over_a_limit_or_not_compiling_is_named(tmp_path):
     assert set(kernels) - set(launched) == {"bad_kernels._never_launched"}
     # an autotuned kernel: every config it would time, each built (both fit: no problem line for them)
     tuned = next(ln for ln in lines if ln.startswith("tuned ")).split(" ", 1)[1]
-    assert tuned == "BLOCK=128 num_ctas=1 num_stages=3 num_warps=4 | BLOCK=64 num_ctas=1 num_stages=3 num_warps=2", tuned
+    assert tuned == ("BLOCK=128 num_ctas=1 num_stages=3 num_warps=4 | "
+                     "BLOCK=64 num_ctas=1 num_stages=3 num_warps=2"), tuned
     problems = sorted(ln[len("PROBLEM "):] for ln in lines if ln.startswith("PROBLEM "))
     assert len(problems) == 2, problems
     matmul, odd = problems
