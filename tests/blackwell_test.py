@@ -403,6 +403,15 @@ def test_scripts_and_selfcheck_refuse_triton_350_on_a_gb300(monkeypatch, capsys)
     assert "setup: OK: NVIDIA GB300" in capsys.readouterr().out
 
 
+def test_selfcheck_names_the_ptxas_triton_uses(monkeypatch):
+    import selfcheck
+
+    _gb300_with(monkeypatch, ("3.5.1", "12.9", "/opt/triton/ptxas", "TRITON_PTXAS_PATH"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    facts = dict(selfcheck.machine_facts(setup_check.nvidia_smi_report()))
+    assert facts["Triton's ptxas"] == "CUDA 12.9 (/opt/triton/ptxas; TRITON_PTXAS_PATH chooses it)", facts
+
+
 def test_the_installed_triton_is_not_refused_on_any_target():
     """This machine's Triton, with the ptxas its wheel carries (no TRITON_PTXAS_* override), builds for every
     GPU here (the wheel this project installs carries a Blackwell ptxas): the gate reads both versions and
