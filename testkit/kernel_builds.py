@@ -87,7 +87,8 @@ SHAPES = {
 def step_calls(s: Shapes) -> list:
     """(what, call) for every kernel launch of a training step at shapes `s`, each call made as the
     model's modules make it, on meta tensors (module docstring). Adding a kernel: one line here calling
-    its launcher; the discovery check names any kernel no line launches."""
+    its launcher as the step calls it, with tensors from `t(...)`; the discovery check names any kernel no
+    line launches. A kernel for Blackwell alone is (what, call, ("sm_100", "sm_103")): built for those only."""
     import torch
 
     import adamw_kernel
@@ -179,6 +180,7 @@ class Launch:
     attrs: dict             # (index,) -> [["tt.divisibility", 16]], ...
     options: dict           # num_warps, num_stages, ... as the launcher passed them
     where: list             # "8b: rmsnorm forward", ... every call that made this launch
+    only: tuple | None = None  # the targets its calls name (a Blackwell-only kernel); () for all; None: no call yet
 
     @property
     def name(self) -> str:
@@ -203,8 +205,17 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _merge_targets(a: tuple | None, b: tuple | None) -> tuple | None:
+    """The targets of a launch two calls make: every target if either call names none, else both sets."""
+    if a is None or b is None:
+        return b if a is None else a
+    return () if not a or not b else tuple(sorted(set(a) | set(b)))
+
+
 def record(calls: list, label: str) -> dict:
-    """Run each (what, call) with every kernel launch recorded instead of run; returns {key: Launch}."""
+    """Run each (what, call) or (what, call, targets) with every kernel launch recorded instead of run;
+    returns {key: Launch}. `targets` (names of TARGETS) limits the builds of a call's launches to those: a
+    kernel made for Blackwell alone (tcgen05, block-scaled dot) says so there, and is built for no other."""
     import triton  # noqa: F401
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -214,7 +225,7 @@ def record(calls: list, label: str) -> dict:
         raise RuntimeError("kernel_builds records GPU launches: run it with TRITON_INTERPRET=0 (the interpreter's "
                            "launch settings are not the GPU's)")
     backend = make_backend(GPUTarget("cuda", 90, 32))  # the binder's specialization is the same for every target
-    seen, current = {}, [None]
+    seen, current = {}, [None, ()]
     real_run = jit.JITFunction.run
 
     def recorder(self, *args, grid, warmup, **kwargs):
@@ -225,6 +236,7 @@ def record(calls: list, label: str) -> dict:
         launch = Launch(self, signature, constexprs, attrs, options, [])
         launch = seen.setdefault(launch.key(), launch)
         launch.where.append(f"{label}: {current[0]}")
+        launch.only = _merge_targets(launch.only, current[1])
         return None
 
     def every_config(self, *args, **kwargs):
@@ -239,8 +251,8 @@ def record(calls: list, label: str) -> dict:
     real_tune = autotuner.Autotuner.run
     jit.JITFunction.run, autotuner.Autotuner.run = recorder, every_config
     try:
-        for what, call in calls:
-            current[0] = what
+        for what, call, *only in calls:
+            current[:] = what, tuple(only[0]) if only else ()
             call()
     finally:
         jit.JITFunction.run, autotuner.Autotuner.run = real_run, real_tune
@@ -393,6 +405,7 @@ def collect(shape_names) -> list:
         for key, launch in record(step_calls(SHAPES[name]), name).items():
             if key in seen:
                 seen[key].where += launch.where
+                seen[key].only = _merge_targets(seen[key].only, launch.only)
             else:
                 seen[key] = launch
     return list(seen.values())
@@ -400,7 +413,9 @@ def collect(shape_names) -> list:
 
 def targets_of(launch: Launch, targets, lesson_targets=None) -> list:
     """The targets a launch is built for: all of `targets` when the 8B step makes it, else `lesson_targets`
-    (by default the same)."""
+    (by default the same); of those, only the ones its calls name, where they name some."""
+    if launch.only:
+        targets = [t for t in targets if t in launch.only]
     if lesson_targets is None or any(where.startswith("8b:") for where in launch.where):
         return list(targets)
     return [t for t in targets if t in lesson_targets]

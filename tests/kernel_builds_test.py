@@ -124,11 +124,13 @@ print("kernels", " ".join(sorted(found)))
 meta = lambda *shape, dtype=torch.bfloat16: torch.empty(shape, dtype=dtype, device="meta")
 calls = [("deep matmul", lambda: bad_kernels._deep_matmul[(1,)](meta(128, 4096), meta(4096, 128),
                                                                 meta(128, 128, dtype=torch.float32), 4096,
-                                                                BLOCK=128, num_warps=8, num_stages=6)),
+                                                                BLOCK=128, num_warps=8, num_stages=6),
+          ("sm_100", "sm_103")),
          ("odd block", lambda: bad_kernels._odd_block[(1,)](meta(100, dtype=torch.float32), BLOCK=100)),
          ("autotuned", lambda: bad_kernels._tuned[(4,)](meta(1000, dtype=torch.float32), 1000))]
 launches = kb.record(calls, "test").values()
 print("launched", " ".join(sorted(launch.name for launch in launches)))
+print("only", " ".join(f"{launch.name}={','.join(launch.only)}" for launch in launches if launch.only))
 print("tuned", " | ".join(sorted(launch.config for launch in launches if launch.name.endswith("_tuned"))))
 for launch in launches:
     for line in kb.problems(launch, kb.build(launch, "sm_103")):
@@ -151,6 +153,8 @@ def test_a_kernel_over_a_limit_or_not_compiling_is_named(tmp_path):
                        "bad_kernels._tuned"], kernels
     launched = next(ln for ln in lines if ln.startswith("launched ")).split()[1:]
     assert set(kernels) - set(launched) == {"bad_kernels._never_launched"}
+    only = next(ln for ln in lines if ln.startswith("only ")).split()[1:]
+    assert only == ["bad_kernels._deep_matmul=sm_100,sm_103"], only  # the targets its call named
     # an autotuned kernel: every config it would time, each built (both fit: no problem line for them)
     tuned = next(ln for ln in lines if ln.startswith("tuned ")).split(" ", 1)[1]
     assert tuned == ("BLOCK=128 num_ctas=1 num_stages=3 num_warps=4 | "
@@ -190,6 +194,25 @@ def test_limits_of_a_block(target):
     for what in ("shared", "thread registers", "spills", "rounded registers"):
         assert len(said[what]) == 1 and said[what][0].startswith(f"some_kernel._rows [BLOCK=4096 num_warps=32] "
                                                                  f"for {target}: "), (what, said[what])
+
+
+def test_a_blackwell_only_launch_is_built_for_blackwell_only():
+    """A call may name its targets (a kernel of Blackwell's tensor cores has no sm_90 build); a launch that
+    another call makes without naming any is built for every target; the lesson-only launches for
+    --lesson-targets."""
+    def launch(only, *where):
+        found = _launch(BLOCK=64)
+        found.only, found.where = only, list(where)
+        return found
+
+    everything = list(kb.TARGETS)
+    assert kb.targets_of(launch(("sm_100", "sm_103"), "8b: mx"), everything) == ["sm_100", "sm_103"]
+    assert kb.targets_of(launch((), "8b: rows"), everything) == everything
+    assert kb.targets_of(launch((), "odd: rows"), everything, ["sm_103"]) == ["sm_103"]
+    assert kb.targets_of(launch((), "odd: rows", "8b: rows"), everything, ["sm_103"]) == everything
+    assert kb._merge_targets(None, ("sm_103",)) == ("sm_103",)
+    assert kb._merge_targets(("sm_100",), ("sm_103",)) == ("sm_100", "sm_103")
+    assert kb._merge_targets(("sm_100",), ()) == ()
 
 
 def test_kernel_files_are_found_by_name():
