@@ -2,9 +2,9 @@
 held against each target's limits: a kernel that would not build on a GB300, or would not fit it, fails
 here before a user meets it.
 
-    $ TRITON_INTERPRET=0 python -m testkit.kernel_builds                  # every launch, every target
-    $ TRITON_INTERPRET=0 python -m testkit.kernel_builds --shapes 8b --targets sm_103 --jobs 2
-    $ TRITON_INTERPRET=0 python -m testkit.kernel_builds --lesson-targets sm_103     # what CI runs
+    $ PYTHONPATH=. TRITON_INTERPRET=0 python tests/kernel_builds_test.py    # every launch, every target
+    $ PYTHONPATH=. TRITON_INTERPRET=0 python tests/kernel_builds_test.py --shapes 8b --targets sm_103 --jobs 2
+    $ PYTHONPATH=. TRITON_INTERPRET=0 python tests/kernel_builds_test.py --lesson-targets sm_103    # as in CI
 
 How it works, in three steps:
 
@@ -460,6 +460,11 @@ def main(argv=None) -> int:
         print(f"error: unknown {', '.join(bad) or 'count'}: --shapes takes {', '.join(SHAPES)}, --targets "
               f"{', '.join(TARGETS)}, --jobs 1 or more", file=sys.stderr)
         return 2
+    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "off", "no", "n")
+    if interpret:
+        print("error: kernel_builds records GPU launches and compiles them: run it with TRITON_INTERPRET=0 (the "
+              "interpreter's launch settings are not the GPU's)", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     launches, builds, kernels, missing = run(shapes, targets, args.jobs, lesson_targets)
     print(f"{'kernel':<48} {'target':<7} {'shared KB':>9} {'regs':>5} {'spill B':>7} {'s':>5}  config")
@@ -479,6 +484,3 @@ def main(argv=None) -> int:
         print(f"PROBLEM {line}")
     return 1 if found else 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

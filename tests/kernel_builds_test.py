@@ -4,7 +4,7 @@ says how: launches recorded from the launchers on meta tensors, at LLaMA 3.1 8B'
 tests' shapes, then compiled ahead of time with the ptxas the Triton wheel carries).
 
     $ pytest tests/kernel_builds_test.py
-    $ TRITON_INTERPRET=0 python -m testkit.kernel_builds          # the table of every build
+    $ PYTHONPATH=. TRITON_INTERPRET=0 python tests/kernel_builds_test.py    # the table of every build (--help)
 
 The builds run in a process of their own, with TRITON_INTERPRET=0: this process runs Triton's
 interpreter, whose launch settings are not the GPU's, and which can leave `triton.language` patched for
@@ -20,6 +20,11 @@ compiles for each target, uses at most 227 KB of shared memory per block, fits t
 and spills nothing. It does not say a kernel is fast or right on Blackwell: that needs the GPU.
 """
 
+from playbook.startup import start
+
+if __name__ == "__main__":  # run as a script: the start-up conftest.py makes under pytest (TRITON_INTERPRET=0 is kept)
+    start()
+
 import os
 import subprocess
 import sys
@@ -28,12 +33,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from playbook.runtime import setup_check
 from testkit import kernel_builds as kb
 
 HERE = Path(__file__).resolve().parent.parent
 GB300 = (10, 3)
+BUILDS = [sys.executable, str(HERE / "tests" / "kernel_builds_test.py")]  # the table of builds (module docstring)
 
 
 def _child_env() -> dict:
@@ -54,8 +61,8 @@ def _needs_a_blackwell_ptxas():
 
 def test_every_kernel_builds_for_hopper_and_blackwell():
     _needs_a_blackwell_ptxas()
-    out = subprocess.run([sys.executable, "-m", "testkit.kernel_builds", "--jobs", "2", "--lesson-targets", "sm_103"],
-                         cwd=HERE, env=_child_env(), capture_output=True, text=True, timeout=900)
+    out = subprocess.run([*BUILDS, "--jobs", "2", "--lesson-targets", "sm_103"], cwd=HERE, env=_child_env(),
+                         capture_output=True, text=True, timeout=900)
     problems = [line[len("PROBLEM "):] for line in out.stdout.splitlines() if line.startswith("PROBLEM ")]
     assert not problems, "\n".join(problems)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
@@ -226,6 +233,54 @@ def test_kernel_files_are_found_by_name():
 
 
 def test_bad_arguments_exit_2():
-    out = subprocess.run([sys.executable, "-m", "testkit.kernel_builds", "--targets", "sm_80"], cwd=HERE,
-                         env=_child_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*BUILDS, "--targets", "sm_80"], cwd=HERE, env=_child_env(), capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "sm_80" in out.stderr, out.stderr
+    out = subprocess.run(BUILDS, cwd=HERE, env={**_child_env(), "TRITON_INTERPRET": "1"}, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "TRITON_INTERPRET=0" in out.stderr, out.stderr
+
+
+_COMPARE_WITH_A_GPU_LAUNCH = """
+import sys
+sys.path[:0] = [sys.argv[1]]
+import torch
+import triton
+from triton.compiler import ASTSource, make_backend
+from triton.runtime import driver
+
+import rmsnorm_kernel
+from testkit import kernel_builds as kb
+
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(37, 784, device="cuda", generator=g).to(torch.bfloat16)
+w = torch.randn(784, device="cuda", generator=g).to(torch.bfloat16)
+recorded = list(kb.record([("rmsnorm", lambda: rmsnorm_kernel.rmsnorm_forward(x.to("meta"), w.to("meta"), 1e-5))],
+                          "gpu").values())
+assert len(recorded) == 1, recorded
+launch = recorded[0]
+rmsnorm_kernel.rmsnorm_forward(x, w, 1e-5)
+torch.cuda.synchronize()
+kernel_cache = rmsnorm_kernel._rmsnorm_fwd.device_caches[torch.cuda.current_device()][0]
+real = [k for k in kernel_cache.values()]
+target = driver.active.get_current_target()
+ours = triton.compile(ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs), target=target,
+                      options=make_backend(target).parse_options(dict(launch.options)).__dict__)
+print("kernels", len(real))
+print("same", any(k.asm["ptx"] == ours.asm["ptx"] for k in real))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compares the recorded "
+                    "launch with the one the GPU really compiles")
+def test_a_recorded_launch_compiles_as_the_gpus_own():
+    """On a GPU: the launch recorded from meta tensors compiles to the same PTX as the kernel Triton
+    compiled for the real launch on that GPU (the same signature, constexprs, alignment and options)."""
+    out = subprocess.run([sys.executable, "-c", _COMPARE_WITH_A_GPU_LAUNCH, str(HERE)], cwd=HERE, env=_child_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kernels 1" in out.stdout and "same True" in out.stdout, out.stdout
+
+
+if __name__ == "__main__":  # the table of every build, for a person (module docstring)
+    raise SystemExit(kb.main())
