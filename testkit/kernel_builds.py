@@ -45,11 +45,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Per-block limits of the targets, from the CUDA C++ Programming Guide ("Technical Specifications per Compute
-# Capability", CUDA 12.9 / 13.0): compute capabilities 9.0, 10.0 and 10.3 give a block at most 227 KB of shared
-# memory (of 228 KB per SM; 1 KB is reserved for the system), 64 K 32-bit registers and 255 registers per
-# thread. Consumer Blackwell (12.x) has 99 KB per block: not a target of this check (tests/blackwell_test.py
-# holds the largest quantizer against it).
+# Per-block limits of the targets: the CUDA C++ Programming Guide's table of compute capabilities (CUDA 12.9 /
+# 13.0) gives 9.0, 10.0 and 10.3 a maximum of 227 KB of shared memory per block (228 KB per SM, of which CUDA
+# reserves 1 KB per block; the Hopper and Blackwell tuning guides say the same), 64 K 32-bit registers per
+# block and 255 per thread. On a GPU, Triton checks the driver's own figure (max_shared_mem) when it loads a
+# kernel; tests/kernel_builds_test.py compares the two on an H100 or H200. Consumer Blackwell (12.x) has 99 KB
+# per block: not a target here (tests/blackwell_test.py holds the largest quantizer against it).
 SHARED_PER_BLOCK = 227 * 1024  # bytes, static + dynamic
 REGISTERS_PER_BLOCK = 65536
 REGISTERS_PER_THREAD = 255

@@ -271,6 +271,8 @@ real = [k for k in kernel_cache.values()]
 target = driver.active.get_current_target()
 ours = triton.compile(ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs), target=target,
                       options=make_backend(target).parse_options(dict(launch.options)).__dict__)
+properties = driver.active.utils.get_device_properties(torch.cuda.current_device())
+print("limits", properties["max_shared_mem"], properties.get("max_num_regs"), torch.cuda.get_device_capability()[0])
 print("kernels", len(real))
 print("same", any(k.asm["ptx"] == ours.asm["ptx"] for k in real))
 """
@@ -280,11 +282,18 @@ print("same", any(k.asm["ptx"] == ours.asm["ptx"] for k in real))
                     "launch with the one the GPU really compiles")
 def test_a_recorded_launch_compiles_as_the_gpus_own():
     """On a GPU: the launch recorded from meta tensors compiles to the same PTX as the kernel Triton
-    compiled for the real launch on that GPU (the same signature, constexprs, alignment and options)."""
+    compiled for the real launch on that GPU (the same signature, constexprs, alignment and options), and
+    the driver's limits for a block are the ones the builds are held against."""
     out = subprocess.run([sys.executable, "-c", _COMPARE_WITH_A_GPU_LAUNCH, str(HERE)], cwd=HERE, env=_child_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "kernels 1" in out.stdout and "same True" in out.stdout, out.stdout
+    # The limits held against sm_90 and 10.x are what this GPU's driver reports (Triton checks the same
+    # number when it loads a kernel), where the GPU is one of the targets
+    shared, registers, major = next(ln for ln in out.stdout.splitlines() if ln.startswith("limits ")).split()[1:]
+    if int(major) in (9, 10):
+        assert int(shared) == kb.SHARED_PER_BLOCK, shared
+        assert registers == "None" or int(registers) == kb.REGISTERS_PER_BLOCK, registers
 
 
 if __name__ == "__main__":  # the table of every build, for a person (module docstring)
