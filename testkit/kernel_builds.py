@@ -14,8 +14,8 @@ How it works, in three steps:
    (blocks, warps, stages, constexpr flags) from the shapes, exactly as on a GPU. `JITFunction.run` is
    replaced by a recorder for the duration (and `Autotuner.run` by one launch per config it would time),
    and Triton's own binder turns each recorded call into the signature, constexprs and alignment
-   attributes a GPU launch would compile (pointers of meta tensors count as 16-byte aligned, as fresh CUDA
-   allocations are). The process must run with TRITON_INTERPRET=0: the interpreter's launch settings
+   attributes a GPU launch would compile (a meta tensor's address is 0 plus its view's offset: as aligned
+   as the same view of a fresh CUDA allocation, which is aligned to 256 bytes). The process must run with TRITON_INTERPRET=0: the interpreter's launch settings
    differ from the GPU's (larger blocks, software rounding), and a kernel run in the interpreter can leave
    `triton.language` patched for the compiler.
 2. Discovery. Every `@triton.jit` function of the kernel files (`*_kernel.py`, `core/`, `playbook/`) that
