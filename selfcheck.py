@@ -179,6 +179,10 @@ def machine_facts(report: setup_check.SmiReport) -> list[tuple[str, str]]:
               ("transformers", _dist_version("transformers")),
               ("bf16", ("supported" if torch.cuda.is_bf16_supported() else "NOT supported") if on_gpu
                else "n/a (no GPU in use)")]
+    capability = (p.major, p.minor) if on_gpu else (report.gpus[0].capability if report.gpus else None)
+    if capability is not None:  # the assembler Triton uses for this GPU (setup_check.triton_problem checks it)
+        _, ptxas, path, variable = setup_check.triton_toolchain(capability)
+        facts.append(("Triton's ptxas", f"CUDA {ptxas} ({path}; {variable} chooses it)" if ptxas else "unknown"))
     if on_gpu or report.gpus:
         facts.append(("results/", results_note(torch.cuda.get_device_name(0) if on_gpu else report.gpus[0].name)))
     return facts

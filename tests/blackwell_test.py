@@ -348,6 +348,85 @@ def test_set_up_asks_for_the_cuda_the_gpu_needs(capability):
     assert setup_check._arch_supported(["sm_80", "sm_90", "sm_100", "sm_120"], capability)  # a cu128+ wheel's list
 
 
+# (Triton, the version of the ptxas it assembles with) -> capability -> a phrase of the one-line refusal, or
+# None: Triton 3.5.0 crashes on every matmul on sm_103 (triton-lang/triton#8473, fixed in 3.5.1); a ptxas must
+# be of the first CUDA that knows the GPU (12.8 for sm_100 and sm_120, 12.9 for sm_103).
+TOOLCHAINS = {
+    ("3.5.0", "12.8"): {GB300: "pip install -U 'triton>=3.5.1'"},
+    ("3.5.1", "12.8"): {GB300: "set TRITON_PTXAS_PATH to the ptxas of CUDA 12.9 or newer"},
+    ("3.9.0", "12.7"): {B200: "CUDA 12.8 or newer", GB300: "CUDA 12.9 or newer", RTX5090: "CUDA 12.8 or newer"},
+    ("3.5.1", "12.9"): {},
+    ("3.9.0", "13.4"): {},
+    ("3.9.0", None): {},  # a ptxas whose version cannot be read: not refused
+    (None, None): {},  # no Triton
+}
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: f"sm_{c[0]}{c[1]}")
+def test_set_up_refuses_a_triton_that_cannot_build_for_the_gpu(capability):
+    for (triton_version, ptxas), refusals in TOOLCHAINS.items():
+        said = setup_check.triton_problem(capability, triton_version, ptxas, "/opt/old/ptxas")
+        want = refusals.get(capability)
+        if want is None:
+            assert said is None, (triton_version, ptxas, said)
+        else:
+            assert want in said and said.startswith("setup: ") and "\n" not in said, (triton_version, ptxas, said)
+            assert f"sm_{capability[0]}{capability[1]}" in said, said
+
+
+def _gb300_with(monkeypatch, toolchain):
+    """A GB300 that torch can use (faked), with Triton and its ptxas as `toolchain` says."""
+    as_gpu(monkeypatch, GB300)
+    report = setup_check.SmiReport(True, gpus=[setup_check.Gpu("NVIDIA GB300", GB300, 284 * 1024)], driver="580.95",
+                                   cuda=(13, 0))
+    monkeypatch.setattr(setup_check, "nvidia_smi_report", lambda: report)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_90", "sm_100", "sm_103", "sm_120"])
+    real_ones = torch.ones
+    monkeypatch.setattr(torch, "ones", lambda *size, device=None, **kw: real_ones(*size, **kw))  # "runs on the GPU"
+    monkeypatch.setattr(setup_check, "triton_toolchain", lambda capability: toolchain)
+    monkeypatch.setattr(setup_check, "_cpu_note_printed", True)
+
+
+def test_scripts_and_selfcheck_refuse_triton_350_on_a_gb300(monkeypatch, capsys):
+    """The refusal is what `selfcheck.py --setup` prints (exit code 1) and what every script's start
+    (`check_or_exit`) stops with, in one line; a good toolchain passes both."""
+    _gb300_with(monkeypatch, ("3.5.0", "12.8", "/opt/triton/ptxas", "TRITON_PTXAS_PATH"))
+    assert setup_check.main([]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Triton 3.5.0 cannot compile matmuls for sm_103" in err, err
+    said = expect_error(SystemExit, setup_check.check_or_exit, [])
+    assert said == err, said
+    _gb300_with(monkeypatch, ("3.5.1", "12.9", "/opt/triton/ptxas", "TRITON_PTXAS_PATH"))
+    assert setup_check.main([]) == 0
+    setup_check.check_or_exit([])
+    assert "setup: OK: NVIDIA GB300" in capsys.readouterr().out
+
+
+def test_selfcheck_names_the_ptxas_triton_uses(monkeypatch):
+    import selfcheck
+
+    _gb300_with(monkeypatch, ("3.5.1", "12.9", "/opt/triton/ptxas", "TRITON_PTXAS_PATH"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    facts = dict(selfcheck.machine_facts(setup_check.nvidia_smi_report()))
+    assert facts["Triton's ptxas"] == "CUDA 12.9 (/opt/triton/ptxas; TRITON_PTXAS_PATH chooses it)", facts
+
+
+def test_the_installed_triton_is_not_refused_on_any_target():
+    """This machine's Triton, with the ptxas its wheel carries (no TRITON_PTXAS_* override), builds for every
+    GPU here (the wheel this project installs carries a Blackwell ptxas): the gate reads both versions and
+    refuses none of the capabilities."""
+    import os
+
+    version = setup_check.triton_toolchain(GB300)[0]
+    if version is None or any(v in os.environ for v in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")):
+        pytest.skip("no Triton here, or its ptxas chosen by TRITON_PTXAS_PATH / TRITON_PTXAS_BLACKWELL_PATH")
+    for capability in CAPABILITIES:
+        _, ptxas, path, variable = setup_check.triton_toolchain(capability)
+        assert ptxas is not None and variable in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"), path
+        assert setup_check.triton_toolchain_problem(capability) is None, capability
+
+
 @pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: f"sm_{c[0]}{c[1]}")
 def test_benchmark_names_the_architecture(monkeypatch, capability):
     import benchmark_kernels

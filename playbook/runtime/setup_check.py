@@ -17,6 +17,7 @@ cannot be used (the problem is still printed).
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 import re
@@ -53,6 +54,15 @@ CPU_INDEX_PLATFORMS = (("Linux", "x86_64"), ("Linux", "aarch64"))
 # built for an 'a' target runs on that exact architecture only. A GPU of another Blackwell minor
 # version, or of a family this playbook does not know, is sent to the newest wheels.
 FIRST_CUDA = {(10, 0): (12, 8), (12, 0): (12, 8), (10, 3): (12, 9), (12, 1): (12, 9)}
+# Triton's own toolchain on Blackwell. Triton 3.5.0 crashes on every matmul and attention kernel on sm_103 (a
+# GB300): its LLVM lowering of tcgen05.wait is not what the sm_103 ptxas accepts (triton-lang/triton#8473); 3.5.1
+# went back to 3.4's inline assembly (triton-lang/triton#8485). And Triton assembles with the ptxas it ships,
+# or the one TRITON_PTXAS_PATH (from Triton 3.6 on, for sm_90 and newer, TRITON_PTXAS_BLACKWELL_PATH) names:
+# that ptxas must know the GPU, which for sm_103 means CUDA 12.9 or newer (FIRST_CUDA).
+BROKEN_TRITON = {(10, 3): {(3, 5, 0): "triton-lang/triton#8473"}}
+FIXED_TRITON = "3.5.1"
+
+
 # Compute capabilities when `nvidia-smi` cannot report them (drivers before compute_cap was a field).
 KNOWN_CAPABILITIES = (("GB300", (10, 3)), ("B300", (10, 3)), ("GB200", (10, 0)), ("B200", (10, 0)),
                       ("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0)),
@@ -372,7 +382,63 @@ def _problem(report: SmiReport) -> str | None:
             return busy_gpu_message(where, first_line(str(e)))
         return (f"setup: {where} is present, but {build} (CUDA {torch.version.cuda}) fails to run on it: "
                 f"{first_line(str(e))}\n" + _fixes(report, gpu))
+    return triton_toolchain_problem((major, minor))
+
+
+def _version_tuple(text: str | None, parts: int) -> tuple | None:
+    """'3.5.0+git1234' -> (3, 5, 0); None for None or text without a version."""
+    numbers = re.findall(r"\d+", (text or "").split("+")[0])
+    return tuple(int(n) for n in numbers[:parts]) if len(numbers) >= parts else None
+
+
+def triton_problem(capability: tuple[int, int], triton_version: str | None, ptxas_version: str | None,
+                   ptxas_path: str = "its ptxas", variable: str = "TRITON_PTXAS_PATH") -> str | None:
+    """One line when this Triton, or the ptxas it assembles with (at `ptxas_path`, chosen by the environment
+    variable `variable`), cannot build kernels for a GPU of this compute capability (the comment at
+    BROKEN_TRITON); None when it can, or a version is unknown."""
+    cc = tuple(capability)
+    broken = BROKEN_TRITON.get(cc, {}).get(_version_tuple(triton_version, 3))
+    if broken:
+        return (f"setup: Triton {triton_version} cannot compile matmuls for sm_{cc[0]}{cc[1]} ({broken}): "
+                f"pip install -U 'triton>={FIXED_TRITON}' (with a torch that accepts it)")
+    ptxas = _version_tuple(ptxas_version, 2)
+    if gpu_arch.arch_family(cc) in (gpu_arch.OLDER, gpu_arch.HOPPER) or ptxas is None:
+        return None
+    need = needed_cuda(cc)
+    if ptxas < need:
+        return (f"setup: Triton {triton_version} assembles with ptxas {version_text(ptxas)} ({ptxas_path}), which "
+                f"cannot compile for sm_{cc[0]}{cc[1]}: set {variable} to the ptxas of CUDA {version_text(need)} or "
+                f"newer, e.g. /usr/local/cuda/bin/ptxas")
     return None
+
+
+def triton_toolchain(capability: tuple[int, int]) -> tuple[str | None, str | None, str, str]:
+    """(Triton's version, the version of the ptxas it uses for a GPU of this capability, that ptxas's path,
+    the variable that chooses it); the versions None where they cannot be told (no Triton, or a layout this
+    does not know)."""
+    unknown = "its ptxas", "TRITON_PTXAS_PATH"
+    try:
+        import triton
+        from triton import knobs
+        from triton.backends.nvidia import compiler
+    except Exception:  # no Triton, no NVIDIA backend, or one older than triton.knobs (3.4): nothing to check
+        return None, None, *unknown
+    try:
+        arch = int(capability[0]) * 10 + int(capability[1])
+        takes_arch = bool(inspect.signature(compiler.get_ptxas).parameters)  # Triton 3.6 on: per architecture
+        tool = compiler.get_ptxas(arch) if takes_arch else compiler.get_ptxas()
+        blackwell = getattr(knobs.nvidia, "ptxas_blackwell", None)
+        variable = ("TRITON_PTXAS_BLACKWELL_PATH" if blackwell is not None and blackwell.path == tool.path
+                    else "TRITON_PTXAS_PATH")
+        return triton.__version__, str(tool.version), str(tool.path), variable
+    except Exception:  # a ptxas that does not run, or a Triton laid out otherwise: not refused here
+        return triton.__version__, None, *unknown
+
+
+def triton_toolchain_problem(capability: tuple[int, int]) -> str | None:
+    """`triton_problem` for the Triton installed here and a GPU of this compute capability."""
+    version, ptxas, path, variable = triton_toolchain(capability)
+    return triton_problem(capability, version, ptxas, path, variable)
 
 
 # What CUDA says when the GPU works but has no room for this process (its memory taken by others), or is
