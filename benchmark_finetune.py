@@ -334,7 +334,9 @@ def environment_stamp(machine: Machine) -> dict:
 
 
 def commit() -> dict:
-    """The commit the tree is at and whether it has changes (None where git or the history is not there)."""
+    """The commit the tree is at and whether it has changes. Where the tree is a copy without its history (a Docker
+    image built from `COPY .`, an unpacked archive), PLAYBOOK_COMMIT names the commit it was copied from and
+    "dirty" is unknown (None); with neither, both are None."""
     def git(*args):
         try:
             done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -343,6 +345,8 @@ def commit() -> dict:
         return done.stdout.strip() if done.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
+    if head is None:
+        return {"commit": os.environ.get("PLAYBOOK_COMMIT") or None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no") if head else None
     return {"commit": head, "dirty": bool(status) if status is not None else None}
 
