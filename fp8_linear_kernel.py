@@ -164,6 +164,15 @@ def quantize_block(
         v = x * inv[:, None]
     else:
         v = x * inv[None, :]
+    return cast_e4m3(v, ROUND_IN_SOFTWARE), scale
+
+
+@triton.jit
+def cast_e4m3(
+    v,  # fp32 values already divided by their scale
+    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+):
+    """v as float8_e4m3fn: saturated at +-448, rounded to nearest even, NaN kept (every FP8 quantizer's cast)."""
     v = tl.where(v == v, tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX), v)  # NaN != NaN: NaN stays
     if ROUND_IN_SOFTWARE:
         # Round to the nearest e4m3 value, ties to even, in fp32. e4m3 has 3 mantissa bits, so near
@@ -179,7 +188,7 @@ def quantize_block(
         # The interpreter's conversion keeps a NaN's top 3 mantissa bits and rounds on the 4th; only
         # 111 then 0 (fp32 bits 0x7FF00000) arrives as e4m3's NaN.
         v = tl.where(v == v, r, tl.full(v.shape, 0x7FF00000, tl.int32).to(tl.float32, bitcast=True))
-    return v.to(tl.float8e4nv), scale
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
