@@ -535,6 +535,14 @@ def scaled_mm(a, a_scale, bt, bt_scale, fast_accum: bool, ops: bool):
     return scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
 
 
+def refuse_create_graph() -> None:
+    """Every FP8 layer's backward (this file's, fp8_recipes_kernel.py's, fp8_lora_kernel.py's) starts here:
+    under backward(create_graph=True) grad mode is on, and the FP8 backward has no derivative of its own."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
+                           "matmuls; use nn.Linear for double backward")
+
+
 class Float8LinearFunction(torch.autograd.Function):
     """y = x W^T with FP8 operands in the forward and in both gradient matmuls.
 
@@ -587,9 +595,7 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if torch.is_grad_enabled():  # backward(create_graph=True): the FP8 backward has no derivative
-            raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
-                               "matmuls; use nn.Linear for double backward")
+        refuse_create_graph()
         need_dx, need_dw = ctx.needs_input_grad[:2]
         weight, *saved = ctx.saved_tensors
         wmax = saved.pop(0) if ctx.fp8_dx else None

@@ -55,6 +55,7 @@ from core.fp8_support import DEFAULT_RECIPE, compiled_graph_trusted, get_recipe
 from core.kernel_utils import as_rows, check_device, check_float, next_power_of_2
 from core.process import log
 from fp8_linear_kernel import (FP8_DTYPE, Float8Linear, check_fp8_device, fast_accum_allowed, quant_rows,  # noqa: F401
+                               refuse_create_graph,
                                quantize_rows, scaled_mm)
 
 import triton
@@ -163,9 +164,7 @@ class Float8FrozenLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if torch.is_grad_enabled():
-            raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
-                               "matmuls; use nn.Linear for double backward")
+        refuse_create_graph()
         if ctx.handoff is not None:
             ctx.handoff.start_backward()  # the forward's shared row copies are not needed any more
         dx = None
