@@ -568,12 +568,11 @@ def layer_class(recipe: str) -> type:
 
 def bf16_layers(model: nn.Module, recipe: str) -> set:
     """ids of the projection owners (attention and MLP blocks) that the recipe keeps in bf16: those of
-    the first `bf16_end_layers` and the last max(`bf16_end_layers`, `bf16_last_layers`) decoder layers,
-    in the order the model holds them."""
-    first, last = fp8_support.bf16_layer_counts(recipe)
+    the first and the last layers `fp8_support.bf16_layer_counts` names, in the order the model holds them."""
+    layers = [m for m in model.modules() if isinstance(m, family_classes("DecoderLayer"))]
+    first, last = fp8_support.bf16_layer_counts(recipe, len(layers))
     if not first and not last:
         return set()
-    layers = [m for m in model.modules() if isinstance(m, family_classes("DecoderLayer"))]
     kept = layers[:first] + layers[max(first, len(layers) - last):]
     return {id(m) for layer in kept for m in layer.modules()}
 

@@ -50,11 +50,12 @@ power of two 2^e with amax <= 448 * 2^e, so no value saturates (OCP's floor(log2
 block's largest value above 448). From amax's fp32 bits: e = biased exponent - 135, plus one when the
 mantissa is above 0.75 (amax above 1.75 x 2^k = 448 x 2^(k-8)); clamped to e8m0's [-127, 127]. Dividing
 by a power of two is exact, so only the cast to e4m3 rounds. There is no floor on the maximum (the
-row-wise recipes' AMAX_FLOOR, which would flush a block of values below 2^-57 to zero): a power-of-two
-scale never divides by zero, so an all-zero block takes e8m0's smallest scale 2^-127 and stays zero,
-and a block of fp32 subnormals keeps its values (2^-127 x 2^-9, e4m3's smallest step, reaches them). A block holding a NaN or an infinity has no finite scale: its scale is
-e8m0's NaN (0xFF) and its values e4m3's NaN (0x7F), so that the whole block dequantizes to NaN, as OCP's
-spec says of a NaN scale; the neighbouring blocks are untouched.
+row-wise recipes' AMAX_FLOOR, which would flush a block of values below 2^-57 to zero): a power-of-two scale
+never divides by zero, so an all-zero block takes e8m0's smallest scale 2^-127 and stays zero, and a
+block of fp32 subnormals keeps its values (2^-127 x 2^-9, e4m3's smallest step, reaches them). A block
+holding a NaN or an infinity has no finite scale: its scale is e8m0's NaN (0xFF) and its values e4m3's
+NaN (0x7F), so that the whole block dequantizes to NaN, as OCP's spec says of a NaN scale; the
+neighbouring blocks are untouched.
 
 NVFP4 (NVIDIA's recipe): g = amax / (6 * 448) per tensor (fp32; amax over the finite values, floored at
 AMAX_FLOOR); per block s = e4m3(block amax / (6 g)); values v = x / (s g), rounded to e2m1

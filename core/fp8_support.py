@@ -44,8 +44,9 @@ class Fp8Recipe:
                      the dW operands (NVIDIA's NVFP4 training recipe; mx_quant_kernel.py).
     bf16_dgrad       the input-gradient matmul dx = dy W runs in bf16 (forward and dW in FP8)
     bf16_end_layers  the first and the last N decoder layers keep nn.Linear projections
-    bf16_last_layers the last N decoder layers keep nn.Linear projections (NVFP4: NVIDIA's and
-                     torchtitan's recipes keep the last 4 in bf16; the lm_head is never converted)
+    bf16_last_layers the last N decoder layers keep nn.Linear projections, at most an eighth of the
+                     model's layers (NVFP4: NVIDIA's recipe keeps the last 4 of LLaMA 3.1 8B's 32 in bf16;
+                     SmolLM2-135M keeps 3 of 30, a 2-layer test model none; the lm_head is never converted)
     emulated         the block-scaled formats on a GPU without block-scaled tensor cores (Hopper) or
                      the CPU: the same quantization, the matmuls from the dequantized operands in bf16;
                      accuracy only, never a speed (`--fp8-emulate`)
@@ -143,7 +144,7 @@ def expected_patches(config, recipe: str = DEFAULT_RECIPE) -> int:
     else:  # q, k, v, o, gate, up, down
         shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter),
                   (inter, hidden)]
-    first, last = bf16_layer_counts(recipe)
+    first, last = bf16_layer_counts(recipe, config.num_hidden_layers)
     layers = max(0, config.num_hidden_layers - first - last)
     return layers * sum(unsupported_reason(i, o, recipe) is None for i, o in shapes)
 
@@ -174,7 +175,8 @@ def check_device(device: torch.device, recipe: str, probe: Callable[[torch.devic
                               probed like block-wise; Ada and Hopper have no block-scaled tensor cores:
                               refused in one line (`mx_missing`) unless the user asks for the emulated
                               recipe (`--fp8-emulate`: its accuracy, slower than bf16, never a speed)
-    `probe(device, scaling)` (scaling with "-emulated" appended for an emulated recipe): the lesson's check of the recipe's quantizers and matmuls on this device
+    `probe(device, scaling)` (scaling with "-emulated" appended for an emulated recipe): the lesson's
+    check of the recipe's quantizers and matmuls on this device
     (fp8_linear_kernel.probe_scaled_mm for row-wise scales, fp8_recipes_kernel.probe_scaled_mm for the
     others); RuntimeError if PyTorch refuses one, Fp8KernelMismatch if a quantizer writes other bytes.
     """
@@ -228,10 +230,10 @@ def mx_missing(major: int, minor: int, recipe: str = "mxfp8") -> str:
             "accuracy (same quantization, bf16 matmuls, no speed)")
 
 
-def bf16_layer_counts(recipe: str) -> tuple[int, int]:
-    """(first, last): how many decoder layers at each end the recipe keeps in bf16."""
+def bf16_layer_counts(recipe: str, n_layers: int) -> tuple[int, int]:
+    """(first, last): how many of a model's n_layers decoder layers the recipe keeps in bf16 at each end."""
     r = get_recipe(recipe)
-    return r.bf16_end_layers, max(r.bf16_end_layers, r.bf16_last_layers)
+    return r.bf16_end_layers, max(r.bf16_end_layers, min(r.bf16_last_layers, n_layers // 8))
 
 
 def emulated_name(recipe: str) -> str:
