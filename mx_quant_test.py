@@ -358,5 +358,36 @@ def test_step_line_names_the_emulation():
     assert "emulated" not in step_line(3, 10, 2.5, None, 1e-4, 0.5, 0.2, 512, 512, "")
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_frozen_base_kept_block_scaled(recipe, monkeypatch):
+    """LoRA's frozen base in MXFP8 / NVFP4 (fp8_lora_kernel.store_block_scaled_weight): quantized once, the
+    layer's y and dx are bit for bit those of the same layer re-quantizing its bf16 weight every step
+    (the same quantizers, the same stochastic-rounding seed for dy), and the bf16 weight is gone."""
+    import itertools
+    import fp8_lora_kernel
+    import fp8_recipes_kernel as recipes
+
+    g = torch.Generator().manual_seed(8)
+    linear = torch.nn.Linear(96, 64, bias=False).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 96, generator=g) * 0.05)
+    linear.weight.requires_grad_(False)
+    x = (torch.randn(2, 19, 96, generator=g)).to(DEVICE, torch.bfloat16)
+    dy = (torch.randn(2, 19, 64, generator=g)).to(DEVICE, torch.bfloat16)
+    results = []
+    for store in (False, True):
+        layer = recipes.Float8ScaledLinear.from_linear(linear, recipe=recipe)
+        if store:
+            assert fp8_lora_kernel.store_frozen_weights(torch.nn.Sequential(layer)) == 1
+            assert type(layer) is fp8_lora_kernel.BlockScaledFrozenLinear and layer.weight.dtype != torch.bfloat16
+        monkeypatch.setattr(recipes, "_sr_seeds", itertools.count(5))
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        results.append((y, xi.grad))
+    for what, a, b in zip(("y", "dx"), *results):
+        exactly(f"{recipe} frozen base: {what} as when re-quantized", a, b)
+
+
 if __name__ == "__main__":
     raise SystemExit(run_as_script(__name__, "MXFP8 and NVFP4 quantizers: test report"))
