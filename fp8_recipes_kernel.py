@@ -10,10 +10,13 @@ fp8_linear_kernel.py is the default recipe, `rowwise`, and its two row-wise vari
 (core/fp8_support.py) names them all (`--fp8-recipe`;
 docs/fp8.md compares them): `rowwise-bf16-dgrad` (dx = dy W as a bf16 matmul), `rowwise-bf16-ends`
 (the first and last 2 decoder layers left as nn.Linear), `tensorwise` (one scale per tensor),
-`blockwise` (DeepSeek-V3's 1x128 blocks of activations and gradients, 128x128 tiles of weights) and
-`mxfp8` (OCP MX: 1x32 blocks with power-of-two scales, Blackwell's format: quantized in plain PyTorch,
-`quantize_mx_ref`, as no kernel exists yet; multiplied by torch._scaled_mm's MXFP8 matmul on Blackwell
-and from the dequantized operands on the CPU; Hopper refuses it). A block scale needs no pass of its
+`blockwise` (DeepSeek-V3's 1x128 blocks of activations and gradients, 128x128 tiles of weights),
+`mxfp8` (OCP MX: 1x32 blocks with power-of-two scales, Blackwell's format) and `nvfp4` (NVIDIA's 4-bit
+format: 1x16 blocks with e4m3 scales and a tensor scale, 16x16 weight tiles, stochastic rounding of
+gradients, the random Hadamard transform on dW's operands). Those two are quantized by mx_quant_kernel.py's
+Triton kernels and multiplied by torch._scaled_mm's MXFP8 / NVFP4 matmuls on Blackwell; Hopper refuses
+them unless asked for their emulation (`--fp8-emulate`: the recipes `mxfp8-emulated`, `nvfp4-emulated`),
+which multiplies the dequantized operands in bf16, as the CPU always does. A block scale needs no pass of its
 own: every block lies inside one 128 x 128 tile, so one kernel (`_quantize_tiles`) reads each tile
 once, finds its maxima per row, per column or over the tile, and writes both FP8 layouts with their
 scales: a block-scaled tensor costs one read where a row-and-column-scaled one costs two. One scale
