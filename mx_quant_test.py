@@ -389,5 +389,15 @@ def test_frozen_base_kept_block_scaled(recipe, monkeypatch):
         exactly(f"{recipe} frozen base: {what} as when re-quantized", a, b)
 
 
+def test_setup_probe_runs_here():
+    """The set-up probe a GPU runs once for nvfp4 (fp8_recipes_kernel.probe_scaled_mm: the transposing
+    quantizers bit for bit at 256 and 250 rows, then the three matmuls of a layer against the dequantized
+    product) runs on this device too: every quantizer it names exists and takes those shapes. (MXFP8's:
+    tests/blackwell_test.py. ~10 s in the interpreter.)"""
+    import fp8_recipes_kernel as recipes
+
+    recipes.probe_scaled_mm(torch.device(DEVICE), "nvfp4-emulated")
+
+
 if __name__ == "__main__":
     raise SystemExit(run_as_script(__name__, "MXFP8 and NVFP4 quantizers: test report"))
