@@ -193,7 +193,8 @@ def _mxfp8_quantize(
         byte_t, inv_t = _e8m0(amax_t)
         v_t = tl.where(bad_t[None, :], nan, x * inv_t[None, :])
         qt = cast_e4m3(v_t, ROUND_IN_SOFTWARE)
-        tl.store(QT + cols[:, None] * M_pad + rows[None, :], tl.trans(qt), mask=col_ok[:, None] & (rows < M_pad)[None, :])
+        tl.store(QT + cols[:, None] * M_pad + rows[None, :], tl.trans(qt),
+                 mask=col_ok[:, None] & (rows < M_pad)[None, :])
         byte_t = tl.where(bad_t, _E8M0_NAN, byte_t).to(tl.uint8)
         if SWIZZLE:
             tl.store(ST + _swizzled(cols, pid_m.to(tl.int64), ST_TILES), byte_t, mask=col_ok)
@@ -433,7 +434,8 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
                    stochastic: bool = False, seed: int = 0, hadamard: int | None = None, swizzle: bool = False,
                    amax: torch.Tensor | None = None):
     """x [M, K] as NVFP4: (q [M, K_pad / 2] uint8, scales [M, K_pad / 16] e4m3, qT [K, M_pad / 2] uint8,
-    scales [K, M_pad / 16] e4m3, g [1] fp32, the transposed copy's g [1]), K_pad = K rounded up to 16, M_pad = M rounded up to 32
+    scales [K, M_pad / 16] e4m3, g [1] fp32, the transposed copy's g [1]), K_pad = K rounded up to 16,
+    M_pad = M rounded up to 32
     (the kernel's tile), None for a copy not asked for.
 
     tiles: one scale per 16x16 tile (weights; M and K multiples of 16), shared by both copies;
@@ -446,7 +448,8 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
         raise ValueError(f"quantize_nvfp4 takes a 2-D tensor with unit stride along K, got {tuple(x2.shape)}")
     M, K = x2.shape
     if tiles and hadamard is not None:
-        raise ValueError("NVFP4: the Hadamard transform is for the dW operands (activations, gradients), not 16x16 weight tiles")
+        raise ValueError("NVFP4: the Hadamard transform is for the dW operands (activations, gradients), not 16x16 "
+                         "weight tiles")
     if tiles and (M % NV_BLOCK or K % NV_BLOCK):
         raise ValueError(f"NVFP4 16x16 tiles: the weight's shape {M} x {K} must be multiples of 16")
     k_pad, m_pad = -(-K // NV_BLOCK) * NV_BLOCK, -(-M // NV_BLOCK_M) * NV_BLOCK_M
@@ -467,7 +470,8 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
         )
     elif cols:
         qt.zero_()
-    return ((q, s) if rows else (None, None)) + ((qt, st) if cols else (None, None)) + (g, g * 4.0 if hadamard is not None else g)
+    g_t = g * 4.0 if hadamard is not None else g  # the transposed copy's tensor scale
+    return ((q, s) if rows else (None, None)) + ((qt, st) if cols else (None, None)) + (g, g_t)
 
 
 def ideal_bytes(n_rows: int, n_cols: int, dtype: torch.dtype, fmt: str = "mxfp8", copies: int = 2) -> int:
