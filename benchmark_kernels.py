@@ -7,6 +7,7 @@
     $ python benchmark_kernels.py --smoke                      # tiny sizes, runs on a CPU (CI)
     $ python benchmark_kernels.py --kernels adamw              # the optimizer step, run only when named
     $ python benchmark_kernels.py --kernels jsd,linear_jsd     # the distillation losses, run only when named
+    $ python benchmark_kernels.py --mx-quant                   # MXFP8 / NVFP4 quantizers against copy bandwidth
 
 `--kernels` takes the registry's names (playbook/model/registry.py), comma-separated, or `all` (the default).
 Every kernel is one entry of the table `SPECS` (benchmarks/specs.py): its cases, how to
@@ -351,6 +352,69 @@ def fp8_producers() -> int:
     return 0
 
 
+# ---- Blackwell's block-scaled formats: the MXFP8 and NVFP4 quantizers against copy bandwidth ---------
+MX_SHAPES = ((8192, 4096), (8192, 14336))  # LLaMA 3.1 8B at 4 x 2048 tokens: the hidden and the MLP widths
+MX_SMOKE_SHAPES = ((70, 96),)  # the interpreter: proves the harness and the correctness check, times nothing
+
+
+def mx_quant(smoke: bool) -> int:
+    """Time the MXFP8 and NVFP4 quantizers (mx_quant_kernel.py) at the 8B step's shapes, as CUDA graph
+    replays, each against its reference (bit for bit) first; GB/s counts `mx_quant_kernel.ideal_bytes`
+    (each input read once, NVFP4 once more for its tensor maximum, each output written once) and is set
+    against the measured device-to-device copy bandwidth (bytes read + written), the goal being 80 % of
+    it. The quantizers run on any GPU; the matmuls that read their output need Blackwell (sm_100 and
+    newer), which this command does not time. Prints the table and saves results/mx_quant_<gpu>.json."""
+    import json
+
+    from tabulate import tabulate
+
+    import mx_quant_kernel as mq
+
+    gpu = torch.cuda.get_device_name() if ON_GPU else "CPU (Triton's interpreter)"
+    copy = copy_bandwidth_gbs() if ON_GPU else None
+    signs = mq.hadamard_signs(0)
+    cases = (  # (name, copies, run(x), reference(x)): the tuples each returns, compared bit for bit
+        ("mxfp8, copy along K", 1, "mxfp8", lambda x: mq.quantize_mxfp8(x, True, False),
+         lambda x: mq.quantize_mxfp8_ref(x) + (None, None)),
+        ("mxfp8, both copies", 2, "mxfp8", lambda x: mq.quantize_mxfp8(x, True, True),
+         lambda x: mq.quantize_mxfp8_ref(x) + mq.quantize_mxfp8_t_ref(x)),
+        ("nvfp4, copy along K (+ amax)", 1, "nvfp4", lambda x: mq.quantize_nvfp4(x, True, False)[:4],
+         lambda x: mq.nvfp4_ref(x)[:2] + (None, None)),
+        ("nvfp4, both, SR + Hadamard (+ amax)", 2, "nvfp4",
+         lambda x: mq.quantize_nvfp4(x, True, True, stochastic=True, seed=7, hadamard=signs)[:4],
+         lambda x: mq.nvfp4_ref(x, True, 7, False, signs)[:4]),
+    )
+    print(f"{gpu}: " + (f"device-to-device copy {copy:.0f} GB/s (read + written); " if copy else "")
+          + "CUDA graph replays, us per call (median)")
+    rows = []
+    for m, k in (MX_SMOKE_SHAPES if smoke else MX_SHAPES):
+        x = torch.randn(m, k, generator=generator(m, k)).to(DEVICE, torch.bfloat16)
+        for name, copies, fmt, run, reference in cases:
+            for ours, ref in zip(run(x), reference(x)):  # correctness before timing
+                if ref is not None and not torch.equal(ours.contiguous().view(torch.uint8),
+                                                       ref.contiguous().view(torch.uint8)):
+                    print(f"{name} at {m} x {k}: the kernel's bytes differ from the reference: not timed",
+                          file=sys.stderr)
+                    return 1
+            (us, _, _), _ = timed_graph(lambda: run(x))
+            nbytes = mq.ideal_bytes(m, k, torch.bfloat16, fmt, copies)
+            gbs = nbytes / us / 1e3
+            rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
+                             pct_copy=100 * gbs / copy if copy else None))
+    print(tabulate([(r["quantizer"], f"{r['rows']} x {r['cols']}", f"{r['us']:.1f}", f"{r['bytes'] / 1e6:.1f}",
+                     f"{r['gbs']:.0f}", f"{r['pct_copy']:.0f}" if r["pct_copy"] else "-") for r in rows],
+                   headers=["quantizer", "shape", "us", "MB (ideal)", "GB/s", "% copy"], tablefmt="github"))
+    if not ON_GPU:
+        print("(CPU: Triton's interpreter ran each quantizer once; the times say nothing about a GPU)")
+        return 0
+    print("(the block-scaled matmuls that read these copies need Blackwell: not timed here)")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"mx_quant_{gpu.replace(' ', '_')}.json"
+    write_atomic(path, json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_gbs=copy, rows=rows), indent=1) + "\n")
+    print(f"Saved {path.relative_to(RESULTS.parent)}")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", type=kernel_list, default=KERNEL_NAMES, metavar="NAMES",
@@ -366,7 +430,16 @@ def main():
                    help="time one projection in bf16 and in FP8 over widths from SmolLM2's to LLaMA 8B's (GPU)")
     p.add_argument("--fp8-producers", action="store_true",
                    help="time each kernel that also writes its output's FP8 row copy against the pair it replaces (GPU)")
+    p.add_argument("--mx-quant", action="store_true",
+                   help="time the MXFP8 and NVFP4 quantizers at LLaMA 3.1 8B's shapes against copy bandwidth (GPU; "
+                        "with --smoke, tiny shapes in the interpreter)")
     args = p.parse_args()
+    if args.mx_quant:
+        if not ON_GPU and not args.smoke:
+            print("--mx-quant times the quantizers at LLaMA 3.1 8B's shapes, which need a CUDA GPU (or add --smoke)",
+                  file=sys.stderr)
+            return 2
+        return mx_quant(args.smoke)
     if args.fp8_producers:
         if not ON_GPU:
             print("--fp8-producers times kernels at LLaMA 3.1 8B's sizes, which need a CUDA GPU", file=sys.stderr)

@@ -164,6 +164,15 @@ def quantize_block(
         v = x * inv[:, None]
     else:
         v = x * inv[None, :]
+    return cast_e4m3(v, ROUND_IN_SOFTWARE), scale
+
+
+@triton.jit
+def cast_e4m3(
+    v,  # fp32 values already divided by their scale
+    ROUND_IN_SOFTWARE: tl.constexpr,  # see `ROUND_IN_SOFTWARE` above
+):
+    """v as float8_e4m3fn: saturated at +-448, rounded to nearest even, NaN kept (every FP8 quantizer's cast)."""
     v = tl.where(v == v, tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX), v)  # NaN != NaN: NaN stays
     if ROUND_IN_SOFTWARE:
         # Round to the nearest e4m3 value, ties to even, in fp32. e4m3 has 3 mantissa bits, so near
@@ -179,7 +188,7 @@ def quantize_block(
         # The interpreter's conversion keeps a NaN's top 3 mantissa bits and rounds on the 4th; only
         # 111 then 0 (fp32 bits 0x7FF00000) arrives as e4m3's NaN.
         v = tl.where(v == v, r, tl.full(v.shape, 0x7FF00000, tl.int32).to(tl.float32, bitcast=True))
-    return v.to(tl.float8e4nv), scale
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -526,6 +535,14 @@ def scaled_mm(a, a_scale, bt, bt_scale, fast_accum: bool, ops: bool):
     return scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
 
 
+def refuse_create_graph() -> None:
+    """Every FP8 layer's backward (this file's, fp8_recipes_kernel.py's, fp8_lora_kernel.py's) starts here:
+    under backward(create_graph=True) grad mode is on, and the FP8 backward has no derivative of its own."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
+                           "matmuls; use nn.Linear for double backward")
+
+
 class Float8LinearFunction(torch.autograd.Function):
     """y = x W^T with FP8 operands in the forward and in both gradient matmuls.
 
@@ -578,9 +595,7 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if torch.is_grad_enabled():  # backward(create_graph=True): the FP8 backward has no derivative
-            raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
-                               "matmuls; use nn.Linear for double backward")
+        refuse_create_graph()
         need_dx, need_dw = ctx.needs_input_grad[:2]
         weight, *saved = ctx.saved_tensors
         wmax = saved.pop(0) if ctx.fp8_dx else None

@@ -55,6 +55,7 @@ from core.fp8_support import DEFAULT_RECIPE, compiled_graph_trusted, get_recipe
 from core.kernel_utils import as_rows, check_device, check_float, next_power_of_2
 from core.process import log
 from fp8_linear_kernel import (FP8_DTYPE, Float8Linear, check_fp8_device, fast_accum_allowed, quant_rows,  # noqa: F401
+                               refuse_create_graph,
                                quantize_rows, scaled_mm)
 
 import triton
@@ -163,9 +164,7 @@ class Float8FrozenLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if torch.is_grad_enabled():
-            raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
-                               "matmuls; use nn.Linear for double backward")
+        refuse_create_graph()
         if ctx.handoff is not None:
             ctx.handoff.start_backward()  # the forward's shared row copies are not needed any more
         dx = None
@@ -247,6 +246,101 @@ class Float8FrozenLinear(Float8Linear):
         return super().extra_repr() + ", weight kept in fp8"
 
 
+class BlockScaledFrozenFunction(torch.autograd.Function):
+    """y = x W^T for a frozen weight kept in MXFP8 or NVFP4 (`BlockScaledFrozenLinear`): the forward and the
+    input gradient from the stored copies; nothing saved but the layer (no dW, dx does not need x)."""
+
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, layer: "BlockScaledFrozenLinear"):
+        ctx.layer = layer
+        return layer.frozen_forward(x2).to(x2.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        refuse_create_graph()
+        dx = ctx.layer.frozen_input_grad(as_rows(dy)).to(dy.dtype) if ctx.needs_input_grad[0] else None
+        return dx, None
+
+
+class BlockScaledFrozenLinear(Float8Linear):
+    """LoRA's frozen base in Blackwell's block-scaled formats (recipes mxfp8, nvfp4 and their emulated
+    forms): the weight quantized once (`store_block_scaled_weight`) in both copies the two matmuls read,
+    the copy along K for y = x W^T (`weight`: MXFP8 e4m3 [out, in], NVFP4 packed e2m1 [out, in / 2]) and
+    the transposed copy along N for dx = dy W (`weight_t`), each with its block scales (NVFP4: also its
+    tensor scale). A block scale cannot be folded into the other operand as a row scale can
+    (Float8FrozenLinear), hence two copies: MXFP8 keeps ~2.06 bytes per parameter (bf16's footprint, but
+    no re-quantization of the weight every step: 6 bytes of traffic per parameter less), NVFP4 ~1.13
+    (its 16x16 tiles give both copies the same scales). The activations and gradients are quantized as
+    the recipe's layer quantizes them (fp8_recipes_kernel.quant_operand)."""
+
+    def stores_fp8(self) -> bool:
+        return True
+
+    def _scales(self, transposed: bool):
+        s = self.weight_t_scale if transposed else self.weight_scale
+        if get_recipe(self.recipe).scaling == "nvfp4":
+            return s, self.weight_t_tensor_scale if transposed else self.weight_tensor_scale
+        return s
+
+    def frozen_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        import fp8_recipes_kernel as recipes
+
+        r = get_recipe(self.recipe)
+        xq, sx, _, _ = recipes.quant_operand(x2, r.scaling, False, True, False, False)
+        return recipes._mm_scaled(xq, sx, self.weight, self._scales(False), r.scaling, True, False, False, r.emulated)
+
+    def frozen_input_grad(self, dy2: torch.Tensor) -> torch.Tensor:
+        import fp8_recipes_kernel as recipes
+
+        r = get_recipe(self.recipe)
+        dyq, sdy, _, _ = recipes.quant_operand(dy2, r.scaling, False, True, False, False, grad=True)
+        return recipes._mm_scaled(dyq, sdy, self.weight_t, self._scales(True), r.scaling, True, False, False,
+                                  r.emulated)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_float("x", x)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x's last dimension must equal in_features = {self.in_features}, got {tuple(x.shape)}")
+        if not torch.compiler.is_compiling():
+            import fp8_recipes_kernel
+
+            fp8_recipes_kernel.check_fp8_device(x.device, self.recipe)  # (fp8_linear_kernel's is row-wise only)
+        out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x2 = as_rows(x.to(out_dtype))
+        y = (x2 @ x2.new_zeros((self.in_features, self.out_features)) if x2.shape[0] == 0
+             else BlockScaledFrozenFunction.apply(x2, self))
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", weight kept in {get_recipe(self.recipe).scaling}"
+
+
+def store_block_scaled_weight(layer: Float8Linear) -> None:
+    """Quantize a frozen MXFP8 / NVFP4 layer's weight once, both copies, and keep only those: the layer
+    becomes a `BlockScaledFrozenLinear` in place (as `store_fp8_weight` does for row scales)."""
+    import fp8_recipes_kernel as recipes
+    from core.tensors import fingerprint
+
+    if layer.stores_fp8():
+        return
+    if layer.weight.requires_grad:
+        raise ValueError("only a frozen weight (requires_grad=False, as LoRA's base) can be kept quantized: "
+                         "this one is trained")
+    scaling = get_recipe(layer.recipe).scaling
+    layer.base_fingerprints = {"weight": fingerprint(layer.weight)}
+    q, s, qt, st = recipes.quant_operand(layer.weight.detach(), scaling, True, True, True, False)
+    if scaling == "nvfp4":
+        (s, g), (st, gt) = s, st
+        layer.register_buffer("weight_tensor_scale", g)
+        layer.register_buffer("weight_t_tensor_scale", gt)
+    layer.weight = nn.Parameter(q, requires_grad=False)
+    layer.register_buffer("weight_scale", s)
+    layer.register_buffer("weight_t", qt)
+    layer.register_buffer("weight_t_scale", st)
+    layer.__class__ = BlockScaledFrozenLinear
+
+
 def store_fp8_weight(layer: Float8Linear) -> None:
     """Quantize a Float8Linear's frozen weight once (`frozen_weight`) and keep only that: the layer becomes a
     `Float8FrozenLinear` in place (the same module: peft's wrapper and the joined groups keep it); the bf16
@@ -285,8 +379,10 @@ def store_frozen_weights(model: nn.Module) -> int:
     for m in layers:
         if m.weight.requires_grad:
             kept.append("trained weights")
+        elif get_recipe(m.recipe).scaling in ("mx", "nvfp4"):
+            store_block_scaled_weight(m)
         elif get_recipe(m.recipe).scaling != "row":
-            kept.append(f"recipe {m.recipe} (its scales are not row-wise)")
+            kept.append(f"recipe {m.recipe} (its scales are neither row-wise nor block-scaled MX/NVFP4)")
         else:
             store_fp8_weight(m)
     if kept:
@@ -316,12 +412,14 @@ def store_frozen_base(model: nn.Module, processes: int = 1) -> int:
     if not stored:  # (store_frozen_weights said why)
         return 0
     before = sum(n for m, n in was.items() if m.stores_fp8())
-    after = sum(m.weight.numel() + 4 * m.weight.shape[0] for m in layers if m.stores_fp8())
+    after = sum(t.numel() * t.element_size() for m in layers if m.stores_fp8() for t in (m.weight, *m.buffers()))
 
     def size(n: int) -> str:  # both figures in the unit of the larger
         return f"{n / 1e9:.2f} GB" if before >= 1e9 else f"{n / 1e6:.3f} MB"
 
-    log(f"FP8 base: {stored} frozen projection weights kept in FP8 (e4m3 and one fp32 scale per row, quantized "
-        f"once): {size(after)} instead of {size(before)}; forward and input-gradient matmuls in FP8, adapters in "
-        "their own dtype")
+    scaling = get_recipe(layers[0].recipe).scaling
+    fmt = {"mx": "MXFP8 (the copies along K and N, 1x32 blocks", "nvfp4": "NVFP4 (the copies along K and N, "
+           "16x16 blocks"}.get(scaling, "FP8 (e4m3 and one fp32 scale per row")
+    log(f"FP8 base: {stored} frozen projection weights kept in {fmt}, quantized once): {size(after)} instead of "
+        f"{size(before)}; forward and input-gradient matmuls in that format, adapters in their own dtype")
     return stored

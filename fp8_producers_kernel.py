@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
-from core.fp8_support import DEFAULT_RECIPE, compiled_graph_trusted, expected_patches, get_recipe
+from core.fp8_support import DEFAULT_RECIPE, bf16_layer_counts, compiled_graph_trusted, expected_patches, get_recipe
 from core.kernel_utils import as_rows, direct_launch, next_power_of_2, num_sms, refuse_double_backward
 from core.model_families import family_classes
 from core.process import log
@@ -659,12 +659,16 @@ def apply(model: nn.Module, recipe: str = DEFAULT_RECIPE, layers: str = "all", *
     on_gpu = any(p.device.type == "cuda" for p in model.parameters())
     converted = patch_model(model, recipe, sizes="auto" if layers == "auto" and on_gpu else "all")
     r = get_recipe(recipe)
-    kept = f"the first and last {r.bf16_end_layers} decoder layers, " if r.bf16_end_layers else ""
+    first, last = bf16_layer_counts(recipe, model.config.num_hidden_layers)
+    kept = (f"the first and last {first} decoder layers, " if first else
+            f"the last {last} decoder layers, " if last else "")
     dgrad = "; input gradients (dx = dy W) in bf16" if r.bf16_dgrad else ""
     # the denominator counts every decoder projection the matmul takes, those the recipe keeps in bf16 too
     every = expected_patches(model.config, "rowwise")
+    emulated = ("; emulated: block-scaled numerics from dequantized bf16 matmuls, no block-scaled tensor cores, "
+                "speed not comparable" if r.emulated else "")
     log(f"FP8: {converted} of {every} decoder projections run as FP8 matmuls (recipe {recipe}{dgrad}); "
-        f"{kept}lm_head and embeddings stay bf16")
+        f"{kept}lm_head and embeddings stay bf16{emulated}")
     if converted == 0 and r.bf16_end_layers:
         log(f"warning: --fp8 converted nothing: this model has {model.config.num_hidden_layers} decoder layers, all among "
             f"the first and last {r.bf16_end_layers} that recipe {recipe} keeps in bf16; --fp8-recipe rowwise converts them")

@@ -10,10 +10,13 @@ fp8_linear_kernel.py is the default recipe, `rowwise`, and its two row-wise vari
 (core/fp8_support.py) names them all (`--fp8-recipe`;
 docs/fp8.md compares them): `rowwise-bf16-dgrad` (dx = dy W as a bf16 matmul), `rowwise-bf16-ends`
 (the first and last 2 decoder layers left as nn.Linear), `tensorwise` (one scale per tensor),
-`blockwise` (DeepSeek-V3's 1x128 blocks of activations and gradients, 128x128 tiles of weights) and
-`mxfp8` (OCP MX: 1x32 blocks with power-of-two scales, Blackwell's format: quantized in plain PyTorch,
-`quantize_mx_ref`, as no kernel exists yet; multiplied by torch._scaled_mm's MXFP8 matmul on Blackwell
-and from the dequantized operands on the CPU; Hopper refuses it). A block scale needs no pass of its
+`blockwise` (DeepSeek-V3's 1x128 blocks of activations and gradients, 128x128 tiles of weights),
+`mxfp8` (OCP MX: 1x32 blocks with power-of-two scales, Blackwell's format) and `nvfp4` (NVIDIA's 4-bit
+format: 1x16 blocks with e4m3 scales and a tensor scale, 16x16 weight tiles, stochastic rounding of
+gradients, the random Hadamard transform on dW's operands). Those two are quantized by mx_quant_kernel.py's
+Triton kernels and multiplied by torch._scaled_mm's MXFP8 / NVFP4 matmuls on Blackwell; Hopper refuses
+them unless asked for their emulation (`--fp8-emulate`: the recipes `mxfp8-emulated`, `nvfp4-emulated`),
+which multiplies the dequantized operands in bf16, as the CPU always does. A block scale needs no pass of its
 own: every block lies inside one 128 x 128 tile, so one kernel (`_quantize_tiles`) reads each tile
 once, finds its maxima per row, per column or over the tile, and writes both FP8 layouts with their
 scales: a block-scaled tensor costs one read where a row-and-column-scaled one costs two. One scale
@@ -29,6 +32,8 @@ functional API, layer and `patch_model` -> references.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -38,13 +43,18 @@ from core.fp8_support import (ALIGN, DEFAULT_RECIPE, RECIPES, compiled_graph_tru
 from core.kernel_utils import as_rows
 from core.model_families import family_classes
 import fp8_linear_kernel
+import mx_quant_kernel as mxq
 from fp8_linear_kernel import (AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ROUND_IN_SOFTWARE, Float8Linear, abs_max, fp8_rows_op,
+                               refuse_create_graph,
                                linear_frame, quantize_block, quantize_rows, quantize_with)
 
 import triton
 import triton.language as tl
 
 MX_BLOCK = 32  # OCP MX: 32 consecutive values along the reduction share one power-of-two scale
+# NVFP4's random Hadamard transform: one sign vector for every dW operand (x^T and dy^T must share it
+# for the transforms to cancel in dy^T x)
+NVFP4_HADAMARD_SIGNS = mxq.hadamard_signs(0)
 E8M0_MIN, E8M0_MAX = -127, 127  # the exponents float8_e8m0fnu holds (255 is its NaN)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -221,22 +231,54 @@ def mx_swizzled_scales(scales: torch.Tensor) -> torch.Tensor:
     them in (cuBLAS docs, "1D block scaling factors layout"; PyTorch's SwizzleType.SWIZZLE_32_4_4): the
     rows padded to a multiple of 128 and the blocks to a multiple of 4 (zero bytes: padding is never
     multiplied with data), then each 128 x 4 tile stored as 32 x 16 bytes, row r of the tile at
-    [r % 32, (r // 32) * 4 + column]. Flat, contiguous."""
+    [r % 32, (r // 32) * 4 + column]. Flat, contiguous, in the scales' dtype (NVFP4's e4m3 scales take
+    the same layout; mx_quant_kernel's quantizers can write it directly, `swizzle=True`)."""
     R, B = scales.shape
     u = torch.nn.functional.pad(scales.view(torch.uint8), (0, -B % 4, 0, -R % 128))  # pad takes no e8m0
     tiles = u.view(u.shape[0] // 128, 128, u.shape[1] // 4, 4).permute(0, 2, 1, 3)  # [row tile, block tile, 128, 4]
     swizzled = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16)
-    return swizzled.flatten().view(torch.float8_e8m0fnu)
+    return swizzled.flatten().view(scales.dtype)
 
 
-def scaled_mm_mx_launch(a, a_scale, bt, bt_scale) -> torch.Tensor:
+def dequantized_product(a_deq: torch.Tensor, bt_deq: torch.Tensor, scale=None) -> torch.Tensor:
+    """a_deq @ bt_deq.T (times `scale`, [1] fp32) rounded to bf16: the emulated block-scaled matmul.
+
+    The dequantized MXFP8 and NVFP4 operands (without NVFP4's tensor scale) are exact in bf16 (an e4m3
+    or e2m1 value times a power of two or an e4m3 scale needs at most 8 significant bits), so on a
+    GPU the product runs on bf16 tensor cores with fp32 accumulation, as a block-scaled matmul
+    accumulates; the tensor scales multiply the bf16 result (one more bf16 rounding). On the CPU, an
+    fp32 product rounded once."""
+    if a_deq.device.type == "cuda":
+        y = a_deq.to(torch.bfloat16) @ bt_deq.to(torch.bfloat16).t()
+    else:
+        y = a_deq.float() @ bt_deq.float().t()
+    return (y if scale is None else y.float() * scale.float().reshape(())).to(torch.bfloat16)
+
+
+def scaled_mm_nvfp4_launch(a, a_scale, bt, bt_scale, emulate: bool) -> torch.Tensor:
+    """a [R, S/2] packed e2m1 @ b, bt [C, S/2] being b transposed, each with (block scales [rows, S/16] e4m3,
+    tensor scale [1] fp32) (mx_quant_kernel.quantize_nvfp4): bf16 [R, C]. On Blackwell, torch._scaled_mm's
+    NVFP4 matmul (swizzled block scales) times the two tensor scales; on the CPU or `emulate`, the
+    dequantized product (`dequantized_product`)."""
+    (sa, ga), (sb, gb) = a_scale, bt_scale
+    if emulate or a.device.type == "cpu":
+        return dequantized_product(mxq.dequantize_nvfp4(a, sa, torch.ones_like(ga)),
+                                   mxq.dequantize_nvfp4(bt, sb, torch.ones_like(gb)), ga * gb)
+    fp4 = torch.float4_e2m1fn_x2
+    y = torch._scaled_mm(a.view(fp4), bt.view(fp4).t(), mx_swizzled_scales(sa), mx_swizzled_scales(sb),
+                         out_dtype=torch.bfloat16)
+    return (y.float() * (ga * gb)).to(torch.bfloat16)
+
+
+def scaled_mm_mx_launch(a, a_scale, bt, bt_scale, emulate: bool = False) -> torch.Tensor:
     """a [R, S] e4m3 @ b, bt [C, S] being b transposed and row-major, each with its MX scales [rows, S/32]
     (e8m0, `quantize_mx_ref`): bf16 [R, C]. On a GPU, torch._scaled_mm's MXFP8 matmul (block-scaled
     tensor cores: Blackwell), with both scales swizzled; on the CPU, the product of the dequantized
     operands in fp32, rounded once to bf16 (the reference). `check_fp8_device` compares the two once
-    per GPU before training uses it (`_probe_scaled_mm`)."""
-    if a.device.type == "cpu":
-        return (dequantize_blocks(a, a_scale) @ dequantize_blocks(bt, bt_scale).t()).to(torch.bfloat16)
+    per GPU before training uses it (`_probe_scaled_mm`). `emulate` (Hopper, `--fp8-emulate`): the
+    dequantized product on bf16 tensor cores (`dequantized_product`)."""
+    if a.device.type == "cpu" or emulate:
+        return dequantized_product(mxq.dequantize_mxfp8(a, a_scale), mxq.dequantize_mxfp8(bt, bt_scale))
     return torch._scaled_mm(a.contiguous(), bt.contiguous().t(), mx_swizzled_scales(a_scale),
                             mx_swizzled_scales(bt_scale), out_dtype=torch.bfloat16)
 
@@ -294,28 +336,42 @@ def _quant_tiles(x2, mode: str, rows: bool, cols: bool, ops: bool, amax=None):
     return quantize_tiles(as_rows(x2), mode, rows, cols, amax)
 
 
-def quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: bool, amax=None):
+_sr_seeds = itertools.count(1)  # a fresh Philox seed for each stochastically rounded gradient
+
+
+def quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: bool, amax=None, grad: bool = False):
     """t [M, K] quantized for the matmuls that reduce over K (rows: a copy like t) and for the one
     that reduces over M (cols: the transposed copy [K, M_pad]), each with its natural scales. Weights
     take 128x128 tiles in the block-wise recipe (one quantization serves both of their matmuls),
     activations and gradients 1x128 blocks; the MX recipe scales every operand in 1x32 blocks along
-    the reduction (with the plain-PyTorch quantizer `quantize_mx_ref`, on any device: no kernel yet)."""
-    if scaling == "mx":
-        q, s = quantize_mx_ref(t2) if rows else (None, None)
-        if cols:
-            m_pad = -(-t2.shape[0] // MX_BLOCK) * MX_BLOCK
-            qt, st = quantize_mx_ref(torch.nn.functional.pad(t2, (0, 0, 0, m_pad - t2.shape[0])).t())
+    the reduction, both copies from one read (mx_quant_kernel.quantize_mxfp8). NVFP4
+    (mx_quant_kernel.quantize_nvfp4): weights in 16x16 tiles, activations and gradients in 1x16 blocks,
+    the transposed copies (dW's operands) through the random Hadamard transform, gradients (`grad`)
+    rounded stochastically; its scales are (block scales, tensor scale) pairs."""
+    if scaling == "mx":  # while torch.compile traces: the references (plain PyTorch, the same bits)
+        if ops:
+            return (mxq.quantize_mxfp8_ref(t2) if rows else (None, None)) + (
+                mxq.quantize_mxfp8_t_ref(t2) if cols else (None, None))
+        return mxq.quantize_mxfp8(as_rows(t2), rows, cols)
+    if scaling == "nvfp4":
+        seed, signs = next(_sr_seeds) % 2**31 if grad else 0, None if weight else NVFP4_HADAMARD_SIGNS
+        if ops:
+            q, s, qt, st, g, gt = mxq.nvfp4_ref(t2, grad, seed, weight, signs)
         else:
-            qt = st = None
-        return q, s, qt, st
+            q, s, qt, st, g, gt = mxq.quantize_nvfp4(as_rows(t2), rows, cols, tiles=weight, stochastic=grad, seed=seed,
+                                                     hadamard=signs)
+        return ((q, (s, g)) if rows else (None, None)) + ((qt, (st, gt)) if cols else (None, None))
     mode = "tensor" if scaling == "tensor" else "tile" if weight else "act"
     return _quant_tiles(t2, mode, rows, cols, ops, amax)
 
 
-def _mm_scaled(a, a_scale, bt, bt_scale, scaling: str, b_tiles: bool, fast_accum: bool, ops: bool):
-    """a @ bt.T for the tensor-wise, block-wise and MX recipes: bf16 [rows of a, rows of bt]."""
+def _mm_scaled(a, a_scale, bt, bt_scale, scaling: str, b_tiles: bool, fast_accum: bool, ops: bool,
+               emulate: bool = False):
+    """a @ bt.T for the tensor-wise, block-wise, MX and NVFP4 recipes: bf16 [rows of a, rows of bt]."""
     if scaling == "mx":  # the same call in eager mode and under torch.compile (plain PyTorch, no launcher)
-        return scaled_mm_mx_launch(a, a_scale, bt, bt_scale)
+        return scaled_mm_mx_launch(a, a_scale, bt, bt_scale, emulate)
+    if scaling == "nvfp4":
+        return scaled_mm_nvfp4_launch(a, a_scale, bt, bt_scale, emulate)
     if ops:
         return fp8_scaled_mm_tiles_op(a, a_scale, bt, bt_scale, b_tiles, fast_accum)
     return scaled_mm_tiles_launch(a, a_scale, bt, bt_scale, b_tiles, fast_accum)
@@ -334,8 +390,9 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, keep_fp8_input: bool, need_input_grad: bool,
-                need_weight_grad: bool, scaling: str, ops: bool):
-        keep_fp8 = keep_fp8_input and need_weight_grad
+                need_weight_grad: bool, scaling: str, ops: bool, emulate: bool = False):
+        # NVFP4's scales are (block, tensor) pairs, which save_for_backward does not take: it keeps x
+        keep_fp8 = keep_fp8_input and need_weight_grad and scaling != "nvfp4"
         w_amax = None
         if scaling == "tensor":  # the weight's maximum serves its backward copy too: one read fewer there
             w_amax = fp8_rows_op(weight, False, True)[2].amax().reshape(1) if ops else tensor_max(weight)
@@ -344,42 +401,43 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         # Fast accumulation in the forward only, as in the row-wise recipe; not with 1x128 blocks,
         # whose point is the precision of each block's partial sum.
         fast = scaling == "tensor" and fast_accum_allowed(x2.device)
-        y = _mm_scaled(xq, sx, wq, sw, scaling, True, fast, ops)
+        y = _mm_scaled(xq, sx, wq, sw, scaling, True, fast, ops, emulate)
         saved = (xqt, sxt) if keep_fp8 else (x2,) if need_weight_grad else ()
-        ctx.keep_fp8, ctx.scaling, ctx.ops, ctx.n_saved = keep_fp8, scaling, ops, len(saved)
+        ctx.keep_fp8, ctx.scaling, ctx.ops, ctx.n_saved, ctx.emulate = keep_fp8, scaling, ops, len(saved), emulate
         ctx.save_for_backward(weight, *((w_amax,) if w_amax is not None else ()), *saved)
         return y.to(x2.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if torch.is_grad_enabled():
-            raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
-                               "matmuls; use nn.Linear for double backward")
+        refuse_create_graph()
         weight, *rest = ctx.saved_tensors
         saved = rest[len(rest) - ctx.n_saved:]
         w_amax = rest[0] if len(rest) > ctx.n_saved else None
         need_dx, need_dw = ctx.needs_input_grad[:2]
         scaling, ops = ctx.scaling, ctx.ops
         dy2 = as_rows(dy)
-        dyq, sdy, dyqt, sdyt = quant_operand(dy2, scaling, False, need_dx, need_dw, ops)
+        dyq, sdy, dyqt, sdyt = quant_operand(dy2, scaling, False, need_dx, need_dw, ops, grad=True)
         dx = dw = None
         if need_dx:  # dx = dy W: b = W, column-major, i.e. W^T row-major, in blocks along N
             _, _, wqt, swt = quant_operand(weight, scaling, True, False, True, ops, w_amax)
-            dx = _mm_scaled(dyq, sdy, wqt, swt, scaling, True, False, ops).to(dy.dtype)
+            dx = _mm_scaled(dyq, sdy, wqt, swt, scaling, True, False, ops, ctx.emulate).to(dy.dtype)
         if need_dw:  # dW = dy^T x: both transposed copies, reduced over the (zero-padded) tokens
             xqt, sxt = saved if ctx.keep_fp8 else quant_operand(saved[0], scaling, False, False, True, ops)[2:]
-            dw = _mm_scaled(dyqt, sdyt, xqt, sxt, scaling, False, False, ops).to(weight.dtype)
-        return dx, dw, None, None, None, None, None
+            dw = _mm_scaled(dyqt, sdyt, xqt, sxt, scaling, False, False, ops, ctx.emulate).to(weight.dtype)
+        return dx, dw, None, None, None, None, None, None
 
 
 def probe_scaled_mm(device: torch.device, scaling: str) -> None:
     """Check the scaling's transposing quantizers (`TRANSPOSING`), then run the scaled matmuls it needs on
-    tiny operands (RuntimeError if PyTorch refuses one); the tensor, block and MX scalings.
+    tiny operands (RuntimeError if PyTorch refuses one); the tensor, block, MX and NVFP4 scalings
+    (an emulated one, "mx-emulated" or "nvfp4-emulated", runs its dequantized products).
 
     Block-wise and MXFP8: the three matmuls of a layer (block-wise: 1x128 x 128x128 for y and dx,
     1x128 x 1x128 for dW; MXFP8: 1x32 x 1x32 for all three) on random operands (254 tokens, 512 ->
     1024 features), each against the product of its dequantized operands; a result off by more than
     bf16's rounding means that this PyTorch reads the scales in another layout."""
+    emulate = scaling.endswith("-emulated")
+    scaling = scaling.removesuffix("-emulated")
     fp8_support.check_copies(device, TRANSPOSING[scaling])
     if scaling == "tensor":
         a, one = torch.ones((ALIGN, ALIGN), device=device).to(FP8_DTYPE), torch.ones(1, device=device)
@@ -389,10 +447,10 @@ def probe_scaled_mm(device: torch.device, scaling: str) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     x, dy = (torch.randn(shape, device=device, generator=g).to(torch.bfloat16) for shape in ((254, 512), (254, 1024)))
     w = torch.randn((1024, 512), device=device, generator=g).to(torch.bfloat16)
-    if scaling == "mx":
+    if scaling in ("mx", "nvfp4"):
         (xq, sx, xqt, sxt), (dyq, sdy, dyqt, sdyt), (wq, sw, wqt, swt) = (
-            quant_operand(t, "mx", t is w, True, True, False) for t in (x, dy, w))
-        launch = scaled_mm_mx_launch
+            quant_operand(t, scaling, t is w, True, True, False) for t in (x, dy, w))
+        launch = scaled_mm_mx_launch if scaling == "mx" else scaled_mm_nvfp4_launch
     else:
         xq, sx, xqt, sxt = quantize_tiles(x, "act", True, True)
         wq, sw, wqt, swt = quantize_tiles(w, "tile", True, True)
@@ -400,8 +458,12 @@ def probe_scaled_mm(device: torch.device, scaling: str) -> None:
         launch = scaled_mm_tiles_launch
     for what, a, sa, bt, sbt, tiles in (("y", xq, sx, wq, sw, True), ("dx", dyq, sdy, wqt, swt, True),
                                         ("dW", dyqt, sdyt, xqt, sxt, False)):
-        got = (launch(a, sa, bt, sbt) if scaling == "mx" else launch(a, sa, bt, sbt, tiles, False)).float()
-        want = dequantize_blocks(a, sa) @ dequantize_blocks(bt, sbt).t()
+        if scaling == "nvfp4":
+            got = launch(a, sa, bt, sbt, emulate).float()
+            want = mxq.dequantize_nvfp4(a, *sa) @ mxq.dequantize_nvfp4(bt, *sbt).t()
+        else:
+            got = (launch(a, sa, bt, sbt, emulate) if scaling == "mx" else launch(a, sa, bt, sbt, tiles, False)).float()
+            want = dequantize_blocks(a, sa) @ dequantize_blocks(bt, sbt).t()
         err = (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()  # a sync, once
         if not err <= 2.0**-7:  # bf16 output: an RMS relative rounding of ~2^-9
             raise RuntimeError(f"the block-scaled matmul for {what} is off by {err:.3g} (relative L2) against the "
@@ -432,6 +494,11 @@ def _tile_reference(mode: str):
     return reference
 
 
+def _bytes(copies):
+    """(q, scales, qT, scales) with every tensor viewed as bytes (check_copies compares them with torch.equal)."""
+    return tuple(None if t is None else t.contiguous().view(torch.uint8) for t in copies)
+
+
 TRANSPOSING = {
     "tensor": (("tile kernel, tensor scale", lambda x: quantize_tiles(x, "tensor", True, True),
                 _tile_reference("tensor")),
@@ -442,7 +509,16 @@ TRANSPOSING = {
                _tile_reference("act")),
               ("tile kernel, 128x128 tiles, transposed only", lambda x: quantize_tiles(x, "tile", False, True),
                _tile_reference("tile"))),
-    "mx": (),  # quantize_mx_ref: plain PyTorch, no Triton kernel
+    "mx": (("MXFP8 kernel, both copies", lambda x: _bytes(mxq.quantize_mxfp8(x, True, True)),
+            lambda x: _bytes(mxq.quantize_mxfp8_ref(x) + mxq.quantize_mxfp8_t_ref(x))),
+           ("MXFP8 kernel, transposed only", lambda x: _bytes(mxq.quantize_mxfp8(x, False, True)),
+            lambda x: _bytes((None, None) + mxq.quantize_mxfp8_t_ref(x)))),
+    "nvfp4": (("NVFP4 kernel, both copies, Hadamard", lambda x: _bytes(mxq.quantize_nvfp4(
+                  x, True, True, hadamard=NVFP4_HADAMARD_SIGNS)[:4]),
+               lambda x: _bytes(mxq.nvfp4_ref(x, hadamard=NVFP4_HADAMARD_SIGNS)[:4])),
+              ("NVFP4 kernel, 16x16 tiles, both copies",  # (weights: whole tiles, so the rows cut to 16s)
+               lambda x: _bytes(mxq.quantize_nvfp4(x[:x.shape[0] // 16 * 16], True, True, tiles=True)[:4]),
+               lambda x: _bytes(mxq.nvfp4_ref(x[:x.shape[0] // 16 * 16], tiles=True)[:4]))),
 }
 
 
@@ -473,13 +549,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if torch.compiler.is_compiling() and not compiled_graph_trusted(x.device):
         return _fp8_linear_eager(x, weight, bias, keep_fp8_input, handoff, recipe)
     return linear_frame(x, weight, bias, recipe, check_fp8_device, lambda x2, need_dx, need_dw, ops: (
-        Float8ScaledLinearFunction.apply(x2, weight, keep_fp8_input, need_dx, need_dw, r.scaling, ops)))
+        Float8ScaledLinearFunction.apply(x2, weight, keep_fp8_input, need_dx, need_dw, r.scaling, ops, r.emulated)))
 
 
 class Float8ScaledLinear(Float8Linear):
     """Float8Linear for the tensor-wise, block-wise and MX recipes (`fp8_linear` above)."""
 
-    scalings = ("tensor", "block", "mx")
+    scalings = ("tensor", "block", "mx", "nvfp4")
 
     @staticmethod
     def check_device(device: torch.device, recipe: str) -> None:
@@ -496,12 +572,12 @@ def layer_class(recipe: str) -> type:
 
 def bf16_layers(model: nn.Module, recipe: str) -> set:
     """ids of the projection owners (attention and MLP blocks) that the recipe keeps in bf16: those of
-    the first and the last `bf16_end_layers` decoder layers, in the order the model holds them."""
-    ends = get_recipe(recipe).bf16_end_layers
-    if not ends:
-        return set()
+    the first and the last layers `fp8_support.bf16_layer_counts` names, in the order the model holds them."""
     layers = [m for m in model.modules() if isinstance(m, family_classes("DecoderLayer"))]
-    kept = layers[:ends] + layers[max(ends, len(layers) - ends):]
+    first, last = fp8_support.bf16_layer_counts(recipe, len(layers))
+    if not first and not last:
+        return set()
+    kept = layers[:first] + layers[max(first, len(layers) - last):]
     return {id(m) for layer in kept for m in layer.modules()}
 
 
@@ -545,23 +621,14 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def quantize_mx_ref(x: torch.Tensor, block: int = MX_BLOCK):
     """MXFP8, the reference (the recipe mxfp8): (q [M, K] float8_e4m3fn, scales [M, K / block]
-    float8_e8m0fnu), one power-of-two scale per `block` consecutive values of a row.
-
-    The scale is the smallest power of two 2^e with amax <= 448 * 2^e, so no value saturates (OCP's
-    rule, 2^(floor(log2 amax) - 8), may put a block's largest value above 448; NVIDIA's and torchao's
-    "round up" rule is this one). With amax = m 2^p, m in [0.5, 1) (frexp, exact) and 448 = 0.875 2^9:
-    e = p - 9, or p - 8 when m > 0.875. Dividing by a power of two is exact; only the cast to e4m3
-    rounds. e is clamped to e8m0's range [-127, 127] (all-zero blocks take the floor's scale)."""
+    float8_e8m0fnu), one power-of-two scale per `block` consecutive values of a row; K a multiple of
+    the block (ValueError otherwise). mx_quant_kernel.quantize_mxfp8_ref, whose docstring gives the rules
+    (the smallest power of two 2^e with amax <= 448 * 2^e, NaN and infinite blocks) and whose kernel
+    the recipe runs."""
     M, K = x.shape
-    if K % block:
-        raise ValueError(f"MX blocks of {block}: the row length {K} must be a multiple of {block}")
-    xf = x.float().view(M, K // block, block)
-    amax = abs_max(xf, 2)
-    m, p = torch.frexp(amax)
-    e = (p - 9 + (m > 0.875).to(p.dtype)).clamp(E8M0_MIN, E8M0_MAX)
-    scale = torch.ldexp(torch.ones_like(amax), e)
-    q = (xf / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(M, K), scale.to(torch.float8_e8m0fnu)
+    if K % block or block != MX_BLOCK:
+        raise ValueError(f"MX blocks of {MX_BLOCK}: the row length {K} must be a multiple of {MX_BLOCK}")
+    return mxq.quantize_mxfp8_ref(x)
 
 
 def mx_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -39,14 +39,14 @@ from fp8_linear_test import (ACC, MODEL_FACTOR, RMS_BOUND, SUB, U, bits, loss_an
 # (values far below their block's maximum fall into e4m3's subnormals, but they carry a negligible
 # share of the L2 norm of these data). The bf16 input gradient of rowwise-bf16-dgrad is checked
 # against the exact product of the bf16 operands: bf16's rounding of the output only.
-RECIPE_NAMES = tuple(fp8_recipes_kernel.RECIPES)
+RECIPE_NAMES = tuple(n for n, r in fp8_recipes_kernel.RECIPES.items() if not r.emulated)  # --fp8-recipe's choices
 TILE = fp8_recipes_kernel.TILE
 
 
 def _runs_here(recipe: str) -> bool:
     """Whether this device runs the recipe: the CPU all of them (reference arithmetic for the block and MX
     matmuls); a GPU mxfp8 from Blackwell on and blockwise on Hopper only (test_blackwell_and_hopper_guards)."""
-    if DEVICE.type == "cpu" or recipe not in ("mxfp8", "blockwise"):
+    if DEVICE.type == "cpu" or recipe not in ("mxfp8", "nvfp4", "blockwise"):
         return True
     family = gpu_arch.device_family(DEVICE)
     return family == gpu_arch.HOPPER if recipe == "blockwise" else family not in (gpu_arch.OLDER, gpu_arch.HOPPER)
@@ -93,7 +93,7 @@ def _check_plumbing(tag, ours, a_deq, b_deq, exact):
     return rel
 
 
-@pytest.mark.parametrize("recipe", [r for r in RUNNABLE if r != "rowwise-bf16-ends"])
+@pytest.mark.parametrize("recipe", [r for r in RUNNABLE if r not in ("rowwise-bf16-ends", "nvfp4")])  # nvfp4: mx_quant_test.py
 def test_recipe_forward_and_gradients(recipe):
     """74 tokens (padding to 16, 32 and 128 along the tokens), 512 -> 1024 features (whole groups of
     four 128x128 tiles, and N != K so that a transposed scale cannot pass), values over seven decades."""

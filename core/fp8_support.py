@@ -38,9 +38,18 @@ class Fp8Recipe:
     scaling          "row": one fp32 scale per row (or column) of each operand, along the reduction;
                      "tensor": one fp32 scale per tensor; "block": 1x128 blocks of activations and
                      gradients, 128x128 tiles of weights (DeepSeek-V3); "mx": 1x32 blocks with
-                     power-of-two (e8m0) scales, OCP's MXFP8, Blackwell's native format.
+                     power-of-two (e8m0) scales, OCP's MXFP8, Blackwell's native format; "nvfp4":
+                     e2m1 values in 1x16 blocks with e4m3 scales and an fp32 tensor scale, 16x16 blocks
+                     for weights, stochastic rounding of gradients and a random Hadamard transform of
+                     the dW operands (NVIDIA's NVFP4 training recipe; mx_quant_kernel.py).
     bf16_dgrad       the input-gradient matmul dx = dy W runs in bf16 (forward and dW in FP8)
     bf16_end_layers  the first and the last N decoder layers keep nn.Linear projections
+    bf16_last_layers the last N decoder layers keep nn.Linear projections, at most an eighth of the
+                     model's layers (NVFP4: NVIDIA's recipe keeps the last 4 of LLaMA 3.1 8B's 32 in bf16;
+                     SmolLM2-135M keeps 3 of 30, a 2-layer test model none; the lm_head is never converted)
+    emulated         the block-scaled formats on a GPU without block-scaled tensor cores (Hopper) or
+                     the CPU: the same quantization, the matmuls from the dequantized operands in bf16;
+                     accuracy only, never a speed (`--fp8-emulate`)
     align            in_features and out_features must be multiples of it: torch._scaled_mm's 16;
                      whole blocks; for 128x128 tiles groups of 4 blocks, because cuBLAS reads tile
                      scales with a leading dimension rounded up to 4 (PyTorch's block-wise path
@@ -51,8 +60,10 @@ class Fp8Recipe:
     scaling: str
     bf16_dgrad: bool = False
     bf16_end_layers: int = 0
-    block: int = 0  # the block length along the reduction ("block": 128, "mx": 32)
+    block: int = 0  # the block length along the reduction ("block": 128, "mx": 32, "nvfp4": 16)
     align: int = 16
+    bf16_last_layers: int = 0
+    emulated: bool = False
 
 
 RECIPES = {r.name: r for r in (
@@ -62,7 +73,14 @@ RECIPES = {r.name: r for r in (
     Fp8Recipe("tensorwise", "tensor"),
     Fp8Recipe("blockwise", "block", block=128, align=4 * 128),
     Fp8Recipe("mxfp8", "mx", block=32, align=32),
+    Fp8Recipe("nvfp4", "nvfp4", block=16, align=32, bf16_last_layers=4),
 )}
+# `--fp8-emulate`: the block-scaled recipes' numerics where their tensor cores are missing, under their
+# own names, so that every report, summary and log line that names the recipe says "emulated".
+EMULATED = {f"{name}-emulated": name for name, r in RECIPES.items() if r.scaling in ("mx", "nvfp4")}
+RECIPES.update({e: Fp8Recipe(e, RECIPES[name].scaling, block=RECIPES[name].block, align=RECIPES[name].align,
+                             bf16_last_layers=RECIPES[name].bf16_last_layers, emulated=True)
+                for e, name in EMULATED.items()})
 DEFAULT_RECIPE = "rowwise"
 
 
@@ -126,8 +144,8 @@ def expected_patches(config, recipe: str = DEFAULT_RECIPE) -> int:
     else:  # q, k, v, o, gate, up, down
         shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter),
                   (inter, hidden)]
-    ends = get_recipe(recipe).bf16_end_layers
-    layers = max(0, config.num_hidden_layers - 2 * ends)
+    first, last = bf16_layer_counts(recipe, config.num_hidden_layers)
+    layers = max(0, config.num_hidden_layers - first - last)
     return layers * sum(unsupported_reason(i, o, recipe) is None for i, o in shapes)
 
 
@@ -136,7 +154,7 @@ class Fp8KernelMismatch(RuntimeError):
 
 
 _probed: dict = {}
-SCALING_NAMES = {"row": "row-wise", "tensor": "tensor-wise", "block": "block-wise", "mx": "MXFP8"}
+SCALING_NAMES = {"row": "row-wise", "tensor": "tensor-wise", "block": "block-wise", "mx": "MXFP8", "nvfp4": "NVFP4"}
 
 
 def check_device(device: torch.device, recipe: str, probe: Callable[[torch.device, str], None]) -> None:
@@ -153,10 +171,12 @@ def check_device(device: torch.device, recipe: str, probe: Callable[[torch.devic
                               Blackwell, where fast accumulation is left off (`fast_accum_allowed`)
       block-wise              PyTorch runs 1x128 / 128x128 scales through cuBLAS on Hopper only; the
                               probe also checks the values against the dequantized product
-      mxfp8                   Blackwell (10.x, 12.x) and newer: torch._scaled_mm's MXFP8 matmul, probed
-                              like block-wise; Ada and Hopper have no MX tensor cores: refused in one
-                              line (`mx_missing`) rather than emulated, which would be slower than bf16
-    `probe(device, scaling)`: the lesson's check of the recipe's quantizers and matmuls on this device
+      mxfp8, nvfp4            Blackwell (10.x, 12.x) and newer: torch._scaled_mm's MXFP8 / NVFP4 matmul,
+                              probed like block-wise; Ada and Hopper have no block-scaled tensor cores:
+                              refused in one line (`mx_missing`) unless the user asks for the emulated
+                              recipe (`--fp8-emulate`: its accuracy, slower than bf16, never a speed)
+    `probe(device, scaling)` (scaling with "-emulated" appended for an emulated recipe): the lesson's
+    check of the recipe's quantizers and matmuls on this device
     (fp8_linear_kernel.probe_scaled_mm for row-wise scales, fp8_recipes_kernel.probe_scaled_mm for the
     others); RuntimeError if PyTorch refuses one, Fp8KernelMismatch if a quantizer writes other bytes.
     """
@@ -175,8 +195,8 @@ def check_device(device: torch.device, recipe: str, probe: Callable[[torch.devic
         raise RuntimeError(f"FP8 matmuls need compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
                            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: train without --fp8")
     has_mx = family not in (gpu_arch.OLDER, gpu_arch.HOPPER)
-    if r.scaling == "mx" and not has_mx:
-        raise RuntimeError(mx_missing(major, minor))
+    if r.scaling in ("mx", "nvfp4") and not has_mx and not r.emulated:
+        raise RuntimeError(mx_missing(major, minor, recipe))
     if r.scaling == "block" and family != gpu_arch.HOPPER:
         raise RuntimeError(f"--fp8-recipe blockwise: PyTorch's 1x128 / 128x128 block-scaled FP8 matmul (cuBLAS) runs "
                            f"on Hopper (sm_90) only, and this GPU is sm_{major}{minor}: use --fp8-recipe rowwise"
@@ -184,10 +204,10 @@ def check_device(device: torch.device, recipe: str, probe: Callable[[torch.devic
     import triton
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.__version__, triton.__version__, r.scaling)
+    key = (index, torch.__version__, triton.__version__, r.scaling, r.emulated)
     if key not in _probed:
         try:
-            probe(torch.device("cuda", index), r.scaling)
+            probe(torch.device("cuda", index), r.scaling + ("-emulated" if r.emulated else ""))
             _probed[key] = None
         except Fp8KernelMismatch as err:
             _probed[key] = str(err)
@@ -200,11 +220,32 @@ def check_device(device: torch.device, recipe: str, probe: Callable[[torch.devic
         raise RuntimeError(_probed[key])
 
 
-def mx_missing(major: int, minor: int) -> str:
-    """Why --fp8-recipe mxfp8 cannot run on a GPU of compute capability major.minor, before Blackwell: one line."""
-    return (f"--fp8-recipe mxfp8 needs MX block-scaled FP8 tensor cores (1x32 blocks, e8m0 scales), which "
-            f"Blackwell (compute capability 10.0 and newer) has and this sm_{major}{minor} GPU has not: use "
-            "--fp8-recipe rowwise")
+def mx_missing(major: int, minor: int, recipe: str = "mxfp8") -> str:
+    """Why --fp8-recipe mxfp8 or nvfp4 cannot run on a GPU of compute capability major.minor, before
+    Blackwell: one line."""
+    what = ("MX block-scaled FP8 tensor cores (1x32 blocks, e8m0 scales)" if get_recipe(recipe).scaling == "mx"
+            else "NVFP4 block-scaled FP4 tensor cores (1x16 blocks, e4m3 scales)")
+    return (f"--fp8-recipe {recipe} needs {what}, which Blackwell (compute capability 10.0 and newer) has and "
+            f"this sm_{major}{minor} GPU has not: use --fp8-recipe rowwise, or add --fp8-emulate to measure its "
+            "accuracy (same quantization, bf16 matmuls, no speed)")
+
+
+def bf16_layer_counts(recipe: str, n_layers: int) -> tuple[int, int]:
+    """(first, last): how many of a model's n_layers decoder layers the recipe keeps in bf16 at each end."""
+    r = get_recipe(recipe)
+    return r.bf16_end_layers, max(r.bf16_end_layers, min(r.bf16_last_layers, n_layers // 8))
+
+
+def emulated_name(recipe: str) -> str:
+    """The recipe `--fp8-emulate` runs for `--fp8-recipe recipe` ('nvfp4' -> 'nvfp4-emulated'); ValueError
+    for a recipe that has nothing to emulate (its matmuls run on Hopper's FP8 tensor cores)."""
+    if get_recipe(recipe).emulated:
+        return recipe
+    name = f"{recipe}-emulated"
+    if name not in EMULATED:
+        raise ValueError(f"--fp8-emulate is for Blackwell's block-scaled formats ({', '.join(EMULATED.values())}); "
+                         f"--fp8-recipe {recipe} runs natively on Hopper and newer")
+    return name
 
 
 def ptxas_release(device: torch.device) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from core.fp8_support import RECIPES
+from core.fp8_support import EMULATED, RECIPES, emulated_name
 from playbook.memory.activations import parse_layers
 from playbook.model.lora import parse_targets
 from playbook.model.presets import DEFAULT_MODEL
@@ -36,7 +36,7 @@ from playbook.model.registry import NAMES, PEERS, parse_kernels
 from playbook.plan import memory_plan
 from playbook.runtime.common import usage_error
 
-FP8_RECIPES = tuple(RECIPES)  # core/fp8_support.py: the recipes by name
+FP8_RECIPES = tuple(name for name, r in RECIPES.items() if not r.emulated)  # core/fp8_support.py: the recipes by name
 # --fp8's default: the fastest recipe whose loss on docs/fp8.md's memorization task is no worse than torchao's
 # row-wise recipe (docs/fp8.md, "Recipes", has the measurements)
 FP8_DEFAULT_RECIPE = "rowwise-bf16-ends"
@@ -427,10 +427,15 @@ def _add_model_arguments(p: argparse.ArgumentParser, kernels_default: tuple | No
                         "all: every projection the recipe converts, whatever its size")
     m.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="with --fp8: scales per row (rowwise), per tensor (tensorwise), per 1x128 / 128x128 block "
-                        "(blockwise, Hopper), per 1x32 block with power-of-two scales (mxfp8, Blackwell; its "
-                        "quantizer not yet a kernel), or row-wise with the input-gradient matmul (rowwise-bf16-dgrad) or the first and last "
+                        "(blockwise, Hopper), per 1x32 block with power-of-two scales (mxfp8, Blackwell), NVFP4 "
+                        "(nvfp4, Blackwell: 4-bit values in 1x16 blocks, the last 4 decoder layers in bf16), or row-wise with the input-gradient matmul (rowwise-bf16-dgrad) or the first and last "
                         "2 decoder layers (rowwise-bf16-ends) in bf16; docs/fp8.md compares them "
                         f"(default: {FP8_DEFAULT_RECIPE}; a model of 4 layers or fewer then has no FP8 layer)")
+    m.add_argument("--fp8-emulate", action="store_true",
+                   help="with --fp8 --fp8-recipe mxfp8 or nvfp4 on a GPU without block-scaled tensor cores (Hopper) "
+                        "or the CPU: the same quantization, the matmuls from the dequantized operands in bf16; for "
+                        "accuracy only (the recipe is reported as '<name>-emulated', and its speed is not a speed: "
+                        "docs/fp8.md)")
     m.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each decoder layer in backward (keeps only each layer's input; ~1/3 more "
                         "compute); docs/memory.md")
@@ -706,6 +711,14 @@ def _model_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, s
     if a.fp8_recipe not in (None, "rowwise") and a.fp8_backend != "playbook":
         raise usage_error(f"--fp8-recipe {a.fp8_recipe} is this project's; --fp8-backend {a.fp8_backend} runs "
                           "torchao's row-wise recipe")
+    fp8_recipe = a.fp8_recipe or (FP8_DEFAULT_RECIPE if a.fp8_backend == "playbook" else "rowwise")
+    if a.fp8_emulate:
+        if not a.fp8:
+            raise usage_error("--fp8-emulate emulates --fp8's block-scaled recipes: add --fp8 --fp8-recipe mxfp8 or nvfp4")
+        if fp8_recipe not in EMULATED.values():
+            raise usage_error(f"--fp8-emulate is for the block-scaled recipes ({', '.join(EMULATED.values())}); "
+                              f"--fp8-recipe {fp8_recipe} runs natively on Hopper and newer")
+        fp8_recipe = emulated_name(fp8_recipe)
     checkpoint_layers = _check_saved_activations(a)
     if (a.lora_alpha is not None or a.lora_dropout or a.merge_lora or a.lora_targets != "all"
             or a.load_in_4bit) and not a.lora_r:
@@ -738,7 +751,7 @@ def _model_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, s
         checkpoint_layers=checkpoint_layers, offload_activations=a.offload_activations,
         keep_attention=a.keep_attention, recompute_norms=a.recompute_norms, offload_layers=a.offload_layers,
         mlp_chunk_tokens=a.mlp_chunk_tokens, kernels=tuple(kernels), fp8=a.fp8, fp8_backend=a.fp8_backend,
-        fp8_recipe=a.fp8_recipe or (FP8_DEFAULT_RECIPE if a.fp8_backend == "playbook" else "rowwise"),
+        fp8_recipe=fp8_recipe,
         fp8_layers=a.fp8_layers or "auto", compile=a.compile, lora_r=a.lora_r, lora_alpha=a.lora_alpha,
         lora_dropout=a.lora_dropout, lora_targets=a.lora_targets, merge_lora=a.merge_lora,
         load_in_4bit=a.load_in_4bit)

@@ -124,6 +124,18 @@ def test_unknown_kernel_is_a_usage_error(monkeypatch, capsys):
     record("--kernels bogus: exit 2, lists the valid names", 0.0, 0.0, True)
 
 
+def test_mx_quant_rows_check_then_time(monkeypatch, capsys):
+    """--mx-quant --smoke: every quantizer row (MXFP8 and NVFP4, one copy and both) checked against its
+    reference bit for bit, then run, in the interpreter; without --smoke on a CPU, exit 2 in one line."""
+    assert _main(monkeypatch, "--mx-quant", "--smoke") == 0
+    out = capsys.readouterr().out
+    assert out.count("70 x 96") == 4 and "nvfp4, both, SR + Hadamard" in out and "interpreter" in out
+    if not torch.cuda.is_available():
+        assert _main(monkeypatch, "--mx-quant") == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    record("--mx-quant --smoke: 4 quantizer rows checked and run", 0.0, 0.0, True)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 @pytest.mark.parametrize("args", [(), ("--tune",)])
 def test_timings_without_a_gpu_exit_2(monkeypatch, capsys, args):

@@ -194,13 +194,26 @@ def plot_curve(result: RunResult, path) -> None:
     plt.close(fig)
 
 
+def emulation(cfg) -> str | None:
+    """The emulated FP8/FP4 recipe a run trains with (`--fp8-emulate`), or None: its times are of the
+    emulation (dequantized bf16 matmuls), never a speed of the format, and every line that prints one says so."""
+    from core.fp8_support import RECIPES
+
+    recipe = getattr(cfg, "fp8_recipe", None)
+    return recipe if getattr(cfg, "fp8", False) and recipe in RECIPES and RECIPES[recipe].emulated else None
+
+
 def step_line(step: int, steps: int, loss: float, eval_loss: float | None, lr: float, norm, seconds: float,
-              text_tokens: int, tokens: int, time_left: str) -> str:
-    """A logged step's line: "step    10/100  loss 2.3456  lr 1.00e-04  grad norm 0.812  512.3 ms  ..."."""
+              text_tokens: int, tokens: int, time_left: str, emulated: str | None = None) -> str:
+    """A logged step's line: "step    10/100  loss 2.3456  lr 1.00e-04  grad norm 0.812  512.3 ms  ...";
+    `emulated` (the recipe, `emulation`): the time and throughput are marked as the emulation's."""
+    timing = f"  {seconds * 1e3:8.1f} ms  {throughput(text_tokens, tokens, seconds)}"
+    if emulated:
+        timing += f" [{emulated}: emulated, not a speed]"
     return (f"step {step:5d}/{steps}  loss {loss:.4f}"
             + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
             + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
-            + f"  {seconds * 1e3:8.1f} ms  {throughput(text_tokens, tokens, seconds)}" + time_left)
+            + timing + time_left)
 
 
 def answers_before(model, tokenizer, prompts: list, device) -> list[dict]:
@@ -232,9 +245,16 @@ def write_report(cfg, result: RunResult, model, time_left: dict, stopped: str | 
 
     rows = table_rows(summary, cfg.on_gpu)
     unit = "GPUs" if cfg.on_gpu else "processes"
+    emulated = emulation(cfg)
+    if emulated:  # every timing row names the emulation: none of them is the format's speed
+        rows = [(k + " [emulated]" if ("ms" in k or "/s" in k or "MFU" in k) else k, v) for k, v in rows]
     print(tabulate(rows, headers=[f"{cfg.script}: {result.model}, {cfg.batch_size}x{cfg.seq_len}"
                                   + (f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else "")
-                                  + (f" x {size} {unit}" if size > 1 else ""), ""], tablefmt="github"))
+                                  + (f" x {size} {unit}" if size > 1 else "")
+                                  + (f", {emulated}" if emulated else ""), ""], tablefmt="github"))
+    if emulated:
+        print(f"(--fp8-emulate: recipe {emulated} quantizes as the format does and multiplies dequantized bf16 "
+              "operands; its losses are the format's, its times and throughputs are the emulation's, not comparable)")
     if size > 1:
         print("(tokens/s counts every process's tokens; the loss is the job's mean over its target tokens)")
     if summary["padding (% of tokens)"]:

@@ -33,7 +33,7 @@ from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
 from playbook.optim.schedule import LRSchedule
 from playbook.run import interpreter, start
 from playbook.run.best import BestEval
-from playbook.run.report import (MetricsLog, RunResult, answers_after, answers_before, default_tag, step_line,
+from playbook.run.report import (MetricsLog, RunResult, answers_after, answers_before, default_tag, emulation, step_line,
                                  write_report)
 from playbook.run.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load,
                                  lr_warmup_steps, read_resume, resume_settings)
@@ -339,7 +339,7 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
     run.left.step_done(step + 1)
     if log_now or eval_loss is not None:
         line = step_line(step + 1, run.steps, loss_value, eval_loss, lr, norm, dt, n_text, result.tokens_per_step,
-                         run.left.text(step + 1))
+                         run.left.text(step + 1), emulation(run.cfg))
         if bar.disable:
             log(line)
         else:
