@@ -34,6 +34,7 @@ from playbook.model.lora import parse_targets
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import NAMES, PEERS, parse_kernels
 from playbook.plan import memory_plan
+from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 
 FP8_RECIPES = tuple(RECIPES)  # core/fp8_support.py: the recipes by name
@@ -620,10 +621,13 @@ def parse_config(parser: argparse.ArgumentParser, script, argv=None) -> RunConfi
     for line in getattr(a, "deprecations", ()):  # each once, before anything else is said
         print(f"note: {line}", file=sys.stderr)
     gpu = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
-    sharded = int(os.environ.get("WORLD_SIZE", 1)) > 1  # under torchrun: FSDP2
+    try:  # (checked at the start-up too; read again here, where a test or a caller may have set it since)
+        local_rank, size = environment.torchrun_value("LOCAL_RANK"), environment.torchrun_value("WORLD_SIZE")
+    except environment.BadValue as err:
+        raise environment.refused(err) from None
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+    sharded = size > 1  # under torchrun: FSDP2
     if sharded and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        size = os.environ["WORLD_SIZE"]
         raise usage_error(f"WORLD_SIZE={size} asks for {size} processes, and MASTER_ADDR / MASTER_PORT, which torchrun "
                           f"sets for them to meet, are not set: start the run with torchrun (torchrun --nproc-per-node "
                           f"{size} {defaults.name}.py ...), or unset WORLD_SIZE, RANK and LOCAL_RANK for one process")

@@ -19,6 +19,7 @@ from playbook.model.lora import parse_targets
 from playbook.optim.optimizer import rounding_of, weight_rounding
 from playbook.optim.schedule import schedule_factor
 from playbook.run import cuda_graph
+from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 from playbook.store import checkpoint
 from playbook.store.checkpoint import LATEST_FILE, list_checkpoints, read_checkpoint_info
@@ -101,27 +102,28 @@ def settings_differences(saved: dict, ours: dict) -> list[str]:
     return lines
 
 
-def _probe_folder(folder, what: str) -> None:
-    """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
+def _probe_folder(folder, what: str, how: str) -> None:
+    """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written; `how`:
+    the way to choose another (the flag or variable that names it)."""
     for p in (folder, *folder.parents):
         if p.exists() and not p.is_dir():
             where = "is a file" if p == folder else f"lies under {p}, which is a file"
-            raise usage_error(f"{what} {folder} {where}, not a directory: choose another {what}")
+            raise usage_error(f"{what} {folder} {where}, not a directory: {how}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise usage_error(f"{what} {folder} cannot be written ({err.strerror or err}): choose a writable "
-                          "directory") from None
+        raise usage_error(f"{what} {folder} cannot be written ({err.strerror or err}): {how}") from None
 
 
 def check_output_folders(cfg) -> None:
     """results/ and --output-dir are directories this run can write, checked before the model is built."""
-    _probe_folder(RESULTS_DIR, "the results folder")
+    _probe_folder(RESULTS_DIR, "the results folder", f"set {environment.RESULTS_DIR} to a writable folder (e.g. "
+                                                     f"{environment.RESULTS_DIR}=~/playbook-results) to write there")
     if cfg.output_dir is not None:
-        _probe_folder(cfg.output_dir, "--output-dir")
+        _probe_folder(cfg.output_dir, "--output-dir", "give an --output-dir in a writable folder")
 
 
 def resume_error(cfg, err) -> SystemExit:

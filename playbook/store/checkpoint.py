@@ -146,7 +146,7 @@ def _world(what: str) -> tuple[int, int]:
     """(rank, world size): of the process group when there is one, else (0, 1)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    size = int(os.environ.get("WORLD_SIZE", 1))
+    size = int((os.environ.get("WORLD_SIZE") or "").strip() or 1)  # unset, empty or blank: 1 (runtime/environment.py)
     if size > 1:
         raise RuntimeError(f"{what}: WORLD_SIZE is {size} but torch.distributed is not initialized; every process "
                            "must call torch.distributed.init_process_group before saving or loading a checkpoint")
