@@ -47,8 +47,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
-from playbook.config import PROFILE, make_parser, parse_config
-from playbook.runtime.common import usage_error
+from playbook.config import PROFILE, make_parser, parse_config, refuse_unused
 from playbook.model.registry import in_effect
 from playbook.run import cuda_graph
 from playbook.run.start import build, run_errors, settle
@@ -110,6 +109,7 @@ class ProfileSection:
     """profile_baseline.py's part of the command line (config.make_parser's `extra`): what --steps and
     --timing-warmup-steps mean here, and the refusal of the shared options a profile does not use."""
 
+    unused = UNUSED  # (config.unused_options)
     recorded_steps: int  # --steps: the steps the profiler records
 
     @staticmethod
@@ -123,11 +123,7 @@ class ProfileSection:
 
     @classmethod
     def from_args(cls, a, parser) -> "ProfileSection":
-        given = [(dest, why) for dest, why in UNUSED.items() if getattr(a, dest, None) != parser.get_default(dest)]
-        if given:
-            flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
-            whys = "; ".join(why for _, why in given if why)
-            raise usage_error(f"profile_baseline.py does not use {flags}" + (f" ({whys})" if whys else ""))
+        refuse_unused(a, parser, "profile_baseline.py", UNUSED)
         return cls(recorded_steps=a.steps or RECORDED_STEPS)
 
 

@@ -17,7 +17,7 @@ from core.process import is_main, log, world
 from playbook.config import resumable_settings
 from playbook.model.lora import parse_targets
 from playbook.optim.optimizer import rounding_of, weight_rounding
-from playbook.optim.schedule import schedule_factor
+from playbook.optim.schedule import schedule_factor, warmup_steps
 from playbook.run import cuda_graph
 from playbook.runtime import environment
 from playbook.runtime.common import usage_error
@@ -139,6 +139,19 @@ def read_resume(cfg) -> dict:
         raise resume_error(cfg, err) from None
 
 
+def refuse_differences(cfg, lines: list[str]) -> None:
+    """Stop (exit code 2) a resume whose settings differ from the checkpoint's (settings_differences' lines), in
+    the words every training script uses; nothing where `lines` is empty."""
+    if not lines:
+        return
+    print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
+          "data order and the learning-rate schedule:", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    print("Resume with the checkpoint's values, or start a new run (another --output-dir).", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
     """Stop (exit code 2) when this run's settings differ from the checkpoint's, one line each; warn when
     the checkpoint predates stored settings; say how the schedule changes when the length does."""
@@ -147,14 +160,7 @@ def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
         log(f"warning: {info['path']} stores no run settings (an older checkpoint): whether this run's batch size, "
             "data, sequence length and schedule are the saved run's cannot be checked")
     else:
-        lines = settings_differences(saved, settings)
-        if lines:
-            print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
-                  "data order and the learning-rate schedule:", file=sys.stderr)
-            for line in lines:
-                print(f"  {line}", file=sys.stderr)
-            print("Resume with the checkpoint's values, or start a new run (another --output-dir).", file=sys.stderr)
-            raise SystemExit(2)
+        refuse_differences(cfg, settings_differences(saved, settings))
     schedule = info["scheduler"]
     if schedule and schedule["total"] != steps and info["step"] < steps:
         start, kind = info["step"], schedule["kind"]
@@ -188,11 +194,11 @@ def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
 
 
 def lr_warmup_steps(cfg, info: dict | None, steps: int) -> int:
-    """The schedule's warm-up steps: --lr-warmup-steps, or --warmup-ratio of the run's length; resumed, a
-    share of the saved run's length (the warm-up already done)."""
+    """The schedule's warm-up steps: --lr-warmup-steps, or --warmup-ratio of the run's length rounded up to a
+    whole step (schedule.warmup_steps); resumed, a share of the saved run's length (the warm-up already done)."""
     if info is not None and info["scheduler"] and not cfg.lr_warmup_steps and cfg.warmup_ratio:
         return info["scheduler"]["warmup"]
-    return cfg.lr_warmup_steps or int(cfg.warmup_ratio * steps)
+    return warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, steps)
 
 
 def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:

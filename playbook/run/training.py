@@ -27,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from core.process import is_main, log, world
+from playbook.config import check_lr_warmup
 from playbook.data.dataset import IGNORE_INDEX
 from playbook.model.lora import merge_and_save
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
@@ -246,6 +247,8 @@ def start_run(cfg) -> Run:
         raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
                           f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
                           f"{steps - 1}")
+    if cfg.steps is None:  # (--steps: checked with the arguments)
+        check_lr_warmup(cfg.lr_warmup_steps, steps, counted=f" (--epochs {cfg.epochs:g} of this data)")
     settings = resume_settings(cfg, model_name)
     if info is not None:
         check_resumed_run(cfg, info, settings, steps)

@@ -1,0 +1,102 @@
+"""One table of refusals, run against every training script: the same wrong command line ends in the same line.
+
+    $ pytest tests/refusals_test.py
+
+Each row is a command line that no training script can run, and the line it ends in (exit code 2). Every
+script in SCRIPTS parses it through its own entry point (the argument check each runs before anything is
+loaded, well under a second), and must refuse it:
+
+- with the row's words, where the script takes every flag of the row;
+- with "<script> does not use <flag>", where it takes one of them not at all (distill.py keeps no
+  checkpoints, the Trainer runs no CUDA graphs);
+- naming, in any advice, only flags that the script takes (or that the command line gave).
+
+Add a row, and every script is checked against it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import distill
+import finetune_trainer
+from playbook.config import BASELINE, OPTIMIZED, make_parser, parse_config, unused_options
+from playbook.model.registry import DEFAULT_KERNELS
+
+
+def _own_loop(script):
+    return lambda: make_parser("t", kernels_default=None if script is BASELINE else DEFAULT_KERNELS)
+
+
+# script -> (its parser, as the script builds it; how the script parses its command line)
+SCRIPTS = {
+    "finetune_baseline.py": (_own_loop(BASELINE), lambda argv: parse_config(make_parser("t"), BASELINE, argv)),
+    "finetune_optimized.py": (_own_loop(OPTIMIZED), lambda argv: parse_config(
+        make_parser("t", kernels_default=DEFAULT_KERNELS), OPTIMIZED, argv)),
+    "finetune_trainer.py": (finetune_trainer.make_trainer_parser, finetune_trainer.parse_args),
+    "distill.py": (distill.make_parser, distill.parse_args),
+}
+
+CHAT = str(Path(__file__).resolve().parent.parent / "examples" / "chat.jsonl")
+
+# (command line, the line that refuses it)
+REFUSALS = [
+    (["--lr-warmup-steps", "2", "--warmup-ratio", "0.1"],
+     "choose one of --lr-warmup-steps (a number of steps) and --warmup-ratio (a share of the run's steps)"),
+    (["--steps", "3", "--lr-warmup-steps", "100"],
+     "--lr-warmup-steps 100 is longer than the run's 3 steps: the learning rate would end at 3 % of --lr"),
+    (["--steps", "3", "--epochs", "1", "--dataset", CHAT], "choose one of --steps and --epochs"),
+    (["--early-stopping-patience", "2"], "--early-stopping-patience 2 counts evals: give --eval-every N"),
+    (["--load-best-model-at-end"], "--load-best-model-at-end keeps the checkpoint of the lowest eval loss: it needs "
+                                   "--eval-every N"),
+    (["--early-stopping-threshold", "0.1"], "--early-stopping-threshold applies to --early-stopping-patience"),
+    (["--save-every", "2"], "--save-every needs --output-dir"),
+    (["--save-total-limit", "2"], "--save-total-limit needs --output-dir"),
+    (["--overwrite-output-dir"], "--overwrite-output-dir needs --output-dir"),
+    (["--eval-every", "2"], "--eval-every evaluates on held-out rows: it needs --dataset"),
+    (["--optimizer-in-backward", "--grad-accum", "2"],
+     "--optimizer-in-backward updates each parameter inside backward, which rules out --grad-accum"),
+    (["--resume", "no-such-run/checkpoint-2"], "--resume no-such-run/checkpoint-2: no such checkpoint directory"),
+    (["--lora-alpha", "16"], "--lora-alpha needs --lora-r (the adapters' rank)"),
+    (["--fp8-recipe", "tensorwise"], "--fp8-recipe chooses how --fp8 scales its matmuls: add --fp8"),
+    (["--packing"], "--packing/--no-packing, --train-on-prompt, --eval-fraction and --epochs need --dataset"),
+]
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _expected(script: str, argv: list[str], words: str) -> list[str]:
+    """What the line must say: the row's words, or, where the script takes some of the row's flags not at all,
+    "<script> does not use" and each of those flags."""
+    parser = SCRIPTS[script][0]()
+    unused = [f for f in argv if f in unused_options(parser)]
+    return [f"{script} does not use ", *unused] if unused else [words]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("argv, words", REFUSALS, ids=[" ".join(argv) for argv, _ in REFUSALS])
+def test_every_training_script_refuses_the_row(script, argv, words, capsys):
+    """Each row ends in one line (exit code 2) in every script, before anything is loaded; where the script takes
+    the row's flags, in the row's words; any flag the line advises is one the script takes."""
+    parser = SCRIPTS[script][0]()
+    with pytest.raises(SystemExit) as stop:
+        SCRIPTS[script][1](argv)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2, (script, argv, stop.value.code, err)
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, (script, argv, err)
+    for expected in _expected(script, argv, words):
+        assert expected in err, (script, argv, expected, err)
+    taken = {o for action in parser._actions for o in action.option_strings} - unused_options(parser)
+    advised = set(FLAG.findall(err.split(" does not use ")[0] if " does not use " in err else err)) - set(argv)
+    assert advised <= taken, (script, argv, sorted(advised - taken), err)
+
+
+def test_the_table_reaches_every_refusal_kind():
+    """The table is not vacuous: some row is refused in its own words by every script that takes its flags, and
+    some by a script that does not take them."""
+    kinds = {(script, _expected(script, argv, words) == [words]) for script in SCRIPTS for argv, words in REFUSALS}
+    assert {s for s, own in kinds if own} == set(SCRIPTS), kinds
+    assert any(not own for _, own in kinds), kinds
