@@ -100,3 +100,46 @@ def test_the_table_reaches_every_refusal_kind():
     kinds = {(script, _expected(script, argv, words) == [words]) for script in SCRIPTS for argv, words in REFUSALS}
     assert {s for s, own in kinds if own} == set(SCRIPTS), kinds
     assert any(not own for _, own in kinds), kinds
+
+
+# ------------------------------------------------------------------------------------------------
+# Warm-up as users count it, and a resume that changes the schedule, in the Trainer as in the own loop
+# ------------------------------------------------------------------------------------------------
+def test_a_warmup_ratio_rounds_up_to_whole_steps():
+    """--warmup-ratio 0.05 --steps 10 was 0 warm-up steps (int() of 0.5); the Hugging Face Trainer counts 1, and so
+    does every script now. A product a binary float overshoots (0.1 * 30 = 3.0000000000000004) is the 3 it means."""
+    from playbook.optim.schedule import warmup_steps
+    from playbook.run.resume import lr_warmup_steps
+
+    assert [warmup_steps(0, 0.05, 10), warmup_steps(0, 0.1, 30), warmup_steps(0, 0.25, 10), warmup_steps(0, 0.0, 10),
+            warmup_steps(4, 0.0, 10)] == [1, 3, 3, 0, 4]
+    cfg = SCRIPTS["finetune_optimized.py"][1](["--steps", "10", "--warmup-ratio", "0.05"])
+    assert lr_warmup_steps(cfg, None, 10) == 1  # the own loop's schedule
+
+
+def test_the_trainer_warms_up_with_epochs_and_refuses_a_resume_with_another_lr(tmp_path, capsys):
+    """finetune_trainer.py with --epochs and --warmup-ratio had no warm-up at all (the ratio of an unset --steps);
+    resumed with another --lr it exited 0 and trained at the checkpoint's rates. Now the warm-up is the ratio of
+    the epoch's steps, rounded up, and the resume is refused with the own loop's words, before the model is built.
+    (llama-tiny, 5 steps of 4 rows on the CPU: about 6 s.)"""
+    import json
+
+    rows = tmp_path / "chat.jsonl"
+    qa = [("What is 2 + 2?", "4."), ("Name a colour.", "Blue."), ("Capital of France?", "Paris."),
+          ("Opposite of hot?", "Cold."), ("A fruit?", "An apple."), ("Say hi.", "Hi!")] * 3
+    rows.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                         {"role": "assistant", "content": a}]}) for q, a in qa))
+    argv = ["--model", "llama-tiny", "--dataset", str(rows), "--epochs", "1", "--warmup-ratio", "0.05", "--seq-len",
+            "64", "--batch-size", "4", "--log-every", "1", "--eval-fraction", "0", "--kernels", "none", "--lr", "1e-3",
+            "--output-dir", str(tmp_path / "o"), "--save-every", "2"]
+    trainer, _ = finetune_trainer.main(argv)
+    rates = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert len(rates) == 5 and rates[1] == pytest.approx(1e-3), rates  # 18 rows / 4: 5 steps, 1 warming up
+    assert "Learning-rate warm-up: 1 of 5 steps (--warmup-ratio 0.05" in capsys.readouterr().out
+    assert (tmp_path / "o" / "checkpoint-2" / finetune_trainer.SETTINGS_FILE).is_file()
+    resumed = [a if a != "1e-3" else "2e-3" for a in argv] + ["--resume", str(tmp_path / "o" / "checkpoint-2")]
+    with pytest.raises(SystemExit) as stop:
+        finetune_trainer.main(resumed)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "this run's settings differ from the checkpoint's" in err, err
+    assert "--lr: checkpoint 0.001, this run 0.002" in err, err
