@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import glob
 import json
 import os
@@ -617,8 +616,10 @@ def modelfile_there(path: Path, text: str) -> str | None:
 
 def failed(output: Path, modelfile_path: Path, err: OSError, placed: list, existed: list) -> str:
     """The one line of an export whose files could not be written: why, and what is on disk now."""
-    why = "the disk is full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-    way = "; free some space there, or choose another --output" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    from playbook.store.files import is_full_disk, write_failure
+
+    why = write_failure(err)  # (a short write of the GGUF writer, numpy's, is a full disk too)
+    way = "; free some space there, or choose another --output" if is_full_disk(err) else ""
     if placed:  # the GGUF was renamed into place, the Modelfile could not be
         return (f"--output {output} was written, but its Modelfile {modelfile_path} could not be ({why})"
                 + (f"; the {modelfile_path.name} already there is as it was" if modelfile_path in existed else "")

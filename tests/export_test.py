@@ -566,6 +566,16 @@ def test_a_full_disk_leaves_no_file_and_keeps_the_files_there(tmp_path, tiny_run
         assert list(tmp_path.iterdir()) == []
         assert said == (f"error: --output {out}: could not be written (the disk is full); nothing was left behind; "
                         "free some space there, or choose another --output")
+
+        class ShortWrite(gguf.GGUFWriter):  # numpy's tofile, which the GGUF writer uses, names no disk
+            def write_tensors_to_file(self, *, progress=False):
+                raise OSError("32768 requested and 31552 written")
+
+        patch.setattr(export, "GGUFWriter", ShortWrite)
+        said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(out)])
+        assert said == (f"error: --output {out}: could not be written (the disk is full (the write stopped short: "
+                        "32768 requested and 31552 written)); nothing was left behind; free some space there, or "
+                        "choose another --output"), said
         out.write_bytes(b"the user's earlier export")
 
     class FullDiskText:  # the Modelfile, renamed into place after the GGUF file: both stay as they were

@@ -43,7 +43,7 @@ from playbook.run.step import StepRunner
 from playbook.runtime import signals
 from playbook.runtime.common import describe_gpu, interactive, synchronize, versions
 from playbook.runtime.time_left import TimeLeft, in_progress, running
-from playbook.store.files import RESULTS_DIR, result_path
+from playbook.store.files import RESULTS_DIR, result_path, write_failure
 
 
 
@@ -415,7 +415,7 @@ def save_when_due(run: Run, done: int, force: bool = False) -> str | None:
     except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a file size limit,
         # permissions (safetensors' own error for a failed write): the summary is still written
         return (f"error: the checkpoint of step {done} could not be written to {cfg.output_dir} "
-                f"({str(err).splitlines()[0][:300]})"
+                f"({write_failure(err)})"
                 + (f"; the last complete checkpoint is {run.last_saved}" if run.last_saved else
                    "; no checkpoint of this run is complete"))
     run.last_saved = path
@@ -495,7 +495,7 @@ def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
     try:
         path = last_saved if last_saved is not None and Path(last_saved).name == f"checkpoint-{step}" else save_now()
     except (OSError, RuntimeError, SafetensorError) as err:
-        return (kept + f"; the checkpoint of step {step} could not be written ({str(err).splitlines()[0][:200]})"
+        return (kept + f"; the checkpoint of step {step} could not be written ({write_failure(err)})"
                 + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
     return kept + f"; saved {path}: resume with --resume {cfg.output_dir}"
 
