@@ -22,7 +22,7 @@ from playbook.run import cuda_graph
 from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 from playbook.store import checkpoint
-from playbook.store.checkpoint import LATEST_FILE, list_checkpoints, read_checkpoint_info
+from playbook.store.checkpoint import BEST_FILE, LATEST_FILE, list_checkpoints, read_checkpoint_info
 from playbook.store.files import RESULTS_DIR
 
 
@@ -232,9 +232,9 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     if is_main():
         for p in others:
             shutil.rmtree(p)
-        latest = out / LATEST_FILE
-        if latest.is_file() and not (out / latest.read_text().strip()).is_dir():
-            latest.unlink()
+        for pointer in (out / LATEST_FILE, out / BEST_FILE):  # (a pointer to a deleted checkpoint goes with it)
+            if pointer.is_file() and not (out / pointer.read_text().strip()).is_dir():
+                pointer.unlink()
     log(f"--overwrite-output-dir: deleted {', '.join(p.name for p in others)} from {out} before training")
 
 
