@@ -135,12 +135,21 @@ def category(name: str) -> str:
     return "other"
 
 
+def make_profile_parser():
+    """The shared parser (playbook.config.make_parser) with the profile's section."""
+    return make_parser(__doc__.splitlines()[0], kernels_default=(), extra=ProfileSection)
+
+
+def parse_args(argv=None):
+    """The run's RunConfig, every argument checked (one line and exit code 2 for a wrong one)."""
+    return parse_config(make_profile_parser(), PROFILE, argv)
+
+
 def main():
     from playbook.runtime.setup_check import check_or_exit
 
     check_or_exit()
-    cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=(), extra=ProfileSection),
-                       PROFILE)  # its own count of steps: --steps are the recorded ones
+    cfg = parse_args()  # its own count of steps: --steps are the recorded ones
     cfg = dataclasses.replace(cfg, steps=cfg.extra.recorded_steps)  # the summary's config says what ran
     gpu, active = cfg.on_gpu, cfg.steps
 
