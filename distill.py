@@ -71,6 +71,7 @@ from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from playbook import config  # noqa: E402
 from playbook.run.start import settle  # noqa: E402
+from playbook.run.resume import check_output_folders  # noqa: E402
 from playbook.model.models import count_params, load_model, prepare_model  # noqa: E402
 from playbook.model.presets import PRESETS  # noqa: E402
 from playbook.runtime.time_left import running  # noqa: E402
@@ -388,6 +389,8 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     d = cfg.extra
+    check_output_folders(cfg)  # results/ can be written (where not, one line naming PLAYBOOK_RESULTS_DIR), before
+    # any model is built, not after the run
     cfg = settle(cfg)  # --data, and the memory plan of the teacher beside the student, before either is built
     teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
     data = make_batches(cfg, teacher.config.vocab_size)

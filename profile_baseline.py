@@ -50,6 +50,7 @@ from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 from playbook.config import PROFILE, make_parser, parse_config, refuse_unused
 from playbook.model.registry import in_effect
 from playbook.run import cuda_graph
+from playbook.run.resume import check_output_folders
 from playbook.run.start import build, run_errors, settle
 from playbook.run.training import training_step
 from core.process import log
@@ -164,6 +165,8 @@ def main():
         with running(f"step {i + 1} of {cfg.warmup_steps + WAIT + WARMUP + active}"):  # (a long one says so)
             return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
+    check_output_folders(cfg)  # results/ can be written (where not, one line naming PLAYBOOK_RESULTS_DIR), before
+    # any model is built, not after the run
     cfg = settle(cfg)  # the run's RunConfig from here on: the memory plan checked, the rounding decided
     with run_errors(cfg, "nothing was recorded"):
         built = build(cfg)

@@ -143,3 +143,26 @@ def test_the_trainer_warms_up_with_epochs_and_refuses_a_resume_with_another_lr(t
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "this run's settings differ from the checkpoint's" in err, err
     assert "--lr: checkpoint 0.001, this run 0.002" in err, err
+
+
+@pytest.mark.parametrize("script", ["finetune_optimized.py", "distill.py"])
+def test_a_results_folder_that_cannot_be_written_is_refused_before_any_model(script, monkeypatch, capsys):
+    """A read-only checkout: one line that names PLAYBOOK_RESULTS_DIR, the way to choose another folder, before any
+    model is built (distill.py found out after its run, writing its summary)."""
+    from playbook.run import resume, start, training
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built before the results folder was checked")
+
+    monkeypatch.setattr(resume, "RESULTS_DIR", Path("/proc/playbook-no-results"))  # a folder no one can make
+    monkeypatch.setattr(start, "build", no_model)
+    monkeypatch.setattr(distill, "build_model", no_model)
+    with pytest.raises(SystemExit) as stop:
+        if script == "distill.py":
+            distill.main(["--steps", "2"])
+        else:
+            training.train(SCRIPTS[script][1](["--steps", "2"]))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, (stop.value.code, err)
+    assert "the results folder /proc/playbook-no-results cannot be written" in err, err
+    assert "set PLAYBOOK_RESULTS_DIR to a writable folder" in err, err
