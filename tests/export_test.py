@@ -741,3 +741,8 @@ def test_a_run_folder_exports_its_best_checkpoint_and_the_commands_are_quoted(tm
     assert words == ["ollama", "create", "checkpoint-5", "-f", str(modelfile)], create
     cli = next(line for line in said.out.splitlines() if "llama-cli" in line)
     assert shlex.split(cli.split("or:")[1]) == ["llama-cli", "-m", str(run / "checkpoint-5.f16.gguf"), "-cnv"], cli
+    # chat.py takes the run folder the same way, and its "Model:" line names the step
+    import chat
+
+    _, _, what = chat.load(str(run), torch.device("cpu"))
+    assert what.startswith(f"{run / 'checkpoint-5'} (the run's best checkpoint, step 5"), what
