@@ -166,3 +166,16 @@ def test_a_results_folder_that_cannot_be_written_is_refused_before_any_model(scr
     assert stop.value.code == 2, (stop.value.code, err)
     assert "the results folder /proc/playbook-no-results cannot be written" in err, err
     assert "set PLAYBOOK_RESULTS_DIR to a writable folder" in err, err
+
+
+def test_the_resume_command_after_a_sigterm_is_quoted_for_the_shell(tmp_path):
+    """The line a pre-empted run ends with holds a command to copy: an --output-dir with a space in it is one word."""
+    import shlex
+
+    from playbook.run import training
+
+    out = tmp_path / "my runs" / "out"
+    cfg = SCRIPTS["finetune_optimized.py"][1](["--steps", "4", "--output-dir", str(out)])
+    line = training.stop_after_sigterm(cfg, 2, 4, out / "checkpoint-2", save_now=lambda: out / "checkpoint-2")
+    assert line.endswith(f"resume with --resume {shlex.quote(str(out))}"), line
+    assert shlex.split(line.split("resume with ")[1]) == ["--resume", str(out)], line

@@ -18,6 +18,7 @@ playbook/run/report.py.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -539,7 +540,7 @@ def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
     except (OSError, RuntimeError, SafetensorError) as err:
         return (kept + f"; the checkpoint of step {step} could not be written ({write_failure(err)})"
                 + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
-    return kept + f"; saved {path}: resume with --resume {cfg.output_dir}"
+    return kept + f"; saved {path}: resume with --resume {shlex.quote(str(cfg.output_dir))}"  # (quoted: copied to a shell)
 
 
 def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None, keep=None):
