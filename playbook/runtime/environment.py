@@ -94,7 +94,7 @@ def _expand_home(name: str, raw: str, takes: str) -> Path:
     """`raw` with a leading `~` or `~user` expanded; a user this machine does not know (or a home it cannot find) is
     a BadValue, not the RuntimeError of Path.expanduser."""
     try:
-        return Path(raw.strip()).expanduser()
+        return Path(raw).expanduser()
     except RuntimeError:  # "Could not determine home directory": no such user, or no HOME
         user = raw.strip().split("/", 1)[0]
         raise BadValue(name, raw, f"starts with {user}, a home folder this machine does not know", takes) from None
