@@ -154,6 +154,10 @@ def test_torchruns_variables_empty_or_blank_are_the_default(monkeypatch):
         assert world() == (0, 1), repr(value)
         cfg = parse_config(make_parser("t", kernels_default=DEFAULT_KERNELS), "finetune_optimized", [])
         assert cfg.device.index in (None, 0), repr(value)  # (parsed without an int() error: one process)
+        from playbook.startup import start
+
+        start(kernels=False)  # unset for the libraries that read them too (int("") in transformers' arguments)
+        assert not [n for n in environment.TORCHRUN if n in os.environ], repr(value)
 
 
 def test_a_home_folder_this_machine_does_not_know_is_one_line(capsys):

@@ -172,6 +172,15 @@ def torchrun_value(name: str) -> int:
     return int(raw)
 
 
+def unset_blank_torchrun() -> None:
+    """Remove WORLD_SIZE, RANK or LOCAL_RANK where empty or blank: they mean the default, as unset does, and the
+    libraries that read them as well (transformers' TrainingArguments, accelerate, torch.distributed) take only a
+    number or nothing (int("") fails there). The start-up calls this after check()."""
+    for name in TORCHRUN:
+        if name in os.environ and _raw(name) is None:
+            del os.environ[name]
+
+
 def check() -> None:
     """Every variable above, read and checked once (the start-up calls this first): a bad value's line, and
     SystemExit with exit code 2."""
