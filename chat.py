@@ -7,7 +7,8 @@ the model's chat template (playbook/model/generate.py).
     python chat.py --model smollm2-135m --prompts-file examples/prompts.txt
 
 --model takes what the fine-tuning scripts take (a Hugging Face id, a local directory, a .gguf file,
-smollm2-135m) and the directories they write (checkpoint-N/, merged/). A LoRA adapter directory
+smollm2-135m) and the directories they write (checkpoint-N/, merged/, or the --output-dir: its best checkpoint
+where the run kept one with --load-best-model-at-end, else its latest; the "Model:" line names it). A LoRA adapter directory
 names its base model in adapter_config.json; that base is loaded, then the adapter. The same
 question to the same model always gets the same answer (greedy), so two checkpoints can be compared.
 --prompts-file reads text (a question a line), JSON Lines ({"prompt": ...} a line) or a JSON array
@@ -151,7 +152,7 @@ def load(name: str, device):
     """(model, tokenizer, description) for a model name, a checkpoint, a merged folder or an adapter. Anything
     that cannot be loaded is one line naming --model and exit code 2."""
     try:
-        return saved_run.load(name, words=ChatWords(), hub=True, preset_base=False, device=device,
+        return saved_run.load(name, words=ChatWords(), hub=True, follow_latest=True, preset_base=False, device=device,
                               dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     except saved_run.Refusal as err:
         raise refuse(str(err)) from None

@@ -71,6 +71,7 @@ from distillation_kernel import jsd_ref, linear_jsd  # noqa: E402
 from linear_cross_entropy_kernel import linear_cross_entropy  # noqa: E402
 from playbook import config  # noqa: E402
 from playbook.run.start import settle  # noqa: E402
+from playbook.run.resume import check_output_folders  # noqa: E402
 from playbook.model.models import count_params, load_model, prepare_model  # noqa: E402
 from playbook.model.presets import PRESETS  # noqa: E402
 from playbook.runtime.time_left import running  # noqa: E402
@@ -118,7 +119,7 @@ UNUSED = {
     "drop_long": None, "eval_dataset": None,
     "eval_fraction": None, "eval_every": None, "epochs": None, "grad_accum": None, "lr_schedule": None,
     "lr_warmup_steps": None, "warmup_ratio": None, "optimizer_in_backward": None, "max_grad_norm": None,
-    "output_dir": None, "save_every": None, "resume": None, "merge_lora": None, "log_every": "every step is logged",
+    "output_dir": None, "save_every": None, "save_total_limit": None, "overwrite_output_dir": None, "resume": None, "merge_lora": None, "log_every": "every step is logged",
     "report_to": None, "sample_prompts": "the student and teacher are compared on losses, not answers",
     "load_best_model_at_end": "it keeps no checkpoints", "early_stopping_patience": "it holds out no eval rows",
     "early_stopping_threshold": None,
@@ -130,6 +131,7 @@ class DistillConfig:
     """distill.py's own section of the RunConfig (`cfg.extra`): the two models and the loss."""
 
     refused_options = frozenset(UNUSED)  # the shared options refused above (the memory plan offers none of them)
+    unused = UNUSED  # (config.unused_options: the flags the table of refusals expects refused)
 
     mode: str  # "baseline", "fused" or "both"
     teacher: str
@@ -168,11 +170,7 @@ class DistillConfig:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, parser: argparse.ArgumentParser) -> "DistillConfig":
-        given = [(dest, why) for dest, why in UNUSED.items() if getattr(a, dest) != parser.get_default(dest)]
-        if given:
-            flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
-            whys = "; ".join(why for _, why in given if why)
-            raise usage_error(f"distill.py does not use {flags}" + (f" ({whys})" if whys else ""))
+        config.refuse_unused(a, parser, "distill.py", UNUSED)
         if a.dtype == "float32" and (a.optimizer_rounding not in (None, "nearest") or a.master_weights != "none"):
             raise usage_error("--optimizer-rounding and --master-weights keep the updates that rounding to bf16 "
                               "loses; the student's weights are float32 (--dtype float32), which lose none")
@@ -391,6 +389,8 @@ def summary_table(results: dict, on_gpu: bool) -> str:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     d = cfg.extra
+    check_output_folders(cfg)  # results/ can be written (where not, one line naming PLAYBOOK_RESULTS_DIR), before
+    # any model is built, not after the run
     cfg = settle(cfg)  # --data, and the memory plan of the teacher beside the student, before either is built
     teacher = build_model(cfg, d.teacher, d.teacher_layers, trains=False)
     data = make_batches(cfg, teacher.config.vocab_size)

@@ -6,8 +6,10 @@
     python export.py out/tiny-lora/checkpoint-8 --base llama-tiny   # an adapter whose base its config cannot name
     ollama create my-model -f out/smollm2/checkpoint-60.q8_0.Modelfile
 
-The source is what the fine-tuning scripts write: a checkpoint-N/ folder (or the --output-dir whose
-`latest` names one), a merged/ folder, or a LoRA adapter folder with its base model (merged on the way).
+The source is what the fine-tuning scripts write: a checkpoint-N/ folder (or the --output-dir: the best
+checkpoint where the run kept one with --load-best-model-at-end and ended with its weights, else the one its
+`latest` names; the line before the export says which step), a merged/ folder, or a LoRA adapter folder with
+its base model (merged on the way).
 Written in pure Python by the `gguf` package; no llama.cpp build is needed.
 
 An adapter is merged into its base as the run held it: with the layers the run kept (--num-layers, as
@@ -47,11 +49,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import glob
 import json
 import os
 import re
+import shlex
 import socket
 import sys
 import time
@@ -605,10 +607,12 @@ def remove_leftovers(path: Path) -> None:
 
 
 def modelfile_there(path: Path, text: str) -> str | None:
-    """What is at the Modelfile's path already: None (nothing), "same" (this text) or "other" (a Modelfile its
-    user edited, one written for another chat template, or any other file)."""
-    if not path.exists() and not path.is_symlink():
-        return None
+    """What is at the Modelfile's path already: None (nothing), "broken" (a link to nothing: it holds no Modelfile,
+    and the `ollama create` command would point at nothing, so the new one is written in the link's place, the
+    link's target left alone), "same" (this text) or "other" (a Modelfile its user edited, one written for another
+    chat template, or any other file)."""
+    if not path.exists():
+        return "broken" if path.is_symlink() else None
     try:
         return "same" if path.read_text(encoding="utf-8") == text else "other"
     except (OSError, ValueError):  # unreadable, or not text
@@ -617,8 +621,10 @@ def modelfile_there(path: Path, text: str) -> str | None:
 
 def failed(output: Path, modelfile_path: Path, err: OSError, placed: list, existed: list) -> str:
     """The one line of an export whose files could not be written: why, and what is on disk now."""
-    why = "the disk is full" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-    way = "; free some space there, or choose another --output" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    from playbook.store.files import is_full_disk, write_failure
+
+    why = write_failure(err)  # (a short write of the GGUF writer, numpy's, is a full disk too)
+    way = "; free some space there, or choose another --output" if is_full_disk(err) else ""
     if placed:  # the GGUF was renamed into place, the Modelfile could not be
         return (f"--output {output} was written, but its Modelfile {modelfile_path} could not be ({why})"
                 + (f"; the {modelfile_path.name} already there is as it was" if modelfile_path in existed else "")
@@ -646,6 +652,11 @@ def export(run: str, weight_type: str = "q8_0", output: Path | None = None, base
     from playbook.store.files import atomic_file
 
     folder = resolve_run(run)
+    if base is not None and not (folder / "adapter_config.json").is_file():
+        raise Refused(f"--base {base}: {folder} holds a whole model (no adapter_config.json), which is exported as it "
+                      "is; --base names the base of a LoRA adapter: drop it, or give the adapter's folder")
+    if folder != Path(run).expanduser():  # a run folder: say up front which checkpoint is exported
+        print(f"{run}: exporting {saved_run.find(run, follow_latest=True)[1]}", flush=True)
     if (folder / "config.json").is_file():  # a family it does not write: refused before the weights load
         kind = read_json(folder / "config.json").get("model_type")
         if not isinstance(kind, str) or not kind:
@@ -685,6 +696,7 @@ def export(run: str, weight_type: str = "q8_0", output: Path | None = None, base
         raise Refused(failed(output, modelfile_path, err, placed, existed)) from None
     made = {k: contents[k] for k in ("style", "system", "stops", "note", "tensors", "dropped")}
     return {**made, "gguf": output, "modelfile": modelfile_path, "name": ollama_name(name), "what": what,
+            "replaced_link": there == "broken",
             "bytes": output.stat().st_size, "replaced": output in existed, "kept_modelfile": kept and there == "other"}
 
 
@@ -736,8 +748,11 @@ def report(done: dict, weight_type: str, seconds: float) -> None:
         chat = (f"{done['style'].name} chat template, stop on {', '.join(done['stops'])}" if done["style"] else
                 f"no TEMPLATE ({done['note']})")
         log(f"Ollama Modelfile: {done['modelfile']} ({chat})")
-    log(f"Run it:  ollama create {done['name']} -f {done['modelfile']}  &&  ollama run {done['name']}")
-    log(f"     or: llama-cli -m {done['gguf']} -cnv")
+    if done.get("replaced_link"):
+        log(f"({done['modelfile']} was a link to a file that does not exist: the Modelfile is written in its place)")
+    name, modelfile_path, gguf_path = (shlex.quote(str(v)) for v in (done["name"], done["modelfile"], done["gguf"]))
+    log(f"Run it:  ollama create {name} -f {modelfile_path}  &&  ollama run {name}")  # (quoted for the shell: a
+    log(f"     or: llama-cli -m {gguf_path} -cnv")  # path with spaces is copied as one word)
 
 
 if __name__ == "__main__":

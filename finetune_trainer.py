@@ -17,6 +17,7 @@ script with `accelerate launch` or `torchrun`; the Trainer sets up the processes
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from playbook.runtime import signals
@@ -32,7 +33,7 @@ from playbook.run.best import BestEval
 from playbook.model.registry import DEFAULT_KERNELS
 from core.process import log
 from playbook.runtime.common import usage_error
-from playbook.config import TRAINER, make_parser, parse_config
+from playbook.config import TRAINER, make_parser, parse_config, refuse_unused
 
 
 class RowsDataset(torch.utils.data.Dataset):
@@ -125,6 +126,68 @@ def trainer_checkpoint(path: Path) -> str:
                       "finetune_trainer.py writes them into --output-dir with --save-every N")
 
 
+# Beside each Trainer checkpoint (checkpoint-N/): the run's settings that decide the data order and the learning-rate
+# schedule (playbook/run/resume.py's RESUME_SETTINGS), as the scripts' own loop stores them in its checkpoints. The
+# Trainer restores its schedule's rates from the checkpoint (scheduler.pt), whatever --lr and --lr-schedule say now,
+# so a resume with other values is refused, as the own loop refuses it.
+SETTINGS_FILE = "playbook_settings.json"
+
+
+def run_settings(cfg) -> dict:
+    """This run's RESUME_SETTINGS values, as a Trainer checkpoint stores them (the model as --model names it)."""
+    from playbook.run.resume import resume_settings
+
+    return resume_settings(cfg, cfg.model)
+
+
+def settings_callback(settings: dict):
+    """Write SETTINGS_FILE into each checkpoint the Trainer saves (the main process only; after the Trainer's own
+    files, so a checkpoint without it is one written before this file existed, or cut short)."""
+    import json
+
+    from transformers import TrainerCallback
+
+    from playbook.store.files import write_atomic
+
+    class Settings(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if state.is_world_process_zero and folder.is_dir():
+                write_atomic(folder / SETTINGS_FILE, json.dumps(settings, indent=2))
+
+    return Settings()
+
+
+def check_trainer_resume(cfg, checkpoint: str, settings: dict) -> None:
+    """A resume that changes a setting the run depends on is refused before the model is built, in the own
+    loop's words (resume.refuse_differences). A checkpoint without SETTINGS_FILE: its schedule's peak rate (in
+    scheduler.pt) is still compared with --lr, and the rest is said to be unchecked."""
+    import json
+
+    from playbook.run.resume import refuse_differences, settings_differences
+
+    folder = Path(checkpoint)
+    try:
+        saved = json.loads((folder / SETTINGS_FILE).read_text())
+    except FileNotFoundError:
+        saved = None
+    except (OSError, ValueError) as err:
+        raise usage_error(f"--resume {cfg.resume}: {folder / SETTINGS_FILE} cannot be read ({err})") from None
+    if saved is not None:
+        refuse_differences(cfg, settings_differences(saved, settings))
+        return
+    lines = []
+    try:
+        rates = torch.load(folder / "scheduler.pt", weights_only=True).get("base_lrs") or []
+    except (OSError, RuntimeError, AttributeError, ValueError):
+        rates = []
+    if rates and not math.isclose(float(rates[0]), cfg.lr, rel_tol=1e-6):  # (the rate as saved, a float's rounding)
+        lines.append(f"--lr: checkpoint {float(rates[0]):g}, this run {cfg.lr:g}")
+    refuse_differences(cfg, lines)
+    log(f"warning: {folder} stores no run settings (a checkpoint written before finetune_trainer.py stored them): "
+        "whether this run's --lr-schedule, warm-up, batch size and data are the saved run's cannot be checked")
+
+
 def best_eval_callback(cfg):
     """The Trainer's evals (--eval-every) against the best so far, as the scripts' own loop says them
     (playbook/run/best.py): the line when the run starts to memorize, and the best step at the end (said_at_end)."""
@@ -161,35 +224,89 @@ def best_eval_callback(cfg):
     return Words()
 
 
+# The shared options the Trainer has no use for: refused when given, in the words distill.py's refusals use.
+UNUSED = {
+    "overwrite_output_dir": "the Trainer keeps its checkpoints in --output-dir itself; give a new --output-dir, or "
+                            "--resume its checkpoint",
+    "cuda_graphs": "the Trainer runs its steps eagerly",
+    "optimizer_in_backward": "the Trainer steps its optimizer after backward; finetune_optimized.py takes it",
+    "sample_prompts": "the Trainer answers no prompts; chat.py --prompts-file answers them from the saved checkpoint",
+}
+
+
+class TrainerOptions:
+    """finetune_trainer.py's part of the command line (config.make_parser's `extra`): no options of its own, the
+    refusal of the shared ones the Trainer does not use, and the Trainer's own rules for the best checkpoint."""
+
+    unused = UNUSED  # (config.unused_options)
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        pass
+
+    @classmethod
+    def from_args(cls, a, parser) -> None:
+        refuse_unused(a, parser, "finetune_trainer.py", UNUSED)
+        if a.early_stopping_patience and a.eval_every and not a.load_best_model_at_end:
+            raise usage_error("--early-stopping-patience: the Trainer's EarlyStoppingCallback needs "
+                              "--load-best-model-at-end (and --output-dir) too; the scripts' own loop does not")
+        if a.load_best_model_at_end and a.save_every and a.eval_every and a.save_every % a.eval_every:
+            raise usage_error(f"--load-best-model-at-end: the Trainer keeps the best of its saved checkpoints, so "
+                              f"--save-every ({a.save_every}) must be a multiple of --eval-every ({a.eval_every})")
+        return None
+
+
+def make_trainer_parser():
+    """The shared parser (playbook.config.make_parser) with the Trainer's refusals (TrainerOptions)."""
+    return make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS, extra=TrainerOptions)
+
+
+def parse_args(argv=None):
+    """The run's RunConfig, every argument checked (one line and exit code 2 for a wrong one) before anything is
+    loaded: the shared rules (playbook/config.py), the options the Trainer does not use, --dataset."""
+    cfg = parse_config(make_trainer_parser(), TRAINER, argv)  # its own optimizer, one example per row
+    if cfg.dataset is None:
+        raise usage_error("finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
+    return cfg
+
+
+def trainer_class(cfg):
+    """The Trainer, its learning-rate warm-up counted as the own loop counts it (schedule.warmup_steps): a
+    --warmup-ratio of the run's steps rounded up to a whole step, with --steps or --epochs (the Trainer knows the
+    count of an --epochs run only when it builds its schedule, which is when this is counted); a warm-up longer
+    than the run refused before the first step."""
+    from transformers import Trainer
+
+    from playbook.config import check_lr_warmup
+    from playbook.optim.schedule import warmup_steps
+
+    class PlaybookTrainer(Trainer):
+        def create_scheduler(self, num_training_steps: int, optimizer=None):
+            if self.lr_scheduler is None:
+                counted = f" (--epochs {cfg.epochs:g} of this data)" if cfg.steps is None else ""
+                check_lr_warmup(cfg.lr_warmup_steps, num_training_steps, counted)
+                warmup = warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, num_training_steps)
+                self.args.warmup_steps = warmup  # (a whole number: the Trainer takes it as steps)
+                if warmup:
+                    log(f"Learning-rate warm-up: {warmup} of {num_training_steps} steps"
+                        + (f" (--warmup-ratio {cfg.warmup_ratio:g}, rounded up to a whole step)"
+                           if cfg.warmup_ratio else ""))
+            return super().create_scheduler(num_training_steps, optimizer)
+
+    return PlaybookTrainer
+
+
 def main(argv=None):
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     from playbook.model.models import prepare_model
     from playbook.run.start import run_tokenizer, settle
 
-    parser = make_parser(__doc__.splitlines()[0], kernels_default=DEFAULT_KERNELS)
-    cfg = parse_config(parser, TRAINER, argv)  # its own optimizer, one example per row
-    if cfg.dataset is None:
-        raise usage_error("finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
-    if cfg.overwrite_output_dir:
-        raise usage_error("--overwrite-output-dir belongs to the scripts' own loop: the Trainer keeps its "
-                          "checkpoints in --output-dir itself; give a new --output-dir, or --resume its checkpoint")
-    if cfg.cuda_graphs != "auto":
-        raise usage_error("--cuda-graphs belongs to the scripts' own loop: the Trainer runs its steps eagerly, "
-                          "whatever it says")
-    if cfg.optimizer_in_backward:
-        raise usage_error("--optimizer-in-backward belongs to the scripts' own loop: the Trainer steps its optimizer "
-                          "after backward, whatever it says; use finetune_optimized.py --optimizer-in-backward")
-    if cfg.sample_prompts is not None:
-        raise usage_error("--sample-prompts belongs to the scripts' own loop: the Trainer answers no prompts; use "
-                          "finetune_optimized.py, or chat.py --prompts-file on the saved checkpoint")
-    if cfg.early_stopping_patience and not cfg.load_best_model_at_end:
-        raise usage_error("--early-stopping-patience: the Trainer's EarlyStoppingCallback needs "
-                          "--load-best-model-at-end (and --output-dir) too; the scripts' own loop does not")
-    if cfg.load_best_model_at_end and cfg.save_every and cfg.save_every % cfg.eval_every:
-        raise usage_error(f"--load-best-model-at-end: the Trainer keeps the best of its saved checkpoints, so "
-                          f"--save-every ({cfg.save_every}) must be a multiple of --eval-every ({cfg.eval_every})")
+    cfg = parse_args(argv)
     resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
+    settings = run_settings(cfg)
+    if resume is not None:
+        check_trainer_resume(cfg, resume, settings)
     cfg = settle(cfg, connect=False)  # the data files and the memory plan, before the model is built (the
     # Trainer sets up and wraps the processes itself)
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
@@ -201,7 +318,7 @@ def main(argv=None):
         per_device_train_batch_size=cfg.batch_size, per_device_eval_batch_size=cfg.batch_size,
         gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
         lr_scheduler_type=cfg.lr_schedule if cfg.lr_schedule != "constant" else "constant_with_warmup",
-        warmup_steps=cfg.lr_warmup_steps, max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=cfg.log_every,
+        warmup_steps=0, max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=cfg.log_every,
         save_strategy="steps" if cfg.save_every or cfg.load_best_model_at_end else "no",
         save_steps=cfg.save_every or (cfg.eval_every if cfg.load_best_model_at_end else 500),
         load_best_model_at_end=cfg.load_best_model_at_end, metric_for_best_model="eval_loss", greater_is_better=False,
@@ -213,16 +330,17 @@ def main(argv=None):
         ddp_find_unused_parameters=False,
         seed=cfg.seed, disable_tqdm=True, optim="adamw_torch_fused" if cfg.optimizer == "adamw-fused" else "adamw_torch",
     )
-    if cfg.warmup_ratio:
-        args.warmup_steps = int(cfg.warmup_ratio * (cfg.steps or 0))
     words = best_eval_callback(cfg) if eval_set is not None and cfg.eval_every else None
     callbacks = [progress_callback()] + ([words] if words is not None else [])
+    if cfg.output_dir is not None:
+        callbacks.append(settings_callback(settings))
     if cfg.early_stopping_patience:
         from transformers import EarlyStoppingCallback
 
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience,
                                                early_stopping_threshold=cfg.early_stopping_threshold))
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set, callbacks=callbacks)
+    trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                                 callbacks=callbacks)
     log(f"Trainer: {desc}, kernels {report.describe()}, {len(train_set)} training rows, "
         f"{args.world_size} process{'es' if args.world_size > 1 else ''}")
     if resume is not None:

@@ -47,10 +47,10 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
-from playbook.config import PROFILE, make_parser, parse_config
-from playbook.runtime.common import usage_error
+from playbook.config import PROFILE, make_parser, parse_config, refuse_unused
 from playbook.model.registry import in_effect
 from playbook.run import cuda_graph
+from playbook.run.resume import check_output_folders
 from playbook.run.start import build, run_errors, settle
 from playbook.run.training import training_step
 from core.process import log
@@ -110,6 +110,7 @@ class ProfileSection:
     """profile_baseline.py's part of the command line (config.make_parser's `extra`): what --steps and
     --timing-warmup-steps mean here, and the refusal of the shared options a profile does not use."""
 
+    unused = UNUSED  # (config.unused_options)
     recorded_steps: int  # --steps: the steps the profiler records
 
     @staticmethod
@@ -123,11 +124,7 @@ class ProfileSection:
 
     @classmethod
     def from_args(cls, a, parser) -> "ProfileSection":
-        given = [(dest, why) for dest, why in UNUSED.items() if getattr(a, dest, None) != parser.get_default(dest)]
-        if given:
-            flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
-            whys = "; ".join(why for _, why in given if why)
-            raise usage_error(f"profile_baseline.py does not use {flags}" + (f" ({whys})" if whys else ""))
+        refuse_unused(a, parser, "profile_baseline.py", UNUSED)
         return cls(recorded_steps=a.steps or RECORDED_STEPS)
 
 
@@ -139,12 +136,21 @@ def category(name: str) -> str:
     return "other"
 
 
+def make_profile_parser():
+    """The shared parser (playbook.config.make_parser) with the profile's section."""
+    return make_parser(__doc__.splitlines()[0], kernels_default=(), extra=ProfileSection)
+
+
+def parse_args(argv=None):
+    """The run's RunConfig, every argument checked (one line and exit code 2 for a wrong one)."""
+    return parse_config(make_profile_parser(), PROFILE, argv)
+
+
 def main():
     from playbook.runtime.setup_check import check_or_exit
 
     check_or_exit()
-    cfg = parse_config(make_parser(__doc__.splitlines()[0], kernels_default=(), extra=ProfileSection),
-                       PROFILE)  # its own count of steps: --steps are the recorded ones
+    cfg = parse_args()  # its own count of steps: --steps are the recorded ones
     cfg = dataclasses.replace(cfg, steps=cfg.extra.recorded_steps)  # the summary's config says what ran
     gpu, active = cfg.on_gpu, cfg.steps
 
@@ -159,6 +165,8 @@ def main():
         with running(f"step {i + 1} of {cfg.warmup_steps + WAIT + WARMUP + active}"):  # (a long one says so)
             return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
+    check_output_folders(cfg)  # results/ can be written (where not, one line naming PLAYBOOK_RESULTS_DIR), before
+    # any model is built, not after the run
     cfg = settle(cfg)  # the run's RunConfig from here on: the memory plan checked, the rounding decided
     with run_errors(cfg, "nothing was recorded"):
         built = build(cfg)

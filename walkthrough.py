@@ -405,6 +405,7 @@ def _workload(args: argparse.Namespace) -> list[str]:
         if value is not None:
             workload = _replace(workload, "--" + flag.replace("_", "-"), str(value))
             desc = "as given on the command line"
+    check_workload(workload, torch.cuda.is_available())  # every argument, before anything is said or run
     print(f"Walkthrough workload of steps 1 and 4a-4c: {desc}.\nThe lesson to look for: {lesson}.")
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
@@ -673,6 +674,23 @@ def _summary(base: dict | None, opt: dict, real: list) -> None:
     tags = ["baseline", "optimized"] + [t.removeprefix("walkthrough_") for t, _, _ in real]
     curves = [RESULTS / f"walkthrough_{t}.png" for t in tags if (RESULTS / f"walkthrough_{t}.png").is_file()]
     print("Loss curves: " + ", ".join(str(shown(c)) for c in curves))
+
+
+def check_workload(workload: list[str], gpu: bool) -> None:
+    """Every argument of steps 1 and 4a-4c checked by the scripts that take it, before Step 1: a bad one (--steps
+    abc, --batch-size 0) is the script's one line and exit code 2 now, not a failure inside step 4a after the
+    kernel tests ran."""
+    import profile_baseline
+    from playbook.config import BASELINE, OPTIMIZED, PROFILE, make_parser, parse_config
+
+    def quiet(parser):  # one line, without the scripts' usage (the walkthrough's own flags are not theirs)
+        parser.print_usage = lambda file=None: None
+        return parser
+
+    parse_config(quiet(make_parser("finetune_baseline.py")), BASELINE, workload)
+    parse_config(quiet(make_parser("finetune_optimized.py", kernels_default=registry.DEFAULT_KERNELS)), OPTIMIZED,
+                 [*workload, *(SAME_OPTIMIZER if gpu else [])])
+    parse_config(quiet(profile_baseline.make_profile_parser()), PROFILE, profile_arguments(workload))
 
 
 def main():

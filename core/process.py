@@ -8,8 +8,14 @@ import time
 LAST_LINE = [0.0]  # time.monotonic() of the last line log() printed (a silent stretch: playbook/runtime/time_left.py)
 
 
+def _whole(name: str, default: int) -> int:
+    """torchrun's variable as a number; unset, empty or blank: the default (playbook/runtime/environment.py checks
+    the value as each script starts)."""
+    return int((os.environ.get(name) or "").strip() or default)
+
+
 def world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return _whole("RANK", 0), _whole("WORLD_SIZE", 1)
 
 
 def is_main() -> bool:

@@ -34,6 +34,7 @@ from playbook.model.lora import parse_targets
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import NAMES, PEERS, parse_kernels
 from playbook.plan import memory_plan
+from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 
 FP8_RECIPES = tuple(name for name, r in RECIPES.items() if not r.emulated)  # core/fp8_support.py: the recipes by name
@@ -383,6 +384,22 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+def refuse_unused(a: argparse.Namespace, parser: argparse.ArgumentParser, script: str, unused: dict) -> None:
+    """A script's `from_args` refusing the shared options it has no use for, in the words every script uses:
+    "distill.py does not use --eval-every, --output-dir (why; why)". unused: option dest -> why (or None)."""
+    given = [(dest, why) for dest, why in unused.items() if getattr(a, dest, None) != parser.get_default(dest)]
+    if given:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest, _ in given)
+        whys = "; ".join(why for _, why in given if why)
+        raise usage_error(f"{script} does not use {flags}" + (f" ({whys})" if whys else ""))
+
+
+def unused_options(parser: argparse.ArgumentParser) -> frozenset:
+    """The flags (--eval-every, ...) of the shared options `parser`'s script refuses (its extra section's UNUSED)."""
+    section = parser.get_default("extra_section")
+    return frozenset("--" + dest.replace("_", "-") for dest in getattr(section, "unused", {}))
+
+
 def make_parser(description: str, kernels_default: tuple | None = None, extra=None) -> argparse.ArgumentParser:
     """The parser every script shares. `kernels_default`: --kernels' default, None for scripts without --kernels.
 
@@ -625,18 +642,23 @@ def parse_config(parser: argparse.ArgumentParser, script, argv=None) -> RunConfi
     for line in getattr(a, "deprecations", ()):  # each once, before anything else is said
         print(f"note: {line}", file=sys.stderr)
     gpu = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
-    sharded = int(os.environ.get("WORLD_SIZE", 1)) > 1  # under torchrun: FSDP2
+    try:  # (checked at the start-up too; read again here, where a test or a caller may have set it since)
+        local_rank, size = environment.torchrun_value("LOCAL_RANK"), environment.torchrun_value("WORLD_SIZE")
+    except environment.BadValue as err:
+        raise environment.refused(err) from None
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+    sharded = size > 1  # under torchrun: FSDP2
     if sharded and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        size = os.environ["WORLD_SIZE"]
         raise usage_error(f"WORLD_SIZE={size} asks for {size} processes, and MASTER_ADDR / MASTER_PORT, which torchrun "
                           f"sets for them to meet, are not set: start the run with torchrun (torchrun --nproc-per-node "
                           f"{size} {defaults.name}.py ...), or unset WORLD_SIZE, RANK and LOCAL_RANK for one process")
+    # the script's own section first: a shared option it does not use is refused before any shared rule's advice
+    # can name another option it does not use either ("give --eval-every N" to distill.py, which takes none)
+    extra = a.extra_section.from_args(a, parser) if a.extra_section is not None else None
     model = _model_section(a, defaults, gpu, sharded)
     data = _data_section(a, defaults, gpu)
     training = _training_section(a, defaults, gpu, sharded, model)
     output = _output_section(a, sharded)
-    extra = a.extra_section.from_args(a, parser) if a.extra_section is not None else None
     if training.optimizer_rounding is None:  # the default rounding depends on the script's section too
         training = replace(training, optimizer_rounding=default_rounding(training.optimizer, training.master_weights,
                                                                          model.lora_r, extra))
@@ -720,9 +742,12 @@ def _model_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, s
                               f"--fp8-recipe {fp8_recipe} runs natively on Hopper and newer")
         fp8_recipe = emulated_name(fp8_recipe)
     checkpoint_layers = _check_saved_activations(a)
-    if (a.lora_alpha is not None or a.lora_dropout or a.merge_lora or a.lora_targets != "all"
-            or a.load_in_4bit) and not a.lora_r:
-        raise usage_error("--lora-alpha, --lora-dropout, --lora-targets, --merge-lora and --load-in-4bit need --lora-r")
+    needs_lora = [flag for flag, given in (("--lora-alpha", a.lora_alpha is not None), ("--lora-dropout", a.lora_dropout),
+                                           ("--lora-targets", a.lora_targets != "all"), ("--merge-lora", a.merge_lora),
+                                           ("--load-in-4bit", a.load_in_4bit)) if given]
+    if needs_lora and not a.lora_r:  # (naming only the flags given: a script may take none of the others)
+        raise usage_error(f"{' and '.join(needs_lora)} need{'s' if len(needs_lora) == 1 else ''} --lora-r (the "
+                          "adapters' rank)")
     if a.load_in_4bit and a.merge_lora:
         raise usage_error("--merge-lora with --load-in-4bit would fold the adapters into 4-bit weights; merge them "
                           "into the original bf16 model instead (lora.load_adapter + lora.merge_and_save)")
@@ -829,6 +854,8 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
     if a.steps is not None and a.epochs is not None:
         raise usage_error("choose one of --steps and --epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
+    if steps is not None:  # (--epochs: checked where the data gives the count of steps)
+        check_lr_warmup(a.lr_warmup_steps, steps)
     warmup_steps = a.warmup_steps
     if warmup_steps is TIMING_WARMUP:  # not given: 2, fewer where --steps leaves none timed (--steps 2: 1); the
         # profile's --steps are the recorded ones, after its warm-up: 2 there
@@ -849,6 +876,17 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_rounding=a.optimizer_rounding,
         master_weights=a.master_weights, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs or defaults.cuda_graphs)
+
+
+def check_lr_warmup(lr_warmup_steps: int, steps: int, counted: str = "") -> None:
+    """A learning-rate warm-up longer than the run never reaches --lr: --lr-warmup-steps 100 with --steps 3 trains
+    at 1 % to 3 % of it. Refused (exit code 2), before the model is built where the run's length is known;
+    `counted`: how the length was counted, where --epochs gave it."""
+    if lr_warmup_steps > steps:
+        raise usage_error(f"--lr-warmup-steps {lr_warmup_steps} is longer than the run's {steps} step"
+                          f"{'s' if steps > 1 else ''}{counted}: the learning rate would end at "
+                          f"{100 * steps / lr_warmup_steps:.3g} % of --lr, never reaching it; give --lr-warmup-steps "
+                          f"{steps} or fewer, --warmup-ratio (a share of the run), or a longer run")
 
 
 def _optimizer(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, model: ModelSection) -> str:
@@ -885,10 +923,12 @@ def _optimizer(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, model
 
 
 def _output_section(a: argparse.Namespace, sharded: bool) -> OutputSection:
-    if (a.save_every or a.merge_lora) and a.output_dir is None:
-        raise usage_error("--save-every and --merge-lora need --output-dir")
-    if (a.save_total_limit or a.overwrite_output_dir) and a.output_dir is None:
-        raise usage_error("--save-total-limit and --overwrite-output-dir need --output-dir")
+    needs_folder = [flag for flag, given in (("--save-every", a.save_every), ("--merge-lora", a.merge_lora),
+                                             ("--save-total-limit", a.save_total_limit),
+                                             ("--overwrite-output-dir", a.overwrite_output_dir)) if given]
+    if needs_folder and a.output_dir is None:  # (naming only the flags given: a script may take none of the others)
+        raise usage_error(f"{' and '.join(needs_folder)} need{'s' if len(needs_folder) == 1 else ''} --output-dir "
+                          "(the folder the checkpoints go to)")
     if a.output_dir is not None and a.output_dir.exists() and not a.output_dir.is_dir():
         raise usage_error(f"--output-dir {a.output_dir} is a file")
     if a.resume is not None and not a.resume.is_dir():

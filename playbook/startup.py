@@ -13,8 +13,9 @@ third-party function; `start()` does, in this order:
 
 1. The environment. First the variables the scripts read are checked (playbook/runtime/environment.py): a bad
    value (PLAYBOOK_FREE_MEMORY_GB=abc) stops the script with one line naming it and what it takes, exit
-   code 2, as a bad flag does. Then the defaults, each read by a library when it starts, so set before it
-   does; a value already in the environment is kept:
+   code 2, as a bad flag does; an empty or blank WORLD_SIZE, RANK or LOCAL_RANK, which means the default,
+   is unset, as the libraries that read it take only a number. Then the defaults, each read by a library when
+   it starts, so set before it does; a value already in the environment is kept:
    - CUDA_SCALE_LAUNCH_QUEUES=4x. The CUDA driver queues launched work in a command buffer of fixed
      size per stream, and a host that submits faster than the GPU runs blocks once it is full. A
      replayed CUDA graph is such a burst: the LoRA step's graph overflows the default buffer, and the
@@ -71,6 +72,7 @@ def start(while_starting: str | None = None, *, kernels: bool = True) -> None:
     Triton's interpreter where there is no CUDA GPU. Call it first, before torch and the kernel files are
     imported; calling it again changes nothing more."""
     environment.check()  # a bad value of a variable the scripts read: one line, exit code 2
+    environment.unset_blank_torchrun()  # an empty WORLD_SIZE is unset, for every library that reads it
     set_env_defaults()
     if while_starting is not None:
         signals.exit_on_ctrl_c_while_starting(while_starting)

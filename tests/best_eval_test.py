@@ -90,7 +90,26 @@ def test_best_checkpoint_and_early_stopping_on_a_run_that_memorizes(tmp_path, ca
     assert all(torch.equal(weights[n], saved[n]) for n in saved) and len(saved) == len(weights)
     assert payload["summary"]["model at the end"].startswith("step 5's weights")
     assert f"best eval loss: {best['eval loss']:.4f} at step 5 of 15" in said
+    # the summary's final eval loss is the model's as it ends (step 5's), the last step's beside it
+    assert payload["summary"]["final eval loss"] == best["eval loss"], payload["summary"]
+    assert payload["summary"]["last step's eval loss"] == payload["eval_losses"][-1][1] > best["eval loss"]
+    # the run folder stands for its best checkpoint (export.py and chat.py), which names its step
+    from playbook.model import saved_run
+
+    assert (out / "best").read_text() == "checkpoint-5\n"
+    folder, what = saved_run.find(str(out), follow_latest=True)
+    assert folder == out / "checkpoint-5", folder
+    assert "the run's best checkpoint, step 5, kept by --load-best-model-at-end; the last, checkpoint-15" in what, what
     record("memorizing run: best step 5 kept and loaded, stopped at 15", 0.0, 0.0, True)
+    # resumed with the same flags, it says before the first step that the patience is spent (it stops at step 20)
+    _, said, _ = _train(_argv(data, "--steps", "40", "--output-dir", str(out), "--load-best-model-at-end",
+                              "--early-stopping-patience", "2", "--save-total-limit", "1", "--resume", str(out)),
+                        "test_best_stop_resumed", capsys)
+    line = next((line for line in said.splitlines() if line.startswith("Resumed after")), "")
+    assert line.startswith("Resumed after 2 evals in a row without a new best"), said
+    assert "--early-stopping-patience 2 allows 0 more, so the run stops after step 20" in line, line
+    assert said.index("Resumed after") < said.index("Training: steps 16-40"), said
+    assert "early stopping after step 20" in said, said
 
 
 def test_a_run_with_periodic_evals_names_its_best_step_and_how_to_keep_it(tmp_path, capsys):

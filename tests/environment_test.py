@@ -132,12 +132,41 @@ def test_cpu_demo_and_torchruns_variables_take_what_they_mean(monkeypatch, capsy
     monkeypatch.delenv(environment.CPU_DEMO)
     for value in ("yes", "true", "2"):
         _refused(capsys, environment.cpu_demo, environment.CPU_DEMO, value, "is neither 1 nor 0", "it takes 1")
-    for name, value in (("WORLD_SIZE", "abc"), ("WORLD_SIZE", ""), ("WORLD_SIZE", "0"), ("RANK", "-1"),
-                        ("LOCAL_RANK", "x")):
+    for name, value in (("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("RANK", "-1"), ("LOCAL_RANK", "x"),
+                        ("WORLD_SIZE", "\u00b9"), ("RANK", "\u00b2")):  # superscripts pass str.isdigit(), then fail int()
         _refused(capsys, environment.check, name, value, "is not a whole number", "torchrun sets it")
     for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "1")):
         monkeypatch.setenv(name, value)
     environment.check()  # torchrun's own values pass
+    assert [environment.torchrun_value(n) for n in environment.TORCHRUN] == [2, 0, 1]
+
+
+def test_torchruns_variables_empty_or_blank_are_the_default(monkeypatch):
+    """Unset, empty or blank means the default, as the module's documentation says: an empty WORLD_SIZE and a blank
+    LOCAL_RANK were refused by the start-up, and int("") then failed where the scripts read them."""
+    from core.process import world
+
+    for value in ("", "  "):
+        for name in environment.TORCHRUN:
+            monkeypatch.setenv(name, value)
+        environment.check()
+        assert [environment.torchrun_value(n) for n in environment.TORCHRUN] == [1, 0, 0], repr(value)
+        assert world() == (0, 1), repr(value)
+        cfg = parse_config(make_parser("t", kernels_default=DEFAULT_KERNELS), "finetune_optimized", [])
+        assert cfg.device.index in (None, 0), repr(value)  # (parsed without an int() error: one process)
+        from playbook.startup import start
+
+        start(kernels=False)  # unset for the libraries that read them too (int("") in transformers' arguments)
+        assert not [n for n in environment.TORCHRUN if n in os.environ], repr(value)
+
+
+def test_a_home_folder_this_machine_does_not_know_is_one_line(capsys):
+    """PLAYBOOK_RESULTS_DIR=~otheruser/runs (a user not on this machine) ended in Path.expanduser's RuntimeError."""
+    for name, read in ((environment.RESULTS_DIR, environment.results_dir),
+                       (environment.MODEL_CACHE, environment.model_cache),
+                       (environment.REPORT_FILE, environment.report_file)):
+        _refused(capsys, read, name, "~no-such-user-kp/runs", "starts with ~no-such-user-kp, a home folder this "
+                 "machine does not know", "it takes")
 
 
 @pytest.mark.parametrize("argv, name, value, says", [
@@ -155,3 +184,18 @@ def test_each_script_refuses_a_bad_value_as_it_starts(argv, name, value, says):
     err = out.stderr.strip()
     assert out.returncode == 2 and len(err.splitlines()) == 1, (out.returncode, err)
     assert err.startswith(f"error: {name}={value} {says}: it takes"), err
+
+
+def test_a_results_folder_that_cannot_be_written_says_how_to_choose_another(monkeypatch, capsys):
+    """A read-only checkout was told to "choose a writable directory" without being told how: the line names
+    PLAYBOOK_RESULTS_DIR, the variable that chooses it."""
+    from playbook.run import resume
+
+    monkeypatch.setattr(resume, "RESULTS_DIR", Path("/proc/playbook-no-results"))  # a folder no one can make
+    cfg = parse_config(make_parser("t", kernels_default=DEFAULT_KERNELS), "finetune_optimized", [])
+    with pytest.raises(SystemExit) as stop:
+        resume.check_output_folders(cfg)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "the results folder /proc/playbook-no-results cannot be written" in err, err
+    assert "set PLAYBOOK_RESULTS_DIR to a writable folder" in err, err

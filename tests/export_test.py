@@ -566,6 +566,16 @@ def test_a_full_disk_leaves_no_file_and_keeps_the_files_there(tmp_path, tiny_run
         assert list(tmp_path.iterdir()) == []
         assert said == (f"error: --output {out}: could not be written (the disk is full); nothing was left behind; "
                         "free some space there, or choose another --output")
+
+        class ShortWrite(gguf.GGUFWriter):  # numpy's tofile, which the GGUF writer uses, names no disk
+            def write_tensors_to_file(self, *, progress=False):
+                raise OSError("32768 requested and 31552 written")
+
+        patch.setattr(export, "GGUFWriter", ShortWrite)
+        said = _refused(capsys, [str(tiny_run), "--type", "f16", "--output", str(out)])
+        assert said == (f"error: --output {out}: could not be written (the disk is full (the write stopped short: "
+                        "32768 requested and 31552 written)); nothing was left behind; free some space there, or "
+                        "choose another --output"), said
         out.write_bytes(b"the user's earlier export")
 
     class FullDiskText:  # the Modelfile, renamed into place after the GGUF file: both stay as they were
@@ -699,3 +709,40 @@ def test_full_circle_gguf_finetune_export_chat(tmp_path, tiny_run, capsys, monke
 
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "export.py: GGUF read back by transformers, the full circle"))
+
+
+def test_a_run_folder_exports_its_best_checkpoint_and_the_commands_are_quoted(tmp_path, tiny_run, capsys):
+    """export.py RUN_DIR on a run that kept its best checkpoint (--load-best-model-at-end: the `best` file) exported
+    the last step and said nothing; now it exports the best, saying which step before it starts. The commands it
+    prints quote a path with spaces; a Modelfile path that is a link to nothing gets the Modelfile (the command
+    pointed at nothing); --base beside a whole model is refused, not ignored. (One llama-tiny export: about 1 s.)"""
+    import shlex
+    import shutil
+
+    run = tmp_path / "my runs" / "out"
+    for name in ("checkpoint-5", "checkpoint-15"):
+        shutil.copytree(tiny_run, run / name)
+    (run / "latest").write_text("checkpoint-15\n")
+    (run / "best").write_text("checkpoint-5\n")
+    assert _refused(capsys, [str(run), "--base", "llama-tiny"]) == (
+        f"error: --base llama-tiny: {run / 'checkpoint-5'} holds a whole model (no adapter_config.json), which is "
+        "exported as it is; --base names the base of a LoRA adapter: drop it, or give the adapter's folder")
+    modelfile = run / "checkpoint-5.f16.Modelfile"
+    modelfile.symlink_to(tmp_path / "gone.Modelfile")  # a link to nothing
+    assert export.main([str(run), "--type", "f16"]) == 0
+    said = capsys.readouterr()
+    assert (f"{run}: exporting {run / 'checkpoint-5'} (the run's best checkpoint, step 5, kept by "
+            "--load-best-model-at-end; the last, checkpoint-15") in said.err, said.err
+    assert (run / "checkpoint-5.f16.gguf").is_file() and not (run / "checkpoint-15.f16.gguf").exists()
+    assert modelfile.is_file() and not modelfile.is_symlink() and "FROM" in modelfile.read_text()
+    assert "was a link to a file that does not exist" in said.out, said.out
+    create = next(line for line in said.out.splitlines() if "ollama create" in line)
+    words = shlex.split(create.split("Run it:")[1].split("&&")[0])
+    assert words == ["ollama", "create", "checkpoint-5", "-f", str(modelfile)], create
+    cli = next(line for line in said.out.splitlines() if "llama-cli" in line)
+    assert shlex.split(cli.split("or:")[1]) == ["llama-cli", "-m", str(run / "checkpoint-5.f16.gguf"), "-cnv"], cli
+    # chat.py takes the run folder the same way, and its "Model:" line names the step
+    import chat
+
+    _, _, what = chat.load(str(run), torch.device("cpu"))
+    assert what.startswith(f"{run / 'checkpoint-5'} (the run's best checkpoint, step 5"), what

@@ -321,3 +321,19 @@ def test_most_changed_picks_the_answer_that_moved_toward_the_data():
     pick = walkthrough.most_changed(samples, taught)
     assert pick["prompt"] == "Q1" and (pick["before_words"], pick["after_words"], pick["of_words"]) == (0, 2, 4)
     assert walkthrough.most_changed([{"prompt": "Q3", "before": "x", "after": "y"}], taught) is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "abc"], "argument --steps/--max-steps: 'abc' is not an integer"),
+    (["--steps", "0"], "argument --steps/--max-steps: 0 must be >= 1"),
+    (["--batch-size", "0"], "argument --batch-size: 0 must be >= 1"),
+    (["--seq-len", "x"], "argument --seq-len: 'x' is not an integer"),
+])
+def test_every_argument_is_checked_before_step_1(argv, says, monkeypatch, capsys):
+    """`walkthrough.py --steps abc` ran step 1 and the 12-minute kernel tests before failing at step 4a; --steps 0
+    and --batch-size 0 failed inside a child script. Now each is one line and exit code 2 before anything runs."""
+    with pytest.raises(SystemExit) as stop:
+        _walk(monkeypatch, capsys, AFTER_CPU, argv=("--skip-kernel-tests", *argv))
+    said = capsys.readouterr()
+    assert stop.value.code == 2 and said.out == "", said.out  # no step, not even the workload's line
+    assert said.err.strip().endswith(says) and len(said.err.strip().splitlines()) == 1, said.err

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def adapter_directory_advice(name: str) -> str:
             f"--model ({base}); in Python, load the base and then the adapter (playbook.model.lora.load_adapter, or "
             f"peft's AutoPeftModelForCausalLM.from_pretrained('{name}') for a base on the Hub or on disk)")
     if (folder / "trainer_state.pt").is_file():
-        text += (f"; to continue training it, --model {base} --lora-r {saved.get('r', 'R')} --resume {name}")
+        text += (f"; to continue training it, --model {shlex.quote(str(base))} --lora-r {saved.get('r', 'R')} --resume "
+                 f"{shlex.quote(str(name))}")  # (quoted: copied to a shell)
     return text
 
 

@@ -30,7 +30,7 @@ from playbook.model.lora import load_adapter
 from playbook.model.models import build_preset, looks_like_path
 from playbook.model.presets import PRESETS
 from playbook.model.tokenizer import make_tokenizer
-from playbook.store.checkpoint import STATE_FILE
+from playbook.store.checkpoint import BEST_FILE, LATEST_FILE, STATE_FILE
 
 
 class Refusal(Exception):
@@ -112,6 +112,26 @@ class Words:
 WORDS = Words()
 
 
+def best_checkpoint(folder: Path):
+    """(the checkpoint, what it is) where the run in `folder` (an --output-dir) kept a best checkpoint and ended
+    with its weights (--load-best-model-at-end: the `best` file, checkpoint.mark_best), saying which step it is
+    and which is the last; None where it kept none. A `best` that names no checkpoint folder is said, and the
+    last checkpoint taken."""
+    pointer = folder / BEST_FILE
+    if not pointer.is_file():
+        return None
+    named = pointer.read_text(errors="replace").strip()
+    latest = (folder / LATEST_FILE).read_text(errors="replace").strip() if (folder / LATEST_FILE).is_file() else ""
+    if not named or not (folder / named).is_dir():
+        print(f"note: {pointer} names {named[:60]!r}, which is not a checkpoint folder in {folder} (deleted?): "
+              "taking the last checkpoint instead", flush=True)
+        return None
+    step = named.removeprefix("checkpoint-")
+    last = f"; the last, {latest}, holds the weights of the last step" if latest and latest != named else ""
+    what = f"{folder / named} (the run's best checkpoint, step {step}, kept by --load-best-model-at-end{last})"
+    return folder / named, what
+
+
 def find(name: str, words: Words = WORDS, hub: bool = False, follow_latest: bool = False):
     """(the folder holding the model, None for a Hugging Face id; what it is). `hub`: smollm2-135m, a .gguf file
     and Hugging Face ids are taken besides folders; `follow_latest`: an --output-dir stands for the checkpoint
@@ -129,7 +149,10 @@ def find(name: str, words: Words = WORDS, hub: bool = False, follow_latest: bool
     if not folder.is_dir():
         raise words.a_file(name)
     if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
-        latest = folder / "latest"
+        latest = folder / LATEST_FILE
+        best = best_checkpoint(folder) if follow_latest else None
+        if best is not None:
+            return best
         if follow_latest and latest.is_file():
             named = latest.read_text(errors="replace").strip()
             if named and (folder / named).is_dir():
@@ -271,6 +294,10 @@ def load(name: str, *, words: Words = WORDS, hub: bool = False, follow_latest: b
     records) and the adapter merged in. `memory(what, kind, source, layers, config)`: the caller's check before a
     model is built (kind: "run", "preset", "pretrained", "folder", "hub"; config: its config.json when read)."""
     folder, what = find(name, words, hub, follow_latest)
+    # what find says of the checkpoint it chose for a run folder ("(the run's best checkpoint, step 5, ...)"), kept
+    # whatever the weights turn out to be
+    chosen = what[len(str(folder)):] if folder is not None and what != str(folder) and what.startswith(str(folder)) \
+        else ""
     if folder is not None and (folder / "adapter_config.json").is_file():
         where = folder / "adapter_config.json"
         saved = read_json(where, name, words)
@@ -307,6 +334,8 @@ def load(name: str, *, words: Words = WORDS, hub: bool = False, follow_latest: b
         tokenizer = make_tokenizer(str(tok_source), preset=False)
     except RuntimeError as err:
         raise words.tokenizer(name, err) from None
+    if chosen and chosen not in what:
+        what += chosen
     return (model if device is None else model.to(device)).eval(), tokenizer, what
 
 

@@ -7,6 +7,16 @@ import math
 import torch
 
 
+def warmup_steps(lr_warmup_steps: int, warmup_ratio: float, total: int) -> int:
+    """The warm-up's length in steps: --lr-warmup-steps, or --warmup-ratio of the run's `total` steps rounded up
+    to a whole step, as the Hugging Face Trainer counts it (0.05 of 10 steps is 1 warm-up step, not 0). The
+    product is rounded to 9 decimals first: 0.1 * 30 is 3.0000000000000004 in binary floating point, 3 steps
+    as the user means it, not 4."""
+    if lr_warmup_steps:
+        return lr_warmup_steps
+    return math.ceil(round(warmup_ratio * total, 9))
+
+
 def schedule_factor(step: int, total: int, warmup: int, kind: str) -> float:
     """The share of the peak rate at optimizer step `step` (0-based) of a `total`-step schedule."""
     if step < warmup:

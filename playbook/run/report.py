@@ -52,7 +52,15 @@ class RunResult:
     config: dict = field(default_factory=dict)
     best_eval: dict | None = None  # with --eval-every: {"step", "eval loss", "checkpoint"} of the lowest eval loss
     early_stop: str | None = None  # the line of a run that --early-stopping-patience ended
-    ended_with: str | None = None  # --load-best-model-at-end: whose weights the model ended with
+    ended_with: str | None = None  # with periodic evals: whose weights the model ended with
+    ended_at: int | None = None  # the step whose weights the model ended with, where not the last (the best step's)
+
+    def _final_eval(self) -> float | None:
+        """The eval loss of the weights the model ends with: the last eval after a step, or, where the run ends
+        with an earlier step's weights (--load-best-model-at-end), that step's eval."""
+        if self.ended_at is not None:
+            return next((loss for step, loss in self.eval_losses if step == self.ended_at), None)
+        return self.eval_losses[-1][1] if self.eval_losses and self.eval_losses[-1][0] > 0 else None
 
     @property
     def tokens_per_step(self) -> int:
@@ -87,7 +95,10 @@ class RunResult:
             "first loss": self.losses[0] if self.losses else None,
             "final loss": self.losses[-1] if self.losses else None,
             "eval loss before": self.eval_losses[0][1] if self.eval_losses and self.eval_losses[0][0] == 0 else None,
-            "final eval loss": self.eval_losses[-1][1] if self.eval_losses and self.eval_losses[-1][0] > 0 else None,
+            # the eval loss of the model as the run ends: the best step's, where it ends with its weights
+            "final eval loss": self._final_eval(),
+            **({} if self.ended_at is None or not self.eval_losses else {
+                "last step's eval loss": self.eval_losses[-1][1]}),
             **({} if self.best_eval is None else {
                 "best eval loss": self.best_eval["eval loss"], "best eval step": self.best_eval["step"]}),
             **({} if self.early_stop is None else {"stopped early at step": len(self.losses)}),

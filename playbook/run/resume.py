@@ -17,11 +17,12 @@ from core.process import is_main, log, world
 from playbook.config import resumable_settings
 from playbook.model.lora import parse_targets
 from playbook.optim.optimizer import rounding_of, weight_rounding
-from playbook.optim.schedule import schedule_factor
+from playbook.optim.schedule import schedule_factor, warmup_steps
 from playbook.run import cuda_graph
+from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 from playbook.store import checkpoint
-from playbook.store.checkpoint import LATEST_FILE, list_checkpoints, read_checkpoint_info
+from playbook.store.checkpoint import BEST_FILE, LATEST_FILE, list_checkpoints, read_checkpoint_info
 from playbook.store.files import RESULTS_DIR
 
 
@@ -101,27 +102,28 @@ def settings_differences(saved: dict, ours: dict) -> list[str]:
     return lines
 
 
-def _probe_folder(folder, what: str) -> None:
-    """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written."""
+def _probe_folder(folder, what: str, how: str) -> None:
+    """Refuse (exit code 2) a folder that is a file, lies under a file, or cannot be created or written; `how`:
+    the way to choose another (the flag or variable that names it)."""
     for p in (folder, *folder.parents):
         if p.exists() and not p.is_dir():
             where = "is a file" if p == folder else f"lies under {p}, which is a file"
-            raise usage_error(f"{what} {folder} {where}, not a directory: choose another {what}")
+            raise usage_error(f"{what} {folder} {where}, not a directory: {how}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise usage_error(f"{what} {folder} cannot be written ({err.strerror or err}): choose a writable "
-                          "directory") from None
+        raise usage_error(f"{what} {folder} cannot be written ({err.strerror or err}): {how}") from None
 
 
 def check_output_folders(cfg) -> None:
     """results/ and --output-dir are directories this run can write, checked before the model is built."""
-    _probe_folder(RESULTS_DIR, "the results folder")
+    _probe_folder(RESULTS_DIR, "the results folder", f"set {environment.RESULTS_DIR} to a writable folder (e.g. "
+                                                     f"{environment.RESULTS_DIR}=~/playbook-results) to write there")
     if cfg.output_dir is not None:
-        _probe_folder(cfg.output_dir, "--output-dir")
+        _probe_folder(cfg.output_dir, "--output-dir", "give an --output-dir in a writable folder")
 
 
 def resume_error(cfg, err) -> SystemExit:
@@ -137,6 +139,19 @@ def read_resume(cfg) -> dict:
         raise resume_error(cfg, err) from None
 
 
+def refuse_differences(cfg, lines: list[str]) -> None:
+    """Stop (exit code 2) a resume whose settings differ from the checkpoint's (settings_differences' lines), in
+    the words every training script uses; nothing where `lines` is empty."""
+    if not lines:
+        return
+    print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
+          "data order and the learning-rate schedule:", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    print("Resume with the checkpoint's values, or start a new run (another --output-dir).", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
     """Stop (exit code 2) when this run's settings differ from the checkpoint's, one line each; warn when
     the checkpoint predates stored settings; say how the schedule changes when the length does."""
@@ -145,14 +160,7 @@ def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
         log(f"warning: {info['path']} stores no run settings (an older checkpoint): whether this run's batch size, "
             "data, sequence length and schedule are the saved run's cannot be checked")
     else:
-        lines = settings_differences(saved, settings)
-        if lines:
-            print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
-                  "data order and the learning-rate schedule:", file=sys.stderr)
-            for line in lines:
-                print(f"  {line}", file=sys.stderr)
-            print("Resume with the checkpoint's values, or start a new run (another --output-dir).", file=sys.stderr)
-            raise SystemExit(2)
+        refuse_differences(cfg, settings_differences(saved, settings))
     schedule = info["scheduler"]
     if schedule and schedule["total"] != steps and info["step"] < steps:
         start, kind = info["step"], schedule["kind"]
@@ -186,11 +194,11 @@ def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
 
 
 def lr_warmup_steps(cfg, info: dict | None, steps: int) -> int:
-    """The schedule's warm-up steps: --lr-warmup-steps, or --warmup-ratio of the run's length; resumed, a
-    share of the saved run's length (the warm-up already done)."""
+    """The schedule's warm-up steps: --lr-warmup-steps, or --warmup-ratio of the run's length rounded up to a
+    whole step (schedule.warmup_steps); resumed, a share of the saved run's length (the warm-up already done)."""
     if info is not None and info["scheduler"] and not cfg.lr_warmup_steps and cfg.warmup_ratio:
         return info["scheduler"]["warmup"]
-    return cfg.lr_warmup_steps or int(cfg.warmup_ratio * steps)
+    return warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, steps)
 
 
 def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
@@ -224,9 +232,9 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     if is_main():
         for p in others:
             shutil.rmtree(p)
-        latest = out / LATEST_FILE
-        if latest.is_file() and not (out / latest.read_text().strip()).is_dir():
-            latest.unlink()
+        for pointer in (out / LATEST_FILE, out / BEST_FILE):  # (a pointer to a deleted checkpoint goes with it)
+            if pointer.is_file() and not (out / pointer.read_text().strip()).is_dir():
+                pointer.unlink()
     log(f"--overwrite-output-dir: deleted {', '.join(p.name for p in others)} from {out} before training")
 
 

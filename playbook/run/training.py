@@ -18,6 +18,7 @@ playbook/run/report.py.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 from core.process import is_main, log, world
+from playbook.config import check_lr_warmup
 from playbook.data.dataset import IGNORE_INDEX
 from playbook.model.lora import merge_and_save
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
@@ -42,7 +44,7 @@ from playbook.run.step import StepRunner
 from playbook.runtime import signals
 from playbook.runtime.common import describe_gpu, interactive, synchronize, versions
 from playbook.runtime.time_left import TimeLeft, in_progress, running
-from playbook.store.files import RESULTS_DIR, result_path
+from playbook.store.files import RESULTS_DIR, result_path, write_failure
 
 
 
@@ -246,10 +248,13 @@ def start_run(cfg) -> Run:
         raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
                           f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
                           f"{steps - 1}")
+    if cfg.steps is None:  # (--steps: checked with the arguments)
+        check_lr_warmup(cfg.lr_warmup_steps, steps, counted=f" (--epochs {cfg.epochs:g} of this data)")
     settings = resume_settings(cfg, model_name)
     if info is not None:
         check_resumed_run(cfg, info, settings, steps)
     check_output_checkpoints(cfg, info, steps)
+    forget_best(cfg)
     schedule = LRSchedule(optimizer, steps, lr_warmup_steps(cfg, info, steps), cfg.lr_schedule)
     summary_path, metrics = open_outputs(cfg, model_name)
     result = RunResult(script=cfg.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"] if cfg.compile
@@ -268,8 +273,41 @@ def start_run(cfg) -> Run:
                 if done > 0 and judge_eval(run, done, loss, quiet=True):
                     kept = cfg.output_dir / f"checkpoint-{done}" if cfg.output_dir else None
                     run.best.checkpoint = kept if kept is not None and kept.is_dir() else None
+            line = patience_left(run)
+            if line:
+                log(line)
     before_first_step(run)
     return run
+
+
+def patience_left(run: Run) -> str | None:
+    """For a resumed run with --early-stopping-patience whose last evals did not beat the best: what the patience
+    still allows, said before the first step (an early-stopped run resumed with the same flags stops again at
+    its next eval). None where there is nothing to say."""
+    cfg, best = run.cfg, run.best
+    if not cfg.early_stopping_patience or best.step is None or not best.evals_since or not cfg.eval_every:
+        return None
+    left = max(0, cfg.early_stopping_patience - best.evals_since)
+    next_eval = (run.start // cfg.eval_every + 1) * cfg.eval_every
+    stop = min(run.steps, next_eval + (max(left, 1) - 1) * cfg.eval_every)
+    return (f"Resumed after {best.evals_since} eval{'s' if best.evals_since > 1 else ''} in a row without a new best "
+            f"(the best, {best.loss:.4f}, at step {best.step}): --early-stopping-patience "
+            f"{cfg.early_stopping_patience} allows {left} more, so the run stops after step {stop} unless an eval by "
+            f"then is below {best.loss - best.threshold:.4f}"
+            + ("; it stopped early there before: a higher --early-stopping-patience trains on" if not left else ""))
+
+
+def forget_best(cfg) -> None:
+    """A run in an --output-dir without --load-best-model-at-end ends with its last step's weights: the `best`
+    pointer an earlier run there left (checkpoint.mark_best) would send export.py and chat.py to another
+    checkpoint, so it goes."""
+    from playbook.store.checkpoint import BEST_FILE
+
+    pointer = cfg.output_dir / BEST_FILE if cfg.output_dir is not None else None
+    if pointer is not None and not cfg.load_best_model_at_end and pointer.is_file() and is_main():
+        pointer.unlink()
+        log(f"{pointer} removed: this run ends with its last step's weights (no --load-best-model-at-end), which "
+            "export.py and chat.py then take for the run folder")
 
 
 def open_outputs(cfg, model_name: str) -> tuple[Path, MetricsLog]:
@@ -346,10 +384,17 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
             bar.write(line)
     improved = judge_eval(run, step + 1, eval_loss) if eval_loss is not None else False
     best_due = improved and cfg.load_best_model_at_end
-    stop = save_when_due(run, step + 1, force=best_due or run.best.should_stop)
+    # early stopping is judged at an eval, as the Trainer's EarlyStoppingCallback judges it: a resumed run whose
+    # patience is spent trains on to its next eval (patience_left said so), rather than stopping after one step
+    stopping = eval_loss is not None and run.best.should_stop
+    stop = save_when_due(run, step + 1, force=best_due or stopping)
     if improved and run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{step + 1}":
         run.best.checkpoint = run.last_saved
-    if stop is None and run.best.should_stop:
+        if cfg.load_best_model_at_end:  # the run ends with it: export.py and chat.py take it for the run folder
+            from playbook.store.checkpoint import mark_best
+
+            mark_best(cfg.output_dir, run.last_saved)
+    if stop is None and stopping:
         run.early_stop = run.best.stop_line(step + 1)
         log(run.early_stop)
     if stop is None:
@@ -412,7 +457,7 @@ def save_when_due(run: Run, done: int, force: bool = False) -> str | None:
     except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a file size limit,
         # permissions (safetensors' own error for a failed write): the summary is still written
         return (f"error: the checkpoint of step {done} could not be written to {cfg.output_dir} "
-                f"({str(err).splitlines()[0][:300]})"
+                f"({write_failure(err)})"
                 + (f"; the last complete checkpoint is {run.last_saved}" if run.last_saved else
                    "; no checkpoint of this run is complete"))
     run.last_saved = path
@@ -454,13 +499,14 @@ def end_with_best(run: Run) -> None:
     if best.step is None:
         return
     done = len(result.losses)  # (a resumed run's include the steps before it)
+    result.ended_with = f"the last step's weights (step {done})"  # (unless the best step's are loaded below)
     log(f"best eval loss: {best.loss:.4f} at step {best.step} of {done}"
         + (f" (checkpoint {best.checkpoint})" if best.checkpoint is not None else ""))
     if cfg.load_best_model_at_end and best.checkpoint is not None and best.step != done:
         from playbook.store.checkpoint import load_checkpoint
 
         load_checkpoint(best.checkpoint, run.model)
-        result.ended_with = f"step {best.step}'s weights ({best.checkpoint})"
+        result.ended_with, result.ended_at = f"step {best.step}'s weights ({best.checkpoint})", best.step
         log(f"--load-best-model-at-end: the model ends with step {best.step}'s weights, from {best.checkpoint}; the "
             f"last checkpoint, {run.last_saved}, holds step {done}'s")
 
@@ -492,9 +538,9 @@ def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
     try:
         path = last_saved if last_saved is not None and Path(last_saved).name == f"checkpoint-{step}" else save_now()
     except (OSError, RuntimeError, SafetensorError) as err:
-        return (kept + f"; the checkpoint of step {step} could not be written ({str(err).splitlines()[0][:200]})"
+        return (kept + f"; the checkpoint of step {step} could not be written ({write_failure(err)})"
                 + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
-    return kept + f"; saved {path}: resume with --resume {cfg.output_dir}"
+    return kept + f"; saved {path}: resume with --resume {shlex.quote(str(cfg.output_dir))}"  # (quoted: copied to a shell)
 
 
 def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None, keep=None):

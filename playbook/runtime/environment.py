@@ -90,12 +90,22 @@ def _kind(path: Path) -> str:
         return f"cannot be used ({err.strerror or err})"
 
 
+def _expand_home(name: str, raw: str, takes: str) -> Path:
+    """`raw` with a leading `~` or `~user` expanded; a user this machine does not know (or a home it cannot find) is
+    a BadValue, not the RuntimeError of Path.expanduser."""
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError:  # "Could not determine home directory": no such user, or no HOME
+        user = raw.strip().split("/", 1)[0]
+        raise BadValue(name, raw, f"starts with {user}, a home folder this machine does not know", takes) from None
+
+
 def _folder(name: str, takes: str) -> Path | None:
     """A variable naming a folder (`~` expanded, made where missing by whoever writes there); None where unset."""
     raw = _raw(name)
     if raw is None:
         return None
-    path = Path(raw).expanduser()
+    path = _expand_home(name, raw, takes)
     kind = _kind(path)
     if kind not in ("folder", "missing"):
         raise BadValue(name, raw, "is a file, not a folder" if kind == "file" else kind, takes)
@@ -119,9 +129,9 @@ def report_file() -> Path | None:
     raw = _raw(REPORT_FILE)
     if raw is None:
         return None
-    path = Path(raw).expanduser()
     takes = ("it takes the file a test file run as a script writes its full report to (written over), in a folder "
              "that exists; unset it for the whole report on the screen")
+    path = _expand_home(REPORT_FILE, raw, takes)
     kind, folder = _kind(path), _kind(path.parent)
     if kind == "folder":
         raise BadValue(REPORT_FILE, raw, "is a folder", takes)
@@ -144,17 +154,31 @@ def cpu_demo() -> bool:
                   "it takes 1 (run the CPU demo even where a GPU is present but cannot be used) or 0 (the default)")
 
 
-def _torchrun(name: str) -> None:
-    """WORLD_SIZE, RANK or LOCAL_RANK, as torchrun sets them: a whole number (WORLD_SIZE 1 or more)."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return
+_WHOLE_NUMBER = re.compile(r"[0-9]+")  # ASCII digits only: "¹" and "²" pass str.isdigit() and then fail int()
+
+
+def torchrun_value(name: str) -> int:
+    """WORLD_SIZE, RANK or LOCAL_RANK, as torchrun sets them: a whole number (WORLD_SIZE 1 or more). Unset, empty
+    or blank: the default, 1 process (WORLD_SIZE) or place 0 (RANK, LOCAL_RANK)."""
     low = 1 if name == "WORLD_SIZE" else 0
-    if not raw.strip().isdigit() or int(raw) < low:
+    raw = _raw(name)
+    if raw is None:
+        return low
+    if not _WHOLE_NUMBER.fullmatch(raw.strip()) or int(raw) < low:
         what = "the number of processes" if name == "WORLD_SIZE" else "this process's place among them, from 0"
         raise BadValue(name, raw, f"is not a whole number of {low} or more",
                       f"torchrun sets it to {what}; unset WORLD_SIZE, RANK and LOCAL_RANK to run one process "
                       "without torchrun")
+    return int(raw)
+
+
+def unset_blank_torchrun() -> None:
+    """Remove WORLD_SIZE, RANK or LOCAL_RANK where empty or blank: they mean the default, as unset does, and the
+    libraries that read them as well (transformers' TrainingArguments, accelerate, torch.distributed) take only a
+    number or nothing (int("") fails there). The start-up calls this after check()."""
+    for name in TORCHRUN:
+        if name in os.environ and _raw(name) is None:
+            del os.environ[name]
 
 
 def check() -> None:
@@ -167,6 +191,6 @@ def check() -> None:
         report_file()
         cpu_demo()
         for name in TORCHRUN:
-            _torchrun(name)
+            torchrun_value(name)
     except BadValue as err:
         raise refused(err) from None

@@ -73,6 +73,7 @@ from playbook.store.files import fsync_directory, fsync_tree, write_atomic
 
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
+BEST_FILE = "best"  # --load-best-model-at-end: the checkpoint of the lowest eval loss, which the run ends with
 PREFIX = "checkpoint-"
 FORMAT = 2  # trainer_state.pt layout version (1: one process only, read too)
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -146,7 +147,7 @@ def _world(what: str) -> tuple[int, int]:
     """(rank, world size): of the process group when there is one, else (0, 1)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    size = int(os.environ.get("WORLD_SIZE", 1))
+    size = int((os.environ.get("WORLD_SIZE") or "").strip() or 1)  # unset, empty or blank: 1 (runtime/environment.py)
     if size > 1:
         raise RuntimeError(f"{what}: WORLD_SIZE is {size} but torch.distributed is not initialized; every process "
                            "must call torch.distributed.init_process_group before saving or loading a checkpoint")
@@ -430,6 +431,14 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
     # Rank 0 writes; the others wait for it here (the agreement is a sync point), then return.
     _together(size, lambda: write() if rank == 0 else None)
     return final
+
+
+def mark_best(output_dir, checkpoint) -> None:
+    """Point output_dir/best at `checkpoint` (a checkpoint-N folder in it): the run keeps it as its best
+    (--load-best-model-at-end) and ends with its weights, so export.py and chat.py take it for the run folder.
+    The main process writes it; the others return."""
+    if _world("mark_best")[0] == 0:
+        write_atomic(Path(output_dir) / BEST_FILE, Path(checkpoint).name + "\n")
 
 
 BASE_NOTE_KEY = "base_model_note"  # adapter_config.json: what base_model_name_or_path names, when it needs a word

@@ -17,7 +17,9 @@ OSError naming the target (the file its user knows), not the temporary one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import secrets
 import socket
 from pathlib import Path
@@ -108,3 +110,40 @@ def write_atomic(path, data: str | bytes) -> None:
         else:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(data)
+
+
+# ------------------------------------------------------------------------------------------------
+# Why a write failed, in the user's words
+# ------------------------------------------------------------------------------------------------
+# A write that stopped short, as the writers that do not pass the system's error on report it: torch's serializer
+# ("[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1200", "PytorchStreamWriter failed writing
+# file data/0: file write failed") and numpy's tofile ("32768 requested and 31552 written", the GGUF writer's).
+# The system refused the rest of the data, which on a local disk is a full disk or a used-up quota.
+_SHORT_WRITE = re.compile(r"inline_container\.cc|file write failed|unexpected pos \d+ vs \d+|"
+                          r"\d+ requested and \d+ written")
+
+
+def is_full_disk(err: BaseException) -> bool:
+    """Whether `err` (or the error it was raised from) is a write refused for want of space: ENOSPC, EDQUOT, or a
+    writer's report of a write that stopped short (_SHORT_WRITE)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if _SHORT_WRITE.search(str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def write_failure(err: BaseException) -> str:
+    """The reason a write failed, for the one line that reports it: a full disk named as one, whatever the writer
+    that met it said (a short write keeps the writer's words in brackets); anything else as its first line."""
+    said = (err.strerror if isinstance(err, OSError) and err.strerror else str(err)).strip()
+    said = said.splitlines()[0][:200] if said else type(err).__name__
+    if not is_full_disk(err):
+        return said
+    if isinstance(err, OSError) and err.errno == errno.EDQUOT:
+        return "the disk quota is used up"
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return "the disk is full"
+    return f"the disk is full (the write stopped short: {said})"
