@@ -779,6 +779,7 @@ def main(argv=None) -> int:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if a.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the rows' scripts then see no GPU either
+        env["CPU_DEMO"] = "1"  # and run the CPU demo where nvidia-smi still shows one (the set-up check would refuse)
     # This process works out the rows' memory plans with torch, from their arguments alone: it is kept off the
     # GPU, so that no CUDA context of its own takes memory from the rows (their env keeps the GPU).
     os.environ["CUDA_VISIBLE_DEVICES"] = ""

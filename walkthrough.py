@@ -113,7 +113,8 @@ def default_workload():
     if gib >= 70:
         # The chats read as raw text: no per-example attention mask, whose extra activations would not
         # fit next to the optimized run's ~81 GB on an 80 GB card.
-        text = ["--data", str(EXAMPLE_DATA.relative_to(HERE))] + big[3:]
+        # Raw text has no held-out examples: no --eval-every (the scripts refuse it without --dataset).
+        text = ["--data", str(EXAMPLE_DATA.relative_to(HERE))] + _drop(big[3:], "--eval-every")
         return text, f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens of the example file as raw text", \
             "at this size the baseline does not fit this GPU and the optimized run does"
     layers = max(2, int(32 * gib / 100))

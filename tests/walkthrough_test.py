@@ -337,3 +337,19 @@ def test_every_argument_is_checked_before_step_1(argv, says, monkeypatch, capsys
     said = capsys.readouterr()
     assert stop.value.code == 2 and said.out == "", said.out  # no step, not even the workload's line
     assert said.err.strip().endswith(says) and len(said.err.strip().splitlines()) == 1, said.err
+
+
+@pytest.mark.parametrize("gib", [141, 80, 40])
+def test_each_gpu_size_runs_arguments_its_scripts_take(gib, monkeypatch):
+    """The workload of steps 1 and 4a-4c on a GPU of each size class (>= 120 GiB: the chats, 70-120: the same file as
+    raw text, less: fewer layers) passes the baseline's, the optimized script's and the profile's own argument
+    checks. The raw-text form once kept --eval-every, which needs held-out examples (--dataset): an 80 GB GPU then
+    stopped before Step 1."""
+    class Properties:
+        total_memory = gib * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Properties())
+    workload, desc, _ = walkthrough.default_workload()
+    assert f"{gib} GiB GPU" in desc, desc
+    walkthrough.check_workload(workload, gpu=True)  # a refusal is SystemExit(2): the test fails with its line

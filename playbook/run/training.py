@@ -137,6 +137,7 @@ def total_steps(cfg, data) -> int:
 # ------------------------------------------------------------------------------------------------
 def train(cfg) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
+    check_output_folders(cfg)  # results/ and --output-dir writable: one line, before the memory plan and any model
     cfg = settle(cfg)  # the run's RunConfig from here on: the memory plan checked, the rounding decided
     with run_errors(cfg, "the run stopped before its summary; checkpoints already written under --output-dir are "
                          "complete"):
@@ -232,10 +233,9 @@ class Run:
 
 
 def start_run(cfg) -> Run:
-    """Everything before the first step, for a RunConfig that start.settle returned: the checks (output folders,
-    --resume), the model, the data and the optimizer (start.build), the schedule, the run's outputs, the resumed
+    """Everything before the first step, for a RunConfig that start.settle returned (train() has checked the output
+    folders): the --resume check, the model, the data and the optimizer (start.build), the schedule, the run's outputs, the resumed
     checkpoint, and what before_first_step does."""
-    check_output_folders(cfg)
     info = read_resume(cfg) if cfg.resume is not None else None
     built = start.build(cfg)
     model, model_name, data, optimizer, blocker = built.model, built.model_name, built.data, built.optimizer, built.blocker
