@@ -368,8 +368,8 @@ def environment_stamp(machine: Machine) -> dict:
 
 def commit() -> dict:
     """The commit the tree is at and whether it has changes. Where the tree is a copy without its history (a Docker
-    image built from `COPY .`, an unpacked archive), PLAYBOOK_COMMIT names the commit it was copied from and
-    "dirty" is unknown (None); with neither, both are None."""
+    image built from `COPY .`, an unpacked archive, a copy whose .git is another commit's), PLAYBOOK_COMMIT names
+    the commit it was copied from, and "dirty" is then unknown (None); with neither, both are None."""
     def git(*args):
         try:
             done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -377,9 +377,11 @@ def commit() -> dict:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
+    if os.environ.get("PLAYBOOK_COMMIT"):  # said by whoever copied the tree: a copy's own git may be another's
+        return {"commit": os.environ["PLAYBOOK_COMMIT"], "dirty": None}
     head = git("rev-parse", "HEAD")
     if head is None:
-        return {"commit": os.environ.get("PLAYBOOK_COMMIT") or None, "dirty": None}
+        return {"commit": None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no") if head else None
     return {"commit": head, "dirty": bool(status) if status is not None else None}
 
@@ -704,10 +706,11 @@ def index_section(results: Path = RESULTS) -> str:
     for folder in folders:  # (results/CPU/, the CPU form's, is not evidence: git ignores it)
         found = [m for m in (read_manifest(p) for p in folder.glob("*.manifest.json")) if m]
         for m in sorted(found, key=lambda m: order.get(m.get("row"), len(order))):
-            tps = (m.get("figures") or {}).get("tokens_per_s")
+            tps = None if m.get("emulated") else (m.get("figures") or {}).get("tokens_per_s")  # emulated: no speed
+            status = m["status"] + (" (emulated: no speed)" if m.get("emulated") and m["status"] == "ok" else "")
             commit_id = (m.get("commit") or {}).get("commit") or "unknown"
             dirty = " (with changes)" if (m.get("commit") or {}).get("dirty") else ""
-            lines.append(f"| {folder.name} | [`{m['row']}`]({folder.name}/{m['row']}.manifest.json) | {m['status']} | "
+            lines.append(f"| {folder.name} | [`{m['row']}`]({folder.name}/{m['row']}.manifest.json) | {status} | "
                          f"{fmt(tps, ',.0f')} | `{m['command_shown']}` | {commit_id[:10]}{dirty} | "
                          f"{m['date'][:10]} |")
     if lines[-1].startswith("|---"):
@@ -722,6 +725,25 @@ def index_section(results: Path = RESULTS) -> str:
 # ------------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------------
+def rewrite_table(folder: Path, reference: Path) -> int:
+    """--table: bench.md and bench.png of `folder` made again from its manifests, in the table's order, with the
+    bf16 matmul rate its ceiling.json holds. The reference GPU's column only where every row ran the committed
+    commands on a GPU (no manifest of the CPU form)."""
+    manifests = [m for m in (read_manifest(manifest_path(folder, r.name)) for r in ROWS) if m]
+    if not manifests:
+        print(f"error: {folder} holds no <row>.manifest.json", file=sys.stderr)
+        return 2
+    saved = folder / "ceiling.json"
+    ceiling = json.loads(saved.read_text()).get("bf16_matmul_tflops") if saved.is_file() else None
+    comparable = all((m.get("machine") or {}).get("gpu") not in (None, "CPU") and m.get("command") == command(
+        BY_NAME[m["row"]], True)[1:] for m in manifests if m["row"] in BY_NAME)
+    text = table(manifests, ceiling, reference, manifests[0]["machine"].get("gpu") or folder.name, comparable)
+    write_atomic(folder / "bench.md", text)
+    note = plot(manifests, reference if comparable else None, folder / "bench.png")
+    print(text + (note + "\n" if note else ""))
+    return 0
+
+
 def progress(i: int, n: int, row: Row, began: float, left_s: float) -> str:
     elapsed = time.monotonic() - began
     return f"[{i}/{n}] {row.name}: running (elapsed {elapsed / 60:.1f} min, about {left_s / 60:.1f} min left)"
@@ -747,6 +769,9 @@ def main(argv=None) -> int:
     p.add_argument("--reference", type=Path, default=RESULTS / REFERENCE_GPU,
                    help=f"the committed figures to compare with (default: results/{REFERENCE_GPU}/)")
     p.add_argument("--index", action="store_true", help="only rewrite results/README.md's index from the manifests")
+    p.add_argument("--table", type=Path, metavar="FOLDER",
+                   help="only rewrite FOLDER's bench.md and bench.png from the manifests in it (rows gathered from "
+                        "several runs or machines' copies of the folder)")
     p.add_argument("--gpu-name", action="store_true", help="only print this machine's results folder name (H200, CPU)")
     p.add_argument("--environment", action="store_true",
                    help="only print the manifests' machine, versions and commit, as JSON (make gpu-evidence)")
@@ -755,6 +780,8 @@ def main(argv=None) -> int:
     if a.index:
         print("results/README.md: " + ("index rewritten" if write_index() else "index already up to date"))
         return 0
+    if a.table is not None:
+        return rewrite_table(a.table, a.reference)
     if a.quick and a.rows:
         print("error: --quick runs its own three rows; give --rows or --quick, not both", file=sys.stderr)
         return 2
@@ -832,8 +859,11 @@ def main(argv=None) -> int:
                     "figures": outcome}
         write_atomic(path, json.dumps(manifest, indent=1) + "\n")
         done_rows += 1
-        said = manifest["reason"] or (f"{manifest['figures'].get('tokens_per_s') or 0:,.0f} tokens/s"
-                                      if row.group != "kernels" else "done")
+        figs = manifest["figures"]
+        said = manifest["reason"] or ("done" if row.group == "kernels" else
+                                      f"emulated (no speed): final loss {figs.get('final_loss')}, eval "
+                                      f"{figs.get('eval_before')} -> {figs.get('eval_after')}" if row.emulated else
+                                      f"{figs.get('tokens_per_s') or 0:,.0f} tokens/s")
         print(f"[{i}/{len(rows)}] {row.name}: {manifest['status']}: {said}", flush=True)
     manifests = [m for m in (read_manifest(manifest_path(folder, r.name)) for r in ROWS) if m]
     if manifests:

@@ -239,3 +239,29 @@ def test_the_table_beside_the_committed_h200_figures():
     # other commands (the CPU form, --batch-size): no H200 column, and the table says why
     other = bench.table(manifests, 2_000.0, bench.RESULTS / "H200", "GB300", comparable=False)
     assert "10,126" not in other and "not the committed ones" in other
+
+
+def test_emulated_rows_show_a_loss_and_no_speed_and_the_table_is_made_again(tmp_path):
+    """An emulated format (dequantized bf16 matmuls) gives its loss, never a speed: in bench.md, made again by
+    --table from the manifests of a folder gathered from two runs, and in the index (figures made up)."""
+    folder = tmp_path / "GB300"
+    folder.mkdir()
+    (folder / "ceiling.json").write_text(json.dumps({"gpu": "NVIDIA GB300", "bf16_matmul_tflops": 2000.0}))
+    for name, emulated, tps in (("fmt-bf16", False, 251_234.0), ("fmt-nvfp4", True, 9_876.0)):
+        row = bench.BY_NAME[name]
+        (folder / f"{name}.manifest.json").write_text(json.dumps({
+            "row": name, "group": row.group, "title": row.title, "baseline": None, "emulated": emulated,
+            "command": bench.command(row, True)[1:], "command_shown": bench.shown(bench.command(row, True)),
+            "date": "2026-12-07T00:00:00+00:00", "machine": {"gpu": "GB300", "name": "NVIDIA GB300"},
+            "commit": {"commit": "0123456789abcdef", "dirty": False}, "status": "ok", "reason": None,
+            "figures": {"tokens_per_s": tps, "step_median_ms": 12.5, "model_tflops": 111.0, "eval_before": 3.5591,
+                        "eval_after": 3.9133, "final_loss": 3.6416}}))
+    assert bench.main(["--table", str(folder)]) == 0
+    text = (folder / "bench.md").read_text()
+    emulated = next(ln for ln in text.splitlines() if ln.startswith("| fmt-nvfp4"))
+    plain = next(ln for ln in text.splitlines() if ln.startswith("| fmt-bf16"))
+    assert "emulated: accuracy only, no speed" in emulated and "3.5591 -> 3.9133" in emulated
+    assert "9,876" not in emulated and "12.5" not in emulated and "111" not in emulated
+    assert "251,234" in plain and "6 %" in plain  # 111 of the ceiling's 2,000 TFLOP/s
+    index = bench.index_section(tmp_path)
+    assert "ok (emulated: no speed)" in index and "9,876" not in index and "251,234" in index
