@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import torch
 
-from core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from core import kernel_utils  # (check_device: where the kernels can run)
 from fp8_linear_kernel import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, ROUND_IN_SOFTWARE, cast_e4m3
 
 import triton
@@ -270,8 +270,9 @@ def _hadamard16(x, SIGNS: tl.constexpr, ROWS: tl.constexpr):
     i = tl.arange(0, 16)
     x = x * tl.where(((SIGNS >> i) & 1) != 0, -1.0, 1.0)[None, :]
     for s in tl.static_range(4):
-        h: tl.constexpr = 1 << s
-        x4 = tl.permute(tl.reshape(x, (ROWS, 16 // (2 * h), 2, h)), (0, 1, 3, 2))
+        # the distance h = 1 << s written out in the shape: the GPU compiler refuses a name annotated
+        # tl.constexpr bound again in the next unrolled iteration, and makes a plain name a tensor
+        x4 = tl.permute(tl.reshape(x, (ROWS, 8 >> s, 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(x4)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, 16))
     return x * 0.25
@@ -387,6 +388,7 @@ def quantize_mxfp8(x2: torch.Tensor, rows: bool = True, cols: bool = False, swiz
     asked for. swizzle: the scales flat, in the layout cuBLAS reads (`mx_swizzled_scales`)."""
     if x2.dim() != 2 or x2.stride(-1) != 1:
         raise ValueError(f"quantize_mxfp8 takes a 2-D tensor with unit stride along K, got {tuple(x2.shape)}")
+    kernel_utils.check_device(x2)  # a CPU tensor on a GPU machine: refused with the fix, not by Triton's launcher
     M, K = x2.shape
     m_pad, n_blocks = -(-M // MX_BLOCK) * MX_BLOCK, -(-K // MX_BLOCK)
     dev, e8 = x2.device, torch.float8_e8m0fnu
@@ -409,6 +411,7 @@ def quantize_mxfp8(x2: torch.Tensor, rows: bool = True, cols: bool = False, swiz
 
 def tensor_amax(x2: torch.Tensor) -> torch.Tensor:
     """The largest finite |x| of x [M, K], floored at AMAX_FLOOR: [1] fp32 (one read, then a tiny max)."""
+    kernel_utils.check_device(x2)
     M, K = x2.shape
     bm, bk = 32, 256
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
@@ -446,6 +449,7 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
     amax: the tensor's largest finite |x| ([1] fp32) if known, else `tensor_amax` reads x for it."""
     if x2.dim() != 2 or x2.stride(-1) != 1:
         raise ValueError(f"quantize_nvfp4 takes a 2-D tensor with unit stride along K, got {tuple(x2.shape)}")
+    kernel_utils.check_device(x2, *([] if amax is None else [amax]))
     M, K = x2.shape
     if tiles and hadamard is not None:
         raise ValueError("NVFP4: the Hadamard transform is for the dW operands (activations, gradients), not 16x16 "

@@ -101,6 +101,7 @@ def step_calls(s: Shapes) -> list:
     import fp8_producers_kernel as producers
     import fp8_recipes_kernel as recipes
     import linear_cross_entropy_kernel as lce
+    import mx_quant_kernel as mxq
     import rmsnorm_kernel
     import rope_kernel
     import swiglu_kernel
@@ -155,6 +156,46 @@ def step_calls(s: Shapes) -> list:
                 continue  # 128 x 128 weight tiles need whole tiles (the layer refuses the recipe otherwise)
             calls.append((f"FP8 {mode}-scaled copies of {k}", lambda k=k, mode=mode: recipes.quantize_tiles(
                 t(n, k), mode, rows=True, cols=True, amax=t(1, dtype=f32))))
+
+    # Blackwell's block-scaled recipes (fp8_recipes_kernel.quant_operand: mxfp8, nvfp4 and their -emulated forms,
+    # which quantize with the same kernels on Hopper: hence built for every target) and LoRA's frozen base kept in
+    # them (fp8_lora_kernel.store_block_scaled_weight, BlockScaledFrozenLinear). Activations x and gradients dy
+    # [tokens, width]: a copy along K, and the transposed copy along the tokens for dW; the weight [out, in].
+    # Which copies: the forward quantizes x with its transposed copy when it keeps it for dW (mxfp8), else alone;
+    # the backward quantizes dy both ways (only transposed in a layer that needs no dx, only along K in the frozen
+    # base, which needs no dW) and x transposed when it was not kept.
+    copies = [(True, False), (True, True), (False, True)]
+    weights = sorted({(q_width + 2 * kv_width, h), (h, q_width), (2 * i, h), (h, i)})  # the projections' [out, in]
+    signs = recipes.NVFP4_HADAMARD_SIGNS
+    # dy's Philox seed is a plain int argument, which Triton specializes like any int: the first gradient's seed, 1,
+    # is compiled as a constant and a multiple of 16 as aligned, each its own build (quant_operand's seeds run
+    # 1, 2, 3, ...), so a step's gradients make all three
+    sr_seeds = (1, 2, 16)
+    for k in fp8_widths:
+        for rows, cols in copies:
+            calls.append((f"MXFP8 of {k}, rows={rows} cols={cols}", lambda k=k, r=rows, c=cols: mxq.quantize_mxfp8(
+                t(n, k), r, c)))
+            # x: to nearest; the Hadamard flag and signs are passed for activations even without the transposed copy
+            # (they are constexprs of the launch all the same); both copies at once: the set-up probe's check
+            # (fp8_recipes_kernel.TRANSPOSING)
+            calls.append((f"NVFP4 activation of {k}, rows={rows} cols={cols}", lambda k=k, r=rows, c=cols:
+                          mxq.quantize_nvfp4(t(n, k), r, c, hadamard=signs)))
+            for seed in sr_seeds:
+                calls.append((f"NVFP4 gradient of {k}, rows={rows} cols={cols}, seed {seed}",
+                              lambda k=k, r=rows, c=cols, seed=seed: mxq.quantize_nvfp4(
+                                  t(n, k), r, c, stochastic=True, seed=seed, hadamard=signs)))
+        # The scales in the layout cuBLAS reads, written by the kernel (mx_quant_test; the recipes' matmul swizzles
+        # the natural ones in PyTorch, fp8_recipes_kernel.mx_swizzled_scales)
+        calls.append((f"MXFP8 of {k}, swizzled scales", lambda k=k: mxq.quantize_mxfp8(t(n, k), True, True,
+                                                                                        swizzle=True)))
+    for out_f, in_f in weights:
+        # the trained layer quantizes W along K for y and transposed for dx, each step; the frozen base both at once
+        for rows, cols in copies:
+            calls.append((f"MXFP8 weight {out_f} x {in_f}, rows={rows} cols={cols}",
+                          lambda o=out_f, i_=in_f, r=rows, c=cols: mxq.quantize_mxfp8(t(o, i_), r, c)))
+            if out_f % mxq.NV_BLOCK == 0 and in_f % mxq.NV_BLOCK == 0:  # 16x16 tiles need whole tiles (else refused)
+                calls.append((f"NVFP4 weight {out_f} x {in_f} in 16x16 tiles, rows={rows} cols={cols}",
+                              lambda o=out_f, i_=in_f, r=rows, c=cols: mxq.quantize_nvfp4(t(o, i_), r, c, tiles=True)))
 
     def adamw(rounding: str):
         params = [torch.empty((h, h), dtype=bf16, device=meta), torch.empty(h, dtype=bf16, device=meta)]
