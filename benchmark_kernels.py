@@ -354,7 +354,7 @@ def fp8_producers() -> int:
 
 # ---- Blackwell's block-scaled formats: the MXFP8 and NVFP4 quantizers against copy bandwidth ---------
 MX_SHAPES = ((8192, 4096), (8192, 14336))  # LLaMA 3.1 8B at 4 x 2048 tokens: the hidden and the MLP widths
-MX_SMOKE_SHAPES = ((70, 96),)  # the interpreter: proves the harness and the correctness check, times nothing
+MX_SMOKE_SHAPES = ((70, 96),)  # proves the harness and the correctness check (on a CPU, in the interpreter); times nothing
 
 
 def mx_quant(smoke: bool) -> int:
@@ -363,7 +363,8 @@ def mx_quant(smoke: bool) -> int:
     (each input read once, NVFP4 once more for its tensor maximum, each output written once) and is set
     against the measured device-to-device copy bandwidth (bytes read + written), the goal being 80 % of
     it. The quantizers run on any GPU; the matmuls that read their output need Blackwell (sm_100 and
-    newer), which this command does not time. Prints the table and saves results/mx_quant_<gpu>.json."""
+    newer), which this command does not time. Prints the table and saves results/mx_quant_<gpu>.json
+    (not with `smoke`: its tiny shape's times would replace the file of the 8B shapes' run)."""
     import json
 
     from tabulate import tabulate
@@ -408,6 +409,9 @@ def mx_quant(smoke: bool) -> int:
         print("(CPU: Triton's interpreter ran each quantizer once; the times say nothing about a GPU)")
         return 0
     print("(the block-scaled matmuls that read these copies need Blackwell: not timed here)")
+    if smoke:
+        print("(--smoke: tiny shapes, which say nothing of the 8B step's; not saved)")
+        return 0
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"mx_quant_{gpu.replace(' ', '_')}.json"
     write_atomic(path, json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_gbs=copy, rows=rows), indent=1) + "\n")
@@ -432,7 +436,7 @@ def main():
                    help="time each kernel that also writes its output's FP8 row copy against the pair it replaces (GPU)")
     p.add_argument("--mx-quant", action="store_true",
                    help="time the MXFP8 and NVFP4 quantizers at LLaMA 3.1 8B's shapes against copy bandwidth (GPU; "
-                        "with --smoke, tiny shapes in the interpreter)")
+                        "with --smoke, tiny shapes, checked and run but not saved: in the interpreter on a CPU)")
     args = p.parse_args()
     if args.mx_quant:
         if not ON_GPU and not args.smoke:

@@ -287,15 +287,15 @@ class BlockScaledFrozenLinear(Float8Linear):
 
         r = get_recipe(self.recipe)
         xq, sx, _, _ = recipes.quant_operand(x2, r.scaling, False, True, False, False)
-        return recipes._mm_scaled(xq, sx, self.weight, self._scales(False), r.scaling, True, False, False, r.emulated)
+        return recipes.mm_scaled(xq, sx, self.weight, self._scales(False), r.scaling, True, False, False, r.emulated)
 
     def frozen_input_grad(self, dy2: torch.Tensor) -> torch.Tensor:
         import fp8_recipes_kernel as recipes
 
         r = get_recipe(self.recipe)
         dyq, sdy, _, _ = recipes.quant_operand(dy2, r.scaling, False, True, False, False, grad=True)
-        return recipes._mm_scaled(dyq, sdy, self.weight_t, self._scales(True), r.scaling, True, False, False,
-                                  r.emulated)
+        return recipes.mm_scaled(dyq, sdy, self.weight_t, self._scales(True), r.scaling, True, False, False,
+                                 r.emulated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_float("x", x)

@@ -365,9 +365,12 @@ def quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: b
     return _quant_tiles(t2, mode, rows, cols, ops, amax)
 
 
-def _mm_scaled(a, a_scale, bt, bt_scale, scaling: str, b_tiles: bool, fast_accum: bool, ops: bool,
-               emulate: bool = False):
-    """a @ bt.T for the tensor-wise, block-wise, MX and NVFP4 recipes: bf16 [rows of a, rows of bt]."""
+def mm_scaled(a, a_scale, bt, bt_scale, scaling: str, b_tiles: bool, fast_accum: bool, ops: bool,
+              emulate: bool = False):
+    """a @ bt.T for the tensor-wise, block-wise, MX and NVFP4 recipes: bf16 [rows of a, rows of bt]. The
+    operands as `quant_operand` returns them (b_tiles: bt's scales are 128x128 tiles; ops: while
+    torch.compile traces; emulate: the dequantized product). Public: LoRA's frozen base
+    (fp8_lora_kernel.BlockScaledFrozenLinear) multiplies its stored copies with it."""
     if scaling == "mx":  # the same call in eager mode and under torch.compile (plain PyTorch, no launcher)
         return scaled_mm_mx_launch(a, a_scale, bt, bt_scale, emulate)
     if scaling == "nvfp4":
@@ -401,7 +404,7 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         # Fast accumulation in the forward only, as in the row-wise recipe; not with 1x128 blocks,
         # whose point is the precision of each block's partial sum.
         fast = scaling == "tensor" and fast_accum_allowed(x2.device)
-        y = _mm_scaled(xq, sx, wq, sw, scaling, True, fast, ops, emulate)
+        y = mm_scaled(xq, sx, wq, sw, scaling, True, fast, ops, emulate)
         saved = (xqt, sxt) if keep_fp8 else (x2,) if need_weight_grad else ()
         ctx.keep_fp8, ctx.scaling, ctx.ops, ctx.n_saved, ctx.emulate = keep_fp8, scaling, ops, len(saved), emulate
         ctx.save_for_backward(weight, *((w_amax,) if w_amax is not None else ()), *saved)
@@ -420,10 +423,10 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         dx = dw = None
         if need_dx:  # dx = dy W: b = W, column-major, i.e. W^T row-major, in blocks along N
             _, _, wqt, swt = quant_operand(weight, scaling, True, False, True, ops, w_amax)
-            dx = _mm_scaled(dyq, sdy, wqt, swt, scaling, True, False, ops, ctx.emulate).to(dy.dtype)
+            dx = mm_scaled(dyq, sdy, wqt, swt, scaling, True, False, ops, ctx.emulate).to(dy.dtype)
         if need_dw:  # dW = dy^T x: both transposed copies, reduced over the (zero-padded) tokens
             xqt, sxt = saved if ctx.keep_fp8 else quant_operand(saved[0], scaling, False, False, True, ops)[2:]
-            dw = _mm_scaled(dyqt, sdyt, xqt, sxt, scaling, False, False, ops, ctx.emulate).to(weight.dtype)
+            dw = mm_scaled(dyqt, sdyt, xqt, sxt, scaling, False, False, ops, ctx.emulate).to(weight.dtype)
         return dx, dw, None, None, None, None, None, None
 
 

@@ -104,7 +104,7 @@ def test_mxfp8_scale_rules():
     # The subnormal block (row 7, block 1): scale 2^-127, and its values kept to e4m3's precision (2^-4
     # relative, or half its smallest step 2^-9 times the scale)
     sub = x.cpu()[7, 32:64]
-    deq = mq.dequantize_mxfp8(q, s)[7, 32:64]
+    deq = mq.dequantize_mxfp8(q, s)[7, 32:64].cpu()  # (on x's device: a GPU's, where there is one)
     assert sb[7, 1] == 0 and (sub != 0).all() and (deq != 0).any()
     assert ((deq - sub).abs() <= sub.abs() * 2.0**-4 + 2.0**-127 * 2.0**-10).all()
     record("MXFP8 scale rules: powers of two, (224, 448], zero, subnormal, NaN and inf blocks", 0.0, 0.0, True)
@@ -224,6 +224,18 @@ def test_bad_input_is_refused_in_one_line():
     assert "Hadamard" in said
 
 
+def test_cpu_tensors_refused_where_triton_compiles_for_the_gpu(monkeypatch):
+    """On a GPU machine (Triton compiling for the GPU, faked here on a CPU one) the quantizers refuse a CPU
+    tensor in one line naming the fix, before Triton's launcher would ("cannot be accessed from Triton")."""
+    from core import kernel_utils
+
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    x = torch.ones(32, 64)
+    for call in (mq.quantize_mxfp8, mq.quantize_nvfp4, mq.tensor_amax):
+        said = expect_error(RuntimeError, call, x)
+        assert "move them to CUDA" in said and len(said.splitlines()) == 1, said
+
+
 # ------------------------------------------------------------------------------------------------ recipes
 def _dequant_pair(pair, cols=None):
     """An NVFP4 operand (packed q, (block scales, tensor scale)) dequantized, fp64."""
@@ -313,10 +325,21 @@ def test_emulated_recipe_learns_like_bf16(recipe, monkeypatch):
     kernels made this test take a minute; the references take seconds)."""
     import fp8_recipes_kernel as recipes
 
-    monkeypatch.setattr(recipes.mxq, "quantize_mxfp8", lambda x, rows, cols: (
-        mq.quantize_mxfp8_ref(x) + mq.quantize_mxfp8_t_ref(x)))
-    monkeypatch.setattr(recipes.mxq, "quantize_nvfp4", lambda x, rows, cols, tiles, stochastic, seed, hadamard: (
-        mq.nvfp4_ref(x, stochastic, seed, tiles, hadamard)))
+    # A GPU probes the recipe once, at set-up (patch_model -> check_fp8_device: its quantizers bit for bit, then
+    # its matmuls): here, with the kernels themselves, before they are replaced (the probe's result is kept
+    # per GPU, so a probe of the stand-ins would stand for the kernels). The CPU has no probe.
+    recipes.check_fp8_device(DEVICE, recipe)
+
+    def mxfp8(x, rows=True, cols=False):  # the stand-ins answer as the kernels do: None for a copy not asked for
+        return ((mq.quantize_mxfp8_ref(x) if rows else (None, None))
+                + (mq.quantize_mxfp8_t_ref(x) if cols else (None, None)))
+
+    def nvfp4(x, rows=True, cols=False, tiles=False, stochastic=False, seed=0, hadamard=None):
+        q, s, qt, st, g, gt = mq.nvfp4_ref(x, stochastic, seed, tiles, hadamard)
+        return ((q, s) if rows else (None, None)) + ((qt, st) if cols else (None, None)) + (g, gt)
+
+    monkeypatch.setattr(recipes.mxq, "quantize_mxfp8", mxfp8)
+    monkeypatch.setattr(recipes.mxq, "quantize_nvfp4", nvfp4)
     base, _ = _memorize(None)
     ours, converted = _memorize(recipe)
     assert converted == 7, converted

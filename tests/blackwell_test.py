@@ -32,6 +32,7 @@ from playbook.model import models
 from playbook.run import cuda_graph
 from playbook.runtime import setup_check
 from core import fp8_support, gpu_arch
+from core.kernel_utils import DEVICE
 from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
 from testkit import expect_error, record, run_as_script
@@ -264,9 +265,10 @@ def test_mx_scales_swizzled_as_cublas_reads_them():
 def test_mx_gpu_matmuls_pass_pytorchs_checks():
     """The GPU path's torch._scaled_mm calls for the three matmuls of a layer (37 tokens, 64 -> 96
     features), run on the meta device: PyTorch's own checks of operand layout (row-major a, column-major
-    b), alignment and MXFP8 scale sizes, without a GPU."""
+    b), alignment and MXFP8 scale sizes, without a Blackwell GPU. The operands are quantized on this
+    machine's device (the kernels take a GPU's tensors where there is a GPU, the CPU's in the interpreter)."""
     g = torch.Generator().manual_seed(6)
-    x, w, dy = (torch.randn(shape, generator=g) for shape in ((37, 64), (96, 64), (37, 96)))
+    x, w, dy = (torch.randn(shape, generator=g).to(DEVICE) for shape in ((37, 64), (96, 64), (37, 96)))
     (xq, sx, xqt, sxt), (dyq, sdy, dyqt, sdyt), (wq, sw, wqt, swt) = (
         recipes.quant_operand(t, "mx", t is w, True, True, False) for t in (x, dy, w))
     for a, sa, bt, sbt, shape in ((xq, sx, wq, sw, (37, 96)), (dyq, sdy, wqt, swt, (37, 64)),
@@ -276,9 +278,13 @@ def test_mx_gpu_matmuls_pass_pytorchs_checks():
 
 
 def test_mx_probe_runs_the_three_matmuls():
-    """The set-up probe of mxfp8 (quantize the three matmuls' operands, multiply, compare with the
-    dequantized product) on the CPU, where the matmul is the reference."""
-    recipes.probe_scaled_mm(torch.device("cpu"), "mx")
+    """The set-up probe of mxfp8 (the transposing quantizers bit for bit against their references, then the
+    three matmuls' operands quantized, multiplied and compared with the dequantized product) on this
+    machine's device: on the CPU, where the matmul is the reference; on a Blackwell GPU, its MXFP8 matmul;
+    on a GPU without block-scaled tensor cores (Hopper refuses the native matmul), as the emulated recipe
+    (--fp8-emulate) probes it: the dequantized product on bf16 tensor cores."""
+    native = DEVICE.type != "cuda" or gpu_arch.device_family(DEVICE) not in (gpu_arch.OLDER, gpu_arch.HOPPER)
+    recipes.probe_scaled_mm(DEVICE, "mx" if native else "mx-emulated")
 
 
 # ------------------------------------------------------------------------------------------------ other gates
