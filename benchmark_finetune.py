@@ -115,8 +115,9 @@ SHAPES = {
                      cpu=("--model", "smollm2-135m", "--num-layers", "2", "--dataset", "examples/chat.jsonl",
                           "--eval-fraction", "0.01", "--batch-size", "2", "--seq-len", "128", "--steps", "2",
                           "--timing-warmup-steps", "1")),
-    # docs/fp8.md's formats on the real model: SmolLM2 at the walkthrough's settings (3 epochs of 8 x 512 packed
-    # tokens at lr 5e-5, 10 % warm-up, eval every 2 steps), every projection converted (`--fp8-layers all`: the size
+    # docs/fp8.md's formats on the real model: SmolLM2 near the walkthrough's settings (3 epochs of 8 x 512 packed
+    # tokens, 12 steps, at lr 5e-5; --warmup-ratio 0.1 rounds up to 2 warm-up steps where the walkthrough takes 1; eval
+    # every 2 steps), every projection converted (`--fp8-layers all`: the size
     # rule keeps SmolLM2's 576-wide layers in bf16), the optimizer rounding to nearest in every row
     "formats": Shape(gpu=("--model", "smollm2-135m", "--dataset", "examples/chat.jsonl", "--batch-size", "8",
                           "--seq-len", "512", "--epochs", "3", "--lr", "5e-5", "--warmup-ratio", "0.1",

@@ -60,12 +60,12 @@ KERNEL_CATEGORIES = ("RMSNorm", "loss", "SwiGLU", "RoPE", "element-wise")
 OTHER_TESTS = tuple(o.test for o in registry.OPTIMIZATIONS if o.name not in registry.KERNEL_NAMES)
 
 # The learning rate of every GPU run (4a, 4b, 4d, 4e): the Hugging Face Trainer's default, 5e-5, the top of the
-# peers' range for a full fine-tune (TRL, torchtune and Axolotl use 2e-5), with a warm-up over the first 10 % of
-# the steps and linear decay to 0 (the scripts' default schedule): the walkthrough's runs are a dozen steps, and
+# peers' range for a full fine-tune (TRL, torchtune and Axolotl use 2e-5), with one warm-up step (of the 12, about
+# 10 %; --warmup-ratio 0.1 would round up to 2, as Hugging Face rounds) and linear decay to 0 (the scripts' default schedule): the walkthrough's runs are a dozen steps, and
 # at 2e-5 SmolLM2's eval loss moved 1.7 % in its three epochs where the same run at 5e-5 moved 6.6 %. At 1e-4
 # the 8B preset's eval loss rose over the first steps before falling (14.06 after step 3, from 12.47)
 # (results/runs/walkthrough_settings_H200/: lr 2e-5, 5e-5 and 1e-4, baseline against the kernels).
-GPU_LR = ["--lr", "5e-5", "--warmup-ratio", "0.1"]
+GPU_LR = ["--lr", "5e-5", "--lr-warmup-steps", "1"]
 # Step 4b changes only the kernels: the optimized script's AdamW rounds each new bf16 weight to nearest, as the
 # baseline's (PyTorch's fused AdamW) does. The default rounding keeps the updates that rounding loses: step 4e.
 SAME_OPTIMIZER = ["--optimizer-rounding", "nearest"]
@@ -415,7 +415,7 @@ def _workload(args: argparse.Namespace) -> list[str]:
     return workload
 
 
-TRAINING_ONLY = ("--steps", "--lr", "--warmup-ratio", "--eval-every")  # flags of 4a/4b that a profile refuses
+TRAINING_ONLY = ("--steps", "--lr", "--lr-warmup-steps", "--warmup-ratio", "--eval-every")  # flags of 4a/4b that a profile refuses
 
 
 def profile_arguments(workload: list[str]) -> list[str]:
