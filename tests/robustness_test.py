@@ -251,6 +251,7 @@ def _train(cfg, *started):
 
 training._train = _train
 training.settle = lambda cfg: cfg  # (nothing to plan: the loop's answer to the error is what runs)
+training.check_output_folders = lambda cfg: None  # (no folders: no config)
 training.train(None)
 """
 
