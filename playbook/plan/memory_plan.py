@@ -196,6 +196,8 @@ def layer_bytes(shape: Shape, s: Setup) -> dict:
         norms = 2 * w * h * (1 if s.recompute_norms else 2)  # each norm's input, and its output the projections read
         attention = w * (q + 2 * kv) + w * q + 4 * heads  # q, k, v; the output; the softmax statistics (fp32)
         mlp = 2 * w * i  # gate and up
+        if s.kernels == "liger":  # its SwiGLU returns h = silu(gate) * up to a plain down_proj, which saves h
+            mlp = 3 * w * i  # (this project's MLP recomputes h in backward instead)
     else:  # Hugging Face's modules, op by op
         if lora:  # frozen norm weights and projections save nothing; peft casts each adapter's input to fp32
             fused = s.kernels == "liger"  # Liger's norms keep their input, its SwiGLU gate and up
@@ -210,8 +212,12 @@ def layer_bytes(shape: Shape, s: Setup) -> dict:
             mlp = 4 * w * i
     fp8 = FP8_TOKEN_BYTES * h if s.fp8 and not lora else 0
     plain = norms + attention + mlp + fp8 + MISC_BYTES_PER_TOKEN
+    # The MLP's backward makes the gradients of gate, up and h; Liger's SwiGLU writes those of gate and up into
+    # gate's and up's own storage, so a full fine-tune with it adds only h's gradient (with LoRA, peft's adapter
+    # path around down_proj keeps the measured rows at three)
+    mlp_backward = (1 if s.kernels == "liger" and not lora else 3) * w * i
     return {"plain": plain, "input": w * h, "kept": (w * q + 4 * heads) if s.keep_attention else 0, "mlp": mlp,
-            "mlp_backward": 3 * w * i, "attention_backward": w * (2 * q + 2 * kv + 2 * h)}
+            "mlp_backward": mlp_backward, "attention_backward": w * (2 * q + 2 * kv + 2 * h)}
 
 
 def loss_bytes(shape: Shape, s: Setup) -> tuple[float, str]:
