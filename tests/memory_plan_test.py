@@ -144,6 +144,32 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
     assert cfg.ignore_memory_plan and memory_plan.check(cfg).peak > 70 * memory_plan.GB
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_emulated_block_scaled_recipes_stop_before_an_h100_runs_out(recipe, monkeypatch, capsys):
+    """docs/fp8.md's memorization run with an emulated block-scaled recipe ran out of memory on an H100 80GB
+    (85.0 GB free; results/H100/memo-{mxfp8,nvfp4}.log) after the plan let it start. The emulated layers
+    dequantize each operand to fp32 in backward, and NVFP4's keep their bf16 input: the plan counts both, so the
+    run stops before the model is built, and would start on an H200 (139 GB)."""
+    from playbook.run.training import train
+
+    def built(*a, **k):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(models, "build_preset", built)
+    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "85.0")  # what the H100 80GB of those logs had free, in GB
+    argv = ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "40",
+            "--repeat-batches", "4", "--lr", "1e-5", "--lr-schedule", "constant", "--fp8", "--fp8-recipe", recipe,
+            "--fp8-emulate", "--optimizer-rounding", "nearest"]
+    cfg = _parsed(*argv)
+    peak = memory_plan.combine(memory_plan.run_plans(cfg)).peak
+    assert 85.0 * GB < peak < 139 * GB, f"{peak / GB:.1f} GB"
+    with pytest.raises(SystemExit) as info:
+        train(cfg)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error:"), err
+    assert f"the plan needs {memory_plan.gb_text(peak)} GB" in err[0], err
+
+
 def test_distill_plans_the_teacher_beside_the_student(capsys):
     import distill
 

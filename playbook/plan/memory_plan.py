@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from core import gpu_arch
-from core.fp8_support import FP8_MIN_WIDTH
+from core.fp8_support import FP8_MIN_WIDTH, bf16_layer_counts, get_recipe
 from core.process import is_main, log
 from linear_cross_entropy_kernel import CHUNK_BYTES  # the fused head's logits buffer
 from playbook.memory.activations import PREFETCH_LAYERS  # offloaded layers brought back ahead of backward
@@ -68,6 +68,13 @@ OFFLOADED_INPUTS_ON_GPU = 3  # --offload-activations: the input in use, the one 
 DISTILL_FULL_BYTES = 56  # per logit: distill.py's baseline loss, counted op by op (distill.py's docstring)
 HF_LOSS_BYTES = 12  # per logit: Hugging Face's fp32 log-softmax, its gradient and the gradient of the logits
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # bitsandbytes NF4: 4 bits, an 8-bit scale per 64, an fp32 one per 256 of those
+# Bytes per value of one quantized copy with its block scales (mx_quant_kernel.py): MXFP8 an e4m3 byte and an
+# e8m0 scale per 32 values; NVFP4 half a byte (packed e2m1) and an e4m3 scale per 16 values
+QUANTIZED_BYTES = {"mx": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+# The peak bytes per value of an emulated recipe's dequantization (mx_quant_kernel.dequantize_*), all alive at
+# once: MXFP8 the fp32 values, the fp32 scales repeated to every value, their fp32 product (12); NVFP4 the
+# int64 codes of the e2m1 nibbles, their fp32 values and the uint8 nibbles they came from (13)
+DEQUANTIZE_BYTES = {"mx": 12, "nvfp4": 13}
 LORA_DEFAULT_RANK = 16
 
 
@@ -126,12 +133,16 @@ class Shape:
     def lora_params(self, r: int, targets) -> int:
         return self.layers * sum(r * (a + b) for name, (a, b) in self.projection_sizes().items() if name in targets)
 
-    def fp8_params(self, rule: str) -> int:
-        """Projection weights per layer that FP8 converts: with rule 'auto', the groups that share an input
-        (q/k/v, gate/up) and the others of harmonic width in x out / (in + out) >= FP8_MIN_WIDTH."""
+    def fp8_groups(self, rule: str) -> list:
+        """(in, out) of the matmuls per layer that FP8 converts: with rule 'auto', the groups that share an
+        input (q/k/v, gate/up) and the others of harmonic width in x out / (in + out) >= FP8_MIN_WIDTH."""
         h, i, q, kv = self.hidden, self.intermediate, self.q, self.kv
         groups = ((h, q + 2 * kv), (q, h), (h, 2 * i), (i, h))
-        return sum(a * b for a, b in groups if rule == "all" or a * b / (a + b) >= FP8_MIN_WIDTH)
+        return [(a, b) for a, b in groups if rule == "all" or a * b / (a + b) >= FP8_MIN_WIDTH]
+
+    def fp8_params(self, rule: str) -> int:
+        """Projection weights per layer that FP8 converts (`fp8_groups`)."""
+        return sum(a * b for a, b in self.fp8_groups(rule))
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,7 @@ class Setup:
     load_in_4bit: bool = False
     fp8: bool = False
     fp8_rule: str = "auto"  # --fp8-layers
-    fp8_end_layers: int = 0  # the recipe's bf16 end layers (rowwise-bf16-ends: 2 at each end)
+    fp8_recipe: str = "rowwise"  # --fp8-recipe as the run names it ("nvfp4-emulated" under --fp8-emulate)
     layer_kinds: tuple = ()  # per decoder layer: "plain", "checkpointed" or "offloaded" (--offload-layers)
     offload_activations: bool = False
     keep_attention: bool = False
@@ -165,6 +176,10 @@ class Setup:
     @property
     def tokens(self) -> int:  # per micro-batch
         return self.batch * self.seq
+
+    def fp8_layers(self, layers: int) -> int:
+        """How many of the model's decoder layers run FP8 (the recipe keeps some at the ends in bf16)."""
+        return max(0, layers - sum(bf16_layer_counts(self.fp8_recipe, layers))) if self.fp8 else 0
 
 
 @dataclass
@@ -211,6 +226,12 @@ def layer_bytes(shape: Shape, s: Setup) -> dict:
             attention = w * (2 * q + 2 * kv) + w * q + 4 * heads
             mlp = 4 * w * i
     fp8 = FP8_TOKEN_BYTES * h if s.fp8 and not lora else 0
+    if s.fp8 and not lora and get_recipe(s.fp8_recipe).scaling == "nvfp4":
+        # NVFP4's layer keeps its bf16 input for backward (its scales are pairs save_for_backward does not take)
+        # where the fitted recipes keep a 1-byte transposed copy with 1/32 byte of scales: about a byte more per
+        # input value, in the layers that run FP8 (averaged over all layers: the recipe keeps its last ones bf16)
+        inputs = sum(a for a, _ in shape.fp8_groups(s.fp8_rule))
+        fp8 += (w - 1 - 1 / 32) * inputs * s.fp8_layers(shape.layers) / shape.layers
     plain = norms + attention + mlp + fp8 + MISC_BYTES_PER_TOKEN
     # The MLP's backward makes the gradients of gate, up and h; Liger's SwiGLU writes those of gate and up into
     # gate's and up's own storage, so a full fine-tune with it adds only h's gradient (with LoRA, peft's adapter
@@ -256,10 +277,10 @@ def _weights(shape: Shape, s: Setup, lora: bool) -> tuple[float, int, int, str]:
         if s.load_in_4bit:
             proj_bytes, kind = base_proj * NF4_BYTES, "the projections in NF4"
         elif s.fp8:
-            fp8_layers = max(0, L - 2 * s.fp8_end_layers)
+            fp8_layers = s.fp8_layers(L)
             per_layer = shape.fp8_params("all")
-            proj_bytes = fp8_layers * per_layer * 1 + (base_proj - fp8_layers * per_layer) * w
-            kind = f"the projections of {fp8_layers} layers in FP8"
+            proj_bytes = fp8_layers * per_layer * frozen_fp8_bytes(s.fp8_recipe) + (base_proj - fp8_layers * per_layer) * w
+            kind = f"the projections of {fp8_layers} layers in {_format(s.fp8_recipe)}"
         else:
             proj_bytes, kind = base_proj * w, ""
         adapters = shape.lora_params(s.lora_r, s.lora_targets)
@@ -270,10 +291,39 @@ def _weights(shape: Shape, s: Setup, lora: bool) -> tuple[float, int, int, str]:
         weights, trained, state_bytes = shape.params * w, shape.params, w
         what = f"{_dtype(w)}, {shape.params / 1e9:.2f} B parameters"
         if s.fp8 and s.trains:
-            fp8_layers = max(0, L - 2 * s.fp8_end_layers)
+            fp8_layers = s.fp8_layers(L)
             weights += FP8_WEIGHT_BYTES * fp8_layers * shape.fp8_params(s.fp8_rule)
             what += f", FP8 copies for {fp8_layers} layers"
     return weights, trained, state_bytes, what
+
+
+def frozen_fp8_bytes(recipe: str) -> float:
+    """Bytes per parameter of LoRA's frozen base kept quantized (fp8_lora_kernel.py): a row-scaled recipe one
+    e4m3 copy (its per-row scales are negligible); MXFP8 and NVFP4 two copies, along K and along N, each
+    with its block scales (a block scale cannot be folded into the other operand as a row scale can)."""
+    scaling = get_recipe(recipe).scaling
+    return 2 * QUANTIZED_BYTES[scaling] if scaling in QUANTIZED_BYTES else 1
+
+
+def emulated_work(shape: Shape, s: Setup) -> float:
+    """The largest working set of an emulated block-scaled matmul in backward (`--fp8-emulate`,
+    fp8_recipes_kernel.Float8ScaledLinearFunction): dy's two quantized copies and the weight's transposed one,
+    then each operand of dx = dy W and of dW = dy^T x dequantized to fp32 (DEQUANTIZE_BYTES while it is
+    made, 4 bytes per value after) and cast to bf16 for the product; 0 where the matmuls are native. LoRA's
+    frozen base (fp8_lora_kernel.BlockScaledFrozenLinear) keeps its weight's copies and makes only dx."""
+    if not (s.fp8 and s.trains and get_recipe(s.fp8_recipe).emulated and s.fp8_layers(shape.layers)):
+        return 0
+    recipe = get_recipe(s.fp8_recipe)
+    n, copy, deq = s.tokens, QUANTIZED_BYTES[recipe.scaling], DEQUANTIZE_BYTES[recipe.scaling]
+
+    def product(a: int, b: int) -> float:  # a @ b.T from quantized operands of a and b values
+        return max(deq * a, 4 * a + deq * b, (4 + 2) * (a + b))
+
+    if s.lora_r:
+        groups = shape.fp8_groups("all")
+        return max(copy * n * out + product(n * out, k * out) for k, out in groups)
+    return max(copy * (2 * n * out + k * out) + max(product(n * out, k * out), product(out * n, k * n))
+               for k, out in shape.fp8_groups(s.fp8_rule))
 
 
 def estimate(shape: Shape, s: Setup) -> Plan:
@@ -330,6 +380,8 @@ def estimate(shape: Shape, s: Setup) -> Plan:
     if tiled and not lora:
         mlp_work += 4 * 3 * shape.hidden * shape.intermediate  # the MLP's weight gradients summed in fp32
     work = max(mlp_work, b["attention_backward"] * n)
+    emulated = emulated_work(shape, s)  # in the layers that run FP8, between the recipe's bf16 ends
+    first, last = bf16_layer_counts(s.fp8_recipe, L) if s.fp8 else (0, 0)
     loss, loss_what = loss_bytes(shape, s)
     grad_out = n * shape.hidden * w  # the gradient flowing down the residual stream
 
@@ -342,7 +394,8 @@ def estimate(shape: Shape, s: Setup) -> Plan:
                 below -= sum(on_gpu[j] for j in offloaded if j < i - PREFETCH_LAYERS)
             own = plain * n if kinds[i] != "checkpointed" else plain * n - b["kept"] * n + on_gpu[i]
             made = max(persistent, head_kept + (L - 1 - i) * layer_grads_kept) + layer_grads
-            points[f"in backward, layer {i}"] = static + made + below + resident_inputs + own + work + grad_out
+            extra = emulated if first <= i < L - last else 0
+            points[f"in backward, layer {i}"] = static + made + below + resident_inputs + own + work + extra + grad_out
         step_extra = grads if s.optimizer == "adamw-foreach" and not s.in_backward else 0  # foreach's temporaries
         points["at the optimizer step"] = static + (grads if not s.in_backward else layer_grads) + step_extra
     where = max(points, key=points.get)
@@ -359,6 +412,11 @@ def estimate(shape: Shape, s: Setup) -> Plan:
     if s.kernels == "liger" or s.partial_kernels:
         notes.append("estimated for this kernel set from the nearest one measured (docs/memory.md)")
     return Plan(parts=parts, peak=peak, where=where, notes=notes)
+
+
+def _format(recipe: str) -> str:
+    """The number format a recipe keeps a frozen weight in, as the plan names it."""
+    return {"mx": "MXFP8 (two copies)", "nvfp4": "NVFP4 (two copies)"}.get(get_recipe(recipe).scaling, "FP8")
 
 
 def _dtype(nbytes: int) -> str:
@@ -665,7 +723,7 @@ def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2
         batch=int(values["batch_size"]), seq=int(values["seq_len"]), grad_accum=int(values.get("grad_accum") or 1),
         lora_r=lora_r, lora_targets=tuple(parse_targets(values.get("lora_targets") or "all")),
         load_in_4bit=bool(values.get("load_in_4bit")), fp8=bool(values.get("fp8")),
-        fp8_rule=values.get("fp8_layers") or "auto", fp8_end_layers=2 if recipe.endswith("-ends") else 0,
+        fp8_rule=values.get("fp8_layers") or "auto", fp8_recipe=recipe or "rowwise",
         layer_kinds=kinds, offload_activations=bool(values.get("offload_activations")),
         keep_attention=bool(values.get("keep_attention")), recompute_norms=bool(values.get("recompute_norms")),
         mlp_chunk=int(values.get("mlp_chunk_tokens") or 0), optimizer=values.get("optimizer") or "adamw-fused",
