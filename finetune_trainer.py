@@ -158,6 +158,35 @@ def settings_callback(settings: dict):
     return Settings()
 
 
+def run_pointers_callback(load_best: bool, tokenizer):
+    """The run folder's pointers, as the scripts' own loop writes them (playbook/store/checkpoint.py), so that
+    export.py and chat.py take the --output-dir for a run: `latest` names each checkpoint-N the Trainer saves,
+    and with --load-best-model-at-end `best` names the Trainer's best checkpoint so far (the one it ends with).
+    Each checkpoint gets the run's tokenizer first (the Trainer saves none: it is not handed one, since with one
+    it would collate the padded rows with the tokenizer's padding collator), so that it loads alone, as the own
+    loop's do. The main process writes them,
+    after the Trainer's own files; the pointers atomically."""
+    from transformers import TrainerCallback
+
+    from playbook.store.checkpoint import BEST_FILE, LATEST_FILE
+    from playbook.store.files import write_atomic
+
+    class Pointers(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            out = Path(args.output_dir)
+            folder = out / f"checkpoint-{state.global_step}"
+            if not state.is_world_process_zero or not folder.is_dir():
+                return
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(folder))
+            write_atomic(out / LATEST_FILE, folder.name + "\n")
+            best = Path(state.best_model_checkpoint) if state.best_model_checkpoint else None
+            if load_best and best is not None and best.is_dir():
+                write_atomic(out / BEST_FILE, best.name + "\n")
+
+    return Pointers()
+
+
 def check_trainer_resume(cfg, checkpoint: str, settings: dict) -> None:
     """A resume that changes a setting the run depends on is refused before the model is built, in the own
     loop's words (resume.refuse_differences). A checkpoint without SETTINGS_FILE: its schedule's peak rate (in
@@ -296,6 +325,30 @@ def trainer_class(cfg):
     return PlaybookTrainer
 
 
+FINAL = "final"  # the folder of the weights the run ends with, beside the Trainer's checkpoint-N folders
+
+
+def save_final(trainer, tokenizer, output_dir: Path, load_best: bool) -> None:
+    """The weights the run ends with in output_dir/final, with the step they are from (FINAL_STEP_FILE, which
+    export.py and chat.py name). Without --load-best-model-at-end they are the last step's, so `latest` names
+    them and the two scripts take the --output-dir for them; with it they are the best checkpoint's, which
+    `best` already names. (No trainer_state.json there: final/ is not a checkpoint --resume could continue.)"""
+    import json
+
+    from playbook.store.checkpoint import FINAL_STEP_FILE, LATEST_FILE
+    from playbook.store.files import write_atomic
+
+    final = output_dir / FINAL
+    trainer.save_model(str(final))
+    if trainer.is_world_process_zero():
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(final))
+        write_atomic(final / FINAL_STEP_FILE, json.dumps({"step": trainer.state.global_step}) + "\n")
+        if not load_best:
+            write_atomic(output_dir / LATEST_FILE, FINAL + "\n")
+    log(f"Saved {final} (safetensors; AutoModelForCausalLM.from_pretrained loads it)")
+
+
 def main(argv=None):
     from transformers import TrainingArguments
 
@@ -333,7 +386,7 @@ def main(argv=None):
     words = best_eval_callback(cfg) if eval_set is not None and cfg.eval_every else None
     callbacks = [progress_callback()] + ([words] if words is not None else [])
     if cfg.output_dir is not None:
-        callbacks.append(settings_callback(settings))
+        callbacks += [settings_callback(settings), run_pointers_callback(cfg.load_best_model_at_end, tokenizer)]
     if cfg.early_stopping_patience:
         from transformers import EarlyStoppingCallback
 
@@ -355,10 +408,7 @@ def main(argv=None):
     log("Trainer metrics: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                         for k, v in metrics.items()))
     if cfg.output_dir is not None:
-        trainer.save_model(str(cfg.output_dir / "final"))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(cfg.output_dir / "final"))
-        log(f"Saved {cfg.output_dir / 'final'} (safetensors; AutoModelForCausalLM.from_pretrained loads it)")
+        save_final(trainer, tokenizer, cfg.output_dir, cfg.load_best_model_at_end)
     return trainer, metrics
 
 

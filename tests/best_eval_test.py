@@ -15,6 +15,7 @@ if __name__ == "__main__":  # run as a script: the start-up conftest.py makes un
     start()
 
 import json
+from pathlib import Path
 import random
 
 import pytest
@@ -186,6 +187,16 @@ def test_the_trainer_keeps_the_best_checkpoint_and_stops_early(tmp_path, capsys)
         h["eval_loss"] for h in state.log_history if "eval_loss" in h)
     assert f"best eval loss: {state.best_metric:.4f} at step" in said and state.best_model_checkpoint in said
     assert abs(metrics["eval_loss"] - state.best_metric) < 1e-6  # the model it ends with is the best checkpoint's
+    # its --output-dir is a run export.py and chat.py take, as the own loop's is: `best` names the checkpoint the
+    # run ends with, `latest` the last one saved, and both scripts say which step they took
+    import chat
+    import export
+
+    best = Path(state.best_model_checkpoint)
+    assert (out / "best").read_text().strip() == best.name and (out / (out / "latest").read_text().strip()).is_dir()
+    assert export.resolve_run(str(out)) == best
+    _, _, what = chat.load(str(out), torch.device("cpu"))
+    assert f"best checkpoint, step {best.name.removeprefix('checkpoint-')}," in what, what
 
 
 if __name__ == "__main__":

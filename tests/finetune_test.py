@@ -618,6 +618,12 @@ def test_trainer_builds_its_model_through_prepare_model(tmp_path, monkeypatch):
     assert models.decoder_layers(trainer.model)[0].gradient_checkpointing
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 4 and all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+    # no --save-every: the run's final/ is what its --output-dir stands for in export.py and chat.py, by its step
+    from playbook.model import saved_run
+
+    assert (tmp_path / "o" / "latest").read_text() == "final\n"
+    folder, what = saved_run.find(str(tmp_path / "o"), follow_latest=True)
+    assert folder == tmp_path / "o" / "final" and what.endswith("(the run's final weights, step 4)"), what
     record(f"Trainer through prepare_model (LoRA + checkpointing): loss {losses[0]:.3f} -> {losses[-1]:.3f}",
            0.0, 0.0, True)
 

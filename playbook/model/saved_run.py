@@ -30,7 +30,7 @@ from playbook.model.lora import load_adapter
 from playbook.model.models import build_preset, looks_like_path
 from playbook.model.presets import PRESETS
 from playbook.model.tokenizer import make_tokenizer
-from playbook.store.checkpoint import BEST_FILE, LATEST_FILE, STATE_FILE
+from playbook.store.checkpoint import BEST_FILE, FINAL_STEP_FILE, LATEST_FILE, STATE_FILE
 
 
 class Refusal(Exception):
@@ -132,6 +132,16 @@ def best_checkpoint(folder: Path):
     return folder / named, what
 
 
+def final_step(folder: Path) -> str:
+    """' (the run's final weights, step N)' for the final/ folder a Trainer run's `latest` names
+    (finetune_trainer.py: FINAL_STEP_FILE holds the step); '' for a checkpoint-N folder, whose name says it."""
+    try:
+        step = json.loads((folder / FINAL_STEP_FILE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" (the run's final weights, step {step})" if isinstance(step, int) else ""
+
+
 def find(name: str, words: Words = WORDS, hub: bool = False, follow_latest: bool = False):
     """(the folder holding the model, None for a Hugging Face id; what it is). `hub`: smollm2-135m, a .gguf file
     and Hugging Face ids are taken besides folders; `follow_latest`: an --output-dir stands for the checkpoint
@@ -156,7 +166,7 @@ def find(name: str, words: Words = WORDS, hub: bool = False, follow_latest: bool
         if follow_latest and latest.is_file():
             named = latest.read_text(errors="replace").strip()
             if named and (folder / named).is_dir():
-                return folder / named, str(folder / named)
+                return folder / named, str(folder / named) + final_step(folder / named)
             raise Refusal(f"{latest} names {named[:60]!r}, which is not a checkpoint folder in {name}; export one of "
                           "its checkpoint-N folders")
         raise words.no_model(name, folder)

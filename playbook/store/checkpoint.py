@@ -74,6 +74,7 @@ from playbook.store.files import fsync_directory, fsync_tree, write_atomic
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest"
 BEST_FILE = "best"  # --load-best-model-at-end: the checkpoint of the lowest eval loss, which the run ends with
+FINAL_STEP_FILE = "final_step.json"  # finetune_trainer.py's final/ folder: the training step its weights are from
 PREFIX = "checkpoint-"
 FORMAT = 2  # trainer_state.pt layout version (1: one process only, read too)
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
