@@ -409,7 +409,7 @@ def estimate(shape: Shape, s: Setup) -> Plan:
         parts["optimizer states"] = (states, states_what)
     parts["activations"] = (activations, _activations_what(shape, s, kinds, plain * n))
     parts["loss"] = (loss, loss_what)
-    if s.kernels == "liger" or s.partial_kernels:
+    if s.partial_kernels:
         notes.append("estimated for this kernel set from the nearest one measured (docs/memory.md)")
     return Plan(parts=parts, peak=peak, where=where, notes=notes)
 
