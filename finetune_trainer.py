@@ -328,24 +328,27 @@ def trainer_class(cfg):
 FINAL = "final"  # the folder of the weights the run ends with, beside the Trainer's checkpoint-N folders
 
 
-def save_final(trainer, tokenizer, output_dir: Path, load_best: bool) -> None:
+def save_final(trainer, tokenizer, cfg) -> None:
     """The weights the run ends with in output_dir/final, with the step they are from (FINAL_STEP_FILE, which
     export.py and chat.py name). Without --load-best-model-at-end they are the last step's, so `latest` names
     them and the two scripts take the --output-dir for them; with it they are the best checkpoint's, which
-    `best` already names. (No trainer_state.json there: final/ is not a checkpoint --resume could continue.)"""
+    `best` already names (without it, a `best` an earlier run there left goes, as in the own loop). (No
+    trainer_state.json there: final/ is not a checkpoint --resume could continue.)"""
     import json
 
+    from playbook.run.training import forget_best
     from playbook.store.checkpoint import FINAL_STEP_FILE, LATEST_FILE
     from playbook.store.files import write_atomic
 
-    final = output_dir / FINAL
+    final = cfg.output_dir / FINAL
     trainer.save_model(str(final))
     if trainer.is_world_process_zero():
         if tokenizer is not None:
             tokenizer.save_pretrained(str(final))
         write_atomic(final / FINAL_STEP_FILE, json.dumps({"step": trainer.state.global_step}) + "\n")
-        if not load_best:
-            write_atomic(output_dir / LATEST_FILE, FINAL + "\n")
+        if not cfg.load_best_model_at_end:
+            forget_best(cfg)
+            write_atomic(cfg.output_dir / LATEST_FILE, FINAL + "\n")
     log(f"Saved {final} (safetensors; AutoModelForCausalLM.from_pretrained loads it)")
 
 
@@ -408,7 +411,7 @@ def main(argv=None):
     log("Trainer metrics: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                         for k, v in metrics.items()))
     if cfg.output_dir is not None:
-        save_final(trainer, tokenizer, cfg.output_dir, cfg.load_best_model_at_end)
+        save_final(trainer, tokenizer, cfg)
     return trainer, metrics
 
 

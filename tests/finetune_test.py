@@ -609,6 +609,8 @@ def test_trainer_builds_its_model_through_prepare_model(tmp_path, monkeypatch):
     calls = []
     prepare = models.prepare_model
     monkeypatch.setattr(models, "prepare_model", lambda cfg, **kw: calls.append(kw) or prepare(cfg, **kw))
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "best").write_text("checkpoint-9\n")  # an earlier run's, with --load-best-model-at-end
     trainer, _ = finetune_trainer.main(["--model", "llama-tiny", "--dataset", str(_trainer_rows(tmp_path)),
                                         "--steps", "4", "--lr", "1e-2",
                                         "--seq-len", "64", "--batch-size", "2", "--log-every", "1",
@@ -621,7 +623,7 @@ def test_trainer_builds_its_model_through_prepare_model(tmp_path, monkeypatch):
     # no --save-every: the run's final/ is what its --output-dir stands for in export.py and chat.py, by its step
     from playbook.model import saved_run
 
-    assert (tmp_path / "o" / "latest").read_text() == "final\n"
+    assert (tmp_path / "o" / "latest").read_text() == "final\n" and not (tmp_path / "o" / "best").exists()
     folder, what = saved_run.find(str(tmp_path / "o"), follow_latest=True)
     assert folder == tmp_path / "o" / "final" and what.endswith("(the run's final weights, step 4)"), what
     record(f"Trainer through prepare_model (LoRA + checkpointing): loss {losses[0]:.3f} -> {losses[-1]:.3f}",
