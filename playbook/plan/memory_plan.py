@@ -1091,7 +1091,9 @@ def measured_run(path: Path) -> tuple[Shape, Setup, float, str] | None:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    config, peak = data.get("config") if isinstance(data, dict) else None, (data or {}).get("peak_memory_gb")
+    if not isinstance(data, dict):  # (a JSON list or value: chat.py --json's answers, not a run's summary)
+        return None
+    config, peak = data.get("config"), data.get("peak_memory_gb")
     if not config or not peak or "batch_size" not in config or data.get("script") == "distill":
         return None
 
