@@ -279,7 +279,8 @@ def _weights(shape: Shape, s: Setup, lora: bool) -> tuple[float, int, int, str]:
         elif s.fp8:
             fp8_layers = s.fp8_layers(L)
             per_layer = shape.fp8_params("all")
-            proj_bytes = fp8_layers * per_layer * frozen_fp8_bytes(s.fp8_recipe) + (base_proj - fp8_layers * per_layer) * w
+            quantized = fp8_layers * per_layer
+            proj_bytes = quantized * frozen_fp8_bytes(s.fp8_recipe) + (base_proj - quantized) * w
             kind = f"the projections of {fp8_layers} layers in {_format(s.fp8_recipe)}"
         else:
             proj_bytes, kind = base_proj * w, ""
