@@ -62,13 +62,14 @@ import types
 import torch
 from torch import nn
 
-from core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from core import kernel_utils  # (selects the interpreter on machines without a GPU; check_device)
 from core.fp8_support import DEFAULT_RECIPE, bf16_layer_counts, compiled_graph_trusted, expected_patches, get_recipe
 from core.kernel_utils import as_rows, direct_launch, next_power_of_2, num_sms, refuse_double_backward
 from core.model_families import family_classes
 from core.process import log
-from fp8_linear_kernel import FP8_DTYPE, MAX_COLS, ROUND_IN_SOFTWARE, Float8Linear, load_rows, rows_block
+from fp8_linear_kernel import FP8_DTYPE, MAX_COLS, ROUND_IN_SOFTWARE, Float8Linear, cast_e4m3, load_rows, rows_block
 import fp8_recipes_kernel
+import mx_quant_kernel as mxq
 import rmsnorm_kernel
 from rmsnorm_kernel import normalize_rows  # RMSNorm's arithmetic, in the producer kernel below too
 import swiglu_kernel
@@ -162,6 +163,58 @@ def _swiglu_quantize_rows(
     if COL_MAX:
         tl.store(ColMax + pid * I + cols, col_max, mask=col_ok)
 
+
+
+@triton.jit
+def _rmsnorm_quantize_mxfp8(
+    X,  # pointer to the norm's input, [M, H], unit stride along H
+    W,  # pointer to the norm's weight, [H]
+    Y,  # pointer to the norm's output, [M, H], contiguous
+    Rstd,  # pointer to the inverse RMS per row, [M] fp32 (what the norm's backward needs)
+    Q,  # pointer to the output's MXFP8 copy along H, [M, H] float8_e4m3fn, contiguous
+    S,  # pointer to its e8m0 scales: [M, cdiv(H, 32)] bytes, or swizzled (SWIZZLE; zeroed by the launcher)
+    stride_x,  # elements between two rows of X
+    M,  # rows (tokens)
+    H,  # hidden size
+    S_TILES,  # 4-block tiles per row of S in the swizzled layout: cdiv(cdiv(H, 32), 4)
+    eps,  # the norm's epsilon
+    ROWS: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # power of two >= max(H, 32): a program holds whole rows, in whole 1x32 blocks
+    OFFSET: tl.constexpr,  # the norm's weight offset (rmsnorm_kernel.py)
+    CASTING: tl.constexpr,  # the norm's casting mode (rmsnorm_kernel.py)
+    SWIZZLE: tl.constexpr,  # the scales in the layout cuBLAS reads (mx_quant_kernel._swizzled)
+    ROUND_IN_SOFTWARE: tl.constexpr,  # fp8_linear_kernel.ROUND_IN_SOFTWARE
+):
+    """RMSNorm's forward that also writes its output's MXFP8 copy along H: `_rmsnorm_fwd` and the row half
+    of mx_quant_kernel's `_mxfp8_quantize` in one kernel. A 1x32 block's scale needs only that block's
+    maximum, which the registers hold as soon as the row is normalized; the output is never read back.
+    No column maxima (MX scales are per block), so no persistent grid: one block of rows per program."""
+    NB: tl.constexpr = BLOCK_H // 32
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok, col_ok = rows < M, cols < H
+    x = load_rows(X, rows, cols, col_ok, stride_x, M)
+    y, rstd = normalize_rows(x, W, cols, col_ok, H, eps, OFFSET, CASTING)
+    y = y.to(Y.dtype.element_ty)  # rounded as stored: the MXFP8 copy is made of these very values
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+    tl.store(Y + rows[:, None] * H + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+    # Columns past H hold 0 (x and W read as 0 there): mx_quant's padding rule, no effect on a block's maximum
+    y3 = tl.reshape(mxq._as_f32(y), (ROWS, NB, 32))
+    amax, bad = mxq._finite_amax(tl.abs(y3), 2)
+    byte, inv = mxq._e8m0(amax)
+    v = tl.reshape(y3 * inv[:, :, None], (ROWS, BLOCK_H))
+    bad_v = tl.reshape(tl.broadcast_to(bad[:, :, None], (ROWS, NB, 32)), (ROWS, BLOCK_H))
+    q = cast_e4m3(tl.where(bad_v, float("nan"), v), ROUND_IN_SOFTWARE)
+    tl.store(Q + rows[:, None] * H + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
+    byte = tl.where(bad, mxq._E8M0_NAN, byte).to(tl.uint8)
+    r2 = rows[:, None] + tl.zeros((ROWS, NB), tl.int64)
+    b2 = tl.arange(0, NB)[None, :].to(tl.int64) + tl.zeros((ROWS, NB), tl.int64)
+    n_blocks = (H + 31) // 32
+    s_ok = (r2 < M) & (b2 < n_blocks)
+    if SWIZZLE:
+        tl.store(S + mxq._swizzled(r2, b2, S_TILES), byte, mask=s_ok)
+    else:
+        tl.store(S + r2 * n_blocks + b2, byte, mask=s_ok)
 
 
 # The SwiGLU backward of a joined gate/up projection (swiglu_kernel.py's backward kernel, packed), which also
@@ -278,6 +331,44 @@ def rmsnorm_quantize_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, of
         ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
     )
     return y, rstd, q, scale, (partial.amax(dim=0) if col_max else None)
+
+
+def rmsnorm_quantize_mxfp8(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                           casting_mode: str = "llama", swizzle: bool = False, out_shape: torch.Size | None = None):
+    """RMSNorm of x2 [M, H] (rmsnorm_kernel.rmsnorm_forward's numerics) and its output's MXFP8 copy along H,
+    in one kernel: (y, rstd, q [M, H] e4m3, scales [M, cdiv(H, 32)] e8m0, or flat in cuBLAS's layout with
+    `swizzle`), q and scales bit for bit what `mx_quant_kernel.quantize_mxfp8(y)` gives. H need not be a
+    multiple of 32 (the last block is zero-padded, as mx_quant pads it). `out_shape`: allocate y in this
+    shape (M x H elements)."""
+    M, H = x2.shape
+    if not 1 <= H <= MAX_COLS:
+        raise ValueError(f"rows of 1 to {MAX_COLS} elements can be quantized, got {H}")
+    kernel_utils.check_device(x2, weight)
+    dev, n_blocks = x2.device, -(-H // mxq.MX_BLOCK)
+    y = torch.empty(out_shape if out_shape is not None else (M, H),
+                    dtype=rmsnorm_kernel.output_dtype(x2.dtype, weight.dtype, casting_mode), device=dev)
+    rstd = torch.empty(M, dtype=torch.float32, device=dev)
+    q = torch.empty((M, H), dtype=FP8_DTYPE, device=dev)
+    s = mxq._scale_buffer(M, n_blocks, swizzle, torch.float8_e8m0fnu, dev)
+    if M == 0:
+        return y, rstd, q, s
+    # The norm's own block shape and warps (rmsnorm_kernel.fwd_settings), so that a row's sum of squares is
+    # reduced as in `rmsnorm_forward`; rows shorter than 16 take a 32-wide block (one whole MX block).
+    block_h, rows, num_warps = rmsnorm_kernel.fwd_settings(H)
+    block_h = max(block_h, mxq.MX_BLOCK)
+    _rmsnorm_quantize_mxfp8[(triton.cdiv(M, rows),)](
+        x2, weight, y, rstd, q, s.view(torch.uint8), x2.stride(0), M, H, -(-n_blocks // 4), eps,
+        ROWS=rows, BLOCK_H=block_h, OFFSET=float(offset), CASTING=casting_mode, SWIZZLE=swizzle,
+        ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
+    )
+    return y, rstd, q, s
+
+
+def rmsnorm_mxfp8_ideal_bytes(n_rows: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes `rmsnorm_quantize_mxfp8` moves for an [n_rows, hidden] input of `dtype`: the norm's
+    (rmsnorm_kernel.ideal_bytes) plus the MXFP8 copy and one scale byte per 32 values, and no read of y:
+    `dtype.itemsize` bytes per element fewer than the norm and `quantize_mxfp8(y)` apart."""
+    return rmsnorm_kernel.ideal_bytes(n_rows, hidden, dtype) + n_rows * hidden + n_rows * (-(-hidden // 32))
 
 
 SWIGLU_PROGRAMS_PER_SM = 2  # persistent programs of the SwiGLU producer per SM (benchmark_kernels.py --fp8-producers)
