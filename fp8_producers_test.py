@@ -24,6 +24,8 @@ from testkit import exactly, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import FP8_DTYPE, Float8Linear, Float8LinearFunction, fp8_linear, ideal_bytes, quantize_rows
 import fp8_producers_kernel
+import fp8_recipes_kernel
+import mx_quant_kernel
 from fp8_producers_kernel import Fp8Handoff, patch_model
 from fp8_linear_test import bits, loss_and_grads, spread, tiny_llama
 
@@ -283,39 +285,13 @@ def test_hand_off_goes_only_to_the_same_unchanged_tensor():
     record("FP8 hand-off: only to the same, unchanged tensor, once", 0.0, 0.0, True)
 
 
-NORM_SHAPES = [(37, 96, "llama", 0.0), (5, 4096, "llama", 0.0), (19, 200, "gemma", 1.0), (9, 64, "none", 0.0)] + (
-    [(8192, 4096, "llama", 0.0)] if DEVICE.type == "cuda" else [])
-
-
-@pytest.mark.parametrize("rows, hidden, casting, offset", NORM_SHAPES)
-def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
-    """RMSNorm that writes its output's FP8 row copy (one kernel) against the pair it replaces, the norm
-    (rmsnorm_kernel.rmsnorm_forward) and then the row quantizer reading that output.
-
-    Exact everywhere: the FP8 rows, their scales and the column maxima are bit for bit what the row
-    quantizer makes of the output this kernel wrote (what the FP8 layer would have made of it), with
-    and without column maxima. The output and the inverse RMS equal the plain norm's bit for bit in
-    Triton's interpreter. On a GPU the two kernels may add a row's squares in another order (the
-    compiler lays the block out for this kernel's other reductions too; measured on an H100): the
-    inverse RMS then stays within (H - 1) x 2^-24 of the plain norm's, relative (the worst case of
-    reordering an fp32 sum of H non-negative terms), and each output within one bf16 ulp (that relative
-    change is below half an ulp, 2^-9, so at most one rounding flips). Inputs of mixed magnitudes, one
-    row of zeros (its scale is the floor's) and one NaN (it poisons its own row, as in the pair).
-    (LLaMA 3.1 8B's 8192 x 4096 on a GPU.)"""
+def _near_plain_norm(tag, x, w, offset, casting, y, rstd):
+    """A producer's y and rstd against rmsnorm_kernel.rmsnorm_forward's: bit for bit in the interpreter; on
+    a GPU within the bounds `test_rmsnorm_producer_gives_the_pair_bits` derives (another order of adding
+    a row's squares)."""
     import rmsnorm_kernel
 
-    g = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, torch.bfloat16)
-    x[rows // 2] = 0
-    x[-1, 1] = float("nan")
-    w = (1.0 - offset + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, torch.bfloat16)
-    tag = f"RMSNorm + FP8 rows [{rows}, {hidden}] {casting}"
-    y, rstd, *copies = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting)
-    for what, o, e in zip(("q", "row scales", "column maxima"), copies, quantize_rows(y, True, True)):
-        _same_bits(f"{tag}: {what} of its own output", o, e)
-    rows_only = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting, col_max=False)
-    assert rows_only[4] is None
-    _same_bits(f"{tag}: q without column maxima", rows_only[2], copies[0])
+    hidden = x.shape[1]
     y_pair, rstd_pair = rmsnorm_kernel.rmsnorm_forward(x, w, 1e-6, offset, casting)
     if DEVICE.type == "cpu":  # the interpreter: one order of addition for any block layout
         _same_bits(f"{tag}: output", y, y_pair)
@@ -335,6 +311,40 @@ def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
            (hidden - 1) * 2.0**-24, True)
 
 
+NORM_SHAPES = [(37, 96, "llama", 0.0), (5, 4096, "llama", 0.0), (19, 200, "gemma", 1.0), (9, 64, "none", 0.0)] + (
+    [(8192, 4096, "llama", 0.0)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("rows, hidden, casting, offset", NORM_SHAPES)
+def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
+    """RMSNorm that writes its output's FP8 row copy (one kernel) against the pair it replaces, the norm
+    (rmsnorm_kernel.rmsnorm_forward) and then the row quantizer reading that output.
+
+    Exact everywhere: the FP8 rows, their scales and the column maxima are bit for bit what the row
+    quantizer makes of the output this kernel wrote (what the FP8 layer would have made of it), with
+    and without column maxima. The output and the inverse RMS equal the plain norm's bit for bit in
+    Triton's interpreter. On a GPU the two kernels may add a row's squares in another order (the
+    compiler lays the block out for this kernel's other reductions too; measured on an H100): the
+    inverse RMS then stays within (H - 1) x 2^-24 of the plain norm's, relative (the worst case of
+    reordering an fp32 sum of H non-negative terms), and each output within one bf16 ulp (that relative
+    change is below half an ulp, 2^-9, so at most one rounding flips). Inputs of mixed magnitudes, one
+    row of zeros (its scale is the floor's) and one NaN (it poisons its own row, as in the pair).
+    (LLaMA 3.1 8B's 8192 x 4096 on a GPU.)"""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, torch.bfloat16)
+    x[rows // 2] = 0
+    x[-1, 1] = float("nan")
+    w = (1.0 - offset + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, torch.bfloat16)
+    tag = f"RMSNorm + FP8 rows [{rows}, {hidden}] {casting}"
+    y, rstd, *copies = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting)
+    for what, o, e in zip(("q", "row scales", "column maxima"), copies, quantize_rows(y, True, True)):
+        _same_bits(f"{tag}: {what} of its own output", o, e)
+    rows_only = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting, col_max=False)
+    assert rows_only[4] is None
+    _same_bits(f"{tag}: q without column maxima", rows_only[2], copies[0])
+    _near_plain_norm(tag, x, w, offset, casting, y, rstd)
+
+
 def test_rmsnorm_producer_bytes():
     """The bytes the producer saves, counted: the pair reads x and writes y (the norm), then reads y and
     writes q (the quantizer): 7 bytes per bf16 element; the producer 5, without the read of y."""
@@ -345,6 +355,66 @@ def test_rmsnorm_producer_bytes():
     fused = fp8_producers_kernel.rmsnorm_rows_ideal_bytes(m, h, torch.bfloat16)
     assert pair - fused == 2 * m * h, (pair, fused)
     record(f"RMSNorm + FP8 rows at 8192 x 4096: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
+
+
+# (rows, hidden, casting mode, weight offset): hidden sizes not a multiple of 32 (the last block zero-padded),
+# below one block (20, 8: a block of 32 holds the whole row), several row blocks per program
+MX_NORM_SHAPES = [(37, 781, "llama", 0.0), (6, 4096, "llama", 0.0), (19, 200, "gemma", 1.0), (9, 20, "none", 0.0),
+                  (3, 8, "llama", 0.0)] + ([(8192, 4096, "llama", 0.0)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("rows, hidden, casting, offset", MX_NORM_SHAPES)
+def test_rmsnorm_mxfp8_producer_gives_the_pair_bits(rows, hidden, casting, offset):
+    """RMSNorm that writes its output's MXFP8 copy along H (one kernel) against the pair it replaces, the
+    norm and then mx_quant_kernel.quantize_mxfp8 reading its output: the e4m3 values and the e8m0 scales,
+    natural and swizzled, bit for bit those of its own output, and those of the plain-PyTorch reference
+    `quantize_mxfp8_ref`; y and rstd as the row-wise producer's (`_near_plain_norm`). Rows of mixed
+    magnitudes, blocks that exercise mx_quant's rules: a row of zeros (every block 2^-127, values 0), 32
+    weights of bf16 subnormals (a subnormal block in every row, kept by its small scale), 32 zero weights
+    (a zero block in every row), an infinity and a NaN in x (their rows normalize to NaN: NaN scales and
+    values, the other rows untouched)."""
+    g = torch.Generator().manual_seed(rows + 7)
+    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, torch.bfloat16)
+    x[rows // 2] = 0
+    x[-1, 1] = float("nan")
+    if rows > 3:
+        x[1, -1] = float("inf")
+    w = (1.0 - offset + 0.3 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
+    special = hidden >= 128 and offset == 0  # (1 + a subnormal rounds to 1 in bf16: no such weights with an offset)
+    if special:
+        w[32:64] = (torch.rand(32, generator=g) * 2.0**-128).to(torch.bfloat16)  # subnormal products
+        w[64:96] = 0  # a block of zeros in every row
+    w = w.to(DEVICE)
+    tag = f"RMSNorm + MXFP8 [{rows}, {hidden}] {casting}"
+    y, rstd, q, s = fp8_producers_kernel.rmsnorm_quantize_mxfp8(x, w, 1e-6, offset, casting)
+    q_pair, s_pair, _, _ = mx_quant_kernel.quantize_mxfp8(y)
+    _same_bits(f"{tag}: q of its own output", q, q_pair)
+    _same_bits(f"{tag}: e8m0 scales of its own output", s.view(torch.uint8), s_pair.view(torch.uint8))
+    q_ref, s_ref = mx_quant_kernel.quantize_mxfp8_ref(y)
+    _same_bits(f"{tag}: q, the reference's", q, q_ref)
+    _same_bits(f"{tag}: scales, the reference's", s.view(torch.uint8), s_ref.view(torch.uint8))
+    if special:  # the zero block: 2^-127 (byte 0); the subnormal block: a scale below 2^-100, its values kept
+        finite = x.float().isfinite().all(dim=1) & (x.float().abs().amax(dim=1) > 0)
+        assert torch.all(s.view(torch.uint8)[finite, 2] == 0) and torch.all(s.view(torch.uint8)[finite, 1] < 27), tag
+        assert torch.all(q[finite, 32:64].float().abs().amax(dim=1) > 0), tag
+    assert torch.all(s.view(torch.uint8)[-1] == mx_quant_kernel.E8M0_NAN), tag  # the NaN row
+    swizzled = fp8_producers_kernel.rmsnorm_quantize_mxfp8(x, w, 1e-6, offset, casting, swizzle=True)[3]
+    _same_bits(f"{tag}: swizzled scales", swizzled.view(torch.uint8),
+               fp8_recipes_kernel.mx_swizzled_scales(s).view(torch.uint8))
+    _near_plain_norm(tag, x, w, offset, casting, y, rstd)
+
+
+def test_rmsnorm_mxfp8_producer_bytes():
+    """The pair reads x and writes y (the norm), then reads y and writes q and a scale byte per 32 values;
+    the producer skips the read of y: 2 bytes per bf16 element fewer (5.03 against 7.03)."""
+    import rmsnorm_kernel
+
+    m, h = 8192, 4096
+    pair = rmsnorm_kernel.ideal_bytes(m, h, torch.bfloat16) + mx_quant_kernel.ideal_bytes(m, h, torch.bfloat16,
+                                                                                         copies=1)
+    fused = fp8_producers_kernel.rmsnorm_mxfp8_ideal_bytes(m, h, torch.bfloat16)
+    assert pair - fused == 2 * m * h, (pair, fused)
+    record(f"RMSNorm + MXFP8 at 8192 x 4096: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
 
 
 def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
