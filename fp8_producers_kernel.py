@@ -505,6 +505,13 @@ class HandoffSlot:
     def clear(self) -> None:
         self.key = self.tensor = self.value = None
 
+    def share(self, x: torch.Tensor):
+        """`get`, counted in `taken`, leaving the value for the other readers of x (the MXFP8 layers q, k and
+        v read the norm's one copy; the backward empties the slot)."""
+        value = self.get(x)
+        self.taken += value is not None
+        return value
+
     def take(self, x: torch.Tensor):
         """`get`, and empty the slot when it matched (the value is then the caller's alone): once only."""
         value = self.get(x)
@@ -529,7 +536,8 @@ class Fp8Handoff:
                   gradient makes both of its FP8 copies in one read (`quantize_both`).
     input_rows    the row-quantized copy of an input (rows, scales, column maxima), from the kernel that
                   wrote that input: an RMSNorm linked by `link_norms` (`RMSNormFp8Function`). The FP8
-                  layer that reads that very tensor next skips its row pass.
+                  layer that reads that very tensor next skips its row pass. MXFP8 recipes: the input's
+                  MXFP8 copy along K (values, e8m0 scales), which every layer reading that tensor uses.
 
     A forward empties backward's slots and a backward the forward's, so no value (nor the tensor it
     came from) outlives the pass that made it. A copy or pickle of a model gets an empty hand-off.
@@ -591,21 +599,26 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
 
 
 class RMSNormFp8Function(rmsnorm_kernel.RMSNormFunction):
-    """rmsnorm_kernel.rmsnorm (eager) whose forward also leaves its output's FP8 row copy in the
-    hand-off (`Fp8Handoff.input_rows`) for the FP8 layer that reads that output next; the backward is
-    the norm's own. The row copy needs no pass of its own (`_rmsnorm_quantize_rows`)."""
+    """rmsnorm_kernel.rmsnorm (eager) whose forward also leaves its output's FP8 row copy (or, `mx`, its
+    MXFP8 copy along H) in the hand-off (`Fp8Handoff.input_rows`) for the FP8 layers that read that output
+    next; the backward is the norm's own. The copy needs no pass of its own (`_rmsnorm_quantize_rows`,
+    `_rmsnorm_quantize_mxfp8`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode, in_place, handoff, col_max):
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place, handoff, col_max, mx=False):
         x2, weight = as_rows(x), weight.contiguous()
-        y, rstd, q, scale, maxima = rmsnorm_quantize_rows(x2, weight, eps, offset, casting_mode, col_max, x.shape)
-        handoff.input_rows.put(as_rows(y), (q, scale, maxima))
+        if mx:
+            y, rstd, q, scales = rmsnorm_quantize_mxfp8(x2, weight, eps, offset, casting_mode, out_shape=x.shape)
+            handoff.input_rows.put(as_rows(y), (q, scales))
+        else:
+            y, rstd, q, scale, maxima = rmsnorm_quantize_rows(x2, weight, eps, offset, casting_mode, col_max, x.shape)
+            handoff.input_rows.put(as_rows(y), (q, scale, maxima))
         rmsnorm_kernel.RMSNormFunction.keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x.shape)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        return (*rmsnorm_kernel.RMSNormFunction.backward(ctx, dy), None, None)
+        return (*rmsnorm_kernel.RMSNormFunction.backward(ctx, dy), None, None, None)
 
 
 
@@ -630,12 +643,13 @@ def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", handoff: 
 # The producer modules
 # ------------------------------------------------------------------------------------------------
 class Fp8RMSNorm(rmsnorm_kernel.TritonRMSNorm):
-    """A TritonRMSNorm that also leaves its output's FP8 row copy in `fp8_handoff.input_rows`, for the FP8
-    layer that reads that output next (`link_norms` makes a decoder layer's norm one, in place: the same
-    module, Parameter and hooks). Where the launchers cannot run (torch.compile tracing, a meta tensor, a
-    dispatch mode) it is the norm's own forward."""
+    """A TritonRMSNorm that also leaves its output's FP8 row copy (`fp8_mx`: its MXFP8 copy) in
+    `fp8_handoff.input_rows`, for the FP8 layer that reads that output next (`link_norms` makes a decoder
+    layer's norm one, in place: the same module, Parameter and hooks). Where the launchers cannot run
+    (torch.compile tracing, a meta tensor, a dispatch mode) it is the norm's own forward."""
 
     fp8_handoff: Fp8Handoff | None = None
+    fp8_mx: bool = False  # the readers run an MXFP8 recipe (`takes_mx_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_handoff is None or not direct_launch(x, self.weight):  # (rmsnorm checks its inputs itself)
@@ -643,10 +657,11 @@ class Fp8RMSNorm(rmsnorm_kernel.TritonRMSNorm):
         rmsnorm_kernel.check_inputs(x, self.weight, self.offset, self.casting_mode)  # (refuses rows over MAX_COLS)
         return RMSNormFp8Function.apply(x, self.weight, float(self.variance_epsilon), float(self.offset),
                                         self.casting_mode, bool(self.in_place), self.fp8_handoff,
-                                        torch.is_grad_enabled())
+                                        torch.is_grad_enabled(), self.fp8_mx)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", writes the next layer's FP8 row copy" if self.fp8_handoff is not None else "")
+        copy = "MXFP8 copy" if self.fp8_mx else "FP8 row copy"
+        return super().extra_repr() + (f", writes the next layer's {copy}" if self.fp8_handoff is not None else "")
 
 
 def fp8_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -656,8 +671,9 @@ def fp8_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     g, u, gu = swiglu_kernel.gate_and_up(mlp, x)
     down = mlp.down_proj
     if gu is not None and not swiglu_kernel.folds_down(down):
-        handoff = getattr(mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj, "fp8_handoff", None)
-        if handoff is not None:
+        gate = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj
+        handoff = getattr(gate, "fp8_handoff", None)
+        if handoff is not None and get_recipe(gate.recipe).scaling == "row":  # (MXFP8 layers take no maxima)
             return down(swiglu_joined_fp8(gu, getattr(mlp, "fused_activation", "silu"), handoff, down))
     return swiglu_kernel.mlp_down(mlp, x, g, u, gu)
 
@@ -679,12 +695,21 @@ def takes_rows(reader: nn.Module, handoff: Fp8Handoff) -> bool:
             and not reader.stores_fp8() and reader.weight.requires_grad and get_recipe(reader.recipe).scaling == "row")
 
 
+def takes_mx_rows(reader: nn.Module, handoff: Fp8Handoff) -> bool:
+    """Whether `reader` takes an MXFP8 copy of its input along K from `handoff.input_rows`: a Float8Linear
+    of an MXFP8 recipe (emulated or not) sharing that hand-off, with a trained bf16 weight (LoRA's frozen
+    base stores its own block-scaled weight and has its own forward)."""
+    return (isinstance(reader, Float8Linear) and reader.fp8_handoff is handoff and handoff is not None
+            and not reader.stores_fp8() and reader.weight.requires_grad and get_recipe(reader.recipe).scaling == "mx")
+
+
 def link_norms(model: nn.Module) -> int:
     """Let each decoder layer's RMSNorm write the FP8 row copy of its output for the FP8 projection that
     reads it (`Fp8Handoff.input_rows`): input_layernorm for q/k/v, post_attention_layernorm for gate/up;
     the norm becomes an `Fp8RMSNorm` in place. Linked only where that is exactly the model's data flow and
     the copy will be taken: the norm is a TritonRMSNorm (rmsnorm_kernel.py), the reader a Float8Linear of
-    a row-wise recipe with a hand-off and a trained bf16 weight (`takes_rows`), and the decoder layer has
+    a row-wise recipe with a hand-off and a trained bf16 weight (`takes_rows`; or of an MXFP8 recipe,
+    `takes_mx_rows`: the norm then writes the MXFP8 copy), and the decoder layer has
     no other norm in between (Gemma 2's pre_feedforward_layernorm: there post_attention_layernorm's
     output goes to the residual stream). A copy nobody takes would be work for nothing, never a wrong
     result: the reader takes it only for that very tensor, unchanged. Returns how many norms are linked;
@@ -696,11 +721,13 @@ def link_norms(model: nn.Module) -> int:
         for norm_name, block_name, readers in NORM_READERS:
             norm, block = getattr(layer, norm_name, None), getattr(layer, block_name, None)
             reader = next((getattr(block, r) for r in readers if hasattr(block, r)), None) if block else None
-            if not (isinstance(norm, rmsnorm_kernel.TritonRMSNorm) and isinstance(reader, Float8Linear)
-                    and takes_rows(reader, reader.fp8_handoff)):
+            if not (isinstance(norm, rmsnorm_kernel.TritonRMSNorm) and isinstance(reader, Float8Linear)):
+                continue
+            mx = takes_mx_rows(reader, reader.fp8_handoff)
+            if not (mx or takes_rows(reader, reader.fp8_handoff)):
                 continue
             norm.__class__ = Fp8RMSNorm
-            norm.fp8_handoff = reader.fp8_handoff
+            norm.fp8_handoff, norm.fp8_mx = reader.fp8_handoff, mx
             linked += 1
     return linked
 
@@ -719,9 +746,9 @@ def link_mlps(model: nn.Module) -> int:
 
 
 def model_handoff(model: nn.Module, recipe: str) -> Fp8Handoff | None:
-    """The model's one `Fp8Handoff` (`model.fp8_handoff`, made on the first call) for a row-wise recipe;
-    None for the others, which hand nothing over."""
-    if get_recipe(recipe).scaling != "row":
+    """The model's one `Fp8Handoff` (`model.fp8_handoff`, made on the first call) for a row-wise or MXFP8
+    recipe (fp8_recipes_kernel.HANDS_OVER); None for the others, which hand nothing over."""
+    if get_recipe(recipe).scaling not in fp8_recipes_kernel.HANDS_OVER:
         return None
     if not isinstance(getattr(model, "fp8_handoff", None), Fp8Handoff):
         model.fp8_handoff = Fp8Handoff()
@@ -767,7 +794,8 @@ def apply(model: nn.Module, recipe: str = DEFAULT_RECIPE, layers: str = "all", *
         link_mlps(model)
     linked = link_norms(model) if not (compiled or chunked_mlp or lora) else 0
     if linked:
-        log(f"FP8: {linked} RMSNorms write their output's FP8 row copy for the projection that reads it")
+        copy = "MXFP8 copy" if r.scaling == "mx" else "FP8 row copy"
+        log(f"FP8: {linked} RMSNorms write their output's {copy} for the projections that read it")
     devices = {p.device for p in model.parameters()}
     if compiled and not all(compiled_graph_trusted(d) for d in devices):
         log("torch.compile with --fp8: each FP8 projection runs outside the compiled graph (its compiled "

@@ -454,6 +454,49 @@ def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
     assert fp8_producers_kernel.link_norms(model) == 2 * n_layers  # again: the same count
 
 
+def test_mxfp8_producers_change_no_bit_and_skip_the_quantizer(monkeypatch):
+    """A tiny LLaMA under --fp8 --fp8-recipe mxfp8 --fp8-emulate with and without the MXFP8 producers (the
+    norms linked to q/k/v and gate/up by `link_norms`): the loss and every gradient equal bit for bit
+    (the fused norm's y is the plain norm's in the interpreter; on a GPU it may differ in its last bit, as
+    the row-wise producer's does, and the test then runs on the bits the producer wrote), the norms'
+    copies are read by every projection that reads their output (counted: 5 per decoder layer), the
+    quantizer runs 5 row quantizations of activations per layer fewer, and nothing outlives the step."""
+    from playbook.model import registry
+    from testkit import batch, loss_and_grads, tiny_model
+
+    ids, labels = batch()
+    results = {}
+    for on in (False, True):
+        model = tiny_model("llama").to(torch.bfloat16)  # the same weights each time (seeded)
+        registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope"))  # q/k/v and gate/up apart: 5 readers
+        fp8_producers_kernel.patch_model(model, "mxfp8-emulated")
+        n_layers = model.config.num_hidden_layers
+        handoff = model.fp8_handoff
+        assert fp8_producers_kernel.link_norms(model) == 2 * n_layers
+        assert all(m.fp8_mx for m in model.modules() if isinstance(m, fp8_producers_kernel.Fp8RMSNorm))
+        if not on:
+            for norm in model.modules():
+                if isinstance(norm, fp8_producers_kernel.Fp8RMSNorm):
+                    norm.fp8_handoff = None  # the plain norm: the projections quantize their input themselves
+        calls = {"rows": 0}
+        quantize, weights = mx_quant_kernel.quantize_mxfp8, {p.data_ptr() for p in model.parameters()}
+
+        def counting(x2, rows=True, cols=False, swizzle=False):  # row copies of activations, not of weights
+            calls["rows"] += bool(rows) and x2.data_ptr() not in weights
+            return quantize(x2, rows, cols, swizzle)
+
+        monkeypatch.setattr(mx_quant_kernel, "quantize_mxfp8", counting)
+        results[on] = (*loss_and_grads(model, ids, labels), calls["rows"], handoff.input_rows.taken)
+        monkeypatch.undo()
+        assert handoff.input_rows.tensor is None  # cleared by backward: nothing outlives the step
+    (loss, grads, c0, t0), (loss_on, grads_on, c1, t1) = results[False], results[True]
+    exactly("MXFP8 producers: loss", loss_on, loss)
+    for name, g in grads.items():
+        exactly(f"MXFP8 producers: {name}.grad", grads_on[name], g)
+    assert (t0, t1) == (0, 5 * n_layers), (t0, t1)
+    exactly("MXFP8 row quantizations of the norms' outputs saved", torch.tensor(c0 - c1), torch.tensor(5 * n_layers))
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows, width", SWIGLU_SHAPES)
 def test_swiglu_producer_gives_the_pair_bits(rows, width, activation):
