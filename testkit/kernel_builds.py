@@ -139,6 +139,7 @@ def step_calls(s: Shapes) -> list:
         ("linear JSD", lambda: dist.linear_jsd_pass(t(n, h), t(v, h), t(n, h), t(v, h), targets, 0.5, 2.0, -100,
                                                     True, True)),
         ("FP8 RMSNorm producer", lambda: producers.rmsnorm_quantize_rows(t(n, h), t(h), 1e-5)),
+        ("MXFP8 RMSNorm producer", lambda: producers.rmsnorm_quantize_mxfp8(t(n, h), t(h), 1e-5)),
         ("FP8 SwiGLU producer", lambda: producers.swiglu_quantize_rows(t(n, i), t(n, i))),
         ("FP8 SwiGLU backward maxima", lambda: producers.swiglu_joined_backward_maxima(t(n, i), t(n, i), t(n, i))),
         ("FP8 frozen weight transposed", lambda: fp8_lora_kernel.transpose_bytes(t(i, h, dtype=fp8.FP8_DTYPE))),
