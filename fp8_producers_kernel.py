@@ -1,7 +1,8 @@
 """FP8 producers: a norm and a SwiGLU that hand the next FP8 layer what it would read their output for.
 
 What you build here: the hand-off through which the FP8 layers of one model pass each other quantized
-copies and maxima (`Fp8Handoff`); an RMSNorm that also writes its output's FP8 row copy (`Fp8RMSNorm`);
+copies and maxima (`Fp8Handoff`); an RMSNorm that also writes its output's FP8 row copy, or its MXFP8
+copy under the MXFP8 recipes (`Fp8RMSNorm`);
 a SwiGLU backward that also takes the maxima of the gradient it writes (`swiglu_joined_fp8`); the steps
 that link them to the FP8 projections of a model; and `apply`, the one entry point of --fp8, which
 converts a model's projections (fp8_recipes_kernel.patch_model), links the producers and reports. What
@@ -44,6 +45,18 @@ added in another order: see fp8_producers_test.py). Measured on an H100 (`benchm
 --fp8-producers`, CUDA graph replays): 82.3 us against 97.5 us for the pair at 8192 tokens, 143.6
 against 176.3 at 16384. In the 8B step that is 56 norms x 15 us, about 0.8 ms of a ~508 ms FP8 step:
 below what two runs of 12 steps can tell apart (results/runs/fp8_producers_H100/).
+
+The block-scaled recipe MXFP8 (`--fp8-recipe mxfp8`, mx_quant_kernel.py) needs even less: a 1x32 block's
+e8m0 scale is known from that block's 32 values, so the norm writes y's MXFP8 copy along H from its
+registers too (`_rmsnorm_quantize_mxfp8`), and q, k and v (gate and up) all read that one copy, where each
+would otherwise quantize y itself. Bytes per element at the hidden size, bf16, one reader:
+
+    norm, then quantize_mxfp8(y)     read x 2, write y 2;  read y 2, write q 1 + 1/32      7.03 bytes
+    the producer                     read x 2, write y 2, write q 1 + 1/32                  5.03 bytes
+
+(`rmsnorm_mxfp8_ideal_bytes`), and 3.03 bytes more for each further reader of the same y. y is still
+written: the norm's backward and dW's transposed copy (made in the readers' backward) read it. The copy
+is bit for bit `quantize_mxfp8(y)`; y is the row-wise producer's (same arithmetic, same caveat).
 
 The SwiGLU forward, which writes down_proj's input h [tokens, 14336], is the other candidate
 (`_swiglu_quantize_rows`, 2 bytes per element of the MLP width fewer). It must hold whole rows of
