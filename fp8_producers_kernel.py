@@ -230,6 +230,41 @@ def _rmsnorm_quantize_mxfp8(
         tl.store(S + r2 * n_blocks + b2, byte, mask=s_ok)
 
 
+@triton.jit
+def _swiglu_quantize_mxfp8(
+    G,  # pointer to the gate, [M, I], unit stride along I (the first half of a joined gate_up)
+    U,  # pointer to up, [M, I], unit stride along I
+    Hout,  # pointer to the output act(gate) * up, [M, I], contiguous
+    Q,  # the output's MXFP8 copy along I, [M, I] float8_e4m3fn
+    S,  # its e8m0 scales, [M, cdiv(I, 32)] bytes
+    QT,  # the transposed copy along the tokens, [I, M_pad] float8_e4m3fn (WRITE_QT)
+    ST,  # its e8m0 scales, [I, M_pad / 32] bytes
+    stride_g,  # elements between two rows of G
+    stride_u,  # elements between two rows of U
+    M,  # rows (tokens)
+    I,  # the MLP width
+    M_pad,  # M rounded up to 32
+    BLOCK_K: tl.constexpr,  # columns per program, a multiple of 32
+    ACT: tl.constexpr,  # "silu" or "gelu_tanh" (swiglu_kernel.py)
+    WRITE_QT: tl.constexpr,  # also the transposed copy (the reader keeps it for dW)
+    ROUND_IN_SOFTWARE: tl.constexpr,  # fp8_linear_kernel.ROUND_IN_SOFTWARE
+):
+    """The SwiGLU forward that also writes its output's MXFP8 copies: swiglu_kernel's `_swiglu_fwd` on
+    mx_quant_kernel's [32, BLOCK_K] tiles, whose 1x32 and 32x1 blocks lie inside the tile, so both copies
+    come from registers (`mxq.mxfp8_tile`) and h is never read back. Unlike the row-wise copy, no whole
+    row is needed: a block's scale depends on its 32 values only."""
+    rows = tl.program_id(0).to(tl.int64) * 32 + tl.arange(0, 32)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = act_out(g, u, ACT).to(Hout.dtype.element_ty)  # rounded as stored: the copies are made of these values
+    tl.store(Hout + rows[:, None] * I + cols[None, :], h, mask=mask)
+    # act(0) * 0 = 0 past M and I: mx_quant's padding rule
+    mxq.mxfp8_tile(mxq._as_f32(h), Q, S, QT, ST, M, I, M_pad, 0, 0, BLOCK_K, True, WRITE_QT, False,
+                   ROUND_IN_SOFTWARE)
+
+
 # The SwiGLU backward of a joined gate/up projection (swiglu_kernel.py's backward kernel, packed), which also
 # takes both maxima of the gradient it writes, d gate_up [N, 2I], for that projection's FP8 backward.
 # A scale is the largest |value| of its row or column, so quantizing a tensor someone else wrote takes
@@ -420,6 +455,39 @@ def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor, activation: str = "
         num_warps=num_warps,
     )
     return h, q, scale, (partial.amax(dim=0) if col_max else None)
+
+
+def swiglu_quantize_mxfp8(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu", cols: bool = True):
+    """act(gate) * up of g2, u2 [M, I] (swiglu_kernel.swiglu_forward's numerics) and its MXFP8 copies, in one
+    kernel: (h, q [M, I], scales [M, cdiv(I, 32)], qT [I, M_pad], scales [I, M_pad / 32]; the last two None
+    without `cols`), the copies bit for bit `mx_quant_kernel.quantize_mxfp8(h, True, cols)`'s (natural
+    scales: the recipe's layout)."""
+    M, I = g2.shape
+    kernel_utils.check_device(g2, u2)
+    dev, e8 = g2.device, torch.float8_e8m0fnu
+    m_pad, n_blocks = -(-M // mxq.MX_BLOCK) * mxq.MX_BLOCK, -(-I // mxq.MX_BLOCK)
+    h = torch.empty((M, I), dtype=g2.dtype, device=dev)
+    q = torch.empty((M, I), dtype=FP8_DTYPE, device=dev)
+    s = torch.empty((M, n_blocks), dtype=torch.uint8, device=dev).view(e8)
+    qt = torch.empty((I, m_pad) if cols else (0,), dtype=FP8_DTYPE, device=dev)
+    st = torch.empty((I, m_pad // mxq.MX_BLOCK) if cols else (0,), dtype=torch.uint8, device=dev).view(e8)
+    if M and I:
+        grid = (m_pad // mxq.MX_BLOCK, triton.cdiv(I, mxq.MX_BLOCK_K))
+        _swiglu_quantize_mxfp8[grid](
+            g2, u2, h, q, s.view(torch.uint8), qt, st.view(torch.uint8), g2.stride(0), u2.stride(0), M, I, m_pad,
+            BLOCK_K=mxq.MX_BLOCK_K, ACT=activation, WRITE_QT=cols, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
+            num_warps=mxq.MX_NUM_WARPS,
+        )
+    elif cols:
+        qt.view(torch.uint8).zero_()
+    return h, q, s, *((qt, st) if cols else (None, None))
+
+
+def swiglu_mxfp8_ideal_bytes(n_rows: int, width: int, dtype: torch.dtype, copies: int = 2) -> int:
+    """Bytes `swiglu_quantize_mxfp8` moves: read gate and up, write h and `copies` MXFP8 copies with a scale
+    byte per 32 values. The pair (swiglu_kernel's forward, then `quantize_mxfp8`) also reads h back."""
+    n, e = n_rows * width, dtype.itemsize
+    return 3 * n * e + copies * (n + n // 32)
 
 
 def swiglu_rows_ideal_bytes(n_rows: int, width: int, dtype: torch.dtype) -> int:

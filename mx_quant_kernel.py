@@ -162,14 +162,33 @@ def _mxfp8_quantize(
     SWIZZLE: tl.constexpr,
     ROUND_IN_SOFTWARE: tl.constexpr,
 ):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * 32 + tl.arange(0, 32)
+    cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = _as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
+                        other=0.0))  # missing values read as 0: the padding rule
+    mxfp8_tile(x, Q, S, QT, ST, M, K, M_pad, S_TILES, ST_TILES, BLOCK_K, WRITE_Q, WRITE_QT, SWIZZLE, ROUND_IN_SOFTWARE)
+
+
+@triton.jit
+def mxfp8_tile(
+    x,  # this program's [32, BLOCK_K] fp32 tile of rows 32 pid_m.., columns BLOCK_K pid_k.. (0 past M and K)
+    Q, S, QT, ST,  # the copies and their scales, as in `_mxfp8_quantize`
+    M, K, M_pad, S_TILES, ST_TILES,
+    BLOCK_K: tl.constexpr,
+    WRITE_Q: tl.constexpr,
+    WRITE_QT: tl.constexpr,
+    SWIZZLE: tl.constexpr,
+    ROUND_IN_SOFTWARE: tl.constexpr,
+):
+    """Both MXFP8 copies of one tile already in registers, written with their scales: `_mxfp8_quantize`'s
+    work after its load, public for a kernel that computes the tile itself (fp8_producers_kernel's SwiGLU)."""
     BLOCK_M: tl.constexpr = 32
     NB: tl.constexpr = BLOCK_K // 32
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < K
-    x = _as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0))  # missing values read as 0: the padding rule
     nan = tl.full(x.shape, float("nan"), tl.float32)
     if WRITE_Q:  # 1x32 blocks along K: the tile as [32 rows, NB blocks, 32 values]
         x3 = tl.reshape(x, (BLOCK_M, NB, 32))
