@@ -456,6 +456,12 @@ def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor, activation: str = "
     )
     return h, q, scale, (partial.amax(dim=0) if col_max else None)
 
+# On: the MXFP8 copies come from the same [32, 128] tiles as mx_quant's quantizer, so no whole rows are
+# held (the row-wise producer's cost above); it moves 2 bytes per element of the MLP width fewer than
+# swiglu_kernel's forward and `quantize_mxfp8` (`swiglu_mxfp8_ideal_bytes`). `benchmark_kernels.py --mx-quant`
+# times the two.
+SWIGLU_WRITES_MX = True
+
 
 def swiglu_quantize_mxfp8(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu", cols: bool = True):
     """act(gate) * up of g2, u2 [M, I] (swiglu_kernel.swiglu_forward's numerics) and its MXFP8 copies, in one
@@ -679,6 +685,25 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
         return dgu, None, None, None, None
 
 
+class SwigluJoinedMxFunction(torch.autograd.Function):
+    """act(gate) * up of a joined gate_up [rows, 2I] whose forward also leaves h's MXFP8 copies (along I,
+    and, `cols`, transposed along the tokens) in the hand-off for the MXFP8 down projection that reads h
+    next (`swiglu_quantize_mxfp8`); the backward is `swiglu_kernel.swiglu_joined`'s own. Eager mode only."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, activation: str, handoff: Fp8Handoff, cols: bool):
+        ctx.save_for_backward(gate_up)  # the matmul that made gate_up keeps it alive anyway
+        ctx.activation = activation
+        h, *copies = swiglu_quantize_mxfp8(*halves(gate_up), activation, cols)
+        handoff.input_rows.put(h, tuple(copies) if cols else tuple(copies[:2]))
+        return h
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        return swiglu_kernel.swiglu_joined_bwd_op(as_rows(dh), gate_up, ctx.activation), None, None, None
+
+
 class RMSNormFp8Function(rmsnorm_kernel.RMSNormFunction):
     """rmsnorm_kernel.rmsnorm (eager) whose forward also leaves its output's FP8 row copy (or, `mx`, its
     MXFP8 copy along H) in the hand-off (`Fp8Handoff.input_rows`) for the FP8 layers that read that output
@@ -748,14 +773,24 @@ class Fp8RMSNorm(rmsnorm_kernel.TritonRMSNorm):
 def fp8_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """swiglu_kernel.swiglu_mlp_forward whose joined gate/up output, when its projection is an FP8 layer
     holding the model's hand-off, goes through `swiglu_joined_fp8`: its backward hands that layer the
-    maxima of d gate_up (`link_mlps` sets this forward)."""
+    maxima of d gate_up (`link_mlps` sets this forward). Under an MXFP8 recipe, when the down projection
+    takes MXFP8 copies from that hand-off (`takes_mx_rows`), the SwiGLU writes them
+    (`SwigluJoinedMxFunction`; `SWIGLU_WRITES_MX`)."""
     g, u, gu = swiglu_kernel.gate_and_up(mlp, x)
     down = mlp.down_proj
     if gu is not None and not swiglu_kernel.folds_down(down):
         gate = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj
         handoff = getattr(gate, "fp8_handoff", None)
-        if handoff is not None and get_recipe(gate.recipe).scaling == "row":  # (MXFP8 layers take no maxima)
-            return down(swiglu_joined_fp8(gu, getattr(mlp, "fused_activation", "silu"), handoff, down))
+        activation = getattr(mlp, "fused_activation", "silu")
+        scaling = get_recipe(gate.recipe).scaling if handoff is not None else None
+        if scaling == "row":
+            return down(swiglu_joined_fp8(gu, activation, handoff, down))
+        if (scaling == "mx" and SWIGLU_WRITES_MX and takes_mx_rows(down, handoff) and direct_launch(gu)
+                and as_rows(gu).stride(-1) == 1):
+            swiglu_kernel.check_joined(gu, activation)
+            cols = down.keep_fp8_input and torch.is_grad_enabled() and down.weight.requires_grad  # its dW operand
+            h = SwigluJoinedMxFunction.apply(as_rows(gu), activation, handoff, cols)
+            return down(h.view(*gu.shape[:-1], gu.shape[-1] // 2))
     return swiglu_kernel.mlp_down(mlp, x, g, u, gu)
 
 

@@ -499,6 +499,84 @@ def test_mxfp8_producers_change_no_bit_and_skip_the_quantizer(monkeypatch):
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows, width", SWIGLU_SHAPES)
+def test_swiglu_mxfp8_producer_gives_the_pair_bits(rows, width, activation):
+    """The SwiGLU forward that writes its output's MXFP8 copies (one kernel) against the pair it replaces,
+    swiglu_kernel's forward and then `quantize_mxfp8(h, True, True)`: h, both copies and both sets of e8m0
+    scales bit for bit, and the copy along I the plain-PyTorch reference's; without `cols` the same copy
+    along I. Widths not a multiple of 32 (200, 1100) and below one block (16), rows not a multiple of 32 (the
+    transposed copy's zero padding), gate values over +-9 and one NaN (its block's scale is e8m0's NaN, the
+    neighbours untouched). (LLaMA 3.1 8B's width, 14336, on a GPU.)"""
+    import swiglu_kernel
+
+    gate, up = swiglu_kernel.halves(_gate_up(rows, width, seed=rows + 2))
+    tag = f"SwiGLU + MXFP8 {activation} [{rows}, {width}]"
+    h, *ours = fp8_producers_kernel.swiglu_quantize_mxfp8(gate, up, activation)
+    h_pair = swiglu_kernel.swiglu_forward(gate, up, activation)
+    _same_bits(f"{tag}: h", h, h_pair)
+    for what, o, e in zip(("q", "scales", "qT", "scales of qT"), ours, mx_quant_kernel.quantize_mxfp8(h_pair, True, True)):
+        _same_bits(f"{tag}: {what}", o.view(torch.uint8), e.view(torch.uint8))
+    q_ref, s_ref = mx_quant_kernel.quantize_mxfp8_ref(h_pair)
+    _same_bits(f"{tag}: q, the reference's", ours[0], q_ref)
+    _same_bits(f"{tag}: scales, the reference's", ours[1].view(torch.uint8), s_ref.view(torch.uint8))
+    assert ours[1].view(torch.uint8)[rows // 2, 0] == mx_quant_kernel.E8M0_NAN, tag  # the NaN's block
+    rows_only = fp8_producers_kernel.swiglu_quantize_mxfp8(gate, up, activation, cols=False)
+    assert rows_only[3] is None and rows_only[4] is None
+    _same_bits(f"{tag}: q without the transposed copy", rows_only[1], ours[0])
+
+
+def test_swiglu_mxfp8_producer_bytes():
+    """The pair reads gate and up and writes h (6 bytes per element), then reads h and writes both copies
+    (2 + 2 x 1.03); the producer skips the read of h: 2 bytes per element of the MLP width fewer."""
+    m, width = 8192, 14336
+    pair = 3 * m * width * 2 + mx_quant_kernel.ideal_bytes(m, width, torch.bfloat16, "mxfp8", 2)
+    fused = fp8_producers_kernel.swiglu_mxfp8_ideal_bytes(m, width, torch.bfloat16)
+    assert pair - fused == 2 * m * width, (pair, fused)
+    record(f"SwiGLU + MXFP8 at 8192 x 14336: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
+
+
+def test_mxfp8_swiglu_and_joined_readers_change_no_bit(monkeypatch):
+    """The same with joined projections (projections_kernel: qkv_proj, gate_up_proj) and the MLP linked
+    (`link_mlps`): each norm's copy goes to its one joined reader, and the SwiGLU writes h's two MXFP8
+    copies (along I, and transposed for down_proj's dW) for down_proj. Loss and gradients bit for bit
+    those of the model without producers; 3 copies taken per decoder layer, and as many copies along K
+    fewer made by the quantizer. (The joined readers keep their input's transposed copy for dW, so the
+    quantizer still makes that one from the norm's output in the forward; down_proj gets both from the
+    SwiGLU.)"""
+    from playbook.model import registry
+    from testkit import batch, loss_and_grads, tiny_model
+
+    ids, labels = batch()
+    results = {}
+    for on in (False, True):
+        model = tiny_model("llama").to(torch.bfloat16)
+        registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
+        fp8_producers_kernel.patch_model(model, "mxfp8-emulated")
+        n_layers, handoff = model.config.num_hidden_layers, model.fp8_handoff
+        if on:
+            assert fp8_producers_kernel.link_norms(model) == 2 * n_layers
+            assert fp8_producers_kernel.link_mlps(model) == n_layers
+        calls = {"activations": 0}
+        quantize, weights = mx_quant_kernel.quantize_mxfp8, {p.data_ptr() for p in model.parameters()}
+
+        def counting(x2, rows=True, cols=False, swizzle=False):  # copies along K of activations and gradients
+            calls["activations"] += bool(rows) and x2.data_ptr() not in weights
+            return quantize(x2, rows, cols, swizzle)
+
+        monkeypatch.setattr(mx_quant_kernel, "quantize_mxfp8", counting)
+        results[on] = (*loss_and_grads(model, ids, labels), handoff.input_rows.taken, calls["activations"])
+        monkeypatch.undo()
+        assert handoff.input_rows.tensor is None
+    (loss, grads, t0, c0), (loss_on, grads_on, t1, c1) = results[False], results[True]
+    exactly("MXFP8 producers, joined: loss", loss_on, loss)
+    for name, g in grads.items():
+        exactly(f"MXFP8 producers, joined: {name}.grad", grads_on[name], g)
+    assert (t0, t1) == (0, 3 * n_layers), (t0, t1)
+    # per layer, forward: qkv_proj's and gate_up_proj's inputs along K, h both ways for down_proj
+    exactly("copies along K saved", torch.tensor(c0 - c1), torch.tensor(3 * n_layers))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows, width", SWIGLU_SHAPES)
 def test_swiglu_producer_gives_the_pair_bits(rows, width, activation):
     """The SwiGLU forward that writes its output's FP8 row copy (one kernel) against the pair it replaces,
     swiglu_kernel's forward and then the row quantizer reading h: h, the FP8 rows, their scales and the

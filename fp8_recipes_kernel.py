@@ -391,9 +391,9 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
     FP8 copy with its scales (`keep_fp8_input`) or x itself.
 
     `handoff` (MXFP8 only, eager mode): the model's `Fp8Handoff` (fp8_producers_kernel.py). x's MXFP8
-    copy along K then comes from the RMSNorm that wrote x, if it left one (`Fp8Handoff.input_rows`); it is
-    read, not taken, as q, k and v (gate and up) all multiply that one copy, and the backward empties the
-    slot. The other recipes hand nothing between layers.
+    copy along K (and its transposed copy, from the SwiGLU) then comes from the kernel that wrote x, if it
+    left one (`Fp8Handoff.input_rows`); it is read, not taken, as q, k and v (gate and up) all multiply that
+    one copy, and the backward empties the slot. The other recipes hand nothing between layers.
     """
 
     @staticmethod
@@ -407,9 +407,14 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         if handoff is not None:
             handoff.start_forward()
         made = handoff.input_rows.share(x2) if handoff is not None and scaling == "mx" and not ops else None
-        if made is not None:  # from the norm that wrote x: only the transposed copy is left to make
-            xq, sx = made
-            xqt, sxt = quant_operand(x2, scaling, False, False, True, ops)[2:] if keep_fp8 else (None, None)
+        if made is not None:  # from the kernel that wrote x (a norm: the copy along K; the SwiGLU: both)
+            xq, sx, *transposed = made
+            if not keep_fp8:
+                xqt = sxt = None
+            elif transposed:
+                xqt, sxt = transposed
+            else:
+                xqt, sxt = quant_operand(x2, scaling, False, False, True, ops)[2:]
         else:
             xq, sx, xqt, sxt = quant_operand(x2, scaling, False, True, keep_fp8, ops)
         wq, sw, _, _ = quant_operand(weight, scaling, True, True, False, ops, w_amax)
