@@ -55,8 +55,15 @@ would otherwise quantize y itself. Bytes per element at the hidden size, bf16, o
     the producer                     read x 2, write y 2, write q 1 + 1/32                  5.03 bytes
 
 (`rmsnorm_mxfp8_ideal_bytes`), and 3.03 bytes more for each further reader of the same y. y is still
-written: the norm's backward and dW's transposed copy (made in the readers' backward) read it. The copy
-is bit for bit `quantize_mxfp8(y)`; y is the row-wise producer's (same arithmetic, same caveat).
+written: the norm's backward and dW's transposed copy (made in the readers' backward) read it. A joined
+reader (qkv, gate_up: projections_kernel.py) keeps its input's transposed copy instead and makes it in
+the forward, from y: there the norm saves no bytes, the quantizer reading y for one copy instead of two.
+The copy is bit for bit `quantize_mxfp8(y)`; y is the row-wise producer's (same arithmetic, same caveat).
+
+The SwiGLU needs no whole rows for MXFP8: `_swiglu_quantize_mxfp8` computes h on mx_quant's [32, 128]
+tiles and writes h and both of its copies (along the MLP width for down_proj's forward, transposed for
+its dW), which down_proj keeps: read gate and up 4, write h 2 and the copies 2.06, 8.06 bytes per element
+where swiglu_kernel's forward and `quantize_mxfp8(h, True, True)` move 10.06 (`swiglu_mxfp8_ideal_bytes`).
 
 The SwiGLU forward, which writes down_proj's input h [tokens, 14336], is the other candidate
 (`_swiglu_quantize_rows`, 2 bytes per element of the MLP width fewer). It must hold whole rows of
