@@ -209,7 +209,6 @@ def _rmsnorm_quantize_mxfp8(
     of mx_quant_kernel's `_mxfp8_quantize` in one kernel. A 1x32 block's scale needs only that block's
     maximum, which the registers hold as soon as the row is normalized; the output is never read back.
     No column maxima (MX scales are per block), so no persistent grid: one block of rows per program."""
-    NB: tl.constexpr = BLOCK_H // 32
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     row_ok, col_ok = rows < M, cols < H
@@ -219,22 +218,8 @@ def _rmsnorm_quantize_mxfp8(
     tl.store(Rstd + rows, rstd, mask=row_ok)
     tl.store(Y + rows[:, None] * H + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
     # Columns past H hold 0 (x and W read as 0 there): mx_quant's padding rule, no effect on a block's maximum
-    y3 = tl.reshape(mxq._as_f32(y), (ROWS, NB, 32))
-    amax, bad = mxq._finite_amax(tl.abs(y3), 2)
-    byte, inv = mxq._e8m0(amax)
-    v = tl.reshape(y3 * inv[:, :, None], (ROWS, BLOCK_H))
-    bad_v = tl.reshape(tl.broadcast_to(bad[:, :, None], (ROWS, NB, 32)), (ROWS, BLOCK_H))
-    q = cast_e4m3(tl.where(bad_v, float("nan"), v), ROUND_IN_SOFTWARE)
-    tl.store(Q + rows[:, None] * H + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
-    byte = tl.where(bad, mxq._E8M0_NAN, byte).to(tl.uint8)
-    r2 = rows[:, None] + tl.zeros((ROWS, NB), tl.int64)
-    b2 = tl.arange(0, NB)[None, :].to(tl.int64) + tl.zeros((ROWS, NB), tl.int64)
-    n_blocks = (H + 31) // 32
-    s_ok = (r2 < M) & (b2 < n_blocks)
-    if SWIZZLE:
-        tl.store(S + mxq._swizzled(r2, b2, S_TILES), byte, mask=s_ok)
-    else:
-        tl.store(S + r2 * n_blocks + b2, byte, mask=s_ok)
+    mxq.mxfp8_rows(mxq.as_f32(y), rows, cols.to(tl.int64), 0, Q, S, M, H, S_TILES, ROWS, BLOCK_H, SWIZZLE,
+                   ROUND_IN_SOFTWARE)
 
 
 @triton.jit
@@ -268,7 +253,7 @@ def _swiglu_quantize_mxfp8(
     h = act_out(g, u, ACT).to(Hout.dtype.element_ty)  # rounded as stored: the copies are made of these values
     tl.store(Hout + rows[:, None] * I + cols[None, :], h, mask=mask)
     # act(0) * 0 = 0 past M and I: mx_quant's padding rule
-    mxq.mxfp8_tile(mxq._as_f32(h), Q, S, QT, ST, M, I, M_pad, 0, 0, BLOCK_K, True, WRITE_QT, False,
+    mxq.mxfp8_tile(mxq.as_f32(h), Q, S, QT, ST, M, I, M_pad, 0, 0, BLOCK_K, True, WRITE_QT, False,
                    ROUND_IN_SOFTWARE)
 
 
@@ -404,7 +389,7 @@ def rmsnorm_quantize_mxfp8(x2: torch.Tensor, weight: torch.Tensor, eps: float, o
                     dtype=rmsnorm_kernel.output_dtype(x2.dtype, weight.dtype, casting_mode), device=dev)
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
     q = torch.empty((M, H), dtype=FP8_DTYPE, device=dev)
-    s = mxq._scale_buffer(M, n_blocks, swizzle, torch.float8_e8m0fnu, dev)
+    s = mxq.scale_buffer(M, n_blocks, swizzle, torch.float8_e8m0fnu, dev)
     if M == 0:
         return y, rstd, q, s
     # The norm's own block shape and warps (rmsnorm_kernel.fwd_settings), so that a row's sum of squares is
@@ -707,6 +692,9 @@ class SwigluJoinedMxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError("the MXFP8 SwiGLU producer: second-order gradients (create_graph=True) are not "
+                               "supported by the fused kernel; use the plain PyTorch reference for double backward")
         (gate_up,) = ctx.saved_tensors
         return swiglu_kernel.swiglu_joined_bwd_op(as_rows(dh), gate_up, ctx.activation), None, None, None
 
