@@ -456,11 +456,12 @@ def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
 
 def test_mxfp8_producers_change_no_bit_and_skip_the_quantizer(monkeypatch):
     """A tiny LLaMA under --fp8 --fp8-recipe mxfp8 --fp8-emulate with and without the MXFP8 producers (the
-    norms linked to q/k/v and gate/up by `link_norms`): the loss and every gradient equal bit for bit
-    (the fused norm's y is the plain norm's in the interpreter; on a GPU it may differ in its last bit, as
-    the row-wise producer's does, and the test then runs on the bits the producer wrote), the norms'
-    copies are read by every projection that reads their output (counted: 5 per decoder layer), the
-    quantizer runs 5 row quantizations of activations per layer fewer, and nothing outlives the step."""
+    norms linked to q/k/v and gate/up by `link_norms`): the loss and every gradient equal bit for bit, the
+    norms' copies are read by every projection that reads their output (counted: 5 per decoder layer), the
+    quantizer runs 5 row quantizations of activations per layer fewer, and nothing outlives the step.
+    Exact because the fused norm's y is the plain norm's: always in the interpreter, and on a GPU as long as
+    the compiler adds a row's squares in the same order in both kernels (same block shape and warps, as for
+    the row-wise producer's test above); where it does not, `_near_plain_norm`'s bounds say by how much."""
     from playbook.model import registry
     from testkit import batch, loss_and_grads, tiny_model
 
