@@ -430,8 +430,9 @@ def mx_quant(smoke: bool) -> int:
     it. The quantizers run on any GPU; the matmuls that read their output need Blackwell (sm_100 and
     newer), which this command does not time. Last, the MXFP8 producers against the pairs they replace:
     RMSNorm then the quantizer at the hidden size, SwiGLU then the quantizer (both copies) at the MLP width,
-    each against the one kernel that writes the tensor and its copies (fp8_producers_kernel
-    .rmsnorm_quantize_mxfp8, .swiglu_quantize_mxfp8; GB/s from the bytes each must move). Prints the table and saves results/mx_quant_<gpu>.json
+    each against the one kernel that writes the tensor and its copies (fp8_producers_kernel's
+    rmsnorm_quantize_mxfp8 and swiglu_quantize_mxfp8; GB/s from the bytes each must move). Prints the table
+    and saves results/mx_quant_<gpu>.json
     (not with `smoke`: its tiny shape's times would replace the file of the 8B shapes' run)."""
     import json
 

@@ -514,7 +514,8 @@ def test_swiglu_mxfp8_producer_gives_the_pair_bits(rows, width, activation):
     h, *ours = fp8_producers_kernel.swiglu_quantize_mxfp8(gate, up, activation)
     h_pair = swiglu_kernel.swiglu_forward(gate, up, activation)
     _same_bits(f"{tag}: h", h, h_pair)
-    for what, o, e in zip(("q", "scales", "qT", "scales of qT"), ours, mx_quant_kernel.quantize_mxfp8(h_pair, True, True)):
+    pair = mx_quant_kernel.quantize_mxfp8(h_pair, True, True)
+    for what, o, e in zip(("q", "scales", "qT", "scales of qT"), ours, pair):
         _same_bits(f"{tag}: {what}", o.view(torch.uint8), e.view(torch.uint8))
     q_ref, s_ref = mx_quant_kernel.quantize_mxfp8_ref(h_pair)
     _same_bits(f"{tag}: q, the reference's", ours[0], q_ref)
@@ -607,7 +608,7 @@ def test_swiglu_producer_bytes():
 
 
 def test_norms_are_linked_only_to_fp8_readers():
-    """link_norms links nothing where the reader is not a trained FP8 layer of a row-wise recipe: a
+    """link_norms links nothing where the reader is not a trained FP8 layer of a row-wise (or MXFP8) recipe: a
     bf16 model, a tensor-wise recipe, a frozen FP8 weight (LoRA's base); and nothing in Gemma 2, whose
     post_attention_layernorm feeds the residual stream."""
     from playbook.model import registry

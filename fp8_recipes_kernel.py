@@ -616,7 +616,8 @@ def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE, sizes: str = "al
     (`layer_class`), the decoder layers the recipe keeps in bf16 (`bf16_layers`) keep nn.Linear, and
     `handoff` (row-wise and MXFP8 recipes only: `HANDS_OVER`) is shared by the converted layers. Returns how
     many run in FP8."""
-    return fp8_linear_kernel.patch_model(model, recipe, sizes, handoff if get_recipe(recipe).scaling in HANDS_OVER else None,
+    shared = handoff if get_recipe(recipe).scaling in HANDS_OVER else None
+    return fp8_linear_kernel.patch_model(model, recipe, sizes, shared,
                                          layer_class(recipe), bf16_layers(model, recipe))
 
 

@@ -126,10 +126,10 @@ def test_unknown_kernel_is_a_usage_error(monkeypatch, capsys):
 
 def test_mx_quant_rows_check_then_time(monkeypatch, capsys):
     """--mx-quant --smoke: every quantizer row (MXFP8 and NVFP4, one copy and both) checked against its
-    reference bit for bit, and the MXFP8 RMSNorm and SwiGLU producers' copies against the quantizer's of their
-    outputs, then run with the pairs they replace: on a CPU in the interpreter, on a GPU as CUDA graph replays against its
-    copy bandwidth, and not saved there (the tiny shape's times would replace the 8B shapes' file); without
-    --smoke on a CPU, exit 2 in one line."""
+    reference bit for bit, and the MXFP8 RMSNorm and SwiGLU producers' copies against the quantizer's of
+    their outputs, then run with the pairs they replace: on a CPU in the interpreter, on a GPU as CUDA graph
+    replays against its copy bandwidth, and not saved there (the tiny shape's times would replace the 8B
+    shapes' file); without --smoke on a CPU, exit 2 in one line."""
     assert _main(monkeypatch, "--mx-quant", "--smoke") == 0
     out = capsys.readouterr().out
     assert out.count("70 x 96") == 8 and "nvfp4, both, SR + Hadamard" in out
