@@ -7,7 +7,8 @@
     $ python benchmark_kernels.py --smoke                      # tiny sizes, runs on a CPU (CI)
     $ python benchmark_kernels.py --kernels adamw              # the optimizer step, run only when named
     $ python benchmark_kernels.py --kernels jsd,linear_jsd     # the distillation losses, run only when named
-    $ python benchmark_kernels.py --mx-quant                   # MXFP8 / NVFP4 quantizers against copy bandwidth
+    $ python benchmark_kernels.py --mx-quant                   # MXFP8 / NVFP4 quantizers against copy bandwidth,
+                                                               # and the MXFP8 producers against their pairs
 
 `--kernels` takes the registry's names (playbook/model/registry.py), comma-separated, or `all` (the default).
 Every kernel is one entry of the table `SPECS` (benchmarks/specs.py): its cases, how to
@@ -357,13 +358,81 @@ MX_SHAPES = ((8192, 4096), (8192, 14336))  # LLaMA 3.1 8B at 4 x 2048 tokens: th
 MX_SMOKE_SHAPES = ((70, 96),)  # proves the harness and the correctness check (on a CPU, in the interpreter); times nothing
 
 
+def _mx_norm_rows(m: int, k: int, rows: list, copy: float | None) -> bool:
+    """Check, then time, RMSNorm + MXFP8 along K as two kernels and as the fused producer at [m, k]; append
+    both rows to `rows`. The fused copy must be bit for bit `quantize_mxfp8` of the output the producer
+    wrote (that output may differ from the plain norm's in its last bit on a GPU: fp8_producers_test.py).
+    Returns True (and says why) when the check fails."""
+    import fp8_producers_kernel as f8p
+    import mx_quant_kernel as mq
+
+    g = generator(m, k + 1)
+    x = torch.randn(m, k, generator=g).to(DEVICE, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, torch.bfloat16)
+    y, _, q, s = f8p.rmsnorm_quantize_mxfp8(x, w, 1e-5)  # correctness before timing
+    q_ref, s_ref, _, _ = mq.quantize_mxfp8(y)
+    if not (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+            and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))):
+        print(f"rmsnorm -> mxfp8 at {m} x {k}: the producer's copy differs from quantize_mxfp8 of its output: "
+              "not timed", file=sys.stderr)
+        return True
+
+    def pair():
+        mq.quantize_mxfp8(rmsnorm_kernel.rmsnorm_forward(x, w, 1e-5)[0], True, False)
+
+    e = torch.bfloat16
+    for name, run, nbytes in (
+            ("rmsnorm, then mxfp8 along K", pair,
+             rmsnorm_kernel.ideal_bytes(m, k, e) + mq.ideal_bytes(m, k, e, "mxfp8", 1)),
+            ("rmsnorm writing mxfp8 (fused)", lambda: f8p.rmsnorm_quantize_mxfp8(x, w, 1e-5),
+             f8p.rmsnorm_mxfp8_ideal_bytes(m, k, e))):
+        (us, _, _), _ = timed_graph(run)
+        gbs = nbytes / us / 1e3
+        rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
+                         pct_copy=100 * gbs / copy if copy else None))
+    return False
+
+
+def _mx_swiglu_rows(m: int, k: int, rows: list, copy: float | None) -> bool:
+    """Check, then time, SwiGLU + both MXFP8 copies (what down_proj's MXFP8 layer makes of h) as two kernels
+    and as the fused producer at [m, k]; append both rows to `rows`. Returns True (and says why) when the
+    producer's h or copies differ from the pair's."""
+    import fp8_producers_kernel as f8p
+    import mx_quant_kernel as mq
+    import swiglu_kernel
+
+    gate_up = torch.randn(m, 2 * k, generator=generator(m, 2 * k)).to(DEVICE, torch.bfloat16)
+    gate, up = swiglu_kernel.halves(gate_up)
+    h = swiglu_kernel.swiglu_forward(gate, up)
+    for ours, ref in zip(f8p.swiglu_quantize_mxfp8(gate, up), (h, *mq.quantize_mxfp8(h, True, True))):
+        if not torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)):  # correctness before timing
+            print(f"swiglu -> mxfp8 at {m} x {k}: the producer differs from the pair: not timed", file=sys.stderr)
+            return True
+    e = torch.bfloat16
+    for name, run, nbytes in (
+            ("swiglu, then mxfp8 both copies", lambda: mq.quantize_mxfp8(swiglu_kernel.swiglu_forward(gate, up), True,
+                                                                          True),
+             3 * m * k * e.itemsize + mq.ideal_bytes(m, k, e, "mxfp8", 2)),
+            ("swiglu writing mxfp8 (fused)", lambda: f8p.swiglu_quantize_mxfp8(gate, up),
+             f8p.swiglu_mxfp8_ideal_bytes(m, k, e))):
+        (us, _, _), _ = timed_graph(run)
+        gbs = nbytes / us / 1e3
+        rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
+                         pct_copy=100 * gbs / copy if copy else None))
+    return False
+
+
 def mx_quant(smoke: bool) -> int:
     """Time the MXFP8 and NVFP4 quantizers (mx_quant_kernel.py) at the 8B step's shapes, as CUDA graph
     replays, each against its reference (bit for bit) first; GB/s counts `mx_quant_kernel.ideal_bytes`
     (each input read once, NVFP4 once more for its tensor maximum, each output written once) and is set
     against the measured device-to-device copy bandwidth (bytes read + written), the goal being 80 % of
     it. The quantizers run on any GPU; the matmuls that read their output need Blackwell (sm_100 and
-    newer), which this command does not time. Prints the table and saves results/mx_quant_<gpu>.json
+    newer), which this command does not time. Last, the MXFP8 producers against the pairs they replace:
+    RMSNorm then the quantizer at the hidden size, SwiGLU then the quantizer (both copies) at the MLP width,
+    each against the one kernel that writes the tensor and its copies (fp8_producers_kernel's
+    rmsnorm_quantize_mxfp8 and swiglu_quantize_mxfp8; GB/s from the bytes each must move). Prints the table
+    and saves results/mx_quant_<gpu>.json
     (not with `smoke`: its tiny shape's times would replace the file of the 8B shapes' run)."""
     import json
 
@@ -402,6 +471,11 @@ def mx_quant(smoke: bool) -> int:
             gbs = nbytes / us / 1e3
             rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
                              pct_copy=100 * gbs / copy if copy else None))
+    # The MXFP8 producers (fp8_producers_kernel) against the pairs they replace, the kernel that writes the
+    # tensor and then the quantizer reading it back: the norm at the hidden size, the SwiGLU at the MLP width
+    for (m, k), (m2, k2) in ((MX_SMOKE_SHAPES * 2,) if smoke else (MX_SHAPES,)):
+        if _mx_norm_rows(m, k, rows, copy) or _mx_swiglu_rows(m2, k2, rows, copy):
+            return 1
     print(tabulate([(r["quantizer"], f"{r['rows']} x {r['cols']}", f"{r['us']:.1f}", f"{r['bytes'] / 1e6:.1f}",
                      f"{r['gbs']:.0f}", f"{r['pct_copy']:.0f}" if r["pct_copy"] else "-") for r in rows],
                    headers=["quantizer", "shape", "us", "MB (ideal)", "GB/s", "% copy"], tablefmt="github"))

@@ -1,7 +1,8 @@
 """FP8 producers: a norm and a SwiGLU that hand the next FP8 layer what it would read their output for.
 
 What you build here: the hand-off through which the FP8 layers of one model pass each other quantized
-copies and maxima (`Fp8Handoff`); an RMSNorm that also writes its output's FP8 row copy (`Fp8RMSNorm`);
+copies and maxima (`Fp8Handoff`); an RMSNorm that also writes its output's FP8 row copy, or its MXFP8
+copy under the MXFP8 recipes (`Fp8RMSNorm`);
 a SwiGLU backward that also takes the maxima of the gradient it writes (`swiglu_joined_fp8`); the steps
 that link them to the FP8 projections of a model; and `apply`, the one entry point of --fp8, which
 converts a model's projections (fp8_recipes_kernel.patch_model), links the producers and reports. What
@@ -45,6 +46,25 @@ added in another order: see fp8_producers_test.py). Measured on an H100 (`benchm
 against 176.3 at 16384. In the 8B step that is 56 norms x 15 us, about 0.8 ms of a ~508 ms FP8 step:
 below what two runs of 12 steps can tell apart (results/runs/fp8_producers_H100/).
 
+The block-scaled recipe MXFP8 (`--fp8-recipe mxfp8`, mx_quant_kernel.py) needs even less: a 1x32 block's
+e8m0 scale is known from that block's 32 values, so the norm writes y's MXFP8 copy along H from its
+registers too (`_rmsnorm_quantize_mxfp8`), and q, k and v (gate and up) all read that one copy, where each
+would otherwise quantize y itself. Bytes per element at the hidden size, bf16, one reader:
+
+    norm, then quantize_mxfp8(y)     read x 2, write y 2;  read y 2, write q 1 + 1/32      7.03 bytes
+    the producer                     read x 2, write y 2, write q 1 + 1/32                  5.03 bytes
+
+(`rmsnorm_mxfp8_ideal_bytes`), and 3.03 bytes more for each further reader of the same y. y is still
+written: the norm's backward and dW's transposed copy (made in the readers' backward) read it. A joined
+reader (qkv, gate_up: projections_kernel.py) keeps its input's transposed copy instead and makes it in
+the forward, from y: there the norm saves no bytes, the quantizer reading y for one copy instead of two.
+The copy is bit for bit `quantize_mxfp8(y)`; y is the row-wise producer's (same arithmetic, same caveat).
+
+The SwiGLU needs no whole rows for MXFP8: `_swiglu_quantize_mxfp8` computes h on mx_quant's [32, 128]
+tiles and writes h and both of its copies (along the MLP width for down_proj's forward, transposed for
+its dW), which down_proj keeps: read gate and up 4, write h 2 and the copies 2.06, 8.06 bytes per element
+where swiglu_kernel's forward and `quantize_mxfp8(h, True, True)` move 10.06 (`swiglu_mxfp8_ideal_bytes`).
+
 The SwiGLU forward, which writes down_proj's input h [tokens, 14336], is the other candidate
 (`_swiglu_quantize_rows`, 2 bytes per element of the MLP width fewer). It must hold whole rows of
 14,336 to know their maxima, where swiglu_kernel.py streams 2,048-column tiles, and at 1 to 4 programs
@@ -62,13 +82,14 @@ import types
 import torch
 from torch import nn
 
-from core import kernel_utils  # noqa: F401  (selects the interpreter on machines without a GPU)
+from core import kernel_utils  # (selects the interpreter on machines without a GPU; check_device)
 from core.fp8_support import DEFAULT_RECIPE, bf16_layer_counts, compiled_graph_trusted, expected_patches, get_recipe
 from core.kernel_utils import as_rows, direct_launch, next_power_of_2, num_sms, refuse_double_backward
 from core.model_families import family_classes
 from core.process import log
-from fp8_linear_kernel import FP8_DTYPE, MAX_COLS, ROUND_IN_SOFTWARE, Float8Linear, load_rows, rows_block
+from fp8_linear_kernel import FP8_DTYPE, MAX_COLS, ROUND_IN_SOFTWARE, Float8Linear, cast_e4m3, load_rows, rows_block
 import fp8_recipes_kernel
+import mx_quant_kernel as mxq
 import rmsnorm_kernel
 from rmsnorm_kernel import normalize_rows  # RMSNorm's arithmetic, in the producer kernel below too
 import swiglu_kernel
@@ -162,6 +183,78 @@ def _swiglu_quantize_rows(
     if COL_MAX:
         tl.store(ColMax + pid * I + cols, col_max, mask=col_ok)
 
+
+
+@triton.jit
+def _rmsnorm_quantize_mxfp8(
+    X,  # pointer to the norm's input, [M, H], unit stride along H
+    W,  # pointer to the norm's weight, [H]
+    Y,  # pointer to the norm's output, [M, H], contiguous
+    Rstd,  # pointer to the inverse RMS per row, [M] fp32 (what the norm's backward needs)
+    Q,  # pointer to the output's MXFP8 copy along H, [M, H] float8_e4m3fn, contiguous
+    S,  # pointer to its e8m0 scales: [M, cdiv(H, 32)] bytes, or swizzled (SWIZZLE; zeroed by the launcher)
+    stride_x,  # elements between two rows of X
+    M,  # rows (tokens)
+    H,  # hidden size
+    S_TILES,  # 4-block tiles per row of S in the swizzled layout: cdiv(cdiv(H, 32), 4)
+    eps,  # the norm's epsilon
+    ROWS: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # power of two >= max(H, 32): a program holds whole rows, in whole 1x32 blocks
+    OFFSET: tl.constexpr,  # the norm's weight offset (rmsnorm_kernel.py)
+    CASTING: tl.constexpr,  # the norm's casting mode (rmsnorm_kernel.py)
+    SWIZZLE: tl.constexpr,  # the scales in the layout cuBLAS reads (mx_quant_kernel._swizzled)
+    ROUND_IN_SOFTWARE: tl.constexpr,  # fp8_linear_kernel.ROUND_IN_SOFTWARE
+):
+    """RMSNorm's forward that also writes its output's MXFP8 copy along H: `_rmsnorm_fwd` and the row half
+    of mx_quant_kernel's `_mxfp8_quantize` in one kernel. A 1x32 block's scale needs only that block's
+    maximum, which the registers hold as soon as the row is normalized; the output is never read back.
+    No column maxima (MX scales are per block), so no persistent grid: one block of rows per program."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok, col_ok = rows < M, cols < H
+    x = load_rows(X, rows, cols, col_ok, stride_x, M)
+    y, rstd = normalize_rows(x, W, cols, col_ok, H, eps, OFFSET, CASTING)
+    y = y.to(Y.dtype.element_ty)  # rounded as stored: the MXFP8 copy is made of these very values
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+    tl.store(Y + rows[:, None] * H + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+    # Columns past H hold 0 (x and W read as 0 there): mx_quant's padding rule, no effect on a block's maximum
+    mxq.mxfp8_rows(mxq.as_f32(y), rows, cols.to(tl.int64), 0, Q, S, M, H, S_TILES, ROWS, BLOCK_H, SWIZZLE,
+                   ROUND_IN_SOFTWARE)
+
+
+@triton.jit
+def _swiglu_quantize_mxfp8(
+    G,  # pointer to the gate, [M, I], unit stride along I (the first half of a joined gate_up)
+    U,  # pointer to up, [M, I], unit stride along I
+    Hout,  # pointer to the output act(gate) * up, [M, I], contiguous
+    Q,  # the output's MXFP8 copy along I, [M, I] float8_e4m3fn
+    S,  # its e8m0 scales, [M, cdiv(I, 32)] bytes
+    QT,  # the transposed copy along the tokens, [I, M_pad] float8_e4m3fn (WRITE_QT)
+    ST,  # its e8m0 scales, [I, M_pad / 32] bytes
+    stride_g,  # elements between two rows of G
+    stride_u,  # elements between two rows of U
+    M,  # rows (tokens)
+    I,  # the MLP width
+    M_pad,  # M rounded up to 32
+    BLOCK_K: tl.constexpr,  # columns per program, a multiple of 32
+    ACT: tl.constexpr,  # "silu" or "gelu_tanh" (swiglu_kernel.py)
+    WRITE_QT: tl.constexpr,  # also the transposed copy (the reader keeps it for dW)
+    ROUND_IN_SOFTWARE: tl.constexpr,  # fp8_linear_kernel.ROUND_IN_SOFTWARE
+):
+    """The SwiGLU forward that also writes its output's MXFP8 copies: swiglu_kernel's `_swiglu_fwd` on
+    mx_quant_kernel's [32, BLOCK_K] tiles, whose 1x32 and 32x1 blocks lie inside the tile, so both copies
+    come from registers (`mxq.mxfp8_tile`) and h is never read back. Unlike the row-wise copy, no whole
+    row is needed: a block's scale depends on its 32 values only."""
+    rows = tl.program_id(0).to(tl.int64) * 32 + tl.arange(0, 32)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < I)[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = act_out(g, u, ACT).to(Hout.dtype.element_ty)  # rounded as stored: the copies are made of these values
+    tl.store(Hout + rows[:, None] * I + cols[None, :], h, mask=mask)
+    # act(0) * 0 = 0 past M and I: mx_quant's padding rule
+    mxq.mxfp8_tile(mxq.as_f32(h), Q, S, QT, ST, M, I, M_pad, 0, 0, BLOCK_K, True, WRITE_QT, False,
+                   ROUND_IN_SOFTWARE)
 
 
 # The SwiGLU backward of a joined gate/up projection (swiglu_kernel.py's backward kernel, packed), which also
@@ -280,6 +373,44 @@ def rmsnorm_quantize_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, of
     return y, rstd, q, scale, (partial.amax(dim=0) if col_max else None)
 
 
+def rmsnorm_quantize_mxfp8(x2: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                           casting_mode: str = "llama", swizzle: bool = False, out_shape: torch.Size | None = None):
+    """RMSNorm of x2 [M, H] (rmsnorm_kernel.rmsnorm_forward's numerics) and its output's MXFP8 copy along H,
+    in one kernel: (y, rstd, q [M, H] e4m3, scales [M, cdiv(H, 32)] e8m0, or flat in cuBLAS's layout with
+    `swizzle`), q and scales bit for bit what `mx_quant_kernel.quantize_mxfp8(y)` gives. H need not be a
+    multiple of 32 (the last block is zero-padded, as mx_quant pads it). `out_shape`: allocate y in this
+    shape (M x H elements)."""
+    M, H = x2.shape
+    if not 1 <= H <= MAX_COLS:
+        raise ValueError(f"rows of 1 to {MAX_COLS} elements can be quantized, got {H}")
+    kernel_utils.check_device(x2, weight)
+    dev, n_blocks = x2.device, -(-H // mxq.MX_BLOCK)
+    y = torch.empty(out_shape if out_shape is not None else (M, H),
+                    dtype=rmsnorm_kernel.output_dtype(x2.dtype, weight.dtype, casting_mode), device=dev)
+    rstd = torch.empty(M, dtype=torch.float32, device=dev)
+    q = torch.empty((M, H), dtype=FP8_DTYPE, device=dev)
+    s = mxq.scale_buffer(M, n_blocks, swizzle, torch.float8_e8m0fnu, dev)
+    if M == 0:
+        return y, rstd, q, s
+    # The norm's own block shape and warps (rmsnorm_kernel.fwd_settings), so that a row's sum of squares is
+    # reduced as in `rmsnorm_forward`; rows shorter than 16 take a 32-wide block (one whole MX block).
+    block_h, rows, num_warps = rmsnorm_kernel.fwd_settings(H)
+    block_h = max(block_h, mxq.MX_BLOCK)
+    _rmsnorm_quantize_mxfp8[(triton.cdiv(M, rows),)](
+        x2, weight, y, rstd, q, s.view(torch.uint8), x2.stride(0), M, H, -(-n_blocks // 4), eps,
+        ROWS=rows, BLOCK_H=block_h, OFFSET=float(offset), CASTING=casting_mode, SWIZZLE=swizzle,
+        ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=num_warps,
+    )
+    return y, rstd, q, s
+
+
+def rmsnorm_mxfp8_ideal_bytes(n_rows: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes `rmsnorm_quantize_mxfp8` moves for an [n_rows, hidden] input of `dtype`: the norm's
+    (rmsnorm_kernel.ideal_bytes) plus the MXFP8 copy and one scale byte per 32 values, and no read of y:
+    `dtype.itemsize` bytes per element fewer than the norm and `quantize_mxfp8(y)` apart."""
+    return rmsnorm_kernel.ideal_bytes(n_rows, hidden, dtype) + n_rows * hidden + n_rows * (-(-hidden // 32))
+
+
 SWIGLU_PROGRAMS_PER_SM = 2  # persistent programs of the SwiGLU producer per SM (benchmark_kernels.py --fp8-producers)
 # Off: measured slower than the pair it replaces (H100, 8192 x 14336: 400-431 us over 1-4 programs per SM
 # against 377 us for swiglu_kernel's forward and the row pass; `benchmark_kernels.py --fp8-producers`). A
@@ -316,6 +447,45 @@ def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor, activation: str = "
         num_warps=num_warps,
     )
     return h, q, scale, (partial.amax(dim=0) if col_max else None)
+
+# On: the MXFP8 copies come from the same [32, 128] tiles as mx_quant's quantizer, so no whole rows are
+# held (the row-wise producer's cost above); it moves 2 bytes per element of the MLP width fewer than
+# swiglu_kernel's forward and `quantize_mxfp8` (`swiglu_mxfp8_ideal_bytes`). `benchmark_kernels.py --mx-quant`
+# times the two.
+SWIGLU_WRITES_MX = True
+
+
+def swiglu_quantize_mxfp8(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu", cols: bool = True):
+    """act(gate) * up of g2, u2 [M, I] (swiglu_kernel.swiglu_forward's numerics) and its MXFP8 copies, in one
+    kernel: (h, q [M, I], scales [M, cdiv(I, 32)], qT [I, M_pad], scales [I, M_pad / 32]; the last two None
+    without `cols`), the copies bit for bit `mx_quant_kernel.quantize_mxfp8(h, True, cols)`'s (natural
+    scales: the recipe's layout)."""
+    M, I = g2.shape
+    kernel_utils.check_device(g2, u2)
+    dev, e8 = g2.device, torch.float8_e8m0fnu
+    m_pad, n_blocks = -(-M // mxq.MX_BLOCK) * mxq.MX_BLOCK, -(-I // mxq.MX_BLOCK)
+    h = torch.empty((M, I), dtype=g2.dtype, device=dev)
+    q = torch.empty((M, I), dtype=FP8_DTYPE, device=dev)
+    s = torch.empty((M, n_blocks), dtype=torch.uint8, device=dev).view(e8)
+    qt = torch.empty((I, m_pad) if cols else (0,), dtype=FP8_DTYPE, device=dev)
+    st = torch.empty((I, m_pad // mxq.MX_BLOCK) if cols else (0,), dtype=torch.uint8, device=dev).view(e8)
+    if M and I:
+        grid = (m_pad // mxq.MX_BLOCK, triton.cdiv(I, mxq.MX_BLOCK_K))
+        _swiglu_quantize_mxfp8[grid](
+            g2, u2, h, q, s.view(torch.uint8), qt, st.view(torch.uint8), g2.stride(0), u2.stride(0), M, I, m_pad,
+            BLOCK_K=mxq.MX_BLOCK_K, ACT=activation, WRITE_QT=cols, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
+            num_warps=mxq.MX_NUM_WARPS,
+        )
+    elif cols:
+        qt.view(torch.uint8).zero_()
+    return h, q, s, *((qt, st) if cols else (None, None))
+
+
+def swiglu_mxfp8_ideal_bytes(n_rows: int, width: int, dtype: torch.dtype, copies: int = 2) -> int:
+    """Bytes `swiglu_quantize_mxfp8` moves: read gate and up, write h and `copies` MXFP8 copies with a scale
+    byte per 32 values. The pair (swiglu_kernel's forward, then `quantize_mxfp8`) also reads h back."""
+    n, e = n_rows * width, dtype.itemsize
+    return 3 * n * e + copies * (n + n // 32)
 
 
 def swiglu_rows_ideal_bytes(n_rows: int, width: int, dtype: torch.dtype) -> int:
@@ -414,6 +584,13 @@ class HandoffSlot:
     def clear(self) -> None:
         self.key = self.tensor = self.value = None
 
+    def share(self, x: torch.Tensor):
+        """`get`, counted in `taken`, leaving the value for the other readers of x (the MXFP8 layers q, k and
+        v read the norm's one copy; the backward empties the slot)."""
+        value = self.get(x)
+        self.taken += value is not None
+        return value
+
     def take(self, x: torch.Tensor):
         """`get`, and empty the slot when it matched (the value is then the caller's alone): once only."""
         value = self.get(x)
@@ -438,7 +615,8 @@ class Fp8Handoff:
                   gradient makes both of its FP8 copies in one read (`quantize_both`).
     input_rows    the row-quantized copy of an input (rows, scales, column maxima), from the kernel that
                   wrote that input: an RMSNorm linked by `link_norms` (`RMSNormFp8Function`). The FP8
-                  layer that reads that very tensor next skips its row pass.
+                  layer that reads that very tensor next skips its row pass. MXFP8 recipes: the input's
+                  MXFP8 copy along K (values, e8m0 scales), which every layer reading that tensor uses.
 
     A forward empties backward's slots and a backward the forward's, so no value (nor the tensor it
     came from) outlives the pass that made it. A copy or pickle of a model gets an empty hand-off.
@@ -499,22 +677,49 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
         return dgu, None, None, None, None
 
 
-class RMSNormFp8Function(rmsnorm_kernel.RMSNormFunction):
-    """rmsnorm_kernel.rmsnorm (eager) whose forward also leaves its output's FP8 row copy in the
-    hand-off (`Fp8Handoff.input_rows`) for the FP8 layer that reads that output next; the backward is
-    the norm's own. The row copy needs no pass of its own (`_rmsnorm_quantize_rows`)."""
+class SwigluJoinedMxFunction(torch.autograd.Function):
+    """act(gate) * up of a joined gate_up [rows, 2I] whose forward also leaves h's MXFP8 copies (along I,
+    and, `cols`, transposed along the tokens) in the hand-off for the MXFP8 down projection that reads h
+    next (`swiglu_quantize_mxfp8`); the backward is `swiglu_kernel.swiglu_joined`'s own. Eager mode only."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode, in_place, handoff, col_max):
+    def forward(ctx, gate_up: torch.Tensor, activation: str, handoff: Fp8Handoff, cols: bool):
+        ctx.save_for_backward(gate_up)  # the matmul that made gate_up keeps it alive anyway
+        ctx.activation = activation
+        h, *copies = swiglu_quantize_mxfp8(*halves(gate_up), activation, cols)
+        handoff.input_rows.put(h, tuple(copies) if cols else tuple(copies[:2]))
+        return h
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError("the MXFP8 SwiGLU producer: second-order gradients (create_graph=True) are not "
+                               "supported by the fused kernel; use the plain PyTorch reference for double backward")
+        (gate_up,) = ctx.saved_tensors
+        return swiglu_kernel.swiglu_joined_bwd_op(as_rows(dh), gate_up, ctx.activation), None, None, None
+
+
+class RMSNormFp8Function(rmsnorm_kernel.RMSNormFunction):
+    """rmsnorm_kernel.rmsnorm (eager) whose forward also leaves its output's FP8 row copy (or, `mx`, its
+    MXFP8 copy along H) in the hand-off (`Fp8Handoff.input_rows`) for the FP8 layers that read that output
+    next; the backward is the norm's own. The copy needs no pass of its own (`_rmsnorm_quantize_rows`,
+    `_rmsnorm_quantize_mxfp8`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place, handoff, col_max, mx=False):
         x2, weight = as_rows(x), weight.contiguous()
-        y, rstd, q, scale, maxima = rmsnorm_quantize_rows(x2, weight, eps, offset, casting_mode, col_max, x.shape)
-        handoff.input_rows.put(as_rows(y), (q, scale, maxima))
+        if mx:
+            y, rstd, q, scales = rmsnorm_quantize_mxfp8(x2, weight, eps, offset, casting_mode, out_shape=x.shape)
+            handoff.input_rows.put(as_rows(y), (q, scales))
+        else:
+            y, rstd, q, scale, maxima = rmsnorm_quantize_rows(x2, weight, eps, offset, casting_mode, col_max, x.shape)
+            handoff.input_rows.put(as_rows(y), (q, scale, maxima))
         rmsnorm_kernel.RMSNormFunction.keep(ctx, x2, weight, rstd, offset, casting_mode, in_place, x.shape)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        return (*rmsnorm_kernel.RMSNormFunction.backward(ctx, dy), None, None)
+        return (*rmsnorm_kernel.RMSNormFunction.backward(ctx, dy), None, None, None)
 
 
 
@@ -539,12 +744,13 @@ def swiglu_joined_fp8(gate_up: torch.Tensor, activation: str = "silu", handoff: 
 # The producer modules
 # ------------------------------------------------------------------------------------------------
 class Fp8RMSNorm(rmsnorm_kernel.TritonRMSNorm):
-    """A TritonRMSNorm that also leaves its output's FP8 row copy in `fp8_handoff.input_rows`, for the FP8
-    layer that reads that output next (`link_norms` makes a decoder layer's norm one, in place: the same
-    module, Parameter and hooks). Where the launchers cannot run (torch.compile tracing, a meta tensor, a
-    dispatch mode) it is the norm's own forward."""
+    """A TritonRMSNorm that also leaves its output's FP8 row copy (`fp8_mx`: its MXFP8 copy) in
+    `fp8_handoff.input_rows`, for the FP8 layer that reads that output next (`link_norms` makes a decoder
+    layer's norm one, in place: the same module, Parameter and hooks). Where the launchers cannot run
+    (torch.compile tracing, a meta tensor, a dispatch mode) it is the norm's own forward."""
 
     fp8_handoff: Fp8Handoff | None = None
+    fp8_mx: bool = False  # the readers run an MXFP8 recipe (`takes_mx_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_handoff is None or not direct_launch(x, self.weight):  # (rmsnorm checks its inputs itself)
@@ -552,22 +758,34 @@ class Fp8RMSNorm(rmsnorm_kernel.TritonRMSNorm):
         rmsnorm_kernel.check_inputs(x, self.weight, self.offset, self.casting_mode)  # (refuses rows over MAX_COLS)
         return RMSNormFp8Function.apply(x, self.weight, float(self.variance_epsilon), float(self.offset),
                                         self.casting_mode, bool(self.in_place), self.fp8_handoff,
-                                        torch.is_grad_enabled())
+                                        torch.is_grad_enabled(), self.fp8_mx)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", writes the next layer's FP8 row copy" if self.fp8_handoff is not None else "")
+        copy = "MXFP8 copy" if self.fp8_mx else "FP8 row copy"
+        return super().extra_repr() + (f", writes the next layer's {copy}" if self.fp8_handoff is not None else "")
 
 
 def fp8_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """swiglu_kernel.swiglu_mlp_forward whose joined gate/up output, when its projection is an FP8 layer
     holding the model's hand-off, goes through `swiglu_joined_fp8`: its backward hands that layer the
-    maxima of d gate_up (`link_mlps` sets this forward)."""
+    maxima of d gate_up (`link_mlps` sets this forward). Under an MXFP8 recipe, when the down projection
+    takes MXFP8 copies from that hand-off (`takes_mx_rows`), the SwiGLU writes them
+    (`SwigluJoinedMxFunction`; `SWIGLU_WRITES_MX`)."""
     g, u, gu = swiglu_kernel.gate_and_up(mlp, x)
     down = mlp.down_proj
     if gu is not None and not swiglu_kernel.folds_down(down):
-        handoff = getattr(mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj, "fp8_handoff", None)
-        if handoff is not None:
-            return down(swiglu_joined_fp8(gu, getattr(mlp, "fused_activation", "silu"), handoff, down))
+        gate = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else mlp.gate_proj
+        handoff = getattr(gate, "fp8_handoff", None)
+        activation = getattr(mlp, "fused_activation", "silu")
+        scaling = get_recipe(gate.recipe).scaling if handoff is not None else None
+        if scaling == "row":
+            return down(swiglu_joined_fp8(gu, activation, handoff, down))
+        if (scaling == "mx" and SWIGLU_WRITES_MX and takes_mx_rows(down, handoff) and direct_launch(gu)
+                and as_rows(gu).stride(-1) == 1):
+            swiglu_kernel.check_joined(gu, activation)
+            cols = down.keep_fp8_input and torch.is_grad_enabled() and down.weight.requires_grad  # its dW operand
+            h = SwigluJoinedMxFunction.apply(as_rows(gu), activation, handoff, cols)
+            return down(h.view(*gu.shape[:-1], gu.shape[-1] // 2))
     return swiglu_kernel.mlp_down(mlp, x, g, u, gu)
 
 
@@ -588,12 +806,21 @@ def takes_rows(reader: nn.Module, handoff: Fp8Handoff) -> bool:
             and not reader.stores_fp8() and reader.weight.requires_grad and get_recipe(reader.recipe).scaling == "row")
 
 
+def takes_mx_rows(reader: nn.Module, handoff: Fp8Handoff) -> bool:
+    """Whether `reader` takes an MXFP8 copy of its input along K from `handoff.input_rows`: a Float8Linear
+    of an MXFP8 recipe (emulated or not) sharing that hand-off, with a trained bf16 weight (LoRA's frozen
+    base stores its own block-scaled weight and has its own forward)."""
+    return (isinstance(reader, Float8Linear) and reader.fp8_handoff is handoff and handoff is not None
+            and not reader.stores_fp8() and reader.weight.requires_grad and get_recipe(reader.recipe).scaling == "mx")
+
+
 def link_norms(model: nn.Module) -> int:
     """Let each decoder layer's RMSNorm write the FP8 row copy of its output for the FP8 projection that
     reads it (`Fp8Handoff.input_rows`): input_layernorm for q/k/v, post_attention_layernorm for gate/up;
     the norm becomes an `Fp8RMSNorm` in place. Linked only where that is exactly the model's data flow and
     the copy will be taken: the norm is a TritonRMSNorm (rmsnorm_kernel.py), the reader a Float8Linear of
-    a row-wise recipe with a hand-off and a trained bf16 weight (`takes_rows`), and the decoder layer has
+    a row-wise recipe with a hand-off and a trained bf16 weight (`takes_rows`; or of an MXFP8 recipe,
+    `takes_mx_rows`: the norm then writes the MXFP8 copy), and the decoder layer has
     no other norm in between (Gemma 2's pre_feedforward_layernorm: there post_attention_layernorm's
     output goes to the residual stream). A copy nobody takes would be work for nothing, never a wrong
     result: the reader takes it only for that very tensor, unchanged. Returns how many norms are linked;
@@ -605,11 +832,13 @@ def link_norms(model: nn.Module) -> int:
         for norm_name, block_name, readers in NORM_READERS:
             norm, block = getattr(layer, norm_name, None), getattr(layer, block_name, None)
             reader = next((getattr(block, r) for r in readers if hasattr(block, r)), None) if block else None
-            if not (isinstance(norm, rmsnorm_kernel.TritonRMSNorm) and isinstance(reader, Float8Linear)
-                    and takes_rows(reader, reader.fp8_handoff)):
+            if not (isinstance(norm, rmsnorm_kernel.TritonRMSNorm) and isinstance(reader, Float8Linear)):
+                continue
+            mx = takes_mx_rows(reader, reader.fp8_handoff)
+            if not (mx or takes_rows(reader, reader.fp8_handoff)):
                 continue
             norm.__class__ = Fp8RMSNorm
-            norm.fp8_handoff = reader.fp8_handoff
+            norm.fp8_handoff, norm.fp8_mx = reader.fp8_handoff, mx
             linked += 1
     return linked
 
@@ -628,9 +857,9 @@ def link_mlps(model: nn.Module) -> int:
 
 
 def model_handoff(model: nn.Module, recipe: str) -> Fp8Handoff | None:
-    """The model's one `Fp8Handoff` (`model.fp8_handoff`, made on the first call) for a row-wise recipe;
-    None for the others, which hand nothing over."""
-    if get_recipe(recipe).scaling != "row":
+    """The model's one `Fp8Handoff` (`model.fp8_handoff`, made on the first call) for a row-wise or MXFP8
+    recipe (fp8_recipes_kernel.HANDS_OVER); None for the others, which hand nothing over."""
+    if get_recipe(recipe).scaling not in fp8_recipes_kernel.HANDS_OVER:
         return None
     if not isinstance(getattr(model, "fp8_handoff", None), Fp8Handoff):
         model.fp8_handoff = Fp8Handoff()
@@ -676,7 +905,8 @@ def apply(model: nn.Module, recipe: str = DEFAULT_RECIPE, layers: str = "all", *
         link_mlps(model)
     linked = link_norms(model) if not (compiled or chunked_mlp or lora) else 0
     if linked:
-        log(f"FP8: {linked} RMSNorms write their output's FP8 row copy for the projection that reads it")
+        copy = "MXFP8 copy" if r.scaling == "mx" else "FP8 row copy"
+        log(f"FP8: {linked} RMSNorms write their output's {copy} for the projections that read it")
     devices = {p.device for p in model.parameters()}
     if compiled and not all(compiled_graph_trusted(d) for d in devices):
         log("torch.compile with --fp8: each FP8 projection runs outside the compiled graph (its compiled "

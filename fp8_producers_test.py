@@ -24,6 +24,8 @@ from testkit import exactly, random_like_grad, record, run_as_script
 import fp8_linear_kernel
 from fp8_linear_kernel import FP8_DTYPE, Float8Linear, Float8LinearFunction, fp8_linear, ideal_bytes, quantize_rows
 import fp8_producers_kernel
+import fp8_recipes_kernel
+import mx_quant_kernel
 from fp8_producers_kernel import Fp8Handoff, patch_model
 from fp8_linear_test import bits, loss_and_grads, spread, tiny_llama
 
@@ -283,39 +285,13 @@ def test_hand_off_goes_only_to_the_same_unchanged_tensor():
     record("FP8 hand-off: only to the same, unchanged tensor, once", 0.0, 0.0, True)
 
 
-NORM_SHAPES = [(37, 96, "llama", 0.0), (5, 4096, "llama", 0.0), (19, 200, "gemma", 1.0), (9, 64, "none", 0.0)] + (
-    [(8192, 4096, "llama", 0.0)] if DEVICE.type == "cuda" else [])
-
-
-@pytest.mark.parametrize("rows, hidden, casting, offset", NORM_SHAPES)
-def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
-    """RMSNorm that writes its output's FP8 row copy (one kernel) against the pair it replaces, the norm
-    (rmsnorm_kernel.rmsnorm_forward) and then the row quantizer reading that output.
-
-    Exact everywhere: the FP8 rows, their scales and the column maxima are bit for bit what the row
-    quantizer makes of the output this kernel wrote (what the FP8 layer would have made of it), with
-    and without column maxima. The output and the inverse RMS equal the plain norm's bit for bit in
-    Triton's interpreter. On a GPU the two kernels may add a row's squares in another order (the
-    compiler lays the block out for this kernel's other reductions too; measured on an H100): the
-    inverse RMS then stays within (H - 1) x 2^-24 of the plain norm's, relative (the worst case of
-    reordering an fp32 sum of H non-negative terms), and each output within one bf16 ulp (that relative
-    change is below half an ulp, 2^-9, so at most one rounding flips). Inputs of mixed magnitudes, one
-    row of zeros (its scale is the floor's) and one NaN (it poisons its own row, as in the pair).
-    (LLaMA 3.1 8B's 8192 x 4096 on a GPU.)"""
+def _near_plain_norm(tag, x, w, offset, casting, y, rstd):
+    """A producer's y and rstd against rmsnorm_kernel.rmsnorm_forward's: bit for bit in the interpreter; on
+    a GPU within the bounds `test_rmsnorm_producer_gives_the_pair_bits` derives (another order of adding
+    a row's squares)."""
     import rmsnorm_kernel
 
-    g = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, torch.bfloat16)
-    x[rows // 2] = 0
-    x[-1, 1] = float("nan")
-    w = (1.0 - offset + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, torch.bfloat16)
-    tag = f"RMSNorm + FP8 rows [{rows}, {hidden}] {casting}"
-    y, rstd, *copies = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting)
-    for what, o, e in zip(("q", "row scales", "column maxima"), copies, quantize_rows(y, True, True)):
-        _same_bits(f"{tag}: {what} of its own output", o, e)
-    rows_only = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting, col_max=False)
-    assert rows_only[4] is None
-    _same_bits(f"{tag}: q without column maxima", rows_only[2], copies[0])
+    hidden = x.shape[1]
     y_pair, rstd_pair = rmsnorm_kernel.rmsnorm_forward(x, w, 1e-6, offset, casting)
     if DEVICE.type == "cpu":  # the interpreter: one order of addition for any block layout
         _same_bits(f"{tag}: output", y, y_pair)
@@ -335,6 +311,40 @@ def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
            (hidden - 1) * 2.0**-24, True)
 
 
+NORM_SHAPES = [(37, 96, "llama", 0.0), (5, 4096, "llama", 0.0), (19, 200, "gemma", 1.0), (9, 64, "none", 0.0)] + (
+    [(8192, 4096, "llama", 0.0)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("rows, hidden, casting, offset", NORM_SHAPES)
+def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
+    """RMSNorm that writes its output's FP8 row copy (one kernel) against the pair it replaces, the norm
+    (rmsnorm_kernel.rmsnorm_forward) and then the row quantizer reading that output.
+
+    Exact everywhere: the FP8 rows, their scales and the column maxima are bit for bit what the row
+    quantizer makes of the output this kernel wrote (what the FP8 layer would have made of it), with
+    and without column maxima. The output and the inverse RMS equal the plain norm's bit for bit in
+    Triton's interpreter. On a GPU the two kernels may add a row's squares in another order (the
+    compiler lays the block out for this kernel's other reductions too; measured on an H100): the
+    inverse RMS then stays within (H - 1) x 2^-24 of the plain norm's, relative (the worst case of
+    reordering an fp32 sum of H non-negative terms), and each output within one bf16 ulp (that relative
+    change is below half an ulp, 2^-9, so at most one rounding flips). Inputs of mixed magnitudes, one
+    row of zeros (its scale is the floor's) and one NaN (it poisons its own row, as in the pair).
+    (LLaMA 3.1 8B's 8192 x 4096 on a GPU.)"""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, torch.bfloat16)
+    x[rows // 2] = 0
+    x[-1, 1] = float("nan")
+    w = (1.0 - offset + 0.3 * torch.randn(hidden, generator=g)).to(DEVICE, torch.bfloat16)
+    tag = f"RMSNorm + FP8 rows [{rows}, {hidden}] {casting}"
+    y, rstd, *copies = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting)
+    for what, o, e in zip(("q", "row scales", "column maxima"), copies, quantize_rows(y, True, True)):
+        _same_bits(f"{tag}: {what} of its own output", o, e)
+    rows_only = fp8_producers_kernel.rmsnorm_quantize_rows(x, w, 1e-6, offset, casting, col_max=False)
+    assert rows_only[4] is None
+    _same_bits(f"{tag}: q without column maxima", rows_only[2], copies[0])
+    _near_plain_norm(tag, x, w, offset, casting, y, rstd)
+
+
 def test_rmsnorm_producer_bytes():
     """The bytes the producer saves, counted: the pair reads x and writes y (the norm), then reads y and
     writes q (the quantizer): 7 bytes per bf16 element; the producer 5, without the read of y."""
@@ -345,6 +355,66 @@ def test_rmsnorm_producer_bytes():
     fused = fp8_producers_kernel.rmsnorm_rows_ideal_bytes(m, h, torch.bfloat16)
     assert pair - fused == 2 * m * h, (pair, fused)
     record(f"RMSNorm + FP8 rows at 8192 x 4096: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
+
+
+# (rows, hidden, casting mode, weight offset): hidden sizes not a multiple of 32 (the last block zero-padded),
+# below one block (20, 8: a block of 32 holds the whole row), several row blocks per program
+MX_NORM_SHAPES = [(37, 781, "llama", 0.0), (6, 4096, "llama", 0.0), (19, 200, "gemma", 1.0), (9, 20, "none", 0.0),
+                  (3, 8, "llama", 0.0)] + ([(8192, 4096, "llama", 0.0)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("rows, hidden, casting, offset", MX_NORM_SHAPES)
+def test_rmsnorm_mxfp8_producer_gives_the_pair_bits(rows, hidden, casting, offset):
+    """RMSNorm that writes its output's MXFP8 copy along H (one kernel) against the pair it replaces, the
+    norm and then mx_quant_kernel.quantize_mxfp8 reading its output: the e4m3 values and the e8m0 scales,
+    natural and swizzled, bit for bit those of its own output, and those of the plain-PyTorch reference
+    `quantize_mxfp8_ref`; y and rstd as the row-wise producer's (`_near_plain_norm`). Rows of mixed
+    magnitudes, blocks that exercise mx_quant's rules: a row of zeros (every block 2^-127, values 0), 32
+    weights of bf16 subnormals (a subnormal block in every row, kept by its small scale), 32 zero weights
+    (a zero block in every row), an infinity and a NaN in x (their rows normalize to NaN: NaN scales and
+    values, the other rows untouched)."""
+    g = torch.Generator().manual_seed(rows + 7)
+    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, torch.bfloat16)
+    x[rows // 2] = 0
+    x[-1, 1] = float("nan")
+    if rows > 3:
+        x[1, -1] = float("inf")
+    w = (1.0 - offset + 0.3 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
+    special = hidden >= 128 and offset == 0  # (1 + a subnormal rounds to 1 in bf16: no such weights with an offset)
+    if special:
+        w[32:64] = (torch.rand(32, generator=g) * 2.0**-128).to(torch.bfloat16)  # subnormal products
+        w[64:96] = 0  # a block of zeros in every row
+    w = w.to(DEVICE)
+    tag = f"RMSNorm + MXFP8 [{rows}, {hidden}] {casting}"
+    y, rstd, q, s = fp8_producers_kernel.rmsnorm_quantize_mxfp8(x, w, 1e-6, offset, casting)
+    q_pair, s_pair, _, _ = mx_quant_kernel.quantize_mxfp8(y)
+    _same_bits(f"{tag}: q of its own output", q, q_pair)
+    _same_bits(f"{tag}: e8m0 scales of its own output", s.view(torch.uint8), s_pair.view(torch.uint8))
+    q_ref, s_ref = mx_quant_kernel.quantize_mxfp8_ref(y)
+    _same_bits(f"{tag}: q, the reference's", q, q_ref)
+    _same_bits(f"{tag}: scales, the reference's", s.view(torch.uint8), s_ref.view(torch.uint8))
+    if special:  # the zero block: 2^-127 (byte 0); the subnormal block: a scale below 2^-100, its values kept
+        finite = x.float().isfinite().all(dim=1) & (x.float().abs().amax(dim=1) > 0)
+        assert torch.all(s.view(torch.uint8)[finite, 2] == 0) and torch.all(s.view(torch.uint8)[finite, 1] < 27), tag
+        assert torch.all(q[finite, 32:64].float().abs().amax(dim=1) > 0), tag
+    assert torch.all(s.view(torch.uint8)[-1] == mx_quant_kernel.E8M0_NAN), tag  # the NaN row
+    swizzled = fp8_producers_kernel.rmsnorm_quantize_mxfp8(x, w, 1e-6, offset, casting, swizzle=True)[3]
+    _same_bits(f"{tag}: swizzled scales", swizzled.view(torch.uint8),
+               fp8_recipes_kernel.mx_swizzled_scales(s).view(torch.uint8))
+    _near_plain_norm(tag, x, w, offset, casting, y, rstd)
+
+
+def test_rmsnorm_mxfp8_producer_bytes():
+    """The pair reads x and writes y (the norm), then reads y and writes q and a scale byte per 32 values;
+    the producer skips the read of y: 2 bytes per bf16 element fewer (5.03 against 7.03)."""
+    import rmsnorm_kernel
+
+    m, h = 8192, 4096
+    pair = rmsnorm_kernel.ideal_bytes(m, h, torch.bfloat16) + mx_quant_kernel.ideal_bytes(m, h, torch.bfloat16,
+                                                                                         copies=1)
+    fused = fp8_producers_kernel.rmsnorm_mxfp8_ideal_bytes(m, h, torch.bfloat16)
+    assert pair - fused == 2 * m * h, (pair, fused)
+    record(f"RMSNorm + MXFP8 at 8192 x 4096: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
 
 
 def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
@@ -384,6 +454,129 @@ def test_fp8_producers_change_no_bit_and_skip_the_row_pass(monkeypatch):
     assert fp8_producers_kernel.link_norms(model) == 2 * n_layers  # again: the same count
 
 
+def test_mxfp8_producers_change_no_bit_and_skip_the_quantizer(monkeypatch):
+    """A tiny LLaMA under --fp8 --fp8-recipe mxfp8 --fp8-emulate with and without the MXFP8 producers (the
+    norms linked to q/k/v and gate/up by `link_norms`): the loss and every gradient equal bit for bit, the
+    norms' copies are read by every projection that reads their output (counted: 5 per decoder layer), the
+    quantizer runs 5 row quantizations of activations per layer fewer, and nothing outlives the step.
+    Exact because the fused norm's y is the plain norm's: always in the interpreter, and on a GPU as long as
+    the compiler adds a row's squares in the same order in both kernels (same block shape and warps, as for
+    the row-wise producer's test above); where it does not, `_near_plain_norm`'s bounds say by how much."""
+    from playbook.model import registry
+    from testkit import batch, loss_and_grads, tiny_model
+
+    ids, labels = batch()
+    results = {}
+    for on in (False, True):
+        model = tiny_model("llama").to(torch.bfloat16)  # the same weights each time (seeded)
+        registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope"))  # q/k/v and gate/up apart: 5 readers
+        fp8_producers_kernel.patch_model(model, "mxfp8-emulated")
+        n_layers = model.config.num_hidden_layers
+        handoff = model.fp8_handoff
+        assert fp8_producers_kernel.link_norms(model) == 2 * n_layers
+        assert all(m.fp8_mx for m in model.modules() if isinstance(m, fp8_producers_kernel.Fp8RMSNorm))
+        if not on:
+            for norm in model.modules():
+                if isinstance(norm, fp8_producers_kernel.Fp8RMSNorm):
+                    norm.fp8_handoff = None  # the plain norm: the projections quantize their input themselves
+        calls = {"rows": 0}
+        quantize, weights = mx_quant_kernel.quantize_mxfp8, {p.data_ptr() for p in model.parameters()}
+
+        def counting(x2, rows=True, cols=False, swizzle=False):  # row copies of activations, not of weights
+            calls["rows"] += bool(rows) and x2.data_ptr() not in weights
+            return quantize(x2, rows, cols, swizzle)
+
+        monkeypatch.setattr(mx_quant_kernel, "quantize_mxfp8", counting)
+        results[on] = (*loss_and_grads(model, ids, labels), calls["rows"], handoff.input_rows.taken)
+        monkeypatch.undo()
+        assert handoff.input_rows.tensor is None  # cleared by backward: nothing outlives the step
+    (loss, grads, c0, t0), (loss_on, grads_on, c1, t1) = results[False], results[True]
+    exactly("MXFP8 producers: loss", loss_on, loss)
+    for name, g in grads.items():
+        exactly(f"MXFP8 producers: {name}.grad", grads_on[name], g)
+    assert (t0, t1) == (0, 5 * n_layers), (t0, t1)
+    exactly("MXFP8 row quantizations of the norms' outputs saved", torch.tensor(c0 - c1), torch.tensor(5 * n_layers))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows, width", SWIGLU_SHAPES)
+def test_swiglu_mxfp8_producer_gives_the_pair_bits(rows, width, activation):
+    """The SwiGLU forward that writes its output's MXFP8 copies (one kernel) against the pair it replaces,
+    swiglu_kernel's forward and then `quantize_mxfp8(h, True, True)`: h, both copies and both sets of e8m0
+    scales bit for bit, and the copy along I the plain-PyTorch reference's; without `cols` the same copy
+    along I. Widths not a multiple of 32 (200, 1100) and below one block (16), rows not a multiple of 32 (the
+    transposed copy's zero padding), gate values over +-9 and one NaN (its block's scale is e8m0's NaN, the
+    neighbours untouched). (LLaMA 3.1 8B's width, 14336, on a GPU.)"""
+    import swiglu_kernel
+
+    gate, up = swiglu_kernel.halves(_gate_up(rows, width, seed=rows + 2))
+    tag = f"SwiGLU + MXFP8 {activation} [{rows}, {width}]"
+    h, *ours = fp8_producers_kernel.swiglu_quantize_mxfp8(gate, up, activation)
+    h_pair = swiglu_kernel.swiglu_forward(gate, up, activation)
+    _same_bits(f"{tag}: h", h, h_pair)
+    pair = mx_quant_kernel.quantize_mxfp8(h_pair, True, True)
+    for what, o, e in zip(("q", "scales", "qT", "scales of qT"), ours, pair):
+        _same_bits(f"{tag}: {what}", o.view(torch.uint8), e.view(torch.uint8))
+    q_ref, s_ref = mx_quant_kernel.quantize_mxfp8_ref(h_pair)
+    _same_bits(f"{tag}: q, the reference's", ours[0], q_ref)
+    _same_bits(f"{tag}: scales, the reference's", ours[1].view(torch.uint8), s_ref.view(torch.uint8))
+    assert ours[1].view(torch.uint8)[rows // 2, 0] == mx_quant_kernel.E8M0_NAN, tag  # the NaN's block
+    rows_only = fp8_producers_kernel.swiglu_quantize_mxfp8(gate, up, activation, cols=False)
+    assert rows_only[3] is None and rows_only[4] is None
+    _same_bits(f"{tag}: q without the transposed copy", rows_only[1], ours[0])
+
+
+def test_swiglu_mxfp8_producer_bytes():
+    """The pair reads gate and up and writes h (6 bytes per element), then reads h and writes both copies
+    (2 + 2 x 1.03); the producer skips the read of h: 2 bytes per element of the MLP width fewer."""
+    m, width = 8192, 14336
+    pair = 3 * m * width * 2 + mx_quant_kernel.ideal_bytes(m, width, torch.bfloat16, "mxfp8", 2)
+    fused = fp8_producers_kernel.swiglu_mxfp8_ideal_bytes(m, width, torch.bfloat16)
+    assert pair - fused == 2 * m * width, (pair, fused)
+    record(f"SwiGLU + MXFP8 at 8192 x 14336: {fused:,} B against the pair's {pair:,} B", 0.0, 0.0, True)
+
+
+def test_mxfp8_swiglu_and_joined_readers_change_no_bit(monkeypatch):
+    """The same with joined projections (projections_kernel: qkv_proj, gate_up_proj) and the MLP linked
+    (`link_mlps`): each norm's copy goes to its one joined reader, and the SwiGLU writes h's two MXFP8
+    copies (along I, and transposed for down_proj's dW) for down_proj. Loss and gradients bit for bit
+    those of the model without producers; 3 copies taken per decoder layer, and as many copies along K
+    fewer made by the quantizer. (The joined readers keep their input's transposed copy for dW, so the
+    quantizer still makes that one from the norm's output in the forward; down_proj gets both from the
+    SwiGLU.)"""
+    from playbook.model import registry
+    from testkit import batch, loss_and_grads, tiny_model
+
+    ids, labels = batch()
+    results = {}
+    for on in (False, True):
+        model = tiny_model("llama").to(torch.bfloat16)
+        registry.apply_kernels(model, ("rmsnorm", "swiglu", "rope", "projections"))
+        fp8_producers_kernel.patch_model(model, "mxfp8-emulated")
+        n_layers, handoff = model.config.num_hidden_layers, model.fp8_handoff
+        if on:
+            assert fp8_producers_kernel.link_norms(model) == 2 * n_layers
+            assert fp8_producers_kernel.link_mlps(model) == n_layers
+        calls = {"activations": 0}
+        quantize, weights = mx_quant_kernel.quantize_mxfp8, {p.data_ptr() for p in model.parameters()}
+
+        def counting(x2, rows=True, cols=False, swizzle=False):  # copies along K of activations and gradients
+            calls["activations"] += bool(rows) and x2.data_ptr() not in weights
+            return quantize(x2, rows, cols, swizzle)
+
+        monkeypatch.setattr(mx_quant_kernel, "quantize_mxfp8", counting)
+        results[on] = (*loss_and_grads(model, ids, labels), handoff.input_rows.taken, calls["activations"])
+        monkeypatch.undo()
+        assert handoff.input_rows.tensor is None
+    (loss, grads, t0, c0), (loss_on, grads_on, t1, c1) = results[False], results[True]
+    exactly("MXFP8 producers, joined: loss", loss_on, loss)
+    for name, g in grads.items():
+        exactly(f"MXFP8 producers, joined: {name}.grad", grads_on[name], g)
+    assert (t0, t1) == (0, 3 * n_layers), (t0, t1)
+    # per layer, forward: qkv_proj's and gate_up_proj's inputs along K, h both ways for down_proj
+    exactly("copies along K saved", torch.tensor(c0 - c1), torch.tensor(3 * n_layers))
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows, width", SWIGLU_SHAPES)
 def test_swiglu_producer_gives_the_pair_bits(rows, width, activation):
@@ -415,7 +608,7 @@ def test_swiglu_producer_bytes():
 
 
 def test_norms_are_linked_only_to_fp8_readers():
-    """link_norms links nothing where the reader is not a trained FP8 layer of a row-wise recipe: a
+    """link_norms links nothing where the reader is not a trained FP8 layer of a row-wise (or MXFP8) recipe: a
     bf16 model, a tensor-wise recipe, a frozen FP8 weight (LoRA's base); and nothing in Gemma 2, whose
     post_attention_layernorm feeds the residual stream."""
     from playbook.model import registry

@@ -388,18 +388,35 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
     blocks, or one scale) for y and dx, and per column, transposed (128x1 blocks along the tokens) for
     dW; W in 128x128 tiles, which are blocks along K for y and along N for dx alike. Saved for
     backward: the weight Parameter (no copy; tensor-wise also its maximum, [1]), and x's transposed
-    FP8 copy with its scales (`keep_fp8_input`) or x itself. These recipes hand nothing between layers.
+    FP8 copy with its scales (`keep_fp8_input`) or x itself.
+
+    `handoff` (MXFP8 only, eager mode): the model's `Fp8Handoff` (fp8_producers_kernel.py). x's MXFP8
+    copy along K (and its transposed copy, from the SwiGLU) then comes from the kernel that wrote x, if it
+    left one (`Fp8Handoff.input_rows`); it is read, not taken, as q, k and v (gate and up) all multiply that
+    one copy, and the backward empties the slot. The other recipes hand nothing between layers.
     """
 
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, keep_fp8_input: bool, need_input_grad: bool,
-                need_weight_grad: bool, scaling: str, ops: bool, emulate: bool = False):
+                need_weight_grad: bool, scaling: str, ops: bool, emulate: bool = False, handoff=None):
         # NVFP4's scales are (block, tensor) pairs, which save_for_backward does not take: it keeps x
         keep_fp8 = keep_fp8_input and need_weight_grad and scaling != "nvfp4"
         w_amax = None
         if scaling == "tensor":  # the weight's maximum serves its backward copy too: one read fewer there
             w_amax = fp8_rows_op(weight, False, True)[2].amax().reshape(1) if ops else tensor_max(weight)
-        xq, sx, xqt, sxt = quant_operand(x2, scaling, False, True, keep_fp8, ops)
+        if handoff is not None:
+            handoff.start_forward()
+        made = handoff.input_rows.share(x2) if handoff is not None and scaling == "mx" and not ops else None
+        if made is not None:  # from the kernel that wrote x (a norm: the copy along K; the SwiGLU: both)
+            xq, sx, *transposed = made
+            if not keep_fp8:
+                xqt = sxt = None
+            elif transposed:
+                xqt, sxt = transposed
+            else:
+                xqt, sxt = quant_operand(x2, scaling, False, False, True, ops)[2:]
+        else:
+            xq, sx, xqt, sxt = quant_operand(x2, scaling, False, True, keep_fp8, ops)
         wq, sw, _, _ = quant_operand(weight, scaling, True, True, False, ops, w_amax)
         # Fast accumulation in the forward only, as in the row-wise recipe; not with 1x128 blocks,
         # whose point is the precision of each block's partial sum.
@@ -407,6 +424,7 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         y = mm_scaled(xq, sx, wq, sw, scaling, True, fast, ops, emulate)
         saved = (xqt, sxt) if keep_fp8 else (x2,) if need_weight_grad else ()
         ctx.keep_fp8, ctx.scaling, ctx.ops, ctx.n_saved, ctx.emulate = keep_fp8, scaling, ops, len(saved), emulate
+        ctx.handoff = handoff
         ctx.save_for_backward(weight, *((w_amax,) if w_amax is not None else ()), *saved)
         return y.to(x2.dtype)
 
@@ -418,6 +436,8 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         w_amax = rest[0] if len(rest) > ctx.n_saved else None
         need_dx, need_dw = ctx.needs_input_grad[:2]
         scaling, ops = ctx.scaling, ctx.ops
+        if ctx.handoff is not None:
+            ctx.handoff.start_backward()  # the forward's shared copies are not needed any more
         dy2 = as_rows(dy)
         dyq, sdy, dyqt, sdyt = quant_operand(dy2, scaling, False, need_dx, need_dw, ops, grad=True)
         dx = dw = None
@@ -427,7 +447,7 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         if need_dw:  # dW = dy^T x: both transposed copies, reduced over the (zero-padded) tokens
             xqt, sxt = saved if ctx.keep_fp8 else quant_operand(saved[0], scaling, False, False, True, ops)[2:]
             dw = mm_scaled(dyqt, sdyt, xqt, sxt, scaling, False, False, ops, ctx.emulate).to(weight.dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def probe_scaled_mm(device: torch.device, scaling: str) -> None:
@@ -545,14 +565,15 @@ def _fp8_linear_eager(x, weight, bias, keep_fp8_input, handoff, recipe):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                keep_fp8_input: bool = True, handoff=None, recipe: str = DEFAULT_RECIPE) -> torch.Tensor:
     """fp8_linear_kernel.fp8_linear for every recipe of `RECIPES`: the row-wise ones there, the others
-    (`Float8ScaledLinearFunction`) here, where `handoff` is not used (these recipes hand nothing over)."""
+    (`Float8ScaledLinearFunction`) here, where `handoff` serves MXFP8 only (the others hand nothing over)."""
     r = get_recipe(recipe)
     if r.scaling == "row":
         return fp8_linear_kernel.fp8_linear(x, weight, bias, keep_fp8_input, handoff, recipe)
     if torch.compiler.is_compiling() and not compiled_graph_trusted(x.device):
         return _fp8_linear_eager(x, weight, bias, keep_fp8_input, handoff, recipe)
     return linear_frame(x, weight, bias, recipe, check_fp8_device, lambda x2, need_dx, need_dw, ops: (
-        Float8ScaledLinearFunction.apply(x2, weight, keep_fp8_input, need_dx, need_dw, r.scaling, ops, r.emulated)))
+        Float8ScaledLinearFunction.apply(x2, weight, keep_fp8_input, need_dx, need_dw, r.scaling, ops, r.emulated,
+                                         None if ops else handoff)))
 
 
 class Float8ScaledLinear(Float8Linear):
@@ -585,11 +606,18 @@ def bf16_layers(model: nn.Module, recipe: str) -> set:
 
 
 
+# The scalings whose layers take an `Fp8Handoff`: row-wise (shared copies, maxima, the norms' row copies)
+# and MXFP8 (the norms' MXFP8 copies, fp8_producers_kernel.rmsnorm_quantize_mxfp8)
+HANDS_OVER = ("row", "mx")
+
+
 def patch_model(model: nn.Module, recipe: str = DEFAULT_RECIPE, sizes: str = "all", handoff=None) -> int:
     """fp8_linear_kernel.patch_model for every recipe: each projection becomes the recipe's layer
     (`layer_class`), the decoder layers the recipe keeps in bf16 (`bf16_layers`) keep nn.Linear, and
-    `handoff` (row-wise recipes only) is shared by the converted layers. Returns how many run in FP8."""
-    return fp8_linear_kernel.patch_model(model, recipe, sizes, handoff if get_recipe(recipe).scaling == "row" else None,
+    `handoff` (row-wise and MXFP8 recipes only: `HANDS_OVER`) is shared by the converted layers. Returns how
+    many run in FP8."""
+    shared = handoff if get_recipe(recipe).scaling in HANDS_OVER else None
+    return fp8_linear_kernel.patch_model(model, recipe, sizes, shared,
                                          layer_class(recipe), bf16_layers(model, recipe))
 
 

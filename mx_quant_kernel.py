@@ -110,7 +110,7 @@ _NV_RANGE = tl.constexpr(E2M1_MAX * FP8_MAX)  # 2688: the tensor scale g = amax 
 # Kernels
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _as_f32(x):
+def as_f32(x):
     """x as fp32; bf16 through its bits (a shift: exact, what a GPU does), because the interpreter
     converts bf16 subnormals wrongly and the tests compare subnormal blocks bit for bit."""
     if x.dtype == tl.bfloat16:
@@ -144,6 +144,43 @@ def _swizzled(r, b, n_block_tiles):
 
 
 @triton.jit
+def mxfp8_rows(
+    x,  # a [ROWS, BLOCK_K] fp32 tile in registers (0 past M and K)
+    rows,  # its row indices [ROWS], int64
+    cols,  # its column indices [BLOCK_K], int64, starting at a multiple of 32
+    first_block,  # the index of its first 1x32 block along K: cols[0] // 32
+    Q,  # the copy along K [M, K] float8_e4m3fn
+    S,  # its scales: [M, cdiv(K, 32)] e8m0 bytes, or swizzled (SWIZZLE)
+    M, K, S_TILES,  # as in `_mxfp8_quantize`
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of 32
+    SWIZZLE: tl.constexpr,
+    ROUND_IN_SOFTWARE: tl.constexpr,
+):
+    """The MXFP8 copy along K of a tile in registers, written with its e8m0 scales: the tile seen as
+    [ROWS, BLOCK_K / 32 blocks, 32 values], each block scaled by its own power of two (module docstring).
+    Public for the kernels that produce a tensor and write its copy themselves (fp8_producers_kernel.py)."""
+    NB: tl.constexpr = BLOCK_K // 32
+    row_ok, col_ok = rows < M, cols < K
+    x3 = tl.reshape(x, (ROWS, NB, 32))
+    amax, bad = _finite_amax(tl.abs(x3), 2)
+    byte, inv = _e8m0(amax)
+    v = tl.reshape(x3 * inv[:, :, None], (ROWS, BLOCK_K))
+    bad_v = tl.reshape(tl.broadcast_to(bad[:, :, None], (ROWS, NB, 32)), (ROWS, BLOCK_K))
+    q = cast_e4m3(tl.where(bad_v, float("nan"), v), ROUND_IN_SOFTWARE)
+    tl.store(Q + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
+    byte = tl.where(bad, _E8M0_NAN, byte).to(tl.uint8)
+    r2 = rows[:, None] + tl.zeros((ROWS, NB), tl.int64)
+    b2 = first_block + tl.arange(0, NB)[None, :] + tl.zeros((ROWS, NB), tl.int64)
+    n_blocks = (K + 31) // 32
+    s_ok = (r2 < M) & (b2 < n_blocks)
+    if SWIZZLE:
+        tl.store(S + _swizzled(r2, b2, S_TILES), byte, mask=s_ok)
+    else:
+        tl.store(S + r2 * n_blocks + b2, byte, mask=s_ok)
+
+
+@triton.jit
 def _mxfp8_quantize(
     X,  # pointer to the input [M, K], unit stride along K
     Q,  # the copy along K [M, K] float8_e4m3fn (WRITE_Q)
@@ -162,32 +199,37 @@ def _mxfp8_quantize(
     SWIZZLE: tl.constexpr,
     ROUND_IN_SOFTWARE: tl.constexpr,
 ):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * 32 + tl.arange(0, 32)
+    cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
+                        other=0.0))  # missing values read as 0: the padding rule
+    mxfp8_tile(x, Q, S, QT, ST, M, K, M_pad, S_TILES, ST_TILES, BLOCK_K, WRITE_Q, WRITE_QT, SWIZZLE, ROUND_IN_SOFTWARE)
+
+
+@triton.jit
+def mxfp8_tile(
+    x,  # this program's [32, BLOCK_K] fp32 tile of rows 32 pid_m.., columns BLOCK_K pid_k.. (0 past M and K)
+    Q, S, QT, ST,  # the copies and their scales, as in `_mxfp8_quantize`
+    M, K, M_pad, S_TILES, ST_TILES,
+    BLOCK_K: tl.constexpr,
+    WRITE_Q: tl.constexpr,
+    WRITE_QT: tl.constexpr,
+    SWIZZLE: tl.constexpr,
+    ROUND_IN_SOFTWARE: tl.constexpr,
+):
+    """Both MXFP8 copies of one tile already in registers, written with their scales: `_mxfp8_quantize`'s
+    work after its load, public for a kernel that computes the tile itself (fp8_producers_kernel's SwiGLU)."""
     BLOCK_M: tl.constexpr = 32
     NB: tl.constexpr = BLOCK_K // 32
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < K
-    x = _as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0))  # missing values read as 0: the padding rule
     nan = tl.full(x.shape, float("nan"), tl.float32)
-    if WRITE_Q:  # 1x32 blocks along K: the tile as [32 rows, NB blocks, 32 values]
-        x3 = tl.reshape(x, (BLOCK_M, NB, 32))
-        amax, bad = _finite_amax(tl.abs(x3), 2)
-        byte, inv = _e8m0(amax)
-        v = tl.reshape(x3 * inv[:, :, None], (BLOCK_M, BLOCK_K))
-        bad_v = tl.reshape(tl.broadcast_to(bad[:, :, None], (BLOCK_M, NB, 32)), (BLOCK_M, BLOCK_K))
-        q = cast_e4m3(tl.where(bad_v, nan, v), ROUND_IN_SOFTWARE)
-        tl.store(Q + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
-        byte = tl.where(bad, _E8M0_NAN, byte).to(tl.uint8)
-        r2 = rows[:, None] + tl.zeros((BLOCK_M, NB), tl.int64)
-        b2 = pid_k.to(tl.int64) * NB + tl.arange(0, NB)[None, :] + tl.zeros((BLOCK_M, NB), tl.int64)
-        n_blocks = (K + 31) // 32
-        s_ok = (r2 < M) & (b2 < n_blocks)
-        if SWIZZLE:
-            tl.store(S + _swizzled(r2, b2, S_TILES), byte, mask=s_ok)
-        else:
-            tl.store(S + r2 * n_blocks + b2, byte, mask=s_ok)
+    if WRITE_Q:  # 1x32 blocks along K
+        mxfp8_rows(x, rows, cols, pid_k.to(tl.int64) * NB, Q, S, M, K, S_TILES, BLOCK_M, BLOCK_K, SWIZZLE,
+                   ROUND_IN_SOFTWARE)
     if WRITE_QT:  # 32x1 blocks along M: one block per column of the tile, written as a row of QT
         amax_t, bad_t = _finite_amax(tl.abs(x), 0)
         byte_t, inv_t = _e8m0(amax_t)
@@ -213,7 +255,7 @@ def _abs_max_partial(
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = _as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
+    x = as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
                         other=0.0))
     a, _ = _finite_amax(tl.abs(x), 1)
     tl.store(Partial + pid_m * tl.num_programs(1) + pid_k, tl.max(a, axis=0))
@@ -308,7 +350,7 @@ def _nvfp4_quantize(
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < K
-    x = _as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+    x = as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0))
     g = tl.load(TensorScale)
     if TILES:  # one scale per 16x16 tile, for both copies
@@ -375,7 +417,7 @@ MX_BLOCK_K, MX_NUM_WARPS = 128, 4
 NV_BLOCK_M, NV_BLOCK_K, NV_NUM_WARPS = 32, 128, 4
 
 
-def _scale_buffer(rows: int, blocks: int, swizzle: bool, dtype, device) -> torch.Tensor:
+def scale_buffer(rows: int, blocks: int, swizzle: bool, dtype, device) -> torch.Tensor:
     """Scales [rows, blocks] of one byte, or their swizzled layout (zeroed: its padding is read by cuBLAS)."""
     if swizzle:
         return torch.zeros(-(-rows // 128) * 128 * (-(-blocks // 4) * 4), dtype=torch.uint8, device=device).view(dtype)
@@ -393,9 +435,9 @@ def quantize_mxfp8(x2: torch.Tensor, rows: bool = True, cols: bool = False, swiz
     m_pad, n_blocks = -(-M // MX_BLOCK) * MX_BLOCK, -(-K // MX_BLOCK)
     dev, e8 = x2.device, torch.float8_e8m0fnu
     q = torch.empty((M, K) if rows else (0,), dtype=FP8_DTYPE, device=dev)
-    s = _scale_buffer(M, n_blocks, swizzle, e8, dev) if rows else torch.empty(0, dtype=e8, device=dev)
+    s = scale_buffer(M, n_blocks, swizzle, e8, dev) if rows else torch.empty(0, dtype=e8, device=dev)
     qt = torch.empty((K, m_pad) if cols else (0,), dtype=FP8_DTYPE, device=dev)
-    st = _scale_buffer(K, m_pad // MX_BLOCK, swizzle, e8, dev) if cols else torch.empty(0, dtype=e8, device=dev)
+    st = scale_buffer(K, m_pad // MX_BLOCK, swizzle, e8, dev) if cols else torch.empty(0, dtype=e8, device=dev)
     if M and K:
         grid = (m_pad // MX_BLOCK, triton.cdiv(K, MX_BLOCK_K))
         _mxfp8_quantize[grid](
@@ -460,9 +502,9 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
     dev, e4 = x2.device, FP8_DTYPE
     g = nvfp4_tensor_scale(tensor_amax(x2) if amax is None else amax.reshape(1))
     q = torch.empty((M, k_pad // 2) if rows else (0,), dtype=torch.uint8, device=dev)
-    s = _scale_buffer(M, k_pad // NV_BLOCK, swizzle, e4, dev) if rows else torch.empty(0, dtype=e4, device=dev)
+    s = scale_buffer(M, k_pad // NV_BLOCK, swizzle, e4, dev) if rows else torch.empty(0, dtype=e4, device=dev)
     qt = torch.empty((K, m_pad // 2) if cols else (0,), dtype=torch.uint8, device=dev)
-    st = _scale_buffer(K, m_pad // NV_BLOCK, swizzle, e4, dev) if cols else torch.empty(0, dtype=e4, device=dev)
+    st = scale_buffer(K, m_pad // NV_BLOCK, swizzle, e4, dev) if cols else torch.empty(0, dtype=e4, device=dev)
     if M and K:
         grid = (m_pad // NV_BLOCK_M, triton.cdiv(K, NV_BLOCK_K))
         _nvfp4_quantize[grid](

@@ -126,19 +126,22 @@ def test_unknown_kernel_is_a_usage_error(monkeypatch, capsys):
 
 def test_mx_quant_rows_check_then_time(monkeypatch, capsys):
     """--mx-quant --smoke: every quantizer row (MXFP8 and NVFP4, one copy and both) checked against its
-    reference bit for bit, then run: on a CPU in the interpreter, on a GPU as CUDA graph replays against its
-    copy bandwidth, and not saved there (the tiny shape's times would replace the 8B shapes' file); without
-    --smoke on a CPU, exit 2 in one line."""
+    reference bit for bit, and the MXFP8 RMSNorm and SwiGLU producers' copies against the quantizer's of
+    their outputs, then run with the pairs they replace: on a CPU in the interpreter, on a GPU as CUDA graph
+    replays against its copy bandwidth, and not saved there (the tiny shape's times would replace the 8B
+    shapes' file); without --smoke on a CPU, exit 2 in one line."""
     assert _main(monkeypatch, "--mx-quant", "--smoke") == 0
     out = capsys.readouterr().out
-    assert out.count("70 x 96") == 4 and "nvfp4, both, SR + Hadamard" in out
+    assert out.count("70 x 96") == 8 and "nvfp4, both, SR + Hadamard" in out
+    assert "rmsnorm writing mxfp8 (fused)" in out and "swiglu writing mxfp8 (fused)" in out
     if torch.cuda.is_available():
         assert "device-to-device copy" in out and "not saved" in out and "Saved" not in out, out
     else:
         assert "Triton's interpreter ran each quantizer once" in out, out
         assert _main(monkeypatch, "--mx-quant") == 2
         assert capsys.readouterr().err.count("\n") == 1
-    record("--mx-quant --smoke: 4 quantizer rows checked and run", 0.0, 0.0, True)
+    record("--mx-quant --smoke: 4 quantizer rows and the MXFP8 producers with their pairs checked and run", 0.0,
+           0.0, True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
