@@ -64,7 +64,7 @@ CATEGORIES = [  # (category, pattern on the lower-cased GPU kernel or CPU op nam
     ("SwiGLU", r"_swiglu|silu"),
     ("RoPE", r"_rope"),
     ("optimizer", r"adam|multi_tensor_apply|foreach|optimizer"),
-    ("FP8 casts", r"_quantize_rows|_quantize_cols|_quantize_tiles|fp8_quantize|_transpose_bytes"),  # --fp8: the Triton quantizers (and the FP8 base's byte transpose)
+    ("FP8 casts", r"_quantize_rows|_quantize_cols|_quantize_tiles|fp8_quantize|nvfp4_quantize|_abs_max_partial|_transpose_bytes"),  # --fp8: the Triton quantizers, MXFP8's and NVFP4's too (and the FP8 base's byte transpose)
     ("attention", r"flash|fmha|attention|sdpa|efficient|cudnn"),
     ("matrix multiply", r"gemm|xmma|nvjet|cutlass|cublas|gemv|splitk|sm\d\d_|_mma|matmul|aten::(mm|bmm|addmm|linear)\b"),
     ("element-wise", r"elementwise|vectorized|unrolled|functor|copy|cat_|fill|silu|index|gather|scatter|embedding"

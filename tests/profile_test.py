@@ -27,6 +27,7 @@ import fp8_linear_kernel
 import fp8_lora_kernel
 import fp8_producers_kernel
 import fp8_recipes_kernel
+import mx_quant_kernel
 import rmsnorm_kernel
 import rope_kernel
 import swiglu_kernel
@@ -48,7 +49,8 @@ def _triton_kernels(module):
 # Kernels of fp8_producers_kernel.py that are another kernel's work with an FP8 cast folded in: counted as
 # that work (the cast they save shows as "FP8 casts" shrinking)
 OWN_CATEGORY = {"_swiglu_joined_bwd_maxima": "SwiGLU", "_rmsnorm_quantize_rows": "RMSNorm",
-                "_swiglu_quantize_rows": "SwiGLU"}
+                "_swiglu_quantize_rows": "SwiGLU", "_rmsnorm_quantize_mxfp8": "RMSNorm",
+                "_swiglu_quantize_mxfp8": "SwiGLU"}
 
 
 @pytest.mark.parametrize("module, expected", [
@@ -62,6 +64,7 @@ OWN_CATEGORY = {"_swiglu_joined_bwd_maxima": "SwiGLU", "_rmsnorm_quantize_rows":
     (fp8_recipes_kernel, "FP8 casts"),
     (fp8_producers_kernel, "FP8 casts"),
     (fp8_lora_kernel, "FP8 casts"),
+    (mx_quant_kernel, "FP8 casts"),  # MXFP8's and NVFP4's quantizers are the same casts in a finer format
 ], ids=lambda v: getattr(v, "__name__", v))
 def test_our_triton_kernels_have_their_category(module, expected):
     names = _triton_kernels(module)
