@@ -535,12 +535,14 @@ def scaled_mm(a, a_scale, bt, bt_scale, fast_accum: bool, ops: bool):
     return scaled_mm_launch(a, a_scale, bt, bt_scale, fast_accum)
 
 
-def refuse_create_graph() -> None:
-    """Every FP8 layer's backward (this file's, fp8_recipes_kernel.py's, fp8_lora_kernel.py's) starts here:
-    under backward(create_graph=True) grad mode is on, and the FP8 backward has no derivative of its own."""
+def refuse_create_graph(what: str = "fp8_linear", by: str = "the FP8 matmuls", instead: str = "nn.Linear") -> None:
+    """Every FP8 layer's backward (this file's, fp8_recipes_kernel.py's, fp8_lora_kernel.py's) and the FP8
+    producers' (fp8_producers_kernel.py) starts here: under backward(create_graph=True) grad mode is on, and these
+    backwards have no derivative of their own. `what` names the refusing function, `by` what has no derivative,
+    `instead` what to use for double backward."""
     if torch.is_grad_enabled():
-        raise RuntimeError("fp8_linear: second-order gradients (create_graph=True) are not supported by the FP8 "
-                           "matmuls; use nn.Linear for double backward")
+        raise RuntimeError(f"{what}: second-order gradients (create_graph=True) are not supported by {by}; use "
+                           f"{instead} for double backward")
 
 
 class Float8LinearFunction(torch.autograd.Function):

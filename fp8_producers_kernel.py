@@ -87,7 +87,8 @@ from core.fp8_support import DEFAULT_RECIPE, bf16_layer_counts, compiled_graph_t
 from core.kernel_utils import as_rows, direct_launch, next_power_of_2, num_sms, refuse_double_backward
 from core.model_families import family_classes
 from core.process import log
-from fp8_linear_kernel import FP8_DTYPE, MAX_COLS, ROUND_IN_SOFTWARE, Float8Linear, cast_e4m3, load_rows, rows_block
+from fp8_linear_kernel import (FP8_DTYPE, MAX_COLS, ROUND_IN_SOFTWARE, Float8Linear, cast_e4m3, load_rows,
+                               refuse_create_graph, rows_block)
 import fp8_recipes_kernel
 import mx_quant_kernel as mxq
 import rmsnorm_kernel
@@ -668,9 +669,7 @@ class SwigluJoinedFp8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
-        if torch.is_grad_enabled():
-            raise RuntimeError("swiglu_joined_fp8: second-order gradients (create_graph=True) are not supported by "
-                               "the fused kernel; use the plain PyTorch reference for double backward")
+        refuse_create_graph("swiglu_joined_fp8", "the fused kernel", "the plain PyTorch reference")
         (gate_up,) = ctx.saved_tensors
         dgu, row_max, col_max = swiglu_joined_backward_maxima(as_rows(dh), *halves(gate_up), ctx.activation)
         ctx.handoff.offer_grad(dgu, (row_max, col_max))
@@ -692,9 +691,7 @@ class SwigluJoinedMxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
-        if torch.is_grad_enabled():
-            raise RuntimeError("the MXFP8 SwiGLU producer: second-order gradients (create_graph=True) are not "
-                               "supported by the fused kernel; use the plain PyTorch reference for double backward")
+        refuse_create_graph("the MXFP8 SwiGLU producer", "the fused kernel", "the plain PyTorch reference")
         (gate_up,) = ctx.saved_tensors
         return swiglu_kernel.swiglu_joined_bwd_op(as_rows(dh), gate_up, ctx.activation), None, None, None
 
