@@ -381,15 +381,11 @@ def _mx_norm_rows(m: int, k: int, rows: list, copy: float | None) -> bool:
         mq.quantize_mxfp8(rmsnorm_kernel.rmsnorm_forward(x, w, 1e-5)[0], True, False)
 
     e = torch.bfloat16
-    for name, run, nbytes in (
+    _time_rows(m, k, rows, copy, (
             ("rmsnorm, then mxfp8 along K", pair,
              rmsnorm_kernel.ideal_bytes(m, k, e) + mq.ideal_bytes(m, k, e, "mxfp8", 1)),
             ("rmsnorm writing mxfp8 (fused)", lambda: f8p.rmsnorm_quantize_mxfp8(x, w, 1e-5),
-             f8p.rmsnorm_mxfp8_ideal_bytes(m, k, e))):
-        (us, _, _), _ = timed_graph(run)
-        gbs = nbytes / us / 1e3
-        rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
-                         pct_copy=100 * gbs / copy if copy else None))
+             f8p.rmsnorm_mxfp8_ideal_bytes(m, k, e))))
     return False
 
 
@@ -409,17 +405,23 @@ def _mx_swiglu_rows(m: int, k: int, rows: list, copy: float | None) -> bool:
             print(f"swiglu -> mxfp8 at {m} x {k}: the producer differs from the pair: not timed", file=sys.stderr)
             return True
     e = torch.bfloat16
-    for name, run, nbytes in (
+    _time_rows(m, k, rows, copy, (
             ("swiglu, then mxfp8 both copies", lambda: mq.quantize_mxfp8(swiglu_kernel.swiglu_forward(gate, up), True,
                                                                           True),
              3 * m * k * e.itemsize + mq.ideal_bytes(m, k, e, "mxfp8", 2)),
             ("swiglu writing mxfp8 (fused)", lambda: f8p.swiglu_quantize_mxfp8(gate, up),
-             f8p.swiglu_mxfp8_ideal_bytes(m, k, e))):
+             f8p.swiglu_mxfp8_ideal_bytes(m, k, e))))
+    return False
+
+
+def _time_rows(m: int, k: int, rows: list, copy: float | None, cases) -> None:
+    """Time each (name, run, ideal bytes) of `cases` as CUDA graph replays at [m, k]; append its row to `rows`
+    with GB/s and the share of the measured copy bandwidth `copy`."""
+    for name, run, nbytes in cases:
         (us, _, _), _ = timed_graph(run)
         gbs = nbytes / us / 1e3
         rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
                          pct_copy=100 * gbs / copy if copy else None))
-    return False
 
 
 def mx_quant(smoke: bool) -> int:
@@ -466,11 +468,7 @@ def mx_quant(smoke: bool) -> int:
                     print(f"{name} at {m} x {k}: the kernel's bytes differ from the reference: not timed",
                           file=sys.stderr)
                     return 1
-            (us, _, _), _ = timed_graph(lambda: run(x))
-            nbytes = mq.ideal_bytes(m, k, torch.bfloat16, fmt, copies)
-            gbs = nbytes / us / 1e3
-            rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
-                             pct_copy=100 * gbs / copy if copy else None))
+            _time_rows(m, k, rows, copy, ((name, lambda: run(x), mq.ideal_bytes(m, k, torch.bfloat16, fmt, copies)),))
     # The MXFP8 producers (fp8_producers_kernel) against the pairs they replace, the kernel that writes the
     # tensor and then the quantizer reading it back: the norm at the hidden size, the SwiGLU at the MLP width
     for (m, k), (m2, k2) in ((MX_SMOKE_SHAPES * 2,) if smoke else (MX_SHAPES,)):
