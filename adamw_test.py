@@ -350,10 +350,10 @@ def test_tables_of_a_captured_step_are_kept(monkeypatch):
 
 
 def test_make_capturable_switches_a_host_path_optimizer():
-    """playbook/cuda_graph.make_capturable, as the training loop calls it after load_state_dict: it sets
+    """playbook/optim/optimizer.make_capturable, as the training loop calls it after load_state_dict: it sets
     group["capturable"], gives the groups one rate tensor and moves the step counts to the device. The
     optimizer then takes the device path, and continues exactly as the host path would."""
-    from playbook.run import cuda_graph
+    from playbook.optim import optimizer
 
     start, grads = _start(SHAPES), _gradients(SHAPES, STEPS)
 
@@ -363,7 +363,7 @@ def test_make_capturable_switches_a_host_path_optimizer():
                           weight_decay=0.1)
         for step, step_grads in enumerate(grads):
             if switch and step == 2:
-                cuda_graph.make_capturable(opt, DEVICE)
+                optimizer.make_capturable(opt, DEVICE)
             for p, gr in zip(params, step_grads):
                 p.grad = None if gr is None else gr.to(DEVICE, p.dtype)
             for group in opt.param_groups:

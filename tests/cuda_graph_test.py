@@ -31,7 +31,7 @@ from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
 from playbook.optim.schedule import schedule_factor
 from testkit import record, run_as_script
-from playbook.optim.optimizer import make_optimizer
+from playbook.optim.optimizer import make_capturable, make_optimizer
 from playbook.run.start import make_run_data
 from playbook.optim.schedule import LRSchedule
 
@@ -115,7 +115,7 @@ def test_a_loaded_optimizer_is_made_capturable_again():
     ours = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=lr, foreach=True, capturable=True)
     ours.load_state_dict(saved)
     assert not isinstance(ours.param_groups[0]["lr"], torch.Tensor)  # what load_state_dict leaves
-    cuda_graph.make_capturable(ours, torch.device("cpu"))
+    make_capturable(ours, torch.device("cpu"))
     rates = {id(g["lr"]) for g in ours.param_groups}
     assert len(rates) == 1 and all(g["capturable"] for g in ours.param_groups)
     assert float(ours.param_groups[0]["lr"]) == pytest.approx(2e-4)  # the saved rate, in fp32

@@ -7,11 +7,14 @@ import math
 import torch
 
 
-def warmup_steps(lr_warmup_steps: int, warmup_ratio: float, total: int) -> int:
+def warmup_steps(lr_warmup_steps: int, warmup_ratio: float, total: int, saved: dict | None = None) -> int:
     """The warm-up's length in steps: --lr-warmup-steps, or --warmup-ratio of the run's `total` steps rounded up
     to a whole step, as the Hugging Face Trainer counts it (0.05 of 10 steps is 1 warm-up step, not 0). The
     product is rounded to 9 decimals first: 0.1 * 30 is 3.0000000000000004 in binary floating point, 3 steps
-    as the user means it, not 4."""
+    as the user means it, not 4. Resumed (`saved`: the checkpoint's schedule, LRSchedule.state_dict), a
+    --warmup-ratio is a share of the saved run's length: the warm-up already done."""
+    if saved and not lr_warmup_steps and warmup_ratio:
+        return saved["warmup"]
     if lr_warmup_steps:
         return lr_warmup_steps
     return math.ceil(round(warmup_ratio * total, 9))
@@ -27,6 +30,20 @@ def schedule_factor(step: int, total: int, warmup: int, kind: str) -> float:
     if kind == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return 1.0
+
+
+def length_change(saved: dict, start: int, steps: int, lr: float) -> str:
+    """What a run resumed at step `start` with another length (`steps`) than the checkpoint's schedule (`saved`,
+    LRSchedule.state_dict) does to the rate, in one line: a decay is rebuilt for the new length."""
+    kind = saved["kind"]
+    if kind == "constant":
+        return (f"The run's length changes from {saved['total']} to {steps} steps (constant learning rate: "
+                "the remaining steps' rate is unchanged)")
+    before = schedule_factor(start, saved["total"], saved["warmup"], kind)
+    after = schedule_factor(start, steps, saved["warmup"], kind)
+    return (f"The schedule's length changes from {saved['total']} to {steps} steps: the {kind} decay is rebuilt "
+            f"for {steps} steps, so the remaining steps' learning rate follows the new length (step {start + 1}: "
+            f"{lr * after:.3g} instead of {lr * max(before, 0.0):.3g})")
 
 
 class LRSchedule:

@@ -67,25 +67,6 @@ def graph_blocker(cfg, data=None) -> str | None:
     return None
 
 
-def make_capturable(optimizer, device) -> None:
-    """After `load_state_dict`: the saved groups replace ours, with their float rate and their
-    `capturable` flag. Give every group back one rate tensor on the GPU and the flag, and put the step
-    counts on the GPU, as a capturable AdamW keeps them."""
-    inner = getattr(optimizer, "optimizers", None)  # OptimizerInBackward: one AdamW per parameter
-    optimizers = list(inner.values()) if inner is not None else [optimizer]
-    groups = [g for opt in optimizers for g in opt.param_groups]
-    lr = next((g["lr"] for g in groups if isinstance(g["lr"], torch.Tensor) and g["lr"].device.type == "cuda"), None)
-    if lr is None:
-        lr = torch.tensor(float(groups[0]["lr"]), dtype=torch.float32, device=device)
-    for g in groups:
-        lr.fill_(float(g["lr"]))  # the groups share one rate; LRSchedule sets it every step
-        g["lr"], g["capturable"] = lr, True
-    for opt in optimizers:
-        for state in opt.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].to(device=device, dtype=torch.float32)
-
-
 @contextlib.contextmanager
 def _capture_patches():
     """What the capture of an eager model runs under: transformers' causal skip, SDPA calls with a mask counted."""

@@ -16,9 +16,8 @@ from pathlib import Path
 from core.process import is_main, log, world
 from playbook.config import resumable_settings
 from playbook.model.lora import parse_targets
-from playbook.optim.optimizer import rounding_of, weight_rounding
-from playbook.optim.schedule import schedule_factor, warmup_steps
-from playbook.run import cuda_graph
+from playbook.optim.optimizer import make_capturable, rounding_of, weight_rounding
+from playbook.optim.schedule import length_change
 from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 from playbook.store import checkpoint
@@ -163,16 +162,7 @@ def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
         refuse_differences(cfg, settings_differences(saved, settings))
     schedule = info["scheduler"]
     if schedule and schedule["total"] != steps and info["step"] < steps:
-        start, kind = info["step"], schedule["kind"]
-        if kind == "constant":
-            log(f"The run's length changes from {schedule['total']} to {steps} steps (constant learning rate: "
-                "the remaining steps' rate is unchanged)")
-        else:
-            before = schedule_factor(start, schedule["total"], schedule["warmup"], kind)
-            after = schedule_factor(start, steps, schedule["warmup"], kind)
-            log(f"The schedule's length changes from {schedule['total']} to {steps} steps: the {kind} decay is rebuilt "
-                f"for {steps} steps, so the remaining steps' learning rate follows the new length (step {start + 1}: "
-                f"{cfg.lr * after:.3g} instead of {cfg.lr * max(before, 0.0):.3g})")
+        log(length_change(schedule, info["step"], steps, cfg.lr))
 
 
 def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
@@ -191,14 +181,6 @@ def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
         log(f"The checkpoint's run rounded its weights with {saved_rounding!r}, this one with "
             f"{weight_rounding(cfg)!r}: a Kahan compensation or fp32 master weight the checkpoint lacks starts "
             "from the bf16 weights, one this run does not use is dropped")
-
-
-def lr_warmup_steps(cfg, info: dict | None, steps: int) -> int:
-    """The schedule's warm-up steps: --lr-warmup-steps, or --warmup-ratio of the run's length rounded up to a
-    whole step (schedule.warmup_steps); resumed, a share of the saved run's length (the warm-up already done)."""
-    if info is not None and info["scheduler"] and not cfg.lr_warmup_steps and cfg.warmup_ratio:
-        return info["scheduler"]["warmup"]
-    return warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, steps)
 
 
 def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
@@ -241,14 +223,14 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
 def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, capturable: bool) -> int:
     """Load the --resume checkpoint into the model, the optimizer and the schedule, and its losses into
     `result`; returns the step it is at (the run goes on from the next). capturable: the optimizer is
-    made for a CUDA graph, and gets its rate and step counts back on the GPU (cuda_graph.make_capturable)."""
+    made for a CUDA graph, and gets its rate and step counts back on the GPU (optimizer.make_capturable)."""
     try:
         state = checkpoint.load_checkpoint(info["path"], model, optimizer, schedule)  # (module attribute: a test records the load)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
         raise resume_error(cfg, err) from None
     start = int(state["step"])
     if capturable:
-        cuda_graph.make_capturable(optimizer, cfg.device)
+        make_capturable(optimizer, cfg.device)
     saved_size, size = int(state.get("world_size", 1)), world()[1]
     if saved_size != size:
         log(f"The checkpoint was written by {saved_size} process(es), this run has {size}: the weights, optimizer "

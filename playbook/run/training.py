@@ -32,13 +32,13 @@ from playbook.config import check_lr_warmup
 from playbook.data.dataset import IGNORE_INDEX
 from playbook.model.lora import merge_and_save
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
-from playbook.optim.schedule import LRSchedule
+from playbook.optim.schedule import LRSchedule, warmup_steps
 from playbook.run import interpreter, start
 from playbook.run.best import BestEval
 from playbook.run.report import (MetricsLog, RunResult, answers_after, answers_before, default_tag, emulation, step_line,
                                  write_report)
-from playbook.run.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load,
-                                 lr_warmup_steps, read_resume, resume_settings)
+from playbook.run.resume import (check_output_checkpoints, check_output_folders, check_resumed_run, load, read_resume,
+                                 resume_settings)
 from playbook.run.start import run_errors, settle
 from playbook.run.step import StepRunner
 from playbook.runtime import signals
@@ -255,7 +255,8 @@ def start_run(cfg) -> Run:
         check_resumed_run(cfg, info, settings, steps)
     check_output_checkpoints(cfg, info, steps)
     forget_best(cfg)
-    schedule = LRSchedule(optimizer, steps, lr_warmup_steps(cfg, info, steps), cfg.lr_schedule)
+    warmup = warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, steps, info["scheduler"] if info else None)
+    schedule = LRSchedule(optimizer, steps, warmup, cfg.lr_schedule)
     summary_path, metrics = open_outputs(cfg, model_name)
     result = RunResult(script=cfg.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"] if cfg.compile
                                                                                            else []),
