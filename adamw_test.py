@@ -1008,7 +1008,7 @@ def test_training_script_resumes_a_kahan_run_exactly(tmp_path, capsys):
     and a resumed run of 2, bit for bit: weights, losses and optimizer state, the compensation included. The
     same checkpoint resumed without the flag takes the rounding its run start chooses, and says so where it
     differs from the checkpoint's."""
-    from playbook.store import checkpoint
+    from playbook.store import checkpoint_load
 
     args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer-rounding", "kahan", "--steps", "3",
             "--timing-warmup-steps", "1", "--lr", "1e-4", "--kernels", "none", "--batch-size", "2", "--seq-len", "16"]
@@ -1019,7 +1019,7 @@ def test_training_script_resumes_a_kahan_run_exactly(tmp_path, capsys):
     assert resumed["losses"] == whole["losses"], (resumed["losses"], whole["losses"])
     a, b = tmp_path / "whole" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    saved_a, saved_b = checkpoint._read_state(a)["optimizer"]["state"], checkpoint._read_state(b)["optimizer"]["state"]
+    saved_a, saved_b = (checkpoint_load._read_state(p)["optimizer"]["state"] for p in (a, b))
     assert saved_a.keys() == saved_b.keys() and all("kahan_comp" in s for s in saved_a.values())
     assert any(s["kahan_comp"].abs().max() > 0 for s in saved_a.values()), "the compensation holds something"
     for i in saved_a:

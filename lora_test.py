@@ -526,7 +526,7 @@ def test_qlora_checkpoint_saves_and_resumes(tmp_path):
     from playbook.model import registry
     from playbook.run import training
     from playbook.store.files import RESULTS_DIR
-    from playbook.store import checkpoint
+    from playbook.store import checkpoint_load
     from playbook.config import make_parser, parse_config
 
     out = tmp_path / "qlora"
@@ -537,7 +537,7 @@ def test_qlora_checkpoint_saves_and_resumes(tmp_path):
         first = training.train(parse_config(parser(), "finetune_optimized", ["--steps", "2", *argv]))
         saved = sorted(p.name for p in out.glob("checkpoint-*"))
         assert saved == ["checkpoint-2"], saved
-        fingerprint = checkpoint._read_state(out / "checkpoint-2")["base_fingerprint"]
+        fingerprint = checkpoint_load._read_state(out / "checkpoint-2")["base_fingerprint"]
         packed = [name for name in fingerprint if "proj" in name and "lora" not in name]
         assert len(packed) == 14 and all(math.isfinite(v) and v > 0 for n in packed for v in fingerprint[n]), packed
         resumed = training.train(parse_config(parser(), "finetune_optimized",

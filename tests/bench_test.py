@@ -156,7 +156,8 @@ def test_padding_free_peer_matches_the_dense_mask():
     each example to itself, as the scripts' dense per-example mask does. A random 2-layer LLaMA, fp32 (<1 s)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from playbook.data.dataset import Example, pack_examples, packed_attention_mask
+    from playbook.data.dataset import pack_examples, packed_attention_mask
+    from playbook.data.rows import Example
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

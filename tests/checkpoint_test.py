@@ -35,8 +35,9 @@ import pytest
 import torch
 from torch import nn
 
-from playbook.store import checkpoint
-from playbook.store.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from playbook.store import checkpoint, checkpoint_load
+from playbook.store.checkpoint import list_checkpoints, save_checkpoint
+from playbook.store.checkpoint_load import load_checkpoint
 import testkit
 from testkit import (exactly, expect_error, record, run_as_script, two_process_device, two_process_env,
                               two_processes_on_gpus)
@@ -373,11 +374,11 @@ def test_read_checkpoint_info(tmp_path):
     model = tiny()
     optimizer, scheduler = make_training(model)
     save_checkpoint(tmp_path, 3, model, None, optimizer, None, {"settings": {"batch_size": 2}})
-    info = checkpoint.read_checkpoint_info(tmp_path)  # follows `latest`
+    info = checkpoint_load.read_checkpoint_info(tmp_path)  # follows `latest`
     assert info["path"] == tmp_path / "checkpoint-3" and info["step"] == 3 and info["weights"] == "full"
     assert info["scheduler"] is None and info["extra"] == {"settings": {"batch_size": 2}}
     (tmp_path / "checkpoint-3" / checkpoint.STATE_FILE).write_bytes(b"not a zip")
-    assert "cannot be read" in expect_error(RuntimeError, checkpoint.read_checkpoint_info, tmp_path)
+    assert "cannot be read" in expect_error(RuntimeError, checkpoint_load.read_checkpoint_info, tmp_path)
     record("read_checkpoint_info: step, weights, extra; a corrupt state is one clear error", 0.0, 0.0, True)
 
 
@@ -525,7 +526,7 @@ def _fsdp2_worker(scratch: Path) -> int:
 
     rank = int(os.environ["RANK"])
     device = two_process_device()
-    real_save, real_load = training.save, checkpoint.load_checkpoint
+    real_save, real_load = training.save, checkpoint_load.load_checkpoint
     phase = None
 
     def save_and_record(cfg, step, model, *rest, **kw):
@@ -552,13 +553,13 @@ def _fsdp2_worker(scratch: Path) -> int:
     # One process group for all the runs: each run ends by destroying it, and a new one cannot be
     # created reliably in the same torchrun job (a rank still in the old one meets the new one's keys).
     real_destroy = torch.distributed.destroy_process_group
-    training.save, checkpoint.load_checkpoint = save_and_record, load_and_record
+    training.save, checkpoint_load.load_checkpoint = save_and_record, load_and_record
     torch.distributed.destroy_process_group = lambda *args, **kwargs: None
     losses, optimizers = {}, {}
     for phase in PHASES:
         summary = training.train(_phase_config(phase, scratch))
         losses[phase], optimizers[phase] = summary["losses"], summary["optimizer"]
-    training.save, checkpoint.load_checkpoint = real_save, real_load
+    training.save, checkpoint_load.load_checkpoint = real_save, real_load
     torch.distributed.destroy_process_group = real_destroy
 
     # An error on one rank reaches every rank: disagreeing arguments, then rank 0 failing to write.
@@ -585,7 +586,8 @@ def _disk_full(*args, **kwargs):
 
 def _gathered_names(model, optimizer):
     """One process: optimizer state keyed by parameter name, as get_optimizer_state_dict gives it."""
-    return checkpoint._optimizer_by_name(optimizer.state_dict(), checkpoint._parameter_names(model, optimizer))
+    names = checkpoint_load._parameter_names(model, optimizer)
+    return checkpoint_load._optimizer_by_name(optimizer.state_dict(), names)
 
 
 def _one_process(cfg):
@@ -657,9 +659,9 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
             straight, resumed = tmp_path / f"{kind}straight" / "checkpoint-4", tmp_path / f"{kind}resumed" / "checkpoint-4"
             assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes(), kind
             same_tree(f"{labels[kind] or 'AdamW'}: optimizer after 4 steps, straight vs resumed",
-                      checkpoint._read_state(straight)["optimizer"], checkpoint._read_state(resumed)["optimizer"])
+                      *(checkpoint_load._read_state(p)["optimizer"] for p in (straight, resumed)))
         # The Triton AdamW's checkpoint of 2 processes holds whole states, as one process's does; the master fp32
-        saved = checkpoint._read_state(tmp_path / "master_straight" / "checkpoint-2")["optimizer"]["state"]
+        saved = checkpoint_load._read_state(tmp_path / "master_straight" / "checkpoint-2")["optimizer"]["state"]
         whole = load_file(tmp_path / "master_straight" / "checkpoint-2" / "model.safetensors")
         assert saved.keys() == whole.keys(), (sorted(saved)[:3], sorted(whole)[:3])
         for name, state in saved.items():
@@ -713,7 +715,7 @@ def test_fsdp2_save_and_resume(tmp_path, capsys):
         assert load_checkpoint(two, model, optimizer, schedule)["world_size"] == 2
         same_tree("2 -> 1 process: weights", weights(model), load_file(two / "model.safetensors"))
         same_tree("2 -> 1 process: optimizer", _gathered_names(model, optimizer),
-                  checkpoint._read_state(two)["optimizer"])
+                  checkpoint_load._read_state(two)["optimizer"])
         rows = tmp_path / "rows.jsonl"
         rows.write_text("\n".join(json.dumps({"prompt": f"Count to {i}.", "completion": " 1 2 3"}) for i in range(40)))
         with pytest.raises(SystemExit) as stop:

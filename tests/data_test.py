@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 import torch
 
-from playbook.data import dataset, files
+from playbook.data import dataset, files, rows
 from playbook.data.dataset import BatchAttention
 from playbook.model import tokenizer
 from testkit import close_to_reference, exactly, expect_error, record, run_as_script
@@ -35,7 +35,7 @@ EXAMPLES = HERE / "examples"
 TOK = tokenizer.byte_tokenizer()
 SPECIAL = {t: TOK.convert_tokens_to_ids(t) for t in tokenizer.BYTE_SPECIAL_TOKENS}
 BOS, EOS, HS, HE, EOT = (SPECIAL[t] for t in (tokenizer.BOS, tokenizer.EOS, tokenizer.HEADER_START, tokenizer.HEADER_END, tokenizer.EOT))
-M = dataset.IGNORE_INDEX
+M = rows.IGNORE_INDEX
 
 
 def _b(text: str) -> list[int]:
@@ -707,9 +707,9 @@ def test_sharegpt_rows_load_as_chat(tmp_path):
         for key in ("input_ids", "labels"):
             exactly(f"ShareGPT == messages: {key}", got[key], want[key])
     tool = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "x"}]}
-    assert dataset._chat_messages({"conversations": [{"from": "observation", "value": "sunny"}]})[0]["role"] == "tool"
-    with pytest.raises(dataset.UnknownRole):
-        dataset._chat_messages(tool)  # function_call is no alias: refused, not guessed
+    assert rows._chat_messages({"conversations": [{"from": "observation", "value": "sunny"}]})[0]["role"] == "tool"
+    with pytest.raises(rows.UnknownRole):
+        rows._chat_messages(tool)  # function_call is no alias: refused, not guessed
     example = dataset.make_data(str(EXAMPLES / "sharegpt.jsonl"), "dataset", TOK, 512, 2, 512, 0)
     assert example.report.rows >= 4 and not example.report.dropped, example.describe()
 

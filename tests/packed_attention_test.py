@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from playbook.model import packed_attention as pa
-from playbook.data.dataset import IGNORE_INDEX, BatchAttention, Example, TrainData, pack_examples, pad_examples
+from playbook.data.dataset import BatchAttention, TrainData, pack_examples, pad_examples
+from playbook.data.rows import IGNORE_INDEX, Example
 from core.kernel_utils import DEVICE
 from testkit import FAMILIES, VOCAB, tiny_model
 

@@ -359,7 +359,7 @@ def test_sigterm_saves_the_step_done_and_exits_143(tmp_path):
     (RESULTS_DIR / "test_robust_sigterm.metrics.jsonl").unlink(missing_ok=True)
     lines = [line for line in err.splitlines()[1:] if line.strip() and not line.startswith("checkpoint: ")]
     assert code == 143 and "Traceback" not in err and len(lines) == 1, (code, err[-2000:])
-    from playbook.store.checkpoint import read_checkpoint_info
+    from playbook.store.checkpoint_load import read_checkpoint_info
 
     saved = read_checkpoint_info(out)  # what --resume reads: `latest` names the step the run stopped after
     assert lines[0].startswith(f"terminated (SIGTERM): stopped after step {saved['step']} of 100000") \

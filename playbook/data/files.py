@@ -2,7 +2,7 @@
 
     rows = load_rows("examples/chat.jsonl")   # a list of dicts, as the file holds them
 
-Which rows are usable, and what they become, is playbook/data/dataset.py's business (`encode_rows`). Files are
+Which rows are usable, and what they become, is playbook/data/rows.py's business (`encode_rows`). Files are
 read as UTF-8; a byte that is not UTF-8 raises DataError with its file, byte offset and line, and how
 to convert the file (nothing is trained on replacement characters).
 """

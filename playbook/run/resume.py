@@ -20,8 +20,9 @@ from playbook.optim.optimizer import make_capturable, rounding_of, weight_roundi
 from playbook.optim.schedule import length_change
 from playbook.runtime import environment
 from playbook.runtime.common import usage_error
-from playbook.store import checkpoint
-from playbook.store.checkpoint import BEST_FILE, LATEST_FILE, list_checkpoints, read_checkpoint_info
+from playbook.store import checkpoint_load
+from playbook.store.checkpoint import BEST_FILE, LATEST_FILE, list_checkpoints
+from playbook.store.checkpoint_load import read_checkpoint_info
 from playbook.store.files import RESULTS_DIR
 
 
@@ -225,7 +226,8 @@ def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, captur
     `result`; returns the step it is at (the run goes on from the next). capturable: the optimizer is
     made for a CUDA graph, and gets its rate and step counts back on the GPU (optimizer.make_capturable)."""
     try:
-        state = checkpoint.load_checkpoint(info["path"], model, optimizer, schedule)  # (module attribute: a test records the load)
+        # (through the module: a test records the load)
+        state = checkpoint_load.load_checkpoint(info["path"], model, optimizer, schedule)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
         raise resume_error(cfg, err) from None
     start = int(state["step"])

@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from core.process import is_main, log, world
 from playbook.config import check_lr_warmup
-from playbook.data.dataset import IGNORE_INDEX
+from playbook.data.rows import IGNORE_INDEX
+from playbook.model import generate
 from playbook.model.lora import merge_and_save
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
 from playbook.optim.schedule import LRSchedule, warmup_steps
@@ -42,8 +43,10 @@ from playbook.run.resume import (check_output_checkpoints, check_output_folders,
 from playbook.run.start import run_errors, settle
 from playbook.run.step import StepRunner
 from playbook.runtime import signals
-from playbook.runtime.common import describe_gpu, interactive, synchronize, versions
+from playbook.runtime.common import describe_gpu, interactive, synchronize, usage_error, versions
 from playbook.runtime.time_left import TimeLeft, in_progress, running
+from playbook.store import checkpoint, checkpoint_load
+from playbook.store.checkpoint import BEST_FILE
 from playbook.store.files import RESULTS_DIR, result_path, write_failure
 
 
@@ -243,8 +246,6 @@ def start_run(cfg) -> Run:
     log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
     if steps <= cfg.warmup_steps:  # (--epochs: the count of steps is known only now, from the data)
-        from playbook.runtime.common import usage_error
-
         raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
                           f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
                           f"{steps - 1}")
@@ -302,8 +303,6 @@ def forget_best(cfg) -> None:
     """A run in an --output-dir without --load-best-model-at-end ends with its last step's weights: the `best`
     pointer an earlier run there left (checkpoint.mark_best) would send export.py and chat.py to another
     checkpoint, so it goes."""
-    from playbook.store.checkpoint import BEST_FILE
-
     pointer = cfg.output_dir / BEST_FILE if cfg.output_dir is not None else None
     if pointer is not None and not cfg.load_best_model_at_end and pointer.is_file() and is_main():
         pointer.unlink()
@@ -336,8 +335,6 @@ def before_first_step(run: Run) -> None:
             result.eval_losses.insert(0, (0, eval_before))
             log(f"eval loss before training: {eval_before:.4f} (mean over the held-out target tokens)")
     if cfg.sample_prompts is not None:
-        from playbook.model import generate
-
         run.prompts = generate.read_prompts(cfg.sample_prompts)
         with run.left.measure("answers"):
             result.samples = answers_before(run.model, run.tokenizer, run.prompts, cfg.device)
@@ -392,9 +389,7 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
     if improved and run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{step + 1}":
         run.best.checkpoint = run.last_saved
         if cfg.load_best_model_at_end:  # the run ends with it: export.py and chat.py take it for the run folder
-            from playbook.store.checkpoint import mark_best
-
-            mark_best(cfg.output_dir, run.last_saved)
+            checkpoint.mark_best(cfg.output_dir, run.last_saved)
     if stop is None and stopping:
         run.early_stop = run.best.stop_line(step + 1)
         log(run.early_stop)
@@ -504,9 +499,7 @@ def end_with_best(run: Run) -> None:
     log(f"best eval loss: {best.loss:.4f} at step {best.step} of {done}"
         + (f" (checkpoint {best.checkpoint})" if best.checkpoint is not None else ""))
     if cfg.load_best_model_at_end and best.checkpoint is not None and best.step != done:
-        from playbook.store.checkpoint import load_checkpoint
-
-        load_checkpoint(best.checkpoint, run.model)
+        checkpoint_load.load_checkpoint(best.checkpoint, run.model)
         result.ended_with, result.ended_at = f"step {best.step}'s weights ({best.checkpoint})", best.step
         log(f"--load-best-model-at-end: the model ends with step {best.step}'s weights, from {best.checkpoint}; the "
             f"last checkpoint, {run.last_saved}, holds step {done}'s")
@@ -547,13 +540,11 @@ def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
 def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None, keep=None):
     """Write checkpoint-<step> (keeping the newest --save-total-limit, and `keep`, the best checkpoint);
     `settings`: resume_settings."""
-    from playbook.store.checkpoint import save_checkpoint
-
     extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
              "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1],
              "settings": settings}
-    path = save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra,
-                           keep_last=cfg.save_total_limit, keep=keep)
+    path = checkpoint.save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra,
+                                      keep_last=cfg.save_total_limit, keep=keep)
     if path is not None:
         log(f"checkpoint: {path}")
     return path
