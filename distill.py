@@ -187,7 +187,7 @@ class DistillConfig:
                    alpha=a.alpha, beta=a.beta, temperature=a.temperature)
 
     def plan_models(self) -> list:
-        """The models the memory plan counts (playbook/plan/memory_plan.py): (name, layers, trains, config or None,
+        """The models the memory plan counts (playbook/plan/runs.py): (name, layers, trains, config or None,
         loss) of the frozen teacher and the student; the loss of the mode that needs more ("full" logits in
         the baseline, "fused" chunks)."""
         loss = "distill-full" if self.mode in ("baseline", "both") else "distill-fused"
