@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from core.fp8_support import bf16_layer_counts, get_recipe
 from linear_cross_entropy_kernel import CHUNK_BYTES  # the fused head's logits buffer
-from playbook.memory.activations import PREFETCH_LAYERS  # offloaded layers brought back ahead of backward
+from playbook.memory.saved_activations import PREFETCH_LAYERS  # offloaded layers brought back ahead of backward
 from playbook.plan.inputs import GB, Plan, Setup, Shape
 
 # Fitted to the measured peaks (docs/memory.md#the-memory-plan):
