@@ -73,6 +73,7 @@ from playbook import config  # noqa: E402
 from playbook.run.start import settle  # noqa: E402
 from playbook.run.resume import check_output_folders  # noqa: E402
 from playbook.model.models import count_params, load_model, prepare_model  # noqa: E402
+from playbook.memory import options  # noqa: E402
 from playbook.model.presets import PRESETS  # noqa: E402
 from playbook.runtime.time_left import running  # noqa: E402
 from playbook.config import positive_float, positive_int  # noqa: E402
@@ -222,8 +223,7 @@ def build_model(cfg, name: str, num_layers: int | None, trains: bool):
     dtype = DTYPES[d.dtype]
     role = dataclasses.replace(cfg, model=name, num_layers=num_layers, model_explicit=True)
     if not trains:  # the frozen teacher: its forward pass with the kernels, nothing that serves training
-        role = dataclasses.replace(role, fp8=False, gradient_checkpointing=False, lora_r=0, load_in_4bit=False,
-                                   recompute_norms=False, offload_layers=None)
+        role = dataclasses.replace(role, fp8=False, lora_r=0, load_in_4bit=False, **options.FROZEN)
     if name in STUDENTS:
         from transformers import LlamaConfig, LlamaForCausalLM
 

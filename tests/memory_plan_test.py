@@ -10,6 +10,7 @@ from pathlib import Path
 import importlib.util
 
 import pytest
+import torch
 
 from playbook.model import models
 from playbook.plan import check, shapes
@@ -545,3 +546,61 @@ def test_a_small_plan_and_a_small_stand_in_read_as_numbers(monkeypatch, capsys):
     assert "0.0 GB" not in captured.err and "0.00 GB" not in captured.out, captured
     assert "PLAYBOOK_FREE_MEMORY_GB=0.001 says this machine has 0.001 GB free" in captured.err, captured.err
     assert gb_text(0.0034 * GB) == "0.0034" and gb_text(80.26 * GB) == "80.3"
+
+
+# ---------------------------------------------------------------------------- the memory options' table
+# The files of playbook/ that name each memory option's field (grep -rlw) besides its homes, config.py (the field and
+# its flag) and memory/options.py (the table): where the table does not drive the option yet (the estimate's terms,
+# prepare_model's apply steps, the mechanisms' parameters; issue 61). A file may leave a set, never join one.
+OPTION_HOMES = {"config.py", "memory/options.py"}
+OPTION_FILES_LEFT = {
+    "gradient_checkpointing": {"memory/activations.py", "memory/saved_activations.py", "model/models.py",
+                               "plan/runs.py"},  # (activations: transformers' own flag of that name)
+    "checkpoint_layers": {"model/models.py", "plan/runs.py"},
+    "offload_activations": {"model/models.py", "plan/estimate.py", "plan/inputs.py", "plan/runs.py"},
+    "keep_attention": {"memory/activations.py", "model/models.py", "plan/estimate.py", "plan/inputs.py",
+                       "plan/runs.py"},
+    "mlp_chunk_tokens": {"memory/tiled_mlp.py", "model/models.py", "model/registry.py", "plan/runs.py"},
+    "recompute_norms": {"memory/saved_activations.py", "model/models.py", "plan/estimate.py", "plan/inputs.py",
+                        "plan/runs.py"},
+    "offload_layers": {"model/models.py", "plan/runs.py"},
+}
+
+
+def test_a_memory_option_is_named_in_no_new_file_of_the_library():
+    import re
+
+    from playbook.memory import options
+
+    root = Path(__file__).resolve().parent.parent / "playbook"
+    assert set(options.FIELDS) == set(OPTION_FILES_LEFT)
+    for name in options.FIELDS:
+        word = re.compile(rf"\b{name}\b")  # as grep -w: "_" is a word character
+        found = {str(p.relative_to(root)) for p in root.rglob("*.py") if word.search(p.read_text())}
+        assert found - OPTION_HOMES <= OPTION_FILES_LEFT[name], f"{name} spread to {found - OPTION_HOMES}"
+
+
+def test_the_offers_hints_and_checks_cover_every_memory_option():
+    """Each entry of the table, turned on or left off as its offer and hint need, is offered by the plan, named by
+    the out-of-memory hints or stops the CUDA graph: the places that iterate over the table see every entry."""
+    from playbook.memory import options
+    from playbook.plan import oom
+    from playbook.run import cuda_graph
+
+    runs = {  # a command line on which each option has something to say
+        "gradient_checkpointing": ("--seq-len", "2048"),
+        "offload_activations": ("--seq-len", "2048", "--checkpoint-layers", "0,1"),
+        "keep_attention": ("--seq-len", "2048", "--gradient-checkpointing", "--keep-attention"),
+        "mlp_chunk_tokens": ("--seq-len", "32768"),
+        "recompute_norms": ("--seq-len", "2048"),
+        "offload_layers": ("--seq-len", "2048", "--offload-layers", "0"),
+    }
+    assert set(runs) == {o.name for o in options.OPTIONS}
+    for o in options.OPTIONS:
+        cfg = replace(_parsed("--model", "llama-3.1-8b", "--batch-size", "8", *runs[o.name]),
+                      device=torch.device("cuda"))  # (the decisions only look at the device's type)
+        context = options.Context(on_gpu=True, seq_len=cfg.seq_len, tokens=cfg.batch_size * cfg.seq_len,
+                                  own_kernels=True)
+        said = [*options.offers(options.values(cfg), context), *oom.memory_hints(cfg), cuda_graph.graph_blocker(cfg)]
+        assert any(o.flag in str(s) for s in said), (o.flag, said)
+    assert set(options.FROZEN) <= set(options.FIELDS) and options.FROZEN["gradient_checkpointing"] is False

@@ -49,7 +49,8 @@ HOST_LINK_BYTES = 9e9  # what --offload-layers moves to the host during a forwar
 OFFLOADED_INPUTS_ON_GPU = 3  # --offload-activations: the input in use, the one being fetched, the one being sent
 DISTILL_FULL_BYTES = 56  # per logit: distill.py's baseline loss, counted op by op (distill.py's docstring)
 HF_LOSS_BYTES = 12  # per logit: Hugging Face's fp32 log-softmax, its gradient and the gradient of the logits
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # bitsandbytes NF4: 4 bits, an 8-bit scale per 64, an fp32 one per 256 of those
+# bitsandbytes NF4: 4 bits, an 8-bit scale per 64 values, an fp32 one per 256 of those
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 # Bytes per value of one quantized copy with its block scales (mx_quant_kernel.py): MXFP8 an e4m3 byte and an
 # e8m0 scale per 32 values; NVFP4 half a byte (packed e2m1) and an e4m3 scale per 16 values
 QUANTIZED_BYTES = {"mx": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}

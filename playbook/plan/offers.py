@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from core import gpu_arch
 from core.process import world
+from playbook.memory import options
 from playbook.model.registry import parse_kernels
 from playbook.plan.estimate import combine
 from playbook.plan.inputs import Setup, Shape
@@ -127,24 +128,9 @@ def _options(cfg, shape: Shape, s: Setup) -> list[Offer]:
         found.append(Offer("--optimizer-rounding stochastic instead of kahan",
                            add=("--optimizer-rounding", "stochastic"), drop=("--optimizer-rounding",),
                            changes=dict(optimizer_rounding="stochastic")))
-    if plain and not cfg.offload_layers:  # (--gradient-checkpointing with --offload-layers is refused)
-        if cfg.checkpoint_layers is None:
-            found.append(Offer("--gradient-checkpointing", add=("--gradient-checkpointing",),
-                               changes=dict(gradient_checkpointing=True, checkpoint_layers="all")))
-        else:
-            found.append(Offer(f"--gradient-checkpointing instead of --checkpoint-layers {cfg.checkpoint_layers}",
-                               add=("--gradient-checkpointing",), drop=("--checkpoint-layers",),
-                               changes=dict(gradient_checkpointing=True, checkpoint_layers="all")))
-    elif cfg.checkpoint_layers and not cfg.offload_activations and cfg.on_gpu:  # (on a CPU the host holds both)
-        found.append(Offer("--offload-activations", add=("--offload-activations",),
-                           changes=dict(offload_activations=True)))
-    if cfg.keep_attention:
-        found.append(Offer("no --keep-attention", drop=("--keep-attention",), changes=dict(keep_attention=False)))
-    if not cfg.mlp_chunk_tokens and s.tokens > 16384:
-        found.append(Offer("--mlp-chunk-tokens 16384", add=("--mlp-chunk-tokens", "16384"),
-                           changes=dict(mlp_chunk_tokens=16384)))
-    if s.kernels == "playbook" and not cfg.recompute_norms and plain and not cfg.compile:
-        found.append(Offer("--recompute-norms", add=("--recompute-norms",), changes=dict(recompute_norms=True)))
+    ctx = options.Context(on_gpu=cfg.on_gpu, compile=cfg.compile, seq_len=cfg.seq_len, tokens=s.tokens, plain=plain,
+                          own_kernels=s.kernels == "playbook")
+    found += [Offer(**suggestion._asdict()) for suggestion in options.offers(options.values(cfg), ctx)]
     if (not cfg.lora_r and not cfg.optimizer_in_backward and cfg.grad_accum == 1 and cfg.max_grad_norm is None
             and world()[1] == 1 and (cfg.defaults is None or cfg.defaults.own_optimizer)
             and not _refuses(cfg, "optimizer_in_backward")):
@@ -192,7 +178,7 @@ def _together(memory: list[Offer]) -> Offer | None:
     names, add, drop, changes = [], [], [], {}
     for o in memory:
         if o.text.startswith("--optimizer-rounding kahan") or (
-                o.text == "--recompute-norms" and "gradient_checkpointing" in changes):
+                o.text == "--recompute-norms" and any(n.startswith("--gradient-checkpointing") for n in names)):
             continue
         names.append(o.text)
         add += o.add

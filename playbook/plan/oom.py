@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from playbook.memory import options
 from playbook.runtime.common import describe_gpu
 
 
@@ -14,8 +15,8 @@ def oom_message(cfg, err: Exception) -> str:
     if cfg.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(cfg.device) / 1e9
         total = torch.cuda.get_device_properties(cfg.device).total_memory / 1e9
-        where = f"out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens (peak allocated {peak:.1f} GB of " \
-                f"{total:.1f} GB on {describe_gpu(cfg.device)})"
+        where = (f"out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens (peak allocated {peak:.1f} GB "
+                 f"of {total:.1f} GB on {describe_gpu(cfg.device)})")
     else:
         where = f"out of memory at batch {cfg.batch_size} x {cfg.seq_len} tokens ({describe_gpu(cfg.device)})"
     return (
@@ -31,14 +32,7 @@ def memory_hints(cfg) -> list[str]:
     if getattr(cfg, "optimizer_rounding", None) == "kahan":
         hints.insert(0, "--optimizer-rounding stochastic (no memory for the Kahan buffer, 2 bytes per weight; "
                         "docs/quality.md compares them)")
-    if not (cfg.gradient_checkpointing or cfg.checkpoint_layers):
-        hints.append("--gradient-checkpointing (or --checkpoint-layers for some of the layers)")
-    elif not cfg.offload_activations:
-        hints.append("--offload-activations (the checkpointed layers' inputs wait in host memory)")
-    if cfg.keep_attention:
-        hints.append("no --keep-attention (attention's outputs recomputed in backward instead of kept)")
-    if cfg.seq_len >= 16384 and not cfg.mlp_chunk_tokens:
-        hints.append("--mlp-chunk-tokens 16384 (the MLP's intermediates one chunk at a time)")
+    hints += options.hints(options.values(cfg), options.Context(on_gpu=cfg.on_gpu, seq_len=cfg.seq_len))
     if not cfg.lora_r:
         hints.append("for a full fine-tune, the options of docs/memory.md's 'A full fine-tune in less memory' "
                      "(--optimizer-in-backward, --recompute-norms, --offload-layers)")

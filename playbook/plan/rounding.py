@@ -79,9 +79,9 @@ ROUNDING_ORDER = ("nearest", "stochastic", "kahan")  # a process's choice, least
 
 def agree_on_rounding(cfg):
     """Under torchrun (the process group started by run/start.py's settle, before the plan): each process chose its
-    default rounding from its own GPU's free memory, and near the limit they may differ. Every process takes the choice that fits on all of them
-    (the first of ROUNDING_ORDER that any chose), with one line where that changes this one's. Returns the
-    RunConfig to go on with; one process, or no process group: unchanged."""
+    default rounding from its own GPU's free memory, and near the limit they may differ. Every process takes the
+    choice that fits on all of them (the first of ROUNDING_ORDER that any chose), with one line where that changes
+    this one's. Returns the RunConfig to go on with; one process, or no process group: unchanged."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return cfg
     device = cfg.device if dist.get_backend() == "nccl" else "cpu"

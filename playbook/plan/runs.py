@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from core.process import world
+from playbook.memory import options
 from playbook.memory.activations import parse_layers
 from playbook.model.lora import parse_targets
 from playbook.model.presets import PRESETS, weights_dtype
@@ -78,7 +79,7 @@ def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
         wbytes = 2 if name in PRESETS or config is not None else weights_dtype(replace_model(cfg, name),
                                                                                 torch.bfloat16).itemsize
         if not trains:  # a frozen teacher: its weights, one forward without saved activations
-            role.update(lora_r=0, load_in_4bit=False, fp8=False, gradient_checkpointing=False, checkpoint_layers=None)
+            role.update(lora_r=0, load_in_4bit=False, fp8=False, **options.FROZEN)
         setup = setup_from(role, shape, world=world()[1], weight_bytes=wbytes, trains=trains)
         out.append((name, shape, replace(setup, loss=loss) if loss else setup))
     return out
