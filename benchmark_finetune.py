@@ -17,7 +17,7 @@ group run on the same seed and the same batches, so the peers (Hugging Face, tor
 Liger-Kernel) are measured beside ours on this GPU, in the same run.
 
 A row never ends the run:
-  does not fit     the memory plan (playbook/plan/memory_plan.py) is worked out for the row's command
+  does not fit     the memory plan (playbook/plan/) is worked out for the row's command
                    before it runs; a peak above this GPU's free memory is a row that says "needs 115.8 GB,
                    this GPU has 84.9 GB free", and is not run. PLAYBOOK_FREE_MEMORY_GB=N stands in for the
                    free memory (to plan for another GPU, or to see such a row on any machine).
@@ -340,7 +340,8 @@ def this_machine(cpu: bool = False) -> Machine:
     if stand_in is not None:
         m.free_gb, m.free_source = stand_in, f"PLAYBOOK_FREE_MEMORY_GB={os.environ['PLAYBOOK_FREE_MEMORY_GB']}"
     elif m.free_gb is None:  # the CPU form: the memory plan checks the host's (the scripts do the same)
-        from playbook.plan.memory_plan import GB, free_memory
+        from playbook.plan.free_memory import free_memory
+        from playbook.plan.inputs import GB
 
         free, m.free_source = free_memory("cpu")
         m.free_gb = free / GB
@@ -396,7 +397,7 @@ def missing_packages(row: Row) -> list[str]:
 
 def plan_peak_gb(cmd: list[str]) -> float | None:
     """The memory plan's peak for a fine-tuning command, in GB, worked out from its arguments as the script
-    itself does before building anything (config.parse_config, then memory_plan.run_plans / combine); None
+    itself does before building anything (config.parse_config, then runs.run_plans / estimate.combine); None
     where the plan cannot be made before the model loads (a model whose config is not on this machine).
     The rounding left open is counted as stochastic, the one a script falls back to where Kahan's buffer
     does not fit: the row does not fit only when no rounding would."""
@@ -405,7 +406,8 @@ def plan_peak_gb(cmd: list[str]) -> float | None:
         return None
     from playbook.config import BASELINE, OPTIMIZED, make_parser, parse_config
     from playbook.model.registry import DEFAULT_KERNELS
-    from playbook.plan import memory_plan
+    from playbook.plan import estimate, runs
+    from playbook.plan.inputs import GB
 
     parser = (make_parser("plan") if script == "finetune_baseline"
               else make_parser("plan", kernels_default=DEFAULT_KERNELS))
@@ -416,8 +418,8 @@ def plan_peak_gb(cmd: list[str]) -> float | None:
         return None
     if cfg.optimizer_rounding == "auto":
         cfg = replace(cfg, optimizer_rounding="stochastic")
-    plans = memory_plan.run_plans(cfg)
-    return memory_plan.combine(plans).peak / memory_plan.GB if plans else None
+    plans = runs.run_plans(cfg)
+    return estimate.combine(plans).peak / GB if plans else None
 
 
 def precheck(row: Row, cmd: list[str], machine: Machine) -> dict | None:
@@ -439,7 +441,8 @@ def precheck(row: Row, cmd: list[str], machine: Machine) -> dict | None:
     if peak is not None and machine.free_gb is not None and peak > machine.free_gb:
         where = "this GPU has" if machine.on_gpu and not machine.free_source.startswith("PLAYBOOK") else \
             f"{machine.free_source} gives"
-        from playbook.plan.memory_plan import GB, gb_text
+        from playbook.plan.free_memory import gb_text
+        from playbook.plan.inputs import GB
 
         return {"status": "does not fit", "plan_peak_gb": peak,
                 "reason": f"needs {gb_text(peak * GB)} GB, {where} {gb_text(machine.free_gb * GB)} GB free (the "

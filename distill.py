@@ -73,6 +73,7 @@ from playbook import config  # noqa: E402
 from playbook.run.start import settle  # noqa: E402
 from playbook.run.resume import check_output_folders  # noqa: E402
 from playbook.model.models import count_params, load_model, prepare_model  # noqa: E402
+from playbook.memory import options  # noqa: E402
 from playbook.model.presets import PRESETS  # noqa: E402
 from playbook.runtime.time_left import running  # noqa: E402
 from playbook.config import positive_float, positive_int  # noqa: E402
@@ -187,7 +188,7 @@ class DistillConfig:
                    alpha=a.alpha, beta=a.beta, temperature=a.temperature)
 
     def plan_models(self) -> list:
-        """The models the memory plan counts (playbook/plan/memory_plan.py): (name, layers, trains, config or None,
+        """The models the memory plan counts (playbook/plan/runs.py): (name, layers, trains, config or None,
         loss) of the frozen teacher and the student; the loss of the mode that needs more ("full" logits in
         the baseline, "fused" chunks)."""
         loss = "distill-full" if self.mode in ("baseline", "both") else "distill-fused"
@@ -222,8 +223,7 @@ def build_model(cfg, name: str, num_layers: int | None, trains: bool):
     dtype = DTYPES[d.dtype]
     role = dataclasses.replace(cfg, model=name, num_layers=num_layers, model_explicit=True)
     if not trains:  # the frozen teacher: its forward pass with the kernels, nothing that serves training
-        role = dataclasses.replace(role, fp8=False, gradient_checkpointing=False, lora_r=0, load_in_4bit=False,
-                                   recompute_norms=False, offload_layers=None)
+        role = dataclasses.replace(role, fp8=False, lora_r=0, load_in_4bit=False, **options.FROZEN)
     if name in STUDENTS:
         from transformers import LlamaConfig, LlamaForCausalLM
 

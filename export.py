@@ -66,7 +66,8 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
     start("nothing was written", kernels=False)  # (no kernel runs here)
 
 from playbook.model import saved_run  # noqa: E402
-from playbook.plan.memory_plan import Shape, model_shape  # noqa: E402
+from playbook.plan.inputs import Shape  # noqa: E402
+from playbook.plan.shapes import model_shape  # noqa: E402
 
 TYPES = ("f16", "bf16", "q8_0", "q4_0")
 BLOCK = 32  # values per q8_0 / q4_0 block: each row's width must be a multiple of it
@@ -146,8 +147,9 @@ def config_dtype(config: dict) -> str:
 
 def check_memory(what: str, shape, dtype: str, weight_type: str) -> None:
     """Refuse, before it is built, a model this machine cannot hold while exporting it: its weights in `dtype` and
-    the file's weights in --type. `shape`: its memory_plan.Shape (None: unknown until it is downloaded)."""
-    from playbook.plan.memory_plan import FREE_MEMORY_ENV, GB, free_memory
+    the file's weights in --type. `shape`: its plan.inputs.Shape (None: unknown until it is downloaded)."""
+    from playbook.plan.free_memory import FREE_MEMORY_ENV, free_memory
+    from playbook.plan.inputs import GB
 
     if shape is None:
         return

@@ -308,9 +308,9 @@ if __name__ == "__main__":
                        help="the memory plan's estimate against the peak each saved run measured (results/runs/*.json)")
     args = parser.parse_args()
     if args.memory_table:
-        from playbook.plan.memory_plan import table
+        from playbook.plan import table
 
-        print(table(args.memory_table))
+        print(table.table(args.memory_table))
         sys.exit(0)
     if args.reachable is not None:
         sys.exit(setup_check.main(["--reachable", args.reachable]))

@@ -33,7 +33,7 @@ from playbook.memory.activations import parse_layers
 from playbook.model.lora import parse_targets
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import NAMES, PEERS, parse_kernels
-from playbook.plan import memory_plan
+from playbook.plan import check
 from playbook.runtime import environment
 from playbook.runtime.common import usage_error
 
@@ -174,7 +174,7 @@ class TrainingSection:
     optimizer: str
     optimizer_rounding: str  # how adamw-triton rounds each new bf16 weight: "nearest", "stochastic" or "kahan";
     # "auto" (neither --optimizer-rounding nor --master-weights given, a full fine-tune with adamw-triton): chosen
-    # as the run starts, from the memory plan (memory_plan.choose_rounding: kahan where it fits, else stochastic)
+    # as the run starts, from the memory plan (plan/rounding.choose_rounding: kahan where it fits, else stochastic)
     master_weights: str  # "fp32": adamw-triton updates an fp32 copy of each weight; "none": the bf16 weight itself
     optimizer_in_backward: bool
     max_grad_norm: float | None
@@ -198,7 +198,7 @@ class OutputSection:
     overwrite: bool
     report_to: str
     sample_prompts: Path | None = None  # a file of prompts answered (greedy) before and after training
-    ignore_memory_plan: bool = False  # run even where the memory plan (playbook/plan/memory_plan.py) says it will not fit
+    ignore_memory_plan: bool = False  # run even where the memory plan (playbook/plan/check.py) says it will not fit
 
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "data": DataSection, "training": TrainingSection,
@@ -618,7 +618,7 @@ LORA_LR = 2e-4
 
 
 def default_rounding(optimizer: str, master_weights: str, lora_r: int, extra=None) -> str:
-    """--optimizer-rounding where the command line gives none: "auto" (memory_plan.choose_rounding picks kahan
+    """--optimizer-rounding where the command line gives none: "auto" (rounding.choose_rounding picks kahan
     or stochastic as the run starts) where the Triton AdamW updates bf16 weights of a full fine-tune without
     --master-weights; "nearest" elsewhere (PyTorch's AdamW, LoRA's fp32 adapters, distill.py --dtype float32),
     where there is nothing to choose."""
@@ -683,14 +683,14 @@ def parse_config(parser: argparse.ArgumentParser, script, argv=None) -> RunConfi
 
 def _check_timed_steps(cfg: RunConfig, defaults: ScriptDefaults) -> None:
     """--steps must leave a timed step after --timing-warmup-steps: checked last, once the whole run is known, so
-    that a run too large for the memory says that first (memory_plan.problem), in the same line."""
+    that a run too large for the memory says that first (plan/check.problem), in the same line."""
     steps, warmup = cfg.steps, cfg.warmup_steps
     if steps is None or warmup < steps or not defaults.timed_steps:
         return
 
     timing = (f"--steps {steps} leaves no timed step after --timing-warmup-steps {warmup}: give --steps {warmup + 1} "
               f"or more, or fewer warm-up steps (--timing-warmup-steps {max(steps - 1, 0)})")
-    too_big = memory_plan.problem(cfg)
+    too_big = check.problem(cfg)
     raise usage_error(f"{too_big}; and {timing}" if too_big else timing)
 
 

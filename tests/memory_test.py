@@ -1,4 +1,4 @@
-"""Memory options (playbook/memory/activations.py): selective checkpointing, offloaded checkpoints, the tiled MLP.
+"""Memory options (playbook/memory/): selective checkpointing, offloaded checkpoints, the tiled MLP.
 
     $ PYTHONPATH=. python tests/memory_test.py       # a readable report
     $ pytest tests/memory_test.py
@@ -41,7 +41,7 @@ import pytest
 import torch
 import torch.utils._python_dispatch
 
-from playbook.memory import activations
+from playbook.memory import activations, host_offload, saved_activations, tiled_mlp
 from playbook.model import models
 from playbook.config import make_parser, parse_config
 from core.kernel_utils import DEVICE
@@ -374,7 +374,7 @@ def test_saved_activations_are_bitwise_the_plain_model(recompute, offload, check
     model = tiny()
     if checkpointed:
         activations.apply_checkpointing(layers(model), checkpointed)
-    saved = activations.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
+    saved = saved_activations.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
     plain = [i for i in range(LAYERS) if not (checkpointed and i in activations.parse_layers(checkpointed, LAYERS))]
     offloaded = activations.parse_layers(offload, LAYERS) if offload else ()
     refs = norm_outputs(model)
@@ -421,7 +421,7 @@ def test_saved_activations_with_kernels_and_lora():
     for lora in (False, True):
         want = run(build(lora))
         model = build(lora)
-        saved = activations.apply_saved_activations(layers(model), True, "0,2", min_bytes=0)
+        saved = saved_activations.apply_saved_activations(layers(model), True, "0,2", min_bytes=0)
         got = run(model)
         assert saved.recomputed == 2 * LAYERS, saved.recomputed
         same(f"{'fused LoRA' if lora else 'default kernels'} + norms + offload 0,2: recomputed {saved.recomputed}",
@@ -434,7 +434,7 @@ def test_saved_activations_refuse_a_changed_tensor():
     version check gives without the hooks."""
     for recompute, offload in ((True, None), (False, "all")):
         model = tiny()
-        activations.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
+        saved_activations.apply_saved_activations(layers(model), recompute, offload, min_bytes=0)
         changed = []
         target = layers(model)[1].input_layernorm
         target.register_forward_pre_hook(lambda m, args: changed.append(args[0]))
@@ -452,7 +452,7 @@ def test_saved_activations_leave_checkpointed_layers_alone():
     model = tiny()
     activations.apply_checkpointing(layers(model), "1")
     with pytest.raises(ValueError, match="both checkpointed and offloaded"):
-        activations.apply_saved_activations(layers(model), False, "0,1")
+        saved_activations.apply_saved_activations(layers(model), False, "0,1")
     parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--checkpoint-layers", "0",
                                                       "--offload-layers", "all"])
@@ -468,7 +468,7 @@ def test_saved_activations_via_prepare_model(capsys):
     cfg = parse_config(parser, "finetune_optimized", ["--model", "llama-tiny", "--recompute-norms", "--checkpoint-layers",
                                                       "1", "--offload-layers", "0"])
     model = models.prepare_model(cfg)[0]
-    saved = activations.saved_activations_of(layers(model))
+    saved = saved_activations.saved_activations_of(layers(model))
     assert saved is not None and saved.recompute_norms and saved.offload is not None
     assert [layer.offload_saved for layer in layers(model)] == [True, False]
     out = capsys.readouterr()
@@ -486,7 +486,7 @@ def test_tiled_mlp_matches_the_plain_model(chunk):
     plain = tiny()
     ref, want = run(float64_copy(plain)), run(plain)
     model = tiny()
-    assert activations.apply_tiled_mlp(layers(model), chunk) == LAYERS
+    assert tiled_mlp.apply_tiled_mlp(layers(model), chunk) == LAYERS
     calls = count_calls([layer.mlp.gate_proj for layer in layers(model)])
     got = run(model)
     n = math.ceil(TOKENS / chunk)
@@ -498,7 +498,7 @@ def test_tiled_mlp_matches_the_plain_model(chunk):
 def test_one_chunk_is_the_mlp_itself():
     want = run(tiny())
     model = tiny()
-    activations.apply_tiled_mlp(layers(model), TOKENS)
+    tiled_mlp.apply_tiled_mlp(layers(model), TOKENS)
     same(f"tiled MLP, one chunk of {TOKENS} tokens: the untouched MLP", run(model), want)
 
 
@@ -507,7 +507,7 @@ def test_tiled_mlp_in_bf16():
     plain = tiny(dtype=torch.bfloat16)
     ref, want = run(float64_copy(plain)), run(plain)
     model = tiny(dtype=torch.bfloat16)
-    activations.apply_tiled_mlp(layers(model), 7)
+    tiled_mlp.apply_tiled_mlp(layers(model), 7)
     close("tiled MLP in bf16, chunks of 7 (weight gradients summed in fp32)", run(model), want, ref, torch.bfloat16)
 
 
@@ -516,7 +516,7 @@ def test_tiled_mlp_gradient_hooks_fire_once():
     """--optimizer-in-backward steps each parameter in its post-accumulate hook: the tiled MLP must
     hand autograd each weight's gradient once, whole, not once per chunk."""
     model = tiny()
-    activations.apply_tiled_mlp(layers(model), 5)
+    tiled_mlp.apply_tiled_mlp(layers(model), 5)
     fired = {}
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
@@ -531,11 +531,11 @@ def test_all_options_together():
     plain = tiny()
     ref, want = run(float64_copy(plain)), run(plain)
     tiled = tiny()
-    activations.apply_tiled_mlp(layers(tiled), 7)
+    tiled_mlp.apply_tiled_mlp(layers(tiled), 7)
     tiled_result = run(tiled)
     model = tiny()
     activations.apply_checkpointing(layers(model), "every:2", offload=True)
-    activations.apply_tiled_mlp(layers(model), 7)
+    tiled_mlp.apply_tiled_mlp(layers(model), 7)
     got = run(model)
     same("every:2 + offload + tiled MLP (7): bitwise the tiled MLP alone", got, tiled_result)
     close("every:2 + offload + tiled MLP (7) against float64", got, want, ref)
@@ -563,7 +563,7 @@ def test_with_the_swiglu_kernel():
     activations.apply_checkpointing(layers(model), "all", offload=True)
     same("swiglu kernel + checkpointing + offload: bitwise the patched model", run(model), want)
     model = swiglu_patched()
-    activations.apply_tiled_mlp(layers(model), 7)
+    tiled_mlp.apply_tiled_mlp(layers(model), 7)
     assert layers(model)[0].mlp.untiled_forward.__func__ is swiglu_kernel.swiglu_mlp_forward
     close("swiglu kernel + tiled MLP (7)", run(model), want, ref)
 
@@ -600,7 +600,7 @@ def test_with_lora(fused):
     same(f"LoRA ({'fused' if fused else 'peft'}) + checkpointing + offload: bitwise", run(model), want)
     model = lora_model(fused)
     activations.apply_checkpointing(layers(model), "1,2")
-    activations.apply_tiled_mlp(layers(model), 5)
+    tiled_mlp.apply_tiled_mlp(layers(model), 5)
     got = run(model)
     adapters = [n for n, g in got[1].items() if "lora_" in n]
     assert adapters and all(got[1][n] is not None and got[1][n].abs().sum() > 0 for n in adapters)
@@ -628,7 +628,7 @@ def test_with_fp8_projections():
     activations.apply_checkpointing(layers(model), "every:2", offload=True)
     same("FP8 + every:2 + offload: bitwise the FP8 model", run(model), want)
     model = fp8()
-    activations.apply_tiled_mlp(layers(model), 7)
+    tiled_mlp.apply_tiled_mlp(layers(model), 7)
     close("FP8 + tiled MLP (7), against the untiled FP8 model's error", run(model), want, ref)
 
 
@@ -646,7 +646,7 @@ def test_prepare_model_applies_the_options():
     stack = layers(model)
     assert [layer.gradient_checkpointing for layer in stack] == [i % 2 == 0 for i in range(len(stack))]
     assert activations.offload_of(stack) is not None
-    assert all(layer.mlp.mlp_chunk_tokens == 40 and layer.mlp.forward.__func__ is activations._tiled_forward
+    assert all(layer.mlp.mlp_chunk_tokens == 40 and layer.mlp.forward.__func__ is tiled_mlp._tiled_forward
                for layer in stack)
     optimizer = make_optimizer(model, cfg)
     data = make_run_data(cfg, model)
@@ -694,7 +694,7 @@ def test_gpu_tiled_mlp_lowers_the_peak():
 
     untiled = _peak_above_start(step)
     want = [p.grad.clone() for p in mlp.parameters()] + [x.grad.clone()]
-    activations.apply_tiled_mlp([types.SimpleNamespace(mlp=mlp)], chunk)  # a stand-in decoder layer
+    tiled_mlp.apply_tiled_mlp([types.SimpleNamespace(mlp=mlp)], chunk)  # a stand-in decoder layer
     tiled = _peak_above_start(step)
     got = [p.grad for p in mlp.parameters()] + [x.grad]
     inter = activations.mlp_intermediate_bytes(tokens, 14336)
@@ -787,7 +787,7 @@ def test_gpu_saved_activations_lower_the_peak_bitwise():
             model = LlamaForCausalLM(config).to(torch.bfloat16).train()
         apply_kernels(model, [k for k in DEFAULT_KERNELS if k not in ("adamw", "lora")], verbose=False)
         if recompute or offload:
-            activations.apply_saved_activations(model.model.layers, recompute, offload)
+            saved_activations.apply_saved_activations(model.model.layers, recompute, offload)
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -821,7 +821,7 @@ def test_gpu_pinned_buffers_are_exact_and_pinned():
     """The offload's host buffers: pinned (so copies are asynchronous DMA), exactly the size asked for (not
     rounded up to a power of two as PyTorch's pinned-memory allocator does), and copies through them exact."""
     numel = 3 * 2**20 + 5
-    buf = activations._pinned(numel, torch.bfloat16)
+    buf = host_offload._pinned(numel, torch.bfloat16)
     assert buf.is_pinned() and buf.numel() == numel and buf.untyped_storage().nbytes() == 2 * numel
     src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
     buf.copy_(src, non_blocking=True)

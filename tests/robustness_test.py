@@ -560,7 +560,7 @@ def test_models_refused_before_they_are_built(monkeypatch, capsys):
     anything is built or fetched. (The 8B shapes still build on the meta device: finetune_test.py's preset
     and fallback tests.)"""
     from playbook.model import models
-    from playbook.plan import memory_plan
+    from playbook.plan import check
 
     monkeypatch.setattr(common, "host_memory_limit", lambda: 16 * 10**9)  # the 16 GB a container allowed
     monkeypatch.delenv("PLAYBOOK_FREE_MEMORY_GB", raising=False)
@@ -573,7 +573,7 @@ def test_models_refused_before_they_are_built(monkeypatch, capsys):
         with pytest.raises(SystemExit) as info:
             cfg = parse_config(make_parser("t", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized",
                                [*argv, "--batch-size", "2", "--seq-len", "64"])
-            memory_plan.check(cfg)  # as a run starts, before the model is built
+            check.check(cfg)  # as a run starts, before the model is built
             models.load_model(cfg)
         err = capsys.readouterr().err
         assert info.value.code == 2 and mentions in err and len(err.strip().splitlines()) == 1, err

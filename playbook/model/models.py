@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core import gpu_arch
 from core.process import log, world
-from playbook.memory import activations
+from playbook.memory import activations, saved_activations, tiled_mlp
 from playbook.model import packed_attention, pretrained, registry
 from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype
 from playbook.runtime.common import is_out_of_memory, usage_error
@@ -335,8 +335,8 @@ def apply_fp8_base(model: nn.Module) -> int:
 
 def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
     """--mlp-chunk-tokens N: each decoder layer's MLP computed over chunks of N tokens, forward and backward,
-    each chunk through the MLP's forward as the steps before left it (playbook/memory/activations.py)."""
-    mlps = activations.apply_tiled_mlp(decoder_layers(model), chunk_tokens)
+    each chunk through the MLP's forward as the steps before left it (playbook/memory/tiled_mlp.py)."""
+    mlps = tiled_mlp.apply_tiled_mlp(decoder_layers(model), chunk_tokens)
     width = getattr(model.config, "intermediate_size", None)
     log(f"Tiled MLP: {mlps} MLPs computed over chunks of {chunk_tokens:,} tokens"
         + (f" (one chunk's [{chunk_tokens:,}, {width:,}] intermediates at a time)" if width else ""))
@@ -345,12 +345,12 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
 
 def apply_saved_activations(model: nn.Module, recompute_norms: bool, offload_layers: str | None):
     """--recompute-norms / --offload-layers SPEC: what the layers that are not checkpointed save for backward,
-    through saved-tensor hooks (playbook/memory/activations.py): the norms' outputs recomputed from their inputs, and the
-    named layers' saved tensors in pinned host memory. A layer both checkpointed and offloaded, or a SPEC
-    naming a layer the model does not have, is a usage error (exit code 2)."""
+    through saved-tensor hooks (playbook/memory/saved_activations.py): the norms' outputs recomputed from their
+    inputs, and the named layers' saved tensors in pinned host memory. A layer both checkpointed and offloaded, or a
+    SPEC naming a layer the model does not have, is a usage error (exit code 2)."""
     stack = decoder_layers(model)
     try:
-        saved = activations.apply_saved_activations(stack, recompute_norms, offload_layers)
+        saved = saved_activations.apply_saved_activations(stack, recompute_norms, offload_layers)
     except ValueError as err:
         raise usage_error(f"--offload-layers {err}") from None
     parts = []

@@ -1,5 +1,5 @@
 """The model presets (configs of random-weight models) and the dtype a model trains in: data both the model
-builder (playbook/model/models.py) and the memory plan (playbook/plan/memory_plan.py) read, with no model code."""
+builder (playbook/model/models.py) and the memory plan (playbook/plan/) read, with no model code."""
 
 from __future__ import annotations
 

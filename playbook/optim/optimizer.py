@@ -27,7 +27,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def rounding_of(master_weights: str | None, optimizer_rounding: str | None) -> str:
     """The one mapping from the flags to how the Triton AdamW rounds each new bf16 weight (adamw_kernel.ROUNDINGS):
     --master-weights fp32 is "fp32-master", else --optimizer-rounding. "auto" (neither given) is decided as a run
-    starts (memory_plan.start); read before that, or where nothing was given (None), it rounds to nearest."""
+    starts (plan/check.start); read before that, or where nothing was given (None), it rounds to nearest."""
     if master_weights == "fp32":
         return "fp32-master"
     return "nearest" if optimizer_rounding in (None, "auto") else optimizer_rounding

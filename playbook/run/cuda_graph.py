@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from core.process import log, world
+from playbook.memory import options
 from playbook.model import packed_attention
 
 
@@ -51,10 +52,9 @@ def graph_blocker(cfg, data=None) -> str | None:
         return "--cuda-graphs off"
     if world()[1] > 1:
         return "FSDP2 issues its collectives from host-side hooks each step"
-    if cfg.offload_activations:
-        return "--offload-activations copies to host memory under the host's control"
-    if getattr(cfg, "offload_layers", None):
-        return "--offload-layers copies to host memory under the host's control"
+    blocker = options.graph_blocker(options.values(cfg))  # copies to host memory under the host's control
+    if blocker:
+        return blocker
     if cfg.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
     if data is None:

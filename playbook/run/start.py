@@ -28,10 +28,11 @@ from playbook.model.presets import PRESETS
 from playbook.model.registry import in_effect
 from playbook.model.tokenizer import make_tokenizer
 from playbook.optim.optimizer import make_optimizer
-from playbook.plan import memory_plan
+from playbook.plan import check
+from playbook.plan.oom import oom_message
 from playbook.run import cuda_graph
 from playbook.runtime import output, signals
-from playbook.runtime.common import describe_gpu, is_out_of_memory, oom_message
+from playbook.runtime.common import describe_gpu, is_out_of_memory
 
 
 def settle(cfg, connect: bool = True):
@@ -40,7 +41,7 @@ def settle(cfg, connect: bool = True):
     check_run_data(cfg)  # data that leaves nothing to train on: one line, before anything is built
     if connect:
         init_distributed(torch.device(cfg.device))  # (one process: nothing) so that the plan's choice is agreed
-    return memory_plan.start(cfg)
+    return check.start(cfg)
 
 
 @dataclass

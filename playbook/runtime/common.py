@@ -1,7 +1,7 @@
 """What the process shares with every part of the playbook: usage errors, the terminal, the GPU (its name,
-bf16 peak and host memory, a synchronize), the versions a result records, out-of-memory advice, and stderr
-lines filtered. log(), the processes (torchrun) and whether a model is a peft model are core/process.py's;
-results/ files and the atomic writer are playbook/store/files.py's.
+bf16 peak and host memory, a synchronize), the versions a result records, whether an error is an out-of-memory one
+(the advice is playbook/plan/oom.py's), and stderr lines filtered. log(), the processes (torchrun) and whether a
+model is a peft model are core/process.py's; results/ files and the atomic writer are playbook/store/files.py's.
 """
 
 from __future__ import annotations
@@ -101,49 +101,6 @@ def is_out_of_memory(err: BaseException) -> bool:
     (OOM_MESSAGES), on the GPU or the CPU."""
     return isinstance(err, torch.cuda.OutOfMemoryError) or (
         isinstance(err, RuntimeError) and any(s in str(err) for s in OOM_MESSAGES))
-
-
-def oom_message(cfg, err: Exception) -> str:
-    """What to do when memory ran out: the batch, the peak on a GPU, the settings that need less."""
-    if cfg.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(cfg.device) / 1e9
-        total = torch.cuda.get_device_properties(cfg.device).total_memory / 1e9
-        where = f"out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens (peak allocated {peak:.1f} GB of " \
-                f"{total:.1f} GB on {describe_gpu(cfg.device)})"
-    else:
-        where = f"out of memory at batch {cfg.batch_size} x {cfg.seq_len} tokens ({describe_gpu(cfg.device)})"
-    return (
-        f"\nerror: {where}.\n"
-        f"Try: {'; '.join(memory_hints(cfg))}.\n"
-        f"PyTorch said: {str(err).splitlines()[0][:300]}"
-    )
-
-
-def memory_hints(cfg) -> list[str]:
-    """The settings that need less memory than this run's, the options it already has left out."""
-    hints = ["a smaller --batch-size (with --grad-accum to keep the tokens per step) or --seq-len"]
-    if getattr(cfg, "optimizer_rounding", None) == "kahan":
-        hints.insert(0, "--optimizer-rounding stochastic (no memory for the Kahan buffer, 2 bytes per weight; "
-                        "docs/quality.md compares them)")
-    if not (cfg.gradient_checkpointing or cfg.checkpoint_layers):
-        hints.append("--gradient-checkpointing (or --checkpoint-layers for some of the layers)")
-    elif not cfg.offload_activations:
-        hints.append("--offload-activations (the checkpointed layers' inputs wait in host memory)")
-    if cfg.keep_attention:
-        hints.append("no --keep-attention (attention's outputs recomputed in backward instead of kept)")
-    if cfg.seq_len >= 16384 and not cfg.mlp_chunk_tokens:
-        hints.append("--mlp-chunk-tokens 16384 (the MLP's intermediates one chunk at a time)")
-    if not cfg.lora_r:
-        hints.append("for a full fine-tune, the options of docs/memory.md's 'A full fine-tune in less memory' "
-                     "(--optimizer-in-backward, --recompute-norms, --offload-layers)")
-        hints.append("--lora-r 16 instead of a full fine-tune")
-    elif not cfg.load_in_4bit:
-        hints.append("--load-in-4bit (QLoRA: the frozen projections in NF4)")
-    if getattr(cfg.defaults, "memory_hint", None):  # the script's own (config.ScriptDefaults)
-        hints.append(cfg.defaults.memory_hint)
-    hints.append("fewer layers with --num-layers to measure a slice of the model")
-    hints.append("several GPUs with torchrun (FSDP2 shards parameters, gradients and optimizer state)")
-    return hints
 
 
 @contextlib.contextmanager
