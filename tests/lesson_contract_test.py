@@ -159,6 +159,8 @@ def test_docstring_byte_counts_are_ideal_bytes(entry):
     stated = _stated_counts(module.__doc__)
     if entry.name in OWN_BYTE_CHECKS:
         assert not stated, f"{entry.name} states `ideal_bytes(...) = N B` now: check it here, not in OWN_BYTE_CHECKS"
+        where, test = OWN_BYTE_CHECKS[entry.name].split()[0].split("::")
+        assert test in _defines(ROOT / where), f"{entry.name}: no {test} in {where} (OWN_BYTE_CHECKS)"
         record(f"{entry.name}: its byte counts are checked by {OWN_BYTE_CHECKS[entry.name]}", 0.0, 0.0, True)
         return
     assert {kw.get("backward", False) for _, _, kw, _ in stated} == {False, True}, \
