@@ -29,6 +29,7 @@ if __name__ == "__main__":  # run as a script: the start-up conftest.py makes un
 import pytest
 import torch
 
+from playbook.memory import options
 from playbook.model import registry as ak
 from playbook.runtime import common
 from playbook.plan import oom
@@ -562,8 +563,8 @@ def test_prepare_model_applies_its_steps_in_order(monkeypatch):
 
     monkeypatch.setattr(ak, "apply_kernels", spy("kernels", ak.apply_kernels))
     monkeypatch.setattr(ak, "apply_fp8", spy("fp8"))
-    monkeypatch.setattr(models, "apply_gradient_checkpointing", spy("gradient_checkpointing",
-                                                                    models.apply_gradient_checkpointing))
+    monkeypatch.setattr(options, "apply_gradient_checkpointing", spy("gradient_checkpointing",
+                                                                     options.apply_gradient_checkpointing))
     monkeypatch.setattr(models, "apply_lora", spy("lora", models.apply_lora))
     monkeypatch.setattr(models, "apply_compile", spy("compile"))
     cfg = config("--kernels", "rmsnorm", "--fp8", "--fp8-recipe", "rowwise", "--gradient-checkpointing", "--lora-r", "4", "--compile",

@@ -174,9 +174,11 @@ def test_heartbeat_says_where_the_step_is(capsys):
 
 
 def test_offload_activations_on_a_cpu_says_what_it_does_there(capsys):
-    from playbook.model.models import apply_gradient_checkpointing
+    from playbook.memory.options import apply_gradient_checkpointing
+    from playbook.model.models import decoder_layers
 
-    apply_gradient_checkpointing(_tiny(2), offload=True)
+    model = _tiny(2)
+    apply_gradient_checkpointing(model, decoder_layers(model), offload=True)
     line = capsys.readouterr().out
     assert "side stream" not in line and "pinned" not in line, line  # a GPU's words
     assert "saves nothing there" in line

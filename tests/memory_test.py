@@ -255,7 +255,7 @@ def test_keep_attention_skips_its_recompute_bitwise(spec, offload, chosen):
     runs = {}
     for keep in (False, True):
         model = tiny_sdpa()
-        activations.apply_checkpointing(layers(model), spec, offload=offload, keep_attention=keep)
+        activations.apply_checkpointing(layers(model), spec, offload=offload, selective=keep)
         calls = count_calls([layer.input_layernorm for layer in layers(model)])
         with _CountAttention() as counted:
             runs[keep] = run(model)
@@ -273,7 +273,7 @@ def test_keep_attention_via_prepare_model(capsys):
                                                       "--keep-attention"])
     model, *_ = models.prepare_model(cfg)
     funcs = {type(layer._gradient_checkpointing_func).__name__ for layer in layers(model)}
-    assert funcs == {"LayerCheckpoint"} and all(layer._gradient_checkpointing_func.keep_attention
+    assert funcs == {"LayerCheckpoint"} and all(layer._gradient_checkpointing_func.selective
                                                 for layer in layers(model))
     out = capsys.readouterr()
     line = [x for x in (out.out + out.err).splitlines() if x.startswith("Gradient checkpointing")]
@@ -469,7 +469,7 @@ def test_saved_activations_via_prepare_model(capsys):
                                                       "1", "--offload-layers", "0"])
     model = models.prepare_model(cfg)[0]
     saved = saved_activations.saved_activations_of(layers(model))
-    assert saved is not None and saved.recompute_norms and saved.offload is not None
+    assert saved is not None and saved.norms_recomputed and saved.offload is not None
     assert [layer.offload_saved for layer in layers(model)] == [True, False]
     out = capsys.readouterr()
     line = [x for x in (out.out + out.err).splitlines() if x.startswith("Saved activations")]
@@ -646,7 +646,7 @@ def test_prepare_model_applies_the_options():
     stack = layers(model)
     assert [layer.gradient_checkpointing for layer in stack] == [i % 2 == 0 for i in range(len(stack))]
     assert activations.offload_of(stack) is not None
-    assert all(layer.mlp.mlp_chunk_tokens == 40 and layer.mlp.forward.__func__ is tiled_mlp._tiled_forward
+    assert all(layer.mlp.tiled_chunk_tokens == 40 and layer.mlp.forward.__func__ is tiled_mlp._tiled_forward
                for layer in stack)
     optimizer = make_optimizer(model, cfg)
     data = make_run_data(cfg, model)

@@ -113,11 +113,12 @@ def test_offload_activations_on_a_cpu_claims_no_pinned_memory(capsys):
     nothing), not the GPU's pinned-memory wording."""
     import torch
 
+    from playbook.memory import options
     from playbook.model import models
     from testkit import tiny_model
 
     model = tiny_model("llama").to("cpu", torch.float32)  # a model on the CPU, on any machine
-    models.apply_gradient_checkpointing(model, "all", offload=True)
+    options.apply_gradient_checkpointing(model, models.decoder_layers(model), "all", offload=True)
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Gradient checkpointing"))
     assert "saves nothing there" in line and "pinned" not in line, line
 

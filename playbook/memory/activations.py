@@ -66,7 +66,7 @@ Offloaded checkpoints (`host_offload.HostOffload`)
     Offloading is refused by the command line without checkpointing: a plain layer keeps dozens of
     tensors for backward, not one, and copying all of them would cost more than recomputing.
 
-Attention kept, the rest recomputed (`keep_attention=True`, --keep-attention)
+Attention kept, the rest recomputed (`selective=True`, --keep-attention)
     At long context attention is most of a checkpointed layer's recompute: at 131,072 tokens the 8B's
     attention forward is ~34 GFLOP per token against ~15 for all its matmuls. A checkpointed layer can keep
     what attention's forward returned (its output, 2 N H bytes, and the softmax statistics, 4 N x heads
@@ -200,15 +200,15 @@ def _keep_attention_contexts():
 class LayerCheckpoint:
     """A decoder layer's `_gradient_checkpointing_func`: called by the layer (in training mode, with
     gradients on) as `(forward, hidden_states, *args)`; PyTorch's non-reentrant checkpoint of the
-    layer, its input kept on the GPU (offload None) or stashed in host memory; keep_attention: the
+    layer, its input kept on the GPU (offload None) or stashed in host memory; selective: the
     outputs of attention's forward are kept too, and not recomputed."""
 
-    def __init__(self, offload: HostOffload | None = None, keep_attention: bool = False):
+    def __init__(self, offload: HostOffload | None = None, selective: bool = False):
         self.offload = offload
-        self.keep_attention = keep_attention
+        self.selective = selective
 
     def _options(self, kwargs: dict) -> dict:
-        if self.keep_attention:
+        if self.selective:
             kwargs = dict(kwargs, context_fn=_keep_attention_contexts)
         return dict(kwargs, use_reentrant=False)
 
@@ -231,11 +231,11 @@ class LayerCheckpoint:
 
 
 def apply_checkpointing(layers: Sequence[nn.Module], spec: str = "all", offload: bool = False,
-                        keep_attention: bool = False) -> tuple[int, ...]:
+                        selective: bool = False) -> tuple[int, ...]:
     """Checkpoint the decoder layers `spec` names (parse_layers); returns their indices.
 
     offload: their inputs go to pinned host memory (one HostOffload shared by these layers).
-    keep_attention: attention's forward outputs are kept, not recomputed (selective checkpointing).
+    selective: attention's forward outputs are kept, not recomputed (selective checkpointing).
     The other layers are left as they are. ValueError for a SPEC naming a layer that does not exist,
     TypeError for layers that are not Hugging Face GradientCheckpointingLayers.
     """
@@ -244,7 +244,7 @@ def apply_checkpointing(layers: Sequence[nn.Module], spec: str = "all", offload:
     if wrong:
         raise TypeError(f"{wrong[0]} has no `gradient_checkpointing` flag (transformers' GradientCheckpointingLayer "
                         "provides it): these decoder layers cannot be checkpointed one by one")
-    checkpointed = LayerCheckpoint(HostOffload() if offload else None, keep_attention)
+    checkpointed = LayerCheckpoint(HostOffload() if offload else None, selective)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i in chosen  # a layer left out keeps its activations
         if i in chosen:

@@ -115,8 +115,8 @@ class SavedActivations:
     backward reads it raises a RuntimeError, as autograd's own check of saved tensors would.
     """
 
-    def __init__(self, recompute_norms: bool, offload: HostOffload | None, min_bytes: int = OFFLOAD_MIN_BYTES):
-        self.recompute_norms, self.offload, self.min_bytes = recompute_norms, offload, min_bytes
+    def __init__(self, norms_recomputed: bool, offload: HostOffload | None, min_bytes: int = OFFLOAD_MIN_BYTES):
+        self.norms_recomputed, self.offload, self.min_bytes = norms_recomputed, offload, min_bytes
         self.active: _LayerForward | None = None
         self.groups: list[weakref.ref] = []  # offloaded layers not yet fetched, in forward order
         self.recomputed = 0  # norm outputs run again in backward (tests count them)
@@ -143,7 +143,7 @@ class SavedActivations:
     def norm_output(self, norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """Called by a wrapped norm: y = norm(x) may be saved as the recipe (norm, x)."""
         state = self.active
-        if (state is None or not self.recompute_norms or not torch.is_grad_enabled()
+        if (state is None or not self.norms_recomputed or not torch.is_grad_enabled()
                 or not isinstance(y, torch.Tensor) or not isinstance(x, torch.Tensor)):
             return
         region = _region(y)
@@ -286,11 +286,11 @@ def _registering_norm_forward(norm: nn.Module, x, *args, **kwargs):
     return y
 
 
-def apply_saved_activations(layers: Sequence[nn.Module], recompute_norms: bool = False,
+def apply_saved_activations(layers: Sequence[nn.Module], norms_recomputed: bool = False,
                             offload_spec: str | None = None, min_bytes: int = OFFLOAD_MIN_BYTES) -> SavedActivations:
     """--recompute-norms and --offload-layers SPEC on the decoder layers (see SavedActivations).
 
-    recompute_norms: every layer's norm outputs are recomputed in backward instead of kept.
+    norms_recomputed: every layer's norm outputs are recomputed in backward instead of kept.
     offload_spec: the layers (parse_layers) whose saved tensors wait in pinned host memory; a layer that
         is also checkpointed is a ValueError (a checkpointed layer keeps only its input: offload that with
         apply_checkpointing(offload=True)).
@@ -301,9 +301,9 @@ def apply_saved_activations(layers: Sequence[nn.Module], recompute_norms: bool =
     if both:
         raise ValueError(f"layer {both[0]} is both checkpointed and offloaded: a checkpointed layer keeps only its "
                          "input (offload that with --offload-activations); give each layer one of the two")
-    saved = SavedActivations(recompute_norms, HostOffload() if offloaded else None, min_bytes)
+    saved = SavedActivations(norms_recomputed, HostOffload() if offloaded else None, min_bytes)
     for i, layer in enumerate(layers):
-        if not (recompute_norms or offloaded):
+        if not (norms_recomputed or offloaded):
             continue
         if getattr(layer.forward, "__func__", None) is not _hooked_layer_forward:
             layer.unhooked_forward = layer.forward

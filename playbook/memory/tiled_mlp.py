@@ -78,8 +78,8 @@ class TiledMLPFunction(torch.autograd.Function):
 
 
 def _tiled_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's forward over chunks of `mlp.mlp_chunk_tokens` tokens (TiledMLPFunction)."""
-    run, chunk = mlp.untiled_forward, mlp.mlp_chunk_tokens
+    """The MLP's forward over chunks of `mlp.tiled_chunk_tokens` tokens (TiledMLPFunction)."""
+    run, chunk = mlp.untiled_forward, mlp.tiled_chunk_tokens
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= chunk:  # one chunk: the MLP as it is
         return run(x)
@@ -112,5 +112,5 @@ def apply_tiled_mlp(layers: Sequence[nn.Module], chunk_tokens: int) -> int:
         if getattr(mlp.forward, "__func__", None) is not _tiled_forward:
             mlp.untiled_forward = mlp.forward  # the MLP's forward as patched so far (a bound method)
             mlp.forward = types.MethodType(_tiled_forward, mlp)
-        mlp.mlp_chunk_tokens = chunk_tokens
+        mlp.tiled_chunk_tokens = chunk_tokens
     return len(mlps)

@@ -9,8 +9,8 @@ not depend on the weight values):
 
 `prepare_model(cfg)` is the one recipe every script follows (the fine-tuning loop, the profiler, the
 Trainer, both models of distill.py): load, then the registry's entries (the kernels, FP8), gradient
-checkpointing, LoRA, the tiled MLP, compile and FSDP2, in that order, each a small function switched by one
-field of the RunConfig.
+checkpointing, LoRA, the tiled MLP and saved activations, compile and FSDP2, in that order, each a small function
+switched by the RunConfig (the memory options' steps are in memory/options.py's table).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core import gpu_arch
 from core.process import log, world
-from playbook.memory import activations, saved_activations, tiled_mlp
+from playbook.memory import options
 from playbook.model import packed_attention, pretrained, registry
 from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype
 from playbook.runtime.common import is_out_of_memory, usage_error
@@ -282,40 +282,8 @@ def prefer_fast_attention(device) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# prepare_model: one step per function, each switched by one field of the RunConfig
+# prepare_model: one step per function, each switched by the RunConfig (the memory options': memory/options.py)
 # ------------------------------------------------------------------------------------------------
-def apply_gradient_checkpointing(model: nn.Module, layers: str = "all", offload: bool = False,
-                                 keep_attention: bool = False) -> tuple[int, ...]:
-    """--gradient-checkpointing / --checkpoint-layers SPEC: the decoder layers SPEC names are recomputed in
-    backward, keeping only their inputs; --offload-activations keeps those in pinned host memory;
-    --keep-attention also keeps attention's forward outputs, so the recompute skips attention.
-
-    playbook/memory/activations.py: PyTorch's non-reentrant checkpoint, set per layer through the flag and function
-    Hugging Face's decoder layers check; it needs no input that requires a gradient, so LoRA's frozen
-    embeddings do not cut the adapters of checkpointed layers off from the loss. Returns the layers'
-    indices; a SPEC naming a layer the model does not have is a usage error (exit code 2).
-    """
-    stack = decoder_layers(model)
-    try:
-        chosen = activations.apply_checkpointing(stack, layers, offload=offload, keep_attention=keep_attention)
-    except ValueError as err:
-        raise usage_error(f"--checkpoint-layers {err}") from None
-    which = "each decoder layer" if len(chosen) == len(stack) else (
-        f"{len(chosen)} of {len(stack)} decoder layers ({layers}: {', '.join(map(str, chosen))})")
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    where = ("" if not offload else
-             "; their inputs wait in pinned host memory (copied on a side stream, fetched back one layer ahead)"
-             if on_gpu else "; --offload-activations copies their inputs to a second host buffer (on a CPU they "
-             "are in host memory already: it saves nothing there, and runs the same code as on a GPU)")
-    if keep_attention:
-        attn = getattr(model.config, "_attn_implementation", None)
-        where += ("; attention's forward outputs kept, not recomputed" if attn == "sdpa" else
-                  f"; --keep-attention keeps SDPA's outputs, and this model's attention is {attn!r}: "
-                  "everything is recomputed")
-    log(f"Gradient checkpointing: {which} recomputed in backward{where}")
-    return chosen
-
-
 def apply_lora(model: nn.Module, cfg, fused: bool) -> nn.Module:
     """--lora-r: peft's adapters (QLoRA with --load-in-4bit), on the fused path (lora_kernel.py) when `lora` is selected."""
     from playbook.model.lora import lora_from_config
@@ -331,37 +299,6 @@ def apply_fp8_base(model: nn.Module) -> int:
     import fp8_lora_kernel
 
     return fp8_lora_kernel.store_frozen_base(model, world()[1])
-
-
-def apply_tiled_mlp(model: nn.Module, chunk_tokens: int) -> int:
-    """--mlp-chunk-tokens N: each decoder layer's MLP computed over chunks of N tokens, forward and backward,
-    each chunk through the MLP's forward as the steps before left it (playbook/memory/tiled_mlp.py)."""
-    mlps = tiled_mlp.apply_tiled_mlp(decoder_layers(model), chunk_tokens)
-    width = getattr(model.config, "intermediate_size", None)
-    log(f"Tiled MLP: {mlps} MLPs computed over chunks of {chunk_tokens:,} tokens"
-        + (f" (one chunk's [{chunk_tokens:,}, {width:,}] intermediates at a time)" if width else ""))
-    return mlps
-
-
-def apply_saved_activations(model: nn.Module, recompute_norms: bool, offload_layers: str | None):
-    """--recompute-norms / --offload-layers SPEC: what the layers that are not checkpointed save for backward,
-    through saved-tensor hooks (playbook/memory/saved_activations.py): the norms' outputs recomputed from their
-    inputs, and the named layers' saved tensors in pinned host memory. A layer both checkpointed and offloaded, or a
-    SPEC naming a layer the model does not have, is a usage error (exit code 2)."""
-    stack = decoder_layers(model)
-    try:
-        saved = saved_activations.apply_saved_activations(stack, recompute_norms, offload_layers)
-    except ValueError as err:
-        raise usage_error(f"--offload-layers {err}") from None
-    parts = []
-    if recompute_norms:
-        parts.append("norm outputs recomputed in backward from their inputs")
-    if offload_layers:
-        chosen = activations.parse_layers(offload_layers, len(stack))
-        parts.append(f"the saved tensors of {len(chosen)} of {len(stack)} decoder layers ({offload_layers}) wait in "
-                     "pinned host memory (copied on a side stream, fetched back ahead of backward)")
-    log("Saved activations: " + "; ".join(parts))
-    return saved
 
 
 def apply_compile(model: nn.Module, cfg) -> None:
@@ -393,21 +330,24 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
                                                registry.apply_fp8): converts the nn.Linear projections the
                                                kernels left, so LoRA's adapters wrap FP8 bases, not the other
                                                way round, and links the norms that write their FP8 copies
-      3. gradient checkpointing                flags on the Hugging Face decoder layers, set before peft
-         (cfg.gradient_checkpointing,          wraps the model (apply_gradient_checkpointing); recomputing
-         checkpoint_layers,                    a layer runs whatever its modules are by then, adapters
-         offload_activations,                  included
-         keep_attention)
+      3. memory options on the layers          the "layers" steps of memory/options.py: gradient checkpointing
+         (memory/options.py, stage "layers")   (--gradient-checkpointing, --checkpoint-layers, with
+                                               --offload-activations and --keep-attention) sets flags on the
+                                               Hugging Face decoder layers before peft wraps the model;
+                                               recomputing a layer runs whatever its modules are by then,
+                                               adapters included
       4. LoRA (cfg.lora_r)                     peft wraps the finished layers (fused with the registry's lora);
                                                with --fp8 the frozen FP8 bases are then kept in FP8, after
                                                peft (it gives new adapters its base weight's dtype)
-      5. tiled MLP (cfg.mlp_chunk_tokens)      after the kernels, FP8 and LoRA, which replace the MLP's
-                                               forward or its projections: each chunk runs the final one
-      6. saved activations                     hooks around the finished layers' forwards (after checkpointing,
-         (cfg.recompute_norms,                 whose layers they leave alone, and after LoRA and the tiled
-         offload_layers)                       MLP, whose saved tensors they see)
-      7. compile (cfg.compile)                 traces the model as it will run, adapters included
-      8. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
+      5. memory options on the finished        the "finished" steps, in the table's order: the tiled MLP
+         layers (stage "finished")             (--mlp-chunk-tokens), after the kernels, FP8 and LoRA, which
+                                               replace the MLP's forward or its projections, so each chunk
+                                               runs the final one; then the saved activations
+                                               (--recompute-norms, --offload-layers), hooks around the finished
+                                               layers' forwards, which leave the checkpointed layers alone and
+                                               see the saved tensors of LoRA and the tiled MLP
+      6. compile (cfg.compile)                 traces the model as it will run, adapters included
+      7. FSDP2 (torchrun, shard=True)          last: it shards the parameters every step above created
     """
     from playbook.model.registry import apply_kernels
 
@@ -433,16 +373,14 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
                           "(finetune_baseline.py), or choose a model of those types") from None
     for entry in registry.conversions(cfg):  # the fp8 entry with --fp8 (its apply: registry.apply_fp8)
         entry.apply_to(model, cfg)
-    if cfg.gradient_checkpointing:
-        apply_gradient_checkpointing(model, cfg.checkpoint_layers or "all", offload=cfg.offload_activations,
-                                     keep_attention=cfg.keep_attention)
+    memory = options.values(cfg)
+    for step in options.steps(memory, "layers"):  # on Hugging Face's decoder layers, before peft wraps them
+        step(model, decoder_layers(model), memory)
     if cfg.lora_r:
         model = apply_lora(model, cfg, fused=registry.BY_NAME["lora"].selected(cfg))
         apply_fp8_base(model)
-    if cfg.mlp_chunk_tokens:
-        apply_tiled_mlp(model, cfg.mlp_chunk_tokens)
-    if cfg.recompute_norms or cfg.offload_layers:
-        apply_saved_activations(model, cfg.recompute_norms, cfg.offload_layers)
+    for step in options.steps(memory, "finished"):  # on the finished layers, adapters included
+        step(model, decoder_layers(model), memory)
     if cfg.compile:
         apply_compile(model, cfg)
     if shard and world()[1] > 1:

@@ -46,6 +46,7 @@ from typing import Callable
 
 from core.model_families import final_logit_softcap
 from core.process import log
+from playbook.memory import options
 
 
 # Each lesson is imported only when its entry is used (importing a kernel file imports Triton): by the
@@ -82,7 +83,7 @@ def convert_fp8(entry: "Optimization", model, cfg) -> int:
     """The fp8 entry's `apply`: apply_fp8 with the run's --fp8-backend, --fp8-recipe and --fp8-layers, the
     producers linked as far as --compile, --mlp-chunk-tokens and --lora-r allow."""
     return apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe, getattr(cfg, "fp8_layers", "all"),
-                     chunked_mlp=bool(cfg.mlp_chunk_tokens), lora=bool(cfg.lora_r))
+                     chunked_mlp=options.mlp_tiled(options.values(cfg)), lora=bool(cfg.lora_r))
 
 
 def apply_fp8(model, backend: str = "playbook", compiled: bool = False, recipe: str = "rowwise",

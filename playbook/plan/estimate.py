@@ -73,7 +73,7 @@ def layer_bytes(shape: Shape, s: Setup) -> dict:
     h, i, q, kv, heads, w = shape.hidden, shape.intermediate, shape.q, shape.kv, shape.heads, s.weight_bytes
     lora = s.lora_r > 0
     if s.kernels == "playbook" or (s.kernels == "liger" and not lora):
-        norms = 2 * w * h * (1 if s.recompute_norms else 2)  # each norm's input, and its output the projections read
+        norms = 2 * w * h * (1 if s.norms_recomputed else 2)  # each norm's input, and its output the projections read
         attention = w * (q + 2 * kv) + w * q + 4 * heads  # q, k, v; the output; the softmax statistics (fp32)
         mlp = 2 * w * i  # gate and up
         if s.kernels == "liger":  # its SwiGLU returns h = silu(gate) * up to a plain down_proj, which saves h
@@ -102,7 +102,7 @@ def layer_bytes(shape: Shape, s: Setup) -> dict:
     # gate's and up's own storage, so a full fine-tune with it adds only h's gradient (with LoRA, peft's adapter
     # path around down_proj keeps the measured rows at three)
     mlp_backward = (1 if s.kernels == "liger" and not lora else 3) * w * i
-    return {"plain": plain, "input": w * h, "kept": (w * q + 4 * heads) if s.keep_attention else 0, "mlp": mlp,
+    return {"plain": plain, "input": w * h, "kept": (w * q + 4 * heads) if s.attention_kept else 0, "mlp": mlp,
             "mlp_backward": mlp_backward, "attention_backward": w * (2 * q + 2 * kv + 2 * h)}
 
 
@@ -233,7 +233,7 @@ def estimate(shape: Shape, s: Setup) -> Plan:
     on_gpu = [kept[k] for k in kinds]
     checkpointed = [j for j, k in enumerate(kinds) if k == "checkpointed"]
     offloaded = [j for j, k in enumerate(kinds) if k == "offloaded"]
-    if s.offload_activations and checkpointed:  # their inputs wait in host memory, but for a few
+    if s.inputs_on_host and checkpointed:  # their inputs wait in host memory, but for a few
         for j in checkpointed:
             on_gpu[j] = b["kept"] * n
         resident_inputs = min(len(checkpointed), OFFLOADED_INPUTS_ON_GPU) * b["input"] * n
@@ -301,8 +301,8 @@ def _activations_what(shape: Shape, s: Setup, kinds, plain_bytes: float) -> str:
     text = ", ".join(f"{c} {k}" for k, c in counts.items()) + " layers"
     if counts.get("plain") == len(kinds):
         text = f"{len(kinds)} plain layers x {plain_bytes / GB:.2f} GB"
-    extras = [flag for flag, on in (("inputs on the host", s.offload_activations), ("attention kept", s.keep_attention),
-                                    ("norms recomputed", s.recompute_norms),
+    extras = [flag for flag, on in (("inputs on the host", s.inputs_on_host), ("attention kept", s.attention_kept),
+                                    ("norms recomputed", s.norms_recomputed),
                                     (f"MLP in chunks of {s.mlp_chunk:,}", s.mlp_chunk)) if on]
     return text + (f" ({', '.join(extras)})" if extras else "") + f", {s.batch} x {s.seq} tokens"
 

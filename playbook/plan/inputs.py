@@ -89,11 +89,12 @@ class Setup:
     fp8: bool = False
     fp8_rule: str = "auto"  # --fp8-layers
     fp8_recipe: str = "rowwise"  # --fp8-recipe as the run names it ("nvfp4-emulated" under --fp8-emulate)
+    # the memory options' terms (memory/options.py's `plan_terms`):
     layer_kinds: tuple = ()  # per decoder layer: "plain", "checkpointed" or "offloaded" (--offload-layers)
-    offload_activations: bool = False
-    keep_attention: bool = False
-    recompute_norms: bool = False
-    mlp_chunk: int = 0
+    inputs_on_host: bool = False  # the checkpointed layers' inputs wait in host memory (--offload-activations)
+    attention_kept: bool = False  # checkpointed layers keep attention's output and statistics (--keep-attention)
+    norms_recomputed: bool = False  # plain layers keep the norms' inputs, not their outputs (--recompute-norms)
+    mlp_chunk: int = 0  # the MLP computed over chunks of this many tokens; 0: in one piece (--mlp-chunk-tokens)
     optimizer: str = "adamw-fused"
     rounding: str = "nearest"  # "nearest", "stochastic", "kahan" or "fp32-master"
     in_backward: bool = False

@@ -10,7 +10,6 @@ import torch
 
 from core.process import world
 from playbook.memory import options
-from playbook.memory.activations import parse_layers
 from playbook.model.lora import parse_targets
 from playbook.model.presets import PRESETS, weights_dtype
 from playbook.optim.optimizer import rounding_of
@@ -21,19 +20,6 @@ from playbook.plan.inputs import Setup, Shape
 def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2, trains: bool = True) -> Setup:
     """A Setup from a RunConfig's fields (`cfg.as_dict()`, or the `config` of a saved summary)."""
     kernels = tuple(values.get("kernels") or ())
-    L = shape.layers
-
-    def layers(spec):
-        if not spec:
-            return set()
-        try:
-            return set(parse_layers(spec, L))
-        except ValueError:  # (the command line checked the SPEC against --num-layers, the model does later)
-            return set()
-
-    checkpointed = layers(values.get("checkpoint_layers") or ("all" if values.get("gradient_checkpointing") else None))
-    offloaded = layers(values.get("offload_layers"))
-    kinds = tuple("checkpointed" if j in checkpointed else "offloaded" if j in offloaded else "plain" for j in range(L))
     if "liger" in kernels:
         layer_kind = "liger"
     else:
@@ -49,12 +35,10 @@ def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2
         lora_r=lora_r, lora_targets=tuple(parse_targets(values.get("lora_targets") or "all")),
         load_in_4bit=bool(values.get("load_in_4bit")), fp8=bool(values.get("fp8")),
         fp8_rule=values.get("fp8_layers") or "auto", fp8_recipe=recipe or "rowwise",
-        layer_kinds=kinds, offload_activations=bool(values.get("offload_activations")),
-        keep_attention=bool(values.get("keep_attention")), recompute_norms=bool(values.get("recompute_norms")),
-        mlp_chunk=int(values.get("mlp_chunk_tokens") or 0), optimizer=values.get("optimizer") or "adamw-fused",
-        rounding=rounding, in_backward=bool(values.get("optimizer_in_backward")), kernels=layer_kind, loss=loss,
+        optimizer=values.get("optimizer") or "adamw-fused", rounding=rounding, in_backward=bool(values.get("optimizer_in_backward")), kernels=layer_kind, loss=loss,
         world=world, weight_bytes=weight_bytes, trains=trains,
-        partial_kernels=bool(kernels) and "liger" not in kernels and not _full_set(kernels))
+        partial_kernels=bool(kernels) and "liger" not in kernels and not _full_set(kernels),
+        **options.plan_terms(options.values(values), shape.layers))
 
 
 def _full_set(kernels) -> bool:
