@@ -207,7 +207,8 @@ def test_imports_point_down_the_layers():
 
 # playbook/'s parts from the bottom up: a folder (a sub-package) or a module at the package's top. A part imports
 # only the parts at or below its own (and the layers under the library), at module level or inside functions.
-PLAYBOOK_ORDER = ("runtime", "store", "memory", "optim", "model", "data", "plan", "config", "run", "startup")
+PLAYBOOK_ORDER = ("sections", "runtime", "store", "memory", "optim", "model", "data", "plan", "flags", "config", "run",
+                  "startup")
 
 
 def playbook_order_violations(root: Path = ROOT) -> list:
