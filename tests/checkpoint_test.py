@@ -402,7 +402,7 @@ def test_torchrun_command_line(monkeypatch, capsys):
     monkeypatch.setenv("MASTER_PORT", "29500")
     parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_optimized", ["--output-dir", "out", "--save-every", "2", "--resume", "."])
-    assert cfg.output_dir == Path("out") and cfg.save_every == 2 and cfg.resume == Path(".")
+    assert cfg.output.output_dir == Path("out") and cfg.output.save_every == 2 and cfg.output.resume == Path(".")
     with pytest.raises(SystemExit) as info:
         parse_config(parser, "finetune_optimized", ["--lora-r", "4", "--merge-lora", "--output-dir", "out"])
     err = capsys.readouterr().err
@@ -595,7 +595,7 @@ def _one_process(cfg):
 
     model = models.prepare_model(cfg)[0]
     optimizer = make_optimizer(model, cfg)
-    return model, optimizer, LRSchedule(optimizer, cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule)
+    return model, optimizer, LRSchedule(optimizer, cfg.training.steps, cfg.training.lr_warmup_steps, cfg.training.lr_schedule)
 
 
 def _cleanup_results(tags):

@@ -527,7 +527,7 @@ def test_repeat_batches_flag(capsys):
         return parse_config(make_parser("test", kernels_default=registry.DEFAULT_KERNELS), "finetune_optimized",
                             list(argv))
 
-    assert cfg().repeat_batches is None and cfg("--repeat-batches", "4").repeat_batches == 4
+    assert cfg().data.repeat_batches is None and cfg("--repeat-batches", "4").data.repeat_batches == 4
     expect_error(SystemExit, cfg, "--repeat-batches", "0")
     expect_error(SystemExit, cfg, "--repeat-batches", "2", "--dataset", str(EXAMPLES / "chat.jsonl"), "--epochs", "1")
     assert "no epochs" in capsys.readouterr().err
@@ -804,7 +804,7 @@ def test_eval_dataset_replaces_the_held_out_share(tmp_path, capsys):
 
     parser = make_parser("test")
     cfg = parse_config(parser, "finetune_optimized", ["--dataset", train_path, "--eval-dataset", eval_path])
-    assert (cfg.eval_dataset, cfg.eval_fraction) == (eval_path, 0.0)
+    assert (cfg.data.eval_dataset, cfg.data.eval_fraction) == (eval_path, 0.0)
     for argv in (["--dataset", train_path, "--eval-dataset", eval_path, "--eval-fraction", "0.1"],
                  ["--eval-dataset", eval_path]):
         _script_exit(capsys, parse_config, parser, "finetune_optimized", argv)

@@ -97,7 +97,7 @@ def test_each_part_counts_what_its_options_keep():
 def _offered(cfg, free_gb: float, monkeypatch) -> dict:
     """{text: peak} of the options the plan offers `cfg` where PLAYBOOK_FREE_MEMORY_GB says `free_gb`."""
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, str(free_gb))
-    free, where = memory_plan.free_memory(cfg.device)
+    free, where = memory_plan.free_memory(cfg.run.device)
     return {o.text: o.peak for o in memory_plan.offers(cfg, free, where)}
 
 
@@ -116,7 +116,7 @@ def test_the_plan_is_printed_at_start_up(capsys):
     assert "Memory plan" not in capsys.readouterr().out  # reading the command line plans nothing: a run start does
     memory_plan.check(cfg)
     out = capsys.readouterr().out
-    assert cfg.model == "llama-tiny"
+    assert cfg.model.model == "llama-tiny"
     for part in ("Memory plan", "weights", "gradients", "optimizer states", "activations", "loss", "peak", "free"):
         assert part in out, out
 
@@ -141,7 +141,7 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
     assert "Memory plan" in captured.out and "does not fit" in captured.out
     cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized",
                        argv + ["--ignore-memory-plan"])  # the way past it: the plan is printed, the run goes on
-    assert cfg.ignore_memory_plan and memory_plan.check(cfg).peak > 70 * memory_plan.GB
+    assert cfg.output.ignore_memory_plan and memory_plan.check(cfg).peak > 70 * memory_plan.GB
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
@@ -244,7 +244,7 @@ def _units_on_every_number(line: str) -> bool:
 
 def test_the_default_rounding_is_kahan_where_it_fits_and_says_so(monkeypatch, capsys):
     cfg = _parsed(*BIG)
-    assert cfg.optimizer_rounding == "auto"  # left to the run start
+    assert cfg.training.optimizer_rounding == "auto"  # left to the run start
     kahan, stochastic = _peak("kahan"), _peak("stochastic")
     assert kahan - stochastic == pytest.approx(2 * LLAMA_8B.params, rel=0.01)  # its bf16 buffer, nothing else
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(kahan + 1 * GB) / GB:.3f}")
@@ -286,7 +286,7 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     import torch
 
     # a machine without a GPU (this one, or the GPU machine's run as it would be there): llama-tiny on the CPU
-    on_cpu = dataclasses.replace(_parsed("--optimizer", "adamw-triton", "--model", "llama-tiny"), device=torch.device("cpu"))
+    on_cpu = _parsed("--optimizer", "adamw-triton", "--model", "llama-tiny").changed(device=torch.device("cpu"))
     started, line = _started(on_cpu, capsys)
     assert started.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # kahan would fit; the run is told not to go by the plan
@@ -300,8 +300,8 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     monkeypatch.undo()
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)  # SmolLM2 then trains in fp32 on this CPU
     # on that CPU (a GPU machine's run of this test too: on its GPU SmolLM2 trains in bf16, and kahan fits)
-    cfg = dataclasses.replace(_parsed("--model", "smollm2-135m", "--optimizer", "adamw-triton"), device=torch.device("cpu"))
-    assert cfg.optimizer_rounding == "auto" and memory_plan.choose_rounding(cfg) == ("nearest", None)
+    cfg = _parsed("--model", "smollm2-135m", "--optimizer", "adamw-triton").changed(device=torch.device("cpu"))
+    assert cfg.training.optimizer_rounding == "auto" and memory_plan.choose_rounding(cfg) == ("nearest", None)
 
 
 def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatch, capsys):
@@ -317,9 +317,9 @@ def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatc
         started, line = _started(cfg, capsys)
         assert (started.optimizer_rounding, started.master_weights, line) == (rounding, master, None), argv
     cfg = _parsed("--dtype", "float32", "--optimizer", "adamw-triton", script="distill")  # the student in fp32
-    assert cfg.optimizer_rounding == "nearest"
+    assert cfg.training.optimizer_rounding == "nearest"
     cfg = _parsed("--optimizer", "adamw-triton", script="distill")  # a bf16 student: chosen as distill.py starts
-    assert cfg.optimizer_rounding == "auto" and memory_plan.start(cfg).optimizer_rounding == "kahan"
+    assert cfg.training.optimizer_rounding == "auto" and memory_plan.start(cfg).training.optimizer_rounding == "kahan"
 
 
 def test_offers_name_the_roundings_that_need_less_memory(monkeypatch):
@@ -344,8 +344,7 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
     import torch
     import torch.distributed as dist
 
-    cfg = dataclasses.replace(_parsed("--model", "llama-tiny", "--optimizer", "adamw-triton"), device=torch.device("cpu"),
-                              optimizer_rounding="kahan")
+    cfg = _parsed("--model", "llama-tiny", "--optimizer", "adamw-triton").changed(device=torch.device("cpu"), optimizer_rounding="kahan")
     assert memory_plan.agree_on_rounding(cfg) is cfg  # no process group
     others = {"value": memory_plan.ROUNDING_ORDER.index("stochastic")}
 
@@ -360,7 +359,7 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
     capsys.readouterr()
     agreed = memory_plan.agree_on_rounding(cfg)
     said = capsys.readouterr().out
-    assert agreed.optimizer_rounding == "stochastic" and said.count("\n") == 1
+    assert agreed.training.optimizer_rounding == "stochastic" and said.count("\n") == 1
     assert said.startswith("Optimizer rounding: stochastic on every process (this one's plan chose kahan"), said
     others["value"] = memory_plan.ROUNDING_ORDER.index("kahan")
     assert memory_plan.agree_on_rounding(cfg) is cfg and capsys.readouterr().out == ""
@@ -473,7 +472,7 @@ def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch
             assert stop.code == 2 and len(line.splitlines()) == 1, line
         assert f"PLAYBOOK_FREE_MEMORY_GB={free_gb} says this machine has" in line, line
         given = _parse(script, argv)
-        planned = {o.text: o for o in memory_plan.offers(given, *memory_plan.free_memory(given.device))}
+        planned = {o.text: o for o in memory_plan.offers(given, *memory_plan.free_memory(given.run.device))}
         for text, peak_gb in _offers_in(line):
             how, applied = _apply(script, argv, text)
             cfg = _parse(how, applied)  # the script's parser takes it (a refusal: SystemExit, the test fails)
@@ -483,7 +482,7 @@ def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch
             # the line names the peak to the digits it prints: the run's own, printed alike, is no larger
             assert float(memory_plan.gb_text(peak).replace(",", "")) <= peak_gb, (text, peak, line)
             if "--seq-len" in text and positions:
-                assert cfg.seq_len <= positions, (text, line)
+                assert cfg.data.seq_len <= positions, (text, line)
             tried += 1
     assert tried, f"no option offered at any share of {needs / GB:.3g} GB"
 

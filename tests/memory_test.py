@@ -193,7 +193,7 @@ def test_the_config_fields():
     assert fields("--gradient-checkpointing", "--checkpoint-layers", "all") == (True, "all", False, 0)
     assert fields("--checkpoint-layers", "Every:4", "--offload-activations") == (True, "every:4", True, 0)
     assert fields("--mlp-chunk-tokens", "4096") == (False, None, False, 4096)
-    keep = lambda *argv: parse_config(parser, "finetune_optimized", list(argv)).keep_attention  # noqa: E731
+    keep = lambda *argv: parse_config(parser, "finetune_optimized", list(argv)).memory.keep_attention  # noqa: E731
     assert (keep(), keep("--gradient-checkpointing", "--keep-attention")) == (False, True)
     saved = lambda *argv: (lambda c: (c.recompute_norms, c.offload_layers))(  # noqa: E731
         parse_config(parser, "finetune_optimized", list(argv)))

@@ -122,7 +122,7 @@ def test_kernels_adamw_is_a_deprecated_spelling_of_the_triton_optimizer(capsys):
     assert err.value.code == 2
     # adamw brought in by 'default' is the default set's, not the alias: no line, the optimizer as the script says
     cfg = parse_config(parser, "finetune_optimized", ["--kernels", "default"])
-    assert "note:" not in capsys.readouterr().err and "adamw" in cfg.kernels
+    assert "note:" not in capsys.readouterr().err and "adamw" in cfg.model.kernels
     record("--kernels rmsnorm,adamw: one line saying so, then the run of --optimizer adamw-triton", 0.0, 0.0, True)
 
 

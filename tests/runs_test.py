@@ -241,11 +241,11 @@ def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
 
     assert list(RESUME_SETTINGS.items()) == STORED_SETTINGS
     full = config("--model", "llama-tiny", "--batch-size", "2")
-    assert list(resume_settings(full, full.model).items()) == [
+    assert list(resume_settings(full, full.model.model).items()) == [
         ("model", "llama-tiny"), ("num_layers", None), ("lora_r", 0), ("lora_alpha", None), ("lora_dropout", None),
         ("lora_targets", None), ("load_in_4bit", False), ("data", "synthetic"), ("batch_size", 2), ("grad_accum", 1),
-        ("seq_len", full.seq_len), ("packing", False), ("train_on_prompt", False), ("drop_long", False),
-        ("eval_fraction", 0.0), ("seed", 0), ("lr", full.lr), ("lr_schedule", "linear"), ("lr_warmup_steps", 0),
+        ("seq_len", full.data.seq_len), ("packing", False), ("train_on_prompt", False), ("drop_long", False),
+        ("eval_fraction", 0.0), ("seed", 0), ("lr", full.training.lr), ("lr_schedule", "linear"), ("lr_warmup_steps", 0),
         ("warmup_ratio", 0.0), ("weight_decay", 0.0), ("repeat_batches", None)]
     folder = tmp_path / "model"
     folder.mkdir()
@@ -259,7 +259,7 @@ def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
         "model": str(folder.resolve()), "num_layers": 1, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "load_in_4bit": False,
         "data": {"path": str(TEXT.resolve()), "bytes": TEXT.stat().st_size, "sha256": digest}, "batch_size": 4,
-        "grad_accum": 2, "seq_len": lora.seq_len, "packing": True, "train_on_prompt": False, "drop_long": False,
+        "grad_accum": 2, "seq_len": lora.data.seq_len, "packing": True, "train_on_prompt": False, "drop_long": False,
         "eval_fraction": 0.1, "seed": 3, "lr": 1e-3, "lr_schedule": "linear", "lr_warmup_steps": 0,
         "warmup_ratio": 0.1, "weight_decay": 0.0, "repeat_batches": None}
     record(f"resume settings: the {len(STORED_SETTINGS)} stored keys, in the stored order, with today's values",
@@ -267,16 +267,16 @@ def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
 
 
 def test_every_resumable_field_is_stored_and_named_by_its_flag():
-    """Each RunConfig field marked resumable is in the settings a checkpoint stores, under its own name, and its
+    """Each field of the RunConfig's sections marked resumable is in the settings a checkpoint stores, under its own name, and its
     flag is an option of the scripts' parser; the computed values are all of marked fields."""
     from dataclasses import fields
 
-    from playbook.config import RunConfig
+    from playbook.config import SECTIONS
     from playbook.run.resume import COMPUTED_SETTINGS, resume_settings
 
-    marked = {f.name: f.metadata["resume"] for f in fields(RunConfig) if "resume" in f.metadata}
+    marked = {f.name: f.metadata["resume"] for kind in SECTIONS.values() for f in fields(kind) if "resume" in f.metadata}
     cfg = config("--model", "llama-tiny", "--batch-size", "2", "--lora-r", "4")
-    stored = resume_settings(cfg, cfg.model)
+    stored = resume_settings(cfg, cfg.model.model)
     assert set(marked) <= set(stored), f"resumable fields missing from the stored settings: {set(marked) - set(stored)}"
     assert set(stored) == set(marked), f"stored settings that are no resumable field: {set(stored) - set(marked)}"
     assert set(COMPUTED_SETTINGS) <= set(marked), set(COMPUTED_SETTINGS) - set(marked)

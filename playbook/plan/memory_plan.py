@@ -52,6 +52,7 @@ from playbook.model.presets import PRESETS, weights_dtype
 from playbook.optim.optimizer import rounding_of
 from playbook.runtime import environment
 from playbook.runtime.common import usage_error
+from playbook.sections import RunConfig
 
 GB = 1e9  # the scripts' summaries count GB as 10^9 bytes
 FREE_MEMORY_ENV = environment.FREE_MEMORY_GB  # a stand-in for the free memory (tests, or planning for another GPU)
@@ -474,7 +475,7 @@ class Offer:
     peak: float = math.inf
 
 
-def offers(cfg, free: float, where: str = "") -> list[Offer]:
+def offers(cfg: RunConfig, free: float, where: str = "") -> list[Offer]:
     """The options that bring this run's peak under `free`, each planned as the run it makes will start (its
     config changed as its command line would change it, every model the run holds, the rounding start() would
     choose), closest to this run first: each option alone, the memory options together where none alone fits,
@@ -498,48 +499,48 @@ def offers(cfg, free: float, where: str = "") -> list[Offer]:
     return sorted(fits, key=lambda o: -o.peak)  # the closest to this run first
 
 
-def planned(cfg, offer: Offer, free: float, where: str) -> Offer:
+def planned(cfg: RunConfig, offer: Offer, free: float, where: str) -> Offer:
     """The offer with its peak: the largest of the runs its command line may make."""
-    peaks = [peak_as_run(replace(cfg, **{**offer.changes, **variant}), free, where)
+    peaks = [peak_as_run(cfg.changed(**{**offer.changes, **variant}), free, where)
              for variant in ({}, *offer.variants)]
     return replace(offer, peak=max(peaks))
 
 
-def peak_as_run(cfg, free: float, where: str) -> float:
+def peak_as_run(cfg: RunConfig, free: float, where: str) -> float:
     """The peak of the plan the run of `cfg` will print as it starts: a rounding left open ("auto") chosen as
     start() chooses it, for the free memory `free` (`where`: where that figure comes from)."""
-    if cfg.optimizer_rounding == "auto":
-        cfg = replace(cfg, optimizer_rounding=_rounding(cfg, free, where)[0])
+    if cfg.training.optimizer_rounding == "auto":
+        cfg = replace(cfg, training=replace(cfg.training, optimizer_rounding=_rounding(cfg, free, where)[0]))
     plans = run_plans(cfg)
     return combine(plans).peak if plans else math.inf
 
 
-def _refuses(cfg, dest: str) -> bool:
+def _refuses(cfg: RunConfig, dest: str) -> bool:
     """Whether the script refuses the shared option `dest` (distill.py refuses --grad-accum, for one): its own
     section of the RunConfig lists those it refuses as `refused_options`."""
-    return dest in getattr(cfg.extra, "refused_options", ())
+    return cfg.extra is not None and dest in cfg.extra.refused_options
 
 
-def _explicit_rounding(cfg) -> list[str]:
+def _explicit_rounding(cfg: RunConfig) -> list[str]:
     """The flags of the command line that set how the Triton AdamW rounds (a rounding start() chose is not one)."""
     flags = []
-    if cfg.optimizer_rounding in ("stochastic", "kahan"):
-        flags.append(f"--optimizer-rounding {cfg.optimizer_rounding}")
-    if cfg.master_weights == "fp32":
+    if cfg.training.optimizer_rounding in ("stochastic", "kahan"):
+        flags.append(f"--optimizer-rounding {cfg.training.optimizer_rounding}")
+    if cfg.training.master_weights == "fp32":
         flags.append("--master-weights fp32")
     return flags
 
 
-def _default_optimizer(cfg, kernels) -> str:
+def _default_optimizer(cfg: RunConfig, kernels) -> str:
     """--optimizer as config.parse_config chooses it where the command line names none and no rounding flag
     implies the Triton AdamW."""
     if not cfg.on_gpu:
         return "adamw-foreach"
-    own = cfg.defaults is None or cfg.defaults.own_optimizer
+    own = cfg.run.defaults is None or cfg.run.defaults.own_optimizer
     return "adamw-triton" if "adamw" in kernels and own else "adamw-fused"
 
 
-def _options(cfg, shape: Shape, s: Setup) -> list[Offer]:
+def _options(cfg: RunConfig, shape: Shape, s: Setup) -> list[Offer]:
     """Each option alone that needs less memory than this run, as the command line takes it (config.py's
     refusals: an option that clashes with one already given is offered with that one dropped, or not at all)."""
     from core.process import world
@@ -548,49 +549,49 @@ def _options(cfg, shape: Shape, s: Setup) -> list[Offer]:
     plain = "plain" in (s.layer_kinds or ("plain",))
     # The roundings that keep small updates in less memory than the run's (start() chooses kahan only where
     # it fits, so a run that stops was given its rounding)
-    if cfg.master_weights == "fp32":
+    if cfg.training.master_weights == "fp32":
         for rounding in ("kahan", "stochastic"):
             found.append(Offer(f"--optimizer-rounding {rounding} instead of --master-weights fp32",
                                add=("--optimizer-rounding", rounding), drop=("--master-weights",),
                                changes=dict(master_weights="none", optimizer_rounding=rounding)))
-    if cfg.optimizer_rounding == "kahan":
+    if cfg.training.optimizer_rounding == "kahan":
         found.append(Offer("--optimizer-rounding stochastic instead of kahan",
                            add=("--optimizer-rounding", "stochastic"), drop=("--optimizer-rounding",),
                            changes=dict(optimizer_rounding="stochastic")))
-    if plain and not cfg.offload_layers:  # (--gradient-checkpointing with --offload-layers is refused)
-        if cfg.checkpoint_layers is None:
+    if plain and not cfg.memory.offload_layers:  # (--gradient-checkpointing with --offload-layers is refused)
+        if cfg.memory.checkpoint_layers is None:
             found.append(Offer("--gradient-checkpointing", add=("--gradient-checkpointing",),
                                changes=dict(gradient_checkpointing=True, checkpoint_layers="all")))
         else:
-            found.append(Offer(f"--gradient-checkpointing instead of --checkpoint-layers {cfg.checkpoint_layers}",
+            found.append(Offer(f"--gradient-checkpointing instead of --checkpoint-layers {cfg.memory.checkpoint_layers}",
                                add=("--gradient-checkpointing",), drop=("--checkpoint-layers",),
                                changes=dict(gradient_checkpointing=True, checkpoint_layers="all")))
-    elif cfg.checkpoint_layers and not cfg.offload_activations and cfg.on_gpu:  # (on a CPU the host holds both)
+    elif cfg.memory.checkpoint_layers and not cfg.memory.offload_activations and cfg.on_gpu:  # (on a CPU the host holds both)
         found.append(Offer("--offload-activations", add=("--offload-activations",),
                            changes=dict(offload_activations=True)))
-    if cfg.keep_attention:
+    if cfg.memory.keep_attention:
         found.append(Offer("no --keep-attention", drop=("--keep-attention",), changes=dict(keep_attention=False)))
-    if not cfg.mlp_chunk_tokens and s.tokens > 16384:
+    if not cfg.memory.mlp_chunk_tokens and s.tokens > 16384:
         found.append(Offer("--mlp-chunk-tokens 16384", add=("--mlp-chunk-tokens", "16384"),
                            changes=dict(mlp_chunk_tokens=16384)))
-    if s.kernels == "playbook" and not cfg.recompute_norms and plain and not cfg.compile:
+    if s.kernels == "playbook" and not cfg.memory.recompute_norms and plain and not cfg.model.compile:
         found.append(Offer("--recompute-norms", add=("--recompute-norms",), changes=dict(recompute_norms=True)))
-    if (not cfg.lora_r and not cfg.optimizer_in_backward and cfg.grad_accum == 1 and cfg.max_grad_norm is None
-            and world()[1] == 1 and (cfg.defaults is None or cfg.defaults.own_optimizer)
+    if (not cfg.model.lora_r and not cfg.training.optimizer_in_backward and cfg.training.grad_accum == 1 and cfg.training.max_grad_norm is None
+            and world()[1] == 1 and (cfg.run.defaults is None or cfg.run.defaults.own_optimizer)
             and not _refuses(cfg, "optimizer_in_backward")):
         found.append(Offer("--optimizer-in-backward", add=("--optimizer-in-backward",),
                            changes=dict(optimizer_in_backward=True)))
-    if not cfg.lora_r:
+    if not cfg.model.lora_r:
         given = _explicit_rounding(cfg)  # LoRA's fp32 adapters lose nothing to rounding: refused with them
-        default = _default_optimizer(cfg, cfg.kernels)
+        default = _default_optimizer(cfg, cfg.model.kernels)
         found.append(Offer(f"--lora-r {LORA_DEFAULT_RANK}" + (f" without {' and '.join(given)}" if given else ""),
                            add=("--lora-r", str(LORA_DEFAULT_RANK)),
                            drop=tuple(flag.split()[0] for flag in given),
                            changes=dict(lora_r=LORA_DEFAULT_RANK, optimizer_rounding="nearest", master_weights="none"),
-                           variants=({"optimizer": default},) if given and default != cfg.optimizer else (),
+                           variants=({"optimizer": default},) if given and default != cfg.training.optimizer else (),
                            kind=OTHER_TRAINING))
-    elif not cfg.load_in_4bit and not cfg.fp8 and not cfg.merge_lora:  # (--merge-lora: a quantized base is refused)
-        if not cfg.on_gpu or _capability(cfg.device) >= (8, 9):
+    elif not cfg.model.load_in_4bit and not cfg.model.fp8 and not cfg.model.merge_lora:  # (--merge-lora: a quantized base is refused)
+        if not cfg.on_gpu or _capability(cfg.run.device) >= (8, 9):
             found.append(Offer("--fp8 (the frozen projections in FP8)", add=("--fp8",), changes=dict(fp8=True),
                                kind=OTHER_TRAINING))
         if importlib.util.find_spec("bitsandbytes") is not None:
@@ -600,12 +601,12 @@ def _options(cfg, shape: Shape, s: Setup) -> list[Offer]:
         from playbook.model.registry import parse_kernels
 
         kernels = tuple(parse_kernels("default"))
-        baseline = cfg.defaults is not None and cfg.defaults.huggingface_attention  # (it has no --kernels)
+        baseline = cfg.run.defaults is not None and cfg.run.defaults.huggingface_attention  # (it has no --kernels)
         default = _default_optimizer(cfg, kernels)
         variants = ()
-        if default == "adamw-triton" and cfg.optimizer != default:  # its default where --optimizer is not given
-            variants = ({"optimizer": default, "optimizer_rounding": "auto" if not cfg.lora_r and
-                         cfg.master_weights == "none" else cfg.optimizer_rounding},)
+        if default == "adamw-triton" and cfg.training.optimizer != default:  # its default where --optimizer is not given
+            variants = ({"optimizer": default, "optimizer_rounding": "auto" if not cfg.model.lora_r and
+                         cfg.training.master_weights == "none" else cfg.training.optimizer_rounding},)
         found.append(Offer("finetune_optimized.py (this project's kernels)" if baseline
                            else "--kernels default (this project's kernels)",
                            add=("--kernels", "default"), drop=("--kernels",),
@@ -635,21 +636,21 @@ def _together(memory: list[Offer]) -> Offer | None:
     return Offer("together: " + ", ".join(names), add=tuple(add), drop=tuple(drop), changes=changes)
 
 
-def _smaller_run(cfg, shape: Shape, free: float, where: str) -> Offer | None:
+def _smaller_run(cfg: RunConfig, shape: Shape, free: float, where: str) -> Offer | None:
     """The run with fewer tokens per micro-batch that fits, closest to this one: the model's positions where
     --seq-len goes past them; else the largest --batch-size (with --grad-accum keeping the tokens of a step,
     where the batch divides and the script takes it); else at --batch-size 1 the longest --seq-len, never past
     the model's positions."""
     positions = shape.positions
-    if positions and cfg.seq_len > positions:
+    if positions and cfg.data.seq_len > positions:
         text = f"--seq-len {positions} (the {positions:,} positions {trained_model(cfg)} was trained on)"
         o = planned(cfg, Offer(text, add=("--seq-len", str(positions)), drop=("--seq-len",),
                                changes=dict(seq_len=positions), kind=SIZE), free, where)
         if o.peak <= free:
             return o
-    for batch in _halves(cfg.batch_size):
-        accum = cfg.grad_accum * cfg.batch_size // batch
-        keep = (cfg.batch_size % batch == 0 and accum <= MAX_INT and not cfg.optimizer_in_backward
+    for batch in _halves(cfg.data.batch_size):
+        accum = cfg.training.grad_accum * cfg.data.batch_size // batch
+        keep = (cfg.data.batch_size % batch == 0 and accum <= MAX_INT and not cfg.training.optimizer_in_backward
                 and not _refuses(cfg, "grad_accum"))
         words = ("--batch-size", str(batch)) + (("--grad-accum", str(accum)) if keep else ())
         o = planned(cfg, Offer(" ".join(words), add=words, drop=("--batch-size", "--grad-accum") if keep
@@ -658,8 +659,8 @@ def _smaller_run(cfg, shape: Shape, free: float, where: str) -> Offer | None:
                     free, where)
         if o.peak <= free:
             return o
-    for seq in _shorter(cfg.seq_len, positions):
-        words = (("--batch-size", "1") if cfg.batch_size > 1 else ()) + ("--seq-len", str(seq))
+    for seq in _shorter(cfg.data.seq_len, positions):
+        words = (("--batch-size", "1") if cfg.data.batch_size > 1 else ()) + ("--seq-len", str(seq))
         o = planned(cfg, Offer(" ".join(words), add=words, drop=tuple(w for w in words if w.startswith("--")),
                                changes=dict(batch_size=1, seq_len=seq), kind=SIZE), free, where)
         if o.peak <= free:
@@ -667,9 +668,9 @@ def _smaller_run(cfg, shape: Shape, free: float, where: str) -> Offer | None:
     return None
 
 
-def trained_model(cfg) -> str:
+def trained_model(cfg: RunConfig) -> str:
     """The model a run trains: --model, or distill.py's student."""
-    return getattr(cfg.extra, "student", None) or cfg.model
+    return (cfg.extra is not None and cfg.extra.student) or cfg.model.model
 
 
 def _halves(n: int):
@@ -880,18 +881,18 @@ def format_plan(plan: Plan, free: float, where_free: str) -> str:
     return "\n".join(lines)
 
 
-def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
+def run_plans(cfg: RunConfig) -> list[tuple[str, Shape, Setup]]:
     """(title, Shape, Setup) of each model the run holds at once: the model it fine-tunes, or distill.py's
     teacher and student (its section's `plan_models()`); [] when a config is not on this machine yet."""
     from core.process import world
 
     values = cfg.as_dict()
-    models = (cfg.extra.plan_models() if hasattr(cfg.extra, "plan_models")
-              else [(cfg.model, cfg.num_layers, True, None, None)])
+    models = ((cfg.extra is not None and cfg.extra.plan_models())
+              or [(cfg.model.model, cfg.model.num_layers, True, None, None)])
     out = []
     for name, num_layers, trains, config, loss in models:
         shape = Shape.from_config(config, num_layers) if config is not None else model_shape(name, num_layers)
-        if shape is None and name == cfg.model and not cfg.model_explicit:
+        if shape is None and name == cfg.model.model and not cfg.model.model_explicit:
             shape = Shape.from_config(PRESETS["llama-3.1-8b"], num_layers)  # load_model's fallback
         if shape is None:
             return []
@@ -905,8 +906,8 @@ def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
     return out
 
 
-def replace_model(cfg, name):
-    return replace(cfg, model=name)
+def replace_model(cfg: RunConfig, name):
+    return replace(cfg, model=replace(cfg.model, model=name))
 
 
 def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
@@ -926,18 +927,18 @@ def combine(plans: list[tuple[str, Shape, Setup]]) -> Plan:
     return Plan(parts=parts, peak=peak, where=where, notes=[n for _, p in trained for n in p.notes])
 
 
-def start(cfg):
+def start(cfg: RunConfig):
     """The memory plan's part of a run's start (run/start.py, settle), before any model is built: the default
     rounding chosen where the command line left it open (cfg.optimizer_rounding "auto": choose_rounding, one log
     line) and agreed between the processes of a torchrun job (agree_on_rounding), then the plan printed and
     checked (check). Returns the RunConfig the run goes on with, holding the rounding it uses: the one place a
     run's rounding is decided."""
     line = None
-    chosen = getattr(cfg, "optimizer_rounding", None) == "auto"
+    chosen = cfg.training.optimizer_rounding == "auto"
     if chosen:
         rounding, line = choose_rounding(cfg)
-        cfg = agree_on_rounding(replace(cfg, optimizer_rounding=rounding))
-        if cfg.optimizer_rounding != rounding:
+        cfg = agree_on_rounding(replace(cfg, training=replace(cfg.training, optimizer_rounding=rounding)))
+        if cfg.training.optimizer_rounding != rounding:
             line = None  # agree_on_rounding said why every process takes another
     check(cfg, note=line, rounding_chosen=chosen)
     return cfg
@@ -946,7 +947,7 @@ def start(cfg):
 KAHAN_BYTES = 2  # per trained weight: the Kahan compensation, in bf16 (adamw_kernel.py)
 
 
-def choose_rounding(cfg) -> tuple[str, str | None]:
+def choose_rounding(cfg: RunConfig) -> tuple[str, str | None]:
     """The rounding of a run that left --optimizer-rounding open (config.default_rounding: a full fine-tune
     whose bf16 weights the Triton AdamW updates), and the log line that says why:
       kahan       where the plan with its buffer (2 bytes per weight) fits the free memory: the GPU's, or the
@@ -960,24 +961,24 @@ def choose_rounding(cfg) -> tuple[str, str | None]:
                   rounding to bf16 loses nothing there.
     Under torchrun each process judges its own GPU's free memory; agree_on_rounding then gives every process the
     choice that fits on all of them."""
-    free, where_free = (math.inf, "") if getattr(cfg, "ignore_memory_plan", False) else _free(cfg.device)
+    free, where_free = (math.inf, "") if cfg.output.ignore_memory_plan else _free(cfg.run.device)
     return _rounding(cfg, free, where_free)
 
 
-def _rounding(cfg, free: float, where_free: str) -> tuple[str, str | None]:
+def _rounding(cfg: RunConfig, free: float, where_free: str) -> tuple[str, str | None]:
     """choose_rounding for the free memory `free` (`where_free`: where that figure comes from)."""
-    plans = run_plans(replace(cfg, optimizer_rounding="kahan"))
+    plans = run_plans(replace(cfg, training=replace(cfg.training, optimizer_rounding="kahan")))
     if plans and plans[-1][2].weight_bytes != 2:
         return "nearest", None
     choose = "--optimizer-rounding kahan or nearest to choose"
     if not plans:
-        return "stochastic", (f"Optimizer rounding: stochastic (no memory plan before {cfg.model} is loaded, so the "
+        return "stochastic", (f"Optimizer rounding: stochastic (no memory plan before {cfg.model.model} is loaded, so the "
                               f"Kahan buffer, {KAHAN_BYTES} bytes per weight, cannot be checked against the free "
                               f"memory; stochastic rounding needs none; {choose})")
     plan = combine(plans)
     buffer = plan_part(plan, "optimizer states") - plan_part(
-        combine(run_plans(replace(cfg, optimizer_rounding="stochastic"))), "optimizer states")
-    if getattr(cfg, "ignore_memory_plan", False):
+        combine(run_plans(replace(cfg, training=replace(cfg.training, optimizer_rounding="stochastic")))), "optimizer states")
+    if cfg.output.ignore_memory_plan:
         return "stochastic", (f"Optimizer rounding: stochastic (--ignore-memory-plan: the run does not go by the "
                               f"plan, so it takes the rounding that needs no memory; kahan would add "
                               f"{gb_text(buffer)} GB; {choose})")
@@ -1003,26 +1004,26 @@ def plan_part(plan: Plan, name: str) -> float:
 ROUNDING_ORDER = ("nearest", "stochastic", "kahan")  # a process's choice, least memory first
 
 
-def agree_on_rounding(cfg):
+def agree_on_rounding(cfg: RunConfig):
     """Under torchrun (the process group started by run/start.py's settle, before the plan): each process chose its
     default rounding from its own GPU's free memory, and near the limit they may differ. Every process takes the choice that fits on all of them
     (the first of ROUNDING_ORDER that any chose), with one line where that changes this one's. Returns the
     RunConfig to go on with; one process, or no process group: unchanged."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return cfg
-    device = cfg.device if dist.get_backend() == "nccl" else "cpu"
-    choice = torch.tensor([ROUNDING_ORDER.index(cfg.optimizer_rounding)], device=device)
+    device = cfg.run.device if dist.get_backend() == "nccl" else "cpu"
+    choice = torch.tensor([ROUNDING_ORDER.index(cfg.training.optimizer_rounding)], device=device)
     dist.all_reduce(choice, op=dist.ReduceOp.MIN)
     agreed = ROUNDING_ORDER[int(choice.item())]
-    if agreed == cfg.optimizer_rounding:
+    if agreed == cfg.training.optimizer_rounding:
         return cfg
 
-    log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.optimizer_rounding}; another "
+    log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.training.optimizer_rounding}; another "
         f"process's free memory did not fit it)")
-    return replace(cfg, optimizer_rounding=agreed)
+    return replace(cfg, training=replace(cfg.training, optimizer_rounding=agreed))
 
 
-def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
+def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
     """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would
     (enforce: by default unless --ignore-memory-plan). Each script calls it as its run starts, before any
     model is built (training.train, profile_baseline.py and distill.py through start; finetune_trainer.py, whose
@@ -1030,36 +1031,36 @@ def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_ch
     note: a line printed after the plan (start's choice of rounding); rounding_chosen: start chose the rounding
     (the command line left it open, as it stays in the options offered)."""
     if enforce is None:
-        enforce = not getattr(cfg, "ignore_memory_plan", False)
+        enforce = not cfg.output.ignore_memory_plan
 
     plans = run_plans(cfg)
     if not plans:
-        log(f"Memory plan: none before loading (the config of {cfg.model} is not on this machine yet)")
+        log(f"Memory plan: none before loading (the config of {cfg.model.model} is not on this machine yet)")
         if note:
             log(note)
         return None
     plan = combine(plans)
-    free, where_free = _free(cfg.device)
+    free, where_free = _free(cfg.run.device)
     if is_main():
         log(format_plan(plan, free, where_free))
         if note:
             log(note)
     if plan.peak <= free or not enforce:
         return plan
-    raise usage_error(too_big(replace(cfg, optimizer_rounding="auto") if rounding_chosen else cfg, plans,
+    raise usage_error(too_big(replace(cfg, training=replace(cfg.training, optimizer_rounding="auto")) if rounding_chosen else cfg, plans,
                               plan, free, where_free))
 
 
-def problem(cfg) -> str | None:
+def problem(cfg: RunConfig) -> str | None:
     """The line check() stops a run with where its plan does not fit, found without printing the plan (for a
     command line with more than one thing wrong: config.parse_config names this one first); None where the run
     fits, where its plan cannot be made before loading, or with --ignore-memory-plan."""
-    if getattr(cfg, "ignore_memory_plan", False):
+    if cfg.output.ignore_memory_plan:
         return None
-    free, where_free = _free(cfg.device)
+    free, where_free = _free(cfg.run.device)
     given = cfg
-    if cfg.optimizer_rounding == "auto":
-        cfg = replace(cfg, optimizer_rounding=_rounding(cfg, free, where_free)[0])
+    if cfg.training.optimizer_rounding == "auto":
+        cfg = replace(cfg, training=replace(cfg.training, optimizer_rounding=_rounding(cfg, free, where_free)[0]))
     plans = run_plans(cfg)
     if not plans:
         return None
