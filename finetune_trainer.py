@@ -292,7 +292,7 @@ def make_trainer_parser():
 
 def parse_args(argv=None):
     """The run's RunConfig, every argument checked (one line and exit code 2 for a wrong one) before anything is
-    loaded: the shared rules (playbook/config.py), the options the Trainer does not use, --dataset."""
+    loaded: the shared rules (playbook/config/), the options the Trainer does not use, --dataset."""
     cfg = parse_config(make_trainer_parser(), TRAINER, argv)  # its own optimizer, one example per row
     if cfg.data.dataset is None:
         raise usage_error("finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")

@@ -1,4 +1,4 @@
-"""The RunConfig and its sections: what a run is, as frozen dataclasses (no parsing here; playbook/config.py
+"""The RunConfig and its sections: what a run is, as frozen dataclasses (no parsing here; playbook/config/
 builds them from the command line).
 
 The RunConfig holds one small frozen dataclass per section, in the order of the command line's argument

@@ -28,7 +28,7 @@ from playbook.sections import RunConfig
 
 
 # The settings that decide a run's data order and learning-rate schedule: name in the checkpoint -> the flag
-# that sets it, from the RunConfig's fields marked `resumable` (playbook/config.py), in their stored order. A
+# that sets it, from the RunConfig's fields marked `resumable` (playbook/sections.py), in their stored order. A
 # resumed run must have the same values (the kernels, the optimizer's implementation, logging and the number
 # of steps may change).
 RESUME_SETTINGS = resumable_settings()

@@ -1,6 +1,6 @@
 """Command-line arguments of the fine-tuning, profiling and distillation scripts, checked once into a frozen `RunConfig`.
 
-Every script builds its parser with `make_parser()` (playbook/flags.py), so `--model`, `--batch-size`,
+Every script builds its parser with `make_parser()` (playbook/config/flags.py), so `--model`, `--batch-size`,
 `--kernels` and the rest mean the same thing everywhere. `parse_config()` checks every value before any model
 is built (a bad argument exits with code 2 and one line saying what is wrong) and fills the defaults that
 depend on the machine (a GPU gets the 8B architecture at 4 x 2048 tokens, a CPU the tiny preset).
@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from core.fp8_support import EMULATED, emulated_name
-from playbook.flags import (FP8_DEFAULT_RECIPE, FP8_RECIPES, FULL_LR, LORA_LR, MAX_INT, TAG_PATTERN,  # noqa: F401
+from playbook.config.flags import (FP8_DEFAULT_RECIPE, FP8_RECIPES, FULL_LR, LORA_LR, MAX_INT, TAG_PATTERN,  # noqa: F401
                             TIMING_WARMUP, _Kernels, deprecated, fraction, make_parser, nonnegative_float,
                             nonnegative_int, positive_float, positive_int, refuse_unused, unused_options)
 from playbook.model.presets import DEFAULT_MODEL

@@ -1,6 +1,6 @@
 """The command line every script shares: `make_parser()`'s options, their types and their help.
 
-`--model`, `--batch-size`, `--kernels` and the rest mean the same thing in every script; playbook/config.py
+`--model`, `--batch-size`, `--kernels` and the rest mean the same thing in every script; playbook/config/
 checks the values they give and builds the RunConfig of them (`parse_config`).
 """
 
