@@ -13,7 +13,7 @@ import pytest
 
 from playbook.model import models
 from playbook.plan import memory_plan
-from playbook.config import make_parser, parse_config
+from playbook.config import RunConfig, make_parser, parse_config
 from playbook.plan.memory_plan import GB, Setup, Shape, estimate, measured_run
 from playbook.model.registry import DEFAULT_KERNELS
 from playbook.model.presets import PRESETS
@@ -226,7 +226,7 @@ def _peak(rounding: str) -> float:
                                                      LLAMA_8B)).peak
 
 
-def _started(cfg, capsys):
+def _started(cfg: RunConfig, capsys) -> tuple[RunConfig, str | None]:
     """memory_plan.start(cfg) and its one line on the rounding (None where it printed none)."""
     started = memory_plan.start(cfg)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Optimizer rounding:")]
@@ -249,7 +249,7 @@ def test_the_default_rounding_is_kahan_where_it_fits_and_says_so(monkeypatch, ca
     assert kahan - stochastic == pytest.approx(2 * LLAMA_8B.params, rel=0.01)  # its bf16 buffer, nothing else
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{(kahan + 1 * GB) / GB:.3f}")
     started, line = _started(cfg, capsys)
-    assert started.optimizer_rounding == "kahan" and started.as_dict()["optimizer_rounding"] == "kahan"
+    assert started.training.optimizer_rounding == "kahan" and started.as_dict()["optimizer_rounding"] == "kahan"
     free = f"{(kahan + 1 * GB) / GB:.3f}"  # the stand-in, named as the figure's source
     assert line == (f"Optimizer rounding: kahan (fits: the plan's peak with its {2 * LLAMA_8B.params / GB:.1f} GB "
                     f"buffer is {kahan / GB:.1f} GB, and PLAYBOOK_FREE_MEMORY_GB={free} says this machine has "
@@ -263,7 +263,7 @@ def test_the_default_rounding_is_stochastic_where_kahan_does_not_fit(monkeypatch
     free = (kahan + stochastic) / 2  # stochastic fits, kahan does not
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, f"{free / GB:.3f}")
     started, line = _started(_parsed(*BIG), capsys)  # (fits: no exit)
-    assert started.optimizer_rounding == "stochastic", line
+    assert started.training.optimizer_rounding == "stochastic", line
     assert line.startswith("Optimizer rounding: stochastic (kahan does not fit: ") and f"{kahan / GB:.1f} GB" in line
     assert f"says this machine has {free / GB:.1f} GB free" in line and _units_on_every_number(line), line
     # Neither fits: the run stops with the options that would fit; none of them is a rounding that needs more
@@ -288,14 +288,14 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     # a machine without a GPU (this one, or the GPU machine's run as it would be there): llama-tiny on the CPU
     on_cpu = _parsed("--optimizer", "adamw-triton", "--model", "llama-tiny").changed(device=torch.device("cpu"))
     started, line = _started(on_cpu, capsys)
-    assert started.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
+    assert started.training.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
     monkeypatch.setenv(memory_plan.FREE_MEMORY_ENV, "1000")  # kahan would fit; the run is told not to go by the plan
     started, line = _started(_parsed(*BIG, "--ignore-memory-plan"), capsys)
-    assert started.optimizer_rounding == "stochastic" and "(--ignore-memory-plan: " in line, line
+    assert started.training.optimizer_rounding == "stochastic" and "(--ignore-memory-plan: " in line, line
     assert _units_on_every_number(line), line
     monkeypatch.setattr(memory_plan, "model_shape", lambda *a, **k: None)  # its config comes with its weights
     started, line = _started(_parsed(*BIG), capsys)
-    assert started.optimizer_rounding == "stochastic" and "no memory plan before llama-3.1-8b is loaded" in line, line
+    assert started.training.optimizer_rounding == "stochastic" and "no memory plan before llama-3.1-8b is loaded" in line, line
     assert _units_on_every_number(line), line
     monkeypatch.undo()
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)  # SmolLM2 then trains in fp32 on this CPU
@@ -315,7 +315,7 @@ def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatc
         argv = [w for w in BIG if w not in ("--optimizer", "adamw-triton")] + argv
         cfg = _parsed(*argv)
         started, line = _started(cfg, capsys)
-        assert (started.optimizer_rounding, started.master_weights, line) == (rounding, master, None), argv
+        assert (started.training.optimizer_rounding, started.training.master_weights, line) == (rounding, master, None), argv
     cfg = _parsed("--dtype", "float32", "--optimizer", "adamw-triton", script="distill")  # the student in fp32
     assert cfg.training.optimizer_rounding == "nearest"
     cfg = _parsed("--optimizer", "adamw-triton", script="distill")  # a bf16 student: chosen as distill.py starts

@@ -1068,19 +1068,19 @@ def problem(cfg: RunConfig) -> str | None:
     return None if plan.peak <= free else too_big(given, plans, plan, free, where_free)
 
 
-def too_big(given, plans: list, plan: Plan, free: float, where_free: str) -> str:
+def too_big(given: RunConfig, plans: list, plan: Plan, free: float, where_free: str) -> str:
     """The one line of a run whose plan does not fit: what it needs, the free memory and where that figure
     comes from, a --seq-len past the model's positions, and the options that fit (offers). `given`: the run as
     its command line gave it (a rounding left open still "auto")."""
     shape = plans[-1][1]
-    past = (f" (--seq-len {given.seq_len:,} is past the {shape.positions:,} positions {trained_model(given)} was "
-            f"trained on)" if shape.positions and given.seq_len > shape.positions else "")
+    past = (f" (--seq-len {given.data.seq_len:,} is past the {shape.positions:,} positions {trained_model(given)} was "
+            f"trained on)" if shape.positions and given.data.seq_len > shape.positions else "")
     fits = offers(given, free, where_free)
     way = ("; options that fit (estimated peak): " + "; ".join(f"{o.text} ({gb_text(o.peak)} GB)" for o in fits)
            if fits else "; no single option brings it under; see docs/memory.md, or use several GPUs (torchrun)")
-    if not given.on_gpu and given.model != "llama-tiny":
+    if not given.on_gpu and given.model.model != "llama-tiny":
         way += "; on a CPU, --model llama-tiny runs the CPU demo"
-    return (f"--batch-size {given.batch_size} x --seq-len {given.seq_len}{past}: the plan needs {gb_text(plan.peak)} "
+    return (f"--batch-size {given.data.batch_size} x --seq-len {given.data.seq_len}{past}: the plan needs {gb_text(plan.peak)} "
             f"GB at its peak and {said_free(free, where_free)}{way}; --ignore-memory-plan runs it anyway")
 
 
