@@ -348,6 +348,51 @@ def test_resume_of_an_older_checkpoint_warns(tmp_path, capsys):
     record("checkpoint without settings: resumed with a one-line warning", 0.0, 0.0, True)
 
 
+# A checkpoint's saved config as playbook/run/training.py wrote it while RunConfig held every field itself (before
+# the sections were nested, #61): one flat dict, its keys in this order (summaries hold the same form)
+FLAT_CONFIG_KEYS = [
+    "script", "device", "seed", "model", "model_explicit", "num_layers", "gradient_checkpointing", "checkpoint_layers",
+    "offload_activations", "keep_attention", "recompute_norms", "offload_layers", "mlp_chunk_tokens", "kernels", "fp8",
+    "fp8_backend", "fp8_recipe", "fp8_layers", "compile", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+    "merge_lora", "load_in_4bit", "batch_size", "seq_len", "data", "dataset", "packing", "train_on_prompt", "drop_long",
+    "eval_dataset", "eval_fraction", "eval_every", "repeat_batches", "grad_accum", "steps", "epochs", "warmup_steps",
+    "lr", "lr_schedule", "lr_warmup_steps", "warmup_ratio", "weight_decay", "optimizer", "optimizer_rounding",
+    "master_weights", "optimizer_in_backward", "max_grad_norm", "cuda_graphs", "output_dir", "save_every",
+    "save_total_limit", "overwrite_output_dir", "load_best_model_at_end", "early_stopping_patience",
+    "early_stopping_threshold", "resume", "log_every", "tag", "overwrite", "report_to", "sample_prompts",
+    "ignore_memory_plan", "extra"]
+
+
+def test_checkpoint_written_before_the_nested_config_resumes(tmp_path, capsys):
+    """A checkpoint whose saved settings and config are in the flat form written before RunConfig held its
+    sections as fields (#61) resumes: its settings are checked key by key (a differing one still refused), its
+    config is read, and today's as_dict is that same flat form, in the same order."""
+    out = tmp_path / "out"
+    run("--output-dir", str(out), "--save-every", "2", tag="test_runs_flat")
+    assert list(config(*BASE).as_dict()) == FLAT_CONFIG_KEYS
+    ckpt = out / "checkpoint-2"
+    state = torch.load(ckpt / checkpoint.STATE_FILE, weights_only=True)
+    saved = state["extra"]["config"]
+    state["extra"]["config"] = {key: saved[key] for key in FLAT_CONFIG_KEYS}  # (written out whole, as then)
+    state["extra"]["settings"] = {  # BASE's values, as the settings were stored then: flat, in this order
+        "model": "llama-tiny", "num_layers": None, "lora_r": 0, "lora_alpha": None, "lora_dropout": None,
+        "lora_targets": None, "load_in_4bit": False, "data": "synthetic", "batch_size": 2, "grad_accum": 1,
+        "seq_len": 32, "packing": False, "train_on_prompt": False, "drop_long": False, "eval_fraction": 0.0,
+        "seed": 0, "lr": 1e-3, "lr_schedule": "linear", "lr_warmup_steps": 0, "warmup_ratio": 0.0,
+        "weight_decay": 0.0, "repeat_batches": None}
+    torch.save(state, ckpt / checkpoint.STATE_FILE)
+    info = checkpoint.read_checkpoint_info(ckpt)
+    assert list(info["extra"]["config"]) == FLAT_CONFIG_KEYS and info["extra"]["settings"]["batch_size"] == 2
+    capsys.readouterr()
+    got = run("--resume", str(ckpt), tag="test_runs_flat_resumed")
+    said = capsys.readouterr().out
+    assert "stores no run settings" not in said, said
+    assert got["losses"][:2] == summary("test_runs_flat")["losses"][:2] and len(got["losses"]) == 4
+    assert ": checkpoint 2, this run 4" in exits(capsys, "--batch-size", "4", "--resume", str(ckpt))
+    record("a checkpoint of the flat config (before #61's sections) resumes; a differing setting still refused",
+           0.0, 0.0, True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Every damaged --resume: one line, exit code 2
 # ------------------------------------------------------------------------------------------------
