@@ -925,7 +925,8 @@ def test_rounding_options_on_the_command_line(monkeypatch, capsys):
     one line and exit code 2."""
     cfg = _config()
     pytorchs = "adamw-fused" if torch.cuda.is_available() else "adamw-foreach"
-    assert (cfg.training.optimizer_rounding, cfg.training.master_weights, cfg.training.optimizer) == ("nearest", "none", pytorchs)
+    assert (cfg.training.optimizer_rounding, cfg.training.master_weights, cfg.training.optimizer) == ("nearest", "none",
+                                                                                                      pytorchs)
     model = models.build_preset("llama-tiny", 1, DEVICE, torch.bfloat16)
     for argv, rounding in ((["--optimizer-rounding", "stochastic"], "stochastic"),
                            (["--optimizer-rounding", "kahan", "--optimizer", "adamw-triton"], "kahan"),

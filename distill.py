@@ -220,9 +220,12 @@ def build_model(cfg: RunConfig, name: str, num_layers: int | None, trains: bool)
     gradient checkpointing, the saved-activation options and LoRA on the student alone, which `trains`."""
     d = cfg.extra
     dtype = DTYPES[d.dtype]
-    role = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=name, num_layers=num_layers, model_explicit=True))
+    role = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=name, num_layers=num_layers,
+                                                              model_explicit=True))
     if not trains:  # the frozen teacher: its forward pass with the kernels, nothing that serves training
-        role = dataclasses.replace(role, model=dataclasses.replace(role.model, fp8=False, lora_r=0, load_in_4bit=False), memory=dataclasses.replace(role.memory, gradient_checkpointing=False, recompute_norms=False, offload_layers=None))
+        role = dataclasses.replace(role, model=dataclasses.replace(role.model, fp8=False, lora_r=0, load_in_4bit=False),
+                                   memory=dataclasses.replace(role.memory, gradient_checkpointing=False,
+                                                              recompute_norms=False, offload_layers=None))
     if name in STUDENTS:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -257,7 +260,8 @@ def make_batches(cfg: RunConfig, vocab_size: int):
     teacher = cfg.extra.teacher
     tokenizer = make_tokenizer(teacher, preset=teacher in PRESETS) if cfg.data.data else None
     try:  # --data is read as strict UTF-8, as --dataset is: a byte that is not UTF-8 is an error
-        return make_data(str(cfg.data.data) if cfg.data.data else None, "text" if cfg.data.data else "synthetic", tokenizer,
+        return make_data(str(cfg.data.data) if cfg.data.data else None, "text" if cfg.data.data else "synthetic",
+                         tokenizer,
                          vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.run.seed)
     except (ValueError, OSError, ImportError) as err:  # bad input: one line, exit code 2
         raise bad_data_exit(err) from None

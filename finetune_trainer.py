@@ -210,7 +210,8 @@ def check_trainer_resume(cfg: RunConfig, checkpoint: str, settings: dict) -> Non
         rates = torch.load(folder / "scheduler.pt", weights_only=True).get("base_lrs") or []
     except (OSError, RuntimeError, AttributeError, ValueError):
         rates = []
-    if rates and not math.isclose(float(rates[0]), cfg.training.lr, rel_tol=1e-6):  # (the rate as saved, a float's rounding)
+    if rates and not math.isclose(float(rates[0]), cfg.training.lr,
+                                  rel_tol=1e-6):  # (the rate as saved, a float's rounding)
         lines.append(f"--lr: checkpoint {float(rates[0]):g}, this run {cfg.training.lr:g}")
     refuse_differences(cfg, lines)
     log(f"warning: {folder} stores no run settings (a checkpoint written before finetune_trainer.py stored them): "

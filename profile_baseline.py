@@ -151,7 +151,8 @@ def main():
 
     check_or_exit()
     cfg = parse_args()  # its own count of steps: --steps are the recorded ones
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=cfg.extra.recorded_steps))  # the summary's config says what ran
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                steps=cfg.extra.recorded_steps))  # the summary's config says what ran
     gpu, active = cfg.on_gpu, cfg.training.steps
 
     graphed = None  # the captured step, once the warm-up has run (playbook/run/cuda_graph.py)
@@ -222,7 +223,8 @@ def _self_time_us(evt, gpu: bool) -> float:
     return t if t is not None else evt.self_cuda_time_total
 
 
-def report(prof, cfg: RunConfig, model_name, kernel_report, gpu, wall_ms: float | None = None, host_ms: float | None = None,
+def report(prof, cfg: RunConfig, model_name, kernel_report, gpu, wall_ms: float | None = None,
+           host_ms: float | None = None,
            mode: str | None = None):
     from tabulate import tabulate
 

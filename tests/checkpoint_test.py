@@ -595,7 +595,8 @@ def _one_process(cfg):
 
     model = models.prepare_model(cfg)[0]
     optimizer = make_optimizer(model, cfg)
-    return model, optimizer, LRSchedule(optimizer, cfg.training.steps, cfg.training.lr_warmup_steps, cfg.training.lr_schedule)
+    return model, optimizer, LRSchedule(optimizer, cfg.training.steps, cfg.training.lr_warmup_steps,
+                                        cfg.training.lr_schedule)
 
 
 def _cleanup_results(tags):

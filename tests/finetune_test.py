@@ -708,9 +708,11 @@ def test_timing_warmup_left_out_leaves_a_timed_step():
     probe's case)."""
     for steps, warmup in ((None, 2), ("3", 2), ("2", 1), ("1", 0)):
         cfg = config(*(["--steps", steps] if steps else []))
-        assert cfg.training.warmup_steps == warmup and type(cfg.training.warmup_steps) is int, (steps, cfg.training.warmup_steps)
+        assert cfg.training.warmup_steps == warmup and type(cfg.training.warmup_steps) is int, (steps,
+                                                                                                cfg.training.warmup_steps)
     assert config("--steps", "5", "--timing-warmup-steps", "3").training.warmup_steps == 3
-    assert config("--steps", "1", script=PROFILE).training.warmup_steps == 2  # the profile's --steps come after its warm-up
+    assert config("--steps", "1",
+                  script=PROFILE).training.warmup_steps == 2  # the profile's --steps come after its warm-up
     with pytest.raises(SystemExit):
         config("--steps", "2", "--timing-warmup-steps", "2")
     record("--timing-warmup-steps left out: 2, or 1 with --steps 2 and 0 with --steps 1; given: kept or refused",
@@ -724,7 +726,8 @@ def test_distill_defaults():
 
     cfg = distill.parse_args([])
     if not cfg.on_gpu:
-        assert (cfg.training.steps, cfg.training.warmup_steps, cfg.training.lr, cfg.data.batch_size, cfg.data.seq_len) == (3, 1, 1e-4, 2, 64)
+        assert (cfg.training.steps, cfg.training.warmup_steps, cfg.training.lr, cfg.data.batch_size,
+                cfg.data.seq_len) == (3, 1, 1e-4, 2, 64)
         assert (cfg.extra.teacher, cfg.extra.student) == ("llama-tiny", "llama-tiny-student")
     assert distill.parse_args(["--steps", "1"]).training.warmup_steps == 0
     assert cfg.model.kernels == () and cfg.extra.mode == "both" and cfg.extra.alpha == 0.5

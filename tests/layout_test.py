@@ -216,7 +216,8 @@ def test_no_guessed_config_fields():
 
 # playbook/'s parts from the bottom up: a folder (a sub-package) or a module at the package's top. A part imports
 # only the parts at or below its own (and the layers under the library), at module level or inside functions.
-PLAYBOOK_ORDER = ("sections", "runtime", "store", "memory", "optim", "model", "data", "plan", "config", "run", "startup")
+PLAYBOOK_ORDER = ("sections", "runtime", "store", "memory", "optim", "model", "data", "plan", "config", "run",
+                  "startup")
 
 
 def playbook_order_violations(root: Path = ROOT) -> list:

@@ -315,7 +315,8 @@ def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatc
         argv = [w for w in BIG if w not in ("--optimizer", "adamw-triton")] + argv
         cfg = _parsed(*argv)
         started, line = _started(cfg, capsys)
-        assert (started.training.optimizer_rounding, started.training.master_weights, line) == (rounding, master, None), argv
+        assert (started.training.optimizer_rounding, started.training.master_weights, line) == (rounding, master,
+                                                                                                None), argv
     cfg = _parsed("--dtype", "float32", "--optimizer", "adamw-triton", script="distill")  # the student in fp32
     assert cfg.training.optimizer_rounding == "nearest"
     cfg = _parsed("--optimizer", "adamw-triton", script="distill")  # a bf16 student: chosen as distill.py starts
@@ -344,7 +345,8 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
     import torch
     import torch.distributed as dist
 
-    cfg = _parsed("--model", "llama-tiny", "--optimizer", "adamw-triton").changed(device=torch.device("cpu"), optimizer_rounding="kahan")
+    cfg = _parsed("--model", "llama-tiny", "--optimizer", "adamw-triton").changed(device=torch.device("cpu"),
+                                                                                  optimizer_rounding="kahan")
     assert memory_plan.agree_on_rounding(cfg) is cfg  # no process group
     others = {"value": memory_plan.ROUNDING_ORDER.index("stochastic")}
 

@@ -102,11 +102,15 @@ def test_real_models_train_in_float32_on_cpus_without_bf16_matmuls(monkeypatch):
 
     cfg = _cfg("finetune_optimized").changed(device=torch.device("cpu"))
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
-    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="smollm2-135m"))) == torch.float32
-    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="llama-tiny"))) == torch.bfloat16  # presets as before
+    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                    model="smollm2-135m"))) == torch.float32
+    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                    model="llama-tiny"))) == torch.bfloat16  # presets as before
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: True)
-    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="smollm2-135m"))) == torch.bfloat16
-    gpu = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="smollm2-135m"), run=dataclasses.replace(cfg.run, device=torch.device("cuda")))
+    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                    model="smollm2-135m"))) == torch.bfloat16
+    gpu = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="smollm2-135m"),
+                              run=dataclasses.replace(cfg.run, device=torch.device("cuda")))
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
     assert presets.weights_dtype(gpu) == torch.bfloat16  # a GPU trains in bf16 whatever the CPU
 

@@ -245,7 +245,8 @@ def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
         ("model", "llama-tiny"), ("num_layers", None), ("lora_r", 0), ("lora_alpha", None), ("lora_dropout", None),
         ("lora_targets", None), ("load_in_4bit", False), ("data", "synthetic"), ("batch_size", 2), ("grad_accum", 1),
         ("seq_len", full.data.seq_len), ("packing", False), ("train_on_prompt", False), ("drop_long", False),
-        ("eval_fraction", 0.0), ("seed", 0), ("lr", full.training.lr), ("lr_schedule", "linear"), ("lr_warmup_steps", 0),
+        ("eval_fraction", 0.0), ("seed", 0), ("lr", full.training.lr), ("lr_schedule", "linear"), ("lr_warmup_steps",
+                                                                                                   0),
         ("warmup_ratio", 0.0), ("weight_decay", 0.0), ("repeat_batches", None)]
     folder = tmp_path / "model"
     folder.mkdir()
@@ -274,7 +275,8 @@ def test_every_resumable_field_is_stored_and_named_by_its_flag():
     from playbook.config import SECTIONS
     from playbook.run.resume import COMPUTED_SETTINGS, resume_settings
 
-    marked = {f.name: f.metadata["resume"] for kind in SECTIONS.values() for f in fields(kind) if "resume" in f.metadata}
+    marked = {f.name: f.metadata["resume"] for kind in SECTIONS.values() for f in fields(kind)
+              if "resume" in f.metadata}
     cfg = config("--model", "llama-tiny", "--batch-size", "2", "--lora-r", "4")
     stored = resume_settings(cfg, cfg.model.model)
     assert set(marked) <= set(stored), f"resumable fields missing from the stored settings: {set(marked) - set(stored)}"

@@ -25,7 +25,8 @@ from dataclasses import replace
 import torch
 
 from core.fp8_support import EMULATED, emulated_name
-from playbook.config.flags import (FP8_DEFAULT_RECIPE, FP8_RECIPES, FULL_LR, LORA_LR, MAX_INT, TAG_PATTERN,  # noqa: F401
+from playbook.config.flags import (FP8_DEFAULT_RECIPE, FP8_RECIPES, FULL_LR, LORA_LR, MAX_INT,
+                                   TAG_PATTERN,  # noqa: F401
                             TIMING_WARMUP, _Kernels, deprecated, fraction, make_parser, nonnegative_float,
                             nonnegative_int, positive_float, positive_int, refuse_unused, unused_options)
 from playbook.model.presets import DEFAULT_MODEL
@@ -166,7 +167,8 @@ def _model_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool,
                               f"--fp8-recipe {fp8_recipe} runs natively on Hopper and newer")
         fp8_recipe = emulated_name(fp8_recipe)
     checkpoint_layers = _check_saved_activations(a)
-    needs_lora = [flag for flag, given in (("--lora-alpha", a.lora_alpha is not None), ("--lora-dropout", a.lora_dropout),
+    needs_lora = [flag for flag, given in (("--lora-alpha", a.lora_alpha is not None), ("--lora-dropout",
+                                                                                        a.lora_dropout),
                                            ("--lora-targets", a.lora_targets != "all"), ("--merge-lora", a.merge_lora),
                                            ("--load-in-4bit", a.load_in_4bit)) if given]
     if needs_lora and not a.lora_r:  # (naming only the flags given: a script may take none of the others)
@@ -290,7 +292,8 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
         warmup_steps = min(2 if gpu else 1, steps - 1) if steps is not None else (2 if gpu else 1)
     optimizer = _optimizer(a, defaults, gpu, model)
     if a.optimizer_in_backward:
-        clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum", a.grad_accum > 1),
+        clash = [flag for flag, on in (("--max-grad-norm", a.max_grad_norm is not None), ("--grad-accum",
+                                                                                          a.grad_accum > 1),
                                        ("torchrun (FSDP2)", sharded)) if on]
         if clash:
             raise usage_error(f"--optimizer-in-backward updates each parameter inside backward, which rules out "

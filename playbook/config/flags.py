@@ -159,7 +159,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
+        if action.default not in (None, False,
+                                  argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
             default = action.default
             if isinstance(default, tuple):
                 default = ", ".join(default) or "none"  # spaces: a long list wraps between names

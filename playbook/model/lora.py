@@ -240,7 +240,8 @@ def lora_from_config(model: nn.Module, cfg: RunConfig, fuse: bool) -> nn.Module:
     with fuse=True (the registry's `lora` entry, lora_kernel.py) route them through the fused path."""
     if cfg.model.load_in_4bit:
         _log(f"QLoRA: {quantize_4bit(model, cfg.model.lora_targets)} projections quantized to NF4 (bitsandbytes)")
-    model = apply_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, dropout=cfg.model.lora_dropout, targets=cfg.model.lora_targets)
+    model = apply_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, dropout=cfg.model.lora_dropout,
+                       targets=cfg.model.lora_targets)
     if fuse:
         import lora_kernel  # the registry's lora entry
 

@@ -160,14 +160,16 @@ def check_model_name(name: str, flag: str = "--model") -> None:
                           "to --data")
 
 
-def load_model(cfg: RunConfig, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") -> tuple[nn.Module, str, str]:
+def load_model(cfg: RunConfig, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") -> tuple[nn.Module, str,
+                                                                                                    str]:
     """Returns (model, model name actually used, description). The default model falls back to the 8B
     preset with a loud warning when it cannot be loaded; a model named on the command line does not.
     flag: the option that named the model, as the errors call it (distill.py: --teacher, --student)."""
     check_model_name(cfg.model.model, flag)
     if cfg.model.model in PRESETS:
         check_preset_fits(cfg, dtype, trains=flag != "--teacher", flag=flag)  # on a CPU: before building it
-        return build_preset(cfg.model.model, cfg.model.num_layers, cfg.run.device, dtype), cfg.model.model, f"preset {cfg.model.model} (random weights)"
+        return build_preset(cfg.model.model, cfg.model.num_layers, cfg.run.device,
+                            dtype), cfg.model.model, f"preset {cfg.model.model} (random weights)"
     dtype = weights_dtype(cfg, dtype)
     source, desc = cfg.model.model, cfg.model.model
     if pretrained.is_pretrained_name(cfg.model.model):  # smollm2-135m, or a .gguf file: converted once, then a directory
@@ -435,7 +437,8 @@ def prepare_model(cfg: RunConfig, *, model: nn.Module | None = None, shard: bool
     for entry in registry.conversions(cfg):  # the fp8 entry with --fp8 (its apply: registry.apply_fp8)
         entry.apply_to(model, cfg)
     if cfg.memory.gradient_checkpointing:
-        apply_gradient_checkpointing(model, cfg.memory.checkpoint_layers or "all", offload=cfg.memory.offload_activations,
+        apply_gradient_checkpointing(model, cfg.memory.checkpoint_layers or "all",
+                                     offload=cfg.memory.offload_activations,
                                      keep_attention=cfg.memory.keep_attention)
     if cfg.model.lora_r:
         model = apply_lora(model, cfg, fused=registry.BY_NAME["lora"].selected(cfg))

@@ -576,7 +576,8 @@ def _options(cfg: RunConfig, shape: Shape, s: Setup) -> list[Offer]:
                            changes=dict(mlp_chunk_tokens=16384)))
     if s.kernels == "playbook" and not cfg.memory.recompute_norms and plain and not cfg.model.compile:
         found.append(Offer("--recompute-norms", add=("--recompute-norms",), changes=dict(recompute_norms=True)))
-    if (not cfg.model.lora_r and not cfg.training.optimizer_in_backward and cfg.training.grad_accum == 1 and cfg.training.max_grad_norm is None
+    if (not cfg.model.lora_r and not cfg.training.optimizer_in_backward and cfg.training.grad_accum == 1
+        and cfg.training.max_grad_norm is None
             and world()[1] == 1 and (cfg.run.defaults is None or cfg.run.defaults.own_optimizer)
             and not _refuses(cfg, "optimizer_in_backward")):
         found.append(Offer("--optimizer-in-backward", add=("--optimizer-in-backward",),
@@ -977,7 +978,8 @@ def _rounding(cfg: RunConfig, free: float, where_free: str) -> tuple[str, str | 
                               f"memory; stochastic rounding needs none; {choose})")
     plan = combine(plans)
     buffer = plan_part(plan, "optimizer states") - plan_part(
-        combine(run_plans(replace(cfg, training=replace(cfg.training, optimizer_rounding="stochastic")))), "optimizer states")
+        combine(run_plans(replace(cfg, training=replace(cfg.training,
+                                                        optimizer_rounding="stochastic")))), "optimizer states")
     if cfg.output.ignore_memory_plan:
         return "stochastic", (f"Optimizer rounding: stochastic (--ignore-memory-plan: the run does not go by the "
                               f"plan, so it takes the rounding that needs no memory; kahan would add "
@@ -1023,7 +1025,8 @@ def agree_on_rounding(cfg: RunConfig):
     return replace(cfg, training=replace(cfg.training, optimizer_rounding=agreed))
 
 
-def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
+def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None,
+          rounding_chosen: bool = False) -> Plan | None:
     """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would
     (enforce: by default unless --ignore-memory-plan). Each script calls it as its run starts, before any
     model is built (training.train, profile_baseline.py and distill.py through start; finetune_trainer.py, whose
@@ -1047,7 +1050,8 @@ def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None, 
             log(note)
     if plan.peak <= free or not enforce:
         return plan
-    raise usage_error(too_big(replace(cfg, training=replace(cfg.training, optimizer_rounding="auto")) if rounding_chosen else cfg, plans,
+    raise usage_error(too_big(replace(cfg, training=replace(cfg.training, optimizer_rounding="auto"))
+                              if rounding_chosen else cfg, plans,
                               plan, free, where_free))
 
 

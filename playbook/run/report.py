@@ -242,7 +242,8 @@ def answers_after(samples: list[dict], model, tokenizer, prompts: list, device, 
         print(generate.format_samples(samples))
 
 
-def write_report(cfg: RunConfig, result: RunResult, model, time_left: dict, stopped: str | None, summary_path, metrics_path,
+def write_report(cfg: RunConfig, result: RunResult, model, time_left: dict, stopped: str | None, summary_path,
+                 metrics_path,
                  interpreted: bool) -> dict:
     """The run's summary (RunResult.summary with time_left's estimate beside it) as a table on the console,
     and with every step in results/<tag>.json beside its loss curve (main process). Returns the JSON's dict.

@@ -250,7 +250,8 @@ def start_run(cfg: RunConfig) -> Run:
                           f"{cfg.training.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
                           f"{steps - 1}")
     if cfg.training.steps is None:  # (--steps: checked with the arguments)
-        check_lr_warmup(cfg.training.lr_warmup_steps, steps, counted=f" (--epochs {cfg.training.epochs:g} of this data)")
+        check_lr_warmup(cfg.training.lr_warmup_steps, steps,
+                        counted=f" (--epochs {cfg.training.epochs:g} of this data)")
     settings = resume_settings(cfg, model_name)
     if info is not None:
         check_resumed_run(cfg, info, settings, steps)
@@ -258,14 +259,16 @@ def start_run(cfg: RunConfig) -> Run:
     forget_best(cfg)
     schedule = LRSchedule(optimizer, steps, lr_warmup_steps(cfg, info, steps), cfg.training.lr_schedule)
     summary_path, metrics = open_outputs(cfg, model_name)
-    result = RunResult(script=cfg.run.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"] if cfg.model.compile
+    result = RunResult(script=cfg.run.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"]
+                                                                                               if cfg.model.compile
                                                                                            else []),
                        gpu=describe_gpu(cfg.run.device), world_size=world()[1], batch_size=cfg.data.batch_size,
                        seq_len=cfg.data.seq_len, grad_accum=cfg.training.grad_accum, steps=steps, optimizer=describe_optimizer(cfg),
                        params=built.params[0], trainable_params=built.params[1], data=data_line, versions=versions(),
                        config=cfg.as_dict())
     run = Run(cfg, model, built.tokenizer, data, steps, optimizer, schedule, result, metrics, summary_path, settings,
-              blocker, built.kernels, best=BestEval(cfg.output.early_stopping_patience, cfg.output.early_stopping_threshold))
+              blocker, built.kernels, best=BestEval(cfg.output.early_stopping_patience,
+                                                    cfg.output.early_stopping_threshold))
     if info is not None:
         run.start = load(cfg, info, model, optimizer, schedule, result, steps, capturable=blocker is None)
         run.last_good, run.last_saved = (run.start, info["path"]), info["path"]
@@ -318,7 +321,8 @@ def open_outputs(cfg: RunConfig, model_name: str) -> tuple[Path, MetricsLog]:
     stem = summary_path.stem
     if stem != tag:
         log(f"results/{tag}.json exists: this run writes results/{stem}.* (--overwrite replaces it)")
-    tb_dir = ((cfg.output.output_dir or RESULTS_DIR / "tensorboard") / stem) if cfg.output.report_to == "tensorboard" else None
+    tb_dir = ((cfg.output.output_dir
+               or RESULTS_DIR / "tensorboard") / stem) if cfg.output.report_to == "tensorboard" else None
     return summary_path, MetricsLog(RESULTS_DIR / f"{stem}.metrics.jsonl", tb_dir)
 
 
@@ -327,7 +331,8 @@ def before_first_step(run: Run) -> None:
     gain), the answers to --sample-prompts before training, and the line that says what the loop runs."""
     cfg, result = run.cfg, run.result
     interpreter.before_training(cfg, run.model, run.kernels, run.data, run.start + 1, run.steps)
-    run.left = TimeLeft(run.steps, run.start, cfg.data.eval_every, cfg.output.save_every, cfg.output.output_dir is not None,
+    run.left = TimeLeft(run.steps, run.start, cfg.data.eval_every, cfg.output.save_every,
+                        cfg.output.output_dir is not None,
                         answers=cfg.output.sample_prompts is not None)
     if run.start == 0:
         with run.left.measure("eval"):
@@ -345,7 +350,8 @@ def before_first_step(run: Run) -> None:
     log(f"Training: steps {run.start + 1}-{run.steps} ({cfg.training.warmup_steps} untimed warm-up), {cfg.training.grad_accum} x "
         f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens per step{' per GPU' if size > 1 else ''} (micro-batches x sequences x "
         f"tokens each), {result.optimizer}, "
-        f"lr {cfg.training.lr:g} {cfg.training.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup else ""))
+        f"lr {cfg.training.lr:g} {cfg.training.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup
+                                                                else ""))
 
 
 def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
@@ -356,8 +362,10 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
         synchronize(cfg.run.device)
         torch.cuda.reset_peak_memory_stats(cfg.run.device)  # peak counted after warm-up
     lr = run.schedule.apply(step)
-    batches = [run.data.batch(step * cfg.training.grad_accum + i, cfg.run.device) for i in range(cfg.training.grad_accum)]
-    n_text = sum(run.data.text_tokens(step * cfg.training.grad_accum + i) for i in range(cfg.training.grad_accum))  # on the host
+    batches = [run.data.batch(step * cfg.training.grad_accum + i, cfg.run.device)
+               for i in range(cfg.training.grad_accum)]
+    n_text = sum(run.data.text_tokens(step * cfg.training.grad_accum + i)
+                 for i in range(cfg.training.grad_accum))  # on the host
     log_now = (step + 1) % cfg.output.log_every == 0 or step == run.steps - 1
     loss, norm, queued, dt = runner.run(step, batches, log_now)
     loss_value = loss.float().item()  # a sync point (the runner synchronised already)
@@ -423,10 +431,12 @@ def best_kept(run: Run) -> str:
     on_disk = best.checkpoint or (cfg.output.output_dir / f"checkpoint-{best.step}" if cfg.output.output_dir else None)
     if on_disk is not None and Path(on_disk).is_dir():
         return (f"The best step's checkpoint: {on_disk}"
-                + ("; the run ends with its weights (--load-best-model-at-end)." if cfg.output.load_best_model_at_end else "."))
+                + ("; the run ends with its weights (--load-best-model-at-end)." if cfg.output.load_best_model_at_end
+                   else "."))
     advice = "--load-best-model-at-end" + ("" if cfg.output.output_dir else " with --output-dir")
     return (f"Step {best.step}'s weights are not kept: {advice} keeps the best checkpoint"
-            + ("" if cfg.output.early_stopping_patience else ", and --early-stopping-patience N stops such a run") + ".")
+            + ("" if cfg.output.early_stopping_patience
+               else ", and --early-stopping-patience N stops such a run") + ".")
 
 
 def eval_when_due(run: Run, done: int) -> float | None:
@@ -447,7 +457,8 @@ def save_when_due(run: Run, done: int, force: bool = False) -> str | None:
     (a new best eval with --load-best-model-at-end, an early stop) asks for one. Returns the message that stops
     the run when it cannot be written, else None."""
     cfg = run.cfg
-    if cfg.output.output_dir is None or not (force or (cfg.output.save_every and done % cfg.output.save_every == 0) or done == run.steps):
+    if cfg.output.output_dir is None or not (force or (cfg.output.save_every and done % cfg.output.save_every == 0)
+                                             or done == run.steps):
         return None
     if run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{done}":
         return None  # (written already: a step that is both a save step and a new best)
