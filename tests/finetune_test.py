@@ -653,10 +653,10 @@ def test_distill_builds_both_models_through_prepare_model(monkeypatch):
         (RESULTS_DIR / f"{tag}.json").unlink(missing_ok=True)
     (teacher, t_kw), (student, s_kw) = roles
     assert t_kw["shard"] is False and s_kw["shard"] is False  # one process: distill.py runs no torchrun
-    assert (teacher.model, student.model) == ("llama-tiny", "llama-tiny-student")
-    assert teacher.kernels == student.kernels == ("rmsnorm",)
-    assert (teacher.lora_r, teacher.gradient_checkpointing) == (0, False)
-    assert (student.lora_r, student.gradient_checkpointing) == (4, True)
+    assert (teacher.model.model, student.model.model) == ("llama-tiny", "llama-tiny-student")
+    assert teacher.model.kernels == student.model.kernels == ("rmsnorm",)
+    assert (teacher.model.lora_r, teacher.memory.gradient_checkpointing) == (0, False)
+    assert (student.model.lora_r, student.memory.gradient_checkpointing) == (4, True)
     losses = payload["modes"]["baseline"]["losses"]
     assert len(losses) == 2 and all(loss == loss for loss in losses), losses
     assert payload["config"]["extra"]["teacher"] == "llama-tiny" and payload["config"]["lr"] == 1e-4
