@@ -670,7 +670,13 @@ def _run_cfg(dataset=None, text=None, **kw):
                   eval_fraction=0.0, drop_long=False, eval_dataset=None, repeat_batches=None, device="cpu",
                   defaults=SimpleNamespace(huggingface_attention=False))
     fields.update(kw)
-    return SimpleNamespace(**fields)
+    from playbook.sections import FIELD_SECTIONS
+
+    extra = fields.pop("extra", None)  # (beside the sections, as in the RunConfig)
+    sections = {}  # each field in its section, as the RunConfig holds it (cfg.data.seq_len, cfg.run.seed)
+    for name, value in fields.items():
+        sections.setdefault(FIELD_SECTIONS[name], {})[name] = value
+    return SimpleNamespace(**{name: SimpleNamespace(**values) for name, values in sections.items()}, extra=extra)
 
 
 def _script_exit(capsys, call, *args) -> tuple[str, str]:
