@@ -497,7 +497,7 @@ def test_state_dict_has_torch_adamw_structure_and_loads_both_ways():
 
 def test_training_script_saves_and_resumes(tmp_path):
     """finetune_optimized --optimizer adamw-triton: trains, checkpoints (playbook/store/checkpoint.py), resumes bit for bit,
-    with the rounding the run chose (memory_plan.choose_rounding: kahan on a GPU, where the tiny model fits;
+    with the rounding the run chose (plan/rounding.choose_rounding: kahan on a GPU, where the tiny model fits;
     stochastic on a CPU, where the plan does not decide), recorded in the summary."""
     out = tmp_path / "ckpt"
     args = ["--model", "llama-tiny", "--num-layers", "1", "--optimizer", "adamw-triton", "--data", str(TEXT),
@@ -542,9 +542,9 @@ def test_command_line_refusals(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "localhost")  # as torchrun sets them (parse_config checks)
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert _config("--optimizer", "adamw-triton").optimizer == "adamw-triton"
+    assert _config("--optimizer", "adamw-triton").training.optimizer == "adamw-triton"
     for argv in (["--optimizer-rounding", "stochastic"], ["--optimizer-rounding", "kahan"], ["--master-weights", "fp32"]):
-        assert _config(*argv).optimizer == "adamw-triton", argv
+        assert _config(*argv).training.optimizer == "adamw-triton", argv
     record("adamw-triton refused for the Trainer (exit code 2), accepted under torchrun", 0.0, 0.0, True)
 
 
@@ -559,7 +559,7 @@ def test_the_default_set_picks_the_triton_adamw_where_it_runs(monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", str(world))
         monkeypatch.setenv("MASTER_ADDR", "localhost")  # as torchrun sets them (parse_config checks)
         monkeypatch.setenv("MASTER_PORT", "29500")
-        return parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv)).optimizer
+        return parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv)).training.optimizer
 
     got = {
         "GPU": optimizer(gpu=True),
@@ -925,13 +925,14 @@ def test_rounding_options_on_the_command_line(monkeypatch, capsys):
     one line and exit code 2."""
     cfg = _config()
     pytorchs = "adamw-fused" if torch.cuda.is_available() else "adamw-foreach"
-    assert (cfg.optimizer_rounding, cfg.master_weights, cfg.optimizer) == ("nearest", "none", pytorchs)
+    assert (cfg.training.optimizer_rounding, cfg.training.master_weights, cfg.training.optimizer) == ("nearest", "none",
+                                                                                                      pytorchs)
     model = models.build_preset("llama-tiny", 1, DEVICE, torch.bfloat16)
     for argv, rounding in ((["--optimizer-rounding", "stochastic"], "stochastic"),
                            (["--optimizer-rounding", "kahan", "--optimizer", "adamw-triton"], "kahan"),
                            (["--master-weights", "fp32"], "fp32-master")):
         cfg = _config(*argv, "--seed", "5")
-        assert cfg.optimizer == "adamw-triton" and weight_rounding(cfg) == rounding, argv
+        assert cfg.training.optimizer == "adamw-triton" and weight_rounding(cfg) == rounding, argv
         opt = make_optimizer(model, cfg)
         assert isinstance(opt, TritonAdamW)
         assert all(g["rounding"] == rounding and g["seed"] == 5 for g in opt.param_groups)
@@ -982,7 +983,7 @@ def test_the_default_rounding_is_left_to_the_run_start(monkeypatch):
             cfg = distill.parse_args(list(argv))
         else:
             cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv))
-        return cfg.optimizer, cfg.optimizer_rounding, weight_rounding(cfg)
+        return cfg.training.optimizer, cfg.training.optimizer_rounding, weight_rounding(cfg)
 
     assert rounding() == ("adamw-triton", "auto", "nearest")  # the GPU default: chosen as the run starts
     assert rounding("--optimizer-in-backward", "--fp8") == ("adamw-triton", "auto", "nearest")

@@ -416,8 +416,8 @@ def plan_peak_gb(cmd: list[str]) -> float | None:
                            cmd[2:] + ["--ignore-memory-plan"])
     except SystemExit:  # a command the script itself would refuse: it runs, and its log says why
         return None
-    if cfg.optimizer_rounding == "auto":
-        cfg = replace(cfg, optimizer_rounding="stochastic")
+    if cfg.training.optimizer_rounding == "auto":
+        cfg = replace(cfg, training=replace(cfg.training, optimizer_rounding="stochastic"))
     plans = runs.run_plans(cfg)
     return estimate.combine(plans).peak / GB if plans else None
 

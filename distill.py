@@ -78,6 +78,7 @@ from playbook.model.presets import PRESETS  # noqa: E402
 from playbook.runtime.time_left import running  # noqa: E402
 from playbook.config import positive_float, positive_int  # noqa: E402
 from playbook.runtime.common import usage_error  # noqa: E402
+from playbook.sections import RunConfig
 
 MODES = ("baseline", "fused")
 
@@ -127,8 +128,8 @@ UNUSED = {
 }
 
 
-@dataclass(frozen=True)
-class DistillConfig:
+@dataclass(frozen=True, kw_only=True)
+class DistillConfig(config.ExtraSection):
     """distill.py's own section of the RunConfig (`cfg.extra`): the two models and the loss."""
 
     refused_options = frozenset(UNUSED)  # the shared options refused above (the memory plan offers none of them)
@@ -215,25 +216,25 @@ def parse_args(argv=None) -> config.RunConfig:
 # ------------------------------------------------------------------------------------------------
 # Models and data
 # ------------------------------------------------------------------------------------------------
-def build_model(cfg, name: str, num_layers: int | None, trains: bool):
+def build_model(cfg: RunConfig, name: str, num_layers: int | None, trains: bool):
     """A teacher (presets.PRESETS or a Hugging Face model) or a student (STUDENTS too), in --dtype,
     prepared by models.prepare_model as every script prepares its model: the kernels on both; FP8,
     gradient checkpointing, the saved-activation options and LoRA on the student alone, which `trains`."""
     d = cfg.extra
     dtype = DTYPES[d.dtype]
-    role = dataclasses.replace(cfg, model=name, num_layers=num_layers, model_explicit=True)
+    role = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=name, num_layers=num_layers, model_explicit=True))
     if not trains:  # the frozen teacher: its forward pass with the kernels, nothing that serves training
-        role = dataclasses.replace(role, fp8=False, lora_r=0, load_in_4bit=False, **options.FROZEN)
+        role = role.changed(fp8=False, lora_r=0, load_in_4bit=False, **options.FROZEN)
     if name in STUDENTS:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         arch = LlamaConfig(**{**STUDENTS[name], **({"num_hidden_layers": num_layers} if num_layers else {})})
         arch._attn_implementation = "sdpa"
-        torch.manual_seed(cfg.seed)  # the same initial student in every mode
+        torch.manual_seed(cfg.run.seed)  # the same initial student in every mode
         old = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(cfg.device):
+            with torch.device(cfg.run.device):
                 model = LlamaForCausalLM(arch)
         finally:
             torch.set_default_dtype(old)
@@ -251,15 +252,16 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def make_batches(cfg, vocab_size: int):
+def make_batches(cfg: RunConfig, vocab_size: int):
     from playbook.data.dataset import bad_data_exit, make_data
     from playbook.model.tokenizer import make_tokenizer
 
     teacher = cfg.extra.teacher
-    tokenizer = make_tokenizer(teacher, preset=teacher in PRESETS) if cfg.data else None
+    tokenizer = make_tokenizer(teacher, preset=teacher in PRESETS) if cfg.data.data else None
     try:  # --data is read as strict UTF-8, as --dataset is: a byte that is not UTF-8 is an error
-        return make_data(str(cfg.data) if cfg.data else None, "text" if cfg.data else "synthetic", tokenizer,
-                         vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed)
+        return make_data(str(cfg.data.data) if cfg.data.data else None, "text" if cfg.data.data else "synthetic",
+                         tokenizer,
+                         vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.run.seed)
     except (ValueError, OSError, ImportError) as err:  # bad input: one line, exit code 2
         raise bad_data_exit(err) from None
 
@@ -297,7 +299,7 @@ def distillation_loss(mode: str, teacher, student, batch: dict, alpha: float, be
     return alpha * ce + (1 - alpha) * kd, ce, kd
 
 
-def run_mode(mode: str, cfg, teacher, data) -> dict:
+def run_mode(mode: str, cfg: RunConfig, teacher, data) -> dict:
     """Train a fresh student for cfg.steps steps with one loss computation; its losses and timings."""
     from playbook.optim.optimizer import make_optimizer
 
@@ -308,48 +310,48 @@ def run_mode(mode: str, cfg, teacher, data) -> dict:
                           f"teacher ({d.teacher}) {teacher.config.vocab_size}: distillation needs one vocabulary")
     optimizer = make_optimizer(student, cfg)  # --optimizer, --weight-decay as in the fine-tuning scripts
     out = dict(losses=[], ce=[], jsd=[], step_times_s=[], tokens_per_s=None, peak_memory_gb=None, error=None)
-    tokens = cfg.batch_size * cfg.seq_len  # text windows or synthetic ids: no padding, every token is text
+    tokens = cfg.data.batch_size * cfg.data.seq_len  # text windows or synthetic ids: no padding, every token is text
     try:
-        for step in range(cfg.steps):
-            if step == cfg.warmup_steps and cfg.device.type == "cuda":
-                synchronize(cfg.device)
-                torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
-            batch = data.batch(step, cfg.device)
-            synchronize(cfg.device)
+        for step in range(cfg.training.steps):
+            if step == cfg.training.warmup_steps and cfg.run.device.type == "cuda":
+                synchronize(cfg.run.device)
+                torch.cuda.reset_peak_memory_stats(cfg.run.device)  # peak counted after warm-up
+            batch = data.batch(step, cfg.run.device)
+            synchronize(cfg.run.device)
             t0 = time.perf_counter()
             recent = out["step_times_s"][-20:]  # (a step that runs long says so: time_left.running)
-            with running(f"{mode} step {step + 1} of {cfg.steps}",
+            with running(f"{mode} step {step + 1} of {cfg.training.steps}",
                          expected_s=statistics.median(recent) if recent else None, unknown="no step time measured yet"):
                 loss, ce, kd = distillation_loss(mode, teacher, student, batch, d.alpha, d.beta, d.temperature)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                synchronize(cfg.device)
+                synchronize(cfg.run.device)
             dt = time.perf_counter() - t0
             values = [v.item() for v in (loss, ce, kd)]  # sync points (already synchronised above)
             for key, v in zip(("losses", "ce", "jsd"), values):
                 out[key].append(v)
-            if step >= cfg.warmup_steps:
+            if step >= cfg.training.warmup_steps:
                 out["step_times_s"].append(dt)
-            log(f"{mode:8} step {step + 1:3d}/{cfg.steps}  loss {values[0]:.6f}  (CE {values[1]:.6f}, JSD "
+            log(f"{mode:8} step {step + 1:3d}/{cfg.training.steps}  loss {values[0]:.6f}  (CE {values[1]:.6f}, JSD "
                 f"{values[2]:.6f})  {dt * 1e3:8.1f} ms  {tokens / dt:,.0f} tokens/s")
             if not math.isfinite(values[0]):
                 raise SystemExit(f"error: the {mode} loss is {values[0]} at step {step + 1}; try a lower --lr")
     except RuntimeError as err:  # OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
-        peak = torch.cuda.max_memory_allocated(cfg.device) / 1e9 if cfg.device.type == "cuda" else float("nan")
-        out["error"] = (f"out of GPU memory at batch {cfg.batch_size} x {cfg.seq_len} tokens (peak allocated "
+        peak = torch.cuda.max_memory_allocated(cfg.run.device) / 1e9 if cfg.run.device.type == "cuda" else float("nan")
+        out["error"] = (f"out of GPU memory at batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens (peak allocated "
                         f"{peak:.1f} GB): {str(err).splitlines()[0][:200]}")
         log(f"{mode}: {out['error']}; the next mode still runs. Try a smaller --batch-size or --seq-len, "
             "--student-layers / --teacher-layers, or --mode fused alone.")
     if out["step_times_s"]:
         out["tokens_per_s"] = tokens / statistics.median(out["step_times_s"])
-    if cfg.device.type == "cuda":
-        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(cfg.device) / 1e9
+    if cfg.run.device.type == "cuda":
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(cfg.run.device) / 1e9
     out["params"] = count_params(student)
     del student, optimizer
-    if cfg.device.type == "cuda":
+    if cfg.run.device.type == "cuda":
         torch.cuda.empty_cache()  # the next mode starts from the teacher alone
     return out
 
@@ -396,16 +398,16 @@ def main(argv=None) -> dict:
     data = make_batches(cfg, teacher.config.vocab_size)
     modes = MODES if d.mode == "both" else (d.mode,)
     log(f"Teacher: {d.teacher} ({count_params(teacher) / 1e6:,.1f} M parameters, frozen); student: "
-        f"{d.student}; {d.dtype} on {describe_gpu(cfg.device)}")
+        f"{d.student}; {d.dtype} on {describe_gpu(cfg.run.device)}")
     log(f"Data: {data.describe()}; loss = {d.alpha:g} * CE + {1 - d.alpha:g} * JSD(beta {d.beta:g}, "
-        f"temperature {d.temperature:g}); {cfg.steps} steps per mode ({cfg.warmup_steps} untimed), "
-        f"AdamW lr {cfg.lr:g}")
+        f"temperature {d.temperature:g}); {cfg.training.steps} steps per mode ({cfg.training.warmup_steps} untimed), "
+        f"AdamW lr {cfg.training.lr:g}")
     results = {mode: run_mode(mode, cfg, teacher, data) for mode in modes}
     print(summary_table(results, cfg.on_gpu))
-    tag = cfg.tag or (f"distill_{d.teacher}_to_{d.student}_b{cfg.batch_size}_s{cfg.seq_len}"
+    tag = cfg.output.tag or (f"distill_{d.teacher}_to_{d.student}_b{cfg.data.batch_size}_s{cfg.data.seq_len}"
                       .replace("/", "_"))
-    path = result_path(tag, ".json", cfg.overwrite)
-    payload = dict(script="distill", teacher=d.teacher, student=d.student, gpu=describe_gpu(cfg.device),
+    path = result_path(tag, ".json", cfg.output.overwrite)
+    payload = dict(script="distill", teacher=d.teacher, student=d.student, gpu=describe_gpu(cfg.run.device),
                    config=cfg.as_dict(), teacher_params=count_params(teacher), modes=results, versions=versions())
     write_atomic(path, json.dumps(payload, indent=2))
     print(f"Saved {path}")

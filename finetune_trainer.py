@@ -33,7 +33,7 @@ from playbook.run.best import BestEval
 from playbook.model.registry import DEFAULT_KERNELS
 from core.process import log
 from playbook.runtime.common import usage_error
-from playbook.config import TRAINER, make_parser, parse_config, refuse_unused
+from playbook.config import TRAINER, RunConfig, make_parser, parse_config, refuse_unused
 
 
 class RowsDataset(torch.utils.data.Dataset):
@@ -49,21 +49,21 @@ class RowsDataset(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.rows.items()}
 
 
-def build_datasets(cfg, tokenizer, vocab_size: int):
+def build_datasets(cfg: RunConfig, tokenizer, vocab_size: int):
     """(training set, eval set or None) from --dataset, with --eval-dataset or --eval-fraction for the eval
     set; the same encoding, truncation, id checks and counts line as the scripts' own loop (data/dataset.py)."""
     from playbook.data.dataset import bad_data_exit, encode_dataset, pad_examples
 
     try:
         train, held, pad, report = encode_dataset(
-            cfg.dataset, tokenizer, cfg.seq_len, vocab_size, cfg.seed, cfg.train_on_prompt, cfg.eval_fraction,
-            cfg.drop_long, cfg.eval_dataset, min_train=2)  # the Trainer needs at least 2 training rows
+            cfg.data.dataset, tokenizer, cfg.data.seq_len, vocab_size, cfg.run.seed, cfg.data.train_on_prompt, cfg.data.eval_fraction,
+            cfg.data.drop_long, cfg.data.eval_dataset, min_train=2)  # the Trainer needs at least 2 training rows
     except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
         raise bad_data_exit(err) from None
     log(f"Data: dataset {report}")  # rows kept whole, truncated and dropped, by reason, and the split
-    log(f"Split: {len(train)} training and {len(held)} eval examples, one per row of {cfg.seq_len} tokens")
-    return (RowsDataset(pad_examples(train, cfg.seq_len, pad)),
-            RowsDataset(pad_examples(held, cfg.seq_len, pad)) if held else None)
+    log(f"Split: {len(train)} training and {len(held)} eval examples, one per row of {cfg.data.seq_len} tokens")
+    return (RowsDataset(pad_examples(train, cfg.data.seq_len, pad)),
+            RowsDataset(pad_examples(held, cfg.data.seq_len, pad)) if held else None)
 
 
 def progress_callback():
@@ -133,11 +133,11 @@ def trainer_checkpoint(path: Path) -> str:
 SETTINGS_FILE = "playbook_settings.json"
 
 
-def run_settings(cfg) -> dict:
+def run_settings(cfg: RunConfig) -> dict:
     """This run's RESUME_SETTINGS values, as a Trainer checkpoint stores them (the model as --model names it)."""
     from playbook.run.resume import resume_settings
 
-    return resume_settings(cfg, cfg.model)
+    return resume_settings(cfg, cfg.model.model)
 
 
 def settings_callback(settings: dict):
@@ -187,7 +187,7 @@ def run_pointers_callback(load_best: bool, tokenizer):
     return Pointers()
 
 
-def check_trainer_resume(cfg, checkpoint: str, settings: dict) -> None:
+def check_trainer_resume(cfg: RunConfig, checkpoint: str, settings: dict) -> None:
     """A resume that changes a setting the run depends on is refused before the model is built, in the own
     loop's words (resume.refuse_differences). A checkpoint without SETTINGS_FILE: its schedule's peak rate (in
     scheduler.pt) is still compared with --lr, and the rest is said to be unchecked."""
@@ -201,7 +201,7 @@ def check_trainer_resume(cfg, checkpoint: str, settings: dict) -> None:
     except FileNotFoundError:
         saved = None
     except (OSError, ValueError) as err:
-        raise usage_error(f"--resume {cfg.resume}: {folder / SETTINGS_FILE} cannot be read ({err})") from None
+        raise usage_error(f"--resume {cfg.output.resume}: {folder / SETTINGS_FILE} cannot be read ({err})") from None
     if saved is not None:
         refuse_differences(cfg, settings_differences(saved, settings))
         return
@@ -210,14 +210,15 @@ def check_trainer_resume(cfg, checkpoint: str, settings: dict) -> None:
         rates = torch.load(folder / "scheduler.pt", weights_only=True).get("base_lrs") or []
     except (OSError, RuntimeError, AttributeError, ValueError):
         rates = []
-    if rates and not math.isclose(float(rates[0]), cfg.lr, rel_tol=1e-6):  # (the rate as saved, a float's rounding)
-        lines.append(f"--lr: checkpoint {float(rates[0]):g}, this run {cfg.lr:g}")
+    if rates and not math.isclose(float(rates[0]), cfg.training.lr,
+                                  rel_tol=1e-6):  # (the rate as saved, a float's rounding)
+        lines.append(f"--lr: checkpoint {float(rates[0]):g}, this run {cfg.training.lr:g}")
     refuse_differences(cfg, lines)
     log(f"warning: {folder} stores no run settings (a checkpoint written before finetune_trainer.py stored them): "
         "whether this run's --lr-schedule, warm-up, batch size and data are the saved run's cannot be checked")
 
 
-def best_eval_callback(cfg):
+def best_eval_callback(cfg: RunConfig):
     """The Trainer's evals (--eval-every) against the best so far, as the scripts' own loop says them
     (playbook/run/best.py): the line when the run starts to memorize, and the best step at the end (said_at_end)."""
     from transformers import TrainerCallback
@@ -238,7 +239,7 @@ def best_eval_callback(cfg):
             if not self.best.warned and self.best.memorizing(loss, window):
                 self.best.warned = True
                 keeps = (f"The best checkpoint so far: {state.best_model_checkpoint}; the run ends with its weights "
-                         "(--load-best-model-at-end)." if self.cfg.load_best_model_at_end and
+                         "(--load-best-model-at-end)." if self.cfg.output.load_best_model_at_end and
                          state.best_model_checkpoint else "--load-best-model-at-end with --output-dir keeps the "
                          "best checkpoint, and --early-stopping-patience N stops such a run.")
                 log(self.best.memorizing_line(state.global_step, loss, window, keeps))
@@ -248,7 +249,7 @@ def best_eval_callback(cfg):
             if self.best.step is not None:
                 log(f"best eval loss: {self.best.loss:.4f} at step {self.best.step} of {state.global_step}"
                     + (f" (checkpoint {state.best_model_checkpoint}; the model ends with its weights)"
-                       if self.cfg.load_best_model_at_end and state.best_model_checkpoint else ""))
+                       if self.cfg.output.load_best_model_at_end and state.best_model_checkpoint else ""))
 
     return Words()
 
@@ -292,14 +293,14 @@ def make_trainer_parser():
 
 def parse_args(argv=None):
     """The run's RunConfig, every argument checked (one line and exit code 2 for a wrong one) before anything is
-    loaded: the shared rules (playbook/config.py), the options the Trainer does not use, --dataset."""
+    loaded: the shared rules (playbook/config/), the options the Trainer does not use, --dataset."""
     cfg = parse_config(make_trainer_parser(), TRAINER, argv)  # its own optimizer, one example per row
-    if cfg.dataset is None:
+    if cfg.data.dataset is None:
         raise usage_error("finetune_trainer.py needs --dataset (a .jsonl / .json / .parquet file or a hub id)")
     return cfg
 
 
-def trainer_class(cfg):
+def trainer_class(cfg: RunConfig):
     """The Trainer, its learning-rate warm-up counted as the own loop counts it (schedule.warmup_steps): a
     --warmup-ratio of the run's steps rounded up to a whole step, with --steps or --epochs (the Trainer knows the
     count of an --epochs run only when it builds its schedule, which is when this is counted); a warm-up longer
@@ -312,14 +313,14 @@ def trainer_class(cfg):
     class PlaybookTrainer(Trainer):
         def create_scheduler(self, num_training_steps: int, optimizer=None):
             if self.lr_scheduler is None:
-                counted = f" (--epochs {cfg.epochs:g} of this data)" if cfg.steps is None else ""
-                check_lr_warmup(cfg.lr_warmup_steps, num_training_steps, counted)
-                warmup = warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, num_training_steps)
+                counted = f" (--epochs {cfg.training.epochs:g} of this data)" if cfg.training.steps is None else ""
+                check_lr_warmup(cfg.training.lr_warmup_steps, num_training_steps, counted)
+                warmup = warmup_steps(cfg.training.lr_warmup_steps, cfg.training.warmup_ratio, num_training_steps)
                 self.args.warmup_steps = warmup  # (a whole number: the Trainer takes it as steps)
                 if warmup:
                     log(f"Learning-rate warm-up: {warmup} of {num_training_steps} steps"
-                        + (f" (--warmup-ratio {cfg.warmup_ratio:g}, rounded up to a whole step)"
-                           if cfg.warmup_ratio else ""))
+                        + (f" (--warmup-ratio {cfg.training.warmup_ratio:g}, rounded up to a whole step)"
+                           if cfg.training.warmup_ratio else ""))
             return super().create_scheduler(num_training_steps, optimizer)
 
     return PlaybookTrainer
@@ -328,7 +329,7 @@ def trainer_class(cfg):
 FINAL = "final"  # the folder of the weights the run ends with, beside the Trainer's checkpoint-N folders
 
 
-def save_final(trainer, tokenizer, cfg) -> None:
+def save_final(trainer, tokenizer, cfg: RunConfig) -> None:
     """The weights the run ends with in output_dir/final, with the step they are from (FINAL_STEP_FILE, which
     export.py and chat.py name). Without --load-best-model-at-end they are the last step's, so `latest` names
     them and the two scripts take the --output-dir for them; with it they are the best checkpoint's, which
@@ -340,15 +341,15 @@ def save_final(trainer, tokenizer, cfg) -> None:
     from playbook.store.checkpoint import FINAL_STEP_FILE, LATEST_FILE
     from playbook.store.files import write_atomic
 
-    final = cfg.output_dir / FINAL
+    final = cfg.output.output_dir / FINAL
     trainer.save_model(str(final))
     if trainer.is_world_process_zero():
         if tokenizer is not None:
             tokenizer.save_pretrained(str(final))
         write_atomic(final / FINAL_STEP_FILE, json.dumps({"step": trainer.state.global_step}) + "\n")
-        if not cfg.load_best_model_at_end:
+        if not cfg.output.load_best_model_at_end:
             forget_best(cfg)
-            write_atomic(cfg.output_dir / LATEST_FILE, FINAL + "\n")
+            write_atomic(cfg.output.output_dir / LATEST_FILE, FINAL + "\n")
     log(f"Saved {final} (safetensors; AutoModelForCausalLM.from_pretrained loads it)")
 
 
@@ -359,7 +360,7 @@ def main(argv=None):
     from playbook.run.start import run_tokenizer, settle
 
     cfg = parse_args(argv)
-    resume = trainer_checkpoint(cfg.resume) if cfg.resume else None  # before the model is built
+    resume = trainer_checkpoint(cfg.output.resume) if cfg.output.resume else None  # before the model is built
     settings = run_settings(cfg)
     if resume is not None:
         check_trainer_resume(cfg, resume, settings)
@@ -368,33 +369,33 @@ def main(argv=None):
     model, name, desc, report = prepare_model(cfg, shard=False)  # the Trainer sets up and wraps the processes
     tokenizer = run_tokenizer(cfg, name)
     train_set, eval_set = build_datasets(cfg, tokenizer, model.config.vocab_size)
-    out = cfg.output_dir or "out/trainer"  # the Trainer needs a folder; out/ is not committed
+    out = cfg.output.output_dir or "out/trainer"  # the Trainer needs a folder; out/ is not committed
     args = TrainingArguments(
-        output_dir=str(out), max_steps=cfg.steps or -1, num_train_epochs=cfg.epochs or 1,
-        per_device_train_batch_size=cfg.batch_size, per_device_eval_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
-        lr_scheduler_type=cfg.lr_schedule if cfg.lr_schedule != "constant" else "constant_with_warmup",
-        warmup_steps=0, max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=cfg.log_every,
-        save_strategy="steps" if cfg.save_every or cfg.load_best_model_at_end else "no",
-        save_steps=cfg.save_every or (cfg.eval_every if cfg.load_best_model_at_end else 500),
-        load_best_model_at_end=cfg.load_best_model_at_end, metric_for_best_model="eval_loss", greater_is_better=False,
-        save_total_limit=cfg.save_total_limit,
-        eval_strategy="steps" if eval_set is not None and cfg.eval_every else "no", eval_steps=cfg.eval_every or None,
-        bf16=cfg.on_gpu, use_cpu=not cfg.on_gpu, report_to=[] if cfg.report_to == "none" else [cfg.report_to],
+        output_dir=str(out), max_steps=cfg.training.steps or -1, num_train_epochs=cfg.training.epochs or 1,
+        per_device_train_batch_size=cfg.data.batch_size, per_device_eval_batch_size=cfg.data.batch_size,
+        gradient_accumulation_steps=cfg.training.grad_accum, learning_rate=cfg.training.lr, weight_decay=cfg.training.weight_decay,
+        lr_scheduler_type=cfg.training.lr_schedule if cfg.training.lr_schedule != "constant" else "constant_with_warmup",
+        warmup_steps=0, max_grad_norm=cfg.training.max_grad_norm or 0.0, logging_steps=cfg.output.log_every,
+        save_strategy="steps" if cfg.output.save_every or cfg.output.load_best_model_at_end else "no",
+        save_steps=cfg.output.save_every or (cfg.data.eval_every if cfg.output.load_best_model_at_end else 500),
+        load_best_model_at_end=cfg.output.load_best_model_at_end, metric_for_best_model="eval_loss", greater_is_better=False,
+        save_total_limit=cfg.output.save_total_limit,
+        eval_strategy="steps" if eval_set is not None and cfg.data.eval_every else "no", eval_steps=cfg.data.eval_every or None,
+        bf16=cfg.on_gpu, use_cpu=not cfg.on_gpu, report_to=[] if cfg.output.report_to == "none" else [cfg.output.report_to],
         # every trainable parameter gets a gradient in every step (frozen LoRA bases need none), so
         # DDP's search for unused parameters (the Trainer's default) would only add a graph walk
         ddp_find_unused_parameters=False,
-        seed=cfg.seed, disable_tqdm=True, optim="adamw_torch_fused" if cfg.optimizer == "adamw-fused" else "adamw_torch",
+        seed=cfg.run.seed, disable_tqdm=True, optim="adamw_torch_fused" if cfg.training.optimizer == "adamw-fused" else "adamw_torch",
     )
-    words = best_eval_callback(cfg) if eval_set is not None and cfg.eval_every else None
+    words = best_eval_callback(cfg) if eval_set is not None and cfg.data.eval_every else None
     callbacks = [progress_callback()] + ([words] if words is not None else [])
-    if cfg.output_dir is not None:
-        callbacks += [settings_callback(settings), run_pointers_callback(cfg.load_best_model_at_end, tokenizer)]
-    if cfg.early_stopping_patience:
+    if cfg.output.output_dir is not None:
+        callbacks += [settings_callback(settings), run_pointers_callback(cfg.output.load_best_model_at_end, tokenizer)]
+    if cfg.output.early_stopping_patience:
         from transformers import EarlyStoppingCallback
 
-        callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience,
-                                               early_stopping_threshold=cfg.early_stopping_threshold))
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.output.early_stopping_patience,
+                                               early_stopping_threshold=cfg.output.early_stopping_threshold))
     trainer = trainer_class(cfg)(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                                  callbacks=callbacks)
     log(f"Trainer: {desc}, kernels {report.describe()}, {len(train_set)} training rows, "
@@ -410,7 +411,7 @@ def main(argv=None):
         metrics.update(trainer.evaluate())
     log("Trainer metrics: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                         for k, v in metrics.items()))
-    if cfg.output_dir is not None:
+    if cfg.output.output_dir is not None:
         save_final(trainer, tokenizer, cfg)
     return trainer, metrics
 

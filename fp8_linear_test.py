@@ -592,15 +592,15 @@ def test_training_loss_falls_as_in_bf16():
 
 
 def test_fp8_flag_is_parsed():
-    assert run_config().fp8 is False
-    assert run_config("--fp8").fp8 is True
+    assert run_config().model.fp8 is False
+    assert run_config("--fp8").model.fp8 is True
     assert "--fp8" in make_parser("test", kernels_default=ak.DEFAULT_KERNELS).format_help()
     record("--fp8: off by default, RunConfig.fp8 when given", 0.0, 0.0, True)
 
 
 def test_fp8_backend_flag(capsys):
-    assert run_config("--fp8").fp8_backend == "playbook"
-    assert run_config("--fp8", "--fp8-backend", "torchao").fp8_backend == "torchao"
+    assert run_config("--fp8").model.fp8_backend == "playbook"
+    assert run_config("--fp8", "--fp8-backend", "torchao").model.fp8_backend == "torchao"
     expect_error(SystemExit, run_config, "--fp8-backend", "torchao")  # without --fp8: nothing to choose
     assert "add --fp8" in capsys.readouterr().err
     record("--fp8-backend: playbook by default; torchao only with --fp8", 0.0, 0.0, True)

@@ -286,8 +286,8 @@ def test_bad_recipe_names_are_refused(capsys):
     from playbook.config import FP8_RECIPES
 
     assert FP8_RECIPES == RECIPE_NAMES, "the command line offers exactly the kernel file's recipes"
-    assert run_config("--fp8").fp8_recipe == "rowwise-bf16-ends"  # the command line's default (docs/fp8.md)
-    assert run_config("--fp8", "--fp8-recipe", "tensorwise").fp8_recipe == "tensorwise"
+    assert run_config("--fp8").model.fp8_recipe == "rowwise-bf16-ends"  # the command line's default (docs/fp8.md)
+    assert run_config("--fp8", "--fp8-recipe", "tensorwise").model.fp8_recipe == "tensorwise"
     expect_error(SystemExit, run_config, "--fp8", "--fp8-recipe", "fp4")
     assert "invalid choice" in capsys.readouterr().err
     expect_error(SystemExit, run_config, "--fp8-recipe", "tensorwise")

@@ -377,8 +377,8 @@ def test_command_line_emulate_flag(capsys):
     runs natively on Hopper it is a usage error (exit code 2)."""
     from fp8_linear_test import run_config
 
-    assert run_config("--fp8", "--fp8-recipe", "nvfp4", "--fp8-emulate").fp8_recipe == "nvfp4-emulated"
-    assert run_config("--fp8", "--fp8-recipe", "mxfp8", "--fp8-emulate").fp8_recipe == "mxfp8-emulated"
+    assert run_config("--fp8", "--fp8-recipe", "nvfp4", "--fp8-emulate").model.fp8_recipe == "nvfp4-emulated"
+    assert run_config("--fp8", "--fp8-recipe", "mxfp8", "--fp8-emulate").model.fp8_recipe == "mxfp8-emulated"
     for args in (("--fp8-emulate",), ("--fp8", "--fp8-recipe", "rowwise", "--fp8-emulate")):
         err = expect_error(SystemExit, run_config, *args)
         assert err == "2", err

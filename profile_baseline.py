@@ -47,7 +47,7 @@ if __name__ == "__main__":  # Ctrl-C while torch loads (seconds): one line, exit
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, schedule  # noqa: E402
 
-from playbook.config import PROFILE, make_parser, parse_config, refuse_unused
+from playbook.config import PROFILE, ExtraSection, RunConfig, make_parser, parse_config, refuse_unused
 from playbook.model.registry import in_effect
 from playbook.run import cuda_graph
 from playbook.run.resume import check_output_folders
@@ -106,7 +106,7 @@ UNUSED = {
 
 
 @dataclass(frozen=True)
-class ProfileSection:
+class ProfileSection(ExtraSection):
     """profile_baseline.py's part of the command line (config.make_parser's `extra`): what --steps and
     --timing-warmup-steps mean here, and the refusal of the shared options a profile does not use."""
 
@@ -151,18 +151,19 @@ def main():
 
     check_or_exit()
     cfg = parse_args()  # its own count of steps: --steps are the recorded ones
-    cfg = dataclasses.replace(cfg, steps=cfg.extra.recorded_steps)  # the summary's config says what ran
-    gpu, active = cfg.on_gpu, cfg.steps
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                steps=cfg.extra.recorded_steps))  # the summary's config says what ran
+    gpu, active = cfg.on_gpu, cfg.training.steps
 
     graphed = None  # the captured step, once the warm-up has run (playbook/run/cuda_graph.py)
 
     def step(i):
-        batches = [data.batch(i * cfg.grad_accum + j, cfg.device) for j in range(cfg.grad_accum)]
+        batches = [data.batch(i * cfg.training.grad_accum + j, cfg.run.device) for j in range(cfg.training.grad_accum)]
 
         def eager(mb):
-            return training_step(model, optimizer, mb, cfg.max_grad_norm)
+            return training_step(model, optimizer, mb, cfg.training.max_grad_norm)
 
-        with running(f"step {i + 1} of {cfg.warmup_steps + WAIT + WARMUP + active}"):  # (a long one says so)
+        with running(f"step {i + 1} of {cfg.training.warmup_steps + WAIT + WARMUP + active}"):  # (a long one says so)
             return graphed.run(batches, eager) if graphed is not None else eager(batches)
 
     check_output_folders(cfg)  # results/ can be written (where not, one line naming PLAYBOOK_RESULTS_DIR), before
@@ -173,12 +174,12 @@ def main():
         model, model_name, desc, data, optimizer = built.model, built.model_name, built.description, built.data, \
             built.optimizer
         kernel_report, blocker = built.kernel_report, built.blocker
-        if blocker is None and cfg.warmup_steps:
+        if blocker is None and cfg.training.warmup_steps:
             graphed = cuda_graph.GraphedStep(
-                lambda mb: training_step(model, optimizer, mb, cfg.max_grad_norm, zero_grad=False),
-                [data.batch(j, cfg.device) for j in range(cfg.grad_accum)], compiled=cfg.compile)
-        log(f"Warm-up: {cfg.warmup_steps} steps outside the profiler ...")
-        for i in range(cfg.warmup_steps):
+                lambda mb: training_step(model, optimizer, mb, cfg.training.max_grad_norm, zero_grad=False),
+                [data.batch(j, cfg.run.device) for j in range(cfg.training.grad_accum)], compiled=cfg.model.compile)
+        log(f"Warm-up: {cfg.training.warmup_steps} steps outside the profiler ...")
+        for i in range(cfg.training.warmup_steps):
             step(i)
         if graphed is not None:
             failed = graphed.capture(optimizer)
@@ -189,7 +190,7 @@ def main():
                 log("CUDA graphs: the profiled steps are replays of the captured step (--cuda-graphs off profiles "
                     "the eager steps, where the host's launches show)")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        log(f"Profiling {active} training steps of {cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens (micro-batches "
+        log(f"Profiling {active} training steps of {cfg.training.grad_accum} x {cfg.data.batch_size} x {cfg.data.seq_len} tokens (micro-batches "
             f"x sequences x tokens each; {desc}) ...")
         t0 = time.perf_counter()
         wall, queued = [], []  # seconds per recorded step: until the GPU finished it; until the host had queued it
@@ -198,7 +199,7 @@ def main():
                 profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=active)) as prof:
             for i in range(WAIT + WARMUP + active):
                 start = time.perf_counter()
-                step(cfg.warmup_steps + i)
+                step(cfg.training.warmup_steps + i)
                 if i >= WAIT + WARMUP:
                     queued.append(time.perf_counter() - start)  # the host's time to queue the step (no sync yet)
                 if gpu:
@@ -222,13 +223,14 @@ def _self_time_us(evt, gpu: bool) -> float:
     return t if t is not None else evt.self_cuda_time_total
 
 
-def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = None, host_ms: float | None = None,
+def report(prof, cfg: RunConfig, model_name, kernel_report, gpu, wall_ms: float | None = None,
+           host_ms: float | None = None,
            mode: str | None = None):
     from tabulate import tabulate
 
     # User annotations (ProfilerStep#N, Optimizer.step#AdamW.step, record_function ranges) span
     # the kernels inside them: counting them too would count those kernels twice.
-    active = cfg.steps  # the recorded steps
+    active = cfg.training.steps  # the recorded steps
     events = [e for e in prof.key_averages() if not _is_annotation(e)]
     if gpu:  # kernel rows only: an aten op's self device time is its kernels' time (no double count)
         rows = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA") and _self_time_us(e, True) > 0]
@@ -240,12 +242,12 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
                          "in this environment, and did the steps run on the GPU?")
     unit = "GPU" if gpu else "CPU"
     per_step = total / active / 1e3
-    used = in_effect(kernel_report, cfg.optimizer, cfg.lora_r)
+    used = in_effect(kernel_report, cfg.training.optimizer, cfg.model.lora_r)
     label = "+".join(used) or "baseline"
     cpu_note = " -- CPU run: " + ("the kernels' CPU time in Triton's interpreter and PyTorch's CPU operators"
                                   if used else "PyTorch's CPU operators") + ", not GPU time"
     log(f"\nSelf {unit} time per training step: {per_step:.1f} ms ({label}, {model_name}, "
-        f"{cfg.grad_accum} x {cfg.batch_size} x {cfg.seq_len} tokens: micro-batches x sequences x tokens each)"
+        f"{cfg.training.grad_accum} x {cfg.data.batch_size} x {cfg.data.seq_len} tokens: micro-batches x sequences x tokens each)"
         f"{'' if gpu else cpu_note}")
     if gpu and wall_ms:
         # the profiler slows the host's launches, so this idle time is an upper bound of the real one
@@ -281,8 +283,8 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
                    f"{100 * _self_time_us(e, gpu) / total:.1f}", e.count // active)
                   for e in top], headers=["name", "category", "ms per step", "%", "calls per step"], tablefmt="github"))
 
-    tag = cfg.tag or f"profile_{label}_{model_name.replace('/', '_')}_b{cfg.batch_size}_s{cfg.seq_len}"
-    out = result_path(tag, ".json", cfg.overwrite)
+    tag = cfg.output.tag or f"profile_{label}_{model_name.replace('/', '_')}_b{cfg.data.batch_size}_s{cfg.data.seq_len}"
+    out = result_path(tag, ".json", cfg.output.overwrite)
     trace = RESULTS_DIR / "traces" / f"{out.stem}.trace.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     trace.unlink(missing_ok=True)  # never leave a stale trace under the new name
@@ -298,8 +300,8 @@ def report(prof, cfg, model_name, kernel_report, gpu, wall_ms: float | None = No
             f"after the previous one ended (the host was behind), {gaps['other_ms']:.1f} ms other")
         log(tabulate([(op, f"{ms:.2f}", f"{n:.0f}") for op, ms, n in gaps["late_by_op"][:8]],
                      headers=["host op at the late launch", "ms per step", "late launches per step"], tablefmt="github"))
-    summary = {"label": label, "model": model_name, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-               "grad_accum": cfg.grad_accum, "recorded_steps": active, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
+    summary = {"label": label, "model": model_name, "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
+               "grad_accum": cfg.training.grad_accum, "recorded_steps": active, "unit": unit, "ms_per_step": per_step, "wall_ms_per_step": wall_ms if gpu else None,
                "host_queue_ms_per_step": host_ms if gpu else None, "step_mode": mode,
                "attention_backend": backend, "projection": projection and {**FASTER_GPU, **projection},
                "categories_ms_per_step": {c: t / active / 1e3 for c, t in cat_rows},

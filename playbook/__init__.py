@@ -3,6 +3,7 @@
 
 One folder per concern, each importing only the folders listed above it (tests/layout_test.py holds the order):
 
+    sections.py  the RunConfig and its sections (frozen dataclasses): the type every part below config/ takes
     runtime/   the process: environment variables, signals, stdout on a closed pipe, logging and the GPU,
                progress lines, the set-up checks
     store/     what is on disk: checkpoints, results files, files written atomically
@@ -13,7 +14,7 @@ One folder per concern, each importing only the folders listed above it (tests/l
                packed attention, greedy decoding
     data/      datasets: text, JSONL, chat and instruction formats, packing; reading the files
     plan/      the peak memory a run will need, estimated before the model is built
-    config.py  RunConfig and the one argument parser every script shares
+    config/    the one argument parser every script shares (flags.py) and its checks, into a RunConfig
     run/       the run's start (one for every script), the training loop and what it drives: step, CUDA graph,
                resume, report, best eval, the kernels on a CPU (Triton's interpreter)
     startup.py start(): what every script calls first (environment defaults, Ctrl-C while starting, Triton's

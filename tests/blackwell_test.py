@@ -318,7 +318,7 @@ def test_attention_backend_order(monkeypatch, capability):
 def test_cuda_graph_capture_does_not_depend_on_the_generation(monkeypatch, capability):
     as_gpu(monkeypatch, capability)
     cfg = parse_config(make_parser("test", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized", [])
-    assert cuda_graph.graph_blocker(dataclasses.replace(cfg, device=CUDA)) is None
+    assert cuda_graph.graph_blocker(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=CUDA))) is None
 
 
 def test_no_kernel_uses_programmatic_dependent_launch():

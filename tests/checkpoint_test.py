@@ -403,7 +403,7 @@ def test_torchrun_command_line(monkeypatch, capsys):
     monkeypatch.setenv("MASTER_PORT", "29500")
     parser = make_parser("t", kernels_default=ak.DEFAULT_KERNELS)
     cfg = parse_config(parser, "finetune_optimized", ["--output-dir", "out", "--save-every", "2", "--resume", "."])
-    assert cfg.output_dir == Path("out") and cfg.save_every == 2 and cfg.resume == Path(".")
+    assert cfg.output.output_dir == Path("out") and cfg.output.save_every == 2 and cfg.output.resume == Path(".")
     with pytest.raises(SystemExit) as info:
         parse_config(parser, "finetune_optimized", ["--lora-r", "4", "--merge-lora", "--output-dir", "out"])
     err = capsys.readouterr().err
@@ -484,7 +484,7 @@ PHASES = {  # the worker's runs, in order: name -> command-line words after RUN 
     "lora_resumed": [*TORCH_ADAMW, "--lora-r", "4", "--output-dir", "SCRATCH/lora_resumed",
                      "--resume", "SCRATCH/lora_straight/checkpoint-2"],
     # The Triton AdamW on the shards (adamw_kernel.py), rounding to nearest (named: without it the run starts by
-    # choosing kahan or stochastic, memory_plan.choose_rounding), and with an fp32 master weight, the state that
+    # choosing kahan or stochastic, plan/rounding.choose_rounding), and with an fp32 master weight, the state that
     # torch's loader would cast to the parameter's dtype (TritonAdamW.load_state_dict keeps it fp32)
     "triton_straight": [*TRITON_NEAREST, "--output-dir", "SCRATCH/triton_straight", "--save-every", "2"],
     "triton_resumed": [*TRITON_NEAREST, "--output-dir", "SCRATCH/triton_resumed",
@@ -597,7 +597,8 @@ def _one_process(cfg):
 
     model = models.prepare_model(cfg)[0]
     optimizer = make_optimizer(model, cfg)
-    return model, optimizer, LRSchedule(optimizer, cfg.steps, cfg.lr_warmup_steps, cfg.lr_schedule)
+    return model, optimizer, LRSchedule(optimizer, cfg.training.steps, cfg.training.lr_warmup_steps,
+                                        cfg.training.lr_schedule)
 
 
 def _cleanup_results(tags):

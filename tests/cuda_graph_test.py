@@ -47,7 +47,7 @@ def config(*argv):
 
 def on_gpu(cfg):
     """The same settings as if a GPU were present (the decisions only look at the device's type)."""
-    return dataclasses.replace(cfg, device=torch.device("cuda"))
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, device=torch.device("cuda")))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def test_the_captured_step_keeps_causal_attention_without_a_mask():
     model, *_ = prepare_model(cfg)
     data = make_run_data(cfg, model, None)
     optimizer = make_optimizer(model, cfg, capturable=True)
-    batches = [data.batch(0, cfg.device)]
+    batches = [data.batch(0, cfg.run.device)]
     step = cuda_graph.GraphedStep(lambda mb: training.training_step(model, optimizer, mb, zero_grad=False), batches)
     with cuda_graph.count_masked_attention() as eager_masked:
         step.run(batches, lambda mb: training.training_step(model, optimizer, mb))

@@ -527,7 +527,7 @@ def test_repeat_batches_flag(capsys):
         return parse_config(make_parser("test", kernels_default=registry.DEFAULT_KERNELS), "finetune_optimized",
                             list(argv))
 
-    assert cfg().repeat_batches is None and cfg("--repeat-batches", "4").repeat_batches == 4
+    assert cfg().data.repeat_batches is None and cfg("--repeat-batches", "4").data.repeat_batches == 4
     expect_error(SystemExit, cfg, "--repeat-batches", "0")
     expect_error(SystemExit, cfg, "--repeat-batches", "2", "--dataset", str(EXAMPLES / "chat.jsonl"), "--epochs", "1")
     assert "no epochs" in capsys.readouterr().err
@@ -670,7 +670,13 @@ def _run_cfg(dataset=None, text=None, **kw):
                   eval_fraction=0.0, drop_long=False, eval_dataset=None, repeat_batches=None, device="cpu",
                   defaults=SimpleNamespace(huggingface_attention=False))
     fields.update(kw)
-    return SimpleNamespace(**fields)
+    from playbook.sections import FIELD_SECTIONS
+
+    extra = fields.pop("extra", None)  # (beside the sections, as in the RunConfig)
+    sections = {}  # each field in its section, as the RunConfig holds it (cfg.data.seq_len, cfg.run.seed)
+    for name, value in fields.items():
+        sections.setdefault(FIELD_SECTIONS[name], {})[name] = value
+    return SimpleNamespace(**{name: SimpleNamespace(**values) for name, values in sections.items()}, extra=extra)
 
 
 def _script_exit(capsys, call, *args) -> tuple[str, str]:
@@ -804,7 +810,7 @@ def test_eval_dataset_replaces_the_held_out_share(tmp_path, capsys):
 
     parser = make_parser("test")
     cfg = parse_config(parser, "finetune_optimized", ["--dataset", train_path, "--eval-dataset", eval_path])
-    assert (cfg.eval_dataset, cfg.eval_fraction) == (eval_path, 0.0)
+    assert (cfg.data.eval_dataset, cfg.data.eval_fraction) == (eval_path, 0.0)
     for argv in (["--dataset", train_path, "--eval-dataset", eval_path, "--eval-fraction", "0.1"],
                  ["--eval-dataset", eval_path]):
         _script_exit(capsys, parse_config, parser, "finetune_optimized", argv)

@@ -153,7 +153,7 @@ def test_torchruns_variables_empty_or_blank_are_the_default(monkeypatch):
         assert [environment.torchrun_value(n) for n in environment.TORCHRUN] == [1, 0, 0], repr(value)
         assert world() == (0, 1), repr(value)
         cfg = parse_config(make_parser("t", kernels_default=DEFAULT_KERNELS), "finetune_optimized", [])
-        assert cfg.device.index in (None, 0), repr(value)  # (parsed without an int() error: one process)
+        assert cfg.run.device.index in (None, 0), repr(value)  # (parsed without an int() error: one process)
         from playbook.startup import start
 
         start(kernels=False)  # unset for the libraries that read them too (int("") in transformers' arguments)

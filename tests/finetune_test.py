@@ -77,7 +77,7 @@ def _train(kernels: str, dtype: torch.dtype, in_backward: bool = False):
     model = tiny(dtype=dtype)
     model.config.use_cache = False
     model.train()
-    ak.apply_kernels(model, cfg.kernels)
+    ak.apply_kernels(model, cfg.model.kernels)
     opt = make_optimizer(model, cfg)
     data = text_data(cfg, model)
     losses = [training.training_step(model, opt, [data.batch(i, DEVICE)])[0].float() for i in range(STEPS)]
@@ -336,7 +336,7 @@ def test_out_of_memory_advice_names_what_the_run_left_out():
     import dataclasses
 
     def advice(*argv, **fields):
-        cfg = dataclasses.replace(config(*argv), **fields)
+        cfg = config(*argv).changed(**fields)
         return oom.oom_message(cfg, torch.cuda.OutOfMemoryError("CUDA out of memory."))
 
     full = advice("--seq-len", "2048")
@@ -411,8 +411,7 @@ def test_default_model_unavailable_falls_back_to_the_preset():
     """No token / offline: one clear paragraph, then the 8B preset (here on the meta device)."""
     import dataclasses
 
-    cfg = dataclasses.replace(config("--num-layers", "1"), model=DEFAULT_MODEL, model_explicit=False,
-                              device=torch.device("meta"))
+    cfg = config("--num-layers", "1").changed(model=DEFAULT_MODEL, model_explicit=False, device=torch.device("meta"))
     printed = io.StringIO()
     with _offline(), contextlib.redirect_stdout(printed):
         model, name, desc = models.load_model(cfg)
@@ -656,10 +655,10 @@ def test_distill_builds_both_models_through_prepare_model(monkeypatch):
         (RESULTS_DIR / f"{tag}.json").unlink(missing_ok=True)
     (teacher, t_kw), (student, s_kw) = roles
     assert t_kw["shard"] is False and s_kw["shard"] is False  # one process: distill.py runs no torchrun
-    assert (teacher.model, student.model) == ("llama-tiny", "llama-tiny-student")
-    assert teacher.kernels == student.kernels == ("rmsnorm",)
-    assert (teacher.lora_r, teacher.gradient_checkpointing) == (0, False)
-    assert (student.lora_r, student.gradient_checkpointing) == (4, True)
+    assert (teacher.model.model, student.model.model) == ("llama-tiny", "llama-tiny-student")
+    assert teacher.model.kernels == student.model.kernels == ("rmsnorm",)
+    assert (teacher.model.lora_r, teacher.memory.gradient_checkpointing) == (0, False)
+    assert (student.model.lora_r, student.memory.gradient_checkpointing) == (4, True)
     losses = payload["modes"]["baseline"]["losses"]
     assert len(losses) == 2 and all(loss == loss for loss in losses), losses
     assert payload["config"]["extra"]["teacher"] == "llama-tiny" and payload["config"]["lr"] == 1e-4
@@ -694,13 +693,13 @@ def test_the_scripts_defaults_decide_never_their_name():
     from playbook.config import BASELINE, ScriptDefaults
 
     renamed = config(script=dataclasses.replace(BASELINE, name="my_baseline"))
-    assert renamed.script == "my_baseline" and renamed.cuda_graphs == "off"
+    assert renamed.run.script == "my_baseline" and renamed.training.cuda_graphs == "off"
     assert batch_attention(renamed, None).causal_padding is False
     assert BASELINE.memory_hint in oom.memory_hints(renamed)
     named = config(script=ScriptDefaults("finetune_baseline"))
-    assert named.cuda_graphs == "auto" and batch_attention(named, None).causal_padding is True
+    assert named.training.cuda_graphs == "auto" and batch_attention(named, None).causal_padding is True
     assert BASELINE.memory_hint not in oom.memory_hints(named)
-    assert config(script="finetune_baseline").defaults == BASELINE  # a name: the project's script of that name
+    assert config(script="finetune_baseline").run.defaults == BASELINE  # a name: the project's script of that name
     record("the baseline's eager steps, attention and memory hint follow its ScriptDefaults, not its name",
            0.0, 0.0, True)
 
@@ -711,9 +710,11 @@ def test_timing_warmup_left_out_leaves_a_timed_step():
     probe's case)."""
     for steps, warmup in ((None, 2), ("3", 2), ("2", 1), ("1", 0)):
         cfg = config(*(["--steps", steps] if steps else []))
-        assert cfg.warmup_steps == warmup and type(cfg.warmup_steps) is int, (steps, cfg.warmup_steps)
-    assert config("--steps", "5", "--timing-warmup-steps", "3").warmup_steps == 3
-    assert config("--steps", "1", script=PROFILE).warmup_steps == 2  # the profile's --steps come after its warm-up
+        assert cfg.training.warmup_steps == warmup and type(cfg.training.warmup_steps) is int, (steps,
+                                                                                                cfg.training.warmup_steps)
+    assert config("--steps", "5", "--timing-warmup-steps", "3").training.warmup_steps == 3
+    assert config("--steps", "1",
+                  script=PROFILE).training.warmup_steps == 2  # the profile's --steps come after its warm-up
     with pytest.raises(SystemExit):
         config("--steps", "2", "--timing-warmup-steps", "2")
     record("--timing-warmup-steps left out: 2, or 1 with --steps 2 and 0 with --steps 1; given: kept or refused",
@@ -727,10 +728,11 @@ def test_distill_defaults():
 
     cfg = distill.parse_args([])
     if not cfg.on_gpu:
-        assert (cfg.steps, cfg.warmup_steps, cfg.lr, cfg.batch_size, cfg.seq_len) == (3, 1, 1e-4, 2, 64)
+        assert (cfg.training.steps, cfg.training.warmup_steps, cfg.training.lr, cfg.data.batch_size,
+                cfg.data.seq_len) == (3, 1, 1e-4, 2, 64)
         assert (cfg.extra.teacher, cfg.extra.student) == ("llama-tiny", "llama-tiny-student")
-    assert distill.parse_args(["--steps", "1"]).warmup_steps == 0
-    assert cfg.kernels == () and cfg.extra.mode == "both" and cfg.extra.alpha == 0.5
+    assert distill.parse_args(["--steps", "1"]).training.warmup_steps == 0
+    assert cfg.model.kernels == () and cfg.extra.mode == "both" and cfg.extra.alpha == 0.5
 
 
 def test_fsdp2_two_processes():

@@ -35,7 +35,7 @@ def _tiny(layers: int = 3):
 
 
 def test_applies_to_a_cpu_run_with_kernels_on_any_model_but_the_cpu_demo():
-    cfg = lambda model, gpu=False: SimpleNamespace(on_gpu=gpu, model=model)  # noqa: E731
+    cfg = lambda model, gpu=False: SimpleNamespace(on_gpu=gpu, model=SimpleNamespace(model=model))  # noqa: E731
     assert interpreter.applies(cfg("smollm2-135m"), ("rmsnorm",))
     assert interpreter.applies(cfg("/some/dir"), ("rmsnorm",))
     assert not interpreter.applies(cfg("llama-tiny"), ("rmsnorm",))  # the CPU demo: sized for the interpreter
@@ -104,9 +104,10 @@ def test_the_whole_run_estimate_is_within_2x_of_the_run_on_a_stand_in_clock(caps
     train = [{"input_ids": (ids := torch.randint(0, 512, (2, 16))), "labels": ids} for _ in range(3)]
     held_out = [{"input_ids": (ids := torch.randint(0, 512, (2, 16))), "labels": ids} for _ in range(2)]
     data = SimpleNamespace(batch=lambda i, device: train[i % 3], eval_batches=lambda device: held_out)
-    cfg = SimpleNamespace(on_gpu=False, model="/some/model", device="cpu", optimizer_in_backward=False, grad_accum=1,
-                          eval_every=2,
-                          sample_prompts=None, output_dir=None, save_every=0)
+    cfg = SimpleNamespace(on_gpu=False, run=SimpleNamespace(device="cpu"), model=SimpleNamespace(model="/some/model"),
+                          training=SimpleNamespace(optimizer_in_backward=False, grad_accum=1),
+                          data=SimpleNamespace(eval_every=2),
+                          output=SimpleNamespace(sample_prompts=None, output_dir=None, save_every=0))
     steps, prompts, new_tokens = 4, 3, 5
     plan = interpreter.run_plan(cfg, data, 0, steps, prompts)
     assert (plan["steps"], plan["evals"], plan["eval_batches"], plan["answers"]) == (4, 3, 2, 6)  # evals: 0, 2, 4
@@ -118,7 +119,7 @@ def test_the_whole_run_estimate_is_within_2x_of_the_run_on_a_stand_in_clock(caps
     evaluate(model, held_out)
     for step in range(steps):
         model(**train[step % 3]).loss.backward()
-        if (step + 1) % cfg.eval_every == 0 or step == steps - 1:
+        if (step + 1) % cfg.data.eval_every == 0 or step == steps - 1:
             evaluate(model, held_out)
     model.eval()
     for _ in range(plan["answers"]):  # the KV-cached decoding of generate.greedy, every token decoded
@@ -144,12 +145,12 @@ def test_checkpoint_size_is_said_before_the_first_save(tmp_path, capsys):
     ids = torch.randint(0, 512, (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    cfg = SimpleNamespace(output_dir=tmp_path / "out", save_every=0, save_total_limit=None)
+    cfg = SimpleNamespace(output=SimpleNamespace(output_dir=tmp_path / "out", save_every=0, save_total_limit=None))
     interpreter.saves_note(cfg, model, {"saves": 1})
     line = capsys.readouterr().out
     said = interpreter.checkpoint_bytes(model)
     assert line.startswith("Checkpoints: 1 to ") and "optimizer state" in line
-    path = save_checkpoint(cfg.output_dir, 1, model, None, optimizer, None, {})
+    path = save_checkpoint(cfg.output.output_dir, 1, model, None, optimizer, None, {})
     written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     total = said["weights"] + said["optimizer"]
     assert written / 2 <= total <= 2 * written, (said, written)

@@ -205,9 +205,19 @@ def test_imports_point_down_the_layers():
            0.0, 0.0, True)
 
 
+def test_no_guessed_config_fields():
+    """The RunConfig is typed (playbook/sections.py): no `getattr(cfg, ...)` in playbook/ or the scripts guesses at a
+    field that may not exist (#61)."""
+    found = [f"{path.relative_to(ROOT)}:{i}" for path in [*(ROOT / "playbook").rglob("*.py"), *ROOT.glob("*.py")]
+             for i, line in enumerate(path.read_text().splitlines(), 1) if "getattr(cfg" in line]
+    assert not found, "getattr(cfg, ...) guesses at a config field:\n" + "\n".join(found)
+    record("playbook/ and the scripts: 0 getattr(cfg, ...)", 0.0, 0.0, True)
+
+
 # playbook/'s parts from the bottom up: a folder (a sub-package) or a module at the package's top. A part imports
 # only the parts at or below its own (and the layers under the library), at module level or inside functions.
-PLAYBOOK_ORDER = ("runtime", "store", "memory", "optim", "model", "data", "plan", "config", "run", "startup")
+PLAYBOOK_ORDER = ("sections", "runtime", "store", "memory", "optim", "model", "data", "plan", "config", "run",
+                  "startup")
 
 
 def playbook_order_violations(root: Path = ROOT) -> list:

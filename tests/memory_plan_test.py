@@ -14,7 +14,7 @@ import torch
 
 from playbook.model import models
 from playbook.plan import check, shapes
-from playbook.config import make_parser, parse_config
+from playbook.config import RunConfig, make_parser, parse_config
 from playbook.plan.estimate import combine, estimate
 from playbook.plan.free_memory import FREE_MEMORY_ENV, free_memory, gb_text
 from playbook.plan.inputs import GB, Setup, Shape
@@ -104,7 +104,7 @@ def test_each_part_counts_what_its_options_keep():
 def _offered(cfg, free_gb: float, monkeypatch) -> dict:
     """{text: peak} of the options the plan offers `cfg` where PLAYBOOK_FREE_MEMORY_GB says `free_gb`."""
     monkeypatch.setenv(FREE_MEMORY_ENV, str(free_gb))
-    free, where = free_memory(cfg.device)
+    free, where = free_memory(cfg.run.device)
     return {o.text: o.peak for o in offers(cfg, free, where)}
 
 
@@ -123,7 +123,7 @@ def test_the_plan_is_printed_at_start_up(capsys):
     assert "Memory plan" not in capsys.readouterr().out  # reading the command line plans nothing: a run start does
     check.check(cfg)
     out = capsys.readouterr().out
-    assert cfg.model == "llama-tiny"
+    assert cfg.model.model == "llama-tiny"
     for part in ("Memory plan", "weights", "gradients", "optimizer states", "activations", "loss", "peak", "free"):
         assert part in out, out
 
@@ -148,7 +148,7 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
     assert "Memory plan" in captured.out and "does not fit" in captured.out
     cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), "finetune_optimized",
                        argv + ["--ignore-memory-plan"])  # the way past it: the plan is printed, the run goes on
-    assert cfg.ignore_memory_plan and check.check(cfg).peak > 70 * GB
+    assert cfg.output.ignore_memory_plan and check.check(cfg).peak > 70 * GB
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
@@ -233,7 +233,7 @@ def _peak(rounding: str) -> float:
                                                      LLAMA_8B)).peak
 
 
-def _started(cfg, capsys):
+def _started(cfg: RunConfig, capsys) -> tuple[RunConfig, str | None]:
     """check.start(cfg) and its one line on the rounding (None where it printed none)."""
     started = check.start(cfg)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Optimizer rounding:")]
@@ -251,12 +251,12 @@ def _units_on_every_number(line: str) -> bool:
 
 def test_the_default_rounding_is_kahan_where_it_fits_and_says_so(monkeypatch, capsys):
     cfg = _parsed(*BIG)
-    assert cfg.optimizer_rounding == "auto"  # left to the run start
+    assert cfg.training.optimizer_rounding == "auto"  # left to the run start
     kahan, stochastic = _peak("kahan"), _peak("stochastic")
     assert kahan - stochastic == pytest.approx(2 * LLAMA_8B.params, rel=0.01)  # its bf16 buffer, nothing else
     monkeypatch.setenv(FREE_MEMORY_ENV, f"{(kahan + 1 * GB) / GB:.3f}")
     started, line = _started(cfg, capsys)
-    assert started.optimizer_rounding == "kahan" and started.as_dict()["optimizer_rounding"] == "kahan"
+    assert started.training.optimizer_rounding == "kahan" and started.as_dict()["optimizer_rounding"] == "kahan"
     free = f"{(kahan + 1 * GB) / GB:.3f}"  # the stand-in, named as the figure's source
     assert line == (f"Optimizer rounding: kahan (fits: the plan's peak with its {2 * LLAMA_8B.params / GB:.1f} GB "
                     f"buffer is {kahan / GB:.1f} GB, and PLAYBOOK_FREE_MEMORY_GB={free} says this machine has "
@@ -270,7 +270,7 @@ def test_the_default_rounding_is_stochastic_where_kahan_does_not_fit(monkeypatch
     free = (kahan + stochastic) / 2  # stochastic fits, kahan does not
     monkeypatch.setenv(FREE_MEMORY_ENV, f"{free / GB:.3f}")
     started, line = _started(_parsed(*BIG), capsys)  # (fits: no exit)
-    assert started.optimizer_rounding == "stochastic", line
+    assert started.training.optimizer_rounding == "stochastic", line
     assert line.startswith("Optimizer rounding: stochastic (kahan does not fit: ") and f"{kahan / GB:.1f} GB" in line
     assert f"says this machine has {free / GB:.1f} GB free" in line and _units_on_every_number(line), line
     # Neither fits: the run stops with the options that would fit; none of them is a rounding that needs more
@@ -293,22 +293,22 @@ def test_the_default_rounding_where_the_plan_cannot_say(monkeypatch, capsys):
     import torch
 
     # a machine without a GPU (this one, or the GPU machine's run as it would be there): llama-tiny on the CPU
-    on_cpu = dataclasses.replace(_parsed("--optimizer", "adamw-triton", "--model", "llama-tiny"), device=torch.device("cpu"))
+    on_cpu = _parsed("--optimizer", "adamw-triton", "--model", "llama-tiny").changed(device=torch.device("cpu"))
     started, line = _started(on_cpu, capsys)
-    assert started.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
+    assert started.training.optimizer_rounding == "stochastic" and line.startswith("Optimizer rounding: stochastic (no GPU: ")
     monkeypatch.setenv(FREE_MEMORY_ENV, "1000")  # kahan would fit; the run is told not to go by the plan
     started, line = _started(_parsed(*BIG, "--ignore-memory-plan"), capsys)
-    assert started.optimizer_rounding == "stochastic" and "(--ignore-memory-plan: " in line, line
+    assert started.training.optimizer_rounding == "stochastic" and "(--ignore-memory-plan: " in line, line
     assert _units_on_every_number(line), line
     monkeypatch.setattr(shapes, "model_shape", lambda *a, **k: None)  # its config comes with its weights
     started, line = _started(_parsed(*BIG), capsys)
-    assert started.optimizer_rounding == "stochastic" and "no memory plan before llama-3.1-8b is loaded" in line, line
+    assert started.training.optimizer_rounding == "stochastic" and "no memory plan before llama-3.1-8b is loaded" in line, line
     assert _units_on_every_number(line), line
     monkeypatch.undo()
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)  # SmolLM2 then trains in fp32 on this CPU
     # on that CPU (a GPU machine's run of this test too: on its GPU SmolLM2 trains in bf16, and kahan fits)
-    cfg = dataclasses.replace(_parsed("--model", "smollm2-135m", "--optimizer", "adamw-triton"), device=torch.device("cpu"))
-    assert cfg.optimizer_rounding == "auto" and choose_rounding(cfg) == ("nearest", None)
+    cfg = _parsed("--model", "smollm2-135m", "--optimizer", "adamw-triton").changed(device=torch.device("cpu"))
+    assert cfg.training.optimizer_rounding == "auto" and choose_rounding(cfg) == ("nearest", None)
 
 
 def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatch, capsys):
@@ -322,11 +322,12 @@ def test_an_explicit_rounding_lora_and_fp32_runs_are_left_as_they_are(monkeypatc
         argv = [w for w in BIG if w not in ("--optimizer", "adamw-triton")] + argv
         cfg = _parsed(*argv)
         started, line = _started(cfg, capsys)
-        assert (started.optimizer_rounding, started.master_weights, line) == (rounding, master, None), argv
+        assert (started.training.optimizer_rounding, started.training.master_weights, line) == (rounding, master,
+                                                                                                None), argv
     cfg = _parsed("--dtype", "float32", "--optimizer", "adamw-triton", script="distill")  # the student in fp32
-    assert cfg.optimizer_rounding == "nearest"
+    assert cfg.training.optimizer_rounding == "nearest"
     cfg = _parsed("--optimizer", "adamw-triton", script="distill")  # a bf16 student: chosen as distill.py starts
-    assert cfg.optimizer_rounding == "auto" and check.start(cfg).optimizer_rounding == "kahan"
+    assert cfg.training.optimizer_rounding == "auto" and check.start(cfg).training.optimizer_rounding == "kahan"
 
 
 def test_offers_name_the_roundings_that_need_less_memory(monkeypatch):
@@ -351,8 +352,8 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
     import torch
     import torch.distributed as dist
 
-    cfg = dataclasses.replace(_parsed("--model", "llama-tiny", "--optimizer", "adamw-triton"), device=torch.device("cpu"),
-                              optimizer_rounding="kahan")
+    cfg = _parsed("--model", "llama-tiny", "--optimizer", "adamw-triton").changed(device=torch.device("cpu"),
+                                                                                  optimizer_rounding="kahan")
     assert agree_on_rounding(cfg) is cfg  # no process group
     others = {"value": ROUNDING_ORDER.index("stochastic")}
 
@@ -367,7 +368,7 @@ def test_processes_agree_on_the_default_rounding(monkeypatch, capsys):
     capsys.readouterr()
     agreed = agree_on_rounding(cfg)
     said = capsys.readouterr().out
-    assert agreed.optimizer_rounding == "stochastic" and said.count("\n") == 1
+    assert agreed.training.optimizer_rounding == "stochastic" and said.count("\n") == 1
     assert said.startswith("Optimizer rounding: stochastic on every process (this one's plan chose kahan"), said
     others["value"] = ROUNDING_ORDER.index("kahan")
     assert agree_on_rounding(cfg) is cfg and capsys.readouterr().out == ""
@@ -480,7 +481,7 @@ def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch
             assert stop.code == 2 and len(line.splitlines()) == 1, line
         assert f"PLAYBOOK_FREE_MEMORY_GB={free_gb} says this machine has" in line, line
         given = _parse(script, argv)
-        planned = {o.text: o for o in offers(given, *free_memory(given.device))}
+        planned = {o.text: o for o in offers(given, *free_memory(given.run.device))}
         for text, peak_gb in _offers_in(line):
             how, applied = _apply(script, argv, text)
             cfg = _parse(how, applied)  # the script's parser takes it (a refusal: SystemExit, the test fails)
@@ -490,7 +491,7 @@ def test_every_option_offered_runs_as_offered_and_fits(script, argv, monkeypatch
             # the line names the peak to the digits it prints: the run's own, printed alike, is no larger
             assert float(gb_text(peak).replace(",", "")) <= peak_gb, (text, peak, line)
             if "--seq-len" in text and positions:
-                assert cfg.seq_len <= positions, (text, line)
+                assert cfg.data.seq_len <= positions, (text, line)
             tried += 1
     assert tried, f"no option offered at any share of {needs / GB:.3g} GB"
 
@@ -554,7 +555,7 @@ def test_a_small_plan_and_a_small_stand_in_read_as_numbers(monkeypatch, capsys):
 # The mechanisms and the estimate take arguments and Setup fields named for what they do (issue 61). One external
 # name is left: transformers' decoder layers have their own `gradient_checkpointing` flag, which the checkpointing
 # and saved-activations mechanisms set and read, and which cannot be renamed.
-OPTION_HOMES = {"config.py", "memory/options.py"}
+OPTION_HOMES = {"sections.py", "memory/options.py"}  # its field in MemorySection; everything else in the table
 EXTERNAL_NAMES = {"gradient_checkpointing": {"memory/activations.py", "memory/saved_activations.py"}}
 
 
@@ -591,9 +592,8 @@ def test_the_offers_hints_and_checks_cover_every_memory_option():
     }
     assert set(runs) == {o.name for o in options.OPTIONS}
     for o in options.OPTIONS:
-        cfg = replace(_parsed("--model", "llama-3.1-8b", "--batch-size", "8", *runs[o.name]),
-                      device=torch.device("cuda"))  # (the decisions only look at the device's type)
-        context = options.Context(on_gpu=True, seq_len=cfg.seq_len, tokens=cfg.batch_size * cfg.seq_len,
+        cfg = _parsed("--model", "llama-3.1-8b", "--batch-size", "8", *runs[o.name]).changed(device=torch.device("cuda"))  # (the decisions only look at the device's type)
+        context = options.Context(on_gpu=True, seq_len=cfg.data.seq_len, tokens=cfg.data.batch_size * cfg.data.seq_len,
                                   own_kernels=True)
         said = [*options.offers(options.values(cfg), context), *oom.memory_hints(cfg), cuda_graph.graph_blocker(cfg)]
         assert any(o.flag in str(s) for s in said), (o.flag, said)

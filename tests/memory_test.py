@@ -186,16 +186,16 @@ def test_a_spec_past_the_loaded_model_exits_2(capsys):
 
 def test_the_config_fields():
     parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
-    fields = lambda *argv: (lambda c: (c.gradient_checkpointing, c.checkpoint_layers, c.offload_activations,  # noqa: E731
-                                       c.mlp_chunk_tokens))(parse_config(parser, "finetune_optimized", list(argv)))
+    fields = lambda *argv: (lambda c: (c.memory.gradient_checkpointing, c.memory.checkpoint_layers,  # noqa: E731
+                                       c.memory.offload_activations, c.memory.mlp_chunk_tokens))(parse_config(parser, "finetune_optimized", list(argv)))
     assert fields() == (False, None, False, 0)
     assert fields("--gradient-checkpointing") == (True, "all", False, 0)
     assert fields("--gradient-checkpointing", "--checkpoint-layers", "all") == (True, "all", False, 0)
     assert fields("--checkpoint-layers", "Every:4", "--offload-activations") == (True, "every:4", True, 0)
     assert fields("--mlp-chunk-tokens", "4096") == (False, None, False, 4096)
-    keep = lambda *argv: parse_config(parser, "finetune_optimized", list(argv)).keep_attention  # noqa: E731
+    keep = lambda *argv: parse_config(parser, "finetune_optimized", list(argv)).memory.keep_attention  # noqa: E731
     assert (keep(), keep("--gradient-checkpointing", "--keep-attention")) == (False, True)
-    saved = lambda *argv: (lambda c: (c.recompute_norms, c.offload_layers))(  # noqa: E731
+    saved = lambda *argv: (lambda c: (c.memory.recompute_norms, c.memory.offload_layers))(  # noqa: E731
         parse_config(parser, "finetune_optimized", list(argv)))
     assert saved() == (False, None)
     assert saved("--recompute-norms", "--offload-layers", "First:3") == (True, "first:3")

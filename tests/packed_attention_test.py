@@ -178,9 +178,9 @@ def test_packing_is_the_default_with_a_dataset():
         return parse_config(make_parser("test", kernels_default=ak.DEFAULT_KERNELS), "finetune_optimized",
                             ["--model", "llama-tiny", *args])
 
-    assert cfg("--dataset", "examples/chat.jsonl").packing is True
-    assert cfg("--dataset", "examples/chat.jsonl", "--no-packing").packing is False
-    assert cfg().packing is False
+    assert cfg("--dataset", "examples/chat.jsonl").data.packing is True
+    assert cfg("--dataset", "examples/chat.jsonl", "--no-packing").data.packing is False
+    assert cfg().data.packing is False
     with pytest.raises(SystemExit) as info:
         cfg("--no-packing")
     assert info.value.code == 2

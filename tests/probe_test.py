@@ -18,7 +18,7 @@ or the configuration checks see run together in two child processes (the script'
 through runpy, once per case), so the hundred cases take under two minutes on two cores. `pytest
 tests/probe_test.py -k resume` runs the cases whose names match.
 
-The `part` of a case says where its fix lives: "probe" (the scripts, playbook/config.py,
+The `part` of a case says where its fix lives: "probe" (the scripts, playbook/config/,
 runtime/common.py, kernel_utils.py), "runs" (output directories, checkpoints and resume: run/training.py,
 store/checkpoint.py), "data" (the formats and files users bring: data/dataset.py), "lora" (adapters:
 model/lora.py, model/models.py), "chat" (chat.py, prompts files and the model cache: model/generate.py,

@@ -33,9 +33,9 @@ def _cfg(script, *argv):
 
 
 def test_the_baseline_queues_eagerly_and_ours_captures_by_default():
-    assert _cfg("finetune_baseline").cuda_graphs == "off"
-    assert _cfg("finetune_optimized").cuda_graphs == "auto"
-    assert _cfg("finetune_baseline", "--cuda-graphs", "auto").cuda_graphs == "auto"
+    assert _cfg("finetune_baseline").training.cuda_graphs == "off"
+    assert _cfg("finetune_optimized").training.cuda_graphs == "auto"
+    assert _cfg("finetune_baseline", "--cuda-graphs", "auto").training.cuda_graphs == "auto"
 
 
 def test_padded_rows_block_the_graph_only_with_their_mask():
@@ -44,7 +44,7 @@ def test_padded_rows_block_the_graph_only_with_their_mask():
     from playbook.data.dataset import BatchAttention
     from playbook.run import start
 
-    cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cuda"))
+    cfg = _cfg("finetune_optimized").changed(device=torch.device("cuda"))
 
     def rows(causal_padding: bool):
         return types.SimpleNamespace(rows={"attention_mask": torch.ones(1, 4)}, packing=False,
@@ -58,8 +58,8 @@ def test_padded_rows_block_the_graph_only_with_their_mask():
 
 
 def test_fp8_layers_needs_fp8_and_defaults_to_auto():
-    assert _cfg("finetune_optimized", "--fp8").fp8_layers == "auto"
-    assert _cfg("finetune_optimized", "--fp8", "--fp8-layers", "all").fp8_layers == "all"
+    assert _cfg("finetune_optimized", "--fp8").model.fp8_layers == "auto"
+    assert _cfg("finetune_optimized", "--fp8", "--fp8-layers", "all").model.fp8_layers == "all"
     with pytest.raises(SystemExit) as err:
         _cfg("finetune_optimized", "--fp8-layers", "all")
     assert err.value.code == 2
@@ -100,13 +100,17 @@ def test_the_size_rule_keeps_narrow_projections_in_bf16(monkeypatch, capsys):
 def test_real_models_train_in_float32_on_cpus_without_bf16_matmuls(monkeypatch):
     from playbook.model import presets  # weights_dtype asks presets.cpu_has_native_bf16
 
-    cfg = dataclasses.replace(_cfg("finetune_optimized"), device=torch.device("cpu"))
+    cfg = _cfg("finetune_optimized").changed(device=torch.device("cpu"))
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
-    assert presets.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.float32
-    assert presets.weights_dtype(dataclasses.replace(cfg, model="llama-tiny")) == torch.bfloat16  # presets as before
+    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                    model="smollm2-135m"))) == torch.float32
+    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                    model="llama-tiny"))) == torch.bfloat16  # presets as before
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: True)
-    assert presets.weights_dtype(dataclasses.replace(cfg, model="smollm2-135m")) == torch.bfloat16
-    gpu = dataclasses.replace(cfg, model="smollm2-135m", device=torch.device("cuda"))
+    assert presets.weights_dtype(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                    model="smollm2-135m"))) == torch.bfloat16
+    gpu = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="smollm2-135m"),
+                              run=dataclasses.replace(cfg.run, device=torch.device("cuda")))
     monkeypatch.setattr(presets, "cpu_has_native_bf16", lambda: False)
     assert presets.weights_dtype(gpu) == torch.bfloat16  # a GPU trains in bf16 whatever the CPU
 
@@ -152,15 +156,15 @@ def _throughput_counts_text(argv, payload, steps, stdout):
 
     cfg = _cfg("finetune_baseline", *argv)
     model = type("Model", (), {"config": type("Config", (), {"vocab_size": 512})()})()  # llama-tiny's vocabulary
-    data = make_run_data(cfg, model, run_tokenizer(cfg, cfg.model))
+    data = make_run_data(cfg, model, run_tokenizer(cfg, cfg.model.model))
     text = [int(data.batch(i, "cpu")["attention_mask"].sum()) for i in range(len(steps))]
-    padded = cfg.batch_size * cfg.seq_len
+    padded = cfg.data.batch_size * cfg.data.seq_len
     assert all(0 < n < padded for n in text), (text, "the rows must hold padding for the test to mean anything")
     # each figure is tokens / the same step time: equal to a float division's rounding (1e-9 relative)
     for row, n in zip(steps, text):
         assert row["tokens_per_s"] * row["step_ms"] / 1e3 == pytest.approx(n, rel=1e-9), (row, n)
         assert row["padded_tokens_per_s"] * row["step_ms"] / 1e3 == pytest.approx(padded, rel=1e-9), row
-    summary, timed = payload["summary"], text[cfg.warmup_steps:]
+    summary, timed = payload["summary"], text[cfg.training.warmup_steps:]
     assert payload["text_tokens"] == timed
     median = statistics.median(payload["step_times_s"])
     assert summary["tokens/s (job)"] == pytest.approx(statistics.fmean(timed) / median, rel=1e-9), summary

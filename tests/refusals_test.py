@@ -113,7 +113,7 @@ def test_a_warmup_ratio_rounds_up_to_whole_steps():
     assert [warmup_steps(0, 0.05, 10), warmup_steps(0, 0.1, 30), warmup_steps(0, 0.25, 10), warmup_steps(0, 0.0, 10),
             warmup_steps(4, 0.0, 10)] == [1, 3, 3, 0, 4]
     cfg = SCRIPTS["finetune_optimized.py"][1](["--steps", "10", "--warmup-ratio", "0.05"])
-    assert warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, 10) == 1  # the own loop's schedule
+    assert warmup_steps(cfg.training.lr_warmup_steps, cfg.training.warmup_ratio, 10) == 1  # the own loop's schedule
 
 
 def test_the_trainer_warms_up_with_epochs_and_refuses_a_resume_with_another_lr(tmp_path, capsys):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from playbook.model import registry
+from playbook.sections import RunConfig
 from testkit import expect_error, record, run_as_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +88,7 @@ def test_api_misuse_is_named():
     record("apply_kernels(None), apply_kernels('fp8'), 'none,rmsnorm': refused by name", 0.0, 0.0, True)
 
 
-def _alias_and_flag(capsys, alias: list, flag: list):
+def _alias_and_flag(capsys, alias: list, flag: list) -> tuple[RunConfig, list, RunConfig, list]:
     """The RunConfigs of a deprecated --kernels spelling and of its flag, and the notes each printed."""
     from playbook.config import OPTIMIZED, make_parser, parse_config
 
@@ -104,7 +105,7 @@ def test_kernels_fp8_is_a_deprecated_spelling_of_the_fp8_flag(capsys):
     old, notes, new, none = _alias_and_flag(capsys, ["--kernels", "default,fp8"], ["--kernels", "default", "--fp8"])
     assert notes == ["note: --kernels fp8 is deprecated: it is --fp8"], notes
     assert not none
-    assert old.fp8 and old == new, (old.as_dict(), new.as_dict())
+    assert old.model.fp8 and old == new, (old.as_dict(), new.as_dict())
     record("--kernels default,fp8: one line saying so, then the run of --fp8", 0.0, 0.0, True)
 
 
@@ -115,14 +116,14 @@ def test_kernels_adamw_is_a_deprecated_spelling_of_the_triton_optimizer(capsys):
                                             ["--kernels", "rmsnorm", "--optimizer", "adamw-triton"])
     assert notes == ["note: --kernels adamw is deprecated: it is --optimizer adamw-triton"], notes
     assert not none
-    assert old.optimizer == "adamw-triton" and old == new, (old.as_dict(), new.as_dict())
+    assert old.training.optimizer == "adamw-triton" and old == new, (old.as_dict(), new.as_dict())
     parser = make_parser("test", kernels_default=registry.DEFAULT_KERNELS)
     with pytest.raises(SystemExit) as err:
         parse_config(parser, "finetune_optimized", ["--kernels", "adamw", "--optimizer", "adamw-foreach"])
     assert err.value.code == 2
     # adamw brought in by 'default' is the default set's, not the alias: no line, the optimizer as the script says
     cfg = parse_config(parser, "finetune_optimized", ["--kernels", "default"])
-    assert "note:" not in capsys.readouterr().err and "adamw" in cfg.kernels
+    assert "note:" not in capsys.readouterr().err and "adamw" in cfg.model.kernels
     record("--kernels rmsnorm,adamw: one line saying so, then the run of --optimizer adamw-triton", 0.0, 0.0, True)
 
 

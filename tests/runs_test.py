@@ -39,7 +39,7 @@ import torch
 
 from playbook.run import training
 from playbook.store.files import RESULTS_DIR
-from playbook.store import checkpoint
+from playbook.store import checkpoint, checkpoint_load
 from playbook.model import registry as ak
 from playbook.config import make_parser, parse_config
 from core.kernel_utils import DEVICE
@@ -241,11 +241,12 @@ def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
 
     assert list(RESUME_SETTINGS.items()) == STORED_SETTINGS
     full = config("--model", "llama-tiny", "--batch-size", "2")
-    assert list(resume_settings(full, full.model).items()) == [
+    assert list(resume_settings(full, full.model.model).items()) == [
         ("model", "llama-tiny"), ("num_layers", None), ("lora_r", 0), ("lora_alpha", None), ("lora_dropout", None),
         ("lora_targets", None), ("load_in_4bit", False), ("data", "synthetic"), ("batch_size", 2), ("grad_accum", 1),
-        ("seq_len", full.seq_len), ("packing", False), ("train_on_prompt", False), ("drop_long", False),
-        ("eval_fraction", 0.0), ("seed", 0), ("lr", full.lr), ("lr_schedule", "linear"), ("lr_warmup_steps", 0),
+        ("seq_len", full.data.seq_len), ("packing", False), ("train_on_prompt", False), ("drop_long", False),
+        ("eval_fraction", 0.0), ("seed", 0), ("lr", full.training.lr), ("lr_schedule", "linear"), ("lr_warmup_steps",
+                                                                                                   0),
         ("warmup_ratio", 0.0), ("weight_decay", 0.0), ("repeat_batches", None)]
     folder = tmp_path / "model"
     folder.mkdir()
@@ -259,7 +260,7 @@ def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
         "model": str(folder.resolve()), "num_layers": 1, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
         "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "load_in_4bit": False,
         "data": {"path": str(TEXT.resolve()), "bytes": TEXT.stat().st_size, "sha256": digest}, "batch_size": 4,
-        "grad_accum": 2, "seq_len": lora.seq_len, "packing": True, "train_on_prompt": False, "drop_long": False,
+        "grad_accum": 2, "seq_len": lora.data.seq_len, "packing": True, "train_on_prompt": False, "drop_long": False,
         "eval_fraction": 0.1, "seed": 3, "lr": 1e-3, "lr_schedule": "linear", "lr_warmup_steps": 0,
         "warmup_ratio": 0.1, "weight_decay": 0.0, "repeat_batches": None}
     record(f"resume settings: the {len(STORED_SETTINGS)} stored keys, in the stored order, with today's values",
@@ -267,16 +268,17 @@ def test_resume_settings_are_the_stored_keys_in_the_stored_order(tmp_path):
 
 
 def test_every_resumable_field_is_stored_and_named_by_its_flag():
-    """Each RunConfig field marked resumable is in the settings a checkpoint stores, under its own name, and its
+    """Each field of the RunConfig's sections marked resumable is in the settings a checkpoint stores, under its own name, and its
     flag is an option of the scripts' parser; the computed values are all of marked fields."""
     from dataclasses import fields
 
-    from playbook.config import RunConfig
+    from playbook.config import SECTIONS
     from playbook.run.resume import COMPUTED_SETTINGS, resume_settings
 
-    marked = {f.name: f.metadata["resume"] for f in fields(RunConfig) if "resume" in f.metadata}
+    marked = {f.name: f.metadata["resume"] for kind in SECTIONS.values() for f in fields(kind)
+              if "resume" in f.metadata}
     cfg = config("--model", "llama-tiny", "--batch-size", "2", "--lora-r", "4")
-    stored = resume_settings(cfg, cfg.model)
+    stored = resume_settings(cfg, cfg.model.model)
     assert set(marked) <= set(stored), f"resumable fields missing from the stored settings: {set(marked) - set(stored)}"
     assert set(stored) == set(marked), f"stored settings that are no resumable field: {set(stored) - set(marked)}"
     assert set(COMPUTED_SETTINGS) <= set(marked), set(COMPUTED_SETTINGS) - set(marked)
@@ -346,6 +348,51 @@ def test_resume_of_an_older_checkpoint_warns(tmp_path, capsys):
     assert "stores no run settings (an older checkpoint)" in capsys.readouterr().out
     assert len(got["losses"]) == 4
     record("checkpoint without settings: resumed with a one-line warning", 0.0, 0.0, True)
+
+
+# A checkpoint's saved config as playbook/run/training.py wrote it while RunConfig held every field itself (before
+# the sections were nested, #61): one flat dict, its keys in this order (summaries hold the same form)
+FLAT_CONFIG_KEYS = [
+    "script", "device", "seed", "model", "model_explicit", "num_layers", "gradient_checkpointing", "checkpoint_layers",
+    "offload_activations", "keep_attention", "recompute_norms", "offload_layers", "mlp_chunk_tokens", "kernels", "fp8",
+    "fp8_backend", "fp8_recipe", "fp8_layers", "compile", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+    "merge_lora", "load_in_4bit", "batch_size", "seq_len", "data", "dataset", "packing", "train_on_prompt", "drop_long",
+    "eval_dataset", "eval_fraction", "eval_every", "repeat_batches", "grad_accum", "steps", "epochs", "warmup_steps",
+    "lr", "lr_schedule", "lr_warmup_steps", "warmup_ratio", "weight_decay", "optimizer", "optimizer_rounding",
+    "master_weights", "optimizer_in_backward", "max_grad_norm", "cuda_graphs", "output_dir", "save_every",
+    "save_total_limit", "overwrite_output_dir", "load_best_model_at_end", "early_stopping_patience",
+    "early_stopping_threshold", "resume", "log_every", "tag", "overwrite", "report_to", "sample_prompts",
+    "ignore_memory_plan", "extra"]
+
+
+def test_checkpoint_written_before_the_nested_config_resumes(tmp_path, capsys):
+    """A checkpoint whose saved settings and config are in the flat form written before RunConfig held its
+    sections as fields (#61) resumes: its settings are checked key by key (a differing one still refused), its
+    config is read, and today's as_dict is that same flat form, in the same order."""
+    out = tmp_path / "out"
+    run("--output-dir", str(out), "--save-every", "2", tag="test_runs_flat")
+    assert list(config(*BASE).as_dict()) == FLAT_CONFIG_KEYS
+    ckpt = out / "checkpoint-2"
+    state = torch.load(ckpt / checkpoint.STATE_FILE, weights_only=True)
+    saved = state["extra"]["config"]
+    state["extra"]["config"] = {key: saved[key] for key in FLAT_CONFIG_KEYS}  # (written out whole, as then)
+    state["extra"]["settings"] = {  # BASE's values, as the settings were stored then: flat, in this order
+        "model": "llama-tiny", "num_layers": None, "lora_r": 0, "lora_alpha": None, "lora_dropout": None,
+        "lora_targets": None, "load_in_4bit": False, "data": "synthetic", "batch_size": 2, "grad_accum": 1,
+        "seq_len": 32, "packing": False, "train_on_prompt": False, "drop_long": False, "eval_fraction": 0.0,
+        "seed": 0, "lr": 1e-3, "lr_schedule": "linear", "lr_warmup_steps": 0, "warmup_ratio": 0.0,
+        "weight_decay": 0.0, "repeat_batches": None}
+    torch.save(state, ckpt / checkpoint.STATE_FILE)
+    info = checkpoint_load.read_checkpoint_info(ckpt)
+    assert list(info["extra"]["config"]) == FLAT_CONFIG_KEYS and info["extra"]["settings"]["batch_size"] == 2
+    capsys.readouterr()
+    got = run("--resume", str(ckpt), tag="test_runs_flat_resumed")
+    said = capsys.readouterr().out
+    assert "stores no run settings" not in said, said
+    assert got["losses"][:2] == summary("test_runs_flat")["losses"][:2] and len(got["losses"]) == 4
+    assert ": checkpoint 2, this run 4" in exits(capsys, "--batch-size", "4", "--resume", str(ckpt))
+    record("a checkpoint of the flat config (before #61's sections) resumes; a differing setting still refused",
+           0.0, 0.0, True)
 
 
 # ------------------------------------------------------------------------------------------------

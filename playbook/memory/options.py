@@ -19,6 +19,8 @@ needs its mechanism and its bytes (a Setup field in plan/inputs.py, its arithmet
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -28,6 +30,7 @@ from torch import nn
 from core.process import log
 from playbook.memory import activations, saved_activations, tiled_mlp
 from playbook.runtime.common import usage_error
+from playbook.sections import MemorySection, RunConfig
 
 MLP_CHUNK_OFFER = 16384  # the --mlp-chunk-tokens the plan offers and the hints name, above that many tokens
 
@@ -228,10 +231,10 @@ FIELDS = tuple(f for o in OPTIONS for f in o.fields)
 FROZEN = {k: v for o in OPTIONS for k, v in o.frozen.items()}  # a model that does not train: what serves backward off
 
 
-def values(cfg) -> dict:
+def values(cfg: RunConfig) -> dict:
     """The memory options' fields of a RunConfig (or of its `as_dict()`, a saved summary's `config`), by name: the
     one place they are read from it."""
-    given = cfg if isinstance(cfg, dict) else cfg.as_dict()
+    given = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg.memory)
     return {name: given.get(name) for name in FIELDS}
 
 
@@ -282,3 +285,34 @@ def hints(v: dict, ctx: Context) -> list[str]:
 def graph_blocker(v: dict) -> str | None:
     """The first option on that keeps a step from being one CUDA graph (run/cuda_graph.py), or None."""
     return next((o.graph_blocker for o in OPTIONS if o.graph_blocker and v[o.name]), None)
+
+
+def from_flags(a: argparse.Namespace) -> MemorySection:
+    """The run's MemorySection from its parsed flags, the checkpointing and saved-activation options checked
+    together (a usage error names the flags that do not go together)."""
+    if a.gradient_checkpointing and a.checkpoint_layers not in (None, "all"):
+        raise usage_error(f"--gradient-checkpointing checkpoints every layer, --checkpoint-layers {a.checkpoint_layers} "
+                          "only some: give one of them")
+    if a.offload_activations and not (a.gradient_checkpointing or a.checkpoint_layers):
+        raise usage_error("--offload-activations moves the inputs of checkpointed layers to host memory: it needs "
+                          "--gradient-checkpointing or --checkpoint-layers")
+    if a.keep_attention and not (a.gradient_checkpointing or a.checkpoint_layers):
+        raise usage_error("--keep-attention keeps attention's outputs in checkpointed layers: it needs "
+                          "--gradient-checkpointing or --checkpoint-layers")
+    if (a.recompute_norms or a.offload_layers) and a.compile:
+        raise usage_error("--recompute-norms and --offload-layers act through saved-tensor hooks, which run eagerly: "
+                          "not with --compile")
+    if a.gradient_checkpointing and a.offload_layers:
+        raise usage_error("--gradient-checkpointing checkpoints every layer and --offload-layers offloads layers that "
+                          "are not checkpointed: name the checkpointed ones with --checkpoint-layers")
+    for flag, spec in (("--checkpoint-layers", a.checkpoint_layers), ("--offload-layers", a.offload_layers)):
+        if spec and a.num_layers:
+            try:
+                activations.parse_layers(spec, a.num_layers)
+            except ValueError as err:
+                raise usage_error(f"{flag} {err} (--num-layers {a.num_layers})") from None
+    checkpoint_layers = a.checkpoint_layers or ("all" if a.gradient_checkpointing else None)
+    return MemorySection(
+        gradient_checkpointing=checkpoint_layers is not None, checkpoint_layers=checkpoint_layers,
+        offload_activations=a.offload_activations, keep_attention=a.keep_attention,
+        recompute_norms=a.recompute_norms, offload_layers=a.offload_layers, mlp_chunk_tokens=a.mlp_chunk_tokens)

@@ -75,6 +75,7 @@ from core.process import is_peft_model  # noqa: E402  (the LoRA glue's own quest
 
 from core.process import log
 from playbook.store.checkpoint import BASE_NOTE_KEY, add_base_model_note, atomic_directory
+from playbook.sections import RunConfig
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
@@ -234,12 +235,13 @@ def quantize_4bit(model: nn.Module, targets: str | list = "all") -> int:
     return len(todo)
 
 
-def lora_from_config(model: nn.Module, cfg, fuse: bool) -> nn.Module:
+def lora_from_config(model: nn.Module, cfg: RunConfig, fuse: bool) -> nn.Module:
     """What the scripts do with --lora-r / --load-in-4bit: quantize (QLoRA), add the adapters, and
     with fuse=True (the registry's `lora` entry, lora_kernel.py) route them through the fused path."""
-    if cfg.load_in_4bit:
-        _log(f"QLoRA: {quantize_4bit(model, cfg.lora_targets)} projections quantized to NF4 (bitsandbytes)")
-    model = apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
+    if cfg.model.load_in_4bit:
+        _log(f"QLoRA: {quantize_4bit(model, cfg.model.lora_targets)} projections quantized to NF4 (bitsandbytes)")
+    model = apply_lora(model, r=cfg.model.lora_r, alpha=cfg.model.lora_alpha, dropout=cfg.model.lora_dropout,
+                       targets=cfg.model.lora_targets)
     if fuse:
         import lora_kernel  # the registry's lora entry
 

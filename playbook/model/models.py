@@ -33,6 +33,7 @@ from playbook.memory import options
 from playbook.model import packed_attention, pretrained, registry
 from playbook.model.presets import DEFAULT_MODEL, PRESETS, weights_dtype
 from playbook.runtime.common import is_out_of_memory, usage_error
+from playbook.sections import RunConfig
 
 def init_distributed(device: torch.device) -> None:
     rank, size = world()
@@ -125,23 +126,23 @@ def preset_params(name: str, num_layers: int | None = None) -> int:
 LAYERS_FLAG = {"--model": "--num-layers", "--teacher": "--teacher-layers", "--student": "--student-layers"}
 
 
-def check_preset_fits(cfg, dtype: torch.dtype, trains: bool = True, flag: str = "--model") -> None:
+def check_preset_fits(cfg: RunConfig, dtype: torch.dtype, trains: bool = True, flag: str = "--model") -> None:
     """Refuse (exit code 2), before building it, a preset that cannot fit this machine's memory on a CPU:
     its weights, and for a full fine-tune their gradients and AdamW's two states, in `dtype`."""
     from playbook.runtime.common import host_memory_limit
 
     limit = host_memory_limit()
-    if cfg.device.type != "cpu" or limit is None:
+    if cfg.run.device.type != "cpu" or limit is None:
         return
-    n = preset_params(cfg.model, cfg.num_layers)
-    full = trains and not cfg.lora_r
+    n = preset_params(cfg.model.model, cfg.model.num_layers)
+    full = trains and not cfg.model.lora_r
     need = n * dtype.itemsize * (4 if full else 1)
     if need <= limit:
         return
     what = "weights, gradients and AdamW's two states" if full else "its weights"
     lora = (f", or --lora-r 16 (adapters on frozen weights: {n * dtype.itemsize / 1e9:.1f} GB)"
             if full and n * dtype.itemsize <= limit else "")
-    raise usage_error(f"{flag} {cfg.model} on a CPU: its {n / 1e9:.2f} B parameters need at least {need / 1e9:.1f} GB "
+    raise usage_error(f"{flag} {cfg.model.model} on a CPU: its {n / 1e9:.2f} B parameters need at least {need / 1e9:.1f} GB "
                       f"({what} in {str(dtype).removeprefix('torch.')}, before activations), and this machine allows "
                       f"{limit / 1e9:.1f} GB. On a CPU run {flag} llama-tiny (the CPU demo), fewer layers with "
                       f"{LAYERS_FLAG.get(flag, '--num-layers')}{lora}; the full model trains on a GPU")
@@ -159,23 +160,25 @@ def check_model_name(name: str, flag: str = "--model") -> None:
                           "to --data")
 
 
-def load_model(cfg, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") -> tuple[nn.Module, str, str]:
+def load_model(cfg: RunConfig, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") -> tuple[nn.Module, str,
+                                                                                                    str]:
     """Returns (model, model name actually used, description). The default model falls back to the 8B
     preset with a loud warning when it cannot be loaded; a model named on the command line does not.
     flag: the option that named the model, as the errors call it (distill.py: --teacher, --student)."""
-    check_model_name(cfg.model, flag)
-    if cfg.model in PRESETS:
+    check_model_name(cfg.model.model, flag)
+    if cfg.model.model in PRESETS:
         check_preset_fits(cfg, dtype, trains=flag != "--teacher", flag=flag)  # on a CPU: before building it
-        return build_preset(cfg.model, cfg.num_layers, cfg.device, dtype), cfg.model, f"preset {cfg.model} (random weights)"
+        return build_preset(cfg.model.model, cfg.model.num_layers, cfg.run.device,
+                            dtype), cfg.model.model, f"preset {cfg.model.model} (random weights)"
     dtype = weights_dtype(cfg, dtype)
-    source, desc = cfg.model, cfg.model
-    if pretrained.is_pretrained_name(cfg.model):  # smollm2-135m, or a .gguf file: converted once, then a directory
-        folder = pretrained.local_directory(cfg.model, flag)
-        source, desc = str(folder), pretrained.describe(cfg.model, folder)
-    elif looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
-        raise SystemExit(f"error: {flag} {cfg.model}: no such local directory")
+    source, desc = cfg.model.model, cfg.model.model
+    if pretrained.is_pretrained_name(cfg.model.model):  # smollm2-135m, or a .gguf file: converted once, then a directory
+        folder = pretrained.local_directory(cfg.model.model, flag)
+        source, desc = str(folder), pretrained.describe(cfg.model.model, folder)
+    elif looks_like_path(cfg.model.model) and not Path(cfg.model.model).expanduser().is_dir():
+        raise SystemExit(f"error: {flag} {cfg.model.model}: no such local directory")
     if (Path(source).expanduser() / "adapter_config.json").is_file():
-        raise usage_error(adapter_directory_advice(cfg.model))
+        raise usage_error(adapter_directory_advice(cfg.model.model))
     try:
         from transformers import AutoModelForCausalLM
 
@@ -186,26 +189,26 @@ def load_model(cfg, dtype: torch.dtype = torch.bfloat16, flag: str = "--model") 
             # a directory of the user's (a config.json transformers refuses, missing or mismatched weights):
             # what transformers said, in one line, and no hub advice
             said = " ".join(line.strip() for line in str(err).strip().splitlines()[:2])[:300]
-            raise SystemExit(f"error: {flag} {cfg.model}: transformers could not load this directory "
+            raise SystemExit(f"error: {flag} {cfg.model.model}: transformers could not load this directory "
                              f"({type(err).__name__}: {said}); check its config.json and weight files") from None
         if not isinstance(err, (OSError, ValueError, ImportError)):  # hub errors are OSError subclasses
             raise
-        advice = _hub_advice(cfg.model, err)
-        if cfg.model_explicit:
+        advice = _hub_advice(cfg.model.model, err)
+        if cfg.model.model_explicit:
             raise SystemExit(f"error: {advice}") from None
         log("\n" + "!" * 100 + f"\nThe default model could not be loaded: {advice}\nContinuing with the "
             "llama-3.1-8b preset: timing and memory are those of the real model; loss values are not "
             "meaningful.\n" + "!" * 100 + "\n")
         name = "llama-3.1-8b"
-        return (build_preset(name, cfg.num_layers, cfg.device, dtype), name,
+        return (build_preset(name, cfg.model.num_layers, cfg.run.device, dtype), name,
                 f"preset {name} (random weights; {DEFAULT_MODEL} unavailable)")
-    if cfg.num_layers:
-        if cfg.num_layers > len(model.model.layers):
-            raise usage_error(f"{LAYERS_FLAG.get(flag, '--num-layers')} {cfg.num_layers}: {flag} {cfg.model} has only "
+    if cfg.model.num_layers:
+        if cfg.model.num_layers > len(model.model.layers):
+            raise usage_error(f"{LAYERS_FLAG.get(flag, '--num-layers')} {cfg.model.num_layers}: {flag} {cfg.model.model} has only "
                               f"{len(model.model.layers)} layers")
-        model.model.layers = model.model.layers[: cfg.num_layers]
-        model.config.num_hidden_layers = cfg.num_layers
-    return model.to(cfg.device), cfg.model, desc
+        model.model.layers = model.model.layers[: cfg.model.num_layers]
+        model.config.num_hidden_layers = cfg.model.num_layers
+    return model.to(cfg.run.device), cfg.model.model, desc
 
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:
@@ -219,12 +222,12 @@ def flops_per_token(model: nn.Module, seq_len: int, lora: bool = False) -> float
     attention does half of the 12 L H T as useful work, but the kernels compute it all (convention
     of the PaLM paper's MFU). With LoRA the frozen weights need no weight gradient: 4 x instead of 6 x.
     """
-    cfg = model.config
+    config = model.config  # (Hugging Face's)
     emb = model.get_input_embeddings().weight.numel()
     n_matmul = count_params(model) - emb
-    if getattr(cfg, "tie_word_embeddings", False):
+    if getattr(config, "tie_word_embeddings", False):
         n_matmul += emb  # the tied lm_head still multiplies by it
-    return (4 if lora else 6) * n_matmul + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    return (4 if lora else 6) * n_matmul + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def shard_model(model: nn.Module) -> nn.Module:
@@ -284,7 +287,7 @@ def prefer_fast_attention(device) -> str:
 # ------------------------------------------------------------------------------------------------
 # prepare_model: one step per function, each switched by the RunConfig (the memory options': memory/options.py)
 # ------------------------------------------------------------------------------------------------
-def apply_lora(model: nn.Module, cfg, fused: bool) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: RunConfig, fused: bool) -> nn.Module:
     """--lora-r: peft's adapters (QLoRA with --load-in-4bit), on the fused path (lora_kernel.py) when `lora` is selected."""
     from playbook.model.lora import lora_from_config
 
@@ -301,7 +304,7 @@ def apply_fp8_base(model: nn.Module) -> int:
     return fp8_lora_kernel.store_frozen_base(model, world()[1])
 
 
-def apply_compile(model: nn.Module, cfg) -> None:
+def apply_compile(model: nn.Module, cfg: RunConfig) -> None:
     """--compile: torch.compile of the model's forward, on its first call (the warm-up steps)."""
     import projections_kernel
 
@@ -314,7 +317,7 @@ def apply_compile(model: nn.Module, cfg) -> None:
     log("torch.compile: the model's forward is compiled on the first (warm-up) step")
 
 
-def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
+def prepare_model(cfg: RunConfig, *, model: nn.Module | None = None, shard: bool = True):
     """Load the model and get it ready to train. Returns (model, model name used, description, kernel report).
 
     model: an already built model to prepare instead of loading cfg.model (distill.py builds its
@@ -352,36 +355,36 @@ def prepare_model(cfg, *, model: nn.Module | None = None, shard: bool = True):
     from playbook.model.registry import apply_kernels
 
     if shard:
-        init_distributed(cfg.device)
+        init_distributed(cfg.run.device)
     if model is None:
         model, name, desc = load_model(cfg)
     else:
-        name = desc = cfg.model
+        name = desc = cfg.model.model
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and cfg.seq_len > max_pos:
+    if max_pos and cfg.data.seq_len > max_pos:
         # RoPE itself has no length limit; past its trained positions the model meets angles it never saw:
         # for context extension that is the point of fine-tuning on long rows, elsewhere it degrades the model
-        log(f"warning: --seq-len {cfg.seq_len} is above the {max_pos} positions this model was trained on; "
+        log(f"warning: --seq-len {cfg.data.seq_len} is above the {max_pos} positions this model was trained on; "
             "positions past them are extrapolated by its RoPE scaling (context extension)")
     model.config.use_cache = False
     model.train()
-    log(prefer_fast_attention(torch.device(cfg.device)))
+    log(prefer_fast_attention(torch.device(cfg.run.device)))
     try:
-        report = apply_kernels(model, cfg.kernels, verbose=True, others_applied=True)  # fp8, lora: below
+        report = apply_kernels(model, cfg.model.kernels, verbose=True, others_applied=True)  # fp8, lora: below
     except NotImplementedError as err:  # a model family the kernels do not know, refused before any patch
-        raise usage_error(f"--kernels {','.join(cfg.kernels)} on {cfg.model}: {err}; train it with --kernels none "
+        raise usage_error(f"--kernels {','.join(cfg.model.kernels)} on {cfg.model.model}: {err}; train it with --kernels none "
                           "(finetune_baseline.py), or choose a model of those types") from None
     for entry in registry.conversions(cfg):  # the fp8 entry with --fp8 (its apply: registry.apply_fp8)
         entry.apply_to(model, cfg)
     memory = options.values(cfg)
     for step in options.steps(memory, "layers"):  # on Hugging Face's decoder layers, before peft wraps them
         step(model, decoder_layers(model), memory)
-    if cfg.lora_r:
+    if cfg.model.lora_r:
         model = apply_lora(model, cfg, fused=registry.BY_NAME["lora"].selected(cfg))
         apply_fp8_base(model)
     for step in options.steps(memory, "finished"):  # on the finished layers, adapters included
         step(model, decoder_layers(model), memory)
-    if cfg.compile:
+    if cfg.model.compile:
         apply_compile(model, cfg)
     if shard and world()[1] > 1:
         shard_model(model)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from playbook.sections import RunConfig
+
 # The model a GPU run trains when --model is not given (a CPU run takes llama-tiny).
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 
@@ -41,9 +43,9 @@ def cpu_has_native_bf16() -> bool:
     return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
 
 
-def weights_dtype(cfg, requested: torch.dtype = torch.bfloat16) -> torch.dtype:
+def weights_dtype(cfg: RunConfig, requested: torch.dtype = torch.bfloat16) -> torch.dtype:
     """The dtype a model is trained in: bf16 on a GPU. On a CPU without native bf16 matmuls, a real model
     (not a preset) loads in float32: in bf16 one SmolLM2-135M step took minutes there (cpu_has_native_bf16)."""
-    if requested != torch.bfloat16 or torch.device(cfg.device).type == "cuda" or cfg.model in PRESETS:
+    if requested != torch.bfloat16 or torch.device(cfg.run.device).type == "cuda" or cfg.model.model in PRESETS:
         return requested
     return requested if cpu_has_native_bf16() else torch.float32

@@ -46,6 +46,7 @@ from typing import Callable
 
 from core.model_families import final_logit_softcap
 from core.process import log
+from playbook.sections import RunConfig
 from playbook.memory import options
 
 
@@ -61,7 +62,7 @@ class NotApplicable(Exception):
     """A model kernel that does not apply to this model (its family's architecture); the message says why."""
 
 
-def patch(entry: "Optimization", model, cfg=None) -> int:
+def patch(entry: "Optimization", model, cfg: RunConfig | None = None) -> int:
     """A model entry's `apply`: its lesson's patch_model(model), the count checked against expected_patches.
     Raises NotApplicable, before anything is patched, where the kernel does not apply to this model."""
     module = entry.module
@@ -79,11 +80,11 @@ def patch(entry: "Optimization", model, cfg=None) -> int:
     return count
 
 
-def convert_fp8(entry: "Optimization", model, cfg) -> int:
+def convert_fp8(entry: "Optimization", model, cfg: RunConfig) -> int:
     """The fp8 entry's `apply`: apply_fp8 with the run's --fp8-backend, --fp8-recipe and --fp8-layers, the
     producers linked as far as --compile, --mlp-chunk-tokens and --lora-r allow."""
-    return apply_fp8(model, cfg.fp8_backend, cfg.compile, cfg.fp8_recipe, getattr(cfg, "fp8_layers", "all"),
-                     chunked_mlp=options.mlp_tiled(options.values(cfg)), lora=bool(cfg.lora_r))
+    return apply_fp8(model, cfg.model.fp8_backend, cfg.model.compile, cfg.model.fp8_recipe, cfg.model.fp8_layers,
+                     chunked_mlp=options.mlp_tiled(options.values(cfg)), lora=bool(cfg.model.lora_r))
 
 
 def apply_fp8(model, backend: str = "playbook", compiled: bool = False, recipe: str = "rowwise",
@@ -138,11 +139,11 @@ class Optimization:
     def module(self):
         return self.load() if self.load is not None else importlib.import_module(self.kernel.removesuffix(".py"))
 
-    def selected(self, cfg) -> bool:
+    def selected(self, cfg: RunConfig) -> bool:
         """Whether the run `cfg` switches this entry on (by --kernels, or by its own flag)."""
-        return self.switch(cfg) if self.switch is not None else self.name in cfg.kernels
+        return self.switch(cfg) if self.switch is not None else self.name in cfg.model.kernels
 
-    def apply_to(self, model, cfg=None):
+    def apply_to(self, model, cfg: RunConfig | None = None):
         """Apply this entry to `model` (its `apply`), for the run `cfg`."""
         if self.apply is None:
             raise ValueError(f"{self.name} acts outside the model's modules: {ACTS_ELSEWHERE[self.name]}")
@@ -177,7 +178,7 @@ OPTIMIZATIONS = (
     Optimization("fp8", "fp8", "q/k/v/o and gate/up/down projections -> FP8 matmuls as --fp8-recipe says",
                  "GPUs of compute capability 8.9+ (and the CPU, for tests)", "7 per decoder layer",
                  "fp8_linear_kernel.py", "fp8_linear_test.py", (),
-                 flag="--fp8", switch=lambda cfg: cfg.fp8, apply=convert_fp8, load=_fp8,
+                 flag="--fp8", switch=lambda cfg: cfg.model.fp8, apply=convert_fp8, load=_fp8,
                  more=(("fp8_recipes_kernel.py", "fp8_recipes_test.py"),
                        ("fp8_producers_kernel.py", "fp8_producers_test.py"), ("fp8_lora_kernel.py", "fp8_lora_test.py"),
                        ("mx_quant_kernel.py", "mx_quant_test.py"))),
@@ -185,15 +186,15 @@ OPTIMIZATIONS = (
                  "a GPU, the scripts' own loop, one process or FSDP2 (elsewhere, in the default set, PyTorch's AdamW)",
                  "1 optimizer",
                  "adamw_kernel.py", "adamw_test.py", ("adamw",),
-                 flag="--optimizer adamw-triton", switch=lambda cfg: cfg.optimizer == "adamw-triton"),
+                 flag="--optimizer adamw-triton", switch=lambda cfg: cfg.training.optimizer == "adamw-triton"),
     Optimization("lora", "lora", "peft's LoRA forward -> base and adapter in one autograd node, bf16 saved inputs",
                  "with --lora-r (peft adapters on the projections)", "1 per adapted projection",
                  "lora_kernel.py", "lora_test.py", (),
-                 switch=lambda cfg: "lora" in cfg.kernels and bool(cfg.lora_r)),
+                 switch=lambda cfg: "lora" in cfg.model.kernels and bool(cfg.model.lora_r)),
     Optimization("distillation", "distillation", "teacher/student logits + JSD -> fused linear JSD (no logits built)",
                  "distill.py --mode fused", "the distillation loss",
                  "distillation_kernel.py", "distillation_test.py", ("jsd", "linear_jsd"),
-                 switch=lambda cfg: getattr(cfg.extra, "mode", "baseline") != "baseline"),
+                 switch=lambda cfg: cfg.extra is not None and cfg.extra.mode != "baseline"),
 )
 BY_NAME = {o.name: o for o in OPTIMIZATIONS}
 NAMES = tuple(BY_NAME)
@@ -305,7 +306,7 @@ ACTS_ELSEWHERE = {
 }
 
 
-def conversions(cfg) -> tuple:
+def conversions(cfg: RunConfig) -> tuple:
     """The entries beyond the model kernels that have an `apply` and that the run `cfg` selects, in registry
     order (fp8, with --fp8): models.prepare_model applies them right after apply_kernels."""
     return tuple(o for o in OPTIMIZATIONS if o.scope != "model" and o.apply is not None and o.selected(cfg))

@@ -15,6 +15,7 @@ from playbook.plan.offers import offers, trained_model
 from playbook.plan.rounding import agree_on_rounding, choose_rounding, rounding_for
 from playbook.plan.runs import run_plans
 from playbook.runtime.common import usage_error
+from playbook.sections import RunConfig
 
 
 def format_plan(plan: Plan, free: float, where_free: str) -> str:
@@ -34,25 +35,25 @@ def format_plan(plan: Plan, free: float, where_free: str) -> str:
 
 
 
-def start(cfg):
+def start(cfg: RunConfig):
     """The memory plan's part of a run's start (run/start.py, settle), before any model is built: the default
     rounding chosen where the command line left it open (cfg.optimizer_rounding "auto": choose_rounding, one log
     line) and agreed between the processes of a torchrun job (agree_on_rounding), then the plan printed and
     checked (check). Returns the RunConfig the run goes on with, holding the rounding it uses: the one place a
     run's rounding is decided."""
     line = None
-    chosen = getattr(cfg, "optimizer_rounding", None) == "auto"
+    chosen = cfg.training.optimizer_rounding == "auto"
     if chosen:
         rounding, line = choose_rounding(cfg)
-        cfg = agree_on_rounding(replace(cfg, optimizer_rounding=rounding))
-        if cfg.optimizer_rounding != rounding:
+        cfg = agree_on_rounding(replace(cfg, training=replace(cfg.training, optimizer_rounding=rounding)))
+        if cfg.training.optimizer_rounding != rounding:
             line = None  # agree_on_rounding said why every process takes another
     check(cfg, note=line, rounding_chosen=chosen)
     return cfg
 
 
 
-def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
+def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
     """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would
     (enforce: by default unless --ignore-memory-plan). Each script calls it as its run starts, before any
     model is built (training.train, profile_baseline.py and distill.py through start; finetune_trainer.py, whose
@@ -60,36 +61,36 @@ def check(cfg, enforce: bool | None = None, note: str | None = None, rounding_ch
     note: a line printed after the plan (start's choice of rounding); rounding_chosen: start chose the rounding
     (the command line left it open, as it stays in the options offered)."""
     if enforce is None:
-        enforce = not getattr(cfg, "ignore_memory_plan", False)
+        enforce = not cfg.output.ignore_memory_plan
 
     plans = run_plans(cfg)
     if not plans:
-        log(f"Memory plan: none before loading (the config of {cfg.model} is not on this machine yet)")
+        log(f"Memory plan: none before loading (the config of {cfg.model.model} is not on this machine yet)")
         if note:
             log(note)
         return None
     plan = combine(plans)
-    free, where_free = free_for_plan(cfg.device)
+    free, where_free = free_for_plan(cfg.run.device)
     if is_main():
         log(format_plan(plan, free, where_free))
         if note:
             log(note)
     if plan.peak <= free or not enforce:
         return plan
-    raise usage_error(too_big(replace(cfg, optimizer_rounding="auto") if rounding_chosen else cfg, plans,
+    raise usage_error(too_big(replace(cfg, training=replace(cfg.training, optimizer_rounding="auto")) if rounding_chosen else cfg, plans,
                               plan, free, where_free))
 
 
-def problem(cfg) -> str | None:
+def problem(cfg: RunConfig) -> str | None:
     """The line check() stops a run with where its plan does not fit, found without printing the plan (for a
     command line with more than one thing wrong: config.parse_config names this one first); None where the run
     fits, where its plan cannot be made before loading, or with --ignore-memory-plan."""
-    if getattr(cfg, "ignore_memory_plan", False):
+    if cfg.output.ignore_memory_plan:
         return None
-    free, where_free = free_for_plan(cfg.device)
+    free, where_free = free_for_plan(cfg.run.device)
     given = cfg
-    if cfg.optimizer_rounding == "auto":
-        cfg = replace(cfg, optimizer_rounding=rounding_for(cfg, free, where_free)[0])
+    if cfg.training.optimizer_rounding == "auto":
+        cfg = replace(cfg, training=replace(cfg.training, optimizer_rounding=rounding_for(cfg, free, where_free)[0]))
     plans = run_plans(cfg)
     if not plans:
         return None
@@ -97,17 +98,17 @@ def problem(cfg) -> str | None:
     return None if plan.peak <= free else too_big(given, plans, plan, free, where_free)
 
 
-def too_big(given, plans: list, plan: Plan, free: float, where_free: str) -> str:
+def too_big(given: RunConfig, plans: list, plan: Plan, free: float, where_free: str) -> str:
     """The one line of a run whose plan does not fit: what it needs, the free memory and where that figure
     comes from, a --seq-len past the model's positions, and the options that fit (offers). `given`: the run as
     its command line gave it (a rounding left open still "auto")."""
     shape = plans[-1][1]
-    past = (f" (--seq-len {given.seq_len:,} is past the {shape.positions:,} positions {trained_model(given)} was "
-            f"trained on)" if shape.positions and given.seq_len > shape.positions else "")
+    past = (f" (--seq-len {given.data.seq_len:,} is past the {shape.positions:,} positions {trained_model(given)} was "
+            f"trained on)" if shape.positions and given.data.seq_len > shape.positions else "")
     fits = offers(given, free, where_free)
     way = ("; options that fit (estimated peak): " + "; ".join(f"{o.text} ({gb_text(o.peak)} GB)" for o in fits)
            if fits else "; no single option brings it under; see docs/memory.md, or use several GPUs (torchrun)")
-    if not given.on_gpu and given.model != "llama-tiny":
+    if not given.on_gpu and given.model.model != "llama-tiny":
         way += "; on a CPU, --model llama-tiny runs the CPU demo"
-    return (f"--batch-size {given.batch_size} x --seq-len {given.seq_len}{past}: the plan needs {gb_text(plan.peak)} "
+    return (f"--batch-size {given.data.batch_size} x --seq-len {given.data.seq_len}{past}: the plan needs {gb_text(plan.peak)} "
             f"GB at its peak and {said_free(free, where_free)}{way}; --ignore-memory-plan runs it anyway")

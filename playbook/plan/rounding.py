@@ -15,12 +15,13 @@ from playbook.plan.estimate import combine
 from playbook.plan.free_memory import FREE_MEMORY_ENV, free_for_plan, gb_text, said_free
 from playbook.plan.inputs import Plan
 from playbook.plan.runs import run_plans
+from playbook.sections import RunConfig
 
 
 KAHAN_BYTES = 2  # per trained weight: the Kahan compensation, in bf16 (adamw_kernel.py)
 
 
-def choose_rounding(cfg) -> tuple[str, str | None]:
+def choose_rounding(cfg: RunConfig) -> tuple[str, str | None]:
     """The rounding of a run that left --optimizer-rounding open (config.default_rounding: a full fine-tune
     whose bf16 weights the Triton AdamW updates), and the log line that says why:
       kahan       where the plan with its buffer (2 bytes per weight) fits the free memory: the GPU's, or the
@@ -34,24 +35,24 @@ def choose_rounding(cfg) -> tuple[str, str | None]:
                   rounding to bf16 loses nothing there.
     Under torchrun each process judges its own GPU's free memory; agree_on_rounding then gives every process the
     choice that fits on all of them."""
-    free, where_free = (math.inf, "") if getattr(cfg, "ignore_memory_plan", False) else free_for_plan(cfg.device)
+    free, where_free = (math.inf, "") if cfg.output.ignore_memory_plan else free_for_plan(cfg.run.device)
     return rounding_for(cfg, free, where_free)
 
 
-def rounding_for(cfg, free: float, where_free: str) -> tuple[str, str | None]:
+def rounding_for(cfg: RunConfig, free: float, where_free: str) -> tuple[str, str | None]:
     """choose_rounding for the free memory `free` (`where_free`: where that figure comes from)."""
-    plans = run_plans(replace(cfg, optimizer_rounding="kahan"))
+    plans = run_plans(replace(cfg, training=replace(cfg.training, optimizer_rounding="kahan")))
     if plans and plans[-1][2].weight_bytes != 2:
         return "nearest", None
     choose = "--optimizer-rounding kahan or nearest to choose"
     if not plans:
-        return "stochastic", (f"Optimizer rounding: stochastic (no memory plan before {cfg.model} is loaded, so the "
+        return "stochastic", (f"Optimizer rounding: stochastic (no memory plan before {cfg.model.model} is loaded, so the "
                               f"Kahan buffer, {KAHAN_BYTES} bytes per weight, cannot be checked against the free "
                               f"memory; stochastic rounding needs none; {choose})")
     plan = combine(plans)
     buffer = plan_part(plan, "optimizer states") - plan_part(
-        combine(run_plans(replace(cfg, optimizer_rounding="stochastic"))), "optimizer states")
-    if getattr(cfg, "ignore_memory_plan", False):
+        combine(run_plans(replace(cfg, training=replace(cfg.training, optimizer_rounding="stochastic")))), "optimizer states")
+    if cfg.output.ignore_memory_plan:
         return "stochastic", (f"Optimizer rounding: stochastic (--ignore-memory-plan: the run does not go by the "
                               f"plan, so it takes the rounding that needs no memory; kahan would add "
                               f"{gb_text(buffer)} GB; {choose})")
@@ -77,20 +78,20 @@ def plan_part(plan: Plan, name: str) -> float:
 ROUNDING_ORDER = ("nearest", "stochastic", "kahan")  # a process's choice, least memory first
 
 
-def agree_on_rounding(cfg):
+def agree_on_rounding(cfg: RunConfig):
     """Under torchrun (the process group started by run/start.py's settle, before the plan): each process chose its
     default rounding from its own GPU's free memory, and near the limit they may differ. Every process takes the
     choice that fits on all of them (the first of ROUNDING_ORDER that any chose), with one line where that changes
     this one's. Returns the RunConfig to go on with; one process, or no process group: unchanged."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return cfg
-    device = cfg.device if dist.get_backend() == "nccl" else "cpu"
-    choice = torch.tensor([ROUNDING_ORDER.index(cfg.optimizer_rounding)], device=device)
+    device = cfg.run.device if dist.get_backend() == "nccl" else "cpu"
+    choice = torch.tensor([ROUNDING_ORDER.index(cfg.training.optimizer_rounding)], device=device)
     dist.all_reduce(choice, op=dist.ReduceOp.MIN)
     agreed = ROUNDING_ORDER[int(choice.item())]
-    if agreed == cfg.optimizer_rounding:
+    if agreed == cfg.training.optimizer_rounding:
         return cfg
 
-    log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.optimizer_rounding}; another "
+    log(f"Optimizer rounding: {agreed} on every process (this one's plan chose {cfg.training.optimizer_rounding}; another "
         f"process's free memory did not fit it)")
-    return replace(cfg, optimizer_rounding=agreed)
+    return replace(cfg, training=replace(cfg.training, optimizer_rounding=agreed))

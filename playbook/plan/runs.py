@@ -15,6 +15,7 @@ from playbook.model.presets import PRESETS, weights_dtype
 from playbook.optim.optimizer import rounding_of
 from playbook.plan import shapes
 from playbook.plan.inputs import Setup, Shape
+from playbook.sections import RunConfig
 
 
 def setup_from(values: dict, shape: Shape, world: int = 1, weight_bytes: int = 2, trains: bool = True) -> Setup:
@@ -46,16 +47,16 @@ def _full_set(kernels) -> bool:
 
 
 
-def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
+def run_plans(cfg: RunConfig) -> list[tuple[str, Shape, Setup]]:
     """(title, Shape, Setup) of each model the run holds at once: the model it fine-tunes, or distill.py's
     teacher and student (its section's `plan_models()`); [] when a config is not on this machine yet."""
     values = cfg.as_dict()
-    models = (cfg.extra.plan_models() if hasattr(cfg.extra, "plan_models")
-              else [(cfg.model, cfg.num_layers, True, None, None)])
+    models = ((cfg.extra is not None and cfg.extra.plan_models())
+              or [(cfg.model.model, cfg.model.num_layers, True, None, None)])
     out = []
     for name, num_layers, trains, config, loss in models:
         shape = Shape.from_config(config, num_layers) if config is not None else shapes.model_shape(name, num_layers)
-        if shape is None and name == cfg.model and not cfg.model_explicit:
+        if shape is None and name == cfg.model.model and not cfg.model.model_explicit:
             shape = Shape.from_config(PRESETS["llama-3.1-8b"], num_layers)  # load_model's fallback
         if shape is None:
             return []
@@ -69,5 +70,5 @@ def run_plans(cfg) -> list[tuple[str, Shape, Setup]]:
     return out
 
 
-def replace_model(cfg, name):
-    return replace(cfg, model=name)
+def replace_model(cfg: RunConfig, name):
+    return replace(cfg, model=replace(cfg.model, model=name))

@@ -41,21 +41,22 @@ import torch.nn.functional as F
 from core.process import log, world
 from playbook.memory import options
 from playbook.model import packed_attention
+from playbook.sections import RunConfig
 
 
-def graph_blocker(cfg, data=None) -> str | None:
+def graph_blocker(cfg: RunConfig, data=None) -> str | None:
     """Why this run's step cannot be one CUDA graph (a short clause), or None when it can.
     data: the run's TrainData (its rows say whether batches carry a 2-D padding mask)."""
     if not cfg.on_gpu:
         return "no GPU"
-    if cfg.cuda_graphs == "off":
+    if cfg.training.cuda_graphs == "off":
         return "--cuda-graphs off"
     if world()[1] > 1:
         return "FSDP2 issues its collectives from host-side hooks each step"
     blocker = options.graph_blocker(options.values(cfg))  # copies to host memory under the host's control
     if blocker:
         return blocker
-    if cfg.load_in_4bit:
+    if cfg.model.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
     if data is None:
         return None

@@ -34,15 +34,16 @@ from torch import nn
 from core.process import is_main, log
 from playbook.model.generate import MAX_NEW_TOKENS
 from playbook.runtime.time_left import periodic_steps
+from playbook.sections import RunConfig
 
 HEARTBEAT_S = 30.0  # at most one progress line per this many seconds
 HEARTBEAT_FROM_S = 60.0  # steps estimated shorter than this get no heartbeat
 
 
-def applies(cfg, used: tuple) -> bool:
+def applies(cfg: RunConfig, used: tuple) -> bool:
     """True for a CPU run whose kernels (registry.in_effect) run in the interpreter on a model other than the
     llama-tiny preset (the model the CPU demo is sized for)."""
-    return not cfg.on_gpu and bool(used) and cfg.model != "llama-tiny"
+    return not cfg.on_gpu and bool(used) and cfg.model.model != "llama-tiny"
 
 
 def _layers_holder(model: nn.Module) -> nn.Module:
@@ -146,13 +147,13 @@ def checkpoint_bytes(model: nn.Module) -> dict:
     return {"weights": weights, "optimizer": optimizer}
 
 
-def run_plan(cfg, data, start: int, steps: int, prompts: int) -> dict:
+def run_plan(cfg: RunConfig, data, start: int, steps: int, prompts: int) -> dict:
     """How often each part of the run happens (training.py's rules): {"steps", "evals" (eval passes),
     "eval_batches" (per pass), "answers" (prompts answered, before and after), "saves"}."""
     eval_batches = len(data.eval_batches("cpu")) if hasattr(data, "eval_batches") else 0
     todo = steps - start
-    evals = (start == 0) + periodic_steps(cfg.eval_every, start + 1, steps) if eval_batches else 0
-    saves = periodic_steps(cfg.save_every, start + 1, steps) if getattr(cfg, "output_dir", None) is not None else 0
+    evals = (start == 0) + periodic_steps(cfg.data.eval_every, start + 1, steps) if eval_batches else 0
+    saves = periodic_steps(cfg.output.save_every, start + 1, steps) if cfg.output.output_dir is not None else 0
     return {"steps": max(todo, 0), "evals": evals, "eval_batches": eval_batches,
             "answers": prompts * ((start == 0) + 1) if prompts and todo > 0 else 0, "saves": saves}
 
@@ -233,28 +234,28 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.0f} MB"
 
 
-def saves_note(cfg, model: nn.Module, plan: dict) -> None:
+def saves_note(cfg: RunConfig, model: nn.Module, plan: dict) -> None:
     """Before the first save: how many checkpoints the run writes, and the disk each takes."""
     if not plan["saves"] or not is_main():
         return
     size = checkpoint_bytes(model)
-    log(f"Checkpoints: {plan['saves']} to {cfg.output_dir}, ~{_mb(size['weights'] + size['optimizer'])} each "
+    log(f"Checkpoints: {plan['saves']} to {cfg.output.output_dir}, ~{_mb(size['weights'] + size['optimizer'])} each "
         f"(weights {_mb(size['weights'])}, optimizer state {_mb(size['optimizer'])})"
-        + (f"; --save-total-limit {cfg.save_total_limit} keeps the newest" if getattr(cfg, "save_total_limit", None)
+        + (f"; --save-total-limit {cfg.output.save_total_limit} keeps the newest" if cfg.output.save_total_limit
            else ""))
 
 
-def before_training(cfg, model: nn.Module, used: tuple, data, first_step: int, steps: int | None = None,
+def before_training(cfg: RunConfig, model: nn.Module, used: tuple, data, first_step: int, steps: int | None = None,
                     clock=time.perf_counter) -> Heartbeat | None:
     """Say how many checkpoints the run writes and their size; then, where `applies`: print the notice with the
     estimated step time and the whole run's, and return the heartbeat it installed (None for a step estimated
     under HEARTBEAT_FROM_S). Elsewhere: nothing more, None."""
     steps = first_step if steps is None else steps
     prompts = 0
-    if getattr(cfg, "sample_prompts", None) is not None:
+    if cfg.output.sample_prompts is not None:
         from playbook.model import generate
 
-        prompts = len(generate.read_prompts(cfg.sample_prompts))
+        prompts = len(generate.read_prompts(cfg.output.sample_prompts))
     plan = run_plan(cfg, data, first_step - 1, steps, prompts)
     saves_note(cfg, model, plan)
     if not applies(cfg, used):
@@ -263,15 +264,15 @@ def before_training(cfg, model: nn.Module, used: tuple, data, first_step: int, s
         "kernel in Python: fine for the tests and the llama-tiny demo, and far slower than PyTorch's own CPU "
         "operators on a model of this size. Estimating the step: the first micro-batch through the model cut to "
         "one decoder layer ...")
-    if cfg.optimizer_in_backward:  # a backward would update the weights: no probe
+    if cfg.training.optimizer_in_backward:  # a backward would update the weights: no probe
         log("note: no estimate of the step time (--optimizer-in-backward updates the weights in every backward). "
             "To train this model on a CPU, drop the kernels: --kernels none; to train it with them, use a GPU.")
-        return Heartbeat(model, cfg.grad_accum, first_step)
-    batch = data.batch(0, cfg.device)
-    est = estimate_step_seconds(model, batch, cfg.grad_accum, clock=clock)
+        return Heartbeat(model, cfg.training.grad_accum, first_step)
+    batch = data.batch(0, cfg.run.device)
+    est = estimate_step_seconds(model, batch, cfg.training.grad_accum, clock=clock)
     log(f"note: estimated time per training step here: ~{duration(est['step_s'])} (an extrapolation: one decoder "
         f"layer took {est['layer_s']:.1f} s forward and backward, the embedding, final norm and lm_head + loss "
-        f"{est['rest_s']:.1f} s; x {est['layers']} layers, x {cfg.grad_accum} micro-batches, {est['tokens']:,} tokens "
+        f"{est['rest_s']:.1f} s; x {est['layers']} layers, x {cfg.training.grad_accum} micro-batches, {est['tokens']:,} tokens "
         "per step); "
         "the eval loss and the sample answers run the same kernels. To train this model on a CPU, drop the "
         "kernels: --kernels none (or finetune_baseline.py); to train it with them, use a GPU.")
@@ -291,4 +292,4 @@ def before_training(cfg, model: nn.Module, used: tuple, data, first_step: int, s
     if est["step_s"] < HEARTBEAT_FROM_S:
         return None
     log(f"A line at most every {HEARTBEAT_S:.0f} s says which decoder layer the step has reached.")
-    return Heartbeat(model, cfg.grad_accum, first_step)
+    return Heartbeat(model, cfg.training.grad_accum, first_step)

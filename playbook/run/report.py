@@ -19,6 +19,7 @@ from playbook.optim.optimizer import weight_rounding
 from playbook.runtime import output
 from playbook.runtime.common import gpu_bf16_peak_tflops
 from playbook.store.files import write_atomic
+from playbook.sections import RunConfig
 
 
 @dataclass
@@ -139,13 +140,13 @@ def format_value(key: str, v) -> str:
     return f"{v:,.1f}"
 
 
-def default_tag(cfg, model_name: str) -> str:
+def default_tag(cfg: RunConfig, model_name: str) -> str:
     size = world()[1]
     gpus = f"_{size}gpu" if size > 1 else ""
-    lora = f"_lora{cfg.lora_r}" if cfg.lora_r else ""
+    lora = f"_lora{cfg.model.lora_r}" if cfg.model.lora_r else ""
     rounding = weight_rounding(cfg)
     rounding = f"_{rounding}" if rounding != "nearest" else ""  # the runs that compare them get one file each
-    return f"{cfg.script}_{model_name.replace('/', '_')}_b{cfg.batch_size}_s{cfg.seq_len}{lora}{gpus}{rounding}"
+    return f"{cfg.run.script}_{model_name.replace('/', '_')}_b{cfg.data.batch_size}_s{cfg.data.seq_len}{lora}{gpus}{rounding}"
 
 
 class MetricsLog:
@@ -205,13 +206,13 @@ def plot_curve(result: RunResult, path) -> None:
     plt.close(fig)
 
 
-def emulation(cfg) -> str | None:
+def emulation(cfg: RunConfig) -> str | None:
     """The emulated FP8/FP4 recipe a run trains with (`--fp8-emulate`), or None: its times are of the
     emulation (dequantized bf16 matmuls), never a speed of the format, and every line that prints one says so."""
     from core.fp8_support import RECIPES
 
-    recipe = getattr(cfg, "fp8_recipe", None)
-    return recipe if getattr(cfg, "fp8", False) and recipe in RECIPES and RECIPES[recipe].emulated else None
+    recipe = cfg.model.fp8_recipe
+    return recipe if cfg.model.fp8 and recipe in RECIPES and RECIPES[recipe].emulated else None
 
 
 def step_line(step: int, steps: int, loss: float, eval_loss: float | None, lr: float, norm, seconds: float,
@@ -241,14 +242,15 @@ def answers_after(samples: list[dict], model, tokenizer, prompts: list, device, 
         print(generate.format_samples(samples))
 
 
-def write_report(cfg, result: RunResult, model, time_left: dict, stopped: str | None, summary_path, metrics_path,
+def write_report(cfg: RunConfig, result: RunResult, model, time_left: dict, stopped: str | None, summary_path,
+                 metrics_path,
                  interpreted: bool) -> dict:
     """The run's summary (RunResult.summary with time_left's estimate beside it) as a table on the console,
     and with every step in results/<tag>.json beside its loss curve (main process). Returns the JSON's dict.
     stopped: the message of a run stopped early; interpreted: the kernels ran in Triton's interpreter."""
     size = world()[1]
-    summary = result.summary(gpu_bf16_peak_tflops(cfg.device),
-                             models.flops_per_token(model, cfg.seq_len, lora=bool(cfg.lora_r)))
+    summary = result.summary(gpu_bf16_peak_tflops(cfg.run.device),
+                             models.flops_per_token(model, cfg.data.seq_len, lora=bool(cfg.model.lora_r)))
     summary.update(time_left)  # the end estimated at step 10, against the real one
     payload = {**asdict(result), "summary": summary, "stopped": stopped}
     if not is_main():
@@ -259,8 +261,8 @@ def write_report(cfg, result: RunResult, model, time_left: dict, stopped: str | 
     emulated = emulation(cfg)
     if emulated:  # every timing row names the emulation: none of them is the format's speed
         rows = [(k + " [emulated]" if ("ms" in k or "/s" in k or "MFU" in k) else k, v) for k, v in rows]
-    print(tabulate(rows, headers=[f"{cfg.script}: {result.model}, {cfg.batch_size}x{cfg.seq_len}"
-                                  + (f"x{cfg.grad_accum}" if cfg.grad_accum > 1 else "")
+    print(tabulate(rows, headers=[f"{cfg.run.script}: {result.model}, {cfg.data.batch_size}x{cfg.data.seq_len}"
+                                  + (f"x{cfg.training.grad_accum}" if cfg.training.grad_accum > 1 else "")
                                   + (f" x {size} {unit}" if size > 1 else "")
                                   + (f", {emulated}" if emulated else ""), ""], tablefmt="github"))
     if emulated:

@@ -24,19 +24,20 @@ from playbook.store import checkpoint_load
 from playbook.store.checkpoint import BEST_FILE, LATEST_FILE, list_checkpoints
 from playbook.store.checkpoint_load import read_checkpoint_info
 from playbook.store.files import RESULTS_DIR
+from playbook.sections import RunConfig
 
 
 # The settings that decide a run's data order and learning-rate schedule: name in the checkpoint -> the flag
-# that sets it, from the RunConfig's fields marked `resumable` (playbook/config.py), in their stored order. A
+# that sets it, from the RunConfig's fields marked `resumable` (playbook/sections.py), in their stored order. A
 # resumed run must have the same values (the kernels, the optimizer's implementation, logging and the number
 # of steps may change).
 RESUME_SETTINGS = resumable_settings()
 
 
-def data_identity(cfg) -> dict | str:
+def data_identity(cfg: RunConfig) -> dict | str:
     """The training data, as a checkpoint records it: a file's path, size and SHA-256 (a moved file with
     the same bytes is the same data), a hub dataset's id, or "synthetic"."""
-    source = cfg.data if cfg.data is not None else cfg.dataset
+    source = cfg.data.data if cfg.data.data is not None else cfg.data.dataset
     if source is None:
         return "synthetic"
     path = Path(source).expanduser()
@@ -49,30 +50,30 @@ def data_identity(cfg) -> dict | str:
     return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def _model(cfg, model_name: str) -> str:
+def _model(cfg: RunConfig, model_name: str) -> str:
     local = Path(model_name).expanduser()
     return str(local.resolve()) if local.is_dir() else model_name  # a local directory, wherever it is named from
 
 
-def _lora_targets(cfg, model_name: str) -> list | None:
-    return list(parse_targets(cfg.lora_targets)) if cfg.lora_r else None
+def _lora_targets(cfg: RunConfig, model_name: str) -> list | None:
+    return list(parse_targets(cfg.model.lora_targets)) if cfg.model.lora_r else None
 
 
 # The settings whose stored value is computed rather than the field's own: field name -> value(cfg, model_name).
 # Without LoRA (lora_r 0) the other LoRA settings are unused, and stored as None.
 COMPUTED_SETTINGS = {
     "model": _model,
-    "lora_alpha": lambda cfg, _: (cfg.lora_alpha or 2 * cfg.lora_r) if cfg.lora_r else None,
-    "lora_dropout": lambda cfg, _: cfg.lora_dropout if cfg.lora_r else None,
+    "lora_alpha": lambda cfg, _: (cfg.model.lora_alpha or 2 * cfg.model.lora_r) if cfg.model.lora_r else None,
+    "lora_dropout": lambda cfg, _: cfg.model.lora_dropout if cfg.model.lora_r else None,
     "lora_targets": _lora_targets,
     "data": lambda cfg, _: data_identity(cfg),
 }
 
 
-def resume_settings(cfg, model_name: str) -> dict:
+def resume_settings(cfg: RunConfig, model_name: str) -> dict:
     """This run's values of RESUME_SETTINGS, as stored in every checkpoint it writes: each field's value, or
     its COMPUTED_SETTINGS value."""
-    return {key: COMPUTED_SETTINGS[key](cfg, model_name) if key in COMPUTED_SETTINGS else getattr(cfg, key)
+    return {key: COMPUTED_SETTINGS[key](cfg, model_name) if key in COMPUTED_SETTINGS else cfg.value(key)
             for key in RESUME_SETTINGS}
 
 
@@ -118,33 +119,33 @@ def _probe_folder(folder, what: str, how: str) -> None:
         raise usage_error(f"{what} {folder} cannot be written ({err.strerror or err}): {how}") from None
 
 
-def check_output_folders(cfg) -> None:
+def check_output_folders(cfg: RunConfig) -> None:
     """results/ and --output-dir are directories this run can write, checked before the model is built."""
     _probe_folder(RESULTS_DIR, "the results folder", f"set {environment.RESULTS_DIR} to a writable folder (e.g. "
                                                      f"{environment.RESULTS_DIR}=~/playbook-results) to write there")
-    if cfg.output_dir is not None:
-        _probe_folder(cfg.output_dir, "--output-dir", "give an --output-dir in a writable folder")
+    if cfg.output.output_dir is not None:
+        _probe_folder(cfg.output.output_dir, "--output-dir", "give an --output-dir in a writable folder")
 
 
-def resume_error(cfg, err) -> SystemExit:
+def resume_error(cfg: RunConfig, err) -> SystemExit:
     """A checkpoint that cannot be resumed: one line naming it and what is wrong, exit code 2."""
-    return usage_error(f"--resume {cfg.resume}: {str(err).strip()}")
+    return usage_error(f"--resume {cfg.output.resume}: {str(err).strip()}")
 
 
-def read_resume(cfg) -> dict:
+def read_resume(cfg: RunConfig) -> dict:
     """read_checkpoint_info of --resume, its errors as resume_error."""
     try:
-        return read_checkpoint_info(cfg.resume)
+        return read_checkpoint_info(cfg.output.resume)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
         raise resume_error(cfg, err) from None
 
 
-def refuse_differences(cfg, lines: list[str]) -> None:
+def refuse_differences(cfg: RunConfig, lines: list[str]) -> None:
     """Stop (exit code 2) a resume whose settings differ from the checkpoint's (settings_differences' lines), in
     the words every training script uses; nothing where `lines` is empty."""
     if not lines:
         return
-    print(f"error: --resume {cfg.resume}: this run's settings differ from the checkpoint's; they decide the "
+    print(f"error: --resume {cfg.output.resume}: this run's settings differ from the checkpoint's; they decide the "
           "data order and the learning-rate schedule:", file=sys.stderr)
     for line in lines:
         print(f"  {line}", file=sys.stderr)
@@ -152,7 +153,7 @@ def refuse_differences(cfg, lines: list[str]) -> None:
     raise SystemExit(2)
 
 
-def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
+def check_resume(cfg: RunConfig, info: dict, settings: dict, steps: int) -> None:
     """Stop (exit code 2) when this run's settings differ from the checkpoint's, one line each; warn when
     the checkpoint predates stored settings; say how the schedule changes when the length does."""
     saved = info["extra"].get("settings")
@@ -163,15 +164,15 @@ def check_resume(cfg, info: dict, settings: dict, steps: int) -> None:
         refuse_differences(cfg, settings_differences(saved, settings))
     schedule = info["scheduler"]
     if schedule and schedule["total"] != steps and info["step"] < steps:
-        log(length_change(schedule, info["step"], steps, cfg.lr))
+        log(length_change(schedule, info["step"], steps, cfg.training.lr))
 
 
-def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
+def check_resumed_run(cfg: RunConfig, info: dict, settings: dict, steps: int) -> None:
     """Everything a --resume checkpoint must agree with before the optimizer is built: the number of
     processes of a --dataset run, the settings (check_resume); a change of rounding is said, not refused."""
     size = world()[1]
     saved_size = int(info["extra"].get("world_size", 1))
-    if saved_size != size and cfg.dataset:
+    if saved_size != size and cfg.data.dataset:
         raise resume_error(cfg, f"the checkpoint was written by {saved_size} process(es), this run has {size}: a "
                                 "--dataset epoch is dealt out among the processes, so at another count the step "
                                 f"no longer says which rows were seen; resume with {saved_size} process(es)")
@@ -184,14 +185,14 @@ def check_resumed_run(cfg, info: dict, settings: dict, steps: int) -> None:
             "from the bf16 weights, one this run does not use is dropped")
 
 
-def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
+def check_output_checkpoints(cfg: RunConfig, info: dict | None, steps: int) -> None:
     """--output-dir must not hold another run's checkpoints: this run's would be mixed with them.
 
     Allowed: no checkpoints; resuming from a checkpoint of this folder, the later ones (if any)
     belonging to the same run (same length: with the same settings they are what this run computes
     again, and it replaces them as it reaches them). Otherwise stop, unless --overwrite-output-dir,
     which deletes those checkpoints (all of them, or the ones after the resumed one) first."""
-    out = cfg.output_dir
+    out = cfg.output.output_dir
     if out is None:
         return
     found = list_checkpoints(out)
@@ -208,7 +209,7 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     else:
         others = [p for _, p in found]
         what = f"another run's checkpoints ({', '.join(p.name for p in others)})"
-    if not cfg.overwrite_output_dir:
+    if not cfg.output.overwrite_output_dir:
         raise usage_error(f"--output-dir {out} holds {what}: this run's checkpoints would be mixed with them. Choose "
                           "another --output-dir, resume that run (--resume), or add --overwrite-output-dir to delete "
                           "them before training")
@@ -221,7 +222,7 @@ def check_output_checkpoints(cfg, info: dict | None, steps: int) -> None:
     log(f"--overwrite-output-dir: deleted {', '.join(p.name for p in others)} from {out} before training")
 
 
-def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, capturable: bool) -> int:
+def load(cfg: RunConfig, info: dict, model, optimizer, schedule, result, steps: int, capturable: bool) -> int:
     """Load the --resume checkpoint into the model, the optimizer and the schedule, and its losses into
     `result`; returns the step it is at (the run goes on from the next). capturable: the optimizer is
     made for a CUDA graph, and gets its rate and step counts back on the GPU (optimizer.make_capturable)."""
@@ -232,7 +233,7 @@ def load(cfg, info: dict, model, optimizer, schedule, result, steps: int, captur
         raise resume_error(cfg, err) from None
     start = int(state["step"])
     if capturable:
-        make_capturable(optimizer, cfg.device)
+        make_capturable(optimizer, cfg.run.device)
     saved_size, size = int(state.get("world_size", 1)), world()[1]
     if saved_size != size:
         log(f"The checkpoint was written by {saved_size} process(es), this run has {size}: the weights, optimizer "

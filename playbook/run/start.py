@@ -33,14 +33,15 @@ from playbook.plan.oom import oom_message
 from playbook.run import cuda_graph
 from playbook.runtime import output, signals
 from playbook.runtime.common import describe_gpu, is_out_of_memory
+from playbook.sections import RunConfig
 
 
-def settle(cfg, connect: bool = True):
+def settle(cfg: RunConfig, connect: bool = True):
     """Everything a run decides before it builds a model. Returns the RunConfig the run goes on with.
     connect: under torchrun, start the process group here (False where something else runs the processes)."""
     check_run_data(cfg)  # data that leaves nothing to train on: one line, before anything is built
     if connect:
-        init_distributed(torch.device(cfg.device))  # (one process: nothing) so that the plan's choice is agreed
+        init_distributed(torch.device(cfg.run.device))  # (one process: nothing) so that the plan's choice is agreed
     return check.start(cfg)
 
 
@@ -60,18 +61,18 @@ class Built:
     optimizer: object
 
 
-def build(cfg) -> Built:
+def build(cfg: RunConfig) -> Built:
     """The model, its data and its optimizer, for a RunConfig that settle() returned."""
     model, model_name, desc, kernel_report = prepare_model(cfg)
-    if cfg.lora_r:
+    if cfg.model.lora_r:
         name_lora_base(model, model_name)
-    kernels = in_effect(kernel_report, cfg.optimizer, cfg.lora_r)
+    kernels = in_effect(kernel_report, cfg.training.optimizer, cfg.model.lora_r)
     n_params, n_train = count_params(model), count_params(model, trainable_only=True)
     count = f"{n_params / 1e9:.2f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
     dtype = str(next(model.parameters()).dtype).replace('torch.', '').replace('bfloat16', 'bf16')
     size = world()[1]
     log(f"Model: {desc}, {count} parameters ({100 * n_train / n_params:.2f}% trainable), {dtype}, on "
-        f"{describe_gpu(cfg.device)}" + (f" x {size} processes" if size > 1 else "")
+        f"{describe_gpu(cfg.run.device)}" + (f" x {size} processes" if size > 1 else "")
         + (" (the kernels in Triton's interpreter)" if not cfg.on_gpu and kernels else ""))
     tokenizer = run_tokenizer(cfg, model_name)
     data = make_run_data(cfg, model, tokenizer)
@@ -84,7 +85,7 @@ def build(cfg) -> Built:
 
 
 @contextlib.contextmanager
-def run_errors(cfg, kept: str):
+def run_errors(cfg: RunConfig, kept: str):
     """The run's answers to what ends it early: Ctrl-C (exit code 130; SIGTERM 143) and a full disk say what is
     `kept`; memory running out (building the model, the data, a step) names the options that need less."""
     signals.started(kept)  # Ctrl-C from here on: the line below
@@ -103,66 +104,66 @@ def run_errors(cfg, kept: str):
 # ------------------------------------------------------------------------------------------------
 # The run's data
 # ------------------------------------------------------------------------------------------------
-def data_source(cfg) -> tuple[str | None, str]:
+def data_source(cfg: RunConfig) -> tuple[str | None, str]:
     """(the file or hub id the run trains on, its kind: "dataset", "text" or "synthetic")."""
-    if cfg.dataset:
-        return str(cfg.dataset), "dataset"
-    return (str(cfg.data), "text") if cfg.data else (None, "synthetic")
+    if cfg.data.dataset:
+        return str(cfg.data.dataset), "dataset"
+    return (str(cfg.data.data), "text") if cfg.data.data else (None, "synthetic")
 
 
-def check_run_data(cfg) -> None:
+def check_run_data(cfg: RunConfig) -> None:
     """The data files before the model is built (data.check_source): a file that leaves nothing to train on is
     one line naming it and what it holds, exit code 2."""
     try:
-        check_source(*data_source(cfg), cfg.eval_dataset, cfg.train_on_prompt)
+        check_source(*data_source(cfg), cfg.data.eval_dataset, cfg.data.train_on_prompt)
     except (ValueError, OSError, ImportError) as err:
         raise bad_data_exit(err) from None
 
 
-def make_run_data(cfg, model, tokenizer=None):
+def make_run_data(cfg: RunConfig, model, tokenizer=None):
     """The run's TrainData, built whole: its attention (batch_attention) is chosen before its batches."""
     source, kind = data_source(cfg)
     rank, size = world()
     attention = batch_attention(cfg, model)
     try:
         return make_data(source, kind, tokenizer,
-                         model.config.vocab_size, cfg.batch_size, cfg.seq_len, cfg.seed, rank=rank, world_size=size,
-                         packing=cfg.packing, train_on_prompt=cfg.train_on_prompt, eval_fraction=cfg.eval_fraction,
-                         drop_long=cfg.drop_long, eval_source=cfg.eval_dataset, repeat_batches=cfg.repeat_batches,
+                         model.config.vocab_size, cfg.data.batch_size, cfg.data.seq_len, cfg.run.seed, rank=rank, world_size=size,
+                         packing=cfg.data.packing, train_on_prompt=cfg.data.train_on_prompt, eval_fraction=cfg.data.eval_fraction,
+                         drop_long=cfg.data.drop_long, eval_source=cfg.data.eval_dataset, repeat_batches=cfg.data.repeat_batches,
                          attention=attention)
     except (ValueError, OSError, ImportError) as err:  # bad input: the row counts, one line, exit code 2
         raise bad_data_exit(err) from None
 
 
-def batch_attention(cfg, model) -> BatchAttention:
+def batch_attention(cfg: RunConfig, model) -> BatchAttention:
     """How the batches carry attention. Right-padded rows without their padding mask (data/dataset.py,
     `causal_padding`) are the optimized scripts' default; the baseline passes Hugging Face the mask, as plain
     Hugging Face training does. Packed rows: the optimized scripts give the model model/packed_attention.py's
     function and the batches their examples' boundaries; the baseline keeps SDPA with a dense [B, 1, T, T] mask.
     Says which, in one line, for packed rows."""
-    causal = not cfg.defaults.huggingface_attention
-    if not cfg.packing:
+    causal = not cfg.run.defaults.huggingface_attention
+    if not cfg.data.packing:
         return BatchAttention(causal_padding=causal)
     config = model.config
-    why = "the baseline: Hugging Face's SDPA" if cfg.defaults.huggingface_attention else \
+    why = "the baseline: Hugging Face's SDPA" if cfg.run.defaults.huggingface_attention else \
         packed_attention.unsupported(config)
     if why:
         log(f"attention on packed rows: SDPA with a dense [batch, 1, seq, seq] mask ({why})")
         return BatchAttention(causal_padding=causal)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = model.get_input_embeddings().weight.dtype
-    device = torch.device(cfg.device)
+    device = torch.device(cfg.run.device)
     packed_attention.install(model)
     log(packed_attention.describe(device, dtype, head_dim))
     return BatchAttention(causal_padding=causal, packed="boundaries",
                           packed_kernel=packed_attention.kernel(device, dtype, head_dim))
 
 
-def needs_tokenizer(cfg) -> bool:
-    return bool(cfg.dataset or cfg.data or cfg.output_dir or cfg.sample_prompts)
+def needs_tokenizer(cfg: RunConfig) -> bool:
+    return bool(cfg.data.dataset or cfg.data.data or cfg.output.output_dir or cfg.output.sample_prompts)
 
 
-def run_tokenizer(cfg, model_name: str):
+def run_tokenizer(cfg: RunConfig, model_name: str):
     if not needs_tokenizer(cfg):
         return None
     return make_tokenizer(model_name, preset=model_name in PRESETS)

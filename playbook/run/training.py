@@ -48,6 +48,7 @@ from playbook.runtime.time_left import TimeLeft, in_progress, running
 from playbook.store import checkpoint, checkpoint_load
 from playbook.store.checkpoint import BEST_FILE
 from playbook.store.files import RESULTS_DIR, result_path, write_failure
+from playbook.sections import RunConfig
 
 
 
@@ -126,19 +127,19 @@ def evaluate(model, batches) -> float | None:
 # ------------------------------------------------------------------------------------------------
 # The run's data
 # ------------------------------------------------------------------------------------------------
-def total_steps(cfg, data) -> int:
-    if cfg.steps is not None:
-        return cfg.steps
+def total_steps(cfg: RunConfig, data) -> int:
+    if cfg.training.steps is not None:
+        return cfg.training.steps
     per_epoch = data.batches_per_epoch
-    steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
-    log(f"--epochs {cfg.epochs:g}: {per_epoch} micro-batches per epoch / {cfg.grad_accum} -> {steps} steps")
+    steps = max(1, math.ceil(cfg.training.epochs * per_epoch / cfg.training.grad_accum))
+    log(f"--epochs {cfg.training.epochs:g}: {per_epoch} micro-batches per epoch / {cfg.training.grad_accum} -> {steps} steps")
     return steps
 
 
 # ------------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------------
-def train(cfg) -> dict:
+def train(cfg: RunConfig) -> dict:
     """The one training loop behind both fine-tuning scripts. Returns the summary dict."""
     check_output_folders(cfg)  # results/ and --output-dir writable: one line, before the memory plan and any model
     cfg = settle(cfg)  # the run's RunConfig from here on: the memory plan checked, the rounding decided
@@ -147,7 +148,7 @@ def train(cfg) -> dict:
         return _train(cfg)
 
 
-def _train(cfg) -> dict:
+def _train(cfg: RunConfig) -> dict:
     """train() less its answers to Ctrl-C and to memory running out: start_run, the steps, end_run."""
     run = start_run(cfg)
     runner = step_runner(run)
@@ -157,11 +158,11 @@ def _train(cfg) -> dict:
     def waiting_for() -> str:  # what a deferred SIGTERM waits for, said when the stop takes a while
         where = in_progress()
         return (f"the run stops after the step in progress{f' ({where})' if where else ''} and saves its checkpoint "
-                f"to {cfg.output_dir}")
+                f"to {cfg.output.output_dir}")
 
     # A scheduler's SIGTERM with --output-dir: the step in progress ends, is saved, and the run stops (without
     # one there is nothing to wait for: the run stops at once, as for Ctrl-C)
-    signals.defer_sigterm(cfg.output_dir is not None, waiting_for=waiting_for)
+    signals.defer_sigterm(cfg.output.output_dir is not None, waiting_for=waiting_for)
     run.left.begin()
     try:
         for step in bar:
@@ -191,16 +192,16 @@ def step_runner(run: Run) -> StepRunner:
     cfg = run.cfg
 
     def step_fn(micro_batches, grad_norm=False, zero_grad=True):
-        return training_step(run.model, run.optimizer, micro_batches, cfg.max_grad_norm, grad_norm=grad_norm,
+        return training_step(run.model, run.optimizer, micro_batches, cfg.training.max_grad_norm, grad_norm=grad_norm,
                              zero_grad=zero_grad)
 
-    return StepRunner(step_fn, lambda: gradient_norm(run.model), run.optimizer, cfg.device, run.blocker,
-                      compiled=cfg.compile)
+    return StepRunner(step_fn, lambda: gradient_norm(run.model), run.optimizer, cfg.run.device, run.blocker,
+                      compiled=cfg.model.compile)
 
 
 def progress_bar(run: Run):
     """The steps still to run, as a tqdm bar on an interactive terminal of the main process (else silent)."""
-    return tqdm(range(run.start, run.steps), desc=run.cfg.script, unit="step",
+    return tqdm(range(run.start, run.steps), desc=run.cfg.run.script, unit="step",
                 disable=not (is_main() and interactive()), dynamic_ncols=True)
 
 
@@ -232,48 +233,51 @@ class Run:
     @property
     def timed_from(self) -> int:
         """The first timed step (0-based): the ones before it warm up (--timing-warmup-steps)."""
-        return self.start + self.cfg.warmup_steps
+        return self.start + self.cfg.training.warmup_steps
 
 
-def start_run(cfg) -> Run:
+def start_run(cfg: RunConfig) -> Run:
     """Everything before the first step, for a RunConfig that start.settle returned (train() has checked the output
     folders): the --resume check, the model, the data and the optimizer (start.build), the schedule, the run's outputs, the resumed
     checkpoint, and what before_first_step does."""
-    info = read_resume(cfg) if cfg.resume is not None else None
+    info = read_resume(cfg) if cfg.output.resume is not None else None
     built = start.build(cfg)
     model, model_name, data, optimizer, blocker = built.model, built.model_name, built.data, built.optimizer, built.blocker
     data_line = data.describe()
     log(f"Data: {data_line}")
     steps = total_steps(cfg, data)
-    if steps <= cfg.warmup_steps:  # (--epochs: the count of steps is known only now, from the data)
-        raise usage_error(f"--epochs {cfg.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
-                          f"{cfg.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
+    if steps <= cfg.training.warmup_steps:  # (--epochs: the count of steps is known only now, from the data)
+        raise usage_error(f"--epochs {cfg.training.epochs:g} is {steps} step(s) of this data, and --timing-warmup-steps "
+                          f"{cfg.training.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
                           f"{steps - 1}")
-    if cfg.steps is None:  # (--steps: checked with the arguments)
-        check_lr_warmup(cfg.lr_warmup_steps, steps, counted=f" (--epochs {cfg.epochs:g} of this data)")
+    if cfg.training.steps is None:  # (--steps: checked with the arguments)
+        check_lr_warmup(cfg.training.lr_warmup_steps, steps,
+                        counted=f" (--epochs {cfg.training.epochs:g} of this data)")
     settings = resume_settings(cfg, model_name)
     if info is not None:
         check_resumed_run(cfg, info, settings, steps)
     check_output_checkpoints(cfg, info, steps)
     forget_best(cfg)
-    warmup = warmup_steps(cfg.lr_warmup_steps, cfg.warmup_ratio, steps, info["scheduler"] if info else None)
-    schedule = LRSchedule(optimizer, steps, warmup, cfg.lr_schedule)
+    warmup = warmup_steps(cfg.training.lr_warmup_steps, cfg.training.warmup_ratio, steps, info["scheduler"] if info else None)
+    schedule = LRSchedule(optimizer, steps, warmup, cfg.training.lr_schedule)
     summary_path, metrics = open_outputs(cfg, model_name)
-    result = RunResult(script=cfg.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"] if cfg.compile
+    result = RunResult(script=cfg.run.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"]
+                                                                                               if cfg.model.compile
                                                                                            else []),
-                       gpu=describe_gpu(cfg.device), world_size=world()[1], batch_size=cfg.batch_size,
-                       seq_len=cfg.seq_len, grad_accum=cfg.grad_accum, steps=steps, optimizer=describe_optimizer(cfg),
+                       gpu=describe_gpu(cfg.run.device), world_size=world()[1], batch_size=cfg.data.batch_size,
+                       seq_len=cfg.data.seq_len, grad_accum=cfg.training.grad_accum, steps=steps, optimizer=describe_optimizer(cfg),
                        params=built.params[0], trainable_params=built.params[1], data=data_line, versions=versions(),
                        config=cfg.as_dict())
     run = Run(cfg, model, built.tokenizer, data, steps, optimizer, schedule, result, metrics, summary_path, settings,
-              blocker, built.kernels, best=BestEval(cfg.early_stopping_patience, cfg.early_stopping_threshold))
+              blocker, built.kernels, best=BestEval(cfg.output.early_stopping_patience,
+                                                    cfg.output.early_stopping_threshold))
     if info is not None:
         run.start = load(cfg, info, model, optimizer, schedule, result, steps, capturable=blocker is None)
         run.last_good, run.last_saved = (run.start, info["path"]), info["path"]
-        if cfg.eval_every:  # the resumed run's evals are candidates too (their checkpoints: where one is on disk)
+        if cfg.data.eval_every:  # the resumed run's evals are candidates too (their checkpoints: where one is on disk)
             for done, loss in result.eval_losses:
                 if done > 0 and judge_eval(run, done, loss, quiet=True):
-                    kept = cfg.output_dir / f"checkpoint-{done}" if cfg.output_dir else None
+                    kept = cfg.output.output_dir / f"checkpoint-{done}" if cfg.output.output_dir else None
                     run.best.checkpoint = kept if kept is not None and kept.is_dir() else None
             line = patience_left(run)
             if line:
@@ -287,37 +291,38 @@ def patience_left(run: Run) -> str | None:
     still allows, said before the first step (an early-stopped run resumed with the same flags stops again at
     its next eval). None where there is nothing to say."""
     cfg, best = run.cfg, run.best
-    if not cfg.early_stopping_patience or best.step is None or not best.evals_since or not cfg.eval_every:
+    if not cfg.output.early_stopping_patience or best.step is None or not best.evals_since or not cfg.data.eval_every:
         return None
-    left = max(0, cfg.early_stopping_patience - best.evals_since)
-    next_eval = (run.start // cfg.eval_every + 1) * cfg.eval_every
-    stop = min(run.steps, next_eval + (max(left, 1) - 1) * cfg.eval_every)
+    left = max(0, cfg.output.early_stopping_patience - best.evals_since)
+    next_eval = (run.start // cfg.data.eval_every + 1) * cfg.data.eval_every
+    stop = min(run.steps, next_eval + (max(left, 1) - 1) * cfg.data.eval_every)
     return (f"Resumed after {best.evals_since} eval{'s' if best.evals_since > 1 else ''} in a row without a new best "
             f"(the best, {best.loss:.4f}, at step {best.step}): --early-stopping-patience "
-            f"{cfg.early_stopping_patience} allows {left} more, so the run stops after step {stop} unless an eval by "
+            f"{cfg.output.early_stopping_patience} allows {left} more, so the run stops after step {stop} unless an eval by "
             f"then is below {best.loss - best.threshold:.4f}"
             + ("; it stopped early there before: a higher --early-stopping-patience trains on" if not left else ""))
 
 
-def forget_best(cfg) -> None:
+def forget_best(cfg: RunConfig) -> None:
     """A run in an --output-dir without --load-best-model-at-end ends with its last step's weights: the `best`
     pointer an earlier run there left (checkpoint.mark_best) would send export.py and chat.py to another
     checkpoint, so it goes."""
-    pointer = cfg.output_dir / BEST_FILE if cfg.output_dir is not None else None
-    if pointer is not None and not cfg.load_best_model_at_end and pointer.is_file() and is_main():
+    pointer = cfg.output.output_dir / BEST_FILE if cfg.output.output_dir is not None else None
+    if pointer is not None and not cfg.output.load_best_model_at_end and pointer.is_file() and is_main():
         pointer.unlink()
         log(f"{pointer} removed: this run ends with its last step's weights (no --load-best-model-at-end), which "
             "export.py and chat.py then take for the run folder")
 
 
-def open_outputs(cfg, model_name: str) -> tuple[Path, MetricsLog]:
+def open_outputs(cfg: RunConfig, model_name: str) -> tuple[Path, MetricsLog]:
     """results/<tag>.json's path (another free name unless --overwrite) and the metrics log beside it."""
-    tag = cfg.tag or default_tag(cfg, model_name)
-    summary_path = result_path(tag, ".json", cfg.overwrite)
+    tag = cfg.output.tag or default_tag(cfg, model_name)
+    summary_path = result_path(tag, ".json", cfg.output.overwrite)
     stem = summary_path.stem
     if stem != tag:
         log(f"results/{tag}.json exists: this run writes results/{stem}.* (--overwrite replaces it)")
-    tb_dir = ((cfg.output_dir or RESULTS_DIR / "tensorboard") / stem) if cfg.report_to == "tensorboard" else None
+    tb_dir = ((cfg.output.output_dir
+               or RESULTS_DIR / "tensorboard") / stem) if cfg.output.report_to == "tensorboard" else None
     return summary_path, MetricsLog(RESULTS_DIR / f"{stem}.metrics.jsonl", tb_dir)
 
 
@@ -326,23 +331,25 @@ def before_first_step(run: Run) -> None:
     gain), the answers to --sample-prompts before training, and the line that says what the loop runs."""
     cfg, result = run.cfg, run.result
     interpreter.before_training(cfg, run.model, run.kernels, run.data, run.start + 1, run.steps)
-    run.left = TimeLeft(run.steps, run.start, cfg.eval_every, cfg.save_every, cfg.output_dir is not None,
-                        answers=cfg.sample_prompts is not None)
+    run.left = TimeLeft(run.steps, run.start, cfg.data.eval_every, cfg.output.save_every,
+                        cfg.output.output_dir is not None,
+                        answers=cfg.output.sample_prompts is not None)
     if run.start == 0:
         with run.left.measure("eval"):
-            eval_before = evaluate(run.model, run.data.eval_batches(cfg.device))
+            eval_before = evaluate(run.model, run.data.eval_batches(cfg.run.device))
         if eval_before is not None:
             result.eval_losses.insert(0, (0, eval_before))
             log(f"eval loss before training: {eval_before:.4f} (mean over the held-out target tokens)")
-    if cfg.sample_prompts is not None:
-        run.prompts = generate.read_prompts(cfg.sample_prompts)
+    if cfg.output.sample_prompts is not None:
+        run.prompts = generate.read_prompts(cfg.output.sample_prompts)
         with run.left.measure("answers"):
-            result.samples = answers_before(run.model, run.tokenizer, run.prompts, cfg.device)
+            result.samples = answers_before(run.model, run.tokenizer, run.prompts, cfg.run.device)
     size, lr_warmup = world()[1], run.schedule.warmup
-    log(f"Training: steps {run.start + 1}-{run.steps} ({cfg.warmup_steps} untimed warm-up), {cfg.grad_accum} x "
-        f"{cfg.batch_size} x {cfg.seq_len} tokens per step{' per GPU' if size > 1 else ''} (micro-batches x sequences x "
+    log(f"Training: steps {run.start + 1}-{run.steps} ({cfg.training.warmup_steps} untimed warm-up), {cfg.training.grad_accum} x "
+        f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens per step{' per GPU' if size > 1 else ''} (micro-batches x sequences x "
         f"tokens each), {result.optimizer}, "
-        f"lr {cfg.lr:g} {cfg.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup else ""))
+        f"lr {cfg.training.lr:g} {cfg.training.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup
+                                                                else ""))
 
 
 def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
@@ -350,12 +357,14 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
     checkpoint, the capture of the CUDA graph. Returns the message that stops the run, or None."""
     cfg, result = run.cfg, run.result
     if step == run.timed_from and cfg.on_gpu:
-        synchronize(cfg.device)
-        torch.cuda.reset_peak_memory_stats(cfg.device)  # peak counted after warm-up
+        synchronize(cfg.run.device)
+        torch.cuda.reset_peak_memory_stats(cfg.run.device)  # peak counted after warm-up
     lr = run.schedule.apply(step)
-    batches = [run.data.batch(step * cfg.grad_accum + i, cfg.device) for i in range(cfg.grad_accum)]
-    n_text = sum(run.data.text_tokens(step * cfg.grad_accum + i) for i in range(cfg.grad_accum))  # on the host
-    log_now = (step + 1) % cfg.log_every == 0 or step == run.steps - 1
+    batches = [run.data.batch(step * cfg.training.grad_accum + i, cfg.run.device)
+               for i in range(cfg.training.grad_accum)]
+    n_text = sum(run.data.text_tokens(step * cfg.training.grad_accum + i)
+                 for i in range(cfg.training.grad_accum))  # on the host
+    log_now = (step + 1) % cfg.output.log_every == 0 or step == run.steps - 1
     loss, norm, queued, dt = runner.run(step, batches, log_now)
     loss_value = loss.float().item()  # a sync point (the runner synchronised already)
     if not math.isfinite(loss_value):
@@ -381,15 +390,15 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
         else:
             bar.write(line)
     improved = judge_eval(run, step + 1, eval_loss) if eval_loss is not None else False
-    best_due = improved and cfg.load_best_model_at_end
+    best_due = improved and cfg.output.load_best_model_at_end
     # early stopping is judged at an eval, as the Trainer's EarlyStoppingCallback judges it: a resumed run whose
     # patience is spent trains on to its next eval (patience_left said so), rather than stopping after one step
     stopping = eval_loss is not None and run.best.should_stop
     stop = save_when_due(run, step + 1, force=best_due or stopping)
     if improved and run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{step + 1}":
         run.best.checkpoint = run.last_saved
-        if cfg.load_best_model_at_end:  # the run ends with it: export.py and chat.py take it for the run folder
-            checkpoint.mark_best(cfg.output_dir, run.last_saved)
+        if cfg.output.load_best_model_at_end:  # the run ends with it: export.py and chat.py take it for the run folder
+            checkpoint.mark_best(cfg.output.output_dir, run.last_saved)
     if stop is None and stopping:
         run.early_stop = run.best.stop_line(step + 1)
         log(run.early_stop)
@@ -402,7 +411,7 @@ def judge_eval(run: Run, done: int, eval_loss: float, quiet: bool = False) -> bo
     """A periodic eval (--eval-every) against the best so far: returns whether it is a new best; says once when
     the run starts to memorize (the eval loss above its best while the training loss fell)."""
     cfg, best = run.cfg, run.best
-    if not cfg.eval_every:  # one eval after the last step: nothing to compare it with
+    if not cfg.data.eval_every:  # one eval after the last step: nothing to compare it with
         return False
     last = best.history[-1][0] if best.history else 0  # the step of the last eval judged
     window = run.result.losses[last:done]  # the training losses since then (a resumed run's begin at step 1 too)
@@ -415,23 +424,25 @@ def judge_eval(run: Run, done: int, eval_loss: float, quiet: bool = False) -> bo
 def best_kept(run: Run) -> str:
     """Where the best step's weights are, or how to keep them next time."""
     cfg, best = run.cfg, run.best
-    on_disk = best.checkpoint or (cfg.output_dir / f"checkpoint-{best.step}" if cfg.output_dir else None)
+    on_disk = best.checkpoint or (cfg.output.output_dir / f"checkpoint-{best.step}" if cfg.output.output_dir else None)
     if on_disk is not None and Path(on_disk).is_dir():
         return (f"The best step's checkpoint: {on_disk}"
-                + ("; the run ends with its weights (--load-best-model-at-end)." if cfg.load_best_model_at_end else "."))
-    advice = "--load-best-model-at-end" + ("" if cfg.output_dir else " with --output-dir")
+                + ("; the run ends with its weights (--load-best-model-at-end)." if cfg.output.load_best_model_at_end
+                   else "."))
+    advice = "--load-best-model-at-end" + ("" if cfg.output.output_dir else " with --output-dir")
     return (f"Step {best.step}'s weights are not kept: {advice} keeps the best checkpoint"
-            + ("" if cfg.early_stopping_patience else ", and --early-stopping-patience N stops such a run") + ".")
+            + ("" if cfg.output.early_stopping_patience
+               else ", and --early-stopping-patience N stops such a run") + ".")
 
 
 def eval_when_due(run: Run, done: int) -> float | None:
     """The held-out loss after `done` steps, every --eval-every steps and after the last (kept in the result);
     None when no eval is due or there is no held-out data."""
     cfg = run.cfg
-    if not ((cfg.eval_every and done % cfg.eval_every == 0) or done == run.steps):
+    if not ((cfg.data.eval_every and done % cfg.data.eval_every == 0) or done == run.steps):
         return None
     with run.left.measure("eval"):
-        eval_loss = evaluate(run.model, run.data.eval_batches(cfg.device))
+        eval_loss = evaluate(run.model, run.data.eval_batches(cfg.run.device))
     if eval_loss is not None:
         run.result.eval_losses.append((done, eval_loss))
     return eval_loss
@@ -442,17 +453,18 @@ def save_when_due(run: Run, done: int, force: bool = False) -> str | None:
     (a new best eval with --load-best-model-at-end, an early stop) asks for one. Returns the message that stops
     the run when it cannot be written, else None."""
     cfg = run.cfg
-    if cfg.output_dir is None or not (force or (cfg.save_every and done % cfg.save_every == 0) or done == run.steps):
+    if cfg.output.output_dir is None or not (force or (cfg.output.save_every and done % cfg.output.save_every == 0)
+                                             or done == run.steps):
         return None
     if run.last_saved is not None and Path(run.last_saved).name == f"checkpoint-{done}":
         return None  # (written already: a step that is both a save step and a new best)
     try:
         with run.left.measure("save"):
             path = save(cfg, done, run.model, run.tokenizer, run.optimizer, run.schedule, run.result, run.settings,
-                        keep=run.best.checkpoint if cfg.load_best_model_at_end else None)
+                        keep=run.best.checkpoint if cfg.output.load_best_model_at_end else None)
     except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a file size limit,
         # permissions (safetensors' own error for a failed write): the summary is still written
-        return (f"error: the checkpoint of step {done} could not be written to {cfg.output_dir} "
+        return (f"error: the checkpoint of step {done} could not be written to {cfg.output.output_dir} "
                 f"({write_failure(err)})"
                 + (f"; the last complete checkpoint is {run.last_saved}" if run.last_saved else
                    "; no checkpoint of this run is complete"))
@@ -476,12 +488,12 @@ def end_run(run: Run, runner: StepRunner, stopped: str | None, terminated: int |
     if stopped is None:
         end_with_best(run)
     if run.prompts is not None and stopped is None:
-        answers_after(result.samples, run.model, run.tokenizer, run.prompts, cfg.device, len(result.losses))
+        answers_after(result.samples, run.model, run.tokenizer, run.prompts, cfg.run.device, len(result.losses))
     payload = write_report(cfg, result, run.model, run.left.summary(), stopped, run.summary_path, run.metrics.path,
                            interpreted=bool(run.kernels))
     if stopped is not None:
         return SystemExit(f"{stopped}\nThe summary of the {len(result.losses)} steps done is in {run.summary_path}")
-    if cfg.lora_r and cfg.merge_lora and is_main():
+    if cfg.model.lora_r and cfg.model.merge_lora and is_main():
         merge_lora(cfg, run.model, run.tokenizer)
     return payload
 
@@ -498,53 +510,53 @@ def end_with_best(run: Run) -> None:
     result.ended_with = f"the last step's weights (step {done})"  # (unless the best step's are loaded below)
     log(f"best eval loss: {best.loss:.4f} at step {best.step} of {done}"
         + (f" (checkpoint {best.checkpoint})" if best.checkpoint is not None else ""))
-    if cfg.load_best_model_at_end and best.checkpoint is not None and best.step != done:
+    if cfg.output.load_best_model_at_end and best.checkpoint is not None and best.step != done:
         checkpoint_load.load_checkpoint(best.checkpoint, run.model)
         result.ended_with, result.ended_at = f"step {best.step}'s weights ({best.checkpoint})", best.step
         log(f"--load-best-model-at-end: the model ends with step {best.step}'s weights, from {best.checkpoint}; the "
             f"last checkpoint, {run.last_saved}, holds step {done}'s")
 
 
-def merge_lora(cfg, model, tokenizer) -> None:
+def merge_lora(cfg: RunConfig, model, tokenizer) -> None:
     """--merge-lora: the adapters folded into the base weights, saved under --output-dir/merged."""
-    merged = cfg.output_dir / "merged"
+    merged = cfg.output.output_dir / "merged"
     merge_and_save(model, merged, tokenizer)
     print(f"Merged LoRA weights: {merged}")
 
 
-def sigterm_stops(cfg) -> bool:
+def sigterm_stops(cfg: RunConfig) -> bool:
     """Whether a SIGTERM came during the loop (signals.defer_sigterm) to any process: every process then
     stops after the same step, the one whose checkpoint they write together."""
     pending = signals.sigterm_pending()
     if world()[1] > 1:
-        flag = torch.tensor(int(pending), device=cfg.device)
+        flag = torch.tensor(int(pending), device=cfg.run.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # a sync point, once per step
         pending = bool(flag)
     return pending
 
 
-def stop_after_sigterm(cfg, step: int, steps: int, last_saved, save_now) -> str:
+def stop_after_sigterm(cfg: RunConfig, step: int, steps: int, last_saved, save_now) -> str:
     """What a SIGTERM (a scheduler's pre-emption) keeps: with --output-dir the checkpoint of `step`, the last
     step done (`save_now()` writes it unless it was just written), so that the job resumes from it."""
     kept = f"stopped after step {step} of {steps}, before its summary"
-    if cfg.output_dir is None:
+    if cfg.output.output_dir is None:
         return kept + "; no checkpoint (no --output-dir)"
     try:
         path = last_saved if last_saved is not None and Path(last_saved).name == f"checkpoint-{step}" else save_now()
     except (OSError, RuntimeError, SafetensorError) as err:
         return (kept + f"; the checkpoint of step {step} could not be written ({write_failure(err)})"
                 + (f"; the last complete checkpoint is {last_saved}" if last_saved else ""))
-    return kept + f"; saved {path}: resume with --resume {shlex.quote(str(cfg.output_dir))}"  # (quoted: copied to a shell)
+    return kept + f"; saved {path}: resume with --resume {shlex.quote(str(cfg.output.output_dir))}"  # (quoted: copied to a shell)
 
 
-def save(cfg, step, model, tokenizer, optimizer, schedule, result, settings=None, keep=None):
+def save(cfg: RunConfig, step, model, tokenizer, optimizer, schedule, result, settings=None, keep=None):
     """Write checkpoint-<step> (keeping the newest --save-total-limit, and `keep`, the best checkpoint);
     `settings`: resume_settings."""
-    extra = {"step": step, "micro_batch": step * cfg.grad_accum, "losses": result.losses,
+    extra = {"step": step, "micro_batch": step * cfg.training.grad_accum, "losses": result.losses,
              "eval_losses": result.eval_losses, "config": cfg.as_dict(), "world_size": world()[1],
              "settings": settings}
-    path = checkpoint.save_checkpoint(cfg.output_dir, step, model, tokenizer, optimizer, schedule, extra,
-                                      keep_last=cfg.save_total_limit, keep=keep)
+    path = checkpoint.save_checkpoint(cfg.output.output_dir, step, model, tokenizer, optimizer, schedule, extra,
+                                      keep_last=cfg.output.save_total_limit, keep=keep)
     if path is not None:
         log(f"checkpoint: {path}")
     return path
@@ -561,15 +573,15 @@ def weights_finite(model) -> bool:
         return bool(ok)
 
 
-def nonfinite_message(cfg, loss: float, step: int, steps: int, last_good) -> str:
+def nonfinite_message(cfg: RunConfig, loss: float, step: int, steps: int, last_good) -> str:
     """What stops a run whose loss is NaN or inf: the step, the likely causes, the last good checkpoint."""
     if last_good is not None:
         where = f"The last good checkpoint (finite weights): {last_good[1]} (step {last_good[0]})."
-    elif cfg.output_dir is None:
+    elif cfg.output.output_dir is None:
         where = "No checkpoint was written (no --output-dir)."
     else:
         where = "No checkpoint with finite weights was written before it."
-    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: the learning rate (--lr {cfg.lr:g}: "
+    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: the learning rate (--lr {cfg.training.lr:g}: "
             "try a lower one, a warm-up with --lr-warmup-steps, or --max-grad-norm 1.0); the data (an example of "
             "this step with broken tokens or labels); or overflow in reduced precision (fp16 / bf16 / --fp8 "
             f"activations out of range: compare with --kernels none, without --fp8). {where}")

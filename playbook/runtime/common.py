@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import transformers
 import triton
+from playbook.sections import RunConfig
 
 
 # Dense bf16 tensor-core peak (no sparsity) by device name, for model FLOPs utilisation.
