@@ -222,7 +222,8 @@ def build_model(cfg: RunConfig, name: str, num_layers: int | None, trains: bool)
     gradient checkpointing, the saved-activation options and LoRA on the student alone, which `trains`."""
     d = cfg.extra
     dtype = DTYPES[d.dtype]
-    role = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=name, num_layers=num_layers, model_explicit=True))
+    role = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=name, num_layers=num_layers,
+                                                              model_explicit=True))
     if not trains:  # the frozen teacher: its forward pass with the kernels, nothing that serves training
         role = role.changed(fp8=False, lora_r=0, load_in_4bit=False, **options.FROZEN)
     if name in STUDENTS:

@@ -592,7 +592,8 @@ def test_the_offers_hints_and_checks_cover_every_memory_option():
     }
     assert set(runs) == {o.name for o in options.OPTIONS}
     for o in options.OPTIONS:
-        cfg = _parsed("--model", "llama-3.1-8b", "--batch-size", "8", *runs[o.name]).changed(device=torch.device("cuda"))  # (the decisions only look at the device's type)
+        cfg = _parsed("--model", "llama-3.1-8b", "--batch-size", "8",
+                      *runs[o.name]).changed(device=torch.device("cuda"))  # (the decisions only look at the device's type)
         context = options.Context(on_gpu=True, seq_len=cfg.data.seq_len, tokens=cfg.data.batch_size * cfg.data.seq_len,
                                   own_kernels=True)
         said = [*options.offers(options.values(cfg), context), *oom.memory_hints(cfg), cuda_graph.graph_blocker(cfg)]

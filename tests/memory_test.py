@@ -187,7 +187,8 @@ def test_a_spec_past_the_loaded_model_exits_2(capsys):
 def test_the_config_fields():
     parser = make_parser("test", kernels_default=DEFAULT_KERNELS)
     fields = lambda *argv: (lambda c: (c.memory.gradient_checkpointing, c.memory.checkpoint_layers,  # noqa: E731
-                                       c.memory.offload_activations, c.memory.mlp_chunk_tokens))(parse_config(parser, "finetune_optimized", list(argv)))
+                                       c.memory.offload_activations, c.memory.mlp_chunk_tokens))(parse_config(parser,
+                                                                                                              "finetune_optimized", list(argv)))
     assert fields() == (False, None, False, 0)
     assert fields("--gradient-checkpointing") == (True, "all", False, 0)
     assert fields("--gradient-checkpointing", "--checkpoint-layers", "all") == (True, "all", False, 0)

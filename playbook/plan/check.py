@@ -53,7 +53,8 @@ def start(cfg: RunConfig):
 
 
 
-def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None, rounding_chosen: bool = False) -> Plan | None:
+def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None,
+          rounding_chosen: bool = False) -> Plan | None:
     """Print the run's memory plan; stop (exit code 2) when it does not fit, naming the options that would
     (enforce: by default unless --ignore-memory-plan). Each script calls it as its run starts, before any
     model is built (training.train, profile_baseline.py and distill.py through start; finetune_trainer.py, whose
@@ -77,7 +78,8 @@ def check(cfg: RunConfig, enforce: bool | None = None, note: str | None = None, 
             log(note)
     if plan.peak <= free or not enforce:
         return plan
-    raise usage_error(too_big(replace(cfg, training=replace(cfg.training, optimizer_rounding="auto")) if rounding_chosen else cfg, plans,
+    raise usage_error(too_big(replace(cfg, training=replace(cfg.training, optimizer_rounding="auto"))
+                              if rounding_chosen else cfg, plans,
                               plan, free, where_free))
 
 

@@ -129,10 +129,12 @@ def _options(cfg: RunConfig, shape: Shape, s: Setup) -> list[Offer]:
         found.append(Offer("--optimizer-rounding stochastic instead of kahan",
                            add=("--optimizer-rounding", "stochastic"), drop=("--optimizer-rounding",),
                            changes=dict(optimizer_rounding="stochastic")))
-    ctx = options.Context(on_gpu=cfg.on_gpu, compile=cfg.model.compile, seq_len=cfg.data.seq_len, tokens=s.tokens, plain=plain,
+    ctx = options.Context(on_gpu=cfg.on_gpu, compile=cfg.model.compile, seq_len=cfg.data.seq_len, tokens=s.tokens,
+                          plain=plain,
                           own_kernels=s.kernels == "playbook")
     found += [Offer(**suggestion._asdict()) for suggestion in options.offers(options.values(cfg), ctx)]
-    if (not cfg.model.lora_r and not cfg.training.optimizer_in_backward and cfg.training.grad_accum == 1 and cfg.training.max_grad_norm is None
+    if (not cfg.model.lora_r and not cfg.training.optimizer_in_backward and cfg.training.grad_accum == 1
+        and cfg.training.max_grad_norm is None
             and world()[1] == 1 and (cfg.run.defaults is None or cfg.run.defaults.own_optimizer)
             and not _refuses(cfg, "optimizer_in_backward")):
         found.append(Offer("--optimizer-in-backward", add=("--optimizer-in-backward",),

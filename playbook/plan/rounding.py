@@ -51,7 +51,8 @@ def rounding_for(cfg: RunConfig, free: float, where_free: str) -> tuple[str, str
                               f"memory; stochastic rounding needs none; {choose})")
     plan = combine(plans)
     buffer = plan_part(plan, "optimizer states") - plan_part(
-        combine(run_plans(replace(cfg, training=replace(cfg.training, optimizer_rounding="stochastic")))), "optimizer states")
+        combine(run_plans(replace(cfg, training=replace(cfg.training,
+                                                        optimizer_rounding="stochastic")))), "optimizer states")
     if cfg.output.ignore_memory_plan:
         return "stochastic", (f"Optimizer rounding: stochastic (--ignore-memory-plan: the run does not go by the "
                               f"plan, so it takes the rounding that needs no memory; kahan would add "

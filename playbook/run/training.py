@@ -258,7 +258,8 @@ def start_run(cfg: RunConfig) -> Run:
         check_resumed_run(cfg, info, settings, steps)
     check_output_checkpoints(cfg, info, steps)
     forget_best(cfg)
-    warmup = warmup_steps(cfg.training.lr_warmup_steps, cfg.training.warmup_ratio, steps, info["scheduler"] if info else None)
+    warmup = warmup_steps(cfg.training.lr_warmup_steps, cfg.training.warmup_ratio, steps, info["scheduler"] if info
+                          else None)
     schedule = LRSchedule(optimizer, steps, warmup, cfg.training.lr_schedule)
     summary_path, metrics = open_outputs(cfg, model_name)
     result = RunResult(script=cfg.run.script, model=model_name, kernels=list(built.kernels) + (["torch.compile"]
