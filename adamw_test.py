@@ -522,7 +522,7 @@ def test_optimizer_in_backward_makes_the_same_updates():
                       "--weight-decay", "0.1", "--batch-size", "2", "--seq-len", "64",
                       *(["--optimizer-in-backward"] if in_backward else []))
         model = models.build_preset("llama-tiny", 1, DEVICE, torch.float32)
-        opt = make_optimizer(model, cfg)
+        opt = make_optimizer(model, cfg.training, cfg.run)
         data = make_run_data(cfg, model, None)
         for i in range(2):
             training.training_step(model, opt, [data.batch(i, DEVICE)])
@@ -932,11 +932,12 @@ def test_rounding_options_on_the_command_line(monkeypatch, capsys):
                            (["--optimizer-rounding", "kahan", "--optimizer", "adamw-triton"], "kahan"),
                            (["--master-weights", "fp32"], "fp32-master")):
         cfg = _config(*argv, "--seed", "5")
-        assert cfg.training.optimizer == "adamw-triton" and weight_rounding(cfg) == rounding, argv
-        opt = make_optimizer(model, cfg)
+        assert cfg.training.optimizer == "adamw-triton" and weight_rounding(cfg.training) == rounding, argv
+        opt = make_optimizer(model, cfg.training, cfg.run)
         assert isinstance(opt, TritonAdamW)
         assert all(g["rounding"] == rounding and g["seed"] == 5 for g in opt.param_groups)
-    opt = make_optimizer(model, _config("--optimizer-rounding", "stochastic", "--optimizer-in-backward"))
+    in_backward = _config("--optimizer-rounding", "stochastic", "--optimizer-in-backward")
+    opt = make_optimizer(model, in_backward.training, in_backward.run)
     seeds = [g["seed"] for g in opt.param_groups]
     assert all(g["rounding"] == "stochastic" for g in opt.param_groups) and len(set(seeds)) == len(seeds)
 
@@ -983,7 +984,7 @@ def test_the_default_rounding_is_left_to_the_run_start(monkeypatch):
             cfg = distill.parse_args(list(argv))
         else:
             cfg = parse_config(make_parser("test", kernels_default=DEFAULT_KERNELS), script, list(argv))
-        return cfg.training.optimizer, cfg.training.optimizer_rounding, weight_rounding(cfg)
+        return cfg.training.optimizer, cfg.training.optimizer_rounding, weight_rounding(cfg.training)
 
     assert rounding() == ("adamw-triton", "auto", "nearest")  # the GPU default: chosen as the run starts
     assert rounding("--optimizer-in-backward", "--fp8") == ("adamw-triton", "auto", "nearest")

@@ -309,7 +309,7 @@ def run_mode(mode: str, cfg: RunConfig, teacher, data) -> dict:
     if student.config.vocab_size != teacher.config.vocab_size:
         raise usage_error(f"the student ({d.student}) has a vocabulary of {student.config.vocab_size}, the "
                           f"teacher ({d.teacher}) {teacher.config.vocab_size}: distillation needs one vocabulary")
-    optimizer = make_optimizer(student, cfg)  # --optimizer, --weight-decay as in the fine-tuning scripts
+    optimizer = make_optimizer(student, cfg.training, cfg.run)  # --optimizer, --weight-decay as in the fine-tuning scripts
     out = dict(losses=[], ce=[], jsd=[], step_times_s=[], tokens_per_s=None, peak_memory_gb=None, error=None)
     tokens = cfg.data.batch_size * cfg.data.seq_len  # text windows or synthetic ids: no padding, every token is text
     try:

@@ -576,7 +576,7 @@ def train_tiny(fp8: bool, dtype: torch.dtype):
     model.train()
     if fp8:
         patch_model(model)
-    opt = make_optimizer(model, cfg)
+    opt = make_optimizer(model, cfg.training, cfg.run)
     data = make_run_data(cfg, model, None)
     return torch.stack([training.training_step(model, opt, [data.batch(i, DEVICE)])[0].float() for i in range(STEPS)])
 

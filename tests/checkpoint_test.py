@@ -596,7 +596,7 @@ def _one_process(cfg):
     from playbook.run import training
 
     model = models.prepare_model(cfg)[0]
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.training, cfg.run)
     return model, optimizer, LRSchedule(optimizer, cfg.training.steps, cfg.training.lr_warmup_steps,
                                         cfg.training.lr_schedule)
 

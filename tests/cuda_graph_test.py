@@ -250,7 +250,7 @@ def test_the_captured_step_keeps_causal_attention_without_a_mask():
     cfg = config(*BASE)
     model, *_ = prepare_model(cfg)
     data = make_run_data(cfg, model, None)
-    optimizer = make_optimizer(model, cfg, capturable=True)
+    optimizer = make_optimizer(model, cfg.training, cfg.run, capturable=True)
     batches = [data.batch(0, cfg.run.device)]
     step = cuda_graph.GraphedStep(lambda mb: training.training_step(model, optimizer, mb, zero_grad=False), batches)
     with cuda_graph.count_masked_attention() as eager_masked:

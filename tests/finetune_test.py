@@ -78,7 +78,7 @@ def _train(kernels: str, dtype: torch.dtype, in_backward: bool = False):
     model.config.use_cache = False
     model.train()
     ak.apply_kernels(model, cfg.model.kernels)
-    opt = make_optimizer(model, cfg)
+    opt = make_optimizer(model, cfg.training, cfg.run)
     data = text_data(cfg, model)
     losses = [training.training_step(model, opt, [data.batch(i, DEVICE)])[0].float() for i in range(STEPS)]
     return torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -304,7 +304,7 @@ def test_optimizer_in_backward():
         cfg = config("--data", str(TEXT), "--kernels", "none", "--batch-size", "2", "--seq-len", "64",
                      *(["--optimizer-in-backward"] if in_backward else []))
         model = tiny(1)
-        opt = make_optimizer(model, cfg)
+        opt = make_optimizer(model, cfg.training, cfg.run)
         data = text_data(cfg, model)
         for i in range(3):
             training.training_step(model, opt, [data.batch(i, DEVICE)])
@@ -583,7 +583,7 @@ def test_lora_with_gradient_checkpointing_trains():
     cfg = config("--lora-r", "4", "--gradient-checkpointing", "--steps", "2", "--timing-warmup-steps", "0",
                  "--batch-size", "2", "--seq-len", "32", "--lr", "1e-2")
     model = models.prepare_model(cfg)[0]
-    opt = make_optimizer(model, cfg)
+    opt = make_optimizer(model, cfg.training, cfg.run)
     data = make_run_data(cfg, model)
     losses = [training.training_step(model, opt, [data.batch(i, DEVICE)])[0].item() for i in range(2)]
     assert all(torch.isfinite(torch.tensor(losses))), losses

@@ -649,7 +649,7 @@ def test_prepare_model_applies_the_options():
     assert activations.offload_of(stack) is not None
     assert all(layer.mlp.tiled_chunk_tokens == 40 and layer.mlp.forward.__func__ is tiled_mlp._tiled_forward
                for layer in stack)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.training, cfg.run)
     data = make_run_data(cfg, model)
     losses = [training.training_step(model, optimizer, [data.batch(i, DEVICE)])[0].item() for i in range(2)]
     assert all(math.isfinite(v) for v in losses), losses

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 from torch import nn
-from playbook.sections import RunConfig
+from playbook.sections import RunSection, TrainingSection
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -34,42 +34,42 @@ def rounding_of(master_weights: str | None, optimizer_rounding: str | None) -> s
     return "nearest" if optimizer_rounding in (None, "auto") else optimizer_rounding
 
 
-def weight_rounding(cfg: RunConfig) -> str:
-    """How the optimizer of the run `cfg` rounds each new bf16 weight (rounding_of its flags)."""
-    return rounding_of(cfg.training.master_weights, cfg.training.optimizer_rounding)
+def weight_rounding(training: TrainingSection) -> str:
+    """How the optimizer of a run (its training section) rounds each new bf16 weight (rounding_of its flags)."""
+    return rounding_of(training.master_weights, training.optimizer_rounding)
 
 
-def describe_optimizer(cfg: RunConfig) -> str:
+def describe_optimizer(training: TrainingSection) -> str:
     """--optimizer and what changes it, as the log and the summary name it: "adamw-triton, stochastic rounding"."""
-    rounding = weight_rounding(cfg)
+    rounding = weight_rounding(training)
     extra = {"nearest": "", "stochastic": ", stochastic rounding", "kahan": ", Kahan-compensated",
              "fp32-master": ", fp32 master weights"}[rounding]
-    return cfg.training.optimizer + extra + (" in backward" if cfg.training.optimizer_in_backward else "")
+    return training.optimizer + extra + (" in backward" if training.optimizer_in_backward else "")
 
 
-def make_optimizer(model: nn.Module, cfg: RunConfig, capturable: bool = False):
+def make_optimizer(model: nn.Module, training: TrainingSection, run: RunSection, capturable: bool = False):
     """AdamW as --optimizer names it. capturable: for a CUDA graph (cuda_graph.py), its step count and
     learning rate live on the GPU (one rate tensor for every group, which LRSchedule fills in place).
     --optimizer-rounding and --master-weights: the Triton AdamW's `rounding`, its random bits seeded by --seed."""
-    kind = {"fused": True} if cfg.training.optimizer == "adamw-fused" else {"foreach": True}
+    kind = {"fused": True} if training.optimizer == "adamw-fused" else {"foreach": True}
     adamw = torch.optim.AdamW
-    rounding = weight_rounding(cfg)
-    if cfg.training.optimizer == "adamw-triton":  # one multi-tensor Triton launch per param group
+    rounding = weight_rounding(training)
+    if training.optimizer == "adamw-triton":  # one multi-tensor Triton launch per param group
         from adamw_kernel import TritonAdamW as adamw
 
-        kind = {} if rounding == "nearest" else {"rounding": rounding, "seed": cfg.run.seed}
+        kind = {} if rounding == "nearest" else {"rounding": rounding, "seed": run.seed}
     elif rounding != "nearest":
-        raise ValueError(f"rounding {rounding!r} is TritonAdamW's (--optimizer adamw-triton), not {cfg.training.optimizer}'s")
-    lr = cfg.training.lr
+        raise ValueError(f"rounding {rounding!r} is TritonAdamW's (--optimizer adamw-triton), not {training.optimizer}'s")
+    lr = training.lr
     if capturable:
-        lr = torch.tensor(float(cfg.training.lr), dtype=torch.float32, device=cfg.run.device)
+        lr = torch.tensor(float(training.lr), dtype=torch.float32, device=run.device)
         kind["capturable"] = True
-    groups = param_groups(model, cfg.training.weight_decay)
-    if cfg.training.optimizer_in_backward:
+    groups = param_groups(model, training.weight_decay)
+    if training.optimizer_in_backward:
         if "seed" in kind:  # one optimizer per parameter: each its own seed, so that no two draw the same bits
             places = itertools.count(1)
             return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **{
-                **kind, "seed": cfg.run.seed + (next(places) << 32)}))
+                **kind, "seed": run.seed + (next(places) << 32)}))
         return OptimizerInBackward(groups, lambda group: adamw([group], lr=lr, **kind))
     return adamw(groups, lr=lr, **kind)
 

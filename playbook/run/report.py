@@ -144,7 +144,7 @@ def default_tag(cfg: RunConfig, model_name: str) -> str:
     size = world()[1]
     gpus = f"_{size}gpu" if size > 1 else ""
     lora = f"_lora{cfg.model.lora_r}" if cfg.model.lora_r else ""
-    rounding = weight_rounding(cfg)
+    rounding = weight_rounding(cfg.training)
     rounding = f"_{rounding}" if rounding != "nearest" else ""  # the runs that compare them get one file each
     return f"{cfg.run.script}_{model_name.replace('/', '_')}_b{cfg.data.batch_size}_s{cfg.data.seq_len}{lora}{gpus}{rounding}"
 

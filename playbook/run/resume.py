@@ -179,9 +179,9 @@ def check_resumed_run(cfg: RunConfig, info: dict, settings: dict, steps: int) ->
     check_resume(cfg, info, settings, steps)
     saved = info["extra"].get("config") or {}
     saved_rounding = rounding_of(saved.get("master_weights"), saved.get("optimizer_rounding"))
-    if saved_rounding != weight_rounding(cfg):  # allowed, as a change of --optimizer is
+    if saved_rounding != weight_rounding(cfg.training):  # allowed, as a change of --optimizer is
         log(f"The checkpoint's run rounded its weights with {saved_rounding!r}, this one with "
-            f"{weight_rounding(cfg)!r}: a Kahan compensation or fp32 master weight the checkpoint lacks starts "
+            f"{weight_rounding(cfg.training)!r}: a Kahan compensation or fp32 master weight the checkpoint lacks starts "
             "from the bf16 weights, one this run does not use is dropped")
 
 

@@ -79,7 +79,7 @@ def build(cfg: RunConfig) -> Built:
     blocker = cuda_graph.graph_blocker(cfg, data)
     if cfg.on_gpu:
         cuda_graph.announce(blocker)
-    optimizer = make_optimizer(model, cfg, capturable=blocker is None)
+    optimizer = make_optimizer(model, cfg.training, cfg.run, capturable=blocker is None)
     return Built(model, model_name, desc, kernel_report, kernels, (n_params, n_train), tokenizer, data, blocker,
                  optimizer)
 

@@ -266,7 +266,7 @@ def start_run(cfg: RunConfig) -> Run:
                                                                                                if cfg.model.compile
                                                                                            else []),
                        gpu=describe_gpu(cfg.run.device), world_size=world()[1], batch_size=cfg.data.batch_size,
-                       seq_len=cfg.data.seq_len, grad_accum=cfg.training.grad_accum, steps=steps, optimizer=describe_optimizer(cfg),
+                       seq_len=cfg.data.seq_len, grad_accum=cfg.training.grad_accum, steps=steps, optimizer=describe_optimizer(cfg.training),
                        params=built.params[0], trainable_params=built.params[1], data=data_line, versions=versions(),
                        config=cfg.as_dict())
     run = Run(cfg, model, built.tokenizer, data, steps, optimizer, schedule, result, metrics, summary_path, settings,
