@@ -555,7 +555,7 @@ def test_a_small_plan_and_a_small_stand_in_read_as_numbers(monkeypatch, capsys):
 # The mechanisms and the estimate take arguments and Setup fields named for what they do (issue 61). One external
 # name is left: transformers' decoder layers have their own `gradient_checkpointing` flag, which the checkpointing
 # and saved-activations mechanisms set and read, and which cannot be renamed.
-OPTION_HOMES = {"sections.py", "memory/options.py"}  # its field in MemorySection; everything else in the table
+OPTION_HOMES = {"sections.py", "memory/options.py"}  # its field in MemorySection; its flag and all else in the table
 EXTERNAL_NAMES = {"gradient_checkpointing": {"memory/activations.py", "memory/saved_activations.py"}}
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from core.fp8_support import RECIPES
-from playbook.memory.activations import parse_layers
+from playbook.memory import options
 from playbook.model.lora import parse_targets
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import NAMES, PEERS, parse_kernels
@@ -69,14 +69,6 @@ def _tag(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r}: a tag names a file inside results/: letters, digits and . _ + = - only, no '/' or '..'")
     return text
-
-
-def _checkpoint_layers(text: str) -> str:
-    try:
-        parse_layers(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text.strip().lower()
 
 
 def _lora_targets(text: str) -> str:
@@ -237,28 +229,7 @@ def _add_model_arguments(p: argparse.ArgumentParser, kernels_default: tuple | No
                         "or the CPU: the same quantization, the matmuls from the dequantized operands in bf16; for "
                         "accuracy only (the recipe is reported as '<name>-emulated', and its speed is not a speed: "
                         "docs/fp8.md)")
-    m.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each decoder layer in backward (keeps only each layer's input; ~1/3 more "
-                        "compute); docs/memory.md")
-    m.add_argument("--checkpoint-layers", type=_checkpoint_layers, default=None, metavar="SPEC",
-                   help="checkpoint only these decoder layers: 'all', 'every:K' (layers 0, K, 2K, ...), 'first:N', "
-                        "or a comma list of layer indices (0-based); implies checkpointing")
-    m.add_argument("--offload-activations", action="store_true",
-                   help="with checkpointing: each checkpointed layer's input in pinned host memory instead of the "
-                        "GPU, copied on a side stream and fetched back one layer ahead in backward")
-    m.add_argument("--keep-attention", action="store_true",
-                   help="with checkpointing: keep attention's output and softmax statistics (2 bytes x hidden per "
-                        "token per layer) and recompute only the rest of each checkpointed layer; at long context "
-                        "attention is most of the recompute")
-    m.add_argument("--recompute-norms", action="store_true",
-                   help="layers not checkpointed keep each norm's input instead of its output (2 bytes x hidden x 2 "
-                        "per token per layer less) and run the norm again in backward; results unchanged")
-    m.add_argument("--offload-layers", type=_checkpoint_layers, default=None, metavar="SPEC",
-                   help="layers (not checkpointed) whose saved tensors wait in pinned host memory, copied on a side "
-                        "stream in forward and fetched back ahead of backward; same SPEC as --checkpoint-layers")
-    m.add_argument("--mlp-chunk-tokens", type=nonnegative_int, default=0, metavar="N",
-                   help="compute each MLP over chunks of N tokens, forward and backward, so that one chunk's "
-                        "[N, intermediate] tensors exist at a time; 0 = off")
+    options.add_flags(m, count=nonnegative_int)  # the memory options' flags (playbook/memory/options.py)
     m.add_argument("--lora-r", type=nonnegative_int, default=0, help="LoRA rank through peft; 0 = full fine-tune")
     m.add_argument("--lora-alpha", type=positive_float, default=None, help="LoRA scale numerator; default 2 x rank")
     m.add_argument("--lora-dropout", type=fraction, default=0.0, help="dropout on the LoRA input")

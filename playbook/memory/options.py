@@ -231,6 +231,49 @@ FIELDS = tuple(f for o in OPTIONS for f in o.fields)
 FROZEN = {k: v for o in OPTIONS for k, v in o.frozen.items()}  # a model that does not train: what serves backward off
 
 
+def layer_spec(text: str) -> str:
+    """argparse's type for a SPEC of decoder layers (activations.parse_layers): the SPEC, normalized."""
+    try:
+        activations.parse_layers(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text.strip().lower()
+
+
+# The options' flags as --help lists them: (flag, argparse's keywords); type "count" is the parser's own whole-number
+# type (config/flags.py passes it), so its messages stay those of every other count.
+ARGUMENTS = (
+    ("--gradient-checkpointing", dict(action="store_true",
+         help="recompute each decoder layer in backward (keeps only each layer's input; ~1/3 more "
+              "compute); docs/memory.md")),
+    ("--checkpoint-layers", dict(type=layer_spec, default=None, metavar="SPEC",
+         help="checkpoint only these decoder layers: 'all', 'every:K' (layers 0, K, 2K, ...), 'first:N', "
+              "or a comma list of layer indices (0-based); implies checkpointing")),
+    ("--offload-activations", dict(action="store_true",
+         help="with checkpointing: each checkpointed layer's input in pinned host memory instead of the "
+              "GPU, copied on a side stream and fetched back one layer ahead in backward")),
+    ("--keep-attention", dict(action="store_true",
+         help="with checkpointing: keep attention's output and softmax statistics (2 bytes x hidden per "
+              "token per layer) and recompute only the rest of each checkpointed layer; at long context "
+              "attention is most of the recompute")),
+    ("--recompute-norms", dict(action="store_true",
+         help="layers not checkpointed keep each norm's input instead of its output (2 bytes x hidden x 2 "
+              "per token per layer less) and run the norm again in backward; results unchanged")),
+    ("--offload-layers", dict(type=layer_spec, default=None, metavar="SPEC",
+         help="layers (not checkpointed) whose saved tensors wait in pinned host memory, copied on a side "
+              "stream in forward and fetched back ahead of backward; same SPEC as --checkpoint-layers")),
+    ("--mlp-chunk-tokens", dict(type="count", default=0, metavar="N",
+         help="compute each MLP over chunks of N tokens, forward and backward, so that one chunk's "
+              "[N, intermediate] tensors exist at a time; 0 = off")),
+)
+
+
+def add_flags(group, count) -> None:
+    """Add the memory options' flags to an argparse group (make_parser's model options)."""
+    for flag, keywords in ARGUMENTS:
+        group.add_argument(flag, **(keywords | {"type": count} if keywords.get("type") == "count" else keywords))
+
+
 def values(cfg: RunConfig) -> dict:
     """The memory options' fields of a RunConfig (or of its `as_dict()`, a saved summary's `config`), by name: the
     one place they are read from it."""
