@@ -591,6 +591,10 @@ def test_the_offers_hints_and_checks_cover_every_memory_option():
         "offload_layers": ("--seq-len", "2048", "--offload-layers", "0"),
     }
     assert set(runs) == {o.name for o in options.OPTIONS}
+    # the parser's flags (ARGUMENTS) are the table's fields, one each, and every entry's own flag among them
+    flags = [flag for flag, _ in options.ARGUMENTS]
+    assert sorted(flags) == sorted("--" + f.replace("_", "-") for f in options.FIELDS), flags
+    assert {o.flag for o in options.OPTIONS} <= set(flags)
     for o in options.OPTIONS:
         cfg = _parsed("--model", "llama-3.1-8b", "--batch-size", "8",
                       *runs[o.name]).changed(device=torch.device("cuda"))  # (the decisions only look at the device's type)
