@@ -422,6 +422,7 @@ def _time_rows(m: int, k: int, rows: list, copy: float | None, cases) -> None:
         gbs = nbytes / us / 1e3
         rows.append(dict(quantizer=name, rows=m, cols=k, us=us, bytes=nbytes, gbs=gbs,
                          pct_copy=100 * gbs / copy if copy else None))
+        print(f"  [{len(rows)}] {name} at {m} x {k}: {us:.1f} us, {gbs:.0f} GB/s", flush=True)  # progress
 
 
 def mx_quant(smoke: bool) -> int:

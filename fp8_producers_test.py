@@ -299,6 +299,9 @@ def _near_plain_norm(tag, x, w, offset, casting, y, rstd):
         return
     ok = rstd_pair.isfinite()
     assert torch.equal(ok, rstd.isfinite()), tag
+    zero = rstd_pair == 0  # a row holding an infinity: its mean square is infinite, its rstd exactly 0 in both
+    assert torch.equal(zero, rstd == 0), tag
+    ok &= ~zero
     rel = ((rstd - rstd_pair).abs() / rstd_pair.abs())[ok].max().item()
     assert rel <= (hidden - 1) * 2.0**-24, f"{tag}: rstd {rel:.3e} relative"
     yf, pf = y.float(), y_pair.float()

@@ -35,6 +35,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 from pathlib import Path
 
 from playbook.runtime import signals
@@ -96,29 +97,39 @@ REAL_OLLAMA_NAME = "smollm2-walkthrough"
 OVERWRITE = ["--overwrite"]  # every step writes its results afresh
 
 
-def default_workload():
-    """(arguments, description, lesson) of steps 1 and 4a-4c on this machine."""
+class Workload(NamedTuple):
+    """Steps 1 and 4a-4c on this machine: the scripts' arguments, what they are, the lesson to look for, and the
+    profiles' batch where it differs from the runs' (steps 1 and 4c)."""
+    args: list[str]
+    desc: str
+    lesson: str
+    profile_batch: int | None = None
+
+
+def default_workload() -> Workload:
+    """Steps 1 and 4a-4c on this machine (Workload)."""
     data = ["--dataset", str(EXAMPLE_DATA.relative_to(HERE)), "--packing"]
     if not torch.cuda.is_available():
-        return (data + ["--model", "llama-tiny", "--steps", "12", "--lr", "2e-3", "--batch-size", "2", "--seq-len", "256",
-                        "--log-every", "5"],
+        return Workload(data + ["--model", "llama-tiny", "--steps", "12", "--lr", "2e-3", "--batch-size", "2",
+                                "--seq-len", "256", "--log-every", "5"],
                 "CPU: llama-tiny preset, 2 x 256 tokens, 12 steps (an interpreter run: timings mean nothing)",
                 "on a CPU both runs learn the same thing: compare the loss columns, not the speed")
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     big = data + ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "12", *GPU_LR,
                   "--eval-every", "3"]
     if gib >= 120:
-        return big, f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens", \
-            "the kernels make each step faster and leaner at the same loss"
+        return Workload(big, f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens",
+                        "the kernels make each step faster and leaner at the same loss")
     if gib >= 70:
         # The chats read as raw text: no per-example attention mask, whose extra activations would not
         # fit next to the optimized run's ~81 GB on an 80 GB card.
         # Raw text has no held-out examples: no --eval-every (the scripts refuse it without --dataset).
         text = ["--data", str(EXAMPLE_DATA.relative_to(HERE))] + _drop(big[3:], "--eval-every")
-        return text, f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens of the example file as raw text", \
-            "at this size the baseline does not fit this GPU and the optimized run does"
+        return Workload(text, (f"{gib:.0f} GiB GPU: full 8B fine-tune, 4 x 2048 tokens of the example file as raw "
+                               f"text (the profiles of steps 1 and 4c: {PROFILE_BATCH_80GB} x 2048, which the baseline fits)"),
+                        "at this size the baseline does not fit this GPU and the optimized run does", PROFILE_BATCH_80GB)
     layers = max(2, int(32 * gib / 100))
-    return (data + ["--model", "llama-3.1-8b", "--num-layers", str(layers), "--batch-size", "2", "--seq-len", "2048",
+    return Workload(data + ["--model", "llama-3.1-8b", "--num-layers", str(layers), "--batch-size", "2", "--seq-len", "2048",
                     "--steps", "12", *GPU_LR, "--eval-every", "3"],
             f"{gib:.0f} GiB GPU: the 8B architecture cut to {layers} layers, 2 x 2048 tokens",
             "a slice of the model, to fit this GPU: the ratios carry over, the absolute figures do not")
@@ -177,9 +188,11 @@ def banner(title: str, explain: str, cmd: list[str] | None = None, env: dict | N
     print(f"\n{'=' * 100}\n{title}\n{'=' * 100}\n{explain}\n{shown}", flush=True)
 
 
-def step(title: str, explain: str, cmd: list[str], may_fail_with: str | None = None, env: dict | None = None) -> bool:
+def step(title: str, explain: str, cmd: list[str], may_fail_with: str | tuple[str, ...] | None = None,
+         env: dict | None = None) -> bool:
     """Run one script (with `env` added to the environment); True when it succeeded. A failure stops the
-    walkthrough unless its output holds `may_fail_with` (the lesson of that step, e.g. running out of memory)."""
+    walkthrough unless its error output holds `may_fail_with` (one text or any of several: the lesson of that
+    step, e.g. running out of memory)."""
     banner(title, explain, cmd, env)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=HERE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
@@ -187,8 +200,9 @@ def step(title: str, explain: str, cmd: list[str], may_fail_with: str | None = N
     print(f"[{title.split(':')[0]} took {time.perf_counter() - t0:.0f} s]")
     if proc.returncode == 0:
         return True
-    if may_fail_with and may_fail_with in proc.stderr:
-        print(f"-> this step failed as it can at this size ({may_fail_with}); the walkthrough goes on.")
+    said = [m for m in ((may_fail_with,) if isinstance(may_fail_with, str) else may_fail_with or ()) if m in proc.stderr]
+    if said:
+        print(f"-> this step failed as it can at this size ({said[0]}); the walkthrough goes on.")
         return False
     raise failed_exit(cmd, proc.returncode)
 
@@ -398,31 +412,39 @@ def _arguments() -> tuple[argparse.Namespace, list[str]]:
     return args, kernel_tests
 
 
-def _workload(args: argparse.Namespace) -> list[str]:
-    """The arguments of steps 1 and 4a-4c: this machine's default, with the user's choices over it."""
-    workload, desc, lesson = default_workload()
+def _workload(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The arguments of steps 4a-4b and of the profiles (steps 1 and 4c): this machine's default, with the user's
+    choices over it (then the profiles run the runs' batch)."""
+    workload, desc, lesson, profile_batch = default_workload()
     for flag in ("model", "batch_size", "seq_len", "num_layers", "steps"):  # the user's choices win
         value = getattr(args, flag)
         if value is not None:
             workload = _replace(workload, "--" + flag.replace("_", "-"), str(value))
-            desc = "as given on the command line"
-    check_workload(workload, torch.cuda.is_available())  # every argument, before anything is said or run
+            desc, profile_batch = "as given on the command line", None
+    profile = profile_arguments(workload, profile_batch)
+    check_workload(workload, torch.cuda.is_available(), profile)  # every argument, before anything is said or run
     print(f"Walkthrough workload of steps 1 and 4a-4c: {desc}.\nThe lesson to look for: {lesson}.")
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         if not any(k in name for k in KNOWN_GPUS):
             print(f"Note: results/ holds no figures from a {name} yet: what you see here will be the first.")
-    return workload
+    return workload, profile
 
 
+# What a run that does not fit says on stderr: the memory plan's refusal before the model is built
+# (plan/check.py, too_big), or running out of memory anyway (plan/oom.py)
+DOES_NOT_FIT = ("the plan needs", "out of GPU memory")
+# Steps 1 and 4c on an 80 GB GPU: the baseline's step at 4 x 2048 needs ~116 GB (the memory plan), at 1 x 2048 ~81 GB
+PROFILE_BATCH_80GB = 1
 TRAINING_ONLY = ("--steps", "--lr", "--lr-warmup-steps", "--warmup-ratio", "--eval-every")  # flags of 4a/4b that a profile refuses
 
 
-def profile_arguments(workload: list[str]) -> list[str]:
-    """Steps 1 and 4c: the workload without the flags of a training run (each with its value)."""
+def profile_arguments(workload: list[str], batch: int | None = None) -> list[str]:
+    """Steps 1 and 4c: the workload without the flags of a training run (each with its value), at `batch` rows
+    where given (a 70-120 GiB GPU's default: one the baseline fits, so step 1 has a profile to show)."""
     for flag in TRAINING_ONLY:
         workload = _drop(workload, flag)
-    return workload
+    return workload if batch is None else _replace(workload, "--batch-size", str(batch))
 
 
 def _profile_baseline(prof: list[str], gpu: bool) -> None:
@@ -468,7 +490,7 @@ def _fine_tune_both(workload: list[str], py: str, gpu: bool) -> tuple[dict | Non
                       if gpu else "Look at the loss falling from line to line (tokens/s are the CPU's; there is "
                       "no GPU memory to measure)."),
                    [py, "finetune_baseline.py", *workload, "--tag", "walkthrough_baseline", *OVERWRITE],
-                   may_fail_with="out of GPU memory")
+                   may_fail_with=DOES_NOT_FIT)
     base = load("walkthrough_baseline") if base_ok else None
     if base:
         s = base["summary"]
@@ -677,7 +699,7 @@ def _summary(base: dict | None, opt: dict, real: list) -> None:
     print("Loss curves: " + ", ".join(str(shown(c)) for c in curves))
 
 
-def check_workload(workload: list[str], gpu: bool) -> None:
+def check_workload(workload: list[str], gpu: bool, profile: list[str] | None = None) -> None:
     """Every argument of steps 1 and 4a-4c checked by the scripts that take it, before Step 1: a bad one (--steps
     abc, --batch-size 0) is the script's one line and exit code 2 now, not a failure inside step 4a after the
     kernel tests ran."""
@@ -691,15 +713,16 @@ def check_workload(workload: list[str], gpu: bool) -> None:
     parse_config(quiet(make_parser("finetune_baseline.py")), BASELINE, workload)
     parse_config(quiet(make_parser("finetune_optimized.py", kernels_default=registry.DEFAULT_KERNELS)), OPTIMIZED,
                  [*workload, *(SAME_OPTIMIZER if gpu else [])])
-    parse_config(quiet(profile_baseline.make_profile_parser()), PROFILE, profile_arguments(workload))
+    parse_config(quiet(profile_baseline.make_profile_parser()), PROFILE,
+                 profile_arguments(workload) if profile is None else profile)
 
 
 def main():
     args, kernel_tests = _arguments()
-    workload = _workload(args)
+    workload, profile = _workload(args)
     py = sys.executable
     gpu = torch.cuda.is_available()
-    prof = [py, "profile_baseline.py", *profile_arguments(workload), *OVERWRITE]
+    prof = [py, "profile_baseline.py", *profile, *OVERWRITE]
     _profile_baseline(prof, gpu)
     RESULTS.mkdir(parents=True, exist_ok=True)
     _kernel_tests(args.skip_kernel_tests, kernel_tests, py)

@@ -350,6 +350,35 @@ def test_each_gpu_size_runs_arguments_its_scripts_take(gib, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Properties())
-    workload, desc, _ = walkthrough.default_workload()
+    workload, desc, _, profile_batch = walkthrough.default_workload()
     assert f"{gib} GiB GPU" in desc, desc
-    walkthrough.check_workload(workload, gpu=True)  # a refusal is SystemExit(2): the test fails with its line
+    walkthrough.check_workload(workload, gpu=True, profile=walkthrough.profile_arguments(workload, profile_batch))
+    # (a refusal is SystemExit(2): the test fails with its line)
+
+
+def test_an_80gb_gpu_profiles_a_baseline_that_fits(monkeypatch):
+    """On an 80 GB GPU the baseline's 8B step at 4 x 2048 does not fit: its memory plan stopped step 1 (the profile)
+    and with it the whole walkthrough on an H100. Steps 1 and 4c now profile a batch whose plan fits, step 4a's
+    refusal is one the walkthrough goes on after, and the optimized run (4b) fits at the full batch. The free
+    memory is the figure an H100 80GB reported to that plan: 84.37 GB."""
+    from playbook.config import BASELINE, OPTIMIZED, PROFILE, make_parser, parse_config
+    from playbook.plan.check import problem
+    import profile_baseline
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Properties())
+    monkeypatch.setenv("PLAYBOOK_FREE_MEMORY_GB", "84.37")
+    workload, _, _, batch = walkthrough.default_workload()
+    profile = walkthrough.profile_arguments(workload, batch)
+    assert batch is not None and "--batch-size" in profile
+    profiled = parse_config(profile_baseline.make_profile_parser(), PROFILE, profile)
+    run_base = parse_config(make_parser("finetune_baseline.py"), BASELINE, workload)
+    run_opt = parse_config(make_parser("finetune_optimized.py", kernels_default=walkthrough.registry.DEFAULT_KERNELS),
+                           OPTIMIZED, [*workload, *walkthrough.SAME_OPTIMIZER])
+    assert problem(profiled) is None, problem(profiled)
+    refusal = problem(run_base)
+    assert refusal is not None and any(m in refusal for m in walkthrough.DOES_NOT_FIT), refusal
+    assert problem(run_opt) is None, problem(run_opt)
