@@ -285,6 +285,14 @@ def test_hand_off_goes_only_to_the_same_unchanged_tensor():
     record("FP8 hand-off: only to the same, unchanged tensor, once", 0.0, 0.0, True)
 
 
+# How many bf16 roundings each casting mode makes on the way to y (rmsnorm_kernel's docstring): one (gemma: the
+# whole product in fp32), two (llama: the normalised value, then its product with the weight), three (none: the
+# inverse RMS too). An rstd within 2^-9 relative of the plain norm's flips at most the first rounding by one ulp;
+# each later rounding of a value already one ulp apart may add one more. Measured on an H100 at 8192 x 4096: 2
+# ulp in llama mode.
+ROUNDINGS = {"gemma": 1, "llama": 2, "none": 3}
+
+
 def _near_plain_norm(tag, x, w, offset, casting, y, rstd):
     """A producer's y and rstd against rmsnorm_kernel.rmsnorm_forward's: bit for bit in the interpreter; on
     a GPU within the bounds `test_rmsnorm_producer_gives_the_pair_bits` derives (another order of adding
@@ -309,7 +317,7 @@ def _near_plain_norm(tag, x, w, offset, casting, y, rstd):
     both = ~yf.isnan()
     ulp = torch.ldexp(torch.ones_like(yf), torch.frexp(torch.maximum(yf.abs(), pf.abs()))[1] - 8)
     worst = ((yf - pf).abs() / ulp)[both].max().item()
-    assert worst <= 1, f"{tag}: output {worst} bf16 ulp from the plain norm's"
+    assert worst <= ROUNDINGS[casting], f"{tag}: output {worst} bf16 ulp from the plain norm's"
     record(f"{tag}: rstd within {rel:.1e} relative, output within {worst:.0f} bf16 ulp of the plain norm", rel,
            (hidden - 1) * 2.0**-24, True)
 
@@ -329,8 +337,8 @@ def test_rmsnorm_producer_gives_the_pair_bits(rows, hidden, casting, offset):
     Triton's interpreter. On a GPU the two kernels may add a row's squares in another order (the
     compiler lays the block out for this kernel's other reductions too; measured on an H100): the
     inverse RMS then stays within (H - 1) x 2^-24 of the plain norm's, relative (the worst case of
-    reordering an fp32 sum of H non-negative terms), and each output within one bf16 ulp (that relative
-    change is below half an ulp, 2^-9, so at most one rounding flips). Inputs of mixed magnitudes, one
+    reordering an fp32 sum of H non-negative terms), and each output within one bf16 ulp per rounding of its
+    casting mode (that relative change is below half an ulp, 2^-9: ROUNDINGS). Inputs of mixed magnitudes, one
     row of zeros (its scale is the floor's) and one NaN (it poisons its own row, as in the pair).
     (LLaMA 3.1 8B's 8192 x 4096 on a GPU.)"""
     g = torch.Generator().manual_seed(rows)

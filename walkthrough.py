@@ -188,11 +188,11 @@ def banner(title: str, explain: str, cmd: list[str] | None = None, env: dict | N
     print(f"\n{'=' * 100}\n{title}\n{'=' * 100}\n{explain}\n{shown}", flush=True)
 
 
-def step(title: str, explain: str, cmd: list[str], may_fail_with: str | tuple[str, ...] | None = None,
+def step(title: str, explain: str, cmd: list[str], may_fail_with: dict[str, str] | None = None,
          env: dict | None = None) -> bool:
     """Run one script (with `env` added to the environment); True when it succeeded. A failure stops the
-    walkthrough unless its error output holds `may_fail_with` (one text or any of several: the lesson of that
-    step, e.g. running out of memory)."""
+    walkthrough unless its error output holds a text of `may_fail_with` ({text: what it means}: the lesson of
+    that step, e.g. a run that does not fit)."""
     banner(title, explain, cmd, env)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=HERE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
@@ -200,7 +200,7 @@ def step(title: str, explain: str, cmd: list[str], may_fail_with: str | tuple[st
     print(f"[{title.split(':')[0]} took {time.perf_counter() - t0:.0f} s]")
     if proc.returncode == 0:
         return True
-    said = [m for m in ((may_fail_with,) if isinstance(may_fail_with, str) else may_fail_with or ()) if m in proc.stderr]
+    said = [meaning for text, meaning in (may_fail_with or {}).items() if text in proc.stderr]
     if said:
         print(f"-> this step failed as it can at this size ({said[0]}); the walkthrough goes on.")
         return False
@@ -298,7 +298,7 @@ def side_by_side(base: dict | None, opt: dict) -> None:
         o = opt["summary"].get(key)
         change = "-" if b in (None, 0) or o is None or better is None else f"{o / b:.2f}x"
         fmt = (lambda v: "n/a" if v is None else (f"{v:.4f}" if "loss" in key else f"{v:,.1f}"))
-        rows.append((key, fmt(b) if base else "out of memory", fmt(o), change))
+        rows.append((key, fmt(b) if base else "did not fit", fmt(o), change))
     print(f"\nSteps 4a and 4b, baseline vs optimized ({opt['model']}, {opt['batch_size']} x {opt['seq_len']} tokens, "
           f"{opt['gpu']}):")
     kernels = " + ".join(opt.get("kernels", [])) or "no kernels"
@@ -433,7 +433,7 @@ def _workload(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 # What a run that does not fit says on stderr: the memory plan's refusal before the model is built
 # (plan/check.py, too_big), or running out of memory anyway (plan/oom.py)
-DOES_NOT_FIT = ("the plan needs", "out of GPU memory")
+DOES_NOT_FIT = {"the plan needs": "its memory plan does not fit this GPU", "out of GPU memory": "out of GPU memory"}
 # Steps 1 and 4c on an 80 GB GPU: the baseline's step at 4 x 2048 needs ~116 GB (the memory plan), at 1 x 2048 ~81 GB
 PROFILE_BATCH_80GB = 1
 TRAINING_ONLY = ("--steps", "--lr", "--lr-warmup-steps", "--warmup-ratio", "--eval-every")  # flags of 4a/4b that a profile refuses

@@ -382,3 +382,17 @@ def test_an_80gb_gpu_profiles_a_baseline_that_fits(monkeypatch):
     refusal = problem(run_base)
     assert refusal is not None and any(m in refusal for m in walkthrough.DOES_NOT_FIT), refusal
     assert problem(run_opt) is None, problem(run_opt)
+
+
+def test_a_step_that_does_not_fit_is_a_lesson_and_another_failure_stops(capsys):
+    """Step 4a may fail as the lesson of its size: the memory plan's refusal (or running out of memory) is said
+    in words and the walkthrough goes on; any other failure stops it with the step's exit code."""
+    def script(err: str, code: int) -> list[str]:
+        return [sys.executable, "-c", f"import sys; sys.stderr.write({err!r}); sys.exit({code})"]
+
+    refusal = "error: --batch-size 4 x --seq-len 2048: the plan needs 115.8 GB at its peak and the GPU has 84.4 GB free"
+    assert walkthrough.step("Step 4a: x", "", script(refusal, 2), may_fail_with=walkthrough.DOES_NOT_FIT) is False
+    assert "failed as it can at this size (its memory plan does not fit this GPU)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        walkthrough.step("Step 4a: x", "", script("Traceback: KeyError", 1), may_fail_with=walkthrough.DOES_NOT_FIT)
+    assert "failed (exit code 1); stopping here" in str(stop.value.code)
