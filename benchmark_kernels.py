@@ -492,6 +492,108 @@ def mx_quant(smoke: bool) -> int:
     return 0
 
 
+# --mx-quant --tune: the launch settings tried, (BLOCK_M, BLOCK_K, num_warps) for MXFP8 (tiles of 4K-16K values)
+# and (BLOCK_K, num_warps) for NVFP4 (its BLOCK_M also pads the transposed copy: fixed)
+MX_TUNE = [(m, k, w) for m in (32, 64, 128) for k in (32, 64, 128, 256) if 4096 <= m * k <= 16384 for w in (4, 8)]
+NV_TUNE = [(k, w) for k in (64, 128, 256) for w in (4, 8)]
+
+
+def mx_quant_tune(smoke: bool) -> int:
+    """Time each quantizer of `mx_quant` under each launch setting of MX_TUNE / NV_TUNE at the 8B step's shapes,
+    every setting's bytes checked against the reference first (a setting that differs is reported and not
+    timed); print every row as it is timed, then the fastest setting per quantizer and shape with its share of
+    the copy bandwidth, and save results/mx_quant_tune_<gpu>.json (not with `smoke`). The settings in force are
+    mx_quant_kernel's MX_CONFIG and NV_BLOCK_K / NV_NUM_WARPS, and fp8_producers_kernel's SWIGLU_MX_CONFIG (the SwiGLU
+    producer, timed at the MLP width against the bytes of the pair it replaces)."""
+    import json
+
+    import fp8_producers_kernel as f8p
+    import mx_quant_kernel as mq
+    import swiglu_kernel
+
+    gpu = torch.cuda.get_device_name() if ON_GPU else "CPU (Triton's interpreter)"
+    copy = copy_bandwidth_gbs() if ON_GPU else None
+    signs = mq.hadamard_signs(0)
+    print(f"{gpu}: " + (f"device-to-device copy {copy:.0f} GB/s; " if copy else "")
+          + "each setting checked bit for bit, then timed as CUDA graph replays (us, median)", flush=True)
+    mx_cases = (("mxfp8, copy along K", (True, False), 1), ("mxfp8, both copies", (True, True), 2))
+    nv_cases = (("nvfp4, copy along K (+ amax)", dict(), 1),
+                ("nvfp4, both, SR + Hadamard (+ amax)", dict(stochastic=True, seed=7, hadamard=signs), 2))
+    saved_mx, saved_nv, saved_swiglu = dict(mq.MX_CONFIG), (mq.NV_BLOCK_K, mq.NV_NUM_WARPS), f8p.SWIGLU_MX_CONFIG
+    rows, bad = [], 0
+    try:
+        for m, k in (MX_SMOKE_SHAPES if smoke else MX_SHAPES):
+            x = torch.randn(m, k, generator=generator(m, k)).to(DEVICE, torch.bfloat16)
+            ref = mq.quantize_mxfp8_ref(x) + mq.quantize_mxfp8_t_ref(x)
+            for name, (r, c), copies in mx_cases:
+                want = [t for t, keep in zip(ref, (r, r, c, c)) if keep]
+                for setting in (MX_TUNE[::len(MX_TUNE) - 1] if smoke else MX_TUNE):
+                    mq.MX_CONFIG = {**saved_mx, (r, c): setting}
+                    bad += _tune_row(rows, name, m, k, setting, copy, lambda: mq.quantize_mxfp8(x, r, c), want,
+                                     mq.ideal_bytes(m, k, torch.bfloat16, "mxfp8", copies))
+                mq.MX_CONFIG = dict(saved_mx)
+            for name, kw, copies in nv_cases:
+                both = copies == 2
+                want = None
+                for setting in (NV_TUNE[::len(NV_TUNE) - 1] if smoke else NV_TUNE):
+                    mq.NV_BLOCK_K, mq.NV_NUM_WARPS = setting
+                    run = (lambda: mq.quantize_nvfp4(x, True, both, **kw)[:4])
+                    if want is None:  # the reference once per case
+                        ref = mq.nvfp4_ref(x, kw.get("stochastic", False), kw.get("seed", 0), False, kw.get("hadamard"))
+                        want = [t for t in ref[:4] if t is not None][:4 if both else 2]
+                    bad += _tune_row(rows, name, m, k, setting, copy, run, want,
+                                     mq.ideal_bytes(m, k, torch.bfloat16, "nvfp4", copies))
+                mq.NV_BLOCK_K, mq.NV_NUM_WARPS = saved_nv
+        # The SwiGLU producer (fp8_producers_kernel.SWIGLU_MX_CONFIG) at the MLP width, against the pair's bytes
+        m, k = (MX_SMOKE_SHAPES if smoke else MX_SHAPES)[-1]
+        gate_up = torch.randn(m, 2 * k, generator=generator(m, 2 * k)).to(DEVICE, torch.bfloat16)
+        gate, up = swiglu_kernel.halves(gate_up)
+        h = swiglu_kernel.swiglu_forward(gate, up)
+        want = [h, *mq.quantize_mxfp8_ref(h), *mq.quantize_mxfp8_t_ref(h)]
+        for setting in (MX_TUNE[::len(MX_TUNE) - 1] if smoke else MX_TUNE):
+            f8p.SWIGLU_MX_CONFIG = setting
+            bad += _tune_row(rows, "swiglu writing mxfp8 (fused)", m, k, setting, copy,
+                             lambda: f8p.swiglu_quantize_mxfp8(gate, up), want,
+                             f8p.swiglu_mxfp8_ideal_bytes(m, k, torch.bfloat16))
+    finally:
+        mq.MX_CONFIG, (mq.NV_BLOCK_K, mq.NV_NUM_WARPS) = saved_mx, saved_nv
+        f8p.SWIGLU_MX_CONFIG = saved_swiglu
+    best = {}
+    for row in rows:
+        key = (row["quantizer"], row["rows"], row["cols"])
+        if row["us"] is not None and (key not in best or row["us"] < best[key]["us"]):
+            best[key] = row
+    print("\nFastest setting per quantizer and shape (in force: MX_CONFIG "
+          f"{saved_mx}, NVFP4 BLOCK_K {saved_nv[0]} on {saved_nv[1]} warps, SWIGLU_MX_CONFIG {saved_swiglu}):")
+    for (name, m, k), row in best.items():
+        share = f", {row['pct_copy']:.0f} % of copy" if row["pct_copy"] else ""
+        print(f"  {name} at {m} x {k}: {row['setting']} {row['us']:.1f} us, {row['gbs']:.0f} GB/s{share}")
+    if bad:
+        print(f"{bad} setting(s) wrote other bytes than the reference: not timed", file=sys.stderr)
+    if ON_GPU and not smoke:
+        path = RESULTS / f"mx_quant_tune_{gpu.replace(' ', '_')}.json"
+        RESULTS.mkdir(exist_ok=True)
+        write_atomic(path, json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_gbs=copy, rows=rows), indent=1) + "\n")
+        print(f"Saved {path.relative_to(RESULTS.parent)}")
+    return 1 if bad else 0
+
+
+def _tune_row(rows: list, name: str, m: int, k: int, setting, copy, run, want, nbytes) -> int:
+    """One setting of `mx_quant_tune`: its output against `want` bit for bit, then timed; 1 when it differed."""
+    got = [t for t in run() if t is not None]
+    same = len(got) == len(want) and all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+                                         for a, b in zip(got, want))
+    us = gbs = None
+    if same:
+        (us, _, _), _ = timed_graph(run)
+        gbs = nbytes / us / 1e3
+    rows.append(dict(quantizer=name, rows=m, cols=k, setting=list(setting), us=us, gbs=gbs,
+                     pct_copy=100 * gbs / copy if copy and gbs else None, same_bytes=same))
+    print(f"  {name} at {m} x {k}, {setting}: " + (f"{us:.1f} us, {gbs:.0f} GB/s" if same else
+                                                   "bytes differ from the reference: not timed"), flush=True)
+    return 0 if same else 1
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernels", type=kernel_list, default=KERNEL_NAMES, metavar="NAMES",
@@ -516,7 +618,7 @@ def main():
             print("--mx-quant times the quantizers at LLaMA 3.1 8B's shapes, which need a CUDA GPU (or add --smoke)",
                   file=sys.stderr)
             return 2
-        return mx_quant(args.smoke)
+        return mx_quant_tune(args.smoke) if args.tune else mx_quant(args.smoke)
     if args.fp8_producers:
         if not ON_GPU:
             print("--fp8-producers times kernels at LLaMA 3.1 8B's sizes, which need a CUDA GPU", file=sys.stderr)

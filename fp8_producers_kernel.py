@@ -237,6 +237,7 @@ def _swiglu_quantize_mxfp8(
     M,  # rows (tokens)
     I,  # the MLP width
     M_pad,  # M rounded up to 32
+    BLOCK_M: tl.constexpr,  # rows per program, a multiple of 32 (mx_quant_kernel.mxfp8_tile)
     BLOCK_K: tl.constexpr,  # columns per program, a multiple of 32
     ACT: tl.constexpr,  # "silu" or "gelu_tanh" (swiglu_kernel.py)
     WRITE_QT: tl.constexpr,  # also the transposed copy (the reader keeps it for dW)
@@ -246,7 +247,7 @@ def _swiglu_quantize_mxfp8(
     mx_quant_kernel's [32, BLOCK_K] tiles, whose 1x32 and 32x1 blocks lie inside the tile, so both copies
     come from registers (`mxq.mxfp8_tile`) and h is never read back. Unlike the row-wise copy, no whole
     row is needed: a block's scale depends on its 32 values only."""
-    rows = tl.program_id(0).to(tl.int64) * 32 + tl.arange(0, 32)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < I)[None, :]
     g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -254,7 +255,7 @@ def _swiglu_quantize_mxfp8(
     h = act_out(g, u, ACT).to(Hout.dtype.element_ty)  # rounded as stored: the copies are made of these values
     tl.store(Hout + rows[:, None] * I + cols[None, :], h, mask=mask)
     # act(0) * 0 = 0 past M and I: mx_quant's padding rule
-    mxq.mxfp8_tile(mxq.as_f32(h), Q, S, QT, ST, M, I, M_pad, 0, 0, BLOCK_K, True, WRITE_QT, False,
+    mxq.mxfp8_tile(mxq.as_f32(h), Q, S, QT, ST, M, I, M_pad, 0, 0, BLOCK_M, BLOCK_K, True, WRITE_QT, False,
                    ROUND_IN_SOFTWARE)
 
 
@@ -449,11 +450,13 @@ def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor, activation: str = "
     )
     return h, q, scale, (partial.amax(dim=0) if col_max else None)
 
-# On: the MXFP8 copies come from the same [32, 128] tiles as mx_quant's quantizer, so no whole rows are
+# On: the MXFP8 copies come from tiles of whole 32-row blocks, as mx_quant's quantizer's, so no whole rows are
 # held (the row-wise producer's cost above); it moves 2 bytes per element of the MLP width fewer than
 # swiglu_kernel's forward and `quantize_mxfp8` (`swiglu_mxfp8_ideal_bytes`). `benchmark_kernels.py --mx-quant`
 # times the two.
 SWIGLU_WRITES_MX = True
+# Its (BLOCK_M, BLOCK_K, num_warps): tiles as mx_quant_kernel.MX_CONFIG's (`benchmark_kernels.py --mx-quant --tune`)
+SWIGLU_MX_CONFIG = (32, 128, 4)
 
 
 def swiglu_quantize_mxfp8(g2: torch.Tensor, u2: torch.Tensor, activation: str = "silu", cols: bool = True):
@@ -471,11 +474,12 @@ def swiglu_quantize_mxfp8(g2: torch.Tensor, u2: torch.Tensor, activation: str = 
     qt = torch.empty((I, m_pad) if cols else (0,), dtype=FP8_DTYPE, device=dev)
     st = torch.empty((I, m_pad // mxq.MX_BLOCK) if cols else (0,), dtype=torch.uint8, device=dev).view(e8)
     if M and I:
-        grid = (m_pad // mxq.MX_BLOCK, triton.cdiv(I, mxq.MX_BLOCK_K))
+        block_m, block_k, warps = SWIGLU_MX_CONFIG
+        grid = (triton.cdiv(m_pad, block_m), triton.cdiv(I, block_k))
         _swiglu_quantize_mxfp8[grid](
             g2, u2, h, q, s.view(torch.uint8), qt, st.view(torch.uint8), g2.stride(0), u2.stride(0), M, I, m_pad,
-            BLOCK_K=mxq.MX_BLOCK_K, ACT=activation, WRITE_QT=cols, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
-            num_warps=mxq.MX_NUM_WARPS,
+            BLOCK_M=block_m, BLOCK_K=block_k, ACT=activation, WRITE_QT=cols, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
+            num_warps=warps,
         )
     elif cols:
         qt.view(torch.uint8).zero_()

@@ -537,6 +537,20 @@ def test_swiglu_mxfp8_producer_gives_the_pair_bits(rows, width, activation):
     _same_bits(f"{tag}: q without the transposed copy", rows_only[1], ours[0])
 
 
+@pytest.mark.parametrize("config", [(64, 64, 4), (128, 32, 8)])
+def test_swiglu_mxfp8_producer_tiles_of_several_blocks(config, monkeypatch):
+    """The producer's launch settings that `benchmark_kernels.py --mx-quant --tune` may choose (64 or 128 rows per
+    program) write the bytes of the pair: 97 rows end inside a program's second and fourth 32-row block."""
+    import swiglu_kernel
+
+    monkeypatch.setattr(fp8_producers_kernel, "SWIGLU_MX_CONFIG", config)
+    gate, up = swiglu_kernel.halves(_gate_up(97, 200, seed=5))
+    h, *ours = fp8_producers_kernel.swiglu_quantize_mxfp8(gate, up, "silu")
+    pair = mx_quant_kernel.quantize_mxfp8(swiglu_kernel.swiglu_forward(gate, up, "silu"), True, True)
+    for what, o, e in zip(("q", "scales", "qT", "scales of qT"), ours, pair):
+        _same_bits(f"SwiGLU + MXFP8 tiles {config}: {what}", o.view(torch.uint8), e.view(torch.uint8))
+
+
 def test_swiglu_mxfp8_producer_bytes():
     """The pair reads gate and up and writes h (6 bytes per element), then reads h and writes both copies
     (2 + 2 x 1.03); the producer skips the read of h: 2 bytes per element of the MLP width fewer."""

@@ -193,6 +193,7 @@ def _mxfp8_quantize(
     M_pad,  # M rounded up to 32
     S_TILES,  # 4-block tiles per row of S (swizzled layout): cdiv(cdiv(K, 32), 4)
     ST_TILES,  # the same for ST: cdiv(M_pad / 32, 4)
+    BLOCK_M: tl.constexpr,  # rows per program, a multiple of 32
     BLOCK_K: tl.constexpr,  # columns per program, a multiple of 32
     WRITE_Q: tl.constexpr,
     WRITE_QT: tl.constexpr,
@@ -200,19 +201,21 @@ def _mxfp8_quantize(
     ROUND_IN_SOFTWARE: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * 32 + tl.arange(0, 32)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     x = as_f32(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
                         other=0.0))  # missing values read as 0: the padding rule
-    mxfp8_tile(x, Q, S, QT, ST, M, K, M_pad, S_TILES, ST_TILES, BLOCK_K, WRITE_Q, WRITE_QT, SWIZZLE, ROUND_IN_SOFTWARE)
+    mxfp8_tile(x, Q, S, QT, ST, M, K, M_pad, S_TILES, ST_TILES, BLOCK_M, BLOCK_K, WRITE_Q, WRITE_QT, SWIZZLE,
+               ROUND_IN_SOFTWARE)
 
 
 @triton.jit
 def mxfp8_tile(
-    x,  # this program's [32, BLOCK_K] fp32 tile of rows 32 pid_m.., columns BLOCK_K pid_k.. (0 past M and K)
+    x,  # this program's [BLOCK_M, BLOCK_K] fp32 tile of rows BLOCK_M pid_m.., columns BLOCK_K pid_k.. (0 past M, K)
     Q, S, QT, ST,  # the copies and their scales, as in `_mxfp8_quantize`
     M, K, M_pad, S_TILES, ST_TILES,
-    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # a multiple of 32: BLOCK_M / 32 blocks along M per column, and that many bytes of
+    BLOCK_K: tl.constexpr,  # each transposed row stored together (32 per program was a short write)
     WRITE_Q: tl.constexpr,
     WRITE_QT: tl.constexpr,
     SWIZZLE: tl.constexpr,
@@ -220,28 +223,31 @@ def mxfp8_tile(
 ):
     """Both MXFP8 copies of one tile already in registers, written with their scales: `_mxfp8_quantize`'s
     work after its load, public for a kernel that computes the tile itself (fp8_producers_kernel's SwiGLU)."""
-    BLOCK_M: tl.constexpr = 32
     NB: tl.constexpr = BLOCK_K // 32
+    NBM: tl.constexpr = BLOCK_M // 32
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < K
-    nan = tl.full(x.shape, float("nan"), tl.float32)
     if WRITE_Q:  # 1x32 blocks along K
         mxfp8_rows(x, rows, cols, pid_k.to(tl.int64) * NB, Q, S, M, K, S_TILES, BLOCK_M, BLOCK_K, SWIZZLE,
                    ROUND_IN_SOFTWARE)
-    if WRITE_QT:  # 32x1 blocks along M: one block per column of the tile, written as a row of QT
-        amax_t, bad_t = _finite_amax(tl.abs(x), 0)
+    if WRITE_QT:  # 32x1 blocks along M: NBM blocks per column of the tile, written as a row of QT
+        x3 = tl.reshape(x, (NBM, 32, BLOCK_K))
+        amax_t, bad_t = _finite_amax(tl.abs(x3), 1)  # [NBM, BLOCK_K]
         byte_t, inv_t = _e8m0(amax_t)
-        v_t = tl.where(bad_t[None, :], nan, x * inv_t[None, :])
+        v_t = tl.reshape(tl.where(bad_t[:, None, :], float("nan"), x3 * inv_t[:, None, :]), (BLOCK_M, BLOCK_K))
         qt = cast_e4m3(v_t, ROUND_IN_SOFTWARE)
         tl.store(QT + cols[:, None] * M_pad + rows[None, :], tl.trans(qt),
                  mask=col_ok[:, None] & (rows < M_pad)[None, :])
-        byte_t = tl.where(bad_t, _E8M0_NAN, byte_t).to(tl.uint8)
+        byte_t = tl.trans(tl.where(bad_t, _E8M0_NAN, byte_t).to(tl.uint8))  # [BLOCK_K, NBM]
+        c2 = cols[:, None] + tl.zeros((BLOCK_K, NBM), tl.int64)
+        b2 = pid_m.to(tl.int64) * NBM + tl.arange(0, NBM)[None, :] + tl.zeros((BLOCK_K, NBM), tl.int64)
+        t_ok = (c2 < K) & (b2 < M_pad // 32)
         if SWIZZLE:
-            tl.store(ST + _swizzled(cols, pid_m.to(tl.int64), ST_TILES), byte_t, mask=col_ok)
+            tl.store(ST + _swizzled(c2, b2, ST_TILES), byte_t, mask=t_ok)
         else:
-            tl.store(ST + cols * (M_pad // 32) + pid_m, byte_t, mask=col_ok)
+            tl.store(ST + c2 * (M_pad // 32) + b2, byte_t, mask=t_ok)
 
 
 @triton.jit
@@ -411,10 +417,13 @@ def _nvfp4_quantize(
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
-# [32, 128] tiles on 4 warps: 8 KB of bf16 per program, 32 values per thread; a starting point, not
-# swept (benchmark_kernels.py --mx-quant times it against a device copy).
+# Tiles and warps per program. MX_CONFIG: (BLOCK_M, BLOCK_K, num_warps) by the copies asked for, (along K,
+# along M); `benchmark_kernels.py --mx-quant --tune` times the choices on the GPU at hand, each checked bit for
+# bit first. MX_BLOCK_K / MX_NUM_WARPS: the [32, BLOCK_K] tiles of the producers (fp8_producers_kernel.py).
 MX_BLOCK_K, MX_NUM_WARPS = 128, 4
-NV_BLOCK_M, NV_BLOCK_K, NV_NUM_WARPS = 32, 128, 4
+MX_CONFIG = {(True, False): (32, MX_BLOCK_K, MX_NUM_WARPS), (False, True): (32, MX_BLOCK_K, MX_NUM_WARPS),
+             (True, True): (32, MX_BLOCK_K, MX_NUM_WARPS)}
+NV_BLOCK_M, NV_BLOCK_K, NV_NUM_WARPS = 32, 128, 4  # NV_BLOCK_M also pads the transposed copy's tokens
 
 
 def scale_buffer(rows: int, blocks: int, swizzle: bool, dtype, device) -> torch.Tensor:
@@ -439,12 +448,13 @@ def quantize_mxfp8(x2: torch.Tensor, rows: bool = True, cols: bool = False, swiz
     qt = torch.empty((K, m_pad) if cols else (0,), dtype=FP8_DTYPE, device=dev)
     st = scale_buffer(K, m_pad // MX_BLOCK, swizzle, e8, dev) if cols else torch.empty(0, dtype=e8, device=dev)
     if M and K:
-        grid = (m_pad // MX_BLOCK, triton.cdiv(K, MX_BLOCK_K))
+        block_m, block_k, warps = MX_CONFIG[(bool(rows), bool(cols))]
+        grid = (triton.cdiv(m_pad, block_m), triton.cdiv(K, block_k))
         _mxfp8_quantize[grid](
             x2, q, s.view(torch.uint8), qt, st.view(torch.uint8), x2.stride(0), M, K, m_pad,
             -(-n_blocks // 4), -(-(m_pad // MX_BLOCK) // 4),
-            BLOCK_K=MX_BLOCK_K, WRITE_Q=rows, WRITE_QT=cols, SWIZZLE=swizzle, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
-            num_warps=MX_NUM_WARPS,
+            BLOCK_M=block_m, BLOCK_K=block_k, WRITE_Q=rows, WRITE_QT=cols, SWIZZLE=swizzle,
+            ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=warps,
         )
     elif cols:
         qt.view(torch.uint8).zero_()

@@ -69,6 +69,24 @@ def test_mxfp8_kernel_matches_reference_bit_for_bit(shape):
     exactly(f"MXFP8 {shape} qT alone", bits(mq.quantize_mxfp8(x, False, True)[2]), bits(rqt))
 
 
+@pytest.mark.parametrize("config", [(64, 64, 4), (128, 32, 8)])
+def test_mxfp8_every_tile_configuration_writes_the_same_bytes(config, monkeypatch):
+    """The tiles `benchmark_kernels.py --mx-quant --tune` may choose (several 32-row blocks per program, so
+    that a transposed row is stored 64 or 128 bytes at a time) write the reference's bytes, natural and
+    swizzled: 97 rows end inside a program's second and fourth block, 160 columns inside its tile."""
+    monkeypatch.setattr(mq, "MX_CONFIG", {key: config for key in mq.MX_CONFIG})
+    x = specials((97, 160))
+    rq, rs = mq.quantize_mxfp8_ref(x)
+    rqt, rst = mq.quantize_mxfp8_t_ref(x)
+    for swizzle in (False, True):
+        q, s, qt, st = mq.quantize_mxfp8(x, True, True, swizzle=swizzle)
+        fix = mx_swizzled_scales if swizzle else (lambda t: t)
+        for what, ours, ref in (("q", q, rq), ("scales", s, fix(rs.cpu())), ("qT", qt, rqt),
+                                ("scales of qT", st, fix(rst.cpu()))):
+            exactly(f"MXFP8 tiles {config} swizzle={swizzle} {what}: bits", bits(ours), bits(ref))
+    exactly(f"MXFP8 tiles {config} qT alone", bits(mq.quantize_mxfp8(x, False, True)[2]), bits(rqt))
+
+
 def test_mxfp8_swizzled_scales_are_the_layout_cublas_reads():
     """The kernel's swizzled scales equal fp8_recipes_kernel.mx_swizzled_scales of the natural ones,
     padding bytes (zeros) included: 130 rows (two 128-row tiles, the second mostly padding) and 9 blocks."""

@@ -132,7 +132,7 @@ def test_mx_quant_rows_check_then_time(monkeypatch, capsys):
     shapes' file); without --smoke on a CPU, exit 2 in one line."""
     assert _main(monkeypatch, "--mx-quant", "--smoke") == 0
     out = capsys.readouterr().out
-    assert out.count("70 x 96") == 8 and "nvfp4, both, SR + Hadamard" in out
+    assert out.count("| 70 x 96 ") == 8 and out.count("] ") >= 8 and "nvfp4, both, SR + Hadamard" in out  # table, progress
     assert "rmsnorm writing mxfp8 (fused)" in out and "swiglu writing mxfp8 (fused)" in out
     if torch.cuda.is_available():
         assert "device-to-device copy" in out and "not saved" in out and "Saved" not in out, out
@@ -142,6 +142,24 @@ def test_mx_quant_rows_check_then_time(monkeypatch, capsys):
         assert capsys.readouterr().err.count("\n") == 1
     record("--mx-quant --smoke: 4 quantizer rows and the MXFP8 producers with their pairs checked and run", 0.0,
            0.0, True)
+
+
+def test_mx_quant_tune_checks_every_setting_then_names_the_fastest(monkeypatch, capsys):
+    """--mx-quant --tune --smoke: the first and last launch settings of each quantizer (MXFP8 tiles of 32 and 128
+    rows, NVFP4 tiles of 64 and 256 columns) and of the SwiGLU producer write the reference's bytes and run; the
+    fastest per quantizer is named; the settings in force are given back afterwards."""
+    import fp8_producers_kernel as f8p
+    import mx_quant_kernel as mq
+
+    before = (dict(mq.MX_CONFIG), mq.NV_BLOCK_K, mq.NV_NUM_WARPS, f8p.SWIGLU_MX_CONFIG)
+    assert _main(monkeypatch, "--mx-quant", "--tune", "--smoke") == 0
+    out = capsys.readouterr().out
+    assert "bytes differ" not in out and out.count("at 70 x 96, (") == 10, out
+    assert "(32, 128, 4)" in out and "(128, 128, 8)" in out and "(256, 8)" in out
+    assert out.count("Fastest setting") == 1 and out.split("Fastest setting")[1].count("70 x 96") == 5
+    assert "swiglu writing mxfp8 (fused) at 70 x 96, (128, 128, 8)" in out
+    assert (dict(mq.MX_CONFIG), mq.NV_BLOCK_K, mq.NV_NUM_WARPS, f8p.SWIGLU_MX_CONFIG) == before
+    record("--mx-quant --tune --smoke: 10 settings checked and run, the fastest named", 0.0, 0.0, True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
