@@ -503,7 +503,7 @@ def mx_quant_tune(smoke: bool) -> int:
     every setting's bytes checked against the reference first (a setting that differs is reported and not
     timed); print every row as it is timed, then the fastest setting per quantizer and shape with its share of
     the copy bandwidth, and save results/mx_quant_tune_<gpu>.json (not with `smoke`). The settings in force are
-    mx_quant_kernel's MX_CONFIG and NV_BLOCK_K / NV_NUM_WARPS, and fp8_producers_kernel's SWIGLU_MX_CONFIG (the SwiGLU
+    mx_quant_kernel's MX_CONFIG and NV_CONFIG, and fp8_producers_kernel's SWIGLU_MX_CONFIG (the SwiGLU
     producer, timed at the MLP width against the bytes of the pair it replaces)."""
     import json
 
@@ -519,7 +519,7 @@ def mx_quant_tune(smoke: bool) -> int:
     mx_cases = (("mxfp8, copy along K", (True, False), 1), ("mxfp8, both copies", (True, True), 2))
     nv_cases = (("nvfp4, copy along K (+ amax)", dict(), 1),
                 ("nvfp4, both, SR + Hadamard (+ amax)", dict(stochastic=True, seed=7, hadamard=signs), 2))
-    saved_mx, saved_nv, saved_swiglu = dict(mq.MX_CONFIG), (mq.NV_BLOCK_K, mq.NV_NUM_WARPS), f8p.SWIGLU_MX_CONFIG
+    saved_mx, saved_nv, saved_swiglu = dict(mq.MX_CONFIG), dict(mq.NV_CONFIG), f8p.SWIGLU_MX_CONFIG
     rows, bad = [], 0
     try:
         for m, k in (MX_SMOKE_SHAPES if smoke else MX_SHAPES):
@@ -536,14 +536,14 @@ def mx_quant_tune(smoke: bool) -> int:
                 both = copies == 2
                 want = None
                 for setting in (NV_TUNE[::len(NV_TUNE) - 1] if smoke else NV_TUNE):
-                    mq.NV_BLOCK_K, mq.NV_NUM_WARPS = setting
+                    mq.NV_CONFIG = {**saved_nv, (True, both): setting}
                     run = (lambda: mq.quantize_nvfp4(x, True, both, **kw)[:4])
                     if want is None:  # the reference once per case
                         ref = mq.nvfp4_ref(x, kw.get("stochastic", False), kw.get("seed", 0), False, kw.get("hadamard"))
                         want = [t for t in ref[:4] if t is not None][:4 if both else 2]
                     bad += _tune_row(rows, name, m, k, setting, copy, run, want,
                                      mq.ideal_bytes(m, k, torch.bfloat16, "nvfp4", copies))
-                mq.NV_BLOCK_K, mq.NV_NUM_WARPS = saved_nv
+                mq.NV_CONFIG = dict(saved_nv)
         # The SwiGLU producer (fp8_producers_kernel.SWIGLU_MX_CONFIG) at the MLP width, against the pair's bytes
         m, k = (MX_SMOKE_SHAPES if smoke else MX_SHAPES)[-1]
         gate_up = torch.randn(m, 2 * k, generator=generator(m, 2 * k)).to(DEVICE, torch.bfloat16)
@@ -556,7 +556,7 @@ def mx_quant_tune(smoke: bool) -> int:
                              lambda: f8p.swiglu_quantize_mxfp8(gate, up), want,
                              f8p.swiglu_mxfp8_ideal_bytes(m, k, torch.bfloat16))
     finally:
-        mq.MX_CONFIG, (mq.NV_BLOCK_K, mq.NV_NUM_WARPS) = saved_mx, saved_nv
+        mq.MX_CONFIG, mq.NV_CONFIG = saved_mx, saved_nv
         f8p.SWIGLU_MX_CONFIG = saved_swiglu
     best = {}
     for row in rows:
@@ -564,7 +564,7 @@ def mx_quant_tune(smoke: bool) -> int:
         if row["us"] is not None and (key not in best or row["us"] < best[key]["us"]):
             best[key] = row
     print("\nFastest setting per quantizer and shape (in force: MX_CONFIG "
-          f"{saved_mx}, NVFP4 BLOCK_K {saved_nv[0]} on {saved_nv[1]} warps, SWIGLU_MX_CONFIG {saved_swiglu}):")
+          f"{saved_mx}, NV_CONFIG {saved_nv}, SWIGLU_MX_CONFIG {saved_swiglu}):")
     for (name, m, k), row in best.items():
         share = f", {row['pct_copy']:.0f} % of copy" if row["pct_copy"] else ""
         print(f"  {name} at {m} x {k}: {row['setting']} {row['us']:.1f} us, {row['gbs']:.0f} GB/s{share}")

@@ -417,13 +417,17 @@ def _nvfp4_quantize(
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
-# Tiles and warps per program. MX_CONFIG: (BLOCK_M, BLOCK_K, num_warps) by the copies asked for, (along K,
-# along M); `benchmark_kernels.py --mx-quant --tune` times the choices on the GPU at hand, each checked bit for
-# bit first. MX_BLOCK_K / MX_NUM_WARPS: the [32, BLOCK_K] tiles of the producers (fp8_producers_kernel.py).
+# Tiles and warps per program, by the copies asked for, (along K, along M): MX_CONFIG (BLOCK_M, BLOCK_K,
+# num_warps), NV_CONFIG (BLOCK_K, num_warps; NV_BLOCK_M, which also pads the transposed copy's tokens, is fixed).
+# `benchmark_kernels.py --mx-quant --tune` times the choices on the GPU at hand, each checked bit for bit first;
+# these are its fastest on an H100 at the 8B step's shapes (results/H100/mx_quant_tune.log): tiles of more than
+# 32 rows were slower for the transposed copy, 256 columns 1-4 % faster along K alone, and NVFP4's transposed
+# copy with stochastic rounding and the Hadamard transform 1.7x faster on [32, 64] tiles and 8 warps than on
+# [32, 128] and 4. MX_BLOCK_K / MX_NUM_WARPS: the [32, BLOCK_K] tiles of the producers (fp8_producers_kernel.py).
 MX_BLOCK_K, MX_NUM_WARPS = 128, 4
-MX_CONFIG = {(True, False): (32, MX_BLOCK_K, MX_NUM_WARPS), (False, True): (32, MX_BLOCK_K, MX_NUM_WARPS),
-             (True, True): (32, MX_BLOCK_K, MX_NUM_WARPS)}
-NV_BLOCK_M, NV_BLOCK_K, NV_NUM_WARPS = 32, 128, 4  # NV_BLOCK_M also pads the transposed copy's tokens
+MX_CONFIG = {(True, False): (32, 256, 4), (False, True): (32, 128, 4), (True, True): (32, 128, 4)}
+NV_BLOCK_M = 32
+NV_CONFIG = {(True, False): (128, 4), (False, True): (64, 8), (True, True): (64, 8)}
 
 
 def scale_buffer(rows: int, blocks: int, swizzle: bool, dtype, device) -> torch.Tensor:
@@ -516,13 +520,14 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
     qt = torch.empty((K, m_pad // 2) if cols else (0,), dtype=torch.uint8, device=dev)
     st = scale_buffer(K, m_pad // NV_BLOCK, swizzle, e4, dev) if cols else torch.empty(0, dtype=e4, device=dev)
     if M and K:
-        grid = (m_pad // NV_BLOCK_M, triton.cdiv(K, NV_BLOCK_K))
+        block_k, warps = NV_CONFIG[(bool(rows), bool(cols))]
+        grid = (m_pad // NV_BLOCK_M, triton.cdiv(K, block_k))
         _nvfp4_quantize[grid](
             x2, q, s.view(torch.uint8), qt, st.view(torch.uint8), g, x2.stride(0), M, K, k_pad, m_pad,
             -(-(k_pad // NV_BLOCK) // 4), -(-(m_pad // NV_BLOCK) // 4), int(seed),
-            BLOCK_M=NV_BLOCK_M, BLOCK_K=NV_BLOCK_K, TILES=tiles, WRITE_Q=rows, WRITE_QT=cols, STOCHASTIC=stochastic,
+            BLOCK_M=NV_BLOCK_M, BLOCK_K=block_k, TILES=tiles, WRITE_Q=rows, WRITE_QT=cols, STOCHASTIC=stochastic,
             HADAMARD=hadamard is not None, SIGNS=hadamard or 0, SWIZZLE=swizzle, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
-            num_warps=NV_NUM_WARPS,
+            num_warps=warps,
         )
     elif cols:
         qt.zero_()

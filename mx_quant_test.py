@@ -65,8 +65,11 @@ def test_mxfp8_kernel_matches_reference_bit_for_bit(shape):
     rqt, rst = mq.quantize_mxfp8_t_ref(x)
     for what, ours, ref in (("q", q, rq), ("scales", s, rs), ("qT", qt, rqt), ("scales of qT", st, rst)):
         exactly(f"MXFP8 {shape} {what}: bits", bits(ours), bits(ref))
-    # One copy alone writes the same bytes as both at once
+    # One copy alone (each with its own launch settings, MX_CONFIG) writes the same bytes as both at once
     exactly(f"MXFP8 {shape} qT alone", bits(mq.quantize_mxfp8(x, False, True)[2]), bits(rqt))
+    q1, s1, _, _ = mq.quantize_mxfp8(x, True, False)
+    exactly(f"MXFP8 {shape} q alone", bits(q1), bits(rq))
+    exactly(f"MXFP8 {shape} scales of q alone", bits(s1), bits(rs))
 
 
 @pytest.mark.parametrize("config", [(64, 64, 4), (128, 32, 8)])

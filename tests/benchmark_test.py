@@ -151,14 +151,14 @@ def test_mx_quant_tune_checks_every_setting_then_names_the_fastest(monkeypatch, 
     import fp8_producers_kernel as f8p
     import mx_quant_kernel as mq
 
-    before = (dict(mq.MX_CONFIG), mq.NV_BLOCK_K, mq.NV_NUM_WARPS, f8p.SWIGLU_MX_CONFIG)
+    before = (dict(mq.MX_CONFIG), dict(mq.NV_CONFIG), f8p.SWIGLU_MX_CONFIG)
     assert _main(monkeypatch, "--mx-quant", "--tune", "--smoke") == 0
     out = capsys.readouterr().out
     assert "bytes differ" not in out and out.count("at 70 x 96, (") == 10, out
     assert "(32, 128, 4)" in out and "(128, 128, 8)" in out and "(256, 8)" in out
     assert out.count("Fastest setting") == 1 and out.split("Fastest setting")[1].count("70 x 96") == 5
     assert "swiglu writing mxfp8 (fused) at 70 x 96, (128, 128, 8)" in out
-    assert (dict(mq.MX_CONFIG), mq.NV_BLOCK_K, mq.NV_NUM_WARPS, f8p.SWIGLU_MX_CONFIG) == before
+    assert (dict(mq.MX_CONFIG), dict(mq.NV_CONFIG), f8p.SWIGLU_MX_CONFIG) == before
     record("--mx-quant --tune --smoke: 10 settings checked and run, the fastest named", 0.0, 0.0, True)
 
 
