@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from playbook.sections import TrainingSection
+
 
 def warmup_steps(lr_warmup_steps: int, warmup_ratio: float, total: int, saved: dict | None = None) -> int:
     """The warm-up's length in steps: --lr-warmup-steps, or --warmup-ratio of the run's `total` steps rounded up
@@ -32,9 +34,11 @@ def schedule_factor(step: int, total: int, warmup: int, kind: str) -> float:
     return 1.0
 
 
-def length_change(saved: dict, start: int, steps: int, lr: float) -> str:
+def length_change(saved: dict, start: int, steps: int, training: TrainingSection) -> str:
     """What a run resumed at step `start` with another length (`steps`) than the checkpoint's schedule (`saved`,
-    LRSchedule.state_dict) does to the rate, in one line: a decay is rebuilt for the new length."""
+    LRSchedule.state_dict) does to the rate of `training` (its peak, --lr), in one line: a decay is rebuilt for
+    the new length."""
+    lr = training.lr
     kind = saved["kind"]
     if kind == "constant":
         return (f"The run's length changes from {saved['total']} to {steps} steps (constant learning rate: "

@@ -164,7 +164,7 @@ def check_resume(cfg: RunConfig, info: dict, settings: dict, steps: int) -> None
         refuse_differences(cfg, settings_differences(saved, settings))
     schedule = info["scheduler"]
     if schedule and schedule["total"] != steps and info["step"] < steps:
-        log(length_change(schedule, info["step"], steps, cfg.training.lr))
+        log(length_change(schedule, info["step"], steps, cfg.training))
 
 
 def check_resumed_run(cfg: RunConfig, info: dict, settings: dict, steps: int) -> None:
