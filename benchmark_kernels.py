@@ -520,37 +520,36 @@ def mx_quant_tune(smoke: bool) -> int:
     nv_cases = (("nvfp4, copy along K (+ amax)", dict(), 1),
                 ("nvfp4, both, SR + Hadamard (+ amax)", dict(stochastic=True, seed=7, hadamard=signs), 2))
     saved_mx, saved_nv, saved_swiglu = dict(mq.MX_CONFIG), dict(mq.NV_CONFIG), f8p.SWIGLU_MX_CONFIG
+    shapes = MX_SMOKE_SHAPES if smoke else MX_SHAPES
+    mx_settings = MX_TUNE[::len(MX_TUNE) - 1] if smoke else MX_TUNE  # the smoke: the first and the last
+    nv_settings = NV_TUNE[::len(NV_TUNE) - 1] if smoke else NV_TUNE
     rows, bad = [], 0
-    try:
-        for m, k in (MX_SMOKE_SHAPES if smoke else MX_SHAPES):
+    try:  # each setting in force for its own copies only, the others as saved
+        for m, k in shapes:
             x = torch.randn(m, k, generator=generator(m, k)).to(DEVICE, torch.bfloat16)
             ref = mq.quantize_mxfp8_ref(x) + mq.quantize_mxfp8_t_ref(x)
             for name, (r, c), copies in mx_cases:
                 want = [t for t, keep in zip(ref, (r, r, c, c)) if keep]
-                for setting in (MX_TUNE[::len(MX_TUNE) - 1] if smoke else MX_TUNE):
+                for setting in mx_settings:
                     mq.MX_CONFIG = {**saved_mx, (r, c): setting}
                     bad += _tune_row(rows, name, m, k, setting, copy, lambda: mq.quantize_mxfp8(x, r, c), want,
                                      mq.ideal_bytes(m, k, torch.bfloat16, "mxfp8", copies))
-                mq.MX_CONFIG = dict(saved_mx)
             for name, kw, copies in nv_cases:
                 both = copies == 2
-                want = None
-                for setting in (NV_TUNE[::len(NV_TUNE) - 1] if smoke else NV_TUNE):
+                ref = mq.nvfp4_ref(x, kw.get("stochastic", False), kw.get("seed", 0), False, kw.get("hadamard"))
+                want = list(ref[:4 if both else 2])
+                for setting in nv_settings:
                     mq.NV_CONFIG = {**saved_nv, (True, both): setting}
-                    run = (lambda: mq.quantize_nvfp4(x, True, both, **kw)[:4])
-                    if want is None:  # the reference once per case
-                        ref = mq.nvfp4_ref(x, kw.get("stochastic", False), kw.get("seed", 0), False, kw.get("hadamard"))
-                        want = [t for t in ref[:4] if t is not None][:4 if both else 2]
-                    bad += _tune_row(rows, name, m, k, setting, copy, run, want,
+                    bad += _tune_row(rows, name, m, k, setting, copy,
+                                     lambda: mq.quantize_nvfp4(x, True, both, **kw)[:4], want,
                                      mq.ideal_bytes(m, k, torch.bfloat16, "nvfp4", copies))
-                mq.NV_CONFIG = dict(saved_nv)
         # The SwiGLU producer (fp8_producers_kernel.SWIGLU_MX_CONFIG) at the MLP width, against the pair's bytes
-        m, k = (MX_SMOKE_SHAPES if smoke else MX_SHAPES)[-1]
+        m, k = shapes[-1]
         gate_up = torch.randn(m, 2 * k, generator=generator(m, 2 * k)).to(DEVICE, torch.bfloat16)
         gate, up = swiglu_kernel.halves(gate_up)
         h = swiglu_kernel.swiglu_forward(gate, up)
         want = [h, *mq.quantize_mxfp8_ref(h), *mq.quantize_mxfp8_t_ref(h)]
-        for setting in (MX_TUNE[::len(MX_TUNE) - 1] if smoke else MX_TUNE):
+        for setting in mx_settings:
             f8p.SWIGLU_MX_CONFIG = setting
             bad += _tune_row(rows, "swiglu writing mxfp8 (fused)", m, k, setting, copy,
                              lambda: f8p.swiglu_quantize_mxfp8(gate, up), want,

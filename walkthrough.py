@@ -702,7 +702,7 @@ def _summary(base: dict | None, opt: dict, real: list) -> None:
     print("Loss curves: " + ", ".join(str(shown(c)) for c in curves))
 
 
-def check_workload(workload: list[str], gpu: bool, profile: list[str] | None = None) -> None:
+def check_workload(workload: list[str], gpu: bool, profile: list[str]) -> None:
     """Every argument of steps 1 and 4a-4c checked by the scripts that take it, before Step 1: a bad one (--steps
     abc, --batch-size 0) is the script's one line and exit code 2 now, not a failure inside step 4a after the
     kernel tests ran."""
@@ -716,8 +716,7 @@ def check_workload(workload: list[str], gpu: bool, profile: list[str] | None = N
     parse_config(quiet(make_parser("finetune_baseline.py")), BASELINE, workload)
     parse_config(quiet(make_parser("finetune_optimized.py", kernels_default=registry.DEFAULT_KERNELS)), OPTIMIZED,
                  [*workload, *(SAME_OPTIMIZER if gpu else [])])
-    parse_config(quiet(profile_baseline.make_profile_parser()), PROFILE,
-                 profile_arguments(workload) if profile is None else profile)
+    parse_config(quiet(profile_baseline.make_profile_parser()), PROFILE, profile)
 
 
 def main():
