@@ -506,7 +506,10 @@ def _fine_tune_both(workload: list[str], py: str, gpu: bool) -> tuple[dict | Non
              f"{', '.join(model_kernels)}\n(the Triton AdamW of the default set runs on a GPU only: PyTorch's AdamW "
              "here, as in the baseline; lora joins with --lora-r).\n"))
          + ("Look at the same three numbers: the loss must follow the baseline's; tokens/s up, peak memory down."
-            if gpu else "The loss must follow the baseline's. The kernels run in Triton's interpreter here, so tokens/s\n"
+            if gpu and base_ok else
+            "The baseline did not fit at this size: look at this run's loss falling, its tokens/s and its peak\n"
+            "memory, under this GPU's." if gpu else
+            "The loss must follow the baseline's. The kernels run in Triton's interpreter here, so tokens/s\n"
             "fall far below the baseline's: on a CPU the loss is the result, not the speed."),
          [py, "finetune_optimized.py", *workload, *(SAME_OPTIMIZER if gpu else []), "--tag", "walkthrough_optimized",
           *OVERWRITE])
