@@ -286,7 +286,8 @@ class BlockScaledFrozenLinear(Float8Linear):
         import fp8_recipes_kernel as recipes
 
         r = get_recipe(self.recipe)
-        xq, sx, _, _ = recipes.quant_operand(x2, r.scaling, False, True, False, False)
+        xq, sx, _, _ = recipes.quant_operand(x2, r.scaling, False, True, False, False,
+                                            four_over_six=r.four_over_six)
         return recipes.mm_scaled(xq, sx, self.weight, self._scales(False), r.scaling, True, False, False, r.emulated)
 
     def frozen_input_grad(self, dy2: torch.Tensor) -> torch.Tensor:
@@ -329,7 +330,8 @@ def store_block_scaled_weight(layer: Float8Linear) -> None:
                          "this one is trained")
     scaling = get_recipe(layer.recipe).scaling
     layer.base_fingerprints = {"weight": fingerprint(layer.weight)}
-    q, s, qt, st = recipes.quant_operand(layer.weight.detach(), scaling, True, True, True, False)
+    q, s, qt, st = recipes.quant_operand(layer.weight.detach(), scaling, True, True, True, False,
+                                         four_over_six=get_recipe(layer.recipe).four_over_six)
     if scaling == "nvfp4":
         (s, g), (st, gt) = s, st
         layer.register_buffer("weight_tensor_scale", g)

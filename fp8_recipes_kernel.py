@@ -339,7 +339,8 @@ def _quant_tiles(x2, mode: str, rows: bool, cols: bool, ops: bool, amax=None):
 _sr_seeds = itertools.count(1)  # a fresh Philox seed for each stochastically rounded gradient
 
 
-def quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: bool, amax=None, grad: bool = False):
+def quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: bool, amax=None, grad: bool = False,
+                  four_over_six: bool = False):
     """t [M, K] quantized for the matmuls that reduce over K (rows: a copy like t) and for the one
     that reduces over M (cols: the transposed copy [K, M_pad]), each with its natural scales. Weights
     take 128x128 tiles in the block-wise recipe (one quantization serves both of their matmuls),
@@ -347,7 +348,8 @@ def quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: b
     the reduction, both copies from one read (mx_quant_kernel.quantize_mxfp8). NVFP4
     (mx_quant_kernel.quantize_nvfp4): weights in 16x16 tiles, activations and gradients in 1x16 blocks,
     the transposed copies (dW's operands) through the random Hadamard transform, gradients (`grad`)
-    rounded stochastically; its scales are (block scales, tensor scale) pairs."""
+    rounded stochastically; its scales are (block scales, tensor scale) pairs; `four_over_six` (the
+    nvfp4-46 recipe): weights in 1x16 blocks too, weights and activations with Four Over Six block scales."""
     if scaling == "mx":  # while torch.compile traces: the references (plain PyTorch, the same bits)
         if ops:
             return (mxq.quantize_mxfp8_ref(t2) if rows else (None, None)) + (
@@ -355,11 +357,12 @@ def quant_operand(t2, scaling: str, weight: bool, rows: bool, cols: bool, ops: b
         return mxq.quantize_mxfp8(as_rows(t2), rows, cols)
     if scaling == "nvfp4":
         seed, signs = next(_sr_seeds) % 2**31 if grad else 0, None if weight else NVFP4_HADAMARD_SIGNS
+        tiles, adaptive = weight and not four_over_six, four_over_six and not grad
         if ops:
-            q, s, qt, st, g, gt = mxq.nvfp4_ref(t2, grad, seed, weight, signs)
+            q, s, qt, st, g, gt = mxq.nvfp4_ref(t2, grad, seed, tiles, signs, adaptive)
         else:
-            q, s, qt, st, g, gt = mxq.quantize_nvfp4(as_rows(t2), rows, cols, tiles=weight, stochastic=grad, seed=seed,
-                                                     hadamard=signs)
+            q, s, qt, st, g, gt = mxq.quantize_nvfp4(as_rows(t2), rows, cols, tiles=tiles, stochastic=grad, seed=seed,
+                                                     hadamard=signs, adaptive=adaptive)
         return ((q, (s, g)) if rows else (None, None)) + ((qt, (st, gt)) if cols else (None, None))
     mode = "tensor" if scaling == "tensor" else "tile" if weight else "act"
     return _quant_tiles(t2, mode, rows, cols, ops, amax)
@@ -398,7 +401,8 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, keep_fp8_input: bool, need_input_grad: bool,
-                need_weight_grad: bool, scaling: str, ops: bool, emulate: bool = False, handoff=None):
+                need_weight_grad: bool, scaling: str, ops: bool, emulate: bool = False, handoff=None,
+                four_over_six: bool = False):
         # NVFP4's scales are (block, tensor) pairs, which save_for_backward does not take: it keeps x
         keep_fp8 = keep_fp8_input and need_weight_grad and scaling != "nvfp4"
         w_amax = None
@@ -414,17 +418,17 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
             elif transposed:
                 xqt, sxt = transposed
             else:
-                xqt, sxt = quant_operand(x2, scaling, False, False, True, ops)[2:]
+                xqt, sxt = quant_operand(x2, scaling, False, False, True, ops, four_over_six=four_over_six)[2:]
         else:
-            xq, sx, xqt, sxt = quant_operand(x2, scaling, False, True, keep_fp8, ops)
-        wq, sw, _, _ = quant_operand(weight, scaling, True, True, False, ops, w_amax)
+            xq, sx, xqt, sxt = quant_operand(x2, scaling, False, True, keep_fp8, ops, four_over_six=four_over_six)
+        wq, sw, _, _ = quant_operand(weight, scaling, True, True, False, ops, w_amax, four_over_six=four_over_six)
         # Fast accumulation in the forward only, as in the row-wise recipe; not with 1x128 blocks,
         # whose point is the precision of each block's partial sum.
         fast = scaling == "tensor" and fast_accum_allowed(x2.device)
         y = mm_scaled(xq, sx, wq, sw, scaling, True, fast, ops, emulate)
         saved = (xqt, sxt) if keep_fp8 else (x2,) if need_weight_grad else ()
         ctx.keep_fp8, ctx.scaling, ctx.ops, ctx.n_saved, ctx.emulate = keep_fp8, scaling, ops, len(saved), emulate
-        ctx.handoff = handoff
+        ctx.handoff, ctx.four_over_six = handoff, four_over_six
         ctx.save_for_backward(weight, *((w_amax,) if w_amax is not None else ()), *saved)
         return y.to(x2.dtype)
 
@@ -435,19 +439,20 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         saved = rest[len(rest) - ctx.n_saved:]
         w_amax = rest[0] if len(rest) > ctx.n_saved else None
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        scaling, ops = ctx.scaling, ctx.ops
+        scaling, ops, four = ctx.scaling, ctx.ops, ctx.four_over_six
         if ctx.handoff is not None:
             ctx.handoff.start_backward()  # the forward's shared copies are not needed any more
         dy2 = as_rows(dy)
-        dyq, sdy, dyqt, sdyt = quant_operand(dy2, scaling, False, need_dx, need_dw, ops, grad=True)
+        dyq, sdy, dyqt, sdyt = quant_operand(dy2, scaling, False, need_dx, need_dw, ops, grad=True, four_over_six=four)
         dx = dw = None
         if need_dx:  # dx = dy W: b = W, column-major, i.e. W^T row-major, in blocks along N
-            _, _, wqt, swt = quant_operand(weight, scaling, True, False, True, ops, w_amax)
+            _, _, wqt, swt = quant_operand(weight, scaling, True, False, True, ops, w_amax, four_over_six=four)
             dx = mm_scaled(dyq, sdy, wqt, swt, scaling, True, False, ops, ctx.emulate).to(dy.dtype)
         if need_dw:  # dW = dy^T x: both transposed copies, reduced over the (zero-padded) tokens
-            xqt, sxt = saved if ctx.keep_fp8 else quant_operand(saved[0], scaling, False, False, True, ops)[2:]
+            xqt, sxt = saved if ctx.keep_fp8 else quant_operand(saved[0], scaling, False, False, True, ops,
+                                                                four_over_six=four)[2:]
             dw = mm_scaled(dyqt, sdyt, xqt, sxt, scaling, False, False, ops, ctx.emulate).to(weight.dtype)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def probe_scaled_mm(device: torch.device, scaling: str) -> None:
@@ -573,7 +578,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return _fp8_linear_eager(x, weight, bias, keep_fp8_input, handoff, recipe)
     return linear_frame(x, weight, bias, recipe, check_fp8_device, lambda x2, need_dx, need_dw, ops: (
         Float8ScaledLinearFunction.apply(x2, weight, keep_fp8_input, need_dx, need_dw, r.scaling, ops, r.emulated,
-                                         None if ops else handoff)))
+                                         None if ops else handoff, r.four_over_six)))
 
 
 class Float8ScaledLinear(Float8Linear):

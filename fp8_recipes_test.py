@@ -93,7 +93,7 @@ def _check_plumbing(tag, ours, a_deq, b_deq, exact):
     return rel
 
 
-@pytest.mark.parametrize("recipe", [r for r in RUNNABLE if r not in ("rowwise-bf16-ends", "nvfp4")])  # nvfp4: mx_quant_test.py
+@pytest.mark.parametrize("recipe", [r for r in RUNNABLE if r not in ("rowwise-bf16-ends", "nvfp4", "nvfp4-46")])  # nvfp4: mx_quant_test.py
 def test_recipe_forward_and_gradients(recipe):
     """74 tokens (padding to 16, 32 and 128 along the tokens), 512 -> 1024 features (whole groups of
     four 128x128 tiles, and N != K so that a transposed scale cannot pass), values over seven decades."""

@@ -302,13 +302,57 @@ def _nvfp4_pack(x, scale_of_value, g, U, ROWS: tl.constexpr, COLS: tl.constexpr,
 
 
 @triton.jit
-def _nvfp4_scales(amax, bad, g, ROUND_IN_SOFTWARE: tl.constexpr):
-    """(e4m3 block scales, as fp32 values) for block maxima amax: e4m3(min(amax / (6 g), 448)), NaN if bad."""
-    s = tl.math.div_rn(amax, g * 6.0)
+def _nvfp4_scales(amax, bad, g, ROUND_IN_SOFTWARE: tl.constexpr, TOP: tl.constexpr):
+    """(e4m3 block scales, as fp32 values) for block maxima amax: e4m3(min(amax / (TOP g), 448)), NaN if bad;
+    TOP: the e2m1 value a block's maximum maps to (6; 4 for Four Over Six's other candidate)."""
+    s = tl.math.div_rn(amax, g * TOP)
     s = tl.where(bad, float("nan"), tl.minimum(s, _FP8_MAX))
     s8 = cast_e4m3(s, ROUND_IN_SOFTWARE)
     # NaN from the flag, not from the e4m3 byte: the interpreter reads e4m3's NaN (0x7F) back as 480
     return s8.to(tl.uint8, bitcast=True), tl.where(bad, float("nan"), s8.to(tl.float32))
+
+
+@triton.jit
+def _e2m1_value(code):
+    """The fp32 value of e2m1 codes (int32, sign in bit 3): E2M1_VALUES, negated for the sign."""
+    c = code & 7
+    m = tl.where(c < 4, c.to(tl.float32) * 0.5,
+                 tl.where(c == 4, 2.0, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0))))
+    return tl.where((code & 8) != 0, -m, m)
+
+
+@triton.jit
+def _nvfp4_codes_error(x, sf, g, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(e2m1 codes to nearest [ROWS, COLS], each 1x16 block's squared error [ROWS, COLS / 16]) of x under block
+    scales sf: the error of a value is value(code) * s * g - x, squared, and a block's 16 are added in pairs
+    ((0 + 1) + (2 + 3)) + ..., a fixed order the reference repeats (the launch turns off fused multiply-add
+    for the same reason: `_nvfp4_adaptive_ref`)."""
+    NB: tl.constexpr = COLS // 16
+    d = tl.reshape(tl.broadcast_to(sf[:, :, None], (ROWS, NB, 16)), (ROWS, COLS)) * g
+    v = tl.where(d > 0, tl.math.div_rn(x, tl.where(d > 0, d, 1.0)), 0.0)
+    code = _e2m1_codes(v, 0.0, False)
+    e = _e2m1_value(code) * d - x
+    a, b = tl.split(tl.reshape(e * e, (ROWS, NB, 8, 2)))
+    a, b = tl.split(tl.reshape(a + b, (ROWS, NB, 4, 2)))
+    a, b = tl.split(tl.reshape(a + b, (ROWS, NB, 2, 2)))
+    a, b = tl.split(a + b)
+    return code, a + b
+
+
+@triton.jit
+def _nvfp4_adaptive(x, amax, bad, g, ROWS: tl.constexpr, COLS: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr):
+    """Four Over Six: (packed e2m1 bytes [ROWS, COLS / 2], e4m3 block scales [ROWS, COLS / 16]) of x, each 1x16
+    block scaled so that its maximum maps to 6 or to 4, whichever leaves the smaller squared error (6 on a tie:
+    the plain recipe's; a block with a NaN or an infinity keeps its NaN scale)."""
+    NB: tl.constexpr = COLS // 16
+    s8_6, sf_6 = _nvfp4_scales(amax, bad, g, ROUND_IN_SOFTWARE, 6.0)
+    s8_4, sf_4 = _nvfp4_scales(amax, bad, g, ROUND_IN_SOFTWARE, 4.0)
+    code_6, err_6 = _nvfp4_codes_error(x, sf_6, g, ROWS, COLS)
+    code_4, err_4 = _nvfp4_codes_error(x, sf_4, g, ROWS, COLS)
+    four = err_4 < err_6  # False where either is NaN
+    code = tl.where(tl.reshape(tl.broadcast_to(four[:, :, None], (ROWS, NB, 16)), (ROWS, COLS)), code_4, code_6)
+    lo, hi = tl.split(tl.reshape(code, (ROWS, COLS // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8), tl.where(four, s8_4, s8_6)
 
 
 @triton.jit
@@ -345,6 +389,7 @@ def _nvfp4_quantize(
     WRITE_Q: tl.constexpr,
     WRITE_QT: tl.constexpr,
     STOCHASTIC: tl.constexpr,  # stochastic rounding (gradients), else to nearest even
+    ADAPTIVE: tl.constexpr,  # Four Over Six block scales (`_nvfp4_adaptive`; 1x16 blocks, to nearest)
     HADAMARD: tl.constexpr,  # the random Hadamard transform of the transposed copy, along M
     SIGNS: tl.constexpr,  # its 16 random signs, one bit each
     SWIZZLE: tl.constexpr,
@@ -364,19 +409,22 @@ def _nvfp4_quantize(
         bad4 = (a4 != a4) | (a4 == float("inf"))
         amax_t = tl.max(tl.max(tl.where(bad4, 0.0, a4), axis=3), axis=1)  # [NBM, NB]
         bad_t = tl.max(tl.max(bad4.to(tl.int32), axis=3), axis=1) > 0
-        s8_t, sf_t = _nvfp4_scales(amax_t, bad_t, g, ROUND_IN_SOFTWARE)
+        s8_t, sf_t = _nvfp4_scales(amax_t, bad_t, g, ROUND_IN_SOFTWARE, 6.0)
     if WRITE_Q:
         if TILES:
             s8 = tl.reshape(tl.broadcast_to(s8_t[:, None, :], (NBM, 16, NB)), (BLOCK_M, NB))
             sf = tl.reshape(tl.broadcast_to(sf_t[:, None, :], (NBM, 16, NB)), (BLOCK_M, NB))
         else:
             amax, bad = _finite_amax(tl.abs(tl.reshape(x, (BLOCK_M, NB, 16))), 2)
-            s8, sf = _nvfp4_scales(amax, bad, g, ROUND_IN_SOFTWARE)
-        sfv = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_M, NB, 16)), (BLOCK_M, BLOCK_K))
-        U = 0.0
-        if STOCHASTIC:
-            U = _uniform(seed, rows[:, None] * K_pad + cols[None, :])
-        packed = _nvfp4_pack(x, sfv, g, U, BLOCK_M, BLOCK_K, STOCHASTIC)
+            s8, sf = _nvfp4_scales(amax, bad, g, ROUND_IN_SOFTWARE, 6.0)
+        if ADAPTIVE:
+            packed, s8 = _nvfp4_adaptive(x, amax, bad, g, BLOCK_M, BLOCK_K, ROUND_IN_SOFTWARE)
+        else:
+            sfv = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_M, NB, 16)), (BLOCK_M, BLOCK_K))
+            U = 0.0
+            if STOCHASTIC:
+                U = _uniform(seed, rows[:, None] * K_pad + cols[None, :])
+            packed = _nvfp4_pack(x, sfv, g, U, BLOCK_M, BLOCK_K, STOCHASTIC)
         pcols = pid_k.to(tl.int64) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         tl.store(Q + rows[:, None] * (K_pad // 2) + pcols[None, :], packed,
                  mask=row_ok[:, None] & (pcols < K_pad // 2)[None, :])
@@ -398,12 +446,15 @@ def _nvfp4_quantize(
             sft = tl.reshape(tl.broadcast_to(tl.trans(sf_t)[:, None, :], (NB, 16, NBM)), (BLOCK_K, NBM))
         else:
             amax_c, bad_c = _finite_amax(tl.abs(tl.reshape(xt, (BLOCK_K, NBM, 16))), 2)
-            s8t, sft = _nvfp4_scales(amax_c, bad_c, g_t, ROUND_IN_SOFTWARE)
-        sftv = tl.reshape(tl.broadcast_to(sft[:, :, None], (BLOCK_K, NBM, 16)), (BLOCK_K, BLOCK_M))
-        U_t = 0.0
-        if STOCHASTIC:  # another stream than the row copy's: offsets past it
-            U_t = _uniform(seed, M_pad * K_pad + cols[:, None] * M_pad + rows[None, :])
-        packed_t = _nvfp4_pack(xt, sftv, g_t, U_t, BLOCK_K, BLOCK_M, STOCHASTIC)
+            s8t, sft = _nvfp4_scales(amax_c, bad_c, g_t, ROUND_IN_SOFTWARE, 6.0)
+        if ADAPTIVE:
+            packed_t, s8t = _nvfp4_adaptive(xt, amax_c, bad_c, g_t, BLOCK_K, BLOCK_M, ROUND_IN_SOFTWARE)
+        else:
+            sftv = tl.reshape(tl.broadcast_to(sft[:, :, None], (BLOCK_K, NBM, 16)), (BLOCK_K, BLOCK_M))
+            U_t = 0.0
+            if STOCHASTIC:  # another stream than the row copy's: offsets past it
+                U_t = _uniform(seed, M_pad * K_pad + cols[:, None] * M_pad + rows[None, :])
+            packed_t = _nvfp4_pack(xt, sftv, g_t, U_t, BLOCK_K, BLOCK_M, STOCHASTIC)
         prow = pid_m.to(tl.int64) * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
         tl.store(QT + cols[:, None] * (M_pad // 2) + prow[None, :], packed_t, mask=col_ok[:, None])
         c2 = cols[:, None] + tl.zeros((BLOCK_K, NBM), tl.int64)
@@ -491,7 +542,7 @@ def hadamard_signs(seed: int) -> int:
 
 def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tiles: bool = False,
                    stochastic: bool = False, seed: int = 0, hadamard: int | None = None, swizzle: bool = False,
-                   amax: torch.Tensor | None = None):
+                   amax: torch.Tensor | None = None, adaptive: bool = False):
     """x [M, K] as NVFP4: (q [M, K_pad / 2] uint8, scales [M, K_pad / 16] e4m3, qT [K, M_pad / 2] uint8,
     scales [K, M_pad / 16] e4m3, g [1] fp32, the transposed copy's g [1]), K_pad = K rounded up to 16,
     M_pad = M rounded up to 32
@@ -502,7 +553,9 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
     Hadamard transform applied to the transposed copy along M (`hadamard_signs`), None for none; that
     copy then takes 4 g as its tensor scale (the transform grows a value by at most 16 x 1/4 = 4x, so no
     block saturates; a power of two, so exact);
-    amax: the tensor's largest finite |x| ([1] fp32) if known, else `tensor_amax` reads x for it."""
+    amax: the tensor's largest finite |x| ([1] fp32) if known, else `tensor_amax` reads x for it;
+    adaptive: Four Over Six (Cook et al., 2025): each 1x16 block's maximum maps to 6 or to 4, whichever leaves
+    the smaller squared error (`_nvfp4_adaptive`); to nearest only, not with tiles."""
     if x2.dim() != 2 or x2.stride(-1) != 1:
         raise ValueError(f"quantize_nvfp4 takes a 2-D tensor with unit stride along K, got {tuple(x2.shape)}")
     kernel_utils.check_device(x2, *([] if amax is None else [amax]))
@@ -510,6 +563,9 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
     if tiles and hadamard is not None:
         raise ValueError("NVFP4: the Hadamard transform is for the dW operands (activations, gradients), not 16x16 "
                          "weight tiles")
+    if adaptive and (tiles or stochastic):
+        raise ValueError("NVFP4 Four Over Six (adaptive) compares errors of 1x16 blocks rounded to nearest: not with "
+                         "16x16 tiles or stochastic rounding")
     if tiles and (M % NV_BLOCK or K % NV_BLOCK):
         raise ValueError(f"NVFP4 16x16 tiles: the weight's shape {M} x {K} must be multiples of 16")
     k_pad, m_pad = -(-K // NV_BLOCK) * NV_BLOCK, -(-M // NV_BLOCK_M) * NV_BLOCK_M
@@ -526,8 +582,9 @@ def quantize_nvfp4(x2: torch.Tensor, rows: bool = True, cols: bool = False, tile
             x2, q, s.view(torch.uint8), qt, st.view(torch.uint8), g, x2.stride(0), M, K, k_pad, m_pad,
             -(-(k_pad // NV_BLOCK) // 4), -(-(m_pad // NV_BLOCK) // 4), int(seed),
             BLOCK_M=NV_BLOCK_M, BLOCK_K=block_k, TILES=tiles, WRITE_Q=rows, WRITE_QT=cols, STOCHASTIC=stochastic,
-            HADAMARD=hadamard is not None, SIGNS=hadamard or 0, SWIZZLE=swizzle, ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE,
-            num_warps=warps,
+            ADAPTIVE=adaptive, HADAMARD=hadamard is not None, SIGNS=hadamard or 0, SWIZZLE=swizzle,
+            ROUND_IN_SOFTWARE=ROUND_IN_SOFTWARE, num_warps=warps,
+            enable_fp_fusion=not adaptive,  # Four Over Six's errors: each product rounded, as in the reference
         )
     elif cols:
         qt.zero_()
@@ -655,8 +712,8 @@ def hadamard_ref(x: torch.Tensor, signs: int) -> torch.Tensor:
     return (y * 0.25).view(R, C)
 
 
-def _nvfp4_scales_ref(amax, bad, g):
-    s = amax / (g * 6.0)
+def _nvfp4_scales_ref(amax, bad, g, top: float = 6.0):
+    s = amax / (g * top)
     s = torch.where(bad, float("nan"), s.clamp(max=FP8_MAX))
     s8 = s.to(FP8_DTYPE)
     return s8, s8.float()
@@ -669,10 +726,34 @@ def _nvfp4_values_ref(xf, sf, g, u):
     return (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
 
 
-def quantize_nvfp4_ref(x: torch.Tensor, g: torch.Tensor, tiles: bool = False, u: torch.Tensor | None = None):
+def _nvfp4_adaptive_ref(xf, amax, bad, g):
+    """`_nvfp4_adaptive` in PyTorch: (packed codes, e4m3 scales) of padded xf [M, K_pad], each 1x16 block scaled
+    to 6 or to 4 by the smaller squared error, the block's errors added in the kernel's order."""
+    M, k_pad = xf.shape
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=xf.device)
+    out = []
+    for top in (6.0, 4.0):
+        s8, sf = _nvfp4_scales_ref(amax, bad, g, top)
+        d = sf.repeat_interleave(16, dim=1) * g
+        code = e2m1_codes_ref(torch.where(d > 0, xf / torch.where(d > 0, d, 1.0), 0.0))
+        e = table[code.long()] * d - xf
+        err = (e * e).view(M, k_pad // 16, 16)
+        while err.shape[-1] > 1:  # pairs: (0 + 1), (2 + 3), ... then their sums in pairs
+            err = err[..., 0::2] + err[..., 1::2]
+        out.append((code, s8, err[..., 0]))
+    (code_6, s8_6, err_6), (code_4, s8_4, err_4) = out
+    four = err_4 < err_6
+    code = torch.where(four.repeat_interleave(16, dim=1), code_4, code_6)
+    return (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8), torch.where(four, s8_4.view(torch.uint8),
+                                                                               s8_6.view(torch.uint8)).view(FP8_DTYPE)
+
+
+def quantize_nvfp4_ref(x: torch.Tensor, g: torch.Tensor, tiles: bool = False, u: torch.Tensor | None = None,
+                       adaptive: bool = False):
     """NVFP4 along K in plain PyTorch, given the tensor scale g ([1] fp32): (q [M, K_pad / 2] uint8,
     scales [M, K_pad / 16] e4m3); 1x16 blocks, or 16x16 tiles (tiles; M a multiple of 16), rounded to
-    nearest even or stochastically with uniform numbers u [M, K_pad]."""
+    nearest even or stochastically with uniform numbers u [M, K_pad]; adaptive: Four Over Six
+    (`_nvfp4_adaptive_ref`)."""
     M, K = x.shape
     k_pad = -(-K // NV_BLOCK) * NV_BLOCK
     xf = _pad_to(x.float(), M, k_pad)
@@ -683,23 +764,25 @@ def quantize_nvfp4_ref(x: torch.Tensor, g: torch.Tensor, tiles: bool = False, u:
         s8, sf = s8.repeat_interleave(16, dim=0), sf.repeat_interleave(16, dim=0)
     else:
         amax, bad = _finite_amax_ref(xf.view(M, k_pad // 16, 16), 2)
+        if adaptive:
+            return _nvfp4_adaptive_ref(xf, amax, bad, g)
         s8, sf = _nvfp4_scales_ref(amax, bad, g)
     return _nvfp4_values_ref(xf, sf.repeat_interleave(16, dim=1), g, u), s8
 
 
 def quantize_nvfp4_t_ref(x: torch.Tensor, g: torch.Tensor, tiles: bool = False, u: torch.Tensor | None = None,
-                         hadamard: int | None = None):
+                         hadamard: int | None = None, adaptive: bool = False):
     """The transposed copy: x.T zero-padded to M_pad tokens (a multiple of 32), Hadamard-transformed along
     them (hadamard: its sign bits), quantized along them."""
     M, K = x.shape
     xt = _pad_to(x.float(), -(-M // NV_BLOCK_M) * NV_BLOCK_M, K).t().contiguous()
     if hadamard is not None:
         xt, g = hadamard_ref(xt, hadamard), g * 4.0
-    return quantize_nvfp4_ref(xt, g, tiles, u)
+    return quantize_nvfp4_ref(xt, g, tiles, u, adaptive)
 
 
 def nvfp4_ref(x: torch.Tensor, stochastic: bool = False, seed: int = 0, tiles: bool = False,
-              hadamard: int | None = None):
+              hadamard: int | None = None, adaptive: bool = False):
     """Everything `quantize_nvfp4(x, True, True, ...)` returns, in plain PyTorch: (q, s, qT, sT, g, g of qT)."""
     M, K = x.shape
     xf = x.float()
@@ -711,6 +794,6 @@ def nvfp4_ref(x: torch.Tensor, stochastic: bool = False, seed: int = 0, tiles: b
         u = uniform_ref(seed, torch.arange(M)[:, None] * k_pad + torch.arange(k_pad)[None, :]).to(x.device)
         ut = uniform_ref(seed, m_pad * k_pad + torch.arange(K)[:, None] * m_pad
                          + torch.arange(m_pad)[None, :]).to(x.device)
-    q, s = quantize_nvfp4_ref(x, g, tiles, u)
-    qt, st = quantize_nvfp4_t_ref(x, g, tiles, ut, hadamard)
+    q, s = quantize_nvfp4_ref(x, g, tiles, u, adaptive)
+    qt, st = quantize_nvfp4_t_ref(x, g, tiles, ut, hadamard, adaptive)
     return q, s, qt, st, g, g * 4.0 if hadamard is not None else g

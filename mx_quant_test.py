@@ -150,6 +150,37 @@ def test_nvfp4_kernel_matches_reference_bit_for_bit(shape, mode):
     _same(f"{shape} {mode}", ours, mq.nvfp4_ref(x, sr, 123, False, signs))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_nvfp4_four_over_six_matches_reference_bit_for_bit(shape, hadamard):
+    """Four Over Six (adaptive): both copies, with and without the Hadamard transform of the transposed one,
+    the same odd shapes and special blocks (a NaN's and an infinity's blocks keep the NaN scale), bit for bit
+    the reference's, whose errors add in the kernel's order."""
+    x = specials(shape, seed=2)
+    signs = mq.hadamard_signs(5) if hadamard else None
+    ours = mq.quantize_nvfp4(x, True, True, hadamard=signs, adaptive=True)
+    _same(f"{shape} four over six, hadamard={hadamard}", ours, mq.nvfp4_ref(x, False, 0, False, signs, adaptive=True))
+
+
+def test_nvfp4_four_over_six_never_worse_and_uses_both_maxima():
+    """Each block's squared error after Four Over Six is at most the plain recipe's (it picks the smaller of
+    two, one being the plain one), over 64 x 256 values of mixed magnitudes: strictly smaller in total, with
+    some blocks scaled to 4 and some to 6."""
+    g0 = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 256, generator=g0) * torch.logspace(-1, 1, 256)[None, :]).to(DEVICE, torch.bfloat16)
+    plain = mq.quantize_nvfp4(x, True, False)
+    four = mq.quantize_nvfp4(x, True, False, adaptive=True)
+    xf = x.float().cpu()
+    err = [((mq.dequantize_nvfp4(q.cpu(), s.cpu(), g.cpu(), 256) - xf) ** 2).view(64, 16, 16).sum(-1)
+           for q, s, g in ((plain[0], plain[1], plain[4]), (four[0], four[1], four[4]))]
+    assert torch.all(err[1] <= err[0] * (1 + 1e-6)), "a block got worse"
+    assert err[1].sum() < err[0].sum()
+    changed = (four[1].view(torch.uint8) != plain[1].view(torch.uint8)).float().mean().item()
+    assert 0.0 < changed < 1.0, changed
+    record(f"NVFP4 Four Over Six: squared error {err[1].sum() / err[0].sum():.3f} of the plain recipe's, "
+           f"{100 * changed:.0f} % of blocks scaled to 4", 0.0, 0.0, True)
+
+
 def test_nvfp4_weight_tiles_match_reference_and_share_scales():
     """16x16 tiles (weights): both copies from one read, each copy's per-block scales the tile's."""
     x = specials((48, 80), seed=2)
@@ -264,10 +295,12 @@ def _dequant_pair(pair, cols=None):
     return mq.dequantize_nvfp4(q, s, g, cols).double().cpu()
 
 
-def test_nvfp4_layer_runs_the_recipe_quantization(monkeypatch):
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4-46"])
+def test_nvfp4_layer_runs_the_recipe_quantization(recipe, monkeypatch):
     """fp8_linear under nvfp4: y, dx and dW each equal the product of their operands exactly as the
     references quantize them (x to nearest, W in 16x16 tiles, dy stochastically with the layer's seed,
-    the dW operands Hadamard-transformed), to bf16's rounding of the output plus fp32 accumulation (rule 1
+    the dW operands Hadamard-transformed; nvfp4-46: W in 1x16 blocks and x and W with Four Over Six's
+    block scales), to bf16's rounding of the output plus fp32 accumulation (rule 1
     of fp8_linear_test.py); and within 0.25 of the exact product in relative L2 (rule 3 for 4 bits: e2m1
     rounds to nearest within half a step, an RMS relative error of at most ~0.12 per operand for values
     spread over a block (step / sqrt(12) over the value, worst in [0.5, 1) at 0.19 and in [1, 6] at 0.115),
@@ -288,11 +321,12 @@ def test_nvfp4_layer_runs_the_recipe_quantization(monkeypatch):
     w = (torch.randn(N, K, generator=g) * 0.05).to(DEVICE, torch.bfloat16)
     dy = (torch.randn(M, N, generator=g) * rows.flip(0)).to(DEVICE, torch.bfloat16)
     xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = recipes.fp8_linear(xi, wi, recipe=here("nvfp4"))
+    y = recipes.fp8_linear(xi, wi, recipe=here(recipe))
     y.backward(dy)
     signs = recipes.NVFP4_HADAMARD_SIGNS
-    xq = mq.nvfp4_ref(x, hadamard=signs)
-    wq = mq.nvfp4_ref(w, tiles=True)
+    four = recipe == "nvfp4-46"
+    xq = mq.nvfp4_ref(x, hadamard=signs, adaptive=four)
+    wq = mq.nvfp4_ref(w, tiles=not four, adaptive=four)
     dq = mq.nvfp4_ref(dy, True, 11, False, signs)
     cases = (("y", y, (xq[0], (xq[1], xq[4])), (wq[0], (wq[1], wq[4])), K, x.double() @ w.double().t()),
              ("dx", xi.grad, (dq[0], (dq[1], dq[4])), (wq[2], (wq[3], wq[5])), N, dy.double() @ w.double()),
@@ -303,11 +337,11 @@ def test_nvfp4_layer_runs_the_recipe_quantization(monkeypatch):
         n = a_deq.shape[1]
         bound = 2.0**-8 * want.abs() + (1 + 2.0**-8) * n * ACC * (a_deq.abs() @ b_deq.abs().t())
         ratio = ((ours.double().cpu() - want).abs() / bound.clamp(min=1e-300)).max().item()
-        record(f"nvfp4 {what}: vs its quantized operands, / bound", ratio, 1.0, ratio <= 1.0)
+        record(f"{recipe} {what}: vs its quantized operands, / bound", ratio, 1.0, ratio <= 1.0)
         diff = ours.double().cpu() - exact.cpu()
         rel = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(exact.cpu())).item()
         tol = 0.25 if what == "y" else 0.35  # the docstring's RMS argument
-        record(f"nvfp4 {what}: relative L2 error against the exact product", rel, tol, rel <= tol)
+        record(f"{recipe} {what}: relative L2 error against the exact product", rel, tol, rel <= tol)
 
 
 def _memorize(recipe, steps=8, layers=1):
@@ -334,7 +368,7 @@ def _memorize(recipe, steps=8, layers=1):
     return losses, converted
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8-emulated", "nvfp4-emulated"])
+@pytest.mark.parametrize("recipe", ["mxfp8-emulated", "nvfp4-emulated", "nvfp4-46-emulated"])
 def test_emulated_recipe_learns_like_bf16(recipe, monkeypatch):
     """The emulated recipes on a small model memorizing one batch (8 AdamW steps): the loss falls by at
     least half as much as bf16's, and ends within 5 % of bf16's final loss. The bound is the accuracy
@@ -355,8 +389,8 @@ def test_emulated_recipe_learns_like_bf16(recipe, monkeypatch):
         return ((mq.quantize_mxfp8_ref(x) if rows else (None, None))
                 + (mq.quantize_mxfp8_t_ref(x) if cols else (None, None)))
 
-    def nvfp4(x, rows=True, cols=False, tiles=False, stochastic=False, seed=0, hadamard=None):
-        q, s, qt, st, g, gt = mq.nvfp4_ref(x, stochastic, seed, tiles, hadamard)
+    def nvfp4(x, rows=True, cols=False, tiles=False, stochastic=False, seed=0, hadamard=None, adaptive=False):
+        q, s, qt, st, g, gt = mq.nvfp4_ref(x, stochastic, seed, tiles, hadamard, adaptive)
         return ((q, s) if rows else (None, None)) + ((qt, st) if cols else (None, None)) + (g, gt)
 
     monkeypatch.setattr(recipes.mxq, "quantize_mxfp8", mxfp8)

@@ -20,7 +20,7 @@ Every gate decides by GPU family (`gpu_arch`), never by a literal compute capabi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -47,6 +47,9 @@ class Fp8Recipe:
     bf16_last_layers the last N decoder layers keep nn.Linear projections, at most an eighth of the
                      model's layers (NVFP4: NVIDIA's recipe keeps the last 4 of LLaMA 3.1 8B's 32 in bf16;
                      SmolLM2-135M keeps 3 of 30, a 2-layer test model none; the lm_head is never converted)
+    four_over_six    NVFP4 with Four Over Six block scales (Cook et al., 2025): each 1x16 block of weights
+                     and activations maps its maximum to 6 or to 4, whichever leaves the smaller squared
+                     error; weights in 1x16 blocks (not 16x16 tiles); gradients as in "nvfp4"
     emulated         the block-scaled formats on a GPU without block-scaled tensor cores (Hopper) or
                      the CPU: the same quantization, the matmuls from the dequantized operands in bf16;
                      accuracy only, never a speed (`--fp8-emulate`)
@@ -63,6 +66,7 @@ class Fp8Recipe:
     block: int = 0  # the block length along the reduction ("block": 128, "mx": 32, "nvfp4": 16)
     align: int = 16
     bf16_last_layers: int = 0
+    four_over_six: bool = False
     emulated: bool = False
 
 
@@ -74,13 +78,12 @@ RECIPES = {r.name: r for r in (
     Fp8Recipe("blockwise", "block", block=128, align=4 * 128),
     Fp8Recipe("mxfp8", "mx", block=32, align=32),
     Fp8Recipe("nvfp4", "nvfp4", block=16, align=32, bf16_last_layers=4),
+    Fp8Recipe("nvfp4-46", "nvfp4", block=16, align=32, bf16_last_layers=4, four_over_six=True),
 )}
 # `--fp8-emulate`: the block-scaled recipes' numerics where their tensor cores are missing, under their
 # own names, so that every report, summary and log line that names the recipe says "emulated".
 EMULATED = {f"{name}-emulated": name for name, r in RECIPES.items() if r.scaling in ("mx", "nvfp4")}
-RECIPES.update({e: Fp8Recipe(e, RECIPES[name].scaling, block=RECIPES[name].block, align=RECIPES[name].align,
-                             bf16_last_layers=RECIPES[name].bf16_last_layers, emulated=True)
-                for e, name in EMULATED.items()})
+RECIPES.update({e: replace(RECIPES[name], name=e, emulated=True) for e, name in EMULATED.items()})
 DEFAULT_RECIPE = "rowwise"
 
 

@@ -184,6 +184,9 @@ def step_calls(s: Shapes) -> list:
             # (fp8_recipes_kernel.TRANSPOSING)
             calls.append((f"NVFP4 activation of {k}, rows={rows} cols={cols}", lambda k=k, r=rows, c=cols:
                           mxq.quantize_nvfp4(t(n, k), r, c, hadamard=signs)))
+            calls.append((f"NVFP4 activation of {k}, Four Over Six (nvfp4-46), rows={rows} cols={cols}",
+                          lambda k=k, r=rows, c=cols: mxq.quantize_nvfp4(t(n, k), r, c, hadamard=signs,
+                                                                         adaptive=True)))
             for seed in sr_seeds:
                 calls.append((f"NVFP4 gradient of {k}, rows={rows} cols={cols}, seed {seed}",
                               lambda k=k, r=rows, c=cols, seed=seed: mxq.quantize_nvfp4(
@@ -200,6 +203,8 @@ def step_calls(s: Shapes) -> list:
             if out_f % mxq.NV_BLOCK == 0 and in_f % mxq.NV_BLOCK == 0:  # 16x16 tiles need whole tiles (else refused)
                 calls.append((f"NVFP4 weight {out_f} x {in_f} in 16x16 tiles, rows={rows} cols={cols}",
                               lambda o=out_f, i_=in_f, r=rows, c=cols: mxq.quantize_nvfp4(t(o, i_), r, c, tiles=True)))
+            calls.append((f"NVFP4 weight {out_f} x {in_f}, Four Over Six (nvfp4-46), rows={rows} cols={cols}",
+                          lambda o=out_f, i_=in_f, r=rows, c=cols: mxq.quantize_nvfp4(t(o, i_), r, c, adaptive=True)))
 
     def adamw(rounding: str):
         params = [torch.empty((h, h), dtype=bf16, device=meta), torch.empty(h, dtype=bf16, device=meta)]
