@@ -108,12 +108,14 @@ def test_the_table_reaches_every_refusal_kind():
 def test_a_warmup_ratio_rounds_up_to_whole_steps():
     """--warmup-ratio 0.05 --steps 10 was 0 warm-up steps (int() of 0.5); the Hugging Face Trainer counts 1, and so
     does every script now. A product a binary float overshoots (0.1 * 30 = 3.0000000000000004) is the 3 it means."""
-    from playbook.optim.schedule import warmup_steps
+    from playbook.optim.schedule import describe, warmup_steps
 
     assert [warmup_steps(0, 0.05, 10), warmup_steps(0, 0.1, 30), warmup_steps(0, 0.25, 10), warmup_steps(0, 0.0, 10),
             warmup_steps(4, 0.0, 10)] == [1, 3, 3, 0, 4]
     cfg = SCRIPTS["finetune_optimized.py"][1](["--steps", "10", "--warmup-ratio", "0.05"])
     assert warmup_steps(cfg.training.lr_warmup_steps, cfg.training.warmup_ratio, 10) == 1  # the own loop's schedule
+    assert describe(cfg.training, 1) == "lr 2e-05 linear after 1 warm-up steps"  # the run's start line
+    assert describe(cfg.training, 0) == "lr 2e-05 linear"
 
 
 def test_the_trainer_warms_up_with_epochs_and_refuses_a_resume_with_another_lr(tmp_path, capsys):

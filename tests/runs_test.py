@@ -209,7 +209,7 @@ def test_a_nan_loss_stops_with_step_causes_and_last_good_checkpoint(tmp_path, ca
     said = exits(capsys, "--steps", "5", "--output-dir", str(out), "--save-every", "1", "--cuda-graphs", "off", code=1,
                  tag="test_runs_nan")
     assert "the loss is nan at step 3 of 5" in said, said
-    assert "learning rate" in said and "data" in said and "fp16" in said
+    assert "the learning rate (--lr 0.001: try a lower one" in said and "data" in said and "fp16" in said, said
     assert f"last good checkpoint (finite weights): {out / 'checkpoint-2'} (step 2)" in said, said
     saved = summary("test_runs_nan")
     assert len(saved["losses"]) == 2 and "step 3" in saved["stopped"]

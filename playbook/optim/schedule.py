@@ -50,6 +50,17 @@ def length_change(saved: dict, start: int, steps: int, training: TrainingSection
             f"{lr * after:.3g} instead of {lr * max(before, 0.0):.3g})")
 
 
+def describe(training: TrainingSection, warmup: int) -> str:
+    """The schedule as the run's start line gives it: "lr 1e-05 cosine after 3 warm-up steps"."""
+    return f"lr {training.lr:g} {training.lr_schedule}" + (f" after {warmup} warm-up steps" if warmup else "")
+
+
+def divergence_causes(training: TrainingSection) -> str:
+    """The learning rate's part of what a run whose loss became NaN or inf may try."""
+    return (f"the learning rate (--lr {training.lr:g}: try a lower one, a warm-up with --lr-warmup-steps, or "
+            "--max-grad-norm 1.0)")
+
+
 class LRSchedule:
     """Linear warm-up to the peak rate, then constant, linear or cosine decay to 0 at the last step."""
 

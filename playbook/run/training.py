@@ -33,7 +33,7 @@ from playbook.data.rows import IGNORE_INDEX
 from playbook.model import generate
 from playbook.model.lora import merge_and_save
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
-from playbook.optim.schedule import LRSchedule, warmup_steps
+from playbook.optim.schedule import LRSchedule, describe as describe_schedule, divergence_causes, warmup_steps
 from playbook.run import interpreter, start
 from playbook.run.best import BestEval
 from playbook.run.report import (MetricsLog, RunResult, answers_after, answers_before, default_tag, emulation, step_line,
@@ -345,12 +345,10 @@ def before_first_step(run: Run) -> None:
         run.prompts = generate.read_prompts(cfg.output.sample_prompts)
         with run.left.measure("answers"):
             result.samples = answers_before(run.model, run.tokenizer, run.prompts, cfg.run.device)
-    size, lr_warmup = world()[1], run.schedule.warmup
+    size = world()[1]
     log(f"Training: steps {run.start + 1}-{run.steps} ({cfg.training.warmup_steps} untimed warm-up), {cfg.training.grad_accum} x "
         f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens per step{' per GPU' if size > 1 else ''} (micro-batches x sequences x "
-        f"tokens each), {result.optimizer}, "
-        f"lr {cfg.training.lr:g} {cfg.training.lr_schedule}" + (f" after {lr_warmup} warm-up steps" if lr_warmup
-                                                                else ""))
+        f"tokens each), {result.optimizer}, {describe_schedule(cfg.training, run.schedule.warmup)}")
 
 
 def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
@@ -582,7 +580,6 @@ def nonfinite_message(cfg: RunConfig, loss: float, step: int, steps: int, last_g
         where = "No checkpoint was written (no --output-dir)."
     else:
         where = "No checkpoint with finite weights was written before it."
-    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: the learning rate (--lr {cfg.training.lr:g}: "
-            "try a lower one, a warm-up with --lr-warmup-steps, or --max-grad-norm 1.0); the data (an example of "
-            "this step with broken tokens or labels); or overflow in reduced precision (fp16 / bf16 / --fp8 "
+    return (f"error: the loss is {loss} at step {step} of {steps}. Likely causes: {divergence_causes(cfg.training)}; the "
+            "data (an example of this step with broken tokens or labels); or overflow in reduced precision (fp16 / bf16 / --fp8 "
             f"activations out of range: compare with --kernels none, without --fp8). {where}")
