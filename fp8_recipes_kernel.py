@@ -255,6 +255,12 @@ def dequantized_product(a_deq: torch.Tensor, bt_deq: torch.Tensor, scale=None) -
     return (y if scale is None else y.float() * scale.float().reshape(())).to(torch.bfloat16)
 
 
+def _dequantized_dtype(t: torch.Tensor) -> torch.dtype:
+    """What the emulated matmul dequantizes to: bf16 on a GPU, where `dequantized_product` multiplies in bf16 (the
+    same values as fp32 then cast, in half the bytes: mx_quant_kernel's dequantizers), fp32 on the CPU."""
+    return torch.bfloat16 if t.device.type == "cuda" else torch.float32
+
+
 def scaled_mm_nvfp4_launch(a, a_scale, bt, bt_scale, emulate: bool) -> torch.Tensor:
     """a [R, S/2] packed e2m1 @ b, bt [C, S/2] being b transposed, each with (block scales [rows, S/16] e4m3,
     tensor scale [1] fp32) (mx_quant_kernel.quantize_nvfp4): bf16 [R, C]. On Blackwell, torch._scaled_mm's
@@ -262,8 +268,9 @@ def scaled_mm_nvfp4_launch(a, a_scale, bt, bt_scale, emulate: bool) -> torch.Ten
     dequantized product (`dequantized_product`)."""
     (sa, ga), (sb, gb) = a_scale, bt_scale
     if emulate or a.device.type == "cpu":
-        return dequantized_product(mxq.dequantize_nvfp4(a, sa, torch.ones_like(ga)),
-                                   mxq.dequantize_nvfp4(bt, sb, torch.ones_like(gb)), ga * gb)
+        dt = _dequantized_dtype(a)
+        return dequantized_product(mxq.dequantize_nvfp4(a, sa, None, dtype=dt),
+                                   mxq.dequantize_nvfp4(bt, sb, None, dtype=dt), ga * gb)
     fp4 = torch.float4_e2m1fn_x2
     y = torch._scaled_mm(a.view(fp4), bt.view(fp4).t(), mx_swizzled_scales(sa), mx_swizzled_scales(sb),
                          out_dtype=torch.bfloat16)
@@ -278,7 +285,8 @@ def scaled_mm_mx_launch(a, a_scale, bt, bt_scale, emulate: bool = False) -> torc
     per GPU before training uses it (`_probe_scaled_mm`). `emulate` (Hopper, `--fp8-emulate`): the
     dequantized product on bf16 tensor cores (`dequantized_product`)."""
     if a.device.type == "cpu" or emulate:
-        return dequantized_product(mxq.dequantize_mxfp8(a, a_scale), mxq.dequantize_mxfp8(bt, bt_scale))
+        dt = _dequantized_dtype(a)
+        return dequantized_product(mxq.dequantize_mxfp8(a, a_scale, dt), mxq.dequantize_mxfp8(bt, bt_scale, dt))
     return torch._scaled_mm(a.contiguous(), bt.contiguous().t(), mx_swizzled_scales(a_scale),
                             mx_swizzled_scales(bt_scale), out_dtype=torch.bfloat16)
 

@@ -605,22 +605,32 @@ def ideal_bytes(n_rows: int, n_cols: int, dtype: torch.dtype, fmt: str = "mxfp8"
 # ------------------------------------------------------------------------------------------------
 # Dequantization and the emulated matmul (Hopper and the CPU: `--fp8-emulate`)
 # ------------------------------------------------------------------------------------------------
-def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """q [R, S] e4m3 times its e8m0 scales [R, cdiv(S, 32)] (natural layout): fp32 [R, S]."""
-    s = scales.float().repeat_interleave(MX_BLOCK, dim=1)[:, :q.shape[1]]
-    return q.float() * s
+# The dequantizers make fp32 (the references) or bf16 (`dtype`: the emulated matmul on a GPU, which multiplies in
+# bf16). Both give the same values there: an e4m3 or e2m1 value times an e8m0 or e4m3 scale has at most 8
+# significant bits, and a bf16 product is the fp32 product rounded once, as the cast of the fp32 one is. In bf16
+# they hold 6 bytes per value at their peak (the values, the scales repeated, the product) against fp32's 12
+# (playbook/plan/estimate.py, DEQUANTIZE_BYTES).
+def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [R, S] e4m3 times its e8m0 scales [R, cdiv(S, 32)] (natural layout): [R, S] in `dtype`."""
+    s = scales.to(dtype).repeat_interleave(MX_BLOCK, dim=1)[:, :q.shape[1]]
+    return q.to(dtype) * s
 
 
-def e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 bytes [R, C] -> fp32 [R, 2 C] (the low nibble first)."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
-    return table[codes]
+def e2m1_decode(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed e2m1 bytes [R, C] -> [R, 2 C] in `dtype` (the low nibble first): each byte looks up its pair of
+    values in a 256-row table, with int32 indices (2 bytes per value, where int64 codes per nibble took 8)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=packed.device)
+    pairs = torch.stack((table.repeat(16), table.repeat_interleave(16)), dim=-1)  # byte b: (b & 15, b >> 4)
+    return pairs[packed.int()].reshape(packed.shape[0], -1)
 
 
-def dequantize_nvfp4(q: torch.Tensor, scales: torch.Tensor, g: torch.Tensor, cols: int | None = None) -> torch.Tensor:
-    """Packed e2m1 q [R, S_pad / 2] times its e4m3 block scales [R, S_pad / 16] and g: fp32 [R, cols]."""
-    v = e2m1_decode(q) * scales.float().repeat_interleave(NV_BLOCK, dim=1) * g.float().reshape(())
+def dequantize_nvfp4(q: torch.Tensor, scales: torch.Tensor, g: torch.Tensor | None, cols: int | None = None,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed e2m1 q [R, S_pad / 2] times its e4m3 block scales [R, S_pad / 16] and g (None: the block scales
+    alone): [R, cols] in `dtype`."""
+    v = e2m1_decode(q, dtype) * scales.to(dtype).repeat_interleave(NV_BLOCK, dim=1)
+    if g is not None:
+        v = v * g.to(dtype).reshape(())
     return v if cols is None else v[:, :cols]
 
 

@@ -54,10 +54,11 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 # Bytes per value of one quantized copy with its block scales (mx_quant_kernel.py): MXFP8 an e4m3 byte and an
 # e8m0 scale per 32 values; NVFP4 half a byte (packed e2m1) and an e4m3 scale per 16 values
 QUANTIZED_BYTES = {"mx": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
-# The peak bytes per value of an emulated recipe's dequantization (mx_quant_kernel.dequantize_*), all alive at
-# once: MXFP8 the fp32 values, the fp32 scales repeated to every value, their fp32 product (12); NVFP4 the
-# int64 codes of the e2m1 nibbles, their fp32 values and the uint8 nibbles they came from (13)
-DEQUANTIZE_BYTES = {"mx": 12, "nvfp4": 13}
+# The peak bytes per value of an emulated recipe's dequantization on a GPU (mx_quant_kernel.dequantize_*, straight
+# to bf16), all alive at once: the bf16 values, the bf16 scales repeated to every value, their product (6; NVFP4's
+# int32 byte indices, 2 per value, are freed before the scales are repeated); DEQUANTIZED_BYTES per value after
+DEQUANTIZE_BYTES = {"mx": 6, "nvfp4": 6}
+DEQUANTIZED_BYTES = 2
 
 
 def layer_bytes(shape: Shape, s: Setup) -> dict:
@@ -174,8 +175,8 @@ def frozen_fp8_bytes(recipe: str) -> float:
 def emulated_work(shape: Shape, s: Setup) -> float:
     """The largest working set of an emulated block-scaled matmul in backward (`--fp8-emulate`,
     fp8_recipes_kernel.Float8ScaledLinearFunction): dy's two quantized copies and the weight's transposed one,
-    then each operand of dx = dy W and of dW = dy^T x dequantized to fp32 (DEQUANTIZE_BYTES while it is
-    made, 4 bytes per value after) and cast to bf16 for the product; 0 where the matmuls are native. LoRA's
+    then each operand of dx = dy W and of dW = dy^T x dequantized to bf16 (DEQUANTIZE_BYTES while it is
+    made, DEQUANTIZED_BYTES after), one while the other is made; 0 where the matmuls are native. LoRA's
     frozen base (fp8_lora_kernel.BlockScaledFrozenLinear) keeps its weight's copies and makes only dx."""
     if not (s.fp8 and s.trains and get_recipe(s.fp8_recipe).emulated and s.fp8_layers(shape.layers)):
         return 0
@@ -183,7 +184,7 @@ def emulated_work(shape: Shape, s: Setup) -> float:
     n, copy, deq = s.tokens, QUANTIZED_BYTES[recipe.scaling], DEQUANTIZE_BYTES[recipe.scaling]
 
     def product(a: int, b: int) -> float:  # a @ b.T from quantized operands of a and b values
-        return max(deq * a, 4 * a + deq * b, (4 + 2) * (a + b))
+        return max(deq * a, DEQUANTIZED_BYTES * a + deq * b)
 
     if s.lora_r:
         groups = shape.fp8_groups("all")
