@@ -399,7 +399,8 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
     blocks, or one scale) for y and dx, and per column, transposed (128x1 blocks along the tokens) for
     dW; W in 128x128 tiles, which are blocks along K for y and along N for dx alike. Saved for
     backward: the weight Parameter (no copy; tensor-wise also its maximum, [1]), and x's transposed
-    FP8 copy with its scales (`keep_fp8_input`) or x itself.
+    copy with its scales (`keep_fp8_input`; NVFP4's through the Hadamard transform, made in the forward's
+    one read of x) or x itself.
 
     `handoff` (MXFP8 only, eager mode): the model's `Fp8Handoff` (fp8_producers_kernel.py). x's MXFP8
     copy along K (and its transposed copy, from the SwiGLU) then comes from the kernel that wrote x, if it
@@ -411,8 +412,7 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
     def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, keep_fp8_input: bool, need_input_grad: bool,
                 need_weight_grad: bool, scaling: str, ops: bool, emulate: bool = False, handoff=None,
                 four_over_six: bool = False):
-        # NVFP4's scales are (block, tensor) pairs, which save_for_backward does not take: it keeps x
-        keep_fp8 = keep_fp8_input and need_weight_grad and scaling != "nvfp4"
+        keep_fp8 = keep_fp8_input and need_weight_grad
         w_amax = None
         if scaling == "tensor":  # the weight's maximum serves its backward copy too: one read fewer there
             w_amax = fp8_rows_op(weight, False, True)[2].amax().reshape(1) if ops else tensor_max(weight)
@@ -434,7 +434,8 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
         # whose point is the precision of each block's partial sum.
         fast = scaling == "tensor" and fast_accum_allowed(x2.device)
         y = mm_scaled(xq, sx, wq, sw, scaling, True, fast, ops, emulate)
-        saved = (xqt, sxt) if keep_fp8 else (x2,) if need_weight_grad else ()
+        # NVFP4's scales are (block scales, tensor scale) pairs: saved as two tensors, paired again in backward
+        saved = ((xqt, *sxt) if scaling == "nvfp4" else (xqt, sxt)) if keep_fp8 else (x2,) if need_weight_grad else ()
         ctx.keep_fp8, ctx.scaling, ctx.ops, ctx.n_saved, ctx.emulate = keep_fp8, scaling, ops, len(saved), emulate
         ctx.handoff, ctx.four_over_six = handoff, four_over_six
         ctx.save_for_backward(weight, *((w_amax,) if w_amax is not None else ()), *saved)
@@ -457,8 +458,10 @@ class Float8ScaledLinearFunction(torch.autograd.Function):
             _, _, wqt, swt = quant_operand(weight, scaling, True, False, True, ops, w_amax, four_over_six=four)
             dx = mm_scaled(dyq, sdy, wqt, swt, scaling, True, False, ops, ctx.emulate).to(dy.dtype)
         if need_dw:  # dW = dy^T x: both transposed copies, reduced over the (zero-padded) tokens
-            xqt, sxt = saved if ctx.keep_fp8 else quant_operand(saved[0], scaling, False, False, True, ops,
-                                                                four_over_six=four)[2:]
+            if ctx.keep_fp8:
+                xqt, sxt = (saved[0], tuple(saved[1:])) if scaling == "nvfp4" else saved
+            else:
+                xqt, sxt = quant_operand(saved[0], scaling, False, False, True, ops, four_over_six=four)[2:]
             dw = mm_scaled(dyqt, sdyt, xqt, sxt, scaling, False, False, ops, ctx.emulate).to(weight.dtype)
         return dx, dw, None, None, None, None, None, None, None, None
 

@@ -362,6 +362,33 @@ def test_nvfp4_layer_runs_the_recipe_quantization(recipe, monkeypatch):
         record(f"{recipe} {what}: relative L2 error against the exact product", rel, tol, rel <= tol)
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4-46"])
+def test_nvfp4_layer_keeps_its_input_as_the_transposed_copy(recipe, monkeypatch):
+    """The NVFP4 layer saves for backward x's transposed, Hadamard-transformed FP4 copy (0.5625 bytes a value),
+    made in the forward's one read of x, not x in bf16 (2 bytes): dW, dx and y are the same bits either way."""
+    import fp8_recipes_kernel as recipes
+    import itertools
+
+    g = torch.Generator().manual_seed(61)
+    x = (torch.randn(37, 96, generator=g) * torch.logspace(-1, 1, 37)[:, None]).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(64, 96, generator=g) * 0.05).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(37, 64, generator=g).to(DEVICE, torch.bfloat16)
+    grads, kept = [], []
+    for keep in (True, False):
+        monkeypatch.setattr(recipes, "_sr_seeds", itertools.count(11))  # dy's stochastic rounding, the same draws
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+            y = recipes.fp8_linear(xi, wi, keep_fp8_input=keep, recipe=here(recipe))
+        kept.append(saved)
+        y.backward(dy)
+        grads.append((y, xi.grad, wi.grad))
+    for what, ours, plain in zip(("y", "dx", "dW"), *grads):
+        exactly(f"{recipe} {what}: input kept as its FP4 copy, as in bf16", ours, plain)
+    assert torch.uint8 in kept[0] and kept[0].count(torch.bfloat16) == 1, kept[0]  # W and the copy, not x
+    assert torch.uint8 not in kept[1] and kept[1].count(torch.bfloat16) == 2, kept[1]  # W and x
+
+
 def _memorize(recipe, steps=8, layers=1):
     """Train a small llama (hidden 64, MLP 128: every projection a multiple of 32; one layer, which nvfp4
     converts too: it keeps an eighth of the layers in bf16, none of one) on one fixed batch with AdamW:

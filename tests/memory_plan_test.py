@@ -152,37 +152,24 @@ def test_a_plan_that_does_not_fit_stops_before_the_model_is_built(monkeypatch, c
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_emulated_block_scaled_recipes_on_an_h100(recipe, monkeypatch, capsys):
+def test_emulated_block_scaled_recipes_on_an_h100(recipe, monkeypatch):
     """docs/fp8.md's memorization run with an emulated block-scaled recipe, planned for an H100 80GB (85.0 GB free,
-    results/H100/bench.md). The emulated layers dequantize dy, x and W in backward; NVFP4's also keep their bf16
-    input. With the dequantization straight to bf16 (6 bytes per value at its peak, 12 in fp32) MXFP8's plan is
-    84.5 GB and the plan's check lets the run start; NVFP4's is 88.2 GB and the run stops before the model is
-    built, in one line, as it would start on an H200 (139 GB)."""
-    from playbook.run.training import train
-
-    def built(*a, **k):
-        raise AssertionError("the model was built")
-
-    monkeypatch.setattr(models, "build_preset", built)
+    results/H100/bench.md, where both were refused at 85.9 and 88.9 GB). The emulated layers dequantize dy, x and
+    W in backward, now straight to bf16 (6 bytes per value at the peak, 12 in fp32), and NVFP4's layers keep x's
+    transposed FP4 copy rather than x in bf16. MXFP8 plans the native FP8 default's 82.3 GB plus its largest
+    product's working set, 2.2 GB (dy [8192, 28672] and W [28672, 4096] of gate/up, made one after the other, with
+    its 32 layers' weight copies); NVFP4 plans the default's peak, at the start of backward in its bf16 last layers
+    (its working set, 1.7 GB, comes after they have freed 3.7 GB of activations). Both let the run start."""
     monkeypatch.setenv(FREE_MEMORY_ENV, "85.0")  # what the H100 80GB of that table had free, in GB
     argv = ["--model", "llama-3.1-8b", "--batch-size", "4", "--seq-len", "2048", "--steps", "40",
             "--repeat-batches", "4", "--lr", "1e-5", "--lr-schedule", "constant", "--fp8", "--fp8-recipe", recipe,
             "--fp8-emulate", "--optimizer-rounding", "nearest"]
     cfg = _parsed(*argv)
     peak = combine(run_plans(cfg)).peak
-    # the native FP8 default's plan for the same run, 82.3 GB: the emulation adds its working set, 2.2 GB for
-    # MXFP8 (its largest product, dy [8192, 28672] and W [28672, 4096] of gate/up, made one after the other)
     native = combine(run_plans(_parsed(*argv[:-5], "--optimizer-rounding", "nearest"))).peak
-    if recipe == "mxfp8":
-        assert 2.0 * GB < peak - native < 2.5 * GB and peak < 85.0 * GB, f"{peak / GB:.2f}, {native / GB:.2f} GB"
-        assert check.check(cfg).peak == peak  # the memory plan's check lets it start (no SystemExit)
-        return
-    assert 85.0 * GB < peak < 139 * GB, f"{peak / GB:.1f} GB"
-    with pytest.raises(SystemExit) as info:
-        train(cfg)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert info.value.code == 2 and len(err) == 1 and err[0].startswith("error:"), err
-    assert f"the plan needs {gb_text(peak)} GB" in err[0], err
+    low, high = (2.0, 2.5) if recipe == "mxfp8" else (0.0, 0.0)
+    assert low * GB <= peak - native <= high * GB and peak < 85.0 * GB, f"{peak / GB:.2f}, {native / GB:.2f} GB"
+    assert check.check(cfg).peak == peak  # the memory plan's check lets it start (no SystemExit)
 
 
 def test_distill_plans_the_teacher_beside_the_student(capsys):

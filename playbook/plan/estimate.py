@@ -92,12 +92,8 @@ def layer_bytes(shape: Shape, s: Setup) -> dict:
             attention = w * (2 * q + 2 * kv) + w * q + 4 * heads
             mlp = 4 * w * i
     fp8 = FP8_TOKEN_BYTES * h if s.fp8 and not lora else 0
-    if s.fp8 and not lora and get_recipe(s.fp8_recipe).scaling == "nvfp4":
-        # NVFP4's layer keeps its bf16 input for backward (its scales are pairs save_for_backward does not take)
-        # where the fitted recipes keep a 1-byte transposed copy with 1/32 byte of scales: about a byte more per
-        # input value, in the layers that run FP8 (averaged over all layers: the recipe keeps its last ones bf16)
-        inputs = sum(a for a, _ in shape.fp8_groups(s.fp8_rule))
-        fp8 += (w - 1 - 1 / 32) * inputs * s.fp8_layers(shape.layers) / shape.layers
+    # (NVFP4's layers keep a transposed copy of 0.5 + 1/16 byte per input value, MXFP8's 1 + 1/32: both counted as
+    # the fitted recipes' 1-byte copies, which over-counts NVFP4's by less than half a byte per input value)
     plain = norms + attention + mlp + fp8 + MISC_BYTES_PER_TOKEN
     # The MLP's backward makes the gradients of gate, up and h; Liger's SwiGLU writes those of gate and up into
     # gate's and up's own storage, so a full fine-tune with it adds only h's gradient (with LoRA, peft's adapter
