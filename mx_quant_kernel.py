@@ -611,9 +611,14 @@ def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * s
 
 
+def e2m1_table(device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16 e2m1 codes' values, indexed by code (sign in bit 3): E2M1_VALUES, then their negatives."""
+    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=device)
+
+
 def e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 bytes [R, C] -> fp32 [R, 2 C] (the low nibble first)."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
+    table = e2m1_table(packed.device)
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
     return table[codes]
 
@@ -730,7 +735,7 @@ def _nvfp4_adaptive_ref(xf, amax, bad, g):
     """`_nvfp4_adaptive` in PyTorch: (packed codes, e4m3 scales) of padded xf [M, K_pad], each 1x16 block scaled
     to 6 or to 4 by the smaller squared error, the block's errors added in the kernel's order."""
     M, k_pad = xf.shape
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=xf.device)
+    table = e2m1_table(xf.device)
     out = []
     for top in (6.0, 4.0):
         s8, sf = _nvfp4_scales_ref(amax, bad, g, top)
