@@ -328,10 +328,11 @@ def store_block_scaled_weight(layer: Float8Linear) -> None:
     if layer.weight.requires_grad:
         raise ValueError("only a frozen weight (requires_grad=False, as LoRA's base) can be kept quantized: "
                          "this one is trained")
-    scaling = get_recipe(layer.recipe).scaling
+    recipe = get_recipe(layer.recipe)
+    scaling = recipe.scaling
     layer.base_fingerprints = {"weight": fingerprint(layer.weight)}
     q, s, qt, st = recipes.quant_operand(layer.weight.detach(), scaling, True, True, True, False,
-                                         four_over_six=get_recipe(layer.recipe).four_over_six)
+                                         four_over_six=recipe.four_over_six)
     if scaling == "nvfp4":
         (s, g), (st, gt) = s, st
         layer.register_buffer("weight_tensor_scale", g)

@@ -616,10 +616,15 @@ def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype =
     return q.to(dtype) * s
 
 
+def e2m1_table(device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16 e2m1 codes' values, indexed by code (sign in bit 3): E2M1_VALUES, then their negatives."""
+    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=device)
+
+
 def e2m1_decode(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed e2m1 bytes [R, C] -> [R, 2 C] in `dtype` (the low nibble first): each byte looks up its pair of
     values in a 256-row table, with int32 indices (2 bytes per value, where int64 codes per nibble took 8)."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=packed.device)
+    table = e2m1_table(packed.device, dtype)
     pairs = torch.stack((table.repeat(16), table.repeat_interleave(16)), dim=-1)  # byte b: (b & 15, b >> 4)
     return pairs[packed.int()].reshape(packed.shape[0], -1)
 
@@ -740,7 +745,7 @@ def _nvfp4_adaptive_ref(xf, amax, bad, g):
     """`_nvfp4_adaptive` in PyTorch: (packed codes, e4m3 scales) of padded xf [M, K_pad], each 1x16 block scaled
     to 6 or to 4 by the smaller squared error, the block's errors added in the kernel's order."""
     M, k_pad = xf.shape
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=xf.device)
+    table = e2m1_table(xf.device)
     out = []
     for top in (6.0, 4.0):
         s8, sf = _nvfp4_scales_ref(amax, bad, g, top)
