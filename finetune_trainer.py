@@ -307,14 +307,13 @@ def trainer_class(cfg: RunConfig):
     than the run refused before the first step."""
     from transformers import Trainer
 
-    from playbook.config import check_lr_warmup
-    from playbook.optim.schedule import warmup_steps
+    from playbook.optim.schedule import check_warmup, warmup_steps
 
     class PlaybookTrainer(Trainer):
         def create_scheduler(self, num_training_steps: int, optimizer=None):
             if self.lr_scheduler is None:
                 counted = f" (--epochs {cfg.training.epochs:g} of this data)" if cfg.training.steps is None else ""
-                check_lr_warmup(cfg.training.lr_warmup_steps, num_training_steps, counted)
+                check_warmup(cfg.training.lr_warmup_steps, num_training_steps, counted)
                 warmup = warmup_steps(cfg.training.lr_warmup_steps, cfg.training.warmup_ratio, num_training_steps)
                 self.args.warmup_steps = warmup  # (a whole number: the Trainer takes it as steps)
                 if warmup:

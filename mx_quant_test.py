@@ -488,9 +488,9 @@ def test_command_line_emulate_flag(capsys):
 def test_step_line_names_the_emulation():
     from playbook.run.report import step_line
 
-    line = step_line(3, 10, 2.5, None, 1e-4, 0.5, 0.2, 512, 512, "", "nvfp4-emulated")
+    line = step_line(3, 10, 2.5, None, "lr 1.00e-04", 0.5, 0.2, 512, 512, "", "nvfp4-emulated")
     assert "nvfp4-emulated: emulated, not a speed" in line and "tokens/s" in line
-    assert "emulated" not in step_line(3, 10, 2.5, None, 1e-4, 0.5, 0.2, 512, 512, "")
+    assert "emulated" not in step_line(3, 10, 2.5, None, "lr 1.00e-04", 0.5, 0.2, 512, 512, "")
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])

@@ -294,6 +294,8 @@ def test_learning_rate_schedules():
         assert s.factor(0) == 0.5 and s.factor(1) == 1.0, "linear warm-up over 2 steps"
         assert abs(s.factor(7) - mid) < 1e-6 and abs(s.factor(11) - last) < 1e-6, (kind, s.factor(7), s.factor(11))
         assert abs(s.apply(7) - 0.1 * mid) < 1e-9 and abs(opt.param_groups[0]["lr"] - 0.1 * mid) < 1e-9
+        # the applied rate as the metrics row and the step line give it
+        assert s.metrics() == {"lr": s.rate} and s.text() == f"lr {0.1 * mid:.2e}", (s.metrics(), s.text())
     record("constant / linear / cosine with warm-up", 0.0, 0.0, True)
 
 

@@ -32,6 +32,7 @@ from playbook.config.flags import (FP8_DEFAULT_RECIPE, FP8_RECIPES, FULL_LR, LOR
 from playbook.memory import options
 from playbook.model.presets import DEFAULT_MODEL
 from playbook.model.registry import parse_kernels
+from playbook.optim import schedule
 from playbook.plan import check
 from playbook.runtime import environment
 from playbook.runtime.common import usage_error
@@ -252,7 +253,7 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
         raise usage_error("choose one of --steps and --epochs")
     steps = a.steps if a.steps is not None else (None if a.epochs else (12 if gpu else 20))
     if steps is not None:  # (--epochs: checked where the data gives the count of steps)
-        check_lr_warmup(a.lr_warmup_steps, steps)
+        schedule.check_warmup(a.lr_warmup_steps, steps)
     warmup_steps = a.warmup_steps
     if warmup_steps is TIMING_WARMUP:  # not given: 2, fewer where --steps leaves none timed (--steps 2: 1); the
         # profile's --steps are the recorded ones, after its warm-up: 2 there
@@ -274,17 +275,6 @@ def _training_section(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool
         weight_decay=a.weight_decay, optimizer=optimizer, optimizer_rounding=a.optimizer_rounding,
         master_weights=a.master_weights, optimizer_in_backward=a.optimizer_in_backward,
         max_grad_norm=a.max_grad_norm, cuda_graphs=a.cuda_graphs or defaults.cuda_graphs)
-
-
-def check_lr_warmup(lr_warmup_steps: int, steps: int, counted: str = "") -> None:
-    """A learning-rate warm-up longer than the run never reaches --lr: --lr-warmup-steps 100 with --steps 3 trains
-    at 1 % to 3 % of it. Refused (exit code 2), before the model is built where the run's length is known;
-    `counted`: how the length was counted, where --epochs gave it."""
-    if lr_warmup_steps > steps:
-        raise usage_error(f"--lr-warmup-steps {lr_warmup_steps} is longer than the run's {steps} step"
-                          f"{'s' if steps > 1 else ''}{counted}: the learning rate would end at "
-                          f"{100 * steps / lr_warmup_steps:.3g} % of --lr, never reaching it; give --lr-warmup-steps "
-                          f"{steps} or fewer, --warmup-ratio (a share of the run), or a longer run")
 
 
 def _optimizer(a: argparse.Namespace, defaults: ScriptDefaults, gpu: bool, model: ModelSection) -> str:

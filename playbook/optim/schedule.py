@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from playbook.runtime.common import usage_error
 from playbook.sections import TrainingSection
 
 
@@ -20,6 +21,17 @@ def warmup_steps(lr_warmup_steps: int, warmup_ratio: float, total: int, saved: d
     if lr_warmup_steps:
         return lr_warmup_steps
     return math.ceil(round(warmup_ratio * total, 9))
+
+
+def check_warmup(lr_warmup_steps: int, steps: int, counted: str = "") -> None:
+    """A learning-rate warm-up longer than the run never reaches --lr: --lr-warmup-steps 100 with --steps 3 trains
+    at 1 % to 3 % of it. Refused (exit code 2), before the model is built where the run's length is known;
+    `counted`: how the length was counted, where --epochs gave it."""
+    if lr_warmup_steps > steps:
+        raise usage_error(f"--lr-warmup-steps {lr_warmup_steps} is longer than the run's {steps} step"
+                          f"{'s' if steps > 1 else ''}{counted}: the learning rate would end at "
+                          f"{100 * steps / lr_warmup_steps:.3g} % of --lr, never reaching it; give --lr-warmup-steps "
+                          f"{steps} or fewer, --warmup-ratio (a share of the run), or a longer run")
 
 
 def schedule_factor(step: int, total: int, warmup: int, kind: str) -> float:
@@ -68,6 +80,7 @@ class LRSchedule:
         self.optimizer, self.total, self.warmup, self.kind = optimizer, total_steps, warmup_steps, kind
         self.base = [float(g["lr"]) for g in optimizer.param_groups]
         self.last_step = -1
+        self.rate = self.base[0]  # the rate of the last step applied (the peak before the first)
 
     def factor(self, step: int) -> float:
         return schedule_factor(step, self.total, self.warmup, self.kind)
@@ -81,7 +94,16 @@ class LRSchedule:
             else:
                 g["lr"] = base * f
         self.last_step = step
-        return self.base[0] * f
+        self.rate = self.base[0] * f
+        return self.rate
+
+    def metrics(self) -> dict:
+        """The applied rate as the metrics row (results/<tag>.metrics.jsonl) records it."""
+        return {"lr": self.rate}
+
+    def text(self) -> str:
+        """The applied rate as a step's log line gives it: "lr 1.00e-04"."""
+        return f"lr {self.rate:.2e}"
 
     def state_dict(self) -> dict:
         return {"last_step": self.last_step, "total": self.total, "warmup": self.warmup, "kind": self.kind}

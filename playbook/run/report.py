@@ -215,16 +215,16 @@ def emulation(cfg: RunConfig) -> str | None:
     return recipe if cfg.model.fp8 and recipe in RECIPES and RECIPES[recipe].emulated else None
 
 
-def step_line(step: int, steps: int, loss: float, eval_loss: float | None, lr: float, norm, seconds: float,
+def step_line(step: int, steps: int, loss: float, eval_loss: float | None, rate: str, norm, seconds: float,
               text_tokens: int, tokens: int, time_left: str, emulated: str | None = None) -> str:
     """A logged step's line: "step    10/100  loss 2.3456  lr 1.00e-04  grad norm 0.812  512.3 ms  ...";
-    `emulated` (the recipe, `emulation`): the time and throughput are marked as the emulation's."""
+    `rate`: the schedule's part (LRSchedule.text); `emulated` (the recipe, `emulation`): the time and throughput are marked as the emulation's."""
     timing = f"  {seconds * 1e3:8.1f} ms  {throughput(text_tokens, tokens, seconds)}"
     if emulated:
         timing += f" [{emulated}: emulated, not a speed]"
     return (f"step {step:5d}/{steps}  loss {loss:.4f}"
             + (f"  eval {eval_loss:.4f}" if eval_loss is not None else "")
-            + f"  lr {lr:.2e}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
+            + f"  {rate}" + (f"  grad norm {float(norm):.3f}" if norm is not None else "")
             + timing + time_left)
 
 

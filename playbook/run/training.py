@@ -28,12 +28,12 @@ from torch import nn
 from tqdm import tqdm
 
 from core.process import is_main, log, world
-from playbook.config import check_lr_warmup
 from playbook.data.rows import IGNORE_INDEX
 from playbook.model import generate
 from playbook.model.lora import merge_and_save
 from playbook.optim.optimizer import OptimizerInBackward, describe_optimizer
-from playbook.optim.schedule import LRSchedule, describe as describe_schedule, divergence_causes, warmup_steps
+from playbook.optim.schedule import (LRSchedule, check_warmup, describe as describe_schedule, divergence_causes,
+                                     warmup_steps)
 from playbook.run import interpreter, start
 from playbook.run.best import BestEval
 from playbook.run.report import (MetricsLog, RunResult, answers_after, answers_before, default_tag, emulation, step_line,
@@ -251,8 +251,8 @@ def start_run(cfg: RunConfig) -> Run:
                           f"{cfg.training.warmup_steps} leaves none of them timed: give more --epochs, or --timing-warmup-steps "
                           f"{steps - 1}")
     if cfg.training.steps is None:  # (--steps: checked with the arguments)
-        check_lr_warmup(cfg.training.lr_warmup_steps, steps,
-                        counted=f" (--epochs {cfg.training.epochs:g} of this data)")
+        check_warmup(cfg.training.lr_warmup_steps, steps,
+                     counted=f" (--epochs {cfg.training.epochs:g} of this data)")
     settings = resume_settings(cfg, model_name)
     if info is not None:
         check_resumed_run(cfg, info, settings, steps)
@@ -358,7 +358,7 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
     if step == run.timed_from and cfg.on_gpu:
         synchronize(cfg.run.device)
         torch.cuda.reset_peak_memory_stats(cfg.run.device)  # peak counted after warm-up
-    lr = run.schedule.apply(step)
+    run.schedule.apply(step)
     batches = [run.data.batch(step * cfg.training.grad_accum + i, cfg.run.device)
                for i in range(cfg.training.grad_accum)]
     n_text = sum(run.data.text_tokens(step * cfg.training.grad_accum + i)
@@ -375,14 +375,14 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
         result.text_tokens.append(n_text)
     eval_loss = eval_when_due(run, step + 1)
     mem = runner.peak_bytes() / 1e9 if cfg.on_gpu else None
-    run.metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, lr=lr,
+    run.metrics.write(step + 1, loss=loss_value, eval_loss=eval_loss, **run.schedule.metrics(),
                       grad_norm=float(norm) if norm is not None else None, tokens_per_s=n_text / dt,
                       padded_tokens_per_s=result.tokens_per_step / dt,
                       step_ms=dt * 1e3, host_queue_ms=queued * 1e3, peak_memory_gb=mem)
     bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
     run.left.step_done(step + 1)
     if log_now or eval_loss is not None:
-        line = step_line(step + 1, run.steps, loss_value, eval_loss, lr, norm, dt, n_text, result.tokens_per_step,
+        line = step_line(step + 1, run.steps, loss_value, eval_loss, run.schedule.text(), norm, dt, n_text, result.tokens_per_step,
                          run.left.text(step + 1), emulation(run.cfg))
         if bar.disable:
             log(line)
