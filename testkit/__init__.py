@@ -295,6 +295,17 @@ def _device():
 # ------------------------------------------------------------------------------------------------
 # Two processes under torchrun (the FSDP2 and data-parallel tests)
 # ------------------------------------------------------------------------------------------------
+def signals_as_from_a_shell() -> None:
+    """A subprocess's preexec_fn: Ctrl-C and SIGTERM as a shell gives them to a script it starts. A child inherits
+    its parent's ignored and blocked signals, and `make test &` (a background job) starts the suite with SIGINT
+    ignored; a Python started so never turns Ctrl-C into KeyboardInterrupt, and a test of Ctrl-C then fails."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (Python installs its own handler at start where it is SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def python_path(*folders) -> str:
     """PYTHONPATH for a test's child process: `folders` first, then this process's PYTHONPATH, kept (packages
     installed there, as on a machine whose site-packages are read-only, must stay importable)."""

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import benchmark_finetune as bench  # noqa: E402
+from testkit import signals_as_from_a_shell  # noqa: E402
 
 ROWS = "hf,liger,ours,fp8"  # a baseline, a peer (absent here), ours, and a row that needs a GPU
 
@@ -47,7 +48,8 @@ def test_cpu_form_stop_resume_table_and_manifests(tmp_path):
     out = tmp_path / "CPU"
     # 1. Ctrl-C while the first row runs: exit code 130, the row not recorded
     proc = subprocess.Popen([sys.executable, "benchmark_finetune.py", "--cpu", "--out", str(out), "--rows", ROWS],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, preexec_fn=signals_as_from_a_shell, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     seen = ""
     for line in proc.stdout:
         seen += line

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from playbook.model import registry
-from testkit import record, run_as_script
+from testkit import record, run_as_script, signals_as_from_a_shell
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"profile_baseline.py", "benchmark_kernels.py", "benchmark_finetune.py", "finetune_baseline.py", "finetune_optimized.py",
@@ -430,8 +430,8 @@ def test_start_does_what_importing_used_to():
     results = {}
     for who, env in (("bare", bare), ("user", dict(bare, CUDA_SCALE_LAUNCH_QUEUES="2x", HF_HUB_DISABLE_PROGRESS_BARS="0",
                                                    PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False"))):
-        out = subprocess.run([sys.executable, "-c", _START, who], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=600)
+        out = subprocess.run([sys.executable, "-c", _START, who], cwd=ROOT, preexec_fn=signals_as_from_a_shell, env=env,
+                             capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         results[who] = json.loads(out.stdout.strip().splitlines()[-1])
     got, kept = results["bare"], results["user"]
