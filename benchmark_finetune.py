@@ -521,9 +521,28 @@ def run_row(row: Row, cmd: list[str], folder: Path, env: dict) -> dict:
     if rc in INTERRUPTED:
         raise Stopped
     if rc != 0:
+        refused = plan_refusal(log) if rc == 2 else None
+        if refused:  # the bench's own check passed (nvidia-smi's free memory counts no CUDA context of the script's)
+            peak, free = refused
+            return {"status": "does not fit", "plan_peak_gb": peak, "seconds": took,
+                    "reason": f"needs {peak:g} GB, the script found {free:g} GB free when it started (the memory "
+                              f"plan, docs/memory.md#the-memory-plan; log: {log.name})"}
         return {"status": "failed", "reason": f"exit code {rc}: {last_line(log)} (log: {log.name})",
                 "seconds": took}
     return {"status": "ok", "seconds": took, **figures(row, folder)}
+
+
+PLAN_REFUSAL = re.compile(r"the plan needs ([\d.,]+) GB at its peak and [^;]*?([\d.,]+) GB")
+
+
+def plan_refusal(log: Path) -> tuple[float, float] | None:
+    """(the plan's peak, the free memory), in GB, where a row's script refused to start because its memory plan
+    does not fit (playbook/plan/check.py's message); None otherwise."""
+    try:
+        found = PLAN_REFUSAL.search(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return (float(found.group(1).replace(",", "")), float(found.group(2).replace(",", ""))) if found else None
 
 
 def bf16_ceiling(folder: Path, machine: Machine, env: dict) -> float | None:

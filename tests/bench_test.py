@@ -117,6 +117,18 @@ def test_does_not_fit_row(tmp_path):
     assert not (out / "ours.log").exists()
 
 
+def test_a_row_its_script_refuses_by_its_plan_does_not_fit(tmp_path):
+    """~10 s: a row that passed the bench's own check (nvidia-smi's free memory, without the script's CUDA context)
+    and that its script then refused by its memory plan is "does not fit" with the script's figures, not "failed"."""
+    row = next(r for r in bench.ROWS if r.name == "ours")
+    env = dict(os.environ, PLAYBOOK_FREE_MEMORY_GB="0.0001", CPU_DEMO="1")
+    outcome = bench.run_row(row, bench.command(row, on_gpu=False), tmp_path, env)
+    assert outcome["status"] == "does not fit", outcome
+    assert outcome["plan_peak_gb"] > 0 and "the script found 0.0001 GB free" in outcome["reason"], outcome
+    (tmp_path / "other.log").write_text("error: something else\n")
+    assert bench.plan_refusal(tmp_path / "other.log") is None
+
+
 def test_rows_are_the_readme_commands():
     """Each row of README.md's 8B table is a row of the bench with the same script and options."""
     readme = (ROOT / "README.md").read_text()
