@@ -247,14 +247,16 @@ def test_dequantizing_to_bf16_gives_the_fp32_values_rounded_once():
     codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     q8 = codes.view(torch.float8_e4m3fn).repeat(256, 1)  # [256 scales, 256 values: 8 blocks of 32]
     e8 = codes.view(torch.float8_e8m0fnu)[:, None].expand(256, 8).contiguous()
-    exactly("MXFP8 to bf16", mq.dequantize_mxfp8(q8, e8, torch.bfloat16), mq.dequantize_mxfp8(q8, e8).to(torch.bfloat16))
+    exactly("MXFP8 to bf16", mq.dequantize_mxfp8(q8, e8, torch.bfloat16),
+            mq.dequantize_mxfp8(q8, e8).to(torch.bfloat16))
     packed = codes.repeat(256, 1)  # [256 scales, 256 bytes: 512 values, 32 blocks of 16]
     e4 = codes.view(torch.float8_e4m3fn)[:, None].expand(256, 32).contiguous()
     exactly("NVFP4 to bf16", mq.dequantize_nvfp4(packed, e4, None, dtype=torch.bfloat16),
             mq.dequantize_nvfp4(packed, e4, None).to(torch.bfloat16))
-    grid = torch.tensor(mq.E2M1_VALUES + tuple(-v for v in mq.E2M1_VALUES))
+    grid = mq.e2m1_table("cpu")  # code -> value, the sign in bit 3
     pairs = mq.e2m1_decode(codes[None, :].cpu()).view(256, 2)
-    assert torch.equal(pairs[:, 0], grid[torch.arange(256) % 16]) and torch.equal(pairs[:, 1], grid[torch.arange(256) // 16])
+    assert torch.equal(pairs[:, 0], grid[torch.arange(256) % 16])
+    assert torch.equal(pairs[:, 1], grid[torch.arange(256) // 16])
 
 
 def test_hadamard_is_orthogonal_and_spreads_an_outlier():

@@ -80,7 +80,6 @@ class LRSchedule:
         self.optimizer, self.total, self.warmup, self.kind = optimizer, total_steps, warmup_steps, kind
         self.base = [float(g["lr"]) for g in optimizer.param_groups]
         self.last_step = -1
-        self.rate = self.base[0]  # the rate of the last step applied (the peak before the first)
 
     def factor(self, step: int) -> float:
         return schedule_factor(step, self.total, self.warmup, self.kind)
@@ -94,8 +93,12 @@ class LRSchedule:
             else:
                 g["lr"] = base * f
         self.last_step = step
-        self.rate = self.base[0] * f
-        return self.rate
+        return self.base[0] * f
+
+    @property
+    def rate(self) -> float:
+        """The rate of the last step applied (`apply`; a resumed schedule's saved position)."""
+        return self.base[0] * self.factor(self.last_step)
 
     def metrics(self) -> dict:
         """The applied rate as the metrics row (results/<tag>.metrics.jsonl) records it."""

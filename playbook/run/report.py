@@ -218,7 +218,8 @@ def emulation(cfg: RunConfig) -> str | None:
 def step_line(step: int, steps: int, loss: float, eval_loss: float | None, rate: str, norm, seconds: float,
               text_tokens: int, tokens: int, time_left: str, emulated: str | None = None) -> str:
     """A logged step's line: "step    10/100  loss 2.3456  lr 1.00e-04  grad norm 0.812  512.3 ms  ...";
-    `rate`: the schedule's part (LRSchedule.text); `emulated` (the recipe, `emulation`): the time and throughput are marked as the emulation's."""
+    `rate`: the schedule's part (LRSchedule.text); `emulated` (the recipe, `emulation`): the time and throughput
+    are marked as the emulation's."""
     timing = f"  {seconds * 1e3:8.1f} ms  {throughput(text_tokens, tokens, seconds)}"
     if emulated:
         timing += f" [{emulated}: emulated, not a speed]"

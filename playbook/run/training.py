@@ -382,8 +382,8 @@ def one_step(run: Run, runner: StepRunner, step: int, bar) -> str | None:
     bar.set_postfix(loss=f"{loss_value:.4f}", ms=f"{dt * 1e3:.0f}")
     run.left.step_done(step + 1)
     if log_now or eval_loss is not None:
-        line = step_line(step + 1, run.steps, loss_value, eval_loss, run.schedule.text(), norm, dt, n_text, result.tokens_per_step,
-                         run.left.text(step + 1), emulation(run.cfg))
+        line = step_line(step + 1, run.steps, loss_value, eval_loss, run.schedule.text(), norm, dt, n_text,
+                         result.tokens_per_step, run.left.text(step + 1), emulation(run.cfg))
         if bar.disable:
             log(line)
         else:
