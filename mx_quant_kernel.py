@@ -87,6 +87,8 @@ Layout of this file: kernels -> launchers -> dequantization and the emulated mat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from core import kernel_utils  # (check_device: where the kernels can run)
@@ -621,12 +623,19 @@ def e2m1_table(device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def _e2m1_pairs(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Byte b's two e2m1 values (b & 15, b >> 4): [256, 2], made once per device and dtype. Made at each call, the
+    table was a copy from host memory before every emulated matmul: the host waited for the GPU each time, and a
+    CUDA graph could not capture the step."""
+    table = e2m1_table(device, dtype)
+    return torch.stack((table.repeat(16), table.repeat_interleave(16)), dim=-1)
+
+
 def e2m1_decode(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed e2m1 bytes [R, C] -> [R, 2 C] in `dtype` (the low nibble first): each byte looks up its pair of
     values in a 256-row table, with int32 indices (2 bytes per value, where int64 codes per nibble took 8)."""
-    table = e2m1_table(packed.device, dtype)
-    pairs = torch.stack((table.repeat(16), table.repeat_interleave(16)), dim=-1)  # byte b: (b & 15, b >> 4)
-    return pairs[packed.int()].reshape(packed.shape[0], -1)
+    return _e2m1_pairs(packed.device, dtype)[packed.int()].reshape(packed.shape[0], -1)
 
 
 def dequantize_nvfp4(q: torch.Tensor, scales: torch.Tensor, g: torch.Tensor | None, cols: int | None = None,

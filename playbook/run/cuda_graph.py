@@ -18,6 +18,9 @@ What a graph needs, and what this module checks before it captures (`graph_block
     AdamW (adamw_kernel.py) with `capturable=True` and the rate as a tensor, which `LRSchedule` fills in
     place each step.
   - one process: FSDP2's collectives are issued by hooks on the host each step.
+  - no seed drawn on the host per step: NVFP4's stochastic rounding of the gradients (fp8_recipes_kernel.py)
+    passes each quantizer launch a fresh seed from a host counter, which a replayed graph would freeze (the
+    same random numbers every step), so NVFP4 runs, emulated or not, stay eager.
   - no programmatic dependent launch (Triton's `launch_pdl=True` and `gdc_wait`), which has made graph
     capture fail on Blackwell: no kernel here uses it, and tests/blackwell_test.py fails when one does
     (it would have to be switched off while a graph is captured). The capture itself asks nothing of
@@ -38,6 +41,7 @@ import gc
 import torch
 import torch.nn.functional as F
 
+from core.fp8_support import get_recipe
 from core.process import log, world
 from playbook.memory import options
 from playbook.model import packed_attention
@@ -56,6 +60,9 @@ def graph_blocker(cfg: RunConfig, data=None) -> str | None:
     blocker = options.graph_blocker(options.values(cfg))  # copies to host memory under the host's control
     if blocker:
         return blocker
+    if cfg.model.fp8 and cfg.model.fp8_backend == "playbook" and get_recipe(cfg.model.fp8_recipe).scaling == "nvfp4":
+        return ("NVFP4 rounds each gradient stochastically with a seed the host draws per launch; a replayed graph "
+                "would reuse the same random numbers every step")
     if cfg.model.load_in_4bit:
         return "--load-in-4bit: bitsandbytes' NF4 layers are not checked for capture"
     if data is None:
