@@ -178,13 +178,31 @@ _AS_FROM_A_SHELL = (
 )
 
 
+def wait_for_startup_handler(pid: int, timeout: float = 30.0) -> None:
+    """Until the child catches SIGTERM, which `startup.start` handles and _AS_FROM_A_SHELL leaves at its default:
+    its start-up handler is then in place. A fixed delay alone raced it on a loaded machine (two test workers on
+    two cores): the Ctrl-C landed while Python itself was still importing the script's first modules, before any
+    script can handle it. Off Linux (no /proc), the fixed delay alone."""
+    status = Path(f"/proc/{pid}/status")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            caught = next(int(ln.split()[1], 16) for ln in status.read_text().splitlines() if ln.startswith("SigCgt"))
+        except (OSError, StopIteration):
+            return  # no /proc, or the child already ended: the caller's wait says what happened
+        if caught >> (signal.SIGTERM - 1) & 1:
+            return
+        time.sleep(0.01)
+
+
 def interrupt(*argv, ready: str | None = None, timeout: float = 60, sig=signal.SIGINT,
               env: dict | None = None) -> tuple[int, str]:
     """Run `python *argv` as from a shell, press Ctrl-C (SIGINT; or send `sig`) and return (exit code, stderr).
 
     `ready`: Ctrl-C comes 0.5 s after the first stdout line that contains it (the run is under way);
-    None: 0.5 s after the process starts, while it is still importing torch (start-up). stderr's first
-    line is what the child inherited (_AS_FROM_A_SHELL); what the script printed follows."""
+    None: 0.5 s after the script's start-up handler is in place (`startup.start`), while it is still importing
+    torch (start-up). stderr's first line is what the child inherited (_AS_FROM_A_SHELL); what the script
+    printed follows."""
     proc = subprocess.Popen([sys.executable, "-c", _AS_FROM_A_SHELL, *argv], cwd=HERE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     try:
@@ -193,6 +211,8 @@ def interrupt(*argv, ready: str | None = None, timeout: float = 60, sig=signal.S
             for line in proc.stdout:
                 if ready in line:
                     break
+        else:
+            wait_for_startup_handler(proc.pid)
         time.sleep(0.5)
         proc.send_signal(sig)
         try:
