@@ -65,9 +65,8 @@ def test_what_keeps_a_run_eager(monkeypatch):
     assert cuda_graph.graph_blocker(cfg) == ("no GPU" if not GPU else None)
     assert cuda_graph.graph_blocker(on_gpu(cfg)) is None
     assert cuda_graph.graph_blocker(on_gpu(config("--optimizer", "adamw-triton"))) is None  # its step count and rate live on the GPU
-    for recipe in ("mxfp8", "rowwise"):  # scales from the tensors alone: nothing drawn on the host
-        assert cuda_graph.graph_blocker(on_gpu(config("--fp8", "--fp8-recipe", recipe, "--fp8-emulate")
-                                               if recipe == "mxfp8" else config("--fp8"))) is None, recipe
+    for fp8 in (("--fp8",), ("--fp8", "--fp8-recipe", "mxfp8", "--fp8-emulate")):  # nothing drawn on the host
+        assert cuda_graph.graph_blocker(on_gpu(config(*fp8))) is None, fp8
     cases = {
         "--cuda-graphs off": on_gpu(config("--cuda-graphs", "off")),
         "--offload-activations": on_gpu(config("--gradient-checkpointing", "--offload-activations")),
