@@ -346,7 +346,7 @@ def _check_proj(name, fn, x, weights, dys):
         joint = torch.cat([cast(w) for w in weights]).requires_grad_()
         wi = list(joint.split([w.shape[0] for w in weights]))
         ys = f(xi, wi)
-        torch.autograd.backward(ys, [cast(d) for d in dys])
+        torch.autograd.backward(ys, [cast(d).clone() for d in dys])  # its own copies, as _check_rope's
         outs.append((torch.cat(ys, dim=-1), xi.grad, joint.grad))
     lengths = (x.shape[1], sum(w.shape[0] for w in weights), x.shape[0])  # the sum behind each y, dx, dW value
     for what, n, ours, torch_impl, ref in zip(("y", "dx", "dW"), lengths, *outs):
@@ -401,7 +401,9 @@ def _check_rope(name, fn, q, k, cos, sin):
     for f, cast in ((fn, lambda v: v), (rope_ref, lambda v: v), (rope_ref, lambda v: v.double())):
         qi, ki = cast(q).clone().requires_grad_(), cast(k).clone().requires_grad_()
         qo, ko = f(qi, ki, cast(cos), cast(sin))
-        torch.autograd.backward([qo, ko], [cast(dq), cast(dk)])
+        # each call its own dq and dk: Liger-Kernel's RoPE backward writes its result into the gradient it is
+        # given, which would otherwise change the upstream gradient of the references after it
+        torch.autograd.backward([qo, ko], [cast(dq).clone(), cast(dk).clone()])
         outs.append((qo, ko, qi.grad, ki.grad))
     for i, what in enumerate(("q_embed", "k_embed", "dq", "dk")):
         close_to_reference(f"rope {name} {what}", outs[0][i], outs[1][i], outs[2][i], q.dtype, n=2)

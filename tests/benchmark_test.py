@@ -187,6 +187,40 @@ def test_running_out_of_memory_skips_one_implementation(error, capsys):
     record(f"{type(error).__name__} ({str(error)[:30]}...): skipped with a warning", 0.0, 0.0, True)
 
 
+def test_checks_survive_a_peer_that_writes_into_its_upstream_gradient():
+    """Liger-Kernel's RoPE backward writes its result into the gradient it is given. The float64 check gives
+    each implementation its own upstream gradients, so such a peer, right in value, passes, and the
+    references after it see the gradients the peer saw (before, the check reported Liger's dq as 7.4 off)."""
+    from benchmarks import specs
+    from rope_kernel import rope_ref
+
+    class InPlaceRope(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, cos, sin):
+            ctx.save_for_backward(cos, sin)
+            return rope_ref(q, k, cos, sin)
+
+        @staticmethod
+        def backward(ctx, dq, dk):
+            cos, sin = ctx.saved_tensors
+            with torch.enable_grad():  # the exact inverse rotation, written over dq and dk
+                q, k = dq.detach().requires_grad_(), dk.detach().requires_grad_()
+                gq, gk = torch.autograd.grad(rope_ref(q, k, cos, sin), (q, k), (dq, dk))
+            return dq.copy_(gq), dk.copy_(gk), None, None
+
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 16, 32, generator=g), torch.randn(1, 2, 16, 32, generator=g)
+    ang = torch.arange(16.0)[:, None] * 0.1 * torch.arange(1, 17)[None, :]
+    ang = torch.cat([ang, ang], dim=-1)[None]
+    specs._check_rope("in place", InPlaceRope.apply, q, k, ang.cos(), ang.sin())
+    x, w = torch.randn(8, 32, generator=g), [torch.randn(n, 32, generator=g) for n in (16, 8)]
+    dys = [torch.randn(8, n, generator=g) for n in (16, 8)]
+    before = [d.clone() for d in dys]
+    specs._check_proj("plain", lambda xi, ws: [xi @ wi.t() for wi in ws], x, w, dys)
+    assert all(torch.equal(a, b) for a, b in zip(dys, before))
+    record("an in-place RoPE peer passes the float64 check", 0.0, 0.0, True)
+
+
 def test_kernel_list_and_run_tag():
     assert bk.kernel_list("all") == KERNEL_NAMES
     assert bk.kernel_list("rope, rmsnorm") == ("rmsnorm", "rope")  # the registry's order
