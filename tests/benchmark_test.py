@@ -190,7 +190,8 @@ def test_running_out_of_memory_skips_one_implementation(error, capsys):
 def test_checks_survive_a_peer_that_writes_into_its_upstream_gradient():
     """Liger-Kernel's RoPE backward writes its result into the gradient it is given. The float64 check gives
     each implementation its own upstream gradients, so such a peer, right in value, passes, and the
-    references after it see the gradients the peer saw (before, the check reported Liger's dq as 7.4 off)."""
+    references after it see the gradients the peer saw (a shared tensor made Liger's dq 7.4 off in
+    results/H100/kernels.log)."""
     from benchmarks import specs
     from rope_kernel import rope_ref
 
@@ -213,11 +214,6 @@ def test_checks_survive_a_peer_that_writes_into_its_upstream_gradient():
     ang = torch.arange(16.0)[:, None] * 0.1 * torch.arange(1, 17)[None, :]
     ang = torch.cat([ang, ang], dim=-1)[None]
     specs._check_rope("in place", InPlaceRope.apply, q, k, ang.cos(), ang.sin())
-    x, w = torch.randn(8, 32, generator=g), [torch.randn(n, 32, generator=g) for n in (16, 8)]
-    dys = [torch.randn(8, n, generator=g) for n in (16, 8)]
-    before = [d.clone() for d in dys]
-    specs._check_proj("plain", lambda xi, ws: [xi @ wi.t() for wi in ws], x, w, dys)
-    assert all(torch.equal(a, b) for a, b in zip(dys, before))
     record("an in-place RoPE peer passes the float64 check", 0.0, 0.0, True)
 
 
