@@ -35,6 +35,7 @@ import dataclasses
 import json
 import re
 import time
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -194,9 +195,12 @@ def main():
             f"x sequences x tokens each; {desc}) ...")
         t0 = time.perf_counter()
         wall, queued = [], []  # seconds per recorded step: until the GPU finished it; until the host had queued it
-        # (Kineto's "USDT: profiler_start / profiler_stop" notices left out of the output; its other lines pass)
-        with without_stderr_lines("USDT:"), \
-                profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=active)) as prof:
+        # One cycle of the schedule (repeat=1). Left out of the output: Kineto's "USDT: profiler_start /
+        # profiler_stop" notices (its other lines pass), and the warning that the profiler "clears events at the
+        # end of each cycle", which torch 2.11 gives even for one cycle (fixed after it: pytorch/pytorch#180387).
+        with without_stderr_lines("USDT:"), warnings.catch_warnings(), \
+                profile(activities=activities, schedule=schedule(wait=WAIT, warmup=WARMUP, active=active, repeat=1)) as prof:
+            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
             for i in range(WAIT + WARMUP + active):
                 start = time.perf_counter()
                 step(cfg.training.warmup_steps + i)
