@@ -53,11 +53,11 @@ endif
 # What run and test take, said when they start (the README's figures and their sources): on a 2-core CPU the
 # walkthrough took 45 min (a user's run with other work on the machine; step 4d alone, results/runs/
 # walkthrough_CPU_smollm2.log, 10 min) and CI, which runs the set-up, the tests and a shortened walkthrough, 18-22
-# min; on one H200 `make run` took 365 s whole (results/runs/walkthrough_H200.log) and the tests, in 16 processes,
-# 301 s (results/runs/redesign_H200/after_cccc125/tests.log).
+# min; on one H200 `make run` took 365 s whole (results/runs/walkthrough_H200.log); on one H100 the tests, in 16
+# processes, had not ended after 408 s (389 s of pytest, 99 % of them passed; results/H100/tests_8f91439.log).
 GPU_HERE = nvidia-smi -L >/dev/null 2>&1
 RUN_TIME = $(GPU_HERE) && echo "about 6 min on one H200" || echo "about 45 min on a 2-core CPU (step 2: 12 min, step 4d: 10-19 min)"
-TEST_TIME = $(GPU_HERE) && echo "about 5 min on one H200" || echo "about 15-20 min on a 2-core CPU"
+TEST_TIME = $(GPU_HERE) && echo "more than 6.5 min on one H100" || echo "about 15-20 min on a 2-core CPU"
 
 .PHONY: run test setup selfcheck check clean bench results-index gpu-evidence
 run: check
@@ -65,7 +65,7 @@ run: check
 	$(PY) walkthrough.py $(WALKTHROUGH_ARGS)
 
 # On a GPU with pytest-xdist installed (the NGC container has it) the tests run in 16 processes that share the GPU
-# (301 s on one H200: results/runs/redesign_H200/after_cccc125/tests.log; the tests marked big_gpu_memory take it in turn);
+# (more than 6.5 min on one H100: results/H100/tests_8f91439.log; the tests marked big_gpu_memory take it in turn);
 # PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS="-k rmsnorm".
 TEST_WORKERS = $(GPU_HERE) && $(PY) -c "import xdist" >/dev/null 2>&1 && echo "-n 16"
 test: check

@@ -210,7 +210,7 @@ def test_what_the_scripts_say_of_themselves_is_whole_and_true():
     assert intro.rstrip().endswith("(playbook/model/generate.py)."), intro
     selfcheck = (HERE / "selfcheck.py").read_text()
     assert '"python selfcheck.py --setup" if check.cmd is None' in selfcheck and "python setup_check.py" not in selfcheck
-    for target, figure in (("run", "45 min on a 2-core CPU"), ("test", "5 min on one H200")):
+    for target, figure in (("run", "45 min on a 2-core CPU"), ("test", "6.5 min on one H100")):
         recipe = MAKEFILE.split(f"\n{target}: check\n", 1)[1].split("\n\n", 1)[0]
         first = recipe.splitlines()[0]
         assert first.lstrip().startswith("@echo") and f"$({target.upper()}_TIME)" in first, first
