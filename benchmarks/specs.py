@@ -77,6 +77,23 @@ class KernelSpec:
         return self.module.flops(**case, backward=backward) if self.compute_bound else None
 
 
+def _three_ways(fn, ref, leaves, upstream, call, truth=torch.float64):
+    """A check's three runs, in this order: `fn` and `ref` in the inputs' dtype, then `ref` in `truth` (float64;
+    fp32 where a float64 copy would not fit). Each run gets its own copies of the leaves and of the upstream
+    gradients, so an implementation that writes into what it is given (Liger-Kernel's RoPE backward writes its
+    result into its upstream gradient) cannot change the runs after it. `call(f, cast, *leaves)` returns the
+    outputs, one tensor or several (`cast` for the other tensors the call takes); `upstream` holds their
+    gradients (empty: one scalar loss). Returns, per run, (outputs..., the leaves' gradients...), detached."""
+    runs = []
+    for f, cast in ((fn, lambda t: t), (ref, lambda t: t), (ref, lambda t: t.to(truth))):
+        xs = [cast(t).clone().requires_grad_() for t in leaves]
+        outs = call(f, cast, *xs)
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        torch.autograd.backward(list(outs), [cast(g).clone() for g in upstream] if upstream else None)
+        runs.append(tuple(t.detach() for t in (*outs, *(x.grad for x in xs))))
+    return runs
+
+
 # ---- RMSNorm -------------------------------------------------------------------------------------
 def _rmsnorm_cases(tokens):
     cases = [dict(n_rows=n, hidden=HIDDEN) for n in tokens or (1024, 2048, 4096, 8192, 16384, 32768)]
@@ -110,23 +127,14 @@ def _rmsnorm_inputs(case, dtype):
 
 
 def _check_rmsnorm(name, fn, x, w, dy):
-    outs = []
-    for cast in (lambda t: t, lambda t: t.double()):
-        xi, wi = cast(x).clone().requires_grad_(), cast(w).clone().requires_grad_()
-        y = (fn if not outs else rmsnorm_ref)(xi, wi, 1e-5)
-        y.backward(cast(dy).clone())
-        outs.append((y, xi.grad, wi.grad))
-    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
-    yt = rmsnorm_ref(xt, wt, 1e-5)
-    yt.backward(dy.clone())
+    runs = _three_ways(fn, rmsnorm_ref, [x, w], [dy], lambda f, cast, xi, wi: f(xi, wi, 1e-5))
     for i, what in enumerate(("y", "dx", "dW")):
         n = x.shape[0] if what == "dW" else x.shape[1]
         scale = None
         if what == "dx":
             rstd = torch.rsqrt(x.double().pow(2).mean(-1) + 1e-5).max().item()
             scale = rstd * dy.double().abs().max().item() * w.double().abs().max().item()
-        close_to_reference(f"rmsnorm {name} {what}", outs[0][i], (yt, xt.grad, wt.grad)[i], outs[1][i], x.dtype,
-                           n=n, scale=scale)
+        close_to_reference(f"rmsnorm {name} {what}", *(run[i] for run in runs), x.dtype, n=n, scale=scale)
 
 
 # ---- Cross-entropy -------------------------------------------------------------------------------
@@ -256,13 +264,8 @@ def _flce_inputs(case, dtype):
 
 
 def _check_flce(name, fn, x, w, t):
-    outs = []
     # fp32 serves as the truth here: a float64 copy of a 128256 x 4096 head would take 4 GB
-    for f, cast in ((fn, lambda v: v), (_hf_head_loss, lambda v: v), (_hf_head_loss, lambda v: v.float())):
-        xi, wi = cast(x).clone().requires_grad_(), cast(w).clone().requires_grad_()
-        loss = f(xi, wi, t)
-        loss.backward()
-        outs.append((loss.detach(), xi.grad, wi.grad))
+    outs = _three_ways(fn, _hf_head_loss, [x, w], [], lambda f, cast, xi, wi: f(xi, wi, t), truth=torch.float32)
     V = w.shape[0]
     # As in _check_ce: a loss returned in the inputs' dtype (torch-chunked's) is held to that dtype's
     # precision; fp32 losses (ours, eager, Liger) to fp32's.
@@ -301,12 +304,7 @@ def _swiglu_inputs(case, dtype):
 
 
 def _check_swiglu(name, fn, gate, up, dh):
-    outs = []
-    for f, cast in ((fn, lambda t: t), (swiglu_ref, lambda t: t), (swiglu_ref, lambda t: t.double())):
-        gi, ui = cast(gate).clone().requires_grad_(), cast(up).clone().requires_grad_()
-        h = f(gi, ui)
-        h.backward(cast(dh).clone())
-        outs.append((h, gi.grad, ui.grad))
+    outs = _three_ways(fn, swiglu_ref, [gate, up], [dh], lambda f, cast, gi, ui: f(gi, ui))
     for i, what in enumerate(("h", "dgate", "dup")):
         close_to_reference(f"swiglu {name} {what}", outs[0][i], outs[1][i], outs[2][i], gate.dtype)
 
@@ -339,15 +337,10 @@ def _proj_inputs(case, dtype):
 
 
 def _check_proj(name, fn, x, weights, dys):
-    outs = []
-    for f, cast in ((fn, lambda t: t), (projections_kernel.separate_matmuls, lambda t: t),
-                    (projections_kernel.separate_matmuls, lambda t: t.double())):
-        xi = cast(x).clone().requires_grad_()
-        joint = torch.cat([cast(w) for w in weights]).requires_grad_()
-        wi = list(joint.split([w.shape[0] for w in weights]))
-        ys = f(xi, wi)
-        torch.autograd.backward(ys, [cast(d).clone() for d in dys])  # its own copies, as _check_rope's
-        outs.append((torch.cat(ys, dim=-1), xi.grad, joint.grad))
+    sizes = [w.shape[0] for w in weights]  # the weights side by side, as one leaf: its gradient is dW
+    runs = _three_ways(fn, projections_kernel.separate_matmuls, [x, torch.cat(weights)], dys,
+                       lambda f, cast, xi, joint: f(xi, list(joint.split(sizes))))
+    outs = [(torch.cat(run[:-2], dim=-1), *run[-2:]) for run in runs]  # (y, dx, dW)
     lengths = (x.shape[1], sum(w.shape[0] for w in weights), x.shape[0])  # the sum behind each y, dx, dW value
     for what, n, ours, torch_impl, ref in zip(("y", "dx", "dW"), lengths, *outs):
         close_to_reference(f"projections {name} {what}", ours, torch_impl, ref, x.dtype, n=n)
@@ -396,15 +389,8 @@ def _rope_inputs(case, dtype):
 
 
 def _check_rope(name, fn, q, k, cos, sin):
-    outs = []
     dq, dk = torch.randn_like(q), torch.randn_like(k)
-    for f, cast in ((fn, lambda v: v), (rope_ref, lambda v: v), (rope_ref, lambda v: v.double())):
-        qi, ki = cast(q).clone().requires_grad_(), cast(k).clone().requires_grad_()
-        qo, ko = f(qi, ki, cast(cos), cast(sin))
-        # each call its own dq and dk: Liger-Kernel's RoPE backward writes its result into the gradient it is
-        # given, which would otherwise change the upstream gradient of the references after it
-        torch.autograd.backward([qo, ko], [cast(dq).clone(), cast(dk).clone()])
-        outs.append((qo, ko, qi.grad, ki.grad))
+    outs = _three_ways(fn, rope_ref, [q, k], [dq, dk], lambda f, cast, qi, ki: f(qi, ki, cast(cos), cast(sin)))
     for i, what in enumerate(("q_embed", "k_embed", "dq", "dk")):
         close_to_reference(f"rope {name} {what}", outs[0][i], outs[1][i], outs[2][i], q.dtype, n=2)
 
