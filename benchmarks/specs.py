@@ -341,7 +341,7 @@ def _check_proj(name, fn, x, weights, dys):
     runs = _three_ways(fn, projections_kernel.separate_matmuls, [x, torch.cat(weights)], dys,
                        lambda f, cast, xi, joint: f(xi, list(joint.split(sizes))))
     outs = [(torch.cat(run[:-2], dim=-1), *run[-2:]) for run in runs]  # (y, dx, dW)
-    lengths = (x.shape[1], sum(w.shape[0] for w in weights), x.shape[0])  # the sum behind each y, dx, dW value
+    lengths = (x.shape[1], sum(sizes), x.shape[0])  # the sum behind each y, dx, dW value
     for what, n, ours, torch_impl, ref in zip(("y", "dx", "dW"), lengths, *outs):
         close_to_reference(f"projections {name} {what}", ours, torch_impl, ref, x.dtype, n=n)
 

@@ -238,14 +238,14 @@ ANY_IMPORT_ORDER = ("import torch, triton\n"
                     "ids = torch.randint(0, 128, (2, 16))\n"
                     "model(input_ids=ids, labels=ids).loss.backward()\n"
                     "print('kernels applied:', report.describe())\n")
+# a -c child's last lines: run the script named after -c's code with the arguments after it, as python would
+THEN_THE_SCRIPT = "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
 OOM_AT_BUILD = ("import runpy, sys\n"
                 "import playbook.model.models as m\n"
                 "def build(*a, **k):\n"
                 "    raise RuntimeError('[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can\\'t allocate "
                 "memory: you tried to allocate 64000000000 bytes')\n"
-                "m.build_preset = build\n"
-                "sys.argv = sys.argv[1:]\n"
-                "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+                "m.build_preset = build\n" + THEN_THE_SCRIPT)
 
 # torch 2.11's profiler warns that it "clears events at the end of each cycle" when a schedule records one cycle
 # (pytorch/pytorch#180387); this torch may not: the child warns as 2.11 does, and the profile must not pass it on
@@ -256,9 +256,7 @@ PROFILER_WARNS_AS_2_11 = ("import runpy, sys, warnings\n"
                           "    warnings.warn('Warning: Profiler clears events at the end of each cycle.Only events from "
                           "the current cycle will be reported.To keep events across cycles, set acc_events=True.')\n"
                           "    prepare(self)\n"
-                          "p.profile.prepare_trace = warned\n"
-                          "sys.argv = sys.argv[1:]\n"
-                          "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+                          "p.profile.prepare_trace = warned\n" + THEN_THE_SCRIPT)
 
 FT = ("finetune_baseline.py", "finetune_optimized.py")
 ASK = ["chat.py", "--max-new-tokens", "2"]  # chat.py, answers of two tokens (the stand-in model has nothing to say)
