@@ -696,16 +696,35 @@ def test_full_circle_gguf_finetune_export_chat(tmp_path, tiny_run, capsys, monke
     assert (q_start != q_end).any()
     questions = ["What is a GPU?", "Name a colour.", "Say hi."]
     answers = []
-    # Compared in float32 on the CPU wherever the test runs: chat.py loads bfloat16 on a GPU, where the checkpoint
-    # (f16 base + adapter) and the file (merged, then rounded to f16) round differently, and this random tiny model's
-    # near-tied logits then flip a greedy token. In float32 both hold the same weights to f16's precision.
+    # Compared in float32 on the CPU wherever the test runs (chat.py would load bfloat16 on a GPU).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for model in (checkpoint, exported):
         assert chat.main(["--model", str(model), "--json", "--max-new-tokens", "8", *[f"--prompt={q}" for q in questions]]) == 0
-        answers.append(json.loads(capsys.readouterr().out))  # the JSON alone on stdout (chat.py logs to stderr)
-    assert answers[0] == answers[1]
-    assert any(a["answer"] for a in answers[0])  # (an empty answer everywhere would prove nothing)
+        answers.append([a["answer"] for a in json.loads(capsys.readouterr().out)])  # the JSON alone on stdout
+    assert any(answers[0])  # (an empty answer everywhere would prove nothing)
+    # The checkpoint (f16 base + float32 adapter) and the file (merged, then rounded to f16) are one model up to f16
+    # rounding, so their answers agree token for token except where the checkpoint's top two logits are closer than
+    # the two models' logits differ: this random tiny model has near ties, and which side of one a rounding falls
+    # depends on the run's few training steps, which differ between CPUs. Each answer is followed token by token.
+    from playbook.model import generate
 
+    (ours, tokenizer, _), (theirs, _, _) = (chat.load(str(p), torch.device("cpu")) for p in (checkpoint, exported))
+    for question, said_ours, said_theirs in zip(questions, *answers):
+        ids = generate.prompt_ids(tokenizer, question)
+        with torch.no_grad():
+            for _ in range(8):  # the checkpoint's own greedy tokens (past a stop token too: more positions checked)
+                ids.append(int(ours(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            a, b = (m(input_ids=torch.tensor([ids])).logits[0, -9:-1].float() for m in (ours, theirs))
+        apart = float((a - b).abs().max())
+        # f16 keeps 11 significant bits (relative rounding 2**-12 a weight); through this model's two layers that
+        # moves a logit by about 0.1 % of the largest; the unmerged base is about 100 % away: 5 % means other weights
+        assert apart <= 0.05 * float(a.abs().max()), (question, apart, float(a.abs().max()))
+        top2 = a.topk(2).values
+        flips = (a.argmax(-1) != b.argmax(-1)).nonzero().flatten().tolist()
+        for i in flips:  # a token the file picks differently: only inside a tie as close as the models are apart
+            assert float(top2[i, 0] - a[i, b[i].argmax()]) <= 2 * apart, (question, i, top2[i].tolist(), apart)
+        if bool(((top2[:, 0] - top2[:, 1]) > 2 * apart).all()):  # no tie that close: the same answer, to the letter
+            assert said_ours == said_theirs, question
 
 if __name__ == "__main__":
     sys.exit(run_as_script(__name__, "export.py: GGUF read back by transformers, the full circle"))
