@@ -578,6 +578,18 @@ def test_prepare_model_applies_its_steps_in_order(monkeypatch):
     record(f"prepare_model: {' -> '.join(PREPARATION_ORDER)}", 0.0, 0.0, True)
 
 
+def test_the_seed_draws_the_adapters():
+    """LoRA's A matrices were drawn from whatever state torch's generator was in, so one set of flags gave runs with
+    other first gradients (in the fine-tuning scripts: the same loss at step 1, another grad norm); --seed draws them."""
+    def adapters(seed):
+        torch.manual_seed(1234 + seed)  # the state anything before the build left
+        model = models.prepare_model(config("--lora-r", "2", "--seq-len", "32", "--seed", str(seed)))[0]
+        return torch.cat([p.detach().flatten() for n, p in model.named_parameters() if "lora_A" in n])
+
+    first = adapters(0)
+    assert first.abs().sum() > 0 and torch.equal(first, adapters(0)) and not torch.equal(first, adapters(1))
+
+
 def test_lora_with_gradient_checkpointing_trains():
     """--lora-r 4 --gradient-checkpointing on the tiny model, the kernels on: each decoder layer is
     recomputed in backward, two AdamW steps give finite losses, and every adapter gets a gradient

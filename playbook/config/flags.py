@@ -325,7 +325,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGro
                         "CUDA graph, so the host queues it in microseconds; a run that cannot (rows with a padding "
                         "mask, FSDP2, --offload-activations) says why and runs eagerly. off: always eager. Default: "
                         "auto; off in finetune_baseline.py, which runs the step as plain PyTorch does")
-    t.add_argument("--seed", type=nonnegative_int, default=0)
+    t.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="the data order, LoRA's initial adapters and dropout: the same seed, the same run")
     return t
 
 

@@ -360,6 +360,9 @@ def prepare_model(cfg: RunConfig, *, model: nn.Module | None = None, shard: bool
         model, name, desc = load_model(cfg)
     else:
         name = desc = cfg.model.model
+    # --seed draws what is built from here on at random (LoRA's A matrices; a preset has drawn its weights with seed
+    # 0) and the dropout that follows: the same flags give the same run (the data order has its own generator)
+    torch.manual_seed(cfg.run.seed)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and cfg.data.seq_len > max_pos:
         # RoPE itself has no length limit; past its trained positions the model meets angles it never saw:
