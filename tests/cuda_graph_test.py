@@ -311,10 +311,6 @@ def test_a_resumed_run_replays_from_its_checkpoint(tmp_path):
     record(f"resumed at step 4, replayed from step 6: worst step {worst:.1e} rel. from eager", worst, REL_TOL, True)
 
 
-if __name__ == "__main__":
-    sys.exit(run_as_script(__name__, "CUDA graphs: when, why not, and the same training"))
-
-
 def test_the_launch_queue_and_the_allocator_are_set_before_cuda_starts():
     """playbook.startup.start() sets CUDA_SCALE_LAUNCH_QUEUES=4x (a replayed LoRA step overflowed the default
     command buffer, and the replay call waited for the GPU) and PyTorch's expandable segments (the 8B full
@@ -332,3 +328,7 @@ def test_the_launch_queue_and_the_allocator_are_set_before_cuda_starts():
     assert got == ["4x", "expandable_segments:True"], got
     assert kept == ["2x", "expandable_segments:False"], kept
     record(f"after playbook.startup.start(): {' '.join(got)} (a user's {' '.join(kept)} kept)", 0.0, 0.0, True)
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(__name__, "CUDA graphs: when, why not, and the same training"))

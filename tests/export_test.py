@@ -726,10 +726,6 @@ def test_full_circle_gguf_finetune_export_chat(tmp_path, tiny_run, capsys, monke
         if bool(((top2[:, 0] - top2[:, 1]) > 2 * apart).all()):  # no tie that close: the same answer, to the letter
             assert said_ours == said_theirs, question
 
-if __name__ == "__main__":
-    sys.exit(run_as_script(__name__, "export.py: GGUF read back by transformers, the full circle"))
-
-
 def test_a_run_folder_exports_its_best_checkpoint_and_the_commands_are_quoted(tmp_path, tiny_run, capsys):
     """export.py RUN_DIR on a run that kept its best checkpoint (--load-best-model-at-end: the `best` file) exported
     the last step and said nothing; now it exports the best, saying which step before it starts. The commands it
@@ -765,3 +761,7 @@ def test_a_run_folder_exports_its_best_checkpoint_and_the_commands_are_quoted(tm
 
     _, _, what = chat.load(str(run), torch.device("cpu"))
     assert what.startswith(f"{run / 'checkpoint-5'} (the run's best checkpoint, step 5"), what
+
+
+if __name__ == "__main__":
+    sys.exit(run_as_script(__name__, "export.py: GGUF read back by transformers, the full circle"))
