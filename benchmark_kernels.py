@@ -493,9 +493,12 @@ def mx_quant(smoke: bool) -> int:
 
 
 # --mx-quant --tune: the launch settings tried, (BLOCK_M, BLOCK_K, num_warps) for MXFP8 (tiles of 4K-16K values)
-# and (BLOCK_K, num_warps) for NVFP4 (its BLOCK_M also pads the transposed copy: fixed)
-MX_TUNE = [(m, k, w) for m in (32, 64, 128) for k in (32, 64, 128, 256) if 4096 <= m * k <= 16384 for w in (4, 8)]
-NV_TUNE = [(k, w) for k in (64, 128, 256) for w in (4, 8)]
+# and (BLOCK_K, num_warps) for NVFP4 (its BLOCK_M also pads the transposed copy: fixed). One and two warps too:
+# with four, a tile's 32 rows span the warps, so each scale of the transposed copy is a maximum across warps
+# (through shared memory, between barriers); with one warp it stays in registers and shuffles
+MX_TUNE = [(m, k, w) for m in (32, 64, 128) for k in (32, 64, 128, 256) if 4096 <= m * k <= 16384
+           for w in (1, 2, 4, 8)]
+NV_TUNE = [(k, w) for k in (32, 64, 128, 256) for w in (1, 2, 4, 8)]
 
 
 def mx_quant_tune(smoke: bool) -> int:

@@ -146,8 +146,8 @@ def test_mx_quant_rows_check_then_time(monkeypatch, capsys):
 
 def test_mx_quant_tune_checks_every_setting_then_names_the_fastest(monkeypatch, capsys):
     """--mx-quant --tune --smoke: the first and last launch settings of each quantizer (MXFP8 tiles of 32 and 128
-    rows, NVFP4 tiles of 64 and 256 columns) and of the SwiGLU producer write the reference's bytes and run; the
-    fastest per quantizer is named; the settings in force are given back afterwards."""
+    rows, NVFP4 tiles of 32 and 256 columns, one warp and eight) and of the SwiGLU producer write the reference's
+    bytes and run; the fastest per quantizer is named; the settings in force are given back afterwards."""
     import fp8_producers_kernel as f8p
     import mx_quant_kernel as mq
 
@@ -155,7 +155,8 @@ def test_mx_quant_tune_checks_every_setting_then_names_the_fastest(monkeypatch, 
     assert _main(monkeypatch, "--mx-quant", "--tune", "--smoke") == 0
     out = capsys.readouterr().out
     assert "bytes differ" not in out and out.count("at 70 x 96, (") == 10, out
-    assert "(32, 128, 4)" in out and "(128, 128, 8)" in out and "(256, 8)" in out
+    assert "at 70 x 96, (32, 128, 1)" in out and "at 70 x 96, (128, 128, 8)" in out
+    assert "at 70 x 96, (32, 1)" in out and "at 70 x 96, (256, 8)" in out
     assert out.count("Fastest setting") == 1 and out.split("Fastest setting")[1].count("70 x 96") == 5
     assert "swiglu writing mxfp8 (fused) at 70 x 96, (128, 128, 8)" in out
     assert (dict(mq.MX_CONFIG), dict(mq.NV_CONFIG), f8p.SWIGLU_MX_CONFIG) == before
