@@ -726,6 +726,7 @@ def test_full_circle_gguf_finetune_export_chat(tmp_path, tiny_run, capsys, monke
         if bool(((top2[:, 0] - top2[:, 1]) > 2 * apart).all()):  # no tie that close: the same answer, to the letter
             assert said_ours == said_theirs, question
 
+
 def test_a_run_folder_exports_its_best_checkpoint_and_the_commands_are_quoted(tmp_path, tiny_run, capsys):
     """export.py RUN_DIR on a run that kept its best checkpoint (--load-best-model-at-end: the `best` file) exported
     the last step and said nothing; now it exports the best, saying which step before it starts. The commands it
